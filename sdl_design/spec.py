@@ -1,0 +1,474 @@
+"""ReleaseSpec: the YAML release spec as a pydantic model. Every error names the field and the fix."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import numpy as np
+import pandas as pd
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class SpecError(ValueError):
+    """A release spec (or the data it names) is not usable; `problems` lists 'field: what and fix'."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("release spec is not valid:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------- release, design, variables
+
+
+class ReleaseSection(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    year: int = Field(ge=1900, le=2200)
+    input: Path | None = None  # None: the embedded default survey (sdl_design.synth)
+    output_dir: Path = Path("releases")
+    seed: int = Field(ge=0)
+
+
+ReplicateMethod = Literal["brr", "fay", "jk1", "jkn", "sdr", "bootstrap"]
+
+
+class ReplicateSpec(_Strict):
+    columns: str | list[str]  # a glob such as "rw_*" or an explicit list
+    method: ReplicateMethod
+    rho: float | None = Field(default=None, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _fay_needs_rho(self) -> ReplicateSpec:
+        if self.method == "fay" and self.rho is None:
+            raise ValueError("method 'fay' needs rho (e.g. rho: 0.3)")
+        return self
+
+    def resolve(self, columns: list[str]) -> list[str]:
+        """Replicate weight columns present in the data, in data order."""
+        if isinstance(self.columns, str):
+            return [c for c in columns if fnmatch.fnmatchcase(c, self.columns)]
+        return list(self.columns)
+
+
+class DesignSection(_Strict):
+    weight: str
+    strata: str
+    psu: str
+    segment: str | None = None
+    household: str | None = None
+    replicate_weights: ReplicateSpec | None = None
+    publish_design_labels: bool = False  # publish original strata/PSU labels when no masking runs
+
+
+class KeySpec(_Strict):
+    """A key variable, optionally coarsened: bins (left-closed intervals) or a category map."""
+
+    name: str
+    bins: list[float] | None = None
+    map: dict[str, str] | None = None
+
+    @model_validator(mode="after")
+    def _one_recode(self) -> KeySpec:
+        if self.bins is not None and self.map is not None:
+            raise ValueError("give either bins or map for a key, not both")
+        if self.bins is not None and (len(self.bins) < 2 or np.any(np.diff(self.bins) <= 0)):
+            raise ValueError("bins must be at least two strictly increasing numbers")
+        return self
+
+
+class SensitiveSpec(_Strict):
+    name: str
+    sensitivity: dict[str | int | float, Annotated[float, Field(ge=0.0, le=1.0)]]
+    bins: list[float] | None = None  # continuous variable: categories are the bin labels
+
+
+class VariablesSection(_Strict):
+    direct_identifiers: list[str] = []
+    keys: list[KeySpec] = Field(min_length=1)
+    sensitive: list[SensitiveSpec] = []
+    study: list[str] = []
+
+    @field_validator("keys", mode="before")
+    @classmethod
+    def _keys_as_specs(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [{"name": k} if isinstance(k, str) else k for k in v]
+        return v
+
+    @property
+    def key_names(self) -> list[str]:
+        return [k.name for k in self.keys]
+
+
+# ---------------------------------------------------------------- edit rules
+
+_COND = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(<=|>=|==|!=|<|>|in)\s*(.+?)\s*$")
+
+
+def parse_condition(text: str) -> list[tuple[str, str, Any]]:
+    """'age < 15 and sex == "male"' -> [(column, op, value), ...]; clauses joined by 'and'."""
+    clauses = []
+    for part in re.split(r"\s+and\s+", text.strip()):
+        m = _COND.match(part)
+        if not m:
+            raise ValueError(
+                f"cannot read condition {part!r}: write 'column op value' with op one of "
+                "< <= > >= == != in, joined by 'and' (e.g. \"age < 15 and sex == 'male'\")"
+            )
+        col, op, raw = m.groups()
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ValueError(f"cannot read the value {raw!r} in condition {part!r}") from e
+        if op == "in" and not isinstance(value, list):
+            raise ValueError(f"'in' needs a list, e.g. \"{col} in [1, 2]\"")
+        clauses.append((col, op, value))
+    return clauses
+
+
+class _Edit(_Strict):
+    when: str | None = None
+
+    @field_validator("when")
+    @classmethod
+    def _when_parses(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_condition(v)
+        return v
+
+    def columns(self) -> list[str]:
+        cols = [c for c, _, _ in parse_condition(self.when)] if self.when else []
+        return cols
+
+
+class BetweenRule(_Edit):
+    rule: Literal["between"]
+    column: str
+    min: float | None = None
+    max: float | None = None
+
+    @model_validator(mode="after")
+    def _bounds(self) -> BetweenRule:
+        if self.min is None and self.max is None:
+            raise ValueError("between needs min, max or both")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min ({self.min}) is above max ({self.max})")
+        return self
+
+    def columns(self) -> list[str]:
+        return [self.column, *super().columns()]
+
+
+class InSetRule(_Edit):
+    rule: Literal["in_set"]
+    column: str
+    values: list[str | int | float | bool] = Field(min_length=1)
+
+    def columns(self) -> list[str]:
+        return [self.column, *super().columns()]
+
+
+class NotNullRule(_Edit):
+    rule: Literal["not_null"]
+    column: str
+
+    def columns(self) -> list[str]:
+        return [self.column, *super().columns()]
+
+
+class CompareRule(_Edit):
+    rule: Literal["compare"]
+    column_a: str
+    op: Literal["<", "<=", ">", ">=", "==", "!="]
+    column_b: str
+
+    def columns(self) -> list[str]:
+        return [self.column_a, self.column_b, *super().columns()]
+
+
+EditRule = Annotated[
+    BetweenRule | InSetRule | NotNullRule | CompareRule, Field(discriminator="rule")
+]
+
+
+# ---------------------------------------------------------------- stages
+
+
+class SwapStage(_Strict):
+    enabled: bool = True
+    rate: float = Field(gt=0.0, le=1.0)
+    matching: list[str] = Field(min_length=1)
+    method: Literal["2b", "2a"] = "2b"
+    cumulative: bool = False  # eq. 6b instead of 6a
+    max_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    scope: Literal["any", "same_stratum", "cross_stratum"] = "any"
+    replicate_method: ReplicateMethod | None = None  # default: the design's replicate method
+    rho: float | None = Field(default=None, ge=0.0, lt=1.0)
+
+
+class PrbStage(_Strict):
+    enabled: bool = True
+    xi: float = Field(gt=1 / 3, lt=0.5)
+    variables: list[str] = Field(min_length=1)  # the set C
+    partition: dict[str, list[float] | None] = {}  # coarsening: bins, or None for as-is
+    method: Literal["prb", "nzy"] = "prb"
+    tuned: bool = False  # h*(theta) = xi (paper 002 section 6)
+
+
+class CalibrationSpec(_Strict):
+    method: Literal["logit", "linear", "raking", "poststratify"] = "logit"
+    bounds: tuple[float, float] | None = None
+    controls: list[KeySpec] = []
+    infeasible_policy: Literal["widen", "rake"] = "widen"
+
+    @field_validator("controls", mode="before")
+    @classmethod
+    def _controls_as_specs(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [{"name": k} if isinstance(k, str) else k for k in v]
+        return v
+
+    @model_validator(mode="after")
+    def _bounds_ok(self) -> CalibrationSpec:
+        if self.method == "logit" and self.bounds is None:
+            raise ValueError("method 'logit' needs bounds [L, U] with 0 < L < 1 < U (e.g. [0.5, 2.0])")
+        if self.bounds is not None and not (0 < self.bounds[0] < 1 < self.bounds[1]):
+            raise ValueError(f"bounds {list(self.bounds)} must satisfy 0 < L < 1 < U")
+        return self
+
+
+class MasscStage(_Strict):
+    enabled: bool = True
+    psi_max: float = Field(default=0.25, gt=0.0, le=0.25)
+    phi_min: float = Field(default=0.5, ge=0.5, lt=1.0)
+    epsilon: float = Field(default=0.15, gt=0.0, lt=1.0)  # target max RRMSE
+    alpha_share: float = Field(default=0.5, gt=0.0, lt=1.0)  # alpha = share * epsilon^2
+    importance: dict[str, float] = {}  # distance weights for donor search
+    donor_restrictions: list[str] = []  # donors must share these columns
+    calibration: CalibrationSpec = CalibrationSpec(method="raking")
+    replications: int = Field(default=20, ge=0, le=1000)
+
+
+class Bound(_Strict):
+    percentile: float | None = Field(default=None, gt=0.0, lt=100.0)
+    value: float | None = None
+    min_count: int | None = Field(default=None, ge=1)
+    replace: Literal["threshold", "mean"] = "threshold"
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Bound:
+        given = [k for k in ("percentile", "value", "min_count") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of percentile, value, min_count (got {given or 'none'})")
+        return self
+
+
+class TopcodeRule(_Strict):
+    upper: Bound | None = None
+    lower: Bound | None = None
+    by: list[str] = []
+
+    @model_validator(mode="after")
+    def _something(self) -> TopcodeRule:
+        if self.upper is None and self.lower is None:
+            raise ValueError("give upper, lower or both")
+        return self
+
+
+class StagesSection(_Strict):
+    swap: SwapStage | None = None
+    prb: PrbStage | None = None
+    massc: MasscStage | None = None
+    topcode: dict[str, TopcodeRule] = {}
+
+
+class GatesSection(_Strict):
+    delta_max: float | None = Field(default=None, gt=0.0, le=1.0)
+    epsilon_max: float | None = Field(default=None, gt=0.0)
+    xi: float | None = Field(default=None, gt=1 / 3, lt=0.5)
+    se_ratio: tuple[float, float] | None = None
+    max_unique_share: float | None = Field(default=None, gt=0.0, le=1.0)
+
+    @field_validator("se_ratio")
+    @classmethod
+    def _ratio(cls, v: tuple[float, float] | None) -> tuple[float, float] | None:
+        if v is not None and not (0 < v[0] < 1 < v[1]):
+            raise ValueError(f"se_ratio {list(v)} must be [low, high] with 0 < low < 1 < high")
+        return v
+
+
+class ApprovalSection(_Strict):
+    required: bool = True
+    timeout_s: int = Field(default=7 * 24 * 3600, ge=1)
+
+
+class ReleaseSpec(_Strict):
+    release: ReleaseSection
+    design: DesignSection
+    variables: VariablesSection
+    edits: list[EditRule] = []
+    stages: StagesSection = StagesSection()
+    gates: GatesSection = GatesSection()
+    approval: ApprovalSection = ApprovalSection()
+
+    # ------------------------------------------------------------ checks against the data
+    def columns_named(self) -> dict[str, str]:
+        """Every column the spec names -> the field that names it."""
+        named: dict[str, str] = {}
+        d = self.design
+        for f in ("weight", "strata", "psu", "segment", "household"):
+            if getattr(d, f):
+                named[getattr(d, f)] = f"design.{f}"
+        if d.replicate_weights and isinstance(d.replicate_weights.columns, list):
+            for i, c in enumerate(d.replicate_weights.columns):
+                named[c] = f"design.replicate_weights.columns[{i}]"
+        v = self.variables
+        for i, c in enumerate(v.direct_identifiers):
+            named[c] = f"variables.direct_identifiers[{i}]"
+        for i, k in enumerate(v.keys):
+            named[k.name] = f"variables.keys[{i}]"
+        for i, s in enumerate(v.sensitive):
+            named[s.name] = f"variables.sensitive[{i}].name"
+        for i, c in enumerate(v.study):
+            named[c] = f"variables.study[{i}]"
+        for i, e in enumerate(self.edits):
+            for c in e.columns():
+                named.setdefault(c, f"edits[{i}]")
+        s = self.stages
+        if s.swap:
+            for i, c in enumerate(s.swap.matching):
+                named.setdefault(c, f"stages.swap.matching[{i}]")
+        if s.prb:
+            for i, c in enumerate(s.prb.variables):
+                named.setdefault(c, f"stages.prb.variables[{i}]")
+            for c in s.prb.partition:
+                named.setdefault(c, f"stages.prb.partition.{c}")
+        if s.massc:
+            for i, k in enumerate(s.massc.calibration.controls):
+                named.setdefault(k.name, f"stages.massc.calibration.controls[{i}]")
+            for c in s.massc.donor_restrictions:
+                named.setdefault(c, "stages.massc.donor_restrictions")
+        for col, rule in s.topcode.items():
+            named.setdefault(col, f"stages.topcode.{col}")
+            for c in rule.by:
+                named.setdefault(c, f"stages.topcode.{col}.by")
+        return named
+
+    def replicate_columns(self, df: pd.DataFrame) -> list[str]:
+        rw = self.design.replicate_weights
+        return rw.resolve(list(df.columns)) if rw else []
+
+    def check_data(self, df: pd.DataFrame) -> None:
+        """Raise SpecError listing every way the data does not fit the spec."""
+        problems: list[str] = []
+        if len(df) == 0:
+            raise SpecError(["release.input: the input file has no records; point it at the survey file"])
+        for col, field in self.columns_named().items():
+            if col not in df.columns:
+                problems.append(
+                    f"{field}: column '{col}' is not in the input file; "
+                    f"fix the name or add the column (columns: {_short(df.columns)})"
+                )
+        d = self.design
+        if d.replicate_weights and isinstance(d.replicate_weights.columns, str):
+            if not self.replicate_columns(df):
+                problems.append(
+                    f"design.replicate_weights.columns: pattern '{d.replicate_weights.columns}' "
+                    "matches no column; fix the pattern or remove replicate_weights"
+                )
+        design_cols = [c for c in (d.weight, d.strata, d.psu, d.segment) if c and c in df.columns]
+        for c in design_cols + [c for c in self.replicate_columns(df) if c in df.columns]:
+            n_na = int(df[c].isna().sum())
+            if n_na:
+                problems.append(
+                    f"design: column '{c}' has {n_na} missing values; impute or drop those records first"
+                )
+        if d.weight in df.columns:
+            w = pd.to_numeric(df[d.weight], errors="coerce")
+            bad = int((~(w > 0)).sum())
+            if bad:
+                problems.append(
+                    f"design.weight: {bad} records have a weight that is not positive "
+                    f"(column '{d.weight}'); every weight must be > 0"
+                )
+        if d.strata in df.columns and d.psu in df.columns:
+            n_psu = df.groupby(d.strata, observed=True)[d.psu].nunique()
+            single = n_psu[n_psu < 2]
+            if len(single):
+                problems.append(
+                    f"design.strata: {len(single)} strata have a single PSU "
+                    f"({_short(single.index)}); collapse each with a neighbouring stratum"
+                )
+        for i, s in enumerate(self.variables.sensitive):
+            if s.name in df.columns and s.bins is None:
+                listed = {str(k) for k in s.sensitivity}
+                seen = {str(v) for v in pd.unique(df[s.name].dropna())}
+                missing = sorted(seen - listed)
+                if missing:
+                    problems.append(
+                        f"variables.sensitive[{i}].sensitivity: categories {missing[:8]} of "
+                        f"'{s.name}' have no sensitivity score; add them"
+                    )
+        if problems:
+            raise SpecError(problems)
+
+
+def _short(items: Any, n: int = 12) -> str:
+    items = [str(x) for x in items]
+    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+_FIXES = {
+    "extra_forbidden": "unknown key; remove it or check its spelling",
+    "missing": "required; add it",
+    "greater_than": "too small",
+    "less_than": "too large",
+    "greater_than_equal": "too small",
+    "less_than_equal": "too large",
+}
+
+
+def _format_validation(err: ValidationError) -> list[str]:
+    out = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("function-", "tagged-union")))
+        hint = _FIXES.get(e["type"], "")
+        msg = e["msg"].removeprefix("Value error, ")
+        out.append(f"{loc or '<spec>'}: {msg}" + (f" ({hint})" if hint and hint not in msg else ""))
+    return out
+
+
+def parse_spec(data: dict[str, Any], base_dir: Path | None = None) -> ReleaseSpec:
+    """Validate a spec mapping; relative paths are resolved against base_dir."""
+    if not isinstance(data, dict):
+        raise SpecError(["<spec>: the YAML file must be a mapping with release, design, variables, ..."])
+    try:
+        spec = ReleaseSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_format_validation(err)) from None
+    if base_dir is not None:
+        rel = spec.release
+        if rel.input is not None and not rel.input.is_absolute():
+            rel.input = (base_dir / rel.input).resolve()
+        if not rel.output_dir.is_absolute():
+            rel.output_dir = (base_dir / rel.output_dir).resolve()
+    return spec
+
+
+def load_spec(path: str | Path) -> ReleaseSpec:
+    """Read and validate a YAML release spec."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError([f"<spec>: no file at {path}; give the path of a release spec YAML"])
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise SpecError([f"<spec>: {path} is not valid YAML: {e}"]) from None
+    return parse_spec(data, base_dir=path.parent.resolve())
