@@ -10,14 +10,18 @@ import pandas as pd
 from sdl_design.spec import KeySpec
 
 
-def coarsen(s: pd.Series, bins: Sequence[float] | None = None, mapping: dict | None = None) -> pd.Series:
+def coarsen(
+    s: pd.Series, bins: Sequence[float] | None = None, mapping: dict | None = None
+) -> pd.Series:
     """Left-closed bins ([a, b) labelled 'a-b') or a category map; unmapped values keep their own label."""
     if bins is not None:
         edges = np.asarray(bins, dtype=float)
         codes = np.searchsorted(edges, s.to_numpy(dtype=float), side="right") - 1
         labels = [f"{edges[i]:g}-{edges[i + 1]:g}" for i in range(len(edges) - 1)]
         out = np.where((codes >= 0) & (codes < len(labels)), codes, -1)
-        lab = np.array(labels + ["out_of_range"], dtype=object)[np.where(out >= 0, out, len(labels))]
+        lab = np.array(labels + ["out_of_range"], dtype=object)[
+            np.where(out >= 0, out, len(labels))
+        ]
         return pd.Series(lab, index=s.index, name=s.name)
     if mapping is not None:
         m = {str(k): v for k, v in mapping.items()}

@@ -238,7 +238,9 @@ class CalibrationSpec(_Strict):
     @model_validator(mode="after")
     def _bounds_ok(self) -> CalibrationSpec:
         if self.method == "logit" and self.bounds is None:
-            raise ValueError("method 'logit' needs bounds [L, U] with 0 < L < 1 < U (e.g. [0.5, 2.0])")
+            raise ValueError(
+                "method 'logit' needs bounds [L, U] with 0 < L < 1 < U (e.g. [0.5, 2.0])"
+            )
         if self.bounds is not None and not (0 < self.bounds[0] < 1 < self.bounds[1]):
             raise ValueError(f"bounds {list(self.bounds)} must satisfy 0 < L < 1 < U")
         return self
@@ -266,7 +268,9 @@ class Bound(_Strict):
     def _exactly_one(self) -> Bound:
         given = [k for k in ("percentile", "value", "min_count") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of percentile, value, min_count (got {given or 'none'})")
+            raise ValueError(
+                f"give exactly one of percentile, value, min_count (got {given or 'none'})"
+            )
         return self
 
 
@@ -369,7 +373,9 @@ class ReleaseSpec(_Strict):
         """Raise SpecError listing every way the data does not fit the spec."""
         problems: list[str] = []
         if len(df) == 0:
-            raise SpecError(["release.input: the input file has no records; point it at the survey file"])
+            raise SpecError(
+                ["release.input: the input file has no records; point it at the survey file"]
+            )
         for col, field in self.columns_named().items():
             if col not in df.columns:
                 problems.append(
@@ -438,7 +444,9 @@ _FIXES = {
 def _format_validation(err: ValidationError) -> list[str]:
     out = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("function-", "tagged-union")))
+        loc = ".".join(
+            str(p) for p in e["loc"] if not str(p).startswith(("function-", "tagged-union"))
+        )
         hint = _FIXES.get(e["type"], "")
         msg = e["msg"].removeprefix("Value error, ")
         out.append(f"{loc or '<spec>'}: {msg}" + (f" ({hint})" if hint and hint not in msg else ""))
@@ -448,7 +456,9 @@ def _format_validation(err: ValidationError) -> list[str]:
 def parse_spec(data: dict[str, Any], base_dir: Path | None = None) -> ReleaseSpec:
     """Validate a spec mapping; relative paths are resolved against base_dir."""
     if not isinstance(data, dict):
-        raise SpecError(["<spec>: the YAML file must be a mapping with release, design, variables, ..."])
+        raise SpecError(
+            ["<spec>: the YAML file must be a mapping with release, design, variables, ..."]
+        )
     try:
         spec = ReleaseSpec.model_validate(data)
     except ValidationError as err:

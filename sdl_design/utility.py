@@ -41,7 +41,9 @@ def cramers_v(df: pd.DataFrame, a: str, b: str, weight: str | None = None) -> fl
     return float(np.sqrt(chi2 / (n * k))) if k > 0 else 0.0
 
 
-def rcv(orig: pd.DataFrame, masked: pd.DataFrame, a: str, b: str, weight: str | None = None) -> float:
+def rcv(
+    orig: pd.DataFrame, masked: pd.DataFrame, a: str, b: str, weight: str | None = None
+) -> float:
     """Relative change of Cramer's V in percent (Shlomo eq. 13)."""
     v0 = cramers_v(orig, a, b, weight)
     return 100.0 * (cramers_v(masked, a, b, weight) - v0) / v0 if v0 else 0.0

@@ -26,3 +26,21 @@ class StageOutput:
 def gate(name: str, value: float, lower: float | None = None, upper: float | None = None) -> dict:
     """One threshold check for the metrics gate suite."""
     return {"name": name, "value": float(value), "lower": lower, "upper": upper}
+
+
+def design_from_spec(df: pd.DataFrame, spec, replicates: bool = True):
+    """The SurveyDesign the spec describes on df (replicate weights when the spec has them)."""
+    from sdl_design.design import SurveyDesign
+
+    d = spec.design
+    rw = spec.replicate_columns(df) if (replicates and d.replicate_weights) else []
+    return SurveyDesign(
+        df,
+        weight=d.weight,
+        strata=d.strata,
+        psu=d.psu,
+        segment=d.segment,
+        replicate_weights=rw or None,
+        method=d.replicate_weights.method if rw else None,
+        rho=d.replicate_weights.rho if rw else None,
+    )
