@@ -123,6 +123,8 @@ def parse_condition(text: str) -> list[tuple[str, str, Any]]:
                 "< <= > >= == != in, joined by 'and' (e.g. \"age < 15 and sex == 'male'\")"
             )
         col, op, raw = m.groups()
+        if raw[0] in "<>=!":
+            raise ValueError(f"cannot read condition {part!r}: the operator is not one of < <= > >= == != in")
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError as e:

@@ -1,0 +1,363 @@
+"""Great Expectations suites: edit rules on a survey file, threshold gates on metrics, output-file gates.
+
+Each suite runs on an ephemeral GX context and returns a results table with one row per check:
+name, passed, value, threshold, detail (what failed, by how much, example records).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from sdl_design.spec import (
+    BetweenRule,
+    CompareRule,
+    InSetRule,
+    NotNullRule,
+    ReleaseSpec,
+    parse_condition,
+)
+
+RESULT_COLUMNS = ["name", "passed", "value", "threshold", "detail"]
+_ROW = "__row"
+
+
+class GateFailed(RuntimeError):
+    """A suite failed; `results` is its results table."""
+
+    def __init__(self, title: str, results: pd.DataFrame):
+        self.results = results
+        failed = results[~results["passed"]]
+        lines = [f"{title}: {len(failed)} of {len(results)} checks failed"]
+        lines += [f"  - {r.name}: {r.detail}" for r in failed.itertuples()]
+        super().__init__("\n".join(lines))
+
+
+def _gx():
+    import great_expectations as gx
+    import great_expectations.expectations as gxe
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    ctx = gx.get_context(mode="ephemeral")
+    ctx.variables.progress_bars = ProgressBarsConfig(globally=False)
+    return gx, gxe, ctx
+
+
+def _run(df: pd.DataFrame, checks: list[tuple[str, Any]], suite: str, index_col: str) -> list[dict]:
+    """Run (label, expectation) pairs on df; one raw result dict per check, in order."""
+    gx, _, ctx = _gx()
+    bd = (
+        ctx.data_sources.add_pandas(f"{suite}_src")
+        .add_dataframe_asset(suite)
+        .add_batch_definition_whole_dataframe("whole")
+    )
+    s = ctx.suites.add(gx.ExpectationSuite(name=suite, expectations=[e for _, e in checks]))
+    vd = gx.ValidationDefinition(name=f"{suite}_vd", data=bd, suite=s)
+    res = vd.run(
+        batch_parameters={"dataframe": df},
+        result_format={
+            "result_format": "COMPLETE",
+            "unexpected_index_column_names": [index_col],
+            "partial_unexpected_count": 5,
+        },
+    )
+    by_id = {r.expectation_config.id: r for r in res.results}
+    out = []
+    for label, exp in checks:
+        r = by_id[exp.id]
+        result = r.result or {}
+        err = [
+            v.get("exception_message")
+            for v in (r.exception_info or {}).values()
+            if isinstance(v, dict) and v.get("raised_exception")
+        ]
+        out.append(
+            {
+                "label": label,
+                "success": bool(r.success),
+                "unexpected_count": int(result.get("unexpected_count") or 0),
+                "element_count": int(result.get("element_count") or len(df)),
+                "examples": [d.get(index_col) for d in (result.get("unexpected_index_list") or [])][
+                    :5
+                ],
+                "observed": result.get("observed_value"),
+                "error": "; ".join(e for e in err if e),
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------- edit rules
+
+
+_OPS = {
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+    "==": operator.eq,
+    "!=": operator.ne,
+}
+
+
+def _row_condition(text: str | None):
+    if not text:
+        return None
+    from great_expectations.expectations.row_conditions import Column
+
+    cond = None
+    for col, op, value in parse_condition(text):
+        c = Column(col).is_in(value) if op == "in" else _OPS[op](Column(col), value)
+        cond = c if cond is None else cond & c
+    return cond
+
+
+def rule_label(i: int, rule) -> str:
+    """Short human name of edit rule i."""
+    when = f" when {rule.when}" if rule.when else ""
+    if isinstance(rule, BetweenRule):
+        if rule.min is not None and rule.max is not None:
+            return f"edit[{i}] {rule.column} between {rule.min:g} and {rule.max:g}{when}"
+        if rule.min is not None:
+            return f"edit[{i}] {rule.column} >= {rule.min:g}{when}"
+        return f"edit[{i}] {rule.column} <= {rule.max:g}{when}"
+    if isinstance(rule, InSetRule):
+        return f"edit[{i}] {rule.column} in {rule.values}{when}"
+    if isinstance(rule, NotNullRule):
+        return f"edit[{i}] {rule.column} not null{when}"
+    return f"edit[{i}] {rule.column_a} {rule.op} {rule.column_b}{when}"
+
+
+def _edit_checks(df: pd.DataFrame, rules: Sequence) -> tuple[pd.DataFrame, list[tuple[str, Any]]]:
+    _, gxe, _ = _gx()
+    frame = df
+    extra: dict[str, pd.Series] = {}
+    checks = []
+    for i, rule in enumerate(rules):
+        label = rule_label(i, rule)
+        kw: dict[str, Any] = {}
+        cond = _row_condition(rule.when)
+        if cond is not None:
+            kw["row_condition"] = cond
+        if isinstance(rule, BetweenRule):
+            e = gxe.ExpectColumnValuesToBeBetween(
+                column=rule.column, min_value=rule.min, max_value=rule.max, **kw
+            )
+        elif isinstance(rule, InSetRule):
+            e = gxe.ExpectColumnValuesToBeInSet(column=rule.column, value_set=rule.values, **kw)
+        elif isinstance(rule, NotNullRule):
+            e = gxe.ExpectColumnValuesToNotBeNull(column=rule.column, **kw)
+        elif isinstance(rule, CompareRule):
+            name = f"__edit_{i}"
+            extra[name] = _OPS[rule.op](df[rule.column_a], df[rule.column_b]).astype(bool)
+            e = gxe.ExpectColumnValuesToBeInSet(column=name, value_set=[True], **kw)
+        else:  # pragma: no cover - the spec union is closed
+            raise TypeError(f"unknown edit rule {rule!r}")
+        checks.append((label, e))
+    if extra:
+        frame = df.assign(**extra)
+    return frame, checks
+
+
+def validate_edits(df: pd.DataFrame, rules: Sequence, id_column: str | None = None) -> pd.DataFrame:
+    """Results table of the edit rules on df (examples are id_column values, else row numbers)."""
+    if not rules:
+        return pd.DataFrame(columns=RESULT_COLUMNS)
+    idx = id_column if id_column and id_column in df.columns else _ROW
+    base = df if idx != _ROW else df.assign(**{_ROW: np.arange(len(df))})
+    frame, checks = _edit_checks(base, rules)
+    rows = []
+    for r in _run(frame, checks, "edits", idx):
+        if r["error"]:
+            detail = f"could not be evaluated: {r['error']}"
+        elif r["success"]:
+            detail = "holds"
+        else:
+            detail = f"{r['unexpected_count']} records fail (e.g. {idx.strip('_')} {r['examples']})"
+        rows.append(
+            {
+                "name": r["label"],
+                "passed": r["success"],
+                "value": float(r["unexpected_count"]),
+                "threshold": "0 failing records",
+                "detail": detail,
+            }
+        )
+    return pd.DataFrame(rows, columns=RESULT_COLUMNS)
+
+
+# ---------------------------------------------------------------- metric gates
+
+
+def gate_frame(gates: Sequence[dict]) -> pd.DataFrame:
+    """StageOutput.gates dicts -> frame name, value, lower, upper (float, NaN where open)."""
+    f = pd.DataFrame(list(gates), columns=["name", "value", "lower", "upper"])
+    for c in ("value", "lower", "upper"):
+        f[c] = pd.to_numeric(f[c], errors="coerce").astype(float)
+    return f
+
+
+def _threshold(lower: float, upper: float) -> str:
+    lo, hi = (None if np.isnan(x) else x for x in (lower, upper))
+    if lo is not None and hi is not None:
+        return f"[{lo:g}, {hi:g}]"
+    return f">= {lo:g}" if lo is not None else f"<= {hi:g}"
+
+
+def validate_metric_gates(gates: Sequence[dict]) -> pd.DataFrame:
+    """Threshold gates on metrics (value within [lower, upper]) as a GX suite; results table."""
+    f = gate_frame(gates)
+    if f.empty:
+        return pd.DataFrame(columns=RESULT_COLUMNS)
+    _, gxe, _ = _gx()
+    checks = [
+        ("not_missing", gxe.ExpectColumnValuesToNotBeNull(column="value")),
+        (
+            "above_lower",
+            gxe.ExpectColumnPairValuesAToBeGreaterThanB(
+                column_A="value",
+                column_B="lower",
+                or_equal=True,
+                ignore_row_if="either_value_is_missing",
+            ),
+        ),
+        (
+            "below_upper",
+            gxe.ExpectColumnPairValuesAToBeGreaterThanB(
+                column_A="upper",
+                column_B="value",
+                or_equal=True,
+                ignore_row_if="either_value_is_missing",
+            ),
+        ),
+    ]
+    res = {r["label"]: r for r in _run(f, checks, "metric_gates", "name")}
+    for r in res.values():
+        if r["error"]:
+            raise RuntimeError(f"metric gate suite could not be evaluated: {r['error']}")
+    missing = f["value"].isna()
+    below = f["lower"].notna() & ~(f["value"] >= f["lower"])
+    above = f["upper"].notna() & ~(f["value"] <= f["upper"])
+    # GX gives the verdict per check; the table says by how much. They must agree.
+    for label, fails in (
+        ("not_missing", missing),
+        ("above_lower", below & ~missing),
+        ("below_upper", above & ~missing),
+    ):
+        if res[label]["success"] == bool(fails.any()):
+            raise RuntimeError(f"metric gate check {label}: GX and the results table disagree")
+    rows = []
+    for g, m, b, a in zip(f.itertuples(), missing, below, above, strict=True):
+        if m:
+            detail = "metric is missing"
+        elif b:
+            detail = f"{g.value:.6g} is below {g.lower:g} by {g.lower - g.value:.4g}"
+        elif a:
+            detail = f"{g.value:.6g} is above {g.upper:g} by {g.value - g.upper:.4g}"
+        else:
+            detail = "within bounds"
+        rows.append(
+            {
+                "name": g.name,
+                "passed": not (m or b or a),
+                "value": g.value,
+                "threshold": _threshold(g.lower, g.upper),
+                "detail": detail,
+            }
+        )
+    out = pd.DataFrame(rows, columns=RESULT_COLUMNS)
+    return out
+
+
+# ---------------------------------------------------------------- output file
+
+
+def output_checks(spec: ReleaseSpec, masked_design: bool) -> tuple[list[str], list[str]]:
+    """(columns that must not be in the PUF, columns that must be in it)."""
+    d = spec.design
+    forbidden = list(spec.variables.direct_identifiers)
+    forbidden += [c for c in (d.segment, d.household) if c]
+    if not masked_design and not d.publish_design_labels:
+        forbidden += [d.strata, d.psu]
+    required = [d.weight, *spec.variables.key_names, *spec.variables.study]
+    if masked_design:
+        required += [d.strata, d.psu]
+    return sorted(set(forbidden)), list(dict.fromkeys(required))
+
+
+def validate_output(
+    puf: pd.DataFrame, spec: ReleaseSpec, replicate_columns: Sequence[str], masked_design: bool
+) -> pd.DataFrame:
+    """Gates on the public file: no identifiers or original labels, required columns, weights, edits."""
+    _, gxe, _ = _gx()
+    forbidden, required = output_checks(spec, masked_design)
+    rows = []
+    present = [c for c in forbidden if c in puf.columns] + [
+        c for c in puf.columns if c.startswith("__")
+    ]
+    cols = pd.DataFrame(
+        {
+            "column": forbidden + present,
+            "present": [c in puf.columns for c in forbidden] + [True] * len(present),
+        }
+    )
+    checks = [
+        (
+            "no forbidden column",
+            gxe.ExpectColumnValuesToBeInSet(column="present", value_set=[False]),
+        )
+    ]
+    r = _run(cols, checks, "output_columns", "column")[0]
+    rows.append(
+        {
+            "name": "output: no direct identifiers, original design labels or internal columns",
+            "passed": r["success"],
+            "value": float(r["unexpected_count"]),
+            "threshold": "0 columns",
+            "detail": "none present" if r["success"] else f"present: {sorted(set(present))}",
+        }
+    )
+    idx = _ROW
+    frame = puf.assign(**{_ROW: np.arange(len(puf))})
+    checks = [(f"output: column {c} present", gxe.ExpectColumnToExist(column=c)) for c in required]
+    w = spec.design.weight
+    if w in puf.columns:
+        checks.append(
+            (
+                f"output: weight {w} positive",
+                gxe.ExpectColumnValuesToBeBetween(column=w, min_value=0, strict_min=True),
+            )
+        )
+        checks.append(
+            (f"output: weight {w} not missing", gxe.ExpectColumnValuesToNotBeNull(column=w))
+        )
+    for c in replicate_columns:
+        if c in puf.columns:
+            checks.append(
+                (
+                    f"output: replicate weight {c} >= 0",
+                    gxe.ExpectColumnValuesToBeBetween(column=c, min_value=0),
+                )
+            )
+    for r in _run(frame, checks, "output_file", idx):
+        rows.append(
+            {
+                "name": r["label"],
+                "passed": r["success"],
+                "value": float(r["unexpected_count"]),
+                "threshold": "0 failing records",
+                "detail": "holds"
+                if r["success"]
+                else (
+                    r["error"]
+                    or f"{r['unexpected_count']} records fail (e.g. rows {r['examples']})"
+                ),
+            }
+        )
+    edits = validate_edits(puf, spec.edits)
+    edits["name"] = "output: " + edits["name"]
+    return pd.concat([pd.DataFrame(rows, columns=RESULT_COLUMNS), edits], ignore_index=True)

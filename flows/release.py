@@ -1,0 +1,327 @@
+"""The release flow: load -> edits -> risk -> swap -> PRB -> MASSC -> top-coding -> metrics -> gates
+-> approval -> publish -> registry."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from prefect import flow
+from prefect.flow_runs import pause_flow_run
+from prefect.input import RunInput
+
+from expectations.suites import GateFailed
+from flows import publish as pub
+from sdl_design.spec import ReleaseSpec, load_spec
+from tasks.base import StageOutput
+from tasks.core import edits_task, gates_task, load_task
+
+# stage name -> (module, task attribute); the order is the flow's
+STAGES = [
+    ("risk", "tasks.risk", "risk_task"),
+    ("swap", "tasks.swap", "swap_task"),
+    ("prb", "tasks.prb", "prb_task"),
+    ("massc", "tasks.massc", "massc_task"),
+    ("topcode", "tasks.topcode", "topcode_task"),
+    ("final", "tasks.final", "final_task"),
+]
+
+
+class ReleaseApproval(RunInput):
+    approved: bool
+    approver: str
+    comment: str = ""
+
+
+class ReleaseRejected(RuntimeError):
+    pass
+
+
+def _progress(step: int, total: int, name: str, t0: float | None = None) -> None:
+    if t0 is None:
+        print(f"[puf] ({step}/{total}) {name} ...", file=sys.stderr, flush=True)
+    else:
+        print(
+            f"[puf] ({step}/{total}) {name} done in {time.perf_counter() - t0:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def stage_enabled(spec: ReleaseSpec, name: str) -> bool:
+    s = spec.stages
+    if name in ("swap", "prb", "massc"):
+        cfg = getattr(s, name)
+        return cfg is not None and cfg.enabled
+    if name == "topcode":
+        return bool(s.topcode)
+    return True
+
+
+def _stage_task(module: str, attr: str):
+    return getattr(importlib.import_module(module), attr)
+
+
+def _spec_hash(spec_path: str) -> str:
+    return pub.sha256_file(Path(spec_path))
+
+
+def _new_manifest(spec: ReleaseSpec, spec_hash: str, input_hash: str) -> dict[str, Any]:
+    rid = hashlib.sha256(f"{spec_hash}{input_hash}{spec.release.year}".encode()).hexdigest()[:8]
+    return {
+        "release": {
+            "name": spec.release.name,
+            "year": spec.release.year,
+            "release_id": f"{spec.release.name}-{spec.release.year}-{rid}",
+            "created": pub.now(),
+        },
+        "status": "drafted",
+        "reason": None,
+        "hashes": {"spec": spec_hash, "input": input_hash, "outputs": {}},
+        "versions": pub.versions(),
+        "parameters": {"release": {"seed": spec.release.seed}},
+        "metrics": {},
+        "gates": [],
+        "approval": {
+            "required": spec.approval.required,
+            "approver": None,
+            "decision": None,
+            "comment": "",
+            "at": None,
+        },
+        "stages": [],
+        "counts": {},
+    }
+
+
+def _absorb(manifest: dict, out: StageOutput) -> None:
+    manifest["parameters"][out.name] = out.params
+    manifest["metrics"].update({f"{out.name}.{k}": float(v) for k, v in out.metrics.items()})
+    manifest["stages"].append({"name": out.name, "notes": out.notes, "params": out.params})
+
+
+def _tables(outputs: list[StageOutput], gates: pd.DataFrame | None) -> dict[str, pd.DataFrame]:
+    tables = {f"{o.name}/{k}": v for o in outputs for k, v in o.tables.items()}
+    if gates is not None:
+        tables["gates"] = gates
+    return tables
+
+
+def _report_writer(outputs: list[StageOutput]):
+    def write(manifest: dict, path: Path) -> None:
+        from flows.report import render_report
+
+        render_report(manifest, outputs, path)
+
+    return write
+
+
+def _record(manifest: dict, outputs: list[StageOutput], spec: ReleaseSpec) -> None:
+    try:
+        from flows.registry import record_release
+    except ImportError:  # registry module not installed in this build
+        return
+    ratios = {o.name: o.tables["se_ratios"] for o in outputs if "se_ratios" in o.tables}
+    record_release(manifest, ratios, output_dir=spec.release.output_dir)
+
+
+def _finish(
+    spec: ReleaseSpec,
+    manifest: dict,
+    outputs: list[StageOutput],
+    gates: pd.DataFrame | None,
+    status: str,
+    reason: str | None,
+    puf: pd.DataFrame | None = None,
+    notes: str | None = None,
+) -> Path:
+    manifest["status"] = status
+    manifest["reason"] = reason
+    if gates is not None:
+        manifest["gates"] = [
+            {
+                "name": r.name,
+                "passed": bool(r.passed),
+                "value": float(r.value),
+                "threshold": str(r.threshold),
+            }
+            for r in gates.itertuples()
+        ]
+    folder = pub.write_release(
+        spec, manifest, _tables(outputs, gates), _report_writer(outputs), puf, notes
+    )
+    _record(manifest, outputs, spec)
+    try:
+        from flows.report import post_artifacts
+
+        post_artifacts(manifest, outputs)
+    except ImportError:
+        pass
+    return folder
+
+
+@flow(name="puf-release", log_prints=True)
+def release_flow(
+    spec_path: str,
+    approve: str | None = None,
+    year: int | None = None,
+    runner: str = "thread",
+    dask_address: str | None = None,
+    approval_poll_s: int = 10,
+) -> dict:
+    """Run one release of the spec; returns the manifest. Raises on a failed edit, gate or approval."""
+    spec = load_spec(spec_path)
+    if year is not None:
+        spec.release.year = int(year)
+    names = [n for n, _, _ in STAGES if stage_enabled(spec, n)]
+    total = len(names) + 5
+    step = 1
+    _progress(step, total, "load")
+    t0 = time.perf_counter()
+    original, input_hash = load_task(spec)
+    _progress(step, total, "load", t0)
+    manifest = _new_manifest(spec, _spec_hash(spec_path), input_hash)
+    manifest["counts"]["n_input"] = len(original)
+    outputs: list[StageOutput] = []
+    try:
+        step += 1
+        _progress(step, total, "edit validation")
+        edits = edits_task(original, spec)
+        if not edits["passed"].all():
+            _finish(
+                spec, manifest, outputs, edits, "rejected", "edit validation failed on the input"
+            )
+            raise GateFailed("edit validation failed on the input file", edits)
+
+        df = original
+        for name in names:
+            step += 1
+            _progress(step, total, name)
+            t0 = time.perf_counter()
+            module, attr = next((m, a) for n, m, a in STAGES if n == name)
+            task = _stage_task(module, attr)
+            if name in ("massc", "final"):
+                out = task(df, spec, spec.release.seed, original)
+            else:
+                out = task(df, spec, spec.release.seed)
+            outputs.append(out)
+            _absorb(manifest, out)
+            df = out.data
+            _progress(step, total, name, t0)
+
+        step += 1
+        _progress(step, total, "gates")
+        masked = any(o.name == "swap" for o in outputs)
+        drop = [c for o in outputs for c in o.drop_public]
+        puf = pub.public_frame(df, spec, masked, drop)
+        replicate_cols = spec.replicate_columns(puf)
+        manifest["counts"]["n_output"] = len(puf)
+        gate_rows = [g for o in outputs for g in o.gates]
+        gates = gates_task(puf, spec, gate_rows, replicate_cols, masked)
+        if not gates["passed"].all():
+            _finish(spec, manifest, outputs, gates, "rejected", "gates failed")
+            raise GateFailed("release gates failed; nothing was published", gates)
+        manifest["status"] = "gated"
+
+        step += 1
+        _progress(step, total, "approval")
+        decision = _approval(spec, approve, approval_poll_s)
+        manifest["approval"].update(decision)
+        if decision["decision"] != "approved":
+            _finish(
+                spec,
+                manifest,
+                outputs,
+                gates,
+                "rejected",
+                f"rejected by {decision['approver']}: {decision['comment']}",
+            )
+            raise ReleaseRejected(
+                f"release rejected by {decision['approver']}: {decision['comment']}"
+            )
+
+        step += 1
+        _progress(step, total, "publish")
+        rep_method = spec.design.replicate_weights.method if spec.design.replicate_weights else None
+        notes = pub.variance_notes(spec, masked, rep_method, len(replicate_cols))
+        folder = _finish(spec, manifest, outputs, gates, "published", None, puf, notes)
+        print(f"[puf] published {manifest['release']['release_id']} to {folder}", file=sys.stderr)
+        return manifest
+    except (GateFailed, ReleaseRejected):
+        raise
+    except BaseException as e:
+        if manifest["status"] not in ("rejected", "failed", "published"):
+            try:
+                _finish(spec, manifest, outputs, None, "failed", f"{type(e).__name__}: {e}")
+            except Exception:  # keep the original error visible
+                pass
+        raise
+
+
+def _approval(spec: ReleaseSpec, approve: str | None, poll_s: int) -> dict:
+    if not spec.approval.required:
+        return {
+            "approver": None,
+            "decision": "approved",
+            "comment": "approval not required by the spec",
+            "at": pub.now(),
+        }
+    if approve:
+        return {
+            "approver": approve,
+            "decision": "approved",
+            "comment": "approved on the command line",
+            "at": pub.now(),
+        }
+    d = pause_flow_run(
+        wait_for_input=ReleaseApproval.with_initial_data(
+            description=f"Approve the public-use file {spec.release.name} {spec.release.year}?",
+            approved=False,
+            approver="",
+        ),
+        timeout=spec.approval.timeout_s,
+        poll_interval=poll_s,
+        key=f"approval-{spec.release.name}-{spec.release.year}",
+    )
+    return {
+        "approver": d.approver,
+        "decision": "approved" if d.approved else "rejected",
+        "comment": d.comment,
+        "at": pub.now(),
+    }
+
+
+def run_release(
+    spec_path: str,
+    approve: str | None = None,
+    year: int | None = None,
+    runner: str = "thread",
+    dask_address: str | None = None,
+) -> dict:
+    """Run the release flow with the chosen task runner (thread pool, or Dask)."""
+    fl = release_flow
+    if runner == "dask":
+        import dask
+        from prefect_dask import DaskTaskRunner
+
+        dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": 4194304})
+        tr = (
+            DaskTaskRunner(address=dask_address)
+            if dask_address
+            else DaskTaskRunner(cluster_kwargs={"n_workers": 2, "threads_per_worker": 1})
+        )
+        fl = release_flow.with_options(task_runner=tr)
+    elif runner != "thread":
+        raise ValueError(f"runner must be 'thread' or 'dask', not {runner!r}")
+    return fl(
+        spec_path=str(spec_path),
+        approve=approve,
+        year=year,
+        runner=runner,
+        dask_address=dask_address,
+    )
