@@ -296,15 +296,9 @@ def validate_output(
     _, gxe, _ = _gx()
     forbidden, required = output_checks(spec, masked_design)
     rows = []
-    present = [c for c in forbidden if c in puf.columns] + [
-        c for c in puf.columns if c.startswith("__")
-    ]
-    cols = pd.DataFrame(
-        {
-            "column": forbidden + present,
-            "present": [c in puf.columns for c in forbidden] + [True] * len(present),
-        }
-    )
+    names = forbidden + [c for c in puf.columns if str(c).startswith("__")]
+    cols = pd.DataFrame({"column": names, "present": [c in puf.columns for c in names]})
+    present = sorted(cols.loc[cols.present, "column"])
     checks = [
         (
             "no forbidden column",
@@ -318,7 +312,7 @@ def validate_output(
             "passed": r["success"],
             "value": float(r["unexpected_count"]),
             "threshold": "0 columns",
-            "detail": "none present" if r["success"] else f"present: {sorted(set(present))}",
+            "detail": "none present" if r["success"] else f"present: {present}",
         }
     )
     idx = _ROW
