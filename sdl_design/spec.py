@@ -288,7 +288,13 @@ class TopcodeRule(_Strict):
         return self
 
 
+class RiskStage(_Strict):
+    loglinear: bool = True
+    interactions: bool | list[tuple[str, str]] = False  # two-way terms of the log-linear model
+
+
 class StagesSection(_Strict):
+    risk: RiskStage = RiskStage()
     swap: SwapStage | None = None
     prb: PrbStage | None = None
     massc: MasscStage | None = None

@@ -1,0 +1,604 @@
+"""Record-level disclosure risk.
+
+- Risk strata U/D/T/O from the key-profile cell counts (paper 000, section 2.3).
+- GenMASSC risk scores r_k = max_y (1 - eta_k(y)) zeta_k(y), eta from Rao's quadratic entropy
+  (paper 000, eq. 1-2).
+- Model-based risk of sample uniques: Poisson log-linear model on the key cells, fitted by ML
+  (known sampling fraction, eq. 3) or pseudo-ML to weighted cell counts (eq. 7); per-record
+  P(F=1|f=1), E(1/F|f=1) and the global tau1, tau2 (paper 001, eq. 1-4).
+
+Everything groups records by key profile (factorized codes); nothing works on pairs of records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import combinations
+from numbers import Number
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import scipy.linalg
+import scipy.sparse as sp
+import scipy.sparse.linalg
+
+from sdl_design.keys import coarsen, key_frame
+from sdl_design.spec import KeySpec, SensitiveSpec
+
+STRATA = ("U", "D", "T", "O")
+KeyLike = str | KeySpec
+SensitiveLike = Mapping[str, Mapping[Any, float]] | Sequence[SensitiveSpec | Mapping[str, Any]]
+
+
+class RiskInputError(ValueError):
+    """Bad input to a risk function; the message names the column or argument and the fix."""
+
+
+# ---------------------------------------------------------------- key profiles
+
+
+def _key_specs(keys: Sequence[KeyLike]) -> list[KeySpec]:
+    if isinstance(keys, (str, KeySpec)):
+        keys = [keys]
+    if len(keys) == 0:
+        raise RiskInputError("keys: no key variables given; list at least one column")
+    return [KeySpec(name=k) if isinstance(k, str) else k for k in keys]
+
+
+def _check_frame(df: pd.DataFrame, columns: Sequence[str], what: str) -> None:
+    if not isinstance(df, pd.DataFrame):
+        raise RiskInputError(f"df: expected a pandas DataFrame, got {type(df).__name__}")
+    if len(df) == 0:
+        raise RiskInputError("df: the file has no records; risk needs at least one record")
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        cols = ", ".join(map(str, list(df.columns)[:12]))
+        raise RiskInputError(
+            f"{what}: column(s) {missing} are not in the data; fix the name(s) (columns: {cols}"
+            f"{', ...' if df.shape[1] > 12 else ''})"
+        )
+
+
+def _key_codes(df: pd.DataFrame, keys: Sequence[KeyLike]) -> tuple[list[np.ndarray], list[int]]:
+    """Per key: codes 0..L-1 of the recoded key (recode applied to distinct values via key_frame)."""
+    specs = _key_specs(keys)
+    _check_frame(df, [k.name for k in specs], "keys")
+    codes, sizes = [], []
+    for k in specs:
+        raw, uniq = pd.factorize(df[k.name], use_na_sentinel=False)
+        # recode the distinct values only: same result as key_frame(df, [k]) on every record
+        rec = key_frame(pd.DataFrame({k.name: pd.Series(uniq)}), [k])[k.name]
+        rc, levels = pd.factorize(rec, use_na_sentinel=False)
+        codes.append(rc.astype(np.int64)[raw])
+        sizes.append(len(levels))
+    return codes, sizes
+
+
+def _combine(codes: list[np.ndarray], sizes: list[int]) -> np.ndarray:
+    """Dense profile codes 0..G-1 from per-key codes (mixed radix, refactorized on overflow)."""
+    g = np.zeros(len(codes[0]), dtype=np.int64)
+    span = 1
+    for c, n_levels in zip(codes, sizes, strict=True):
+        if span * n_levels >= 2**62:
+            g, uniq = pd.factorize(g)
+            span = len(uniq)
+        g = g * n_levels + c
+        span *= n_levels
+    return pd.factorize(g)[0].astype(np.int64)
+
+
+def profile_codes(df: pd.DataFrame, keys: Sequence[KeyLike]) -> pd.Series:
+    """Key-profile code (0..G-1) of each record; records with equal recoded keys share a code."""
+    codes, sizes = _key_codes(df, keys)
+    return pd.Series(_combine(codes, sizes), index=df.index, name="profile")
+
+
+def _sizes_of(g: np.ndarray) -> np.ndarray:
+    return np.bincount(g)[g]
+
+
+def cell_sizes(df: pd.DataFrame, keys: Sequence[KeyLike]) -> pd.Series:
+    """Each record's cell count: the number of records in the file with its (recoded) key profile."""
+    g = profile_codes(df, keys).to_numpy()
+    return pd.Series(_sizes_of(g), index=df.index, name="cell_size")
+
+
+def _strata_of(sizes: np.ndarray) -> pd.Categorical:
+    return pd.Categorical.from_codes(np.minimum(sizes, 4) - 1, categories=list(STRATA))
+
+
+def risk_strata(df: pd.DataFrame, keys: Sequence[KeyLike]) -> pd.Series:
+    """Risk stratum of each record: U (unique), D (double), T (triple), O (4 or more records)."""
+    sizes = cell_sizes(df, keys).to_numpy()
+    return pd.Series(_strata_of(sizes), index=df.index, name="stratum")
+
+
+# ---------------------------------------------------------------- GenMASSC scores (paper 000)
+
+
+def _label(v: Any) -> str:
+    """Category label used to match data values with sensitivity keys (1, 1.0 and '1' agree)."""
+    if isinstance(v, (bool, np.bool_)):
+        return str(bool(v))
+    if isinstance(v, Number) and not isinstance(v, complex):
+        f = float(v)
+        if np.isnan(f):
+            return "nan"
+        return str(int(f)) if f.is_integer() else repr(f)
+    if v is None or (isinstance(v, float) and np.isnan(v)) or v is pd.NA or v is pd.NaT:
+        return "nan"
+    return str(v)
+
+
+def _sensitive_specs(sensitive: SensitiveLike) -> list[SensitiveSpec]:
+    if isinstance(sensitive, Mapping):
+        out = []
+        for name, scores in sensitive.items():
+            if isinstance(scores, SensitiveSpec):
+                out.append(scores)
+            elif isinstance(scores, Mapping):
+                out.append(SensitiveSpec(name=name, sensitivity=dict(scores)))
+            else:
+                raise RiskInputError(
+                    f"sensitive['{name}']: expected a mapping {{category: score}}, "
+                    f"got {type(scores).__name__}"
+                )
+        specs = out
+    else:
+        specs = [s if isinstance(s, SensitiveSpec) else SensitiveSpec(**s) for s in sensitive]
+    if not specs:
+        raise RiskInputError(
+            "sensitive: no sensitive variables given; map at least one column to its "
+            "{category: sensitivity score}"
+        )
+    return specs
+
+
+def _sensitive_codes(df: pd.DataFrame, s: SensitiveSpec) -> tuple[np.ndarray, list[str]]:
+    """Category codes of a sensitive variable (binned first when s.bins is set) and their labels."""
+    col = df[s.name]
+    if s.bins is not None:
+        col = coarsen(col, s.bins)
+    raw, uniq = pd.factorize(col, use_na_sentinel=False)
+    labels = [_label(v) for v in uniq]
+    lab_codes, cats = pd.factorize(pd.Series(labels, dtype=object))
+    cats = [str(c) for c in cats]
+    listed = {_label(k) for k in s.sensitivity}
+    unlisted = [c for c in cats if c not in listed]
+    if unlisted:
+        hint = " (values outside the bins)" if "out_of_range" in unlisted else ""
+        hint += " (missing values: impute them or list 'nan')" if "nan" in unlisted else ""
+        raise RiskInputError(
+            f"sensitive['{s.name}']: categories {unlisted[:8]} of column '{s.name}' have no "
+            f"sensitivity score{hint}; add them to its sensitivity map (listed: {sorted(listed)})"
+        )
+    return lab_codes.astype(np.int64)[raw], cats
+
+
+def _distance_matrix(name: str, cats: list[str], dist: Any) -> np.ndarray:
+    """Lambda over the observed categories: default 1 off the diagonal, 0 on it."""
+    q = len(cats)
+    if dist is None:
+        return 1.0 - np.eye(q)
+    if isinstance(dist, pd.DataFrame):
+        dist = {_label(i): {_label(j): dist.loc[i, j] for j in dist.columns} for i in dist.index}
+    elif isinstance(dist, Mapping):
+        dist = {_label(i): {_label(j): v for j, v in row.items()} for i, row in dist.items()}
+    else:
+        raise RiskInputError(
+            f"distances['{name}']: give a square DataFrame or a nested mapping "
+            "{category: {category: distance}}"
+        )
+    lam = np.zeros((q, q))
+    for a, ca in enumerate(cats):
+        for b, cb in enumerate(cats):
+            if a == b:
+                continue
+            v = dist.get(ca, {}).get(cb, dist.get(cb, {}).get(ca))
+            if v is None:
+                raise RiskInputError(
+                    f"distances['{name}']: no distance between categories '{ca}' and '{cb}'; add it"
+                )
+            lam[a, b] = float(v)
+    if not np.all((lam >= 0) & (lam <= 1)) or not np.allclose(lam, lam.T):
+        raise RiskInputError(
+            f"distances['{name}']: distances must lie in [0, 1] and be symmetric; fix the matrix"
+        )
+    for c in cats:
+        d = dist.get(c, {}).get(c)
+        if d is not None and float(d) != 0.0:
+            raise RiskInputError(
+                f"distances['{name}']: the distance of category '{c}' to itself must be 0"
+            )
+    return lam
+
+
+@dataclass
+class _Scores:
+    score: np.ndarray  # r_k, eq. 2
+    eta: dict[str, np.ndarray]  # per sensitive variable, per profile
+    zeta: dict[str, np.ndarray]
+
+
+def _genmassc(
+    df: pd.DataFrame,
+    g: np.ndarray,
+    sensitive: SensitiveLike,
+    distances: Mapping[str, Any] | None,
+) -> _Scores:
+    specs = _sensitive_specs(sensitive)
+    _check_frame(df, [s.name for s in specs], "sensitive")
+    distances = dict(distances or {})
+    unknown = set(distances) - {s.name for s in specs}
+    if unknown:
+        raise RiskInputError(
+            f"distances: {sorted(unknown)} are not sensitive variables; remove them or add them "
+            "to sensitive"
+        )
+    n_g = int(g.max()) + 1
+    m = np.bincount(g, minlength=n_g).astype(float)
+    pair_norm = np.where(m >= 2, 2.0 * m * (m - 1.0), np.inf)  # eta = n'Lambda n / (2 m (m-1))
+    r = np.zeros(len(g))
+    eta_all, zeta_all = {}, {}
+    for s in specs:
+        c, cats = _sensitive_codes(df, s)
+        q = len(cats)
+        table = {_label(k): float(v) for k, v in s.sensitivity.items()}
+        score_c = np.array([table[cat] for cat in cats])
+        lam = _distance_matrix(s.name, cats, distances.get(s.name))
+        counts = np.bincount(g * q + c, minlength=n_g * q).reshape(n_g, q).astype(float)
+        # sum_{j<j'} lambda = n'Lambda n / 2 per profile; eq. 1: eta = 1/2 * C(m,2)^-1 * that
+        quad = np.einsum("gi,ij,gj->g", counts, lam, counts)
+        eta = quad / pair_norm  # 0 for uniques (eq. 1: eta := 0 when m = 1)
+        zeta = np.bincount(g, weights=score_c[c], minlength=n_g) / m  # cluster mean sensitivity
+        r = np.maximum(r, ((1.0 - eta) * zeta)[g])  # eq. 2
+        eta_all[s.name], zeta_all[s.name] = eta, zeta
+    return _Scores(r, eta_all, zeta_all)
+
+
+def genmassc_scores(
+    df: pd.DataFrame,
+    keys: Sequence[KeyLike],
+    sensitive: SensitiveLike,
+    distances: Mapping[str, Any] | None = None,
+) -> pd.Series:
+    """GenMASSC risk score r_k = max_y (1 - eta_k(y)) zeta_k(y) of each record (paper 000, eq. 1-2).
+
+    sensitive: {column: {category: score}} or a list of SensitiveSpec (bins categorize a
+    continuous variable; scores are looked up by bin label). distances: {column: Lambda} with
+    Lambda a square DataFrame or nested mapping over categories (default 1 off the diagonal).
+    """
+    g = profile_codes(df, keys).to_numpy()
+    res = _genmassc(df, g, sensitive, distances)
+    return pd.Series(res.score, index=df.index, name="risk_score")
+
+
+# ---------------------------------------------------------------- log-linear model (paper 001)
+
+
+@dataclass
+class PoissonFit:
+    """Fitted Poisson log-linear model on the full key table (cells in empty margins fixed at 0)."""
+
+    mu: np.ndarray  # fitted mean of every cell of the full table
+    beta: np.ndarray
+    n_cells: int  # cells in the fit
+    n_params: int
+    iterations: int
+    converged: bool
+    deviance: float
+
+
+def _design(
+    cell_codes: list[np.ndarray], sizes: list[int], pairs: list[tuple[int, int]]
+) -> sp.csr_matrix:
+    """Sparse reference-coded design: intercept, main effects, the given two-way interactions."""
+    n = len(cell_codes[0])
+    rows, cols = [np.arange(n)], [np.zeros(n, dtype=np.int64)]
+    offset = 1
+    for c, n_levels in zip(cell_codes, sizes, strict=True):
+        on = c > 0
+        rows.append(np.flatnonzero(on))
+        cols.append(offset + c[on] - 1)
+        offset += n_levels - 1
+    for a, b in pairs:
+        ca, cb = cell_codes[a], cell_codes[b]
+        on = (ca > 0) & (cb > 0)
+        rows.append(np.flatnonzero(on))
+        cols.append(offset + (ca[on] - 1) * (sizes[b] - 1) + (cb[on] - 1))
+        offset += (sizes[a] - 1) * (sizes[b] - 1)
+    r = np.concatenate(rows)
+    c = np.concatenate(cols)
+    x = sp.csr_matrix((np.ones(len(r)), (r, c)), shape=(n, offset))
+    used = np.flatnonzero(np.diff(x.tocsc().indptr) > 0)  # drop columns of empty margins
+    return x[:, used].tocsr()
+
+
+def _solve(h: sp.spmatrix, rhs: np.ndarray) -> np.ndarray:
+    if h.shape[0] <= 3000:
+        return scipy.linalg.cho_solve(scipy.linalg.cho_factor(h.toarray()), rhs)
+    return scipy.sparse.linalg.spsolve(h.tocsc(), rhs)
+
+
+def _poisson_deviance(y: np.ndarray, mu: np.ndarray) -> float:
+    ylogy = np.where(y > 0, y * np.log(np.where(y > 0, y, 1.0) / mu), 0.0)
+    return float(2.0 * np.sum(ylogy - (y - mu)))
+
+
+def fit_poisson_loglinear(
+    y: np.ndarray,
+    cell_codes: list[np.ndarray],
+    sizes: list[int],
+    pairs: Sequence[tuple[int, int]] = (),
+    offset: np.ndarray | float = 0.0,
+    tol: float = 1e-10,
+    max_iter: int = 100,
+    ridge: float = 1e-10,
+) -> PoissonFit:
+    """ML fit of log(mu_k) = offset_k + x_k'beta to cell counts y (score equation, paper 001 eq. 3/7).
+
+    IRLS (Newton) with a sparse design; a tiny ridge keeps aliased columns (nested keys) solvable.
+    Cells in a two-way margin with zero count have MLE 0 and are left out of the fit.
+    """
+    y = np.asarray(y, dtype=float)
+    k_all = len(y)
+    off = np.broadcast_to(np.asarray(offset, dtype=float), (k_all,))
+    keep = np.ones(k_all, dtype=bool)
+    for a, b in pairs:
+        margin_idx = cell_codes[a] * sizes[b] + cell_codes[b]
+        margin = np.bincount(margin_idx, weights=y, minlength=sizes[a] * sizes[b])
+        keep &= margin[margin_idx] > 0
+    idx = np.flatnonzero(keep)
+    x = _design([c[idx] for c in cell_codes], sizes, list(pairs))
+    yk, ok = y[idx], off[idx]
+    xt = x.T.tocsr()
+    mu = yk + 0.1 * max(yk.mean(), 1e-8)  # GLM start
+    eta = np.log(mu)
+    d = None
+    dev_old, converged, iterations = np.inf, False, 0
+    beta = np.zeros(x.shape[1])
+    for _ in range(max_iter):
+        iterations += 1
+        z = eta - ok + (yk - mu) / mu  # working response
+        h = (xt @ sp.diags(mu) @ x).tocsr()
+        if d is None:
+            d = ridge * (h.diagonal() + 1e-12)
+        beta_new = _solve(h + sp.diags(d), xt @ (mu * z))
+        step = beta_new - beta
+        for _ in range(30):  # step halving on the deviance
+            eta_new = np.minimum(ok + x @ (beta + step), 700.0)
+            mu_new = np.exp(eta_new)
+            dev = _poisson_deviance(yk, mu_new)
+            if np.isfinite(dev) and dev <= dev_old * (1 + 1e-12) + 1e-12:
+                break
+            step *= 0.5
+        beta, eta, mu = beta + step, eta_new, mu_new
+        if abs(dev_old - dev) <= tol * (abs(dev) + 0.1):
+            converged = True
+            break
+        dev_old = dev
+    mu_full = np.zeros(k_all)
+    mu_full[idx] = mu
+    return PoissonFit(mu_full, beta, len(idx), x.shape[1], iterations, converged, dev)
+
+
+@dataclass
+class LoglinearRisk:
+    """Model-based risk of sample uniques (paper 001, eq. 1 and 4)."""
+
+    tau1: float  # sum over sample uniques of P(F=1|f=1)
+    tau2: float  # sum over sample uniques of E(1/F|f=1)
+    p_unique: pd.Series  # per record P(F=1|f=1); NaN unless the record is a sample unique
+    e_inv_f: pd.Series  # per record E(1/F|f=1); NaN unless a sample unique
+    lam: pd.Series  # per record fitted lambda_k of its cell (expected population count)
+    n_unique: int
+    fit: PoissonFit
+    method: str  # "pseudo-ML" (weights, eq. 7), "ML" (known pi, eq. 3)
+    info: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def records(self) -> pd.DataFrame:
+        return pd.DataFrame(
+            {"lambda": self.lam, "p_unique": self.p_unique, "e_inv_f": self.e_inv_f}
+        )
+
+
+def loglinear_risk(
+    df: pd.DataFrame,
+    keys: Sequence[KeyLike],
+    weight: str | None = None,
+    interactions: bool | Sequence[tuple[str, str]] = False,
+    pi: float | None = None,
+    max_cells: int = 3_000_000,
+    _codes: tuple[list[np.ndarray], list[int]] | None = None,
+) -> LoglinearRisk:
+    """tau1, tau2 and per-record P(F=1|f=1), E(1/F|f=1) for sample uniques (paper 001, eq. 1-7).
+
+    F_k ~ Poisson(lambda_k), log lambda_k = x_k'beta on the full table of key cells (main effects;
+    interactions=True adds all two-way terms, or give a list of key pairs).
+    weight: pseudo-ML fit to the weighted counts F_hat_k (eq. 7), pi_hat = 1/w for uniques.
+    Without weight: ML fit to f_k with offset log(pi) (eq. 3), pi the known sampling fraction;
+    pi=None there means the file is the population (pi = 1: every sample unique is unique).
+    """
+    specs = _key_specs(keys)
+    codes, sizes = _codes if _codes is not None else _key_codes(df, specs)
+    names = [k.name for k in specs]
+    n = len(df)
+    if weight is not None:
+        if pi is not None:
+            raise RiskInputError("pi: give either weight (pseudo-ML) or pi (ML), not both")
+        _check_frame(df, [weight], "weight")
+        w = pd.to_numeric(df[weight], errors="coerce").to_numpy(dtype=float)
+        bad = int((~np.isfinite(w) | (w <= 0)).sum())
+        if bad:
+            raise RiskInputError(
+                f"weight: {bad} records have a missing or non-positive weight in column "
+                f"'{weight}'; every weight must be > 0"
+            )
+    else:
+        pi = 1.0 if pi is None else float(pi)
+        if not 0.0 < pi <= 1.0:
+            raise RiskInputError(f"pi: the sampling fraction must lie in (0, 1], got {pi}")
+        w = None
+    if interactions is True:
+        pairs = list(combinations(range(len(names)), 2))
+    elif interactions is False or interactions is None:
+        pairs = []
+    else:
+        pos = {nm: i for i, nm in enumerate(names)}
+        pairs = []
+        for p in interactions:
+            if len(p) != 2 or p[0] not in pos or p[1] not in pos or p[0] == p[1]:
+                raise RiskInputError(
+                    f"interactions: {p!r} is not a pair of two different keys from {names}"
+                )
+            pairs.append(tuple(sorted((pos[p[0]], pos[p[1]]))))
+        pairs = sorted(set(pairs))
+    k_all = int(np.prod(np.array(sizes, dtype=float)))
+    if k_all > max_cells:
+        raise RiskInputError(
+            f"keys: the full table of key cells has {k_all:,} cells (levels {dict(zip(names, sizes, strict=True))}),"
+            f" more than max_cells={max_cells:,}; coarsen keys (bins or map) or drop a key"
+        )
+    strides = np.cumprod([1, *sizes[::-1]])[:-1][::-1].astype(np.int64)
+    cell = np.zeros(n, dtype=np.int64)
+    for c, s in zip(codes, strides, strict=True):
+        cell += c * s
+    full = np.arange(k_all, dtype=np.int64)
+    cell_codes = [(full // s) % L for s, L in zip(strides, sizes, strict=True)]
+    f = np.bincount(cell, minlength=k_all)
+    if w is not None:
+        y = np.bincount(cell, weights=w, minlength=k_all)  # F_hat_k, eq. 7
+        fit = fit_poisson_loglinear(y, cell_codes, sizes, pairs)
+        lam_cell = fit.mu
+        one_minus_pi = np.clip(1.0 - 1.0 / w, 0.0, None)  # pi_hat = f/F_hat = 1/w for uniques
+        method = "pseudo-ML"
+    else:
+        fit = fit_poisson_loglinear(f.astype(float), cell_codes, sizes, pairs, np.log(pi))
+        lam_cell = fit.mu / pi  # lambda_hat = mu_hat / pi (eq. 3)
+        one_minus_pi = np.full(n, 1.0 - pi)
+        method = "ML"
+    unique = f[cell] == 1
+    lam = lam_cell[cell]
+    nu = lam * one_minus_pi  # F | f=1 ~ 1 + Poisson(lambda (1 - pi)), eq. 2
+    p1 = np.exp(-nu)  # eq. 4 (the paper's sign typo corrected)
+    e_inv = np.where(nu > 1e-12, -np.expm1(-nu) / np.where(nu > 1e-12, nu, 1.0), 1.0 - nu / 2)
+    p1 = np.where(unique, p1, np.nan)
+    e_inv = np.where(unique, e_inv, np.nan)
+    return LoglinearRisk(
+        tau1=float(np.nansum(p1)),
+        tau2=float(np.nansum(e_inv)),
+        p_unique=pd.Series(p1, index=df.index, name="p_unique"),
+        e_inv_f=pd.Series(e_inv, index=df.index, name="e_inv_f"),
+        lam=pd.Series(lam, index=df.index, name="lambda"),
+        n_unique=int(unique.sum()),
+        fit=fit,
+        method=method,
+        info={
+            "table_cells": float(k_all),
+            "model_cells": float(fit.n_cells),
+            "observed_cells": float((f > 0).sum()),
+            "n_params": float(fit.n_params),
+            "iterations": float(fit.iterations),
+            "converged": float(fit.converged),
+        },
+    )
+
+
+# ---------------------------------------------------------------- record table and summaries
+
+
+def risk_summary(records: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Tables by risk stratum and by key-profile size from a record table with columns
+    profile, cell_size, stratum, risk_score (and p_unique, e_inv_f when the model ran)."""
+    need = ["profile", "cell_size", "stratum", "risk_score"]
+    missing = [c for c in need if c not in records.columns]
+    if missing:
+        raise RiskInputError(f"records: columns {missing} are missing; build it with risk_profile")
+    n = len(records)
+    agg = {
+        "n_records": ("cell_size", "size"),
+        "n_profiles": ("profile", "nunique"),
+        "mean_score": ("risk_score", "mean"),
+        "max_score": ("risk_score", "max"),
+    }
+    extra = {}
+    if "p_unique" in records.columns:
+        extra = {"tau1": ("p_unique", "sum"), "tau2": ("e_inv_f", "sum")}
+    by_stratum = (
+        records.groupby("stratum", observed=False).agg(**agg, **extra).reindex(list(STRATA))
+    )
+    by_stratum["n_records"] = by_stratum["n_records"].fillna(0).astype(int)
+    by_stratum["n_profiles"] = by_stratum["n_profiles"].fillna(0).astype(int)
+    by_stratum.insert(1, "share_records", by_stratum["n_records"] / n)
+    by_size = records.groupby("cell_size").agg(**agg).sort_index()
+    return {
+        "by_stratum": by_stratum.rename_axis("stratum").reset_index(),
+        "by_profile_size": by_size.rename_axis("profile_size").reset_index(),
+    }
+
+
+@dataclass
+class RiskProfile:
+    """Risk of one file: the record table (internal only), summaries and global measures."""
+
+    records: pd.DataFrame
+    by_stratum: pd.DataFrame
+    by_profile_size: pd.DataFrame
+    metrics: dict[str, float]
+    loglinear: LoglinearRisk | None = None
+
+
+def risk_profile(
+    df: pd.DataFrame,
+    keys: Sequence[KeyLike],
+    sensitive: SensitiveLike | None = None,
+    weight: str | None = None,
+    distances: Mapping[str, Any] | None = None,
+    interactions: bool | Sequence[tuple[str, str]] = False,
+    loglinear: bool = True,
+    pi: float | None = None,
+) -> RiskProfile:
+    """Strata, GenMASSC scores and log-linear risk of any file (original or treated)."""
+    codes, sizes = _key_codes(df, keys)
+    g = _combine(codes, sizes)
+    m = _sizes_of(g)
+    records = pd.DataFrame({"profile": g, "cell_size": m, "stratum": _strata_of(m)}, index=df.index)
+    has_sens = sensitive is not None and len(sensitive) > 0
+    if has_sens:
+        records["risk_score"] = _genmassc(df, g, sensitive, distances).score
+    else:
+        records["risk_score"] = np.nan
+    ll = None
+    if loglinear:
+        ll = loglinear_risk(
+            df, keys, weight=weight, interactions=interactions, pi=pi, _codes=(codes, sizes)
+        )
+        records["p_unique"] = ll.p_unique
+        records["e_inv_f"] = ll.e_inv_f
+    tabs = risk_summary(records)
+    n = len(df)
+    counts = np.bincount(np.minimum(m, 4), minlength=5)
+    metrics = {
+        "n_records": float(n),
+        "n_profiles": float(g.max() + 1),
+        "n_unique": float(counts[1]),
+        "unique_share": float(counts[1] / n),
+        "n_double": float(counts[2]),
+        "n_triple": float(counts[3]),
+        "n_other": float(counts[4]),
+    }
+    if has_sens:
+        r = records["risk_score"].to_numpy()
+        metrics.update(
+            mean_score=float(r.mean()),
+            max_score=float(r.max()),
+            n_score_1=float((r >= 1.0 - 1e-12).sum()),
+        )
+    if ll is not None:
+        metrics.update(tau1=ll.tau1, tau2=ll.tau2)
+        metrics["tau1_share"] = ll.tau1 / n
+        metrics["tau2_share"] = ll.tau2 / n
+    return RiskProfile(records, tabs["by_stratum"], tabs["by_profile_size"], metrics, ll)

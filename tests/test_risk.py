@@ -1,0 +1,431 @@
+"""Risk strata, GenMASSC scores (paper 000, eq. 1-2, Table 1(b)) and log-linear risk (paper 001)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sdl_design.risk import (
+    RiskInputError,
+    cell_sizes,
+    fit_poisson_loglinear,
+    genmassc_scores,
+    loglinear_risk,
+    risk_profile,
+    risk_strata,
+)
+from sdl_design.spec import KeySpec, SensitiveSpec, parse_spec
+
+# ---------------------------------------------------------------- paper 000, Table 1(b)
+
+# Obs 1..10: age category (1: 12-16, 2: 17-20, 3: 21-24, 4: 25-29), gender, binge drinking
+TABLE_1B = pd.DataFrame(
+    {
+        "age": [4, 2, 2, 1, 4, 1, 3, 2, 3, 3],
+        "gender": ["F", "F", "F", "M", "F", "F", "M", "M", "M", "M"],
+        "alc": ["N", "Y", "Y", "Y", "N", "Y", "N", "Y", "Y", "Y"],
+    },
+    index=pd.RangeIndex(1, 11, name="obs"),
+)
+ALC = {"alc": {"Y": 1.0, "N": 0.0}}
+SCORES_1B = [0, 1, 1, 1, 0, 1, 4 / 9, 1, 4 / 9, 4 / 9]
+STRATA_1B = ["D", "D", "D", "U", "D", "U", "T", "U", "T", "T"]
+
+
+def test_table_1b_scores_and_strata():
+    keys = ["age", "gender"]
+    r = genmassc_scores(TABLE_1B, keys, ALC)
+    assert r.index.equals(TABLE_1B.index)
+    np.testing.assert_allclose(r.to_numpy(), SCORES_1B, rtol=0, atol=1e-15)
+    s = risk_strata(TABLE_1B, keys)
+    assert s.tolist() == STRATA_1B
+    assert cell_sizes(TABLE_1B, keys).tolist() == [2, 2, 2, 1, 2, 1, 3, 1, 3, 3]
+
+
+def test_table_1b_with_keys_recoded_from_years():
+    """Age in years, recoded by the key's bins to the paper's four groups: same strata and scores."""
+    years = {1: [13, 16], 2: [17, 20], 3: [21, 24], 4: [25, 29]}
+    rng = np.random.default_rng(3)
+    df = TABLE_1B.assign(age=[int(rng.integers(*years[a], endpoint=True)) for a in TABLE_1B.age])
+    keys = [KeySpec(name="age", bins=[12, 17, 21, 25, 30]), "gender"]
+    sens = [SensitiveSpec(name="alc", sensitivity={"Y": 1.0, "N": 0.0})]
+    np.testing.assert_allclose(genmassc_scores(df, keys, sens).to_numpy(), SCORES_1B, atol=1e-15)
+    assert risk_strata(df, keys).tolist() == STRATA_1B
+    # unrecoded years split the clusters: the bins are really applied
+    assert (risk_strata(df, ["age", "gender"]) == "U").sum() > 3
+
+
+def test_table_1b_profile_summary():
+    prof = risk_profile(TABLE_1B, ["age", "gender"], ALC, loglinear=False)
+    st = prof.by_stratum.set_index("stratum")
+    assert st["n_records"].tolist() == [3, 4, 3, 0]
+    assert st["n_profiles"].tolist() == [3, 2, 1, 0]
+    assert st.loc["D", "mean_score"] == pytest.approx(0.5)
+    assert st.loc["T", "max_score"] == pytest.approx(4 / 9)
+    sz = prof.by_profile_size.set_index("profile_size")
+    assert sz["n_records"].tolist() == [3, 4, 3]
+    m = prof.metrics
+    assert (m["n_unique"], m["n_double"], m["n_triple"], m["n_other"]) == (3, 4, 3, 0)
+    assert m["unique_share"] == pytest.approx(0.3)
+    assert m["mean_score"] == pytest.approx(sum(SCORES_1B) / 10)
+
+
+def test_cell_sizes_match_groupby_and_summary_adds_up():
+    rng = np.random.default_rng(1)
+    n = 5000
+    df = pd.DataFrame(
+        {
+            "a": rng.integers(0, 30, n),
+            "b": rng.choice(["x", "y", None], n),
+            "c": rng.integers(0, 40, n).astype(float),
+        }
+    )
+    keys = ["a", "b", KeySpec(name="c", bins=[0, 10, 20, 41])]
+    ref = (
+        df.assign(c=pd.cut(df["c"], [0, 10, 20, 41], right=False), b=df["b"].fillna("NA"))
+        .groupby(["a", "b", "c"], observed=True)["a"]
+        .transform("size")
+    )
+    sizes = cell_sizes(df, keys)
+    assert sizes.tolist() == ref.tolist()
+    want = np.array(["U", "D", "T", "O"])[np.minimum(ref.to_numpy(), 4) - 1]
+    assert risk_strata(df, keys).tolist() == want.tolist()
+    prof = risk_profile(df, keys, loglinear=False)
+    bs = prof.by_profile_size
+    assert (bs["n_records"] == bs["profile_size"] * bs["n_profiles"]).all()
+    assert bs["n_records"].sum() == n == prof.by_stratum["n_records"].sum()
+
+
+# ---------------------------------------------------------------- eq. (1) and the Gini index
+
+
+def _brute_eta(values: list, lam) -> float:
+    m = len(values)
+    if m < 2:
+        return 0.0
+    tot = sum(lam(a, b) for a, b in itertools.combinations(values, 2))
+    return 0.5 * tot / math.comb(m, 2)  # eq. 1 term by term
+
+
+def test_eq1_is_half_gini_with_unit_distances():
+    """With lambda = 1 off the diagonal, eta = m/(2(m-1)) (1 - sum p_hat^2) per cluster (half the
+    Gini index, small-sample form) and its expectation over multinomial clusters is (1-sum p^2)/2."""
+    rng = np.random.default_rng(7)
+    n = 400
+    df = pd.DataFrame({"k": rng.integers(0, 60, n), "y": rng.choice(list("abcd"), n)})
+    all_one = {"y": {c: 1.0 for c in "abcd"}}  # zeta = 1 so r = 1 - eta
+    eta = 1.0 - genmassc_scores(df, ["k"], all_one)
+    for _, grp in df.groupby("k"):
+        vals = grp["y"].tolist()
+        m = len(vals)
+        brute = _brute_eta(vals, lambda a, b: float(a != b))
+        p = grp["y"].value_counts(normalize=True).to_numpy()
+        closed = 0.0 if m == 1 else m / (2 * (m - 1)) * (1 - np.sum(p**2))
+        assert eta[grp.index].to_numpy() == pytest.approx(np.full(m, brute), abs=1e-12)
+        assert brute == pytest.approx(closed, abs=1e-12)
+
+    # exact expectation: every ordered cluster of m = 3 draws is one key profile
+    p = {"a": 0.5, "b": 0.3, "c": 0.2}
+    seqs = list(itertools.product("abc", repeat=3))
+    df = pd.DataFrame([(i, v) for i, sq in enumerate(seqs) for v in sq], columns=["k", "y"]).astype(
+        {"k": int}
+    )
+    eta = 1.0 - genmassc_scores(df, ["k"], {"y": dict.fromkeys("abc", 1.0)})
+    eta_k = eta.groupby(df["k"]).first()
+    prob = np.array([np.prod([p[v] for v in sq]) for sq in seqs])
+    assert float(prob @ eta_k.to_numpy()) == pytest.approx(
+        0.5 * (1 - sum(x**2 for x in p.values())), abs=1e-12
+    )
+
+
+def test_eq1_general_distances_and_max_over_variables():
+    """A custom Lambda matches eq. 1 term by term; r is the max over sensitive variables."""
+    lam = pd.DataFrame(
+        [[0, 0.5, 1], [0.5, 0, 0.25], [1, 0.25, 0]], index=[0, 1, 2], columns=[0, 1, 2]
+    )
+    rng = np.random.default_rng(11)
+    n = 300
+    df = pd.DataFrame(
+        {"k": rng.integers(0, 40, n), "y": rng.integers(0, 3, n), "z": rng.integers(0, 2, n)}
+    )
+    sy = {0: 0.2, 1: 0.6, 2: 1.0}
+    sz = {0: 0.0, 1: 0.9}
+    r = genmassc_scores(df, ["k"], {"y": sy, "z": sz}, distances={"y": lam})
+    for _, grp in df.groupby("k"):
+        ey = _brute_eta(grp["y"].tolist(), lambda a, b: lam.loc[a, b])
+        ez = _brute_eta(grp["z"].tolist(), lambda a, b: float(a != b))
+        ry = (1 - ey) * grp["y"].map(sy).mean()
+        rz = (1 - ez) * grp["z"].map(sz).mean()
+        np.testing.assert_allclose(r[grp.index], max(ry, rz), atol=1e-12)
+
+
+def test_continuous_sensitive_variable_by_bins():
+    df = pd.DataFrame({"k": [1, 1, 2, 2, 2], "income": [0.0, 150_000.0, 30_000.0, 35_000.0, 5e5]})
+    sens = [
+        SensitiveSpec(
+            name="income",
+            bins=[0, 1, 50_000, 1e12],
+            sensitivity={"0-1": 0.5, "1-50000": 0.1, "50000-1e+12": 1.0},
+        )
+    ]
+    r = genmassc_scores(df, ["k"], sens)
+    # cluster 1: two different bins, eta = 1/2, zeta = 0.75; cluster 2: eta = 1/2 * 2/3 = 1/3
+    np.testing.assert_allclose(r.to_numpy(), [0.375] * 2 + [2 / 3 * 1.2 / 3] * 3, atol=1e-12)
+
+
+# ---------------------------------------------------------------- log-linear model (paper 001)
+
+
+def _population(rng, levels, beta_sd=0.8, mean_lambda=0.6):
+    """F_k ~ Poisson(lambda_k) on a full table with main-effects log lambda; one row per person."""
+    grids = np.indices(levels).reshape(len(levels), -1)
+    eta = sum(rng.normal(0, beta_sd, n)[g] for n, g in zip(levels, grids, strict=True))
+    lam = np.exp(eta)
+    lam *= mean_lambda / lam.mean()
+    F = rng.poisson(lam)
+    cells = np.repeat(np.arange(len(F)), F)
+    pop = pd.DataFrame(grids.T[cells], columns=[f"x{j}" for j in range(len(levels))])
+    pop["cell"] = cells
+    return pop, F, lam
+
+
+def _truth(sample: pd.DataFrame, F: np.ndarray):
+    f = np.bincount(sample["cell"], minlength=len(F))
+    su = np.flatnonzero(f == 1)
+    return float((F[su] == 1).sum()), float((1.0 / F[su]).sum()), su
+
+
+def _model_sd(nu: np.ndarray) -> tuple[float, float]:
+    """SD of tau1 and tau2 given the sample under F = 1 + Poisson(nu) for each sample unique."""
+    p1 = np.exp(-nu)
+    x = np.arange(200)[:, None]
+    logpmf = (
+        -nu
+        + x * np.log(np.maximum(nu, 1e-300))
+        - np.array([math.lgamma(v + 1) for v in x[:, 0]])[:, None]
+    )
+    pmf = np.exp(logpmf)
+    e1 = (pmf / (1 + x)).sum(0)
+    e2 = (pmf / (1 + x) ** 2).sum(0)
+    return float(np.sqrt(np.sum(p1 * (1 - p1)))), float(np.sqrt(np.sum(e2 - e1**2)))
+
+
+LEVELS = [6, 5, 4, 8, 2, 3]  # 5,760 cells
+KEYS = [f"x{j}" for j in range(len(LEVELS))]
+
+
+def test_loglinear_bernoulli_sample_close_to_truth():
+    rng = np.random.default_rng(2009)
+    pop, F, lam = _population(rng, LEVELS)
+    pi = 0.1
+    s = pop[rng.random(len(pop)) < pi]
+    t1, t2, su = _truth(s, F)
+    res = loglinear_risk(s, KEYS, pi=pi)
+    assert res.method == "ML" and res.fit.converged
+    assert res.n_unique == len(su) and res.p_unique.notna().sum() == len(su)
+    # the oracle: eq. 4 with the true lambda
+    nu = lam[su] * (1 - pi)
+    o1, o2 = np.exp(-nu).sum(), (-np.expm1(-nu) / nu).sum()
+    sd1, sd2 = _model_sd(nu)
+    assert res.tau1 == pytest.approx(o1, rel=0.12)
+    assert res.tau2 == pytest.approx(o2, rel=0.08)
+    assert abs(res.tau1 - t1) < 3 * sd1 + 0.12 * o1
+    assert abs(res.tau2 - t2) < 3 * sd2 + 0.08 * o2
+    assert t1 > 30  # enough population uniques for the check to mean something
+    # per record values are the eq. 4 functions of the fitted lambda
+    u = res.p_unique.notna()
+    nu_hat = res.lam[u] * (1 - pi)
+    np.testing.assert_allclose(res.p_unique[u], np.exp(-nu_hat), rtol=1e-12)
+    np.testing.assert_allclose(res.e_inv_f[u], (1 - np.exp(-nu_hat)) / nu_hat, rtol=1e-12)
+    assert res.tau1 == pytest.approx(res.p_unique.sum())
+
+
+def test_pseudo_ml_unequal_weights_close_to_truth():
+    """Sampling fraction by stratum (a key, as the paper advises); weights 1/pi; eq. 7."""
+    rng = np.random.default_rng(2008)
+    pop, F, lam = _population(rng, LEVELS)
+    pi_by = np.array([0.04, 0.08, 0.12, 0.2, 0.3, 0.06])
+    pi_rec = pi_by[pop["x0"].to_numpy()]
+    s = pop[rng.random(len(pop)) < pi_rec].copy()
+    s["w"] = 1.0 / pi_by[s["x0"].to_numpy()]
+    t1, t2, su = _truth(s, F)
+    res = loglinear_risk(s, KEYS, weight="w")
+    assert res.method == "pseudo-ML" and res.fit.converged
+    nu = lam[su] * (1 - pi_by[su // np.prod(LEVELS[1:])])
+    o1, o2 = np.exp(-nu).sum(), (-np.expm1(-nu) / nu).sum()
+    sd1, sd2 = _model_sd(nu)
+    assert res.tau1 == pytest.approx(o1, rel=0.12)
+    assert res.tau2 == pytest.approx(o2, rel=0.08)
+    assert abs(res.tau1 - t1) < 3 * sd1 + 0.12 * o1
+    assert abs(res.tau2 - t2) < 3 * sd2 + 0.08 * o2
+    # per record pi_hat = 1/w in eq. 4
+    u = res.p_unique.notna()
+    nu_hat = res.lam[u] * (1 - 1 / s.loc[u, "w"])
+    np.testing.assert_allclose(res.p_unique[u], np.exp(-nu_hat), rtol=1e-12)
+
+
+def test_pseudo_ml_equal_weights_equals_ml_and_closed_form():
+    """Constant weights 1/pi: eq. 7 gives the same lambda as eq. 3 with offset log pi; with main
+    effects both equal the independence fit N_hat prod_j (F_hat_j / N_hat) over the full table."""
+    rng = np.random.default_rng(5)
+    pop, F, lam = _population(rng, [5, 4, 3, 6])
+    keys = ["x0", "x1", "x2", "x3"]
+    pi = 0.2
+    s = pop[rng.random(len(pop)) < pi].assign(w=1 / pi)
+    ml = loglinear_risk(s, keys, pi=pi)
+    pml = loglinear_risk(s, keys, weight="w")
+    np.testing.assert_allclose(pml.lam, ml.lam, rtol=1e-8)
+    np.testing.assert_allclose(pml.p_unique, ml.p_unique, rtol=1e-8)
+    assert pml.tau1 == pytest.approx(ml.tau1, rel=1e-8)
+    # unequal weights: the closed form independence fit
+    s = s.assign(w=rng.uniform(1, 9, len(s)))
+    res = loglinear_risk(s, keys, weight="w")
+    n_hat = s["w"].sum()
+    closed = n_hat * np.prod(
+        [s[k].map(s.groupby(k)["w"].sum() / n_hat).to_numpy() for k in keys], axis=0
+    )
+    np.testing.assert_allclose(res.lam, closed, rtol=1e-8)
+
+
+def test_interactions_fit_two_way_margins_and_structural_zeros():
+    """The MLE reproduces every fitted margin; cells in an empty two-way margin get 0 (nested
+    keys, e.g. county within region, stay solvable)."""
+    rng = np.random.default_rng(9)
+    sizes = [4, 6, 3]
+    codes = list(np.indices(sizes).reshape(3, -1))
+    region_of_county = np.array([0, 0, 1, 2, 3, 3])  # key 1 nested in key 0
+    y = rng.poisson(3.0, len(codes[0])).astype(float)
+    y[region_of_county[codes[1]] != codes[0]] = 0.0
+    pairs = [(0, 1), (0, 2), (1, 2)]
+    fit = fit_poisson_loglinear(y, codes, sizes, pairs)
+    assert fit.converged
+    for a, b in pairs:
+        idx = codes[a] * sizes[b] + codes[b]
+        obs = np.bincount(idx, weights=y, minlength=sizes[a] * sizes[b])
+        np.testing.assert_allclose(
+            np.bincount(idx, weights=fit.mu, minlength=len(obs)), obs, atol=1e-6
+        )
+    assert np.all(fit.mu[region_of_county[codes[1]] != codes[0]] == 0)
+
+    df = pd.DataFrame({"k0": rng.integers(0, 5, 3000), "k1": rng.integers(0, 4, 3000)})
+    df["k2"] = df["k0"] * 2 + rng.integers(0, 2, 3000)  # nested
+    res = loglinear_risk(df, ["k0", "k1", "k2"], pi=0.5, interactions=[("k0", "k2")])
+    assert res.fit.converged and np.isfinite(res.tau2)
+
+
+def test_census_without_weight_every_sample_unique_is_unique():
+    res = loglinear_risk(TABLE_1B, ["age", "gender"])
+    assert res.tau1 == 3 and res.tau2 == 3
+    assert res.p_unique.notna().tolist() == [s == "U" for s in STRATA_1B]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_input_clear_errors():
+    keys = ["age", "gender"]
+    with pytest.raises(RiskInputError, match=r"keys: column\(s\) \['sex'\] are not in the data"):
+        risk_strata(TABLE_1B, ["age", "sex"])
+    with pytest.raises(RiskInputError, match="no records"):
+        risk_strata(TABLE_1B.iloc[:0], keys)
+    with pytest.raises(RiskInputError, match="no records"):
+        genmassc_scores(TABLE_1B.iloc[:0], keys, ALC)
+    with pytest.raises(RiskInputError, match=r"sensitive\['alc'\].*\['N'\].*no sensitivity score"):
+        genmassc_scores(TABLE_1B, keys, {"alc": {"Y": 1.0}})
+    with pytest.raises(RiskInputError, match=r"sensitive: column\(s\) \['drink'\]"):
+        genmassc_scores(TABLE_1B, keys, {"drink": {"Y": 1.0}})
+    with pytest.raises(RiskInputError, match="out_of_range"):
+        genmassc_scores(
+            TABLE_1B.assign(v=[1.0] * 9 + [99.0]),
+            keys,
+            [SensitiveSpec(name="v", bins=[0, 10], sensitivity={"0-10": 1.0})],
+        )
+    with pytest.raises(RiskInputError, match="'nan'"):
+        genmassc_scores(TABLE_1B.assign(alc=["Y"] * 9 + [None]), keys, ALC)
+    with pytest.raises(RiskInputError, match=r"distances\['alc'\].*('Y' and 'N'|'N' and 'Y')"):
+        genmassc_scores(TABLE_1B, keys, ALC, distances={"alc": {"Y": {"Y": 0}}})
+    with pytest.raises(RiskInputError, match="weight: 1 records"):
+        loglinear_risk(TABLE_1B.assign(w=[1.0] * 9 + [0.0]), keys, weight="w")
+    with pytest.raises(RiskInputError, match=r"weight: column\(s\) \['wt'\]"):
+        loglinear_risk(TABLE_1B, keys, weight="wt")
+    with pytest.raises(RiskInputError, match="max_cells"):
+        loglinear_risk(TABLE_1B, keys, pi=0.5, max_cells=5)
+
+
+# ---------------------------------------------------------------- the Prefect task
+
+
+def _small_spec(**gates):
+    return parse_spec(
+        {
+            "release": {"name": "t", "year": 2026, "seed": 1},
+            "design": {"weight": "wt", "strata": "stratum", "psu": "psu"},
+            "variables": {
+                "direct_identifiers": ["person_id"],
+                "keys": [{"name": "age", "bins": [0, 18, 45, 65, 91]}, "sex", "region", "county"],
+                "sensitive": [
+                    {"name": "diabetes", "sensitivity": {1: 1.0, 0: 0.0}},
+                    {
+                        "name": "income",
+                        "bins": [0, 1, 50000, 1.0e12],
+                        "sensitivity": {"0-1": 0.5, "1-50000": 0.1, "50000-1e+12": 1.0},
+                    },
+                ],
+                "study": ["income", "diabetes"],
+            },
+            "gates": gates,
+        }
+    )
+
+
+def _small_frame(n=600, seed=4):
+    rng = np.random.default_rng(seed)
+    return pd.DataFrame(
+        {
+            "person_id": [f"p{i}" for i in range(n)],
+            "stratum": rng.integers(1, 4, n),
+            "psu": rng.integers(1, 3, n),
+            "wt": rng.uniform(50, 150, n),
+            "age": rng.integers(0, 91, n),
+            "sex": rng.choice(["female", "male"], n),
+            "region": rng.choice(["northeast", "midwest", "south", "west", "x1", "x2"], n),
+            "county": rng.integers(0, 12, n),
+            "diabetes": rng.integers(0, 2, n),
+            "income": np.where(rng.random(n) < 0.1, 0.0, rng.lognormal(10, 1, n)),
+        }
+    )
+
+
+def test_risk_task_runs_on_small_frame():
+    from tasks.risk import risk_task
+
+    df = _small_frame()
+    spec = _small_spec(max_unique_share=0.5)
+    out = risk_task.fn(df, spec, 1)
+    assert out.name == "risk" and out.data is df
+    keys = spec.variables.keys
+    strata = risk_strata(df, keys)
+    m = out.metrics
+    assert m["n_unique"] == (strata == "U").sum() > 0
+    assert m["unique_share"] == pytest.approx((strata == "U").mean())
+    assert m["n_double"] == (strata == "D").sum()
+    rec = out.tables["records"]
+    assert len(rec) == len(df) and rec["stratum"].tolist() == strata.astype(str).tolist()
+    sens = {
+        "diabetes": {0: 0.0, 1: 1.0},
+    }
+    r_diab = genmassc_scores(df, keys, sens)
+    assert (rec["risk_score"].to_numpy() >= r_diab.to_numpy() - 1e-12).all()
+    assert m["max_score"] == pytest.approx(rec["risk_score"].max())
+    assert m["tau1"] == pytest.approx(rec["p_unique"].sum())
+    assert m["tau2"] >= m["tau1"] - 1e-12  # E(1/F) >= P(F = 1)
+    assert out.tables["by_stratum"]["n_records"].sum() == len(df)
+    (g,) = out.gates
+    assert g["name"] == "risk.unique_share" and g["upper"] == 0.5
+    assert g["value"] == pytest.approx(m["unique_share"])
+    assert not _small_spec().gates.max_unique_share
+    assert risk_task.fn(df, _small_spec(), 1).gates == []
