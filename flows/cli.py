@@ -122,9 +122,13 @@ def cmd_releases(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     import json
 
-    from flows.registry import show_release
+    from flows.registry import ReleaseNotFound, show_release
 
-    print(json.dumps(show_release(args.release_id, url=args.registry), indent=2, default=str))
+    try:
+        print(json.dumps(show_release(args.release_id, url=args.registry), indent=2, default=str))
+    except ReleaseNotFound as e:
+        print(f"puf: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -134,11 +138,8 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     summary = monitor_flow(
         survey=args.survey, url=args.registry, out_dir=args.out, gate_on_drift=False
     )
-    flags = getattr(summary, "flags", None)
-    if flags is None and isinstance(summary, dict):
-        flags = summary.get("flags")
     print(summary)
-    return 1 if (args.gate_on_drift and flags is not None and len(flags)) else 0
+    return summary.status if args.gate_on_drift else 0
 
 
 def main(argv: list[str] | None = None) -> int:

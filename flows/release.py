@@ -84,7 +84,7 @@ def _new_manifest(spec: ReleaseSpec, spec_hash: str, input_hash: str) -> dict[st
         "reason": None,
         "hashes": {"spec": spec_hash, "input": input_hash, "outputs": {}},
         "versions": pub.versions(),
-        "parameters": {"release": {"seed": spec.release.seed}},
+        "parameters": {"release": {"seed": spec.release.seed}, "gates": spec.gates.model_dump()},
         "metrics": {},
         "gates": [],
         "approval": {
@@ -122,12 +122,19 @@ def _report_writer(outputs: list[StageOutput]):
 
 
 def _record(manifest: dict, outputs: list[StageOutput], spec: ReleaseSpec) -> None:
-    try:
-        from flows.registry import record_release
-    except ImportError:  # registry module not installed in this build
-        return
+    """Record the release in the registry; a registry failure never undoes a written release."""
+    from flows.registry import record_release
+
     ratios = {o.name: o.tables["se_ratios"] for o in outputs if "se_ratios" in o.tables}
-    record_release(manifest, ratios, output_dir=spec.release.output_dir)
+    try:
+        record_release(
+            manifest, ratios, url=spec.release.registry, output_dir=spec.release.output_dir
+        )
+    except Exception as e:  # noqa: BLE001 - reported, the release folder stands
+        print(
+            f"[puf] WARNING: the registry could not record {manifest['release']['release_id']}: {e}",
+            file=sys.stderr,
+        )
 
 
 def _finish(
@@ -156,12 +163,9 @@ def _finish(
         spec, manifest, _tables(outputs, gates), _report_writer(outputs), puf, notes
     )
     _record(manifest, outputs, spec)
-    try:
-        from flows.report import post_artifacts
+    from flows.report import post_artifacts
 
-        post_artifacts(manifest, outputs)
-    except ImportError:
-        pass
+    post_artifacts(manifest, outputs)
     return folder
 
 
@@ -176,6 +180,8 @@ def release_flow(
 ) -> dict:
     """Run one release of the spec; returns the manifest. Raises on a failed edit, gate or approval."""
     spec = load_spec(spec_path)
+    if year is None:
+        year = _scheduled_year()
     if year is not None:
         spec.release.year = int(year)
     names = [n for n, _, _ in STAGES if stage_enabled(spec, n)]
@@ -261,6 +267,16 @@ def release_flow(
             except Exception:  # keep the original error visible
                 pass
         raise
+
+
+def _scheduled_year() -> int | None:
+    """The year of a scheduled deployment run (None for runs started by hand)."""
+    from prefect.runtime import deployment, flow_run
+
+    if deployment.id is None:
+        return None
+    start = flow_run.scheduled_start_time
+    return int(start.year) if start is not None else None
 
 
 def _approval(spec: ReleaseSpec, approve: str | None, poll_s: int) -> dict:

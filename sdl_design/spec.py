@@ -34,6 +34,9 @@ class ReleaseSection(_Strict):
     input: Path | None = None  # None: the embedded default survey (sdl_design.synth)
     output_dir: Path = Path("releases")
     seed: int = Field(ge=0)
+    registry: str | None = (
+        None  # SQLAlchemy URL; default PUF_REGISTRY_URL or <output_dir>/registry.db
+    )
 
 
 ReplicateMethod = Literal["brr", "fay", "jk1", "jkn", "sdr", "bootstrap"]
@@ -124,7 +127,9 @@ def parse_condition(text: str) -> list[tuple[str, str, Any]]:
             )
         col, op, raw = m.groups()
         if raw[0] in "<>=!":
-            raise ValueError(f"cannot read condition {part!r}: the operator is not one of < <= > >= == != in")
+            raise ValueError(
+                f"cannot read condition {part!r}: the operator is not one of < <= > >= == != in"
+            )
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError as e:

@@ -7,3 +7,16 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.pop("PREFECT_API_URL", None)  # never hit a developer's real server
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One temporary Prefect server for the flow tests of a session; heartbeats off."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            yield

@@ -1,0 +1,525 @@
+"""Monitoring flow: variance bias and disclosure risk across releases, year on year, with drift
+flags, an HTML report and Prefect artifacts. The statistics are small pure functions."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from prefect import flow
+
+from flows import registry as reg
+
+# metric of the manifest (first one present) for each monitored quantity
+METRICS = {
+    "delta": ("massc.delta",),
+    "epsilon": ("massc.epsilon",),
+    "id_risk": ("prb.max_risk", "prb.identification_risk", "prb.risk_max"),
+}
+# spec gates field giving the threshold of each quantity
+THRESHOLD_FIELDS = {"delta": "delta_max", "epsilon": "epsilon_max", "id_risk": "xi"}
+SE_SOURCES = ("final", "swap")  # preferred SE-ratio table of a release, in order
+# "<stage>.share_treated", "<stage>.share_swapped", "<stage>.changed_share", ...
+TREATED = re.compile(
+    r"^(?P<stage>\w+)\.(share_(?P<a>treated|swapped|changed|perturbed|substituted|subsampled|"
+    r"coded|topcoded)|(?P<b>treated|swapped|changed|perturbed|substituted|subsampled|coded|"
+    r"topcoded)_share)$"
+)
+
+
+class DriftDetected(RuntimeError):
+    """Raised by monitor_flow(gate_on_drift=True) when a drift flag is up; `.summary` has them."""
+
+    def __init__(self, summary: MonitorSummary):
+        self.summary = summary
+        super().__init__(
+            f"{len(summary.flags)} drift flag(s): "
+            + "; ".join(f"{f['survey']} {f['year']}: {f['detail']}" for f in summary.flags)
+        )
+
+
+@dataclass
+class MonitorSummary:
+    """What the monitoring flow found; `status` is 1 when a flag is up (the CLI's exit code)."""
+
+    releases: pd.DataFrame  # one row per survey and year (the release monitored)
+    flags: list[dict] = field(default_factory=list)
+    report: Path | None = None
+
+    @property
+    def status(self) -> int:
+        return 1 if self.flags else 0
+
+    def __str__(self) -> str:
+        lines = [f"monitored {len(self.releases)} release(s); {len(self.flags)} drift flag(s)"]
+        for r in self.releases.itertuples():
+            lines.append(
+                f"  {r.survey} {r.year} {r.release_id} [{r.status}] "
+                f"median SE ratio {_fmt(r.se_ratio_median)}, delta {_fmt(r.delta)}, "
+                f"epsilon {_fmt(r.epsilon)}, id risk {_fmt(r.id_risk)}"
+            )
+        for f in self.flags:
+            lines.append(f"  DRIFT {f['survey']} {f['year']} {f['kind']}: {f['detail']}")
+        if self.report:
+            lines.append(f"  report: {self.report}")
+        return "\n".join(lines)
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and not np.isfinite(x)) else f"{x:.3f}"
+
+
+# ---------------------------------------------------------------- pure statistics
+
+
+def pick_releases(rel: pd.DataFrame) -> pd.DataFrame:
+    """One release per survey and year: the published one when there is one, else the latest
+    recorded (a rejected release is monitored too: that is where drift shows first)."""
+    if rel.empty:
+        return rel
+    r = rel.assign(_pub=(rel["status"] == "published").astype(int))
+    r = r.sort_values(["name", "year", "_pub", "updated"], ascending=[True, True, False, False])
+    return r.drop_duplicates(["name", "year"]).drop(columns="_pub").reset_index(drop=True)
+
+
+def preferred_se(se: pd.DataFrame) -> pd.DataFrame:
+    """Per release, the SE ratios of the first source present in SE_SOURCES (else any)."""
+    if se.empty:
+        return se
+    rank = {s: i for i, s in enumerate(SE_SOURCES)}
+    r = se["source"].map(rank).fillna(len(rank))
+    best = r.groupby(se["release_id"]).transform("min")
+    return se[r == best].reset_index(drop=True)
+
+
+def ratio_distribution(se: pd.DataFrame) -> pd.DataFrame:
+    """Quantiles of SE ratios per survey, year and design-effect class ('all' = every class)."""
+    cols = ["name", "year", "deff_class", "n", "p10", "p25", "median", "p75", "p90", "min", "max"]
+    if se.empty:
+        return pd.DataFrame(columns=cols)
+    s = se[np.isfinite(se["ratio"].astype(float))]
+    both = pd.concat([s, s.assign(deff_class="all")], ignore_index=True)
+    both["deff_class"] = both["deff_class"].fillna("n/a")
+    g = both.groupby(["name", "year", "deff_class"], sort=True)["ratio"]
+    out = g.quantile([0.1, 0.25, 0.5, 0.75, 0.9]).unstack()
+    out.columns = ["p10", "p25", "median", "p75", "p90"]
+    out.insert(0, "n", g.size())
+    out["min"], out["max"] = g.min(), g.max()
+    return out.reset_index()[cols]
+
+
+def default_thresholds() -> dict:
+    """Thresholds of the default spec's gates (used when a release's manifest has none)."""
+    from importlib import resources
+
+    import yaml
+
+    g = yaml.safe_load(resources.files("flows").joinpath("default_spec.yaml").read_text())["gates"]
+    return {k: float(g[f]) for k, f in THRESHOLD_FIELDS.items() if g.get(f) is not None}
+
+
+def _threshold(manifest: dict, key: str, defaults: dict) -> float | None:
+    gates = ((manifest or {}).get("parameters") or {}).get("gates") or {}
+    v = gates.get(THRESHOLD_FIELDS[key])
+    return float(v) if v is not None else defaults.get(key)
+
+
+def release_table(
+    rel: pd.DataFrame, metrics: pd.DataFrame, se: pd.DataFrame, defaults: dict | None = None
+) -> pd.DataFrame:
+    """Per survey and year: median SE ratio, delta, epsilon, identification risk with their
+    thresholds (the release's spec gates when recorded in its manifest, else defaults), and the
+    share of records treated by each stage (columns 'treated:<stage>')."""
+    defaults = defaults or {}
+    rows = []
+    for r in rel.itertuples():
+        m = metrics[metrics["release_id"] == r.release_id].set_index("metric")["value"]
+        row = {
+            "survey": r.name,
+            "year": int(r.year),
+            "release_id": r.release_id,
+            "status": r.status,
+        }
+        s = se[se["release_id"] == r.release_id]["ratio"].astype(float)
+        s = s[np.isfinite(s)]
+        if len(s):
+            row["se_ratio_median"] = float(s.median())
+            row["se_source"] = str(se.loc[se["release_id"] == r.release_id, "source"].iloc[0])
+        else:
+            key = next(
+                (f"{src}.se_ratio_median" for src in SE_SOURCES if f"{src}.se_ratio_median" in m),
+                None,
+            )
+            row["se_ratio_median"] = float(m[key]) if key else np.nan
+            row["se_source"] = key.split(".")[0] if key else None
+        manifest = r.manifest if "manifest" in rel.columns else {}
+        for key, names in METRICS.items():
+            name = next((n for n in names if n in m.index), None)
+            row[key] = float(m[name]) if name is not None and pd.notna(m[name]) else np.nan
+            t = _threshold(manifest, key, defaults)
+            row[f"{key}_max"] = np.nan if t is None else t
+        for metric, value in m.items():
+            hit = TREATED.match(str(metric))
+            if hit and pd.notna(value):
+                row[f"treated:{hit.group('stage')}"] = float(value)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def ratio_changes(se: pd.DataFrame) -> pd.DataFrame:
+    """Year-on-year change of each characteristic's SE ratio within a survey, between consecutive
+    monitored years, on the same source (the first of SE_SOURCES both years have) and the
+    characteristics present in both."""
+    cols = [
+        "survey",
+        "year",
+        "prev_year",
+        "source",
+        "characteristic",
+        "ratio_prev",
+        "ratio",
+        "change",
+    ]
+    if se.empty:
+        return pd.DataFrame(columns=cols)
+    se = se if "source" in se.columns else se.assign(source="swap")
+    out = []
+    for name, g in se.groupby("name", sort=True):
+        years = sorted(g["year"].unique())
+        for prev, cur in zip(years[:-1], years[1:], strict=True):
+            both = set(g.loc[g["year"] == prev, "source"]) & set(g.loc[g["year"] == cur, "source"])
+            order = [s for s in SE_SOURCES if s in both] + sorted(both - set(SE_SOURCES))
+            if not order:
+                continue
+            src = g[g["source"] == order[0]]
+            a = src[src["year"] == prev].set_index("characteristic")["ratio"]
+            b = src[src["year"] == cur].set_index("characteristic")["ratio"]
+            j = pd.concat({"ratio_prev": a, "ratio": b}, axis=1, join="inner").dropna()
+            j["change"] = j["ratio"] - j["ratio_prev"]
+            j = j.reset_index().assign(
+                survey=name, year=int(cur), prev_year=int(prev), source=order[0]
+            )
+            out.append(j)
+    if not out:
+        return pd.DataFrame(columns=cols)
+    return pd.concat(out, ignore_index=True)[cols]
+
+
+def drift_flags(
+    table: pd.DataFrame,
+    changes: pd.DataFrame,
+    band: tuple[float, float] = (0.9, 1.1),
+    max_change: float = 0.1,
+) -> list[dict]:
+    """Flags: median SE ratio outside band; characteristics whose ratio moved more than
+    max_change since the previous year; delta, epsilon or identification risk above threshold."""
+    lo, hi = band
+    flags = []
+
+    def flag(r, kind, value, limit, detail):
+        flags.append(
+            {
+                "survey": r.survey,
+                "year": int(r.year),
+                "release_id": r.release_id,
+                "kind": kind,
+                "value": float(value),
+                "limit": str(limit),
+                "detail": detail,
+            }
+        )
+
+    for r in table.itertuples():
+        med = r.se_ratio_median
+        if np.isfinite(med) and not lo <= med <= hi:
+            flag(
+                r,
+                "se_ratio_median",
+                med,
+                f"[{lo}, {hi}]",
+                f"median SE ratio {med:.3f} outside [{lo}, {hi}]",
+            )
+        for key, label in (
+            ("delta", "delta"),
+            ("epsilon", "epsilon"),
+            ("id_risk", "identification risk"),
+        ):
+            v, t = getattr(r, key), getattr(r, f"{key}_max")
+            if np.isfinite(v) and np.isfinite(t) and v > t:
+                flag(r, key, v, f"<= {t:g}", f"{label} {v:.4f} above threshold {t:g}")
+        if len(changes):
+            c = changes[(changes["survey"] == r.survey) & (changes["year"] == r.year)]
+            big = c[c["change"].abs() > max_change]
+            if len(big):
+                w = big.loc[big["change"].abs().idxmax()]
+                flag(
+                    r,
+                    "se_ratio_change",
+                    float(big["change"].abs().max()),
+                    f"<= {max_change:g}",
+                    f"{len(big)} of {len(c)} characteristics' SE ratios changed by more than "
+                    f"{max_change:g} since {int(w.prev_year)} (largest: {w.characteristic} "
+                    f"{w.ratio_prev:.3f} -> {w.ratio:.3f})",
+                )
+    return flags
+
+
+# ---------------------------------------------------------------- plots and report
+
+
+def _png_b64(fig) -> str:
+    import base64
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def ratio_boxplot(groups: dict[str, pd.DataFrame], title: str, legend: str = "") -> str:
+    """Base64 PNG: SE ratios by original design-effect class, one box per group in each class
+    (frames with columns ratio and deff_class, or deff)."""
+    from sdl_design.utility import DEFF_CLASSES, deff_class
+
+    plt = _plt()
+    classes = [f"({a:g},{b:g}]" for a, b in zip(DEFF_CLASSES[:-1], DEFF_CLASSES[1:], strict=True)]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.8 / max(1, len(groups))
+    cmap = plt.get_cmap("tab10")
+    for k, (label, g) in enumerate(groups.items()):
+        cls = g["deff_class"] if "deff_class" in g else deff_class(g["deff"].to_numpy())
+        cls = np.asarray(cls.astype(str))
+        r = g["ratio"].astype(float).to_numpy()
+        data = [r[(cls == c) & np.isfinite(r)] for c in classes]
+        keep = [i for i, d in enumerate(data) if len(d)]
+        if not keep:
+            continue
+        pos = np.arange(len(classes)) + (k - (len(groups) - 1) / 2) * width
+        bp = ax.boxplot(
+            [data[i] for i in keep],
+            positions=pos[keep],
+            widths=width * 0.9,
+            patch_artist=True,
+            manage_ticks=False,
+        )
+        for b in bp["boxes"]:
+            b.set_facecolor(cmap(k % 10))
+        ax.plot([], [], "s", color=cmap(k % 10), label=str(label))
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(np.arange(len(classes)), classes)
+    ax.set_xlabel("original design effect")
+    ax.set_ylabel("SE ratio (released / original)")
+    ax.set_title(title)
+    ax.legend(title=legend or None, loc="best")
+    fig.tight_layout()
+    return _png_b64(fig)
+
+
+def boxplot_by_year(se: pd.DataFrame, survey: str) -> str:
+    """Base64 PNG: a survey's SE ratios by design-effect class, one box per year."""
+    s = se[se["name"] == survey]
+    groups = {str(y): g for y, g in s.groupby("year", sort=True)}
+    return ratio_boxplot(groups, f"{survey}: SE ratios by design-effect class and year", "year")
+
+
+def trend_plot(table: pd.DataFrame, survey: str) -> str:
+    """Base64 PNG: delta, epsilon, identification risk and median SE ratio by year, thresholds dashed."""
+    plt = _plt()
+    t = table[table["survey"] == survey].sort_values("year")
+    fig, axes = plt.subplots(1, 4, figsize=(12, 3.2))
+    for ax, (key, label) in zip(
+        axes,
+        (
+            ("se_ratio_median", "median SE ratio"),
+            ("delta", "delta"),
+            ("epsilon", "epsilon"),
+            ("id_risk", "identification risk"),
+        ),
+        strict=True,
+    ):
+        ax.plot(t["year"], t[key], "o-")
+        if f"{key}_max" in t and t[f"{key}_max"].notna().any():
+            ax.plot(t["year"], t[f"{key}_max"], "r--", lw=1, label="threshold")
+        ax.set_title(label)
+        ax.set_xticks(t["year"].tolist())
+    fig.tight_layout()
+    return _png_b64(fig)
+
+
+def _html_table(df: pd.DataFrame) -> str:
+    if df is None or df.empty:
+        return "<p><em>none</em></p>"
+    return df.to_html(
+        index=False, border=0, classes="t", float_format=lambda x: f"{x:.4g}", na_rep=""
+    )
+
+
+CSS = (
+    "body{font-family:sans-serif;margin:2em;max-width:1200px}table.t{border-collapse:collapse;"
+    "font-size:13px}table.t td,table.t th{border:1px solid #ccc;padding:3px 6px;text-align:right}"
+    ".flag{color:#b00;font-weight:bold}.ok{color:#070}img{max-width:100%}"
+)
+
+
+def render_monitor_html(
+    table: pd.DataFrame,
+    dist: pd.DataFrame,
+    changes: pd.DataFrame,
+    flags: list[dict],
+    se: pd.DataFrame,
+    params: dict,
+) -> str:
+    from html import escape
+
+    parts = [
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>",
+        f"<title>PUF release monitoring</title><style>{CSS}</style></head><body>",
+        "<h1>PUF release monitoring</h1>",
+        f"<p>Drift band for the median SE ratio {params['band']}, largest allowed year-on-year change of a "
+        f"characteristic's SE ratio {params['max_change']}.</p>",
+        "<h2 id='flags'>Drift flags</h2>",
+    ]
+    if flags:
+        parts.append(
+            "<ul>"
+            + "".join(
+                f"<li class='flag'>{escape(f['survey'])} {f['year']}: {escape(f['detail'])}</li>"
+                for f in flags
+            )
+            + "</ul>"
+        )
+    else:
+        parts.append("<p class='ok'>No drift flag.</p>")
+    parts += ["<h2 id='releases'>Releases monitored</h2>", _html_table(table)]
+    for survey in sorted(table["survey"].unique()) if len(table) else []:
+        parts.append(f"<h2 id='survey-{escape(survey)}'>{escape(survey)}</h2>")
+        parts.append("<h3>SE ratios by design-effect class</h3>")
+        if len(se) and (se["name"] == survey).any():
+            parts.append(
+                f"<img alt='SE ratio box plots {escape(survey)}' src='data:image/png;base64,{boxplot_by_year(se, survey)}'>"
+            )
+        parts.append(_html_table(dist[dist["name"] == survey]))
+        parts.append("<h3>Risk and variance bias by year</h3>")
+        parts.append(
+            f"<img alt='trends {escape(survey)}' src='data:image/png;base64,{trend_plot(table, survey)}'>"
+        )
+        treated = [c for c in table.columns if c.startswith("treated:")]
+        if treated:
+            parts.append("<h3>Share of records treated by stage</h3>")
+            t = table.loc[table["survey"] == survey, ["year", *treated]]
+            parts.append(_html_table(t.rename(columns=lambda c: c.removeprefix("treated:"))))
+        c = changes[changes["survey"] == survey] if len(changes) else changes
+        if len(c):
+            parts.append("<h3>Largest year-on-year changes of SE ratios</h3>")
+            top = c.reindex(c["change"].abs().sort_values(ascending=False).index).head(20)
+            parts.append(_html_table(top))
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _artifact_key(text: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:100] or "all"
+
+
+def post_monitor_artifacts(table: pd.DataFrame, flags: list[dict], survey: str | None) -> None:
+    """Markdown summary and a table artifact (plain Python values: no numpy scalars)."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    key = _artifact_key(f"puf-monitor-{survey or 'all'}")
+    md = [
+        f"# PUF monitoring ({survey or 'all surveys'})",
+        "",
+        f"{len(table)} release(s) monitored, **{len(flags)} drift flag(s)**",
+        "",
+    ]
+    md += [f"- **{f['survey']} {f['year']}** {f['kind']}: {f['detail']}" for f in flags]
+    create_markdown_artifact(key=key, markdown="\n".join(md), description="drift flags")
+    rows = table.astype(object).where(table.notna(), None).to_dict(orient="records")
+    rows = [{k: (v.item() if isinstance(v, np.generic) else v) for k, v in r.items()} for r in rows]
+    create_table_artifact(key=f"{key}-releases", table=rows, description="releases monitored")
+
+
+# ---------------------------------------------------------------- the flow
+
+
+def _default_out_dir(url: str) -> Path:
+    if url.startswith("sqlite"):
+        db = sa_database(url)
+        if db:
+            return Path(db).parent / "monitoring"
+    return Path("releases") / "monitoring"
+
+
+def sa_database(url: str) -> str | None:
+    import sqlalchemy as sa
+
+    return sa.engine.make_url(url).database
+
+
+def monitor(
+    survey: str | None = None,
+    url: str | None = None,
+    out_dir: str | Path | None = None,
+    band: tuple[float, float] = (0.9, 1.1),
+    max_change: float = 0.1,
+    thresholds: dict | None = None,
+) -> MonitorSummary:
+    """The monitoring computation and report, without Prefect (the flow adds artifacts)."""
+    lo, hi = band
+    if not lo < hi:
+        raise ValueError(f"band {band}: give (low, high) with low < high, e.g. (0.9, 1.1)")
+    if max_change <= 0:
+        raise ValueError(f"max_change {max_change}: must be > 0, e.g. 0.1")
+    url = reg._resolve(url)
+    rel = pick_releases(reg.load_releases(url, survey))
+    ids = set(rel["release_id"]) if len(rel) else set()
+    metrics = reg.load_metrics(url, survey)
+    metrics = metrics[metrics["release_id"].isin(ids)]
+    se_all = reg.load_se_ratios(url, survey)
+    se_all = se_all[se_all["release_id"].isin(ids)]
+    se = preferred_se(se_all)
+    table = release_table(rel, metrics, se, {**default_thresholds(), **(thresholds or {})})
+    dist = ratio_distribution(se)
+    changes = ratio_changes(se_all)
+    flags = drift_flags(table, changes, band, max_change) if len(table) else []
+    out = Path(out_dir) if out_dir else _default_out_dir(url)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"monitor-{_artifact_key(survey or 'all')}.html"
+    params = {"band": list(band), "max_change": max_change}
+    path.write_text(render_monitor_html(table, dist, changes, flags, se, params))
+    return MonitorSummary(releases=table, flags=flags, report=path)
+
+
+@flow(name="puf-monitor", log_prints=True)
+def monitor_flow(
+    survey: str | None = None,
+    url: str | None = None,
+    out_dir: str | None = None,
+    gate_on_drift: bool = False,
+    band: tuple[float, float] = (0.9, 1.1),
+    max_change: float = 0.1,
+    thresholds: dict | None = None,
+) -> MonitorSummary:
+    """Monitor the registry's releases (one survey or all): HTML report, Prefect artifacts and
+    drift flags. With gate_on_drift, raises DriftDetected (the run fails) when a flag is up."""
+    summary = monitor(survey, url, out_dir, tuple(band), max_change, thresholds)
+    post_monitor_artifacts(summary.releases, summary.flags, survey)
+    print(str(summary))
+    if gate_on_drift and summary.flags:
+        raise DriftDetected(summary)
+    return summary

@@ -1,0 +1,552 @@
+"""Release registry: releases, metrics, SE ratios and gate results in a real database.
+
+SQLite file by default (`<output_dir>/registry.db`, WAL mode, busy timeout, writers serialized by
+BEGIN IMMEDIATE), PostgreSQL when `PUF_REGISTRY_URL` or an explicit URL names one. The schema is
+created and migrated by versioned DDL steps (MIGRATIONS), each applied once in a transaction and
+recorded in `schema_version`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+ENV_URL = "PUF_REGISTRY_URL"
+STATUSES = ("drafted", "gated", "approved", "published", "rejected", "failed")
+BUSY_TIMEOUT_MS = 60_000
+
+# ---------------------------------------------------------------- schema (current version)
+
+metadata = sa.MetaData()
+
+schema_version = sa.Table(
+    "schema_version",
+    metadata,
+    sa.Column("version", sa.Integer, primary_key=True),
+    sa.Column("description", sa.String(200), nullable=False),
+    sa.Column("applied_at", sa.String(40), nullable=False),
+)
+
+
+def _release_columns() -> list:
+    return [
+        sa.Column("release_id", sa.String(200), primary_key=True),
+        sa.Column("name", sa.String(200), nullable=False),
+        sa.Column("year", sa.Integer, nullable=False),
+        sa.Column("status", sa.String(20), nullable=False),
+        sa.Column("reason", sa.Text),
+        sa.Column("spec_hash", sa.String(64)),
+        sa.Column("input_hash", sa.String(64)),
+        sa.Column("output_hashes", sa.Text),  # JSON {"public/puf.parquet": sha256, ...}
+        sa.Column("approver", sa.String(200)),
+        sa.Column("decision", sa.String(20)),
+        sa.Column("created", sa.String(40), nullable=False),
+        sa.Column("updated", sa.String(40), nullable=False),
+        sa.CheckConstraint(f"status IN {STATUSES}", name="ck_releases_status"),
+    ]
+
+
+releases = sa.Table(
+    "releases",
+    metadata,
+    *_release_columns(),
+    sa.Column("manifest", sa.Text),  # the whole manifest.json (migration 2)
+)
+
+metrics = sa.Table(
+    "metrics",
+    metadata,
+    sa.Column("release_id", sa.String(200), sa.ForeignKey("releases.release_id"), nullable=False),
+    sa.Column("metric", sa.String(200), nullable=False),
+    sa.Column("value", sa.Double),
+    sa.PrimaryKeyConstraint("release_id", "metric"),
+)
+
+se_table = sa.Table(
+    "se_ratios",
+    metadata,
+    sa.Column("release_id", sa.String(200), sa.ForeignKey("releases.release_id"), nullable=False),
+    sa.Column("source", sa.String(50), nullable=False),  # stage: "swap", "final"
+    sa.Column("characteristic", sa.String(300), nullable=False),
+    sa.Column("se_original", sa.Double),
+    sa.Column("se_masked", sa.Double),
+    sa.Column("ratio", sa.Double),
+    sa.Column("deff", sa.Double),
+    sa.Column("deff_class", sa.String(30)),
+    sa.PrimaryKeyConstraint("release_id", "source", "characteristic"),
+)
+
+gates = sa.Table(
+    "gates",
+    metadata,
+    sa.Column("release_id", sa.String(200), sa.ForeignKey("releases.release_id"), nullable=False),
+    sa.Column("seq", sa.Integer, nullable=False),  # order in the manifest (names may repeat)
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("passed", sa.Boolean, nullable=False),
+    sa.Column("value", sa.Double),
+    sa.Column("threshold", sa.Text),
+    sa.PrimaryKeyConstraint("release_id", "seq"),
+)
+
+release_events = sa.Table(  # migration 2: every status a release went through (audit trail)
+    "release_events",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("release_id", sa.String(200), sa.ForeignKey("releases.release_id"), nullable=False),
+    sa.Column("status", sa.String(20), nullable=False),
+    sa.Column("reason", sa.Text),
+    sa.Column("at", sa.String(40), nullable=False),
+)
+
+
+# ---------------------------------------------------------------- versioned migrations
+
+
+def _m1(conn: Connection) -> None:
+    # version 1 had no `manifest` column and no audit trail; created with the v1 shape
+    v1 = sa.MetaData()
+    sa.Table("releases", v1, *_release_columns())
+    for t in (metrics, se_table, gates):
+        t.to_metadata(v1)
+    v1.create_all(conn)
+
+
+def _m2(conn: Connection) -> None:
+    conn.execute(sa.text("ALTER TABLE releases ADD COLUMN manifest TEXT"))
+    release_events.create(conn)
+    conn.execute(sa.text("CREATE INDEX ix_releases_name_year ON releases (name, year)"))
+    conn.execute(sa.text("CREATE INDEX ix_events_release ON release_events (release_id)"))
+
+
+MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
+    (1, "releases, metrics, se_ratios, gates", _m1),
+    (2, "releases.manifest, release_events audit trail, indexes", _m2),
+]
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def migrate(engine: Engine) -> int:
+    """Apply the migrations the database lacks, each in its own transaction; returns the version.
+
+    Safe when several processes start at once: SQLite serializes writers (BEGIN IMMEDIATE),
+    PostgreSQL takes a transaction-level advisory lock.
+    """
+    for version, description, step in MIGRATIONS:
+        with engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(7402017)"))
+            schema_version.create(conn, checkfirst=True)
+            done = conn.execute(
+                sa.select(schema_version.c.version).where(schema_version.c.version == version)
+            ).first()
+            if done:
+                continue
+            step(conn)
+            conn.execute(
+                schema_version.insert().values(
+                    version=version, description=description, applied_at=_now()
+                )
+            )
+    with engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.max(schema_version.c.version))).scalar_one())
+
+
+# ---------------------------------------------------------------- engines
+
+
+def registry_url(output_dir: str | Path | None = None) -> str:
+    """`PUF_REGISTRY_URL` when set, else the SQLite file `<output_dir>/registry.db` (default
+    output_dir: ./releases)."""
+    env = os.environ.get(ENV_URL)
+    if env:
+        return env
+    path = Path(output_dir if output_dir is not None else "releases") / "registry.db"
+    return f"sqlite:///{path.resolve()}"
+
+
+def _resolve(url: str | None, output_dir: str | Path | None = None) -> str:
+    if not url:
+        return registry_url(output_dir)
+    if "://" not in url:  # a plain path: an SQLite file
+        return f"sqlite:///{Path(url).resolve()}"
+    return url
+
+
+_engines: dict[str, Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def _sqlite_engine(url: str) -> Engine:
+    db = sa.engine.make_url(url).database
+    if db and db != ":memory:":
+        Path(db).parent.mkdir(parents=True, exist_ok=True)
+    eng = sa.create_engine(
+        url, connect_args={"timeout": BUSY_TIMEOUT_MS / 1000, "check_same_thread": False}
+    )
+
+    @sa.event.listens_for(eng, "connect")
+    def _on_connect(dbapi_conn, _record):  # noqa: ANN001
+        dbapi_conn.isolation_level = None  # let us issue BEGIN ourselves (pysqlite quirk)
+        cur = dbapi_conn.cursor()
+        cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA journal_mode = WAL")
+        cur.execute("PRAGMA synchronous = NORMAL")
+        cur.execute("PRAGMA foreign_keys = ON")
+        cur.close()
+
+    @sa.event.listens_for(eng, "begin")
+    def _on_begin(conn):  # noqa: ANN001
+        conn.exec_driver_sql("BEGIN IMMEDIATE")  # take the write lock up front: no deadlocks
+
+    return eng
+
+
+def get_engine(url: str | None = None, output_dir: str | Path | None = None) -> Engine:
+    """The (cached, migrated) engine of a registry URL."""
+    url = _resolve(url, output_dir)
+    with _engines_lock:
+        eng = _engines.get(url)
+        if eng is None:
+            if url.startswith("sqlite"):
+                eng = _sqlite_engine(url)
+            else:
+                drv = url
+                if drv.startswith(("postgresql://", "postgres://")):  # psycopg 3 is the driver
+                    drv = "postgresql+psycopg://" + drv.split("://", 1)[1]
+                eng = sa.create_engine(drv, pool_pre_ping=True)
+            migrate(eng)
+            _engines[url] = eng
+    return eng
+
+
+def dispose_engines() -> None:
+    """Close every pooled connection (tests; before a fork)."""
+    with _engines_lock:
+        for eng in set(_engines.values()):
+            eng.dispose()
+        _engines.clear()
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _num(v: Any) -> float | None:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _first(frame: pd.DataFrame, *names: str) -> pd.Series | None:
+    for n in names:
+        if n in frame.columns:
+            return frame[n]
+    return None
+
+
+def normalize_se_ratios(frame: pd.DataFrame) -> pd.DataFrame:
+    """The contract's SE-ratio columns (characteristic, se_original, se_masked, ratio, deff,
+    deff_class) from a stage table; `variable` + `domain` name the characteristic when there is
+    no `characteristic` column, and deff_class is derived from deff when missing."""
+    from sdl_design.utility import deff_class
+
+    f = frame.reset_index(drop=True)
+    ch = _first(f, "characteristic")
+    if ch is None:
+        var = _first(f, "variable")
+        if var is None:
+            raise ValueError(
+                "se_ratios table: needs a 'characteristic' column (or 'variable' and 'domain')"
+            )
+        ch = var.astype(str)
+        dom = _first(f, "domain")
+        if dom is not None:
+            d = dom.astype(str)
+            ch = ch.where(d.isin(["all", "", "nan", "None"]), ch + " | " + d)
+    if "ratio" not in f.columns:
+        raise ValueError("se_ratios table: needs a 'ratio' column (SE masked / SE original)")
+    out = pd.DataFrame(
+        {
+            "characteristic": ch.astype(str),
+            "se_original": pd.to_numeric(
+                _first(f, "se_original", "se_orig", "se0"), errors="coerce"
+            )
+            if _first(f, "se_original", "se_orig", "se0") is not None
+            else np.nan,
+            "se_masked": pd.to_numeric(_first(f, "se_masked", "se1"), errors="coerce")
+            if _first(f, "se_masked", "se1") is not None
+            else np.nan,
+            "ratio": pd.to_numeric(f["ratio"], errors="coerce"),
+            "deff": pd.to_numeric(f["deff"], errors="coerce") if "deff" in f else np.nan,
+        }
+    )
+    if "deff_class" in f.columns:
+        out["deff_class"] = f["deff_class"].astype("string")
+    else:
+        out["deff_class"] = deff_class(out["deff"].to_numpy()).astype("string")
+    return out.drop_duplicates("characteristic", keep="first").reset_index(drop=True)
+
+
+def _rows(frame: pd.DataFrame) -> list[dict]:
+    rows = frame.astype(object).where(frame.notna(), None).to_dict(orient="records")
+    for r in rows:
+        for k, v in r.items():
+            if isinstance(v, float | np.floating):
+                r[k] = _num(v)
+    return rows
+
+
+def _json(obj: Any) -> str:
+    from flows.publish import _json_default
+
+    return json.dumps(obj, default=_json_default)
+
+
+def record_release(
+    manifest: dict,
+    se_ratios: dict[str, pd.DataFrame] | None = None,
+    url: str | None = None,
+    output_dir: str | Path | None = None,
+) -> str:
+    """Insert or update (by release_id) a release, its metrics, gates and SE ratios; one
+    transaction. Every call also appends the status to the release's audit trail, so a release
+    that fails after being drafted keeps its history. Returns the release_id."""
+    rel = manifest.get("release") or {}
+    missing = [k for k in ("release_id", "name", "year") if rel.get(k) in (None, "")]
+    if missing:
+        raise ValueError(f"manifest['release'] lacks {missing}: see the manifest contract")
+    status = manifest.get("status") or "drafted"
+    if status not in STATUSES:
+        raise ValueError(f"manifest['status']={status!r}: must be one of {STATUSES}")
+    rid = str(rel["release_id"])
+    hashes = manifest.get("hashes") or {}
+    approval = manifest.get("approval") or {}
+    now = _now()
+    row = {
+        "release_id": rid,
+        "name": str(rel["name"]),
+        "year": int(rel["year"]),
+        "status": status,
+        "reason": manifest.get("reason"),
+        "spec_hash": hashes.get("spec"),
+        "input_hash": hashes.get("input"),
+        "output_hashes": _json(hashes.get("outputs") or {}),
+        "approver": approval.get("approver"),
+        "decision": approval.get("decision"),
+        "created": str(rel.get("created") or now),
+        "updated": now,
+        "manifest": _json(manifest),
+    }
+    metric_rows = [
+        {"release_id": rid, "metric": str(k), "value": _num(v)}
+        for k, v in (manifest.get("metrics") or {}).items()
+    ]
+    gate_rows = [
+        {
+            "release_id": rid,
+            "seq": i,
+            "name": str(g.get("name")),
+            "passed": bool(g.get("passed")),
+            "value": _num(g.get("value")),
+            "threshold": None if g.get("threshold") is None else str(g.get("threshold")),
+        }
+        for i, g in enumerate(manifest.get("gates") or [])
+    ]
+    se_rows: list[dict] = []
+    for source, frame in (se_ratios or {}).items():
+        if frame is None or len(frame) == 0:
+            continue
+        t = normalize_se_ratios(frame)
+        t.insert(0, "source", str(source))
+        t.insert(0, "release_id", rid)
+        se_rows += _rows(t)
+
+    eng = get_engine(url, output_dir)
+    if eng.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    with eng.begin() as conn:
+        # upsert first: it locks the release row, so concurrent writers of one release serialize
+        ins = insert(releases).values(**row)
+        keep = {k: ins.excluded[k] for k in row if k not in ("release_id", "created")}
+        conn.execute(ins.on_conflict_do_update(index_elements=["release_id"], set_=keep))
+        conn.execute(
+            release_events.insert().values(
+                release_id=rid, status=status, reason=row["reason"], at=now
+            )
+        )
+        for table, rows, replace in (
+            (metrics, metric_rows, True),
+            (gates, gate_rows, True),
+            (se_table, se_rows, bool(se_ratios)),
+        ):
+            if replace:
+                sources = {r["source"] for r in rows} if table is se_table else None
+                q = table.delete().where(table.c.release_id == rid)
+                if sources:
+                    q = q.where(table.c.source.in_(sources))
+                conn.execute(q)
+            if rows:
+                conn.execute(table.insert(), rows)
+    return rid
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _frame(conn: Connection, query) -> pd.DataFrame:
+    res = conn.execute(query)
+    return pd.DataFrame(res.fetchall(), columns=list(res.keys()))
+
+
+def list_releases(url: str | None = None, survey: str | None = None) -> pd.DataFrame:
+    """One row per release (newest year first): id, name, year, status, reason, approver,
+    timestamps and gate counts."""
+    eng = get_engine(url)
+    r, g = releases, gates
+    counts = (
+        sa.select(
+            g.c.release_id,
+            sa.func.count().label("gates"),
+            sa.func.sum(sa.case((g.c.passed, 1), else_=0)).label("gates_passed"),
+        )
+        .group_by(g.c.release_id)
+        .subquery()
+    )
+    q = (
+        sa.select(
+            r.c.release_id,
+            r.c.name,
+            r.c.year,
+            r.c.status,
+            r.c.reason,
+            r.c.approver,
+            r.c.created,
+            r.c.updated,
+            sa.func.coalesce(counts.c.gates, 0).label("gates"),
+            sa.func.coalesce(counts.c.gates_passed, 0).label("gates_passed"),
+        )
+        .select_from(r.outerjoin(counts, counts.c.release_id == r.c.release_id))
+        .order_by(r.c.name, r.c.year.desc(), r.c.updated.desc())
+    )
+    if survey:
+        q = q.where(r.c.name == survey)
+    with eng.connect() as conn:
+        df = _frame(conn, q)
+    for c in ("year", "gates", "gates_passed"):
+        df[c] = df[c].astype("int64")
+    return df
+
+
+class ReleaseNotFound(KeyError):
+    """No release with this id in the registry."""
+
+
+def show_release(release_id: str, url: str | None = None) -> dict:
+    """A release's record with its metrics (dict), gates (list), SE-ratio counts by source and
+    status history."""
+    eng = get_engine(url)
+    with eng.connect() as conn:
+        row = (
+            conn.execute(sa.select(releases).where(releases.c.release_id == release_id))
+            .mappings()
+            .first()
+        )
+        if row is None:
+            known = conn.execute(
+                sa.select(releases.c.release_id).order_by(releases.c.updated.desc()).limit(5)
+            ).scalars()
+            raise ReleaseNotFound(
+                f"release {release_id!r} is not in the registry {eng.url!r}; "
+                f"recent ids: {list(known)} (`puf releases` lists them all)"
+            )
+        out = {k: v for k, v in row.items() if k != "manifest"}
+        out["output_hashes"] = json.loads(out["output_hashes"] or "{}")
+        mq = (
+            sa.select(metrics.c.metric, metrics.c.value)
+            .where(metrics.c.release_id == release_id)
+            .order_by(metrics.c.metric)
+        )
+        out["metrics"] = {r.metric: r.value for r in conn.execute(mq)}
+        gq = (
+            sa.select(gates.c.name, gates.c.passed, gates.c.value, gates.c.threshold)
+            .where(gates.c.release_id == release_id)
+            .order_by(gates.c.seq)
+        )
+        out["gates"] = [dict(r) for r in conn.execute(gq).mappings()]
+        sq = (
+            sa.select(se_table.c.source, sa.func.count().label("n"))
+            .where(se_table.c.release_id == release_id)
+            .group_by(se_table.c.source)
+        )
+        out["se_ratios"] = {r.source: int(r.n) for r in conn.execute(sq)}
+        hq = (
+            sa.select(release_events.c.status, release_events.c.reason, release_events.c.at)
+            .where(release_events.c.release_id == release_id)
+            .order_by(release_events.c.id)
+        )
+        out["history"] = [dict(r) for r in conn.execute(hq).mappings()]
+    return out
+
+
+def read_manifest(release_id: str, url: str | None = None) -> dict:
+    """The manifest stored with a release."""
+    with get_engine(url).connect() as conn:
+        text = conn.execute(
+            sa.select(releases.c.manifest).where(releases.c.release_id == release_id)
+        ).scalar_one_or_none()
+    if text is None:
+        raise ReleaseNotFound(f"release {release_id!r} is not in the registry")
+    return json.loads(text)
+
+
+def load_metrics(url: str | None = None, survey: str | None = None) -> pd.DataFrame:
+    """Long table of every release's metrics: release_id, name, year, status, metric, value."""
+    r, m = releases, metrics
+    q = sa.select(r.c.release_id, r.c.name, r.c.year, r.c.status, m.c.metric, m.c.value).join(
+        m, m.c.release_id == r.c.release_id
+    )
+    if survey:
+        q = q.where(r.c.name == survey)
+    with get_engine(url).connect() as conn:
+        return _frame(conn, q.order_by(r.c.name, r.c.year, m.c.metric))
+
+
+def load_se_ratios(url: str | None = None, survey: str | None = None) -> pd.DataFrame:
+    """Every release's SE ratios with the release's name, year and status."""
+    r, s = releases, se_table
+    q = sa.select(r.c.name, r.c.year, r.c.status, *[c for c in s.columns]).join(
+        s, s.c.release_id == r.c.release_id
+    )
+    if survey:
+        q = q.where(r.c.name == survey)
+    with get_engine(url).connect() as conn:
+        return _frame(conn, q.order_by(r.c.name, r.c.year, s.c.source, s.c.characteristic))
+
+
+def load_releases(url: str | None = None, survey: str | None = None) -> pd.DataFrame:
+    """releases rows with their parsed manifests (column `manifest` holds dicts)."""
+    q = sa.select(releases)
+    if survey:
+        q = q.where(releases.c.name == survey)
+    with get_engine(url).connect() as conn:
+        df = _frame(conn, q.order_by(releases.c.name, releases.c.year))
+    df["manifest"] = [json.loads(t) if t else {} for t in df["manifest"]]
+    return df

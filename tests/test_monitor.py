@@ -1,0 +1,230 @@
+"""Monitoring: statistics on hand-made registries, drift flags, the HTML report, and the flow."""
+
+from __future__ import annotations
+
+import base64
+from html.parser import HTMLParser
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from flows import monitor as mon
+from flows import registry as reg
+
+DEFF = np.repeat([0.6, 1.5, 3.0, 8.0], 10)  # ten characteristics in each design-effect class
+
+
+def se_table(seed: int, distort: bool = False) -> pd.DataFrame:
+    """SE ratios of a well-masked release (ratio ~ 1 +- 2%); with distort, the masking ignored
+    the design (segments reassigned at random), so clustering is lost: SE_masked ~ SE_srs and the
+    ratio ~ 1/sqrt(deff)."""
+    rng = np.random.default_rng(seed)
+    se0 = rng.uniform(0.5, 2.0, len(DEFF))
+    ratio = 1.0 / np.sqrt(DEFF) if distort else 1.0 + rng.normal(0, 0.02, len(DEFF))
+    return pd.DataFrame(
+        {
+            "characteristic": [f"x{i}" for i in range(len(DEFF))],
+            "se_original": se0,
+            "se_masked": se0 * ratio,
+            "ratio": ratio,
+            "deff": DEFF,
+        }
+    )
+
+
+def manifest(
+    year: int, seed: int, status="published", delta=0.10, name="default-survey", gates=None
+):
+    m = {
+        "release": {
+            "name": name,
+            "year": year,
+            "release_id": f"{name}-{year}-{seed:08x}",
+            "created": f"{year}-02-01T06:00:00",
+        },
+        "status": status,
+        "reason": None,
+        "hashes": {"spec": "s", "input": str(seed), "outputs": {}},
+        "parameters": {"release": {"seed": seed}},
+        "metrics": {
+            "massc.delta": delta,
+            "massc.epsilon": 0.05,
+            "prb.max_risk": 0.38,
+            "swap.share_swapped": 0.25,
+            "massc.share_substituted": 0.04,
+            "risk.unique_share": 0.3,  # a risk measure, not a treated share
+        },
+        "gates": [],
+        "approval": {"approver": "dora", "decision": "approved"},
+    }
+    if gates is not None:
+        m["parameters"]["gates"] = gates
+    return m
+
+
+@pytest.fixture
+def url(tmp_path, monkeypatch):
+    monkeypatch.delenv(reg.ENV_URL, raising=False)
+    u = reg.registry_url(tmp_path)
+    # two releases of the default survey: two years, different seeds, both well masked
+    reg.record_release(manifest(2025, 11), {"swap": se_table(11)}, url=u)
+    reg.record_release(manifest(2026, 22), {"swap": se_table(22), "final": se_table(23)}, url=u)
+    return u
+
+
+class Parsed(HTMLParser):
+    def __init__(self, text):
+        super().__init__()
+        self.ids, self.imgs = [], []
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if "id" in a:
+            self.ids.append(a["id"])
+        if tag == "img":
+            self.imgs.append(a)
+
+
+# ---------------------------------------------------------------- pure functions
+
+
+def test_ratio_distribution_matches_numpy():
+    se = se_table(1).assign(name="s", year=2025, release_id="r", source="swap")
+    se["deff_class"] = np.where(se["deff"] > 5, "(5,25]", "low")
+    d = mon.ratio_distribution(se).set_index(["deff_class"])
+    r = se["ratio"].to_numpy()
+    assert d.loc["all", "n"] == 40
+    assert d.loc["all", "median"] == pytest.approx(np.median(r))
+    assert d.loc["all", "p10"] == pytest.approx(np.quantile(r, 0.1))
+    hi = r[se["deff"] > 5]
+    assert d.loc["(5,25]", "p75"] == pytest.approx(np.quantile(hi, 0.75))
+    assert d.loc["(5,25]", "max"] == pytest.approx(hi.max())
+
+
+def test_pick_releases_prefers_published():
+    rel = pd.DataFrame(
+        {
+            "release_id": ["a", "b", "c", "d"],
+            "name": ["s"] * 4,
+            "year": [2025, 2025, 2026, 2026],
+            "status": ["published", "rejected", "rejected", "failed"],
+            "updated": ["2025-01", "2025-06", "2026-01", "2026-02"],
+        }
+    )
+    assert mon.pick_releases(rel)["release_id"].tolist() == ["a", "d"]
+
+
+def test_changes_and_flags():
+    a, b = se_table(1), se_table(2)
+    b.loc[3, "ratio"] = a.loc[3, "ratio"] + 0.25  # one characteristic jumps
+    se = pd.concat([a.assign(year=2025), b.assign(year=2026)]).assign(name="s")
+    ch = mon.ratio_changes(se)
+    assert (ch["source"] == "swap").all()
+    assert len(ch) == 40 and (ch["prev_year"] == 2025).all()
+    expect = b["ratio"].to_numpy() - a["ratio"].to_numpy()
+    assert np.allclose(
+        ch.sort_values("characteristic", key=lambda c: c.str[1:].astype(int))["change"], expect
+    )
+    n_big = int((np.abs(expect) > 0.1).sum())
+    table = pd.DataFrame(
+        {
+            "survey": ["s", "s"],
+            "year": [2025, 2026],
+            "release_id": ["r1", "r2"],
+            "se_ratio_median": [1.0, 1.12],
+            "delta": [0.2, 0.3],
+            "delta_max": [0.25, 0.25],
+            "epsilon": [0.1, np.nan],
+            "epsilon_max": [0.15, 0.15],
+            "id_risk": [0.39, 0.40],
+            "id_risk_max": [0.395, 0.395],
+        }
+    )
+    flags = mon.drift_flags(table, ch, band=(0.9, 1.1), max_change=0.1)
+    kinds = {(f["year"], f["kind"]) for f in flags}
+    assert kinds == {
+        (2026, "se_ratio_median"),
+        (2026, "delta"),
+        (2026, "id_risk"),
+        (2026, "se_ratio_change"),
+    }
+    change = next(f for f in flags if f["kind"] == "se_ratio_change")
+    assert change["detail"].startswith(f"{n_big} of 40") and "x3" in change["detail"]
+    assert change["value"] == pytest.approx(np.abs(expect).max())
+    # a wider band and a larger allowed change: only the thresholds remain
+    flags = mon.drift_flags(table, ch, band=(0.8, 1.25), max_change=0.5)
+    assert {f["kind"] for f in flags} == {"delta", "id_risk"}
+
+
+# ---------------------------------------------------------------- on a registry
+
+
+def test_two_releases_no_drift_then_injected_drift(url, tmp_path):
+    s = mon.monitor(url=url, out_dir=tmp_path / "m")
+    assert s.releases["year"].tolist() == [2025, 2026] and s.flags == [] and s.status == 0
+    r26 = s.releases.set_index("year").loc[2026]
+    assert r26["se_source"] == "final"  # the end-to-end ratios are preferred to the swap's
+    assert r26["se_ratio_median"] == pytest.approx(np.median(se_table(23)["ratio"]))
+    assert r26["treated:swap"] == 0.25 and r26["treated:massc"] == 0.04
+    assert "treated:risk" not in s.releases.columns
+    assert r26["delta_max"] == 0.25  # the default spec's gate when the manifest has none
+
+    # 2027: masking that ignores the design (SEs shrink to SRS) and a delta above its gate
+    reg.record_release(
+        manifest(2027, 33, status="rejected", delta=0.31),
+        {"swap": se_table(33, distort=True)},
+        url=url,
+    )
+    s = mon.monitor(url=url, out_dir=tmp_path / "m")
+    assert s.releases["year"].tolist() == [2025, 2026, 2027] and s.status == 1
+    flags = {f["kind"]: f for f in s.flags}
+    assert {f["year"] for f in s.flags} == {2027}
+    assert set(flags) == {"se_ratio_median", "se_ratio_change", "delta"}
+    assert flags["se_ratio_median"]["value"] == pytest.approx(np.median(1 / np.sqrt(DEFF)))
+    assert flags["delta"]["value"] == pytest.approx(0.31)
+    # report: every survey section, both plots, flags listed
+    p = Parsed(s.report.read_text())
+    assert {"flags", "releases", "survey-default-survey"} <= set(p.ids)
+    assert len(p.imgs) == 2
+    for img in p.imgs:
+        assert base64.b64decode(img["src"].split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "median SE ratio 0.6" in s.report.read_text()
+    # thresholds recorded with a release override the defaults
+    reg.record_release(
+        manifest(2028, 44, delta=0.31, gates={"delta_max": 0.4, "epsilon_max": 0.15, "xi": 0.395}),
+        {"swap": se_table(33, distort=True)},
+        url=url,
+    )
+    s = mon.monitor(url=url, out_dir=tmp_path / "m")
+    assert not [f for f in s.flags if f["year"] == 2028 and f["kind"] == "delta"]
+    assert s.releases.set_index("year").loc[2028, "delta_max"] == 0.4
+
+
+def test_survey_filter_and_empty(tmp_path, monkeypatch, url):
+    reg.record_release(manifest(2026, 5, name="other"), {"swap": se_table(5)}, url=url)
+    s = mon.monitor(survey="other", url=url, out_dir=tmp_path)
+    assert s.releases["survey"].unique().tolist() == ["other"]
+    empty = reg.registry_url(tmp_path / "empty")
+    s = mon.monitor(url=empty, out_dir=tmp_path)
+    assert len(s.releases) == 0 and s.flags == [] and "0 release(s)" in str(s)
+    with pytest.raises(ValueError, match="band"):
+        mon.monitor(url=empty, band=(1.1, 0.9))
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_monitor_flow_artifacts_and_gate(url, tmp_path):
+    from prefect.artifacts import Artifact
+
+    s = mon.monitor_flow(url=url, out_dir=str(tmp_path), gate_on_drift=True)
+    assert s.flags == [] and s.report.is_file()
+    art = Artifact.get("puf-monitor-all-releases")
+    import json
+
+    rows = json.loads(art.data)
+    assert [r["year"] for r in rows] == [2025, 2026]
+    reg.record_release(manifest(2027, 33), {"swap": se_table(33, distort=True)}, url=url)
+    with pytest.raises(mon.DriftDetected, match="median SE ratio"):
+        mon.monitor_flow(url=url, out_dir=str(tmp_path), gate_on_drift=True)
+    assert "2027" in Artifact.get("puf-monitor-all").data

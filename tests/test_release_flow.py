@@ -1,0 +1,184 @@
+"""The release flow end to end on a small default survey: publish, reproducibility, failures, approval."""
+
+import json
+import threading
+import time
+
+import pandas as pd
+import pytest
+import yaml
+
+from expectations.suites import GateFailed
+from flows.cli import main as puf
+from flows.cli import write_demo_spec
+from flows.publish import sha256_file
+from flows.release import ReleaseRejected, release_flow
+
+pytestmark = pytest.mark.usefixtures("prefect_server")
+
+N = 4000
+
+
+def small_spec(tmp_path, **changes):
+    """The default spec on a small generated survey, with fast stage settings."""
+    path = write_demo_spec(tmp_path, n_persons=N)
+    data = yaml.safe_load(path.read_text())
+    if data["stages"].get("massc"):
+        data["stages"]["massc"]["replications"] = 4
+    for dotted, value in changes.items():
+        node = data
+        *head, last = dotted.split(".")
+        for h in head:
+            node = node[h]
+        node[last] = value
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def folder(path):
+    data = yaml.safe_load(path.read_text())
+    return path.parent / data["release"]["name"] / str(data["release"]["year"])
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    path = small_spec(tmp_path_factory.mktemp("rel"))
+    manifest = release_flow(spec_path=str(path), approve="tester")
+    return path, manifest
+
+
+def test_published_release(published):
+    path, manifest = published
+    out = folder(path)
+    assert manifest["status"] == "published"
+    assert manifest["approval"]["approver"] == "tester"
+    assert all(g["passed"] for g in manifest["gates"]) and len(manifest["gates"]) >= 10
+    public = sorted(p.name for p in (out / "public").iterdir())
+    assert public == ["README.md", "codebook.csv", "puf.csv", "puf.parquet"]
+    puf_df = pd.read_parquet(out / "public" / "puf.parquet")
+    for col in ("person_id", "name", "household", "segment"):
+        assert col not in puf_df.columns
+    assert (puf_df["wt"] > 0).all()
+    on_disk = json.loads((out / "internal" / "manifest.json").read_text())
+    assert on_disk["hashes"]["outputs"]["public/puf.parquet"] == sha256_file(out / "public" / "puf.parquet")
+    assert (out / "internal" / "report.html").stat().st_size > 1000
+    assert (out / "internal" / "gates.csv").is_file()
+    # the seed never reaches public/
+    seed = str(yaml.safe_load(path.read_text())["release"]["seed"])
+    for f in (out / "public").iterdir():
+        assert seed not in f.read_bytes().decode("utf-8", "ignore"), f.name
+
+
+def test_same_spec_same_bytes(published, tmp_path):
+    path, manifest = published
+    again = tmp_path / "again"
+    again.mkdir()
+    copy = again / "default_spec.yaml"
+    (again / "input").mkdir()
+    (again / "input" / "default_survey.parquet").write_bytes(
+        (path.parent / "input" / "default_survey.parquet").read_bytes()
+    )
+    copy.write_text(path.read_text())
+    m2 = release_flow(spec_path=str(copy), approve="tester")
+    assert m2["hashes"]["outputs"] == manifest["hashes"]["outputs"]
+    assert m2["release"]["release_id"] == manifest["release"]["release_id"]
+
+
+def test_edit_failure_publishes_nothing(tmp_path):
+    path = small_spec(tmp_path)
+    inp = tmp_path / "input" / "default_survey.parquet"
+    df = pd.read_parquet(inp)
+    kids = df.index[df.age < 15][:3]
+    df.loc[kids, "marital"] = "married"
+    df.to_parquet(inp, index=False)
+    with pytest.raises(GateFailed) as ei:
+        release_flow(spec_path=str(path), approve="tester")
+    msg = str(ei.value)
+    assert "marital in ['never_married'] when age < 15: 3 records fail" in msg
+    for pid in df.loc[kids, "person_id"]:
+        assert pid in msg
+    out = folder(path)
+    assert not (out / "public").exists()
+    manifest = json.loads((out / "internal" / "manifest.json").read_text())
+    assert manifest["status"] == "rejected" and manifest["hashes"]["outputs"] == {}
+
+
+def test_failed_gate_publishes_nothing(tmp_path):
+    path = small_spec(tmp_path, **{"gates.xi": 0.34})
+    with pytest.raises(GateFailed, match="identification"):
+        release_flow(spec_path=str(path), approve="tester")
+    out = folder(path)
+    assert not (out / "public").exists()
+    manifest = json.loads((out / "internal" / "manifest.json").read_text())
+    assert manifest["status"] == "rejected"
+    failed = [g for g in manifest["gates"] if not g["passed"]]
+    assert failed and all(g["value"] > 0.34 for g in failed)
+
+
+def _paused_run_id():
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    with get_client(sync_client=True) as c:
+        runs = c.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED]))
+            )
+        )
+    return runs[0].id if runs else None
+
+
+@pytest.mark.parametrize("approved", [True, False])
+def test_approval_pause_and_resume(tmp_path, approved):
+    from prefect.flow_runs import resume_flow_run
+
+    path = small_spec(tmp_path, **{"stages.massc": None, "stages.prb": None, "stages.swap": None})
+    box = {}
+
+    def run():
+        try:
+            box["manifest"] = release_flow(spec_path=str(path), approval_poll_s=1)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            box["error"] = e
+
+    th = threading.Thread(target=run)
+    th.start()
+    run_id = None
+    for _ in range(240):
+        run_id = _paused_run_id()
+        if run_id or not th.is_alive():
+            break
+        time.sleep(0.5)
+    assert run_id is not None, box
+    resume_flow_run(run_id, run_input={"approved": approved, "approver": "board", "comment": "ok"})
+    th.join(120)
+    out = folder(path)
+    manifest = json.loads((out / "internal" / "manifest.json").read_text())
+    assert manifest["approval"]["approver"] == "board"
+    if approved:
+        assert box["manifest"]["status"] == "published" and (out / "public" / "puf.parquet").is_file()
+    else:
+        assert isinstance(box["error"], ReleaseRejected)
+        assert manifest["status"] == "rejected" and not (out / "public").exists()
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    path = small_spec(tmp_path)
+    assert puf(["validate", str(path)]) == 0
+    assert "valid; 4000 records" in capsys.readouterr().out
+    bad = yaml.safe_load(path.read_text())
+    bad["variables"]["keys"][1] = "sexx"
+    bad["stages"]["prb"]["xi"] = 0.7
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    assert puf(["run", str(tmp_path / "bad.yaml"), "--approve", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "stages.prb.xi" in err
+    bad["stages"]["prb"]["xi"] = 0.395
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    assert puf(["validate", str(tmp_path / "bad.yaml")]) == 2
+    assert "variables.keys[1]: column 'sexx' is not in the input file" in capsys.readouterr().err
