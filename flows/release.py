@@ -14,6 +14,7 @@ import pandas as pd
 from prefect import flow
 from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
+from prefect.utilities.annotations import quote
 
 from expectations.suites import GateFailed
 from flows import publish as pub
@@ -189,7 +190,7 @@ def release_flow(
     step = 1
     _progress(step, total, "load")
     t0 = time.perf_counter()
-    original, input_hash = load_task(spec)
+    original, input_hash = load_task(quote(spec))
     _progress(step, total, "load", t0)
     manifest = _new_manifest(spec, _spec_hash(spec_path), input_hash)
     manifest["counts"]["n_input"] = len(original)
@@ -197,7 +198,7 @@ def release_flow(
     try:
         step += 1
         _progress(step, total, "edit validation")
-        edits = edits_task(original, spec)
+        edits = edits_task(quote(original), quote(spec))
         if not edits["passed"].all():
             _finish(
                 spec, manifest, outputs, edits, "rejected", "edit validation failed on the input"
@@ -212,9 +213,9 @@ def release_flow(
             module, attr = next((m, a) for n, m, a in STAGES if n == name)
             task = _stage_task(module, attr)
             if name in ("massc", "final"):
-                out = task(df, spec, spec.release.seed, original)
+                out = task(quote(df), quote(spec), spec.release.seed, quote(original))
             else:
-                out = task(df, spec, spec.release.seed)
+                out = task(quote(df), quote(spec), spec.release.seed)
             outputs.append(out)
             _absorb(manifest, out)
             df = out.data
@@ -228,7 +229,7 @@ def release_flow(
         replicate_cols = spec.replicate_columns(puf)
         manifest["counts"]["n_output"] = len(puf)
         gate_rows = [g for o in outputs for g in o.gates]
-        gates = gates_task(puf, spec, gate_rows, replicate_cols, masked)
+        gates = gates_task(quote(puf), quote(spec), gate_rows, replicate_cols, masked)
         if not gates["passed"].all():
             _finish(spec, manifest, outputs, gates, "rejected", "gates failed")
             raise GateFailed("release gates failed; nothing was published", gates)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -54,3 +55,204 @@ def rrmse(estimates: np.ndarray, truth: np.ndarray) -> np.ndarray:
     est = np.atleast_2d(np.asarray(estimates, dtype=float))
     t = np.asarray(truth, dtype=float)
     return np.sqrt(((est - t) ** 2).mean(axis=0)) / np.abs(t)
+
+
+# ---------------------------------------------------------------- SE ratios (paper 003, Table 1)
+
+DEFF_CLASSES = (0.1, 1.0, 2.0, 5.0, 25.0)  # (0.1, 1], (1, 2], (2, 5], (5, 25]
+
+
+def deff_class(deff: pd.Series | np.ndarray, edges: Sequence[float] = DEFF_CLASSES) -> pd.Series:
+    """Design-effect class labels '(0.1,1]', '(1,2]', '(2,5]', '(5,25]' (NaN outside)."""
+    labels = [f"({a:g},{b:g}]" for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    return pd.cut(pd.Series(np.asarray(deff, dtype=float)), list(edges), labels=labels)
+
+
+def deff_class_summary(
+    ratio: pd.Series | np.ndarray,
+    deff: pd.Series | np.ndarray,
+    edges: Sequence[float] = DEFF_CLASSES,
+) -> pd.DataFrame:
+    """Distribution of SE ratios by original design-effect class, as the paper's Table 1.
+
+    Rows: count, mean, 100%, 90%, 75%, 50%, 25%, 10%, 0%, IQR, range; one column per class
+    plus 'overall' (characteristics whose deff falls outside the classes count only overall).
+    """
+    r = pd.Series(np.asarray(ratio, dtype=float))
+    cls = deff_class(deff, edges)
+    ok = r.notna()
+    cols = {str(c): r[ok & (cls == c)] for c in cls.cat.categories}
+    cols["overall"] = r[ok]
+    rows = ["count", "mean", "100%", "90%", "75%", "50%", "25%", "10%", "0%", "IQR", "range"]
+    out = pd.DataFrame(index=rows, columns=list(cols), dtype=float)
+    for name, v in cols.items():
+        x = v.to_numpy()
+        if len(x) == 0:
+            out.loc["count", name] = 0.0
+            continue
+        p = np.percentile(x, [100, 90, 75, 50, 25, 10, 0])
+        out[name] = [len(x), x.mean(), *p, p[2] - p[4], p[0] - p[6]]
+    return out
+
+
+@dataclass
+class Characteristics:
+    """A broad set of characteristics for SE checks: means of numeric/binary variables,
+    proportions of every category (0/1 indicator columns), and domain means."""
+
+    extra: pd.DataFrame  # indicator and domain columns to add to the data frame
+    overall: list[str]  # estimated on the whole sample
+    domain_vars: list[str]  # estimated within each domain
+    domains: list[str]  # columns of extra that define domains
+    kinds: dict[str, str]  # variable -> "mean" | "proportion"
+
+
+def broad_characteristics(
+    df: pd.DataFrame,
+    design: dict | None = None,
+    exclude: Sequence[str] = (),
+    max_categories: int = 30,
+    sex: str | None = "sex",
+    age: str | None = "age",
+    age_bins: Sequence[float] = (0, 18, 45, 65, np.inf),
+) -> Characteristics:
+    """Every numeric and binary variable, every category of the categorical ones (up to
+    max_categories), and domain means by sex, age group and sex x age group.
+
+    design: the dict of `sdl_design.swap.design_columns`; its columns (weight, strata, PSU,
+    segment, replicate weights) are left out, as are exclude and constant columns.
+    """
+    skip = set(exclude)
+    if design:
+        skip |= {design.get(k) for k in ("weight", "strata", "psu", "segment")}
+        skip |= set(design.get("replicate_weights") or [])
+    numeric, categorical = [], []
+    for c in df.columns:
+        if c in skip:
+            continue
+        s = df[c]
+        if s.isna().all() or s.nunique(dropna=True) < 2:
+            continue
+        if pd.api.types.is_bool_dtype(s) or pd.api.types.is_numeric_dtype(s):
+            numeric.append(c)
+        elif s.nunique(dropna=True) <= max_categories:
+            categorical.append(c)
+    extra: dict[str, pd.Series] = {}
+    kinds = dict.fromkeys(numeric, "mean")
+    for c in categorical:
+        for v in sorted(df[c].dropna().unique(), key=str):
+            name = f"{c}={v}"
+            extra[name] = (df[c] == v).astype(float)
+            kinds[name] = "proportion"
+    domains = []
+    if sex and sex in df.columns:
+        extra["_dom_sex"] = df[sex].astype(str)
+        domains.append("_dom_sex")
+    if age and age in df.columns:
+        lab = [
+            f"{a:g}-{b - 1:g}" if np.isfinite(b) else f"{a:g}+"
+            for a, b in zip(age_bins[:-1], age_bins[1:], strict=True)
+        ]
+        g = pd.cut(df[age], list(age_bins), right=False, labels=lab).astype(str)
+        extra["_dom_age"] = g
+        domains.append("_dom_age")
+        if "_dom_sex" in extra:
+            extra["_dom_sex_age"] = extra["_dom_sex"] + ":" + g
+            domains.append("_dom_sex_age")
+    return Characteristics(
+        extra=pd.DataFrame(extra, index=df.index),
+        overall=numeric + [k for k, v in kinds.items() if v == "proportion"],
+        domain_vars=numeric,
+        domains=domains,
+        kinds=kinds,
+    )
+
+
+def se_ratio_metrics(se: pd.DataFrame, prefix: str = "se_ratio", column: str = "ratio") -> dict:
+    """median, p10, p90, min, max of an SE-ratio column (finite values only)."""
+    r = se[column].to_numpy(dtype=float)
+    r = r[np.isfinite(r)]
+    if len(r) == 0:
+        return {}
+    q = np.percentile(r, [50, 10, 90])
+    return {
+        f"{prefix}_median": float(q[0]),
+        f"{prefix}_p10": float(q[1]),
+        f"{prefix}_p90": float(q[2]),
+        f"{prefix}_min": float(r.min()),
+        f"{prefix}_max": float(r.max()),
+        f"{prefix}_mean_abs_log": float(np.mean(np.abs(np.log(r)))),
+    }
+
+
+def domain_mean_se(
+    df: pd.DataFrame,
+    chars: Characteristics,
+    weight: str,
+    strata: str,
+    psu: str,
+    replicate_weights: Sequence[str] = (),
+    method: str | None = None,
+    rho: float | None = None,
+) -> pd.DataFrame:
+    """Estimate, Taylor SE, Taylor deff and (with replicate weights) replicate SE of every
+    characteristic: overall means/proportions and domain means (SurveyDesign.mean)."""
+    from sdl_design.design import SurveyDesign
+
+    frame = pd.concat([df, chars.extra], axis=1)
+    rw = list(replicate_weights) if (replicate_weights and method) else None
+    design = SurveyDesign(
+        frame, weight=weight, strata=strata, psu=psu, replicate_weights=rw, method=method, rho=rho
+    )
+    calls = [(None, chars.overall)] + [(d, chars.domain_vars) for d in chars.domains]
+    out = []
+    for by, cols in calls:
+        t = design.mean(cols, by=by, variance="taylor").reset_index()
+        t["domain"] = "all" if by is None else by.removeprefix("_dom_") + "=" + t[by].astype(str)
+        if rw:
+            r = design.mean(cols, by=by, variance="replicate").reset_index()
+            t["se_rep"] = r["se"].to_numpy()
+        t["kind"] = [
+            chars.kinds.get(c, "mean") if by is None else "domain mean" for c in t.variable
+        ]
+        cols_out = ["variable", "domain", "kind", "estimate", "se", "deff"]
+        out.append(t[cols_out + (["se_rep"] if rw else [])])
+    return pd.concat(out, ignore_index=True)
+
+
+def se_ratio_table(
+    original: pd.DataFrame,
+    masked: pd.DataFrame,
+    design: dict,
+    masked_replicates: Sequence[str],
+    chars: Characteristics,
+    method: str | None = None,
+    rho: float | None = None,
+) -> pd.DataFrame:
+    """One row per characteristic: se_original, se_masked, ratio, deff (original, Taylor) and,
+    with replicate weights, se_original_rep, se_masked_rep, ratio_rep. Characteristics with a
+    zero original SE (constants in a domain) are left out."""
+    d = design
+    kw = {"weight": d["weight"], "strata": d["strata"], "psu": d["psu"]}
+    o = domain_mean_se(
+        original,
+        chars,
+        **kw,
+        replicate_weights=d.get("replicate_weights") or (),
+        method=d.get("method"),
+        rho=d.get("rho"),
+    )
+    m = domain_mean_se(
+        masked, chars, **kw, replicate_weights=masked_replicates, method=method, rho=rho
+    )
+    keep = o["se"].to_numpy() > 1e-12 * np.maximum(1.0, np.abs(o["estimate"].to_numpy()))
+    t = o.loc[keep, ["variable", "domain", "kind", "estimate"]].copy()
+    t["se_original"] = o.loc[keep, "se"]
+    t["se_masked"] = m.loc[keep, "se"]
+    t["ratio"] = t["se_masked"] / t["se_original"]
+    t["deff"] = o.loc[keep, "deff"]
+    if "se_rep" in o.columns and "se_rep" in m.columns:
+        t["se_original_rep"] = o.loc[keep, "se_rep"]
+        t["se_masked_rep"] = m.loc[keep, "se_rep"]
+        t["ratio_rep"] = t["se_masked_rep"] / t["se_original_rep"]
+    return t.reset_index(drop=True)

@@ -1,0 +1,639 @@
+"""Segment/PSU masking by swapping whole segments between PSUs (Park et al., paper 003).
+
+Method 2b (section 3.2, 4): segment pairs chosen sequentially to minimise the relative change
+of the Taylor variances of q weighted means (eq. 5, 6a/6b), each candidate swap evaluated by an
+exact O(q) update of the PSU totals of the linearized scores (eq. 3-4), never by recomputation
+over records. Method 2a (the similarity baseline): closest segment on the matching means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import pandas as pd
+from scipy.spatial import cKDTree
+
+Method = Literal["2a", "2b"]
+Scope = Literal["any", "same_stratum", "cross_stratum"]
+
+
+# ---------------------------------------------------------------- segment aggregates (eq. 3)
+
+
+@dataclass
+class SegmentAggregates:
+    """Segment-level aggregates of the q matching characteristics.
+
+    score[j, l] = sum_{k in j} w_k (x_kl - xbar_l) / M  (z_hij of eq. 3, linearized weighted mean);
+    mean[j, l] = weighted mean of x_l in segment j (Method 2a).
+    """
+
+    matching: list[str]
+    segment_labels: np.ndarray  # (n_seg,) original segment label
+    seg_psu: np.ndarray  # (n_seg,) PSU index of each segment
+    psu_stratum: np.ndarray  # (n_psu,) stratum index of each PSU
+    psu_labels: np.ndarray  # (n_psu,) original PSU label
+    strata_labels: np.ndarray  # (H,) original stratum label
+    score: np.ndarray  # (n_seg, q)
+    mean: np.ndarray  # (n_seg, q)
+    record_segment: np.ndarray  # (n_records,) segment index of each record
+
+    @property
+    def n_h(self) -> np.ndarray:
+        return np.bincount(self.psu_stratum, minlength=len(self.strata_labels))
+
+    @property
+    def seg_stratum(self) -> np.ndarray:
+        return self.psu_stratum[self.seg_psu]
+
+
+def _matrix(df: pd.DataFrame, cols: Sequence[str], field_name: str) -> np.ndarray:
+    out = np.empty((len(df), len(cols)), dtype=float)
+    for i, c in enumerate(cols):
+        if c not in df.columns:
+            raise ValueError(f"{field_name}: column '{c}' is not in the data; fix the name")
+        s = df[c]
+        if s.dtype == bool:
+            s = s.astype(float)
+        if not pd.api.types.is_numeric_dtype(s):
+            raise ValueError(
+                f"{field_name}: column '{c}' is not numeric or binary (dtype {s.dtype}); "
+                "use numeric or 0/1 matching characteristics"
+            )
+        if s.isna().any():
+            raise ValueError(
+                f"{field_name}: column '{c}' has {int(s.isna().sum())} missing values; impute first"
+            )
+        out[:, i] = s.to_numpy(dtype=float)
+    return out
+
+
+def segment_aggregates(
+    df: pd.DataFrame,
+    weight: str,
+    strata: str,
+    psu: str,
+    segment: str,
+    matching: Sequence[str],
+) -> SegmentAggregates:
+    """Segment scores and means of the matching characteristics; checks the design nesting."""
+    for f, c in (("weight", weight), ("strata", strata), ("psu", psu), ("segment", segment)):
+        if c is None or c not in df.columns:
+            raise ValueError(f"design.{f}: column {c!r} is not in the data; the swap needs it")
+    w = df[weight].to_numpy(dtype=float)
+    if not np.all(w > 0):
+        raise ValueError(f"design.weight: column '{weight}' has weights that are not positive")
+    x = _matrix(df, matching, "stages.swap.matching")
+    h_code, h_lab = pd.factorize(df[strata], sort=True)
+    p_code, p_uniq = pd.factorize(
+        pd.MultiIndex.from_arrays([h_code, df[psu].to_numpy()]), sort=True
+    )
+    s_code, s_lab = pd.factorize(df[segment], sort=True)
+    n_seg = len(s_lab)
+    seg_psu = np.full(n_seg, -1)
+    seg_psu[s_code] = p_code
+    if np.any(np.bincount(s_code, weights=(p_code != seg_psu[s_code]), minlength=n_seg) > 0):
+        raise ValueError(
+            f"design.segment: segments of '{segment}' span several PSUs; segment labels must "
+            "be nested in PSUs (make them unique across PSUs)"
+        )
+    psu_stratum = np.asarray(p_uniq.get_level_values(0), dtype=np.int64)
+    n_h = np.bincount(psu_stratum, minlength=len(h_lab))
+    if np.any(n_h < 2):
+        raise ValueError(
+            f"design.strata: {int(np.sum(n_h < 2))} strata have a single PSU; collapse them first"
+        )
+    wsum = w.sum()
+    xbar = w @ x / wsum
+    z = w[:, None] * (x - xbar) / wsum  # linearized scores of the weighted mean
+    score = np.zeros((n_seg, x.shape[1]))
+    _rowsum(score, s_code, z)
+    seg_w = np.bincount(s_code, weights=w, minlength=n_seg)
+    mean = np.zeros_like(score)
+    _rowsum(mean, s_code, w[:, None] * x)
+    mean /= seg_w[:, None]
+    const = np.ptp(x, axis=0) == 0
+    if const.any():
+        bad = [c for c, k in zip(matching, const, strict=True) if k]
+        raise ValueError(f"stages.swap.matching: {bad} are constant; remove them")
+    return SegmentAggregates(
+        matching=list(matching),
+        segment_labels=np.asarray(s_lab),
+        seg_psu=seg_psu,
+        psu_stratum=psu_stratum,
+        psu_labels=np.asarray(p_uniq.get_level_values(1)),
+        strata_labels=np.asarray(h_lab),
+        score=score,
+        mean=mean,
+        record_segment=s_code,
+    )
+
+
+def _rowsum(out: np.ndarray, code: np.ndarray, vals: np.ndarray) -> None:
+    """out[g] += sum of vals rows with code g (one bincount per column)."""
+    for j in range(vals.shape[1]):
+        out[:, j] += np.bincount(code, weights=vals[:, j], minlength=out.shape[0])
+
+
+# ---------------------------------------------------------------- variance state (eq. 2, 4, 5)
+
+
+class VarianceState:
+    """Taylor variances of the q means under the current segment-to-PSU assignment.
+
+    With PSU totals t_hi of the scores, v = sum_h n_h/(n_h-1) sum_i (t_hi - tbar_h)^2 (eq. 2, any
+    n_h). Swapping segments a (PSU p_a) and b (PSU p_b) moves e = s_a - s_b from p_a to p_b, so the
+    variance changes by an exact O(q) amount (eq. 4-5); `delta` evaluates it for many candidate
+    partners in one numpy operation, `apply` commits a swap.
+    """
+
+    def __init__(self, agg: SegmentAggregates):
+        self.score = agg.score
+        self.psu_stratum = agg.psu_stratum
+        self.seg_psu = agg.seg_psu.copy()
+        n_h = agg.n_h.astype(float)
+        self.n_h = n_h
+        self.c = n_h / (n_h - 1.0)
+        self.t = np.zeros((len(agg.psu_stratum), agg.score.shape[1]))
+        np.add.at(self.t, self.seg_psu, agg.score)
+        self.tbar = np.zeros((len(n_h), agg.score.shape[1]))
+        np.add.at(self.tbar, self.psu_stratum, self.t)
+        self.tbar /= n_h[:, None]
+        self.v0 = self.full_variance()
+        self.v = self.v0.copy()
+
+    def full_variance(self) -> np.ndarray:
+        """v from the current PSU totals (a recomputation, for checks)."""
+        dev = self.t - self.tbar[self.psu_stratum]
+        return (self.c[self.psu_stratum][:, None] * dev**2).sum(axis=0)
+
+    def delta(self, a: np.ndarray | int, b: np.ndarray) -> np.ndarray:
+        """Change of the q variances if segment a swaps with each segment b (shape b.shape + (q,)).
+
+        a has shape b.shape[:-1] (or is a scalar); a and b must lie in different PSUs.
+        Same stratum:  dv = 2 c_h e (dev_b - dev_a + e)                (eq. 4, first case)
+        Different:     dv = 2 e (c_b dev_b - c_a dev_a + e)            (eq. 4, second case)
+        with e = s_a - s_b, dev = t_hi - tbar_h of the current PSU, c_h = n_h/(n_h-1).
+        """
+        a = np.asarray(a)[..., None]
+        pa, pb = self.seg_psu[a], self.seg_psu[b]
+        ha, hb = self.psu_stratum[pa], self.psu_stratum[pb]
+        e = self.score[a] - self.score[b]
+        dev_a = self.t[pa] - self.tbar[ha]
+        dev_b = self.t[pb] - self.tbar[hb]
+        ca, cb = self.c[ha][..., None], self.c[hb][..., None]
+        cross = 2.0 * e * (cb * dev_b - ca * dev_a + e)
+        same = 2.0 * ca * e * (dev_b - dev_a + e)
+        return np.where((ha == hb)[..., None], same, cross)
+
+    def apply(self, a: int, b: int) -> np.ndarray:
+        """Swap segments a and b; returns the change of the variances (O(q))."""
+        dv = self.delta(np.asarray(a), np.asarray([b]))[0]
+        pa, pb = self.seg_psu[a], self.seg_psu[b]
+        ha, hb = self.psu_stratum[pa], self.psu_stratum[pb]
+        e = self.score[a] - self.score[b]
+        self.t[pa] -= e
+        self.t[pb] += e
+        self.tbar[ha] -= e / self.n_h[ha]
+        self.tbar[hb] += e / self.n_h[hb]
+        self.seg_psu[a], self.seg_psu[b] = pb, pa
+        self.v += dv
+        return dv
+
+
+# ---------------------------------------------------------------- candidate partners
+
+
+def _candidate_lists(
+    feat: np.ndarray,
+    seg_psu: np.ndarray,
+    seg_stratum: np.ndarray,
+    scope: Scope,
+    k: int,
+    n_dims: int = 5,
+) -> np.ndarray:
+    """(n_seg, k) candidate partners of each segment (-1 = none), nearest first.
+
+    Near neighbours in a feature space where the criterion is small for near segments, found
+    with a k-d tree on the leading principal components (O(n log n)); the criterion itself is
+    then evaluated exactly on them. Same PSU never; scope restricts the strata.
+    """
+    n = len(feat)
+    f = feat - feat.mean(axis=0)
+    if f.shape[1] > n_dims:
+        _, _, vt = np.linalg.svd(f, full_matrices=False)
+        f = f @ vt[:n_dims].T
+    out = np.full((n, k), -1, dtype=np.int64)
+    groups = (
+        [np.flatnonzero(seg_stratum == h) for h in np.unique(seg_stratum)]
+        if scope == "same_stratum"
+        else [np.arange(n)]
+    )
+    for members in groups:
+        m = len(members)
+        kq = min(m, 2 * k + 1 if scope != "cross_stratum" else 4 * k + 1)
+        if kq < 2:
+            continue
+        _, idx = cKDTree(f[members]).query(f[members], k=kq)
+        idx = members[np.asarray(idx).reshape(m, kq)]
+        me = members[:, None]
+        valid = seg_psu[idx] != seg_psu[me]
+        if scope == "cross_stratum":
+            valid &= seg_stratum[idx] != seg_stratum[me]
+        order = np.argsort(~valid, axis=1, kind="stable")[:, :k]
+        take = np.take_along_axis(idx, order, axis=1)
+        ok = np.take_along_axis(valid, order, axis=1)
+        out[members, : take.shape[1]] = np.where(ok, take, -1)
+    return out
+
+
+# ---------------------------------------------------------------- Method 2a / 2b (steps 1-4)
+
+
+@dataclass
+class SwapPlan:
+    """The pairs chosen and the variance state after all swaps."""
+
+    pairs: list[tuple[int, int, float, int]]  # (segment a, segment b, criterion, step r)
+    state: VarianceState
+    d1: np.ndarray  # initial best criterion of each segment (step 1)
+    n_evaluations: int = 0
+    n_fallback: int = 0
+    target_pairs: int = 0
+
+
+def plan_swaps(
+    agg: SegmentAggregates,
+    rate: float,
+    rng: np.random.Generator,
+    method: Method = "2b",
+    max_share: float = 0.5,
+    cumulative: bool = False,
+    scope: Scope = "any",
+    n_candidates: int = 64,
+) -> SwapPlan:
+    """Choose segment pairs by Method 2b (D*_2b, eq. 6a/6b) or 2a (D*_2a) with the constraints.
+
+    rate is the share of segments that change PSU (a pair moves two segments).
+    """
+    state = VarianceState(agg)
+    n = len(agg.segment_labels)
+    psu0 = agg.seg_psu
+    strat0 = agg.seg_stratum
+    m_p = np.bincount(psu0, minlength=len(agg.psu_stratum))
+    if method == "2b":
+        feat = agg.score / np.sqrt(state.v0)
+        std = None
+    elif method == "2a":
+        sd = agg.mean.std(axis=0)
+        std = agg.mean / np.where(sd > 0, sd, 1.0)
+        feat = std
+    else:
+        raise ValueError(f"stages.swap.method: {method!r} is not '2a' or '2b'")
+    if scope not in ("any", "same_stratum", "cross_stratum"):
+        raise ValueError(f"stages.swap.scope: {scope!r} is not any, same_stratum, cross_stratum")
+    k = max(1, min(n_candidates, n - 1))
+    cands = _candidate_lists(feat, psu0, strat0, scope, k)
+
+    def crit(a: np.ndarray | int, b: np.ndarray) -> np.ndarray:
+        if std is not None:  # D*_2a: sum_l |xbar_l,jr - xbar_l,j| (standardized)
+            return np.abs(std[np.asarray(a)[..., None]] - std[b]).sum(axis=-1)
+        dv = state.delta(a, b)
+        if cumulative:  # eq. 6b with c_l = 1/v(xbar_l|S)
+            return (np.abs(state.v + dv - state.v0) / state.v0).sum(axis=-1)
+        return (np.abs(dv) / state.v0).sum(axis=-1)  # D*_2b,r (eq. 6a, c_l = 1/v(xbar_l|S))
+
+    # Step 1: each segment's initial partner from another PSU, smallest D*_1.
+    d1 = np.full(n, np.inf)
+    for s in range(0, n, 2048):
+        cc = cands[s : s + 2048]
+        val = crit(np.arange(s, s + len(cc)), np.where(cc >= 0, cc, 0))
+        val[cc < 0] = np.inf
+        d1[s : s + len(cc)] = val.min(axis=1)
+    n_eval = int((cands >= 0).sum())
+
+    # Step 2: best-ranked segments of each PSU form the pool; the swap set is sampled from it.
+    k_p = rate / 2.0 * m_p
+    pool_p = np.minimum(m_p, np.ceil(2.0 * k_p - 1e-9)).astype(int)
+    choose_p = np.floor(k_p).astype(int) + (rng.random(len(m_p)) < k_p - np.floor(k_p))
+    choose_p = np.minimum(choose_p, pool_p)
+    u = rng.random(n)
+    rank = _rank_within(psu0, d1, u)
+    in_pool = rank < pool_p[psu0]
+    r2 = _rank_within(psu0, np.where(in_pool, u, np.inf), np.zeros(n))
+    chosen = in_pool & (r2 < choose_p[psu0])
+    # Step 3: chosen segments in ascending D*_1 across PSUs; then the rest of the pools, then
+    # every other segment (only used when constraints left the target short).
+    order = np.concatenate(
+        [
+            _sorted(np.flatnonzero(chosen), d1),
+            _sorted(np.flatnonzero(in_pool & ~chosen), d1),
+            _sorted(np.flatnonzero(~in_pool), d1),
+        ]
+    )
+
+    # Step 4: partners found sequentially against the current state.
+    cap = np.floor(max_share * m_p + 1e-9).astype(int)
+    count = np.zeros(len(m_p), dtype=int)
+    swapped = np.zeros(n, dtype=bool)
+    target = int(round(rate * n / 2.0))
+    pairs: list[tuple[int, int, float, int]] = []
+    n_fallback = 0
+    for a in order:
+        if len(pairs) >= target:
+            break
+        pa = psu0[a]
+        if swapped[a] or count[pa] >= cap[pa]:
+            continue
+        c = cands[a]
+        c = c[c >= 0]
+        c = c[~swapped[c] & (count[psu0[c]] < cap[psu0[c]])]
+        if c.size == 0:  # all near candidates taken: search every eligible segment
+            ok = ~swapped & (count[psu0] < cap[psu0]) & (psu0 != pa)
+            if scope == "same_stratum":
+                ok &= strat0 == strat0[a]
+            elif scope == "cross_stratum":
+                ok &= strat0 != strat0[a]
+            c = np.flatnonzero(ok)
+            if c.size == 0:
+                continue
+            n_fallback += 1
+        val = crit(a, c)
+        n_eval += c.size
+        j = int(np.argmin(val))
+        b = int(c[j])
+        state.apply(int(a), b)
+        swapped[a] = swapped[b] = True
+        count[pa] += 1
+        count[psu0[b]] += 1
+        pairs.append((int(a), b, float(val[j]), len(pairs) + 1))
+    return SwapPlan(pairs, state, d1, n_eval, n_fallback, target)
+
+
+def _rank_within(group: np.ndarray, key: np.ndarray, tie: np.ndarray) -> np.ndarray:
+    """0-based rank of key within each group (ties broken by tie)."""
+    order = np.lexsort((tie, key, group))
+    g = group[order]
+    start = np.r_[0, np.flatnonzero(np.diff(g)) + 1]
+    first = np.repeat(start, np.diff(np.r_[start, len(g)]))
+    rank = np.empty(len(group), dtype=np.int64)
+    rank[order] = np.arange(len(g)) - first
+    return rank
+
+
+def _sorted(idx: np.ndarray, key: np.ndarray) -> np.ndarray:
+    return idx[np.argsort(key[idx], kind="stable")]
+
+
+# ---------------------------------------------------------------- pseudo labels
+
+
+def pseudo_labels(
+    agg: SegmentAggregates, seg_psu: np.ndarray, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pseudo-stratum and pseudo-PSU label of every record: strata numbered 1..H and PSUs 1..n_h
+    within stratum, both in random order, so the labels reveal nothing of the originals."""
+    H = len(agg.strata_labels)
+    stratum_label = rng.permutation(H) + 1
+    psu_label = (
+        _rank_within(
+            agg.psu_stratum, rng.random(len(agg.psu_stratum)), np.zeros(len(agg.psu_stratum))
+        )
+        + 1
+    )
+    rec_psu = seg_psu[agg.record_segment]
+    return stratum_label[agg.psu_stratum[rec_psu]], psu_label[rec_psu]
+
+
+# ---------------------------------------------------------------- the public entry point
+
+
+@dataclass
+class SwapResult:
+    """Masked frame, the (confidential) swap map and the SE ratios by characteristic."""
+
+    data: pd.DataFrame
+    pairs: pd.DataFrame
+    se_ratios: pd.DataFrame
+    variance: pd.DataFrame  # matching characteristics: Taylor variance before/after (O(1) state)
+    params: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _design_field(design: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        if hasattr(design, n):
+            return getattr(design, n)
+    return default
+
+
+def design_columns(design: Any) -> dict[str, Any]:
+    """df, weight, strata, psu, segment, replicate columns, method and rho of a SurveyDesign."""
+    rw = None
+    for name in ("replicate_columns", "replicate_weights", "rep_columns", "rep_weights"):
+        v = getattr(design, name, None)
+        if v is not None and not isinstance(v, str | np.ndarray | pd.DataFrame):
+            if all(isinstance(c, str) for c in v):
+                rw = v
+                break
+    return {
+        "df": _design_field(design, "df", "data", "frame"),
+        "weight": _design_field(design, "weight"),
+        "strata": _design_field(design, "strata"),
+        "psu": _design_field(design, "psu"),
+        "segment": _design_field(design, "segment"),
+        "replicate_weights": list(rw) if rw is not None else [],
+        "method": _design_field(design, "method", "replicate_method"),
+        "rho": _design_field(design, "rho"),
+    }
+
+
+def swap_segments(
+    df: pd.DataFrame,
+    design: Any,
+    matching: Sequence[str],
+    rate: float,
+    method: Method = "2b",
+    seed: int | np.random.Generator = 0,
+    max_share: float = 0.5,
+    cumulative: bool = False,
+    scope: Scope = "any",
+    replicate_method: str | None = None,
+    rho: float | None = None,
+    characteristics: pd.DataFrame | None = None,
+    n_candidates: int = 64,
+) -> SwapResult:
+    """Mask PSUs by swapping segments (Method 2b or the 2a baseline); rebuild replicate weights.
+
+    rate: share of segments that change PSU; max_share: at most this share of a PSU's segments
+    swapped; scope: partners from any stratum, the same stratum only, or other strata only.
+    `.data` has the rows and index of df with the design's strata and PSU columns holding
+    relabelled pseudo labels and, when the design has replicate weights (or replicate_method is
+    given), replicate weights rebuilt for the pseudo design. characteristics: frame from
+    `sdl_design.utility.broad_characteristics` (default: built from df).
+    """
+    from sdl_design.utility import broad_characteristics, se_ratio_table
+
+    if not 0.0 < rate <= 1.0:
+        raise ValueError(f"stages.swap.rate: {rate} must be in (0, 1]")
+    if not 0.0 < max_share <= 1.0:
+        raise ValueError(f"stages.swap.max_share: {max_share} must be in (0, 1]")
+    if rate > max_share + 1e-12:
+        raise ValueError(
+            f"stages.swap.rate ({rate}) is above stages.swap.max_share ({max_share}): "
+            "no PSU may swap more than max_share of its segments; lower rate or raise max_share"
+        )
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    dc = design_columns(design)
+    if dc["segment"] is None:
+        raise ValueError("design.segment: the swap needs a segment column (SSU) in the design")
+    agg = segment_aggregates(df, dc["weight"], dc["strata"], dc["psu"], dc["segment"], matching)
+    plan = plan_swaps(agg, rate, rng, method, max_share, cumulative, scope, n_candidates)
+    new_h, new_p = pseudo_labels(agg, plan.state.seg_psu, rng)
+
+    data = df.copy()
+    data[dc["strata"]] = new_h
+    data[dc["psu"]] = new_p
+    notes: list[str] = []
+    rep_method = replicate_method or dc["method"]
+    rep_rho = rho if rho is not None else dc["rho"]
+    new_rw: list[str] = []
+    if rep_method is not None:
+        data, new_rw, note = _rebuild_replicates(data, dc, rep_method, rep_rho)
+        notes.append(note)
+
+    a = np.array([p[0] for p in plan.pairs], dtype=np.int64)
+    b = np.array([p[1] for p in plan.pairs], dtype=np.int64)
+    pa, pb = agg.seg_psu[a], agg.seg_psu[b]
+    pairs = pd.DataFrame(
+        {
+            "step": [p[3] for p in plan.pairs],
+            "segment_a": agg.segment_labels[a],
+            "segment_b": agg.segment_labels[b],
+            "stratum_a": agg.strata_labels[agg.psu_stratum[pa]],
+            "psu_a": agg.psu_labels[pa],
+            "stratum_b": agg.strata_labels[agg.psu_stratum[pb]],
+            "psu_b": agg.psu_labels[pb],
+            "criterion": [p[2] for p in plan.pairs],
+        }
+    )
+    pairs.attrs["criterion"] = "D*_2a (standardized)" if method == "2a" else "D*_2b (eq. 6a)"
+    if method == "2b" and cumulative:
+        pairs.attrs["criterion"] = "D*_2b cumulative (eq. 6b)"
+    variance = pd.DataFrame(
+        {"v_original": plan.state.v0, "v_masked": plan.state.v},
+        index=pd.Index(list(matching), name="variable"),
+    )
+    variance["se_ratio"] = np.sqrt(variance["v_masked"] / variance["v_original"])
+
+    if characteristics is None:
+        characteristics = broad_characteristics(df, design=dc)
+    se = se_ratio_table(
+        df, data, dc, new_rw or dc["replicate_weights"], characteristics, rep_method, rep_rho
+    )
+    se["matching"] = se["variable"].isin(list(matching)) & (se["domain"] == "all")
+    n_seg = len(agg.segment_labels)
+    params = {
+        "method": method,
+        "rate": rate,
+        "max_share": max_share,
+        "cumulative": cumulative,
+        "scope": scope,
+        "n_segments": n_seg,
+        "n_pairs": len(plan.pairs),
+        "target_pairs": plan.target_pairs,
+        "n_swapped": 2 * len(plan.pairs),
+        "share_swapped": 2 * len(plan.pairs) / n_seg,
+        "candidate_evaluations": plan.n_evaluations,
+        "fallback_searches": plan.n_fallback,
+        "replicate_method": rep_method,
+    }
+    if len(plan.pairs) < plan.target_pairs:
+        notes.append(
+            f"only {len(plan.pairs)} of {plan.target_pairs} target pairs found under the "
+            f"constraints (max_share={max_share}, scope={scope})"
+        )
+    return SwapResult(data, pairs, se, variance, params, notes)
+
+
+def _rebuild_replicates(
+    data: pd.DataFrame, dc: dict[str, Any], method: str, rho: float | None
+) -> tuple[pd.DataFrame, list[str], str]:
+    """Replicate weights of the pseudo design replace the original ones."""
+    from sdl_design.design import SurveyDesign
+
+    masked = SurveyDesign(data, weight=dc["weight"], strata=dc["strata"], psu=dc["psu"])
+    reps = pd.DataFrame(masked.with_replicates(method, rho=rho), index=data.index)
+    old = list(dc["replicate_weights"])
+    if len(old) == reps.shape[1]:
+        reps = reps.set_axis(old, axis=1)
+        note = f"replicate weights {old[0]}..{old[-1]} rebuilt in place ({method}, {len(old)})"
+    else:
+        clash = [c for c in reps.columns if c in data.columns and c not in old]
+        if clash:
+            raise ValueError(f"rebuilt replicate columns {clash[:3]} clash with data columns")
+        note = (
+            f"{len(old)} original replicate weights dropped; {reps.shape[1]} {method} replicate "
+            "weights added for the pseudo design"
+        )
+    cols = list(data.columns)
+    at = cols.index(old[0]) if old else len(cols)  # new columns where the old ones began
+    keep = [c for c in cols if c not in set(old)]
+    at = len([c for c in cols[:at] if c not in set(old)])
+    data = pd.concat([data[keep[:at]], reps, data[keep[at:]]], axis=1)
+    return data, list(reps.columns), note
+
+
+# ---------------------------------------------------------------- report figure (Figure 2)
+
+
+def se_ratio_boxplot(ratios: dict[str, pd.DataFrame], column: str = "ratio") -> bytes:
+    """PNG of side-by-side box plots of SE ratios by original design-effect class, one box per
+    method in each class (the paper's Figure 2). ratios: method -> se_ratios frame."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sdl_design.utility import DEFF_CLASSES, deff_class
+
+    classes = [f"({a:g},{b:g}]" for a, b in zip(DEFF_CLASSES[:-1], DEFF_CLASSES[1:], strict=True)]
+    names = list(ratios)
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    width = 0.8 / max(1, len(names))
+    colors = ["#9ecae1", "#fdae6b", "#a1d99b", "#bcbddc"]
+    for k, name in enumerate(names):
+        se = ratios[name]
+        cls = deff_class(se["deff"]).to_numpy()
+        data = [se[column].to_numpy()[cls == c] for c in classes]
+        data = [d[np.isfinite(d)] for d in data]
+        pos = np.arange(len(classes)) + (k - (len(names) - 1) / 2) * width
+        keep = [i for i, d in enumerate(data) if len(d)]
+        if not keep:
+            continue
+        bp = ax.boxplot(
+            [data[i] for i in keep],
+            positions=pos[keep],
+            widths=width * 0.9,
+            patch_artist=True,
+            manage_ticks=False,
+        )
+        for b in bp["boxes"]:
+            b.set_facecolor(colors[k % len(colors)])
+        ax.plot([], [], "s", color=colors[k % len(colors)], label=f"Method {name}")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(np.arange(len(classes)), classes)
+    ax.set_xlabel("original design effect")
+    ax.set_ylabel("SE ratio (masked / original)")
+    ax.set_title("Standard error ratios by original design effect")
+    ax.legend(loc="best")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()

@@ -1,0 +1,276 @@
+"""Top and bottom coding (paper 004, Cox 2000: top-coding as a displacing mask, t_ij = min(x_ij, T_j)).
+
+Thresholds, per group when `by` is given:
+- percentile p: the weighted percentile Q_w(p), the smallest value v with
+  sum(w_i : x_i <= v) >= (p / 100) * sum(w_i)  (the inverse of the weighted CDF);
+- value: a fixed number;
+- min_count k: the value of the k-th largest record (upper) or k-th smallest (lower), so that at
+  least k records are coded together (all of the group when it has fewer than k records).
+Coded records: x >= T (upper) and x <= T (lower); missing values are never coded.
+Replacement: the threshold T, or the weighted mean of the coded values, which keeps the weighted
+total of the group exactly (sum of w * mean over the coded records = sum of w * x).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from pydantic import ValidationError
+
+from sdl_design.spec import Bound, TopcodeRule
+
+SIDES = ("upper", "lower")
+TABLE_COLUMNS = [
+    "side",
+    "rule",
+    "parameter",
+    "replace",
+    "threshold",
+    "replacement",
+    "n",
+    "n_coded",
+    "weight_coded",
+    "share_coded",
+    "coded_total_before",
+    "coded_total_after",
+    "total_before",
+    "total_after",
+]
+
+
+@dataclass
+class TopcodeResult:
+    """The coded column (same index and name) and one table row per group and side."""
+
+    values: pd.Series
+    table: pd.DataFrame
+    coded: pd.Series  # 1 top-coded, -1 bottom-coded, 0 untouched (internal: never publish)
+
+
+def weighted_percentile(x: Sequence[float], w: Sequence[float] | None, p: float) -> float:
+    """Q_w(p): the smallest x with weighted CDF >= p/100 (missing x ignored)."""
+    if not 0 < p < 100:
+        raise ValueError(f"weighted_percentile: p must be > 0 and < 100 (got {p})")
+    x = np.asarray(x, dtype=float)
+    w = np.ones_like(x) if w is None else np.asarray(w, dtype=float)
+    ok = ~np.isnan(x)
+    order = np.argsort(x[ok], kind="stable")
+    t = _thresholds(
+        x[ok][order],
+        w[ok][order],
+        np.zeros(int(ok.sum()), np.int64),
+        1,
+        Bound(percentile=p),
+        "lower",
+    )
+    return float(t[0])
+
+
+def _bound(b: Bound | Mapping[str, Any] | None, column: str, side: str) -> Bound | None:
+    if b is None or isinstance(b, Bound):
+        return b
+    try:
+        return Bound.model_validate(dict(b))
+    except ValidationError as e:
+        msgs = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'bound'}: {err['msg'].removeprefix('Value error, ')}"
+            for err in e.errors()
+        )
+        raise ValueError(f"topcode '{column}' {side}: {msgs}") from None
+
+
+def _thresholds(
+    xs: np.ndarray, ws: np.ndarray, gs: np.ndarray, n_groups: int, bound: Bound, side: str
+) -> np.ndarray:
+    """Per-group thresholds; xs, ws, gs sorted by (group, value). NaN for an empty group."""
+    n_g = np.bincount(gs, minlength=n_groups)
+    starts = np.concatenate([[0], np.cumsum(n_g)[:-1]]).astype(np.int64)
+    ends = starts + n_g
+    out = np.full(n_groups, np.nan)
+    has = n_g > 0
+    if bound.value is not None:
+        out[has] = float(bound.value)
+        return out
+    if bound.min_count is not None:
+        k = int(bound.min_count)
+        idx = (
+            np.maximum(ends - k, starts)
+            if side == "upper"
+            else np.minimum(starts + k - 1, ends - 1)
+        )
+    else:
+        q = float(bound.percentile) / 100.0
+        cw = pd.Series(ws).groupby(gs).cumsum().to_numpy()  # within-group cumulative weight
+        total = np.zeros(n_groups)
+        total[has] = cw[ends[has] - 1]
+        below = cw < q * total[gs]  # a prefix of each group: cw increases within a group
+        idx = np.minimum(
+            starts + np.bincount(gs, weights=below, minlength=n_groups).astype(np.int64), ends - 1
+        )
+    out[has] = xs[idx[has]]
+    return out
+
+
+def topcode(
+    df: pd.DataFrame,
+    column: str,
+    weight: str | None = None,
+    upper: Bound | Mapping[str, Any] | None = None,
+    lower: Bound | Mapping[str, Any] | None = None,
+    by: Sequence[str] | None = None,
+) -> TopcodeResult:
+    """Top- (upper) and bottom- (lower) code df[column], with thresholds per group of `by`.
+
+    upper / lower: a spec Bound or a dict such as {"percentile": 99.5, "replace": "mean"},
+    {"value": 60}, {"min_count": 10, "replace": "mean"}. weight: column of positive weights
+    (None: every record weighs 1).
+    """
+    by = list(by or [])
+    for c, what in (
+        [(column, "column")]
+        + [(c, "by column") for c in by]
+        + ([(weight, "weight")] if weight else [])
+    ):
+        if c not in df.columns:
+            raise ValueError(
+                f"topcode '{column}': {what} '{c}' is not in the data; fix the name "
+                f"(columns: {', '.join(map(str, df.columns[:12]))}{', ...' if df.shape[1] > 12 else ''})"
+            )
+    ub, lb = _bound(upper, column, "upper"), _bound(lower, column, "lower")
+    if ub is None and lb is None:
+        raise ValueError(f"topcode '{column}': give upper, lower or both")
+    s = df[column]
+    if not (pd.api.types.is_numeric_dtype(s) and not pd.api.types.is_bool_dtype(s)):
+        raise ValueError(
+            f"topcode '{column}': the column is not numeric ({s.dtype}); only numbers can be top-coded"
+        )
+    x = s.to_numpy(dtype=float, na_value=np.nan)
+    ok = ~np.isnan(x)
+    if weight:
+        w = pd.to_numeric(df[weight], errors="coerce").to_numpy(dtype=float, na_value=np.nan)
+        bad = ok & ~(np.isfinite(w) & (w > 0))
+        if bad.any():
+            raise ValueError(
+                f"topcode '{column}': {int(bad.sum())} records have a weight '{weight}' that is "
+                "missing or not positive; every weight must be > 0"
+            )
+    else:
+        w = np.ones(len(x))
+
+    if by:
+        g_all = df.groupby(by, sort=True, dropna=False, observed=True).ngroup().to_numpy(np.int64)
+        n_groups = int(g_all.max()) + 1 if len(g_all) else 0
+        first = np.unique(g_all, return_index=True)[1]
+        keys = df[by].iloc[first].reset_index(drop=True)
+    else:
+        g_all = np.zeros(len(x), np.int64)
+        n_groups = 1
+        keys = pd.DataFrame(index=[0])
+
+    xv, wv, gv = x[ok], w[ok], g_all[ok]
+    order = np.lexsort((xv, gv))
+    xs, ws, gs = xv[order], wv[order], gv[order]
+    n_g = np.bincount(gv, minlength=n_groups)
+    w_g = np.bincount(gv, weights=wv, minlength=n_groups)
+    tot_before = np.bincount(gv, weights=wv * xv, minlength=n_groups)
+
+    thr = {
+        side: _thresholds(xs, ws, gs, n_groups, b, side)
+        for side, b in (("upper", ub), ("lower", lb))
+        if b is not None
+    }
+    if "upper" in thr and "lower" in thr:
+        clash = thr["upper"] <= thr["lower"]
+        if clash.any():
+            i = int(np.flatnonzero(clash)[0])
+            where = "" if not by else f" in group {keys.iloc[i].to_dict()}"
+            raise ValueError(
+                f"topcode '{column}': the upper threshold {thr['upper'][i]:g} is not above the lower "
+                f"threshold {thr['lower'][i]:g}{where}; move the bounds apart"
+            )
+
+    new = xv.copy()
+    flag = np.zeros(len(xv), np.int8)
+    rows = []
+    for side, b in (("upper", ub), ("lower", lb)):
+        if b is None:
+            continue
+        t = thr[side]
+        coded = (xv >= t[gv]) if side == "upper" else (xv <= t[gv])  # NaN threshold: False
+        wc = np.bincount(gv, weights=wv * coded, minlength=n_groups)
+        sc = np.bincount(gv, weights=wv * xv * coded, minlength=n_groups)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rep = sc / wc if b.replace == "mean" else t.copy()  # mean: total-preserving
+        new[coded] = rep[gv[coded]]
+        flag[coded] = 1 if side == "upper" else -1
+        after = np.bincount(gv, weights=wv * new * coded, minlength=n_groups)
+        rule = next(k for k in ("percentile", "value", "min_count") if getattr(b, k) is not None)
+        rows.append(
+            pd.DataFrame(
+                {
+                    "side": side,
+                    "rule": rule,
+                    "parameter": float(getattr(b, rule)),
+                    "replace": b.replace,
+                    "threshold": t,
+                    "replacement": np.where(wc > 0, rep, np.nan),
+                    "n": n_g,
+                    "n_coded": np.bincount(gv, weights=coded, minlength=n_groups).astype(np.int64),
+                    "weight_coded": wc,
+                    "share_coded": np.divide(wc, w_g, out=np.zeros(n_groups), where=w_g > 0),
+                    "coded_total_before": sc,
+                    "coded_total_after": after,
+                }
+            )
+        )
+    tot_after = np.bincount(gv, weights=wv * new, minlength=n_groups)
+    table = []
+    for r in rows:
+        r["total_before"] = tot_before
+        r["total_after"] = tot_after
+        table.append(pd.concat([keys, r], axis=1) if by else r)
+    table = pd.concat(table, ignore_index=True)[by + TABLE_COLUMNS]
+
+    out = x.copy()
+    out[ok] = new
+    values = pd.Series(out, index=df.index, name=column)
+    if pd.api.types.is_integer_dtype(s) and ok.all() and np.all(out == np.round(out)):
+        values = values.astype(s.dtype)
+    fl = np.zeros(len(x), np.int8)
+    fl[ok] = flag
+    return TopcodeResult(
+        values=values, table=table, coded=pd.Series(fl, index=df.index, name=column)
+    )
+
+
+def topcode_frame(
+    df: pd.DataFrame,
+    rules: Mapping[str, TopcodeRule | Mapping[str, Any]],
+    weight: str | None = None,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Apply a rule per column (thresholds from the input values); the coded frame and one
+    table of every column's thresholds (first column 'column')."""
+    out = df.copy()
+    tables = []
+    for col, rule in rules.items():
+        if not isinstance(rule, TopcodeRule):
+            try:
+                rule = TopcodeRule.model_validate(dict(rule))
+            except ValidationError as e:
+                raise ValueError(
+                    f"topcode '{col}': {'; '.join(err['msg'] for err in e.errors())}"
+                ) from None
+        res = topcode(df, col, weight, upper=rule.upper, lower=rule.lower, by=rule.by)
+        out[col] = res.values
+        tables.append(res.table.assign(column=col))
+    table = (
+        pd.concat(tables, ignore_index=True)
+        if tables
+        else pd.DataFrame(columns=["column", *TABLE_COLUMNS])
+    )
+    cols = ["column"] + [c for c in table.columns if c != "column"]
+    return out, table[cols]
