@@ -14,7 +14,7 @@ import pandas as pd
 from prefect import flow
 from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
-from prefect.utilities.annotations import quote
+from prefect.utilities.annotations import quote, unmapped
 
 from expectations.suites import GateFailed
 from flows import publish as pub
@@ -216,6 +216,8 @@ def release_flow(
                 out = task(quote(df), quote(spec), spec.release.seed, quote(original))
             else:
                 out = task(quote(df), quote(spec), spec.release.seed)
+            if name == "massc" and spec.stages.massc.replications > 0:
+                out = _massc_replications(df, spec, original, out)
             outputs.append(out)
             _absorb(manifest, out)
             df = out.data
@@ -268,6 +270,28 @@ def release_flow(
             except Exception:  # keep the original error visible
                 pass
         raise
+
+
+def _massc_replications(
+    df: pd.DataFrame, spec: ReleaseSpec, original: pd.DataFrame, out: StageOutput
+):
+    """Replications of the whole MASSC treatment through the task runner (threads or Dask),
+    in one chunk per worker; each replication's seed depends only on its index."""
+    import numpy as np
+
+    from tasks.massc import massc_epsilon, massc_replications
+
+    chunks = [
+        c.tolist() for c in np.array_split(np.arange(spec.stages.massc.replications), 2) if len(c)
+    ]
+    futures = massc_replications.map(
+        quote(unmapped(df)),
+        unmapped(spec.model_dump(mode="json")),
+        spec.release.seed,
+        quote(unmapped(original)),
+        chunks,
+    )
+    return massc_epsilon(out, [f.result() for f in futures], spec)
 
 
 def _scheduled_year() -> int | None:

@@ -60,7 +60,9 @@ def test_published_release(published):
         assert col not in puf_df.columns
     assert (puf_df["wt"] > 0).all()
     on_disk = json.loads((out / "internal" / "manifest.json").read_text())
-    assert on_disk["hashes"]["outputs"]["public/puf.parquet"] == sha256_file(out / "public" / "puf.parquet")
+    assert on_disk["hashes"]["outputs"]["public/puf.parquet"] == sha256_file(
+        out / "public" / "puf.parquet"
+    )
     assert (out / "internal" / "report.html").stat().st_size > 1000
     assert (out / "internal" / "gates.csv").is_file()
     # the seed never reaches public/
@@ -161,7 +163,9 @@ def test_approval_pause_and_resume(tmp_path, approved):
     manifest = json.loads((out / "internal" / "manifest.json").read_text())
     assert manifest["approval"]["approver"] == "board"
     if approved:
-        assert box["manifest"]["status"] == "published" and (out / "public" / "puf.parquet").is_file()
+        assert (
+            box["manifest"]["status"] == "published" and (out / "public" / "puf.parquet").is_file()
+        )
     else:
         assert isinstance(box["error"], ReleaseRejected)
         assert manifest["status"] == "rejected" and not (out / "public").exists()
@@ -182,3 +186,26 @@ def test_cli_exit_codes(tmp_path, capsys):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
     assert puf(["validate", str(tmp_path / "bad.yaml")]) == 2
     assert "variables.keys[1]: column 'sexx' is not in the input file" in capsys.readouterr().err
+
+
+def test_dask_runner_matches_thread_pool(tmp_path):
+    """MASSC replications on a local 2-worker Dask cluster give the thread pool's numbers."""
+    from distributed import LocalCluster
+
+    from flows.release import run_release
+
+    results = {}
+    for runner in ("thread", "dask"):
+        path = small_spec(tmp_path / runner, **{"stages.swap": None, "stages.prb": None})
+        if runner == "dask":
+            with LocalCluster(n_workers=2, threads_per_worker=1, processes=False) as cluster:
+                m = run_release(
+                    str(path), approve="t", runner="dask", dask_address=cluster.scheduler_address
+                )
+        else:
+            m = run_release(str(path), approve="t")
+        results[runner] = m
+    t, d = results["thread"], results["dask"]
+    assert t["metrics"]["massc.n_replications"] == 4
+    assert t["metrics"]["massc.epsilon_empirical"] == d["metrics"]["massc.epsilon_empirical"]
+    assert t["hashes"]["outputs"] == d["hashes"]["outputs"]
