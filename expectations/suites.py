@@ -81,9 +81,10 @@ def _run(df: pd.DataFrame, checks: list[tuple[str, Any]], suite: str, index_col:
                 "success": bool(r.success),
                 "unexpected_count": int(result.get("unexpected_count") or 0),
                 "element_count": int(result.get("element_count") or len(df)),
-                "examples": [d.get(index_col) for d in (result.get("unexpected_index_list") or [])][
-                    :5
-                ],
+                "examples": [
+                    v.item() if isinstance(v, np.generic) else v
+                    for v in (d.get(index_col) for d in (result.get("unexpected_index_list") or []))
+                ][:5],
                 "observed": result.get("observed_value"),
                 "error": "; ".join(e for e in err if e),
             }
