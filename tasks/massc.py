@@ -40,6 +40,10 @@ def massc_config(spec, df: pd.DataFrame) -> MasscConfig:
     related = list(keys)
     if spec.stages.prb is not None:  # the PRB set C is key-related: it moves with the keys
         related += [c for c in spec.stages.prb.variables if c not in related]
+    for rule in spec.edits:  # columns tied to a key by an edit rule move with it
+        cols = rule.columns()
+        if any(c in keys for c in cols):
+            related += [c for c in cols if c not in related]
     related = [c for c in related if c in df.columns]
     d = spec.design
     return MasscConfig(
