@@ -95,7 +95,7 @@ def massc_task(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame) -> Sta
     check_edits(tr.b1, spec.edits)
     cal = spec.stages.massc.calibration
     data, cal_tables, cal_metrics = _calibrate(df, spec, cfg, tr, original, replicates=True)
-    data = data.reset_index(drop=True)
+    # retained records keep their index: later stages and the final metrics match records by it
     dm = delta_measures(
         df, tr.b1, tr.substituted, tr.retained, cfg.keys, cfg.sensitive, cfg.risk_basis
     )
