@@ -1,0 +1,392 @@
+"""SurveyDesign: Taylor and replicate SEs against svy 0.35, hand computations and identities."""
+
+import numpy as np
+import pandas as pd
+import polars as pl
+import pytest
+import svy
+
+from sdl_design.design import DesignError, SurveyDesign, hadamard_for
+
+RTOL = 1e-8
+
+
+def _design_df(n_psu=(2, 3, 2, 2, 3, 2, 2, 2), seed=1) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    rows = [
+        (h, p + 1)
+        for h, k in enumerate(n_psu)
+        for p in range(k)
+        for _ in range(int(rng.integers(3, 8)))
+    ]
+    df = pd.DataFrame(rows, columns=["stratum", "psu"])
+    n = len(df)
+    psu_eff = rng.normal(0, 2, 100)[df.stratum * 3 + df.psu]
+    df["wt"] = rng.uniform(1, 5, n)
+    df["y"] = rng.normal(10, 3, n) + df.stratum + psu_eff
+    df["x"] = rng.uniform(1, 3, n)
+    df["b"] = (rng.random(n) < 0.3 + 0.05 * psu_eff).astype(int)
+    df["cat"] = rng.choice(["a", "b", "c"], n)
+    return df
+
+
+@pytest.fixture(scope="module")
+def df() -> pd.DataFrame:
+    return _design_df()
+
+
+def _svy(df: pd.DataFrame, rep: object | None = None, design: bool = True) -> svy.Sample:
+    cols = {c: pl.Float64 for c in df.columns if c == "wt" or c.startswith("rw_")}
+    data = pl.from_pandas(df).with_columns([pl.col(c).cast(t) for c, t in cols.items()])
+    if design:
+        return svy.Sample(data, svy.Design(stratum="stratum", psu="psu", wgt="wt", rep_wgts=rep))
+    return svy.Sample(data, svy.Design(wgt="wt", rep_wgts=rep))
+
+
+def _col(est, name: str) -> np.ndarray:
+    return est.to_polars()[name].to_numpy()
+
+
+# ------------------------------------------------------------------ Taylor
+def test_taylor_hand_worked():
+    # 2 strata: stratum 0 with PSUs of 2, 3 records; stratum 1 with 3 PSUs of 2, 1, 2 records
+    df = pd.DataFrame(
+        {
+            "stratum": [0] * 5 + [1] * 5,
+            "psu": [1, 1, 2, 2, 2, 1, 1, 2, 3, 3],
+            "wt": [2.0, 3, 1, 2, 4, 5, 1, 2, 3, 1],
+            "y": [1.0, 4, 2, 0, 3, 5, 2, 1, 6, 2],
+        }
+    )
+    d = SurveyDesign(df, weight="wt", strata="stratum", psu="psu")
+    w, y = df.wt.to_numpy(), df.y.to_numpy()
+    # total: PSU totals of w*y
+    t0 = np.array([2 * 1 + 3 * 4, 1 * 2 + 2 * 0 + 4 * 3])
+    t1 = np.array([5 * 5 + 1 * 2, 2 * 1, 3 * 6 + 1 * 2])
+    v = 2 / 1 * ((t0 - t0.mean()) ** 2).sum() + 3 / 2 * ((t1 - t1.mean()) ** 2).sum()
+    got = d.total("y")
+    assert got.loc["y", "estimate"] == pytest.approx((w * y).sum(), rel=1e-12)
+    assert got.loc["y", "se"] == pytest.approx(np.sqrt(v), rel=1e-12)
+    # mean: scores w (y - ybar) / W
+    ybar = (w * y).sum() / w.sum()
+    z = w * (y - ybar) / w.sum()
+    z0 = np.array([z[0:2].sum(), z[2:5].sum()])
+    z1 = np.array([z[5:7].sum(), z[7], z[8:10].sum()])
+    vm = 2 * ((z0 - z0.mean()) ** 2).sum() + 1.5 * ((z1 - z1.mean()) ** 2).sum()
+    got = d.mean("y")
+    assert got.loc["y", "estimate"] == pytest.approx(ybar, rel=1e-12)
+    assert got.loc["y", "se"] == pytest.approx(np.sqrt(vm), rel=1e-12)
+    # Kish deff: V / (W^2 s2_w / n), s2_w the weighted variance with n/(n-1)
+    n = len(y)
+    s2 = n / (n - 1) * (w * (y - ybar) ** 2).sum() / w.sum()
+    assert got.loc["y", "deff"] == pytest.approx(vm / (s2 / n), rel=1e-12)
+
+
+def test_taylor_against_svy(df):
+    d = SurveyDesign(df, weight="wt", strata="stratum", psu="psu")
+    s = _svy(df)
+    ours = d.mean(["y", "b"])
+    for v in ("y", "b"):
+        e = s.estimation.mean(v, deff="wr")
+        np.testing.assert_allclose(ours.loc[v, "estimate"], _col(e, "est")[0], rtol=RTOL)
+        np.testing.assert_allclose(ours.loc[v, "se"], _col(e, "se")[0], rtol=RTOL)
+        np.testing.assert_allclose(ours.loc[v, "deff"], _col(e, "deff")[0], rtol=RTOL)
+    tot = d.total(["y", "b"])
+    for v in ("y", "b"):
+        e = s.estimation.total(v)
+        np.testing.assert_allclose(
+            tot.loc[v, ["estimate", "se"]], [_col(e, "est")[0], _col(e, "se")[0]], rtol=RTOL
+        )
+    p = d.proportion("cat")
+    e = s.estimation.prop("cat").to_polars().sort("cat")
+    np.testing.assert_allclose(p["estimate"], e["est"].to_numpy(), rtol=RTOL)
+    np.testing.assert_allclose(p["se"], e["se"].to_numpy(), rtol=RTOL)
+    assert list(p.index.get_level_values("category")) == ["a", "b", "c"]
+    r = d.ratio("y", "x")
+    e = s.estimation.ratio("y", "x")
+    np.testing.assert_allclose(
+        r.loc["y/x", ["estimate", "se"]], [_col(e, "est")[0], _col(e, "se")[0]], rtol=RTOL
+    )
+    dm = d.mean("y", by="cat")
+    e = s.estimation.mean("y", by="cat").to_polars().sort("cat")
+    np.testing.assert_allclose(dm["estimate"], e["est"].to_numpy(), rtol=RTOL)
+    np.testing.assert_allclose(dm["se"], e["se"].to_numpy(), rtol=RTOL)
+    dt = d.total("b", by="cat")
+    e = s.estimation.total("b", by="cat").to_polars().sort("cat")
+    np.testing.assert_allclose(dt["se"], e["se"].to_numpy(), rtol=RTOL)
+
+
+def test_deff_against_svy_wr(df):
+    """deff is Kish's with-replacement deff: V_design / (W^2 s2_w / n), svy's deff='wr'."""
+    d = SurveyDesign(df, weight="wt", strata="stratum", psu="psu")
+    s = _svy(df)
+    pairs = [
+        (d.total("y")["deff"], _col(s.estimation.total("y", deff="wr"), "deff")),
+        (d.ratio("y", "x")["deff"], _col(s.estimation.ratio("y", "x", deff="wr"), "deff")),
+        (
+            d.proportion("cat")["deff"],
+            s.estimation.prop("cat", deff="wr").to_polars().sort("cat")["deff"],
+        ),
+        (
+            d.mean("y", by="cat")["deff"],
+            s.estimation.mean("y", by="cat", deff="wr").to_polars().sort("cat")["deff"],
+        ),
+    ]
+    for ours, theirs in pairs:
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=RTOL)
+
+
+def test_many_columns_match_one_at_a_time(df):
+    rng = np.random.default_rng(5)
+    Y = pd.DataFrame(rng.normal(size=(len(df), 300)), columns=[f"v{i}" for i in range(300)])
+    big = pd.concat([df, Y], axis=1)
+    reps = SurveyDesign(big, weight="wt", strata="stratum", psu="psu").with_replicates("jkn")
+    d = SurveyDesign(
+        pd.concat([big, reps], axis=1),
+        "wt",
+        "stratum",
+        "psu",
+        replicate_weights=list(reps),
+        method="jkn",
+    )
+    for kind in ("taylor", "replicate"):
+        allv = d.mean(list(Y), variance=kind)
+        for c in ("v0", "v137", "v299"):
+            one = d.mean(c, variance=kind)
+            np.testing.assert_allclose(allv.loc[c, "se"], one.loc[c, "se"], rtol=1e-12)
+
+
+# ------------------------------------------------------------------ replicate variance
+def _rep_frame(df: pd.DataFrame, method: str, **kw) -> tuple[pd.DataFrame, pd.DataFrame]:
+    reps = SurveyDesign(df, weight="wt", strata="stratum", psu="psu").with_replicates(method, **kw)
+    return pd.concat([df, reps], axis=1), reps
+
+
+@pytest.mark.parametrize(
+    "method,kw,svy_rep",
+    [
+        (
+            "jkn",
+            {},
+            lambda R, a: svy.JackknifeWgts(
+                prefix="rw_", n_reps=R, kind="jkn", scale=list(a["rscales"])
+            ),
+        ),
+        ("jk1", {}, lambda R, a: svy.JackknifeWgts(prefix="rw_", n_reps=R, kind="jk1")),
+        ("brr", {}, lambda R, a: svy.BrrWgts(prefix="rw_", n_reps=R)),
+        ("fay", {"rho": 0.3}, lambda R, a: svy.BrrWgts(prefix="rw_", n_reps=R, fay_coef=0.3)),
+        (
+            "bootstrap",
+            {"seed": 3, "n_replicates": 50},
+            lambda R, a: svy.BootstrapWgts(prefix="rw_", n_reps=R),
+        ),
+    ],
+)
+def test_replicate_against_svy(method, kw, svy_rep):
+    df = _design_df(n_psu=(2,) * 7 if method in ("brr", "fay") else (2, 3, 2, 2, 3, 2, 2, 2))
+    full, reps = _rep_frame(df, method, **kw)
+    a = reps.attrs
+    R = reps.shape[1]
+    d = SurveyDesign(
+        full, "wt", "stratum", "psu", replicate_weights=list(reps), method=a["method"], rho=a["rho"]
+    )
+    np.testing.assert_allclose(d.rscales, a["rscales"], rtol=1e-12)  # derived == stored
+    s = _svy(full, svy_rep(R, a), design=False)
+    for v in ("y", "b"):
+        for ours, theirs in (
+            (d.mean(v), s.estimation.mean(v, method="replication", variance_center="estimate")),
+            (d.total(v), s.estimation.total(v, method="replication", variance_center="estimate")),
+        ):
+            np.testing.assert_allclose(ours.loc[v, "estimate"], _col(theirs, "est")[0], rtol=RTOL)
+            np.testing.assert_allclose(ours.loc[v, "se"], _col(theirs, "se")[0], rtol=RTOL)
+    r = d.ratio("y", "x")
+    e = s.estimation.ratio("y", "x", method="replication", variance_center="estimate")
+    np.testing.assert_allclose(r["se"].iloc[0], _col(e, "se")[0], rtol=RTOL)
+    dm = d.mean("y", by="cat")
+    e = (
+        s.estimation.mean("y", by="cat", method="replication", variance_center="estimate")
+        .to_polars()
+        .sort("cat")
+    )
+    np.testing.assert_allclose(dm["se"], e["se"].to_numpy(), rtol=RTOL)
+
+
+def test_sdr_scale_against_svy(df):
+    full, reps = _rep_frame(df, "bootstrap", seed=9, n_replicates=20)  # any replicate weights
+    d = SurveyDesign(full, "wt", "stratum", "psu", replicate_weights=list(reps), method="sdr")
+    s = _svy(full, svy.SdrWgts(prefix="rw_", n_reps=20), design=False)
+    e = s.estimation.mean("y", method="replication", variance_center="estimate")
+    np.testing.assert_allclose(d.mean("y").loc["y", "se"], _col(e, "se")[0], rtol=RTOL)
+
+
+@pytest.mark.parametrize("perturb", [False, True])
+def test_replicate_psu_factor_path_and_full_product_agree_by_hand(df, perturb):
+    """PSU-factor shortcut (replicates = w x factor per PSU) and the full W'y product
+    (e.g. recalibrated replicates) both match a plain numpy computation, overall and in domains."""
+    full, reps = _rep_frame(df, "jkn")
+    if perturb:
+        noise = 1 + 0.1 * np.random.default_rng(2).random(reps.shape)
+        full[list(reps)] = reps.to_numpy() * noise
+    d = SurveyDesign(full, "wt", "stratum", "psu", replicate_weights=list(reps), method="jkn")
+    assert (d._F is None) == perturb
+    W = full[list(reps)].to_numpy()
+    sc = reps.attrs["rscales"]
+    for level in ("a", "c"):
+        m = (df.cat == level).to_numpy()
+        yy, xx, w = df.y.to_numpy()[m], df.x.to_numpy()[m], df.wt.to_numpy()[m]
+        th, th_r = (
+            (w * yy).sum() / (w * xx).sum(),
+            (W[m] * yy[:, None]).sum(0) / (W[m] * xx[:, None]).sum(0),
+        )
+        got = d.ratio("y", "x", by="cat").xs(level, level="cat")["se"].iloc[0]
+        assert got == pytest.approx(np.sqrt((sc * (th_r - th) ** 2).sum()), rel=1e-10)
+    th, th_r = (df.wt * df.b).sum(), (W * df.b.to_numpy()[:, None]).sum(0)
+    assert d.total("b")["se"].iloc[0] == pytest.approx(
+        np.sqrt((sc * (th_r - th) ** 2).sum()), rel=1e-10
+    )
+
+
+def test_linearized_scores_give_taylor_se(df):
+    d = SurveyDesign(df, weight="wt", strata="stratum", psu="psu")
+    for est in ("mean", "total"):
+        z = d.linearized_scores(["y", "b"], est)
+        ref = getattr(d, est)(["y", "b"])["se"].to_numpy()
+        np.testing.assert_allclose(np.sqrt(d.taylor_variance(z)), ref, rtol=1e-12)
+
+
+def test_replicate_mse_convention_by_hand(df):
+    full, reps = _rep_frame(df, "jkn")
+    d = SurveyDesign(full, "wt", "stratum", "psu", replicate_weights=list(reps), method="jkn")
+    W = reps.to_numpy()
+    y = df.y.to_numpy()
+    theta = (df.wt * df.y).sum() / df.wt.sum()
+    theta_r = (W * y[:, None]).sum(axis=0) / W.sum(axis=0)
+    # rscales by hand: stratum of the zeroed PSU
+    n_h = df.groupby("stratum").psu.nunique()
+    zero = (W == 0).argmax(axis=0)
+    scale = ((n_h - 1) / n_h).to_numpy()[df.stratum.to_numpy()[zero]]
+    se = np.sqrt((scale * (theta_r - theta) ** 2).sum())
+    assert d.mean("y").loc["y", "se"] == pytest.approx(se, rel=1e-12)
+    # svy's default centres on the replicate mean: smaller, and equal to the by-hand version
+    s = _svy(
+        full,
+        svy.JackknifeWgts(prefix="rw_", n_reps=W.shape[1], kind="jkn", scale=list(scale)),
+        design=False,
+    )
+    e = s.estimation.mean("y", method="replication")
+    se_rm = np.sqrt((scale * (theta_r - theta_r.mean()) ** 2).sum())
+    assert _col(e, "se")[0] == pytest.approx(se_rm, rel=1e-8)
+    assert se_rm <= se
+
+
+def test_svy_created_weights_give_our_se(df):
+    """svy's own jackknife/BRR weights and ours give the same SEs (order-free statistics)."""
+    full, reps = _rep_frame(df, "jkn")
+    ours = SurveyDesign(
+        full, "wt", "stratum", "psu", replicate_weights=list(reps), method="jkn"
+    ).mean(["y", "b"])
+    s = _svy(df).weighting.create_jk_wgts()
+    for v in ("y", "b"):
+        e = s.estimation.mean(v, method="replication", variance_center="estimate")
+        np.testing.assert_allclose(ours.loc[v, "se"], _col(e, "se")[0], rtol=RTOL)
+    df2 = _design_df(n_psu=(2,) * 9)
+    s2 = _svy(df2).weighting.create_brr_wgts()
+    e = s2.estimation.total("y", method="replication", variance_center="estimate")
+    taylor = SurveyDesign(df2, "wt", "stratum", "psu").total("y").loc["y", "se"]
+    np.testing.assert_allclose(taylor, _col(e, "se")[0], rtol=RTOL)
+
+
+# ------------------------------------------------------------------ identities
+@pytest.mark.parametrize("n_psu", [(2,) * 6, (3,) * 5, (2, 3, 4, 2, 3)])
+def test_jkn_total_equals_taylor(n_psu):
+    df = _design_df(n_psu=n_psu, seed=11)
+    full, reps = _rep_frame(df, "jkn")
+    d = SurveyDesign(full, "wt", "stratum", "psu", replicate_weights=list(reps), method="jkn")
+    t = d.total(["y", "b"], variance="taylor")
+    r = d.total(["y", "b"])
+    np.testing.assert_allclose(r["se"], t["se"], rtol=1e-10)
+    tb = d.total("y", by="cat", variance="taylor")
+    rb = d.total("y", by="cat")
+    np.testing.assert_allclose(rb["se"], tb["se"], rtol=1e-10)
+
+
+def test_jk1_total_equals_taylor_unstratified(df):
+    u = df.assign(stratum=0, psu=df.stratum * 10 + df.psu)
+    full, reps = _rep_frame(u, "jk1")
+    d = SurveyDesign(full, "wt", "stratum", "psu", replicate_weights=list(reps), method="jk1")
+    np.testing.assert_allclose(
+        d.total("y")["se"], d.total("y", variance="taylor")["se"], rtol=1e-10
+    )
+
+
+@pytest.mark.parametrize("n_strata", [3, 4, 7, 10, 12])
+def test_brr_total_equals_taylor_and_fay0_is_brr(n_strata):
+    df = _design_df(n_psu=(2,) * n_strata, seed=n_strata)
+    full, reps = _rep_frame(df, "brr")
+    assert reps.shape[1] == 4 * int(np.ceil(n_strata / 4))  # smallest multiple of 4 >= H here
+    d = SurveyDesign(full, "wt", "stratum", "psu", replicate_weights=list(reps), method="brr")
+    np.testing.assert_allclose(
+        d.total(["y", "b"])["se"], d.total(["y", "b"], variance="taylor")["se"], rtol=1e-10
+    )
+    fullf, repsf = _rep_frame(df, "fay", rho=0.0)
+    np.testing.assert_array_equal(repsf.to_numpy(), reps.to_numpy())
+    df_ = SurveyDesign(
+        fullf, "wt", "stratum", "psu", replicate_weights=list(repsf), method="fay", rho=0.0
+    )
+    np.testing.assert_allclose(df_.mean("y")["se"], d.mean("y")["se"], rtol=1e-12)
+    # Fay with rho: still exact for a total (balance), whatever rho
+    fullf, repsf = _rep_frame(df, "fay", rho=0.5)
+    dfy = SurveyDesign(
+        fullf, "wt", "stratum", "psu", replicate_weights=list(repsf), method="fay", rho=0.5
+    )
+    np.testing.assert_allclose(
+        dfy.total("y")["se"], d.total("y", variance="taylor")["se"], rtol=1e-10
+    )
+
+
+def test_hadamard_orders():
+    for H in (1, 5, 11, 13, 21, 27, 35, 43, 60):
+        M = hadamard_for(H)
+        R = M.shape[0]
+        assert R % 4 == 0 and R >= H
+        np.testing.assert_array_equal(M @ M.T, R * np.eye(R))
+        assert (M[:, 0] == 1).all()
+    assert [hadamard_for(H).shape[0] for H in (11, 13, 21, 27, 43)] == [12, 16, 24, 28, 44]
+
+
+def test_bootstrap_rao_wu(df):
+    _, a = _rep_frame(df, "bootstrap", seed=4, n_replicates=30)
+    _, b = _rep_frame(df, "bootstrap", seed=4, n_replicates=30)
+    np.testing.assert_array_equal(a.to_numpy(), b.to_numpy())
+    assert list(a)[:2] == ["rw_001", "rw_002"] and (a.index == df.index).all()
+    # Rao-Wu: per stratum the PSU multipliers n_h/(n_h-1) * count sum to n_h
+    f = a.to_numpy() / df.wt.to_numpy()[:, None]
+    psu_f = pd.DataFrame(f).groupby([df.stratum, df.psu]).first()
+    n_h = df.groupby("stratum").psu.nunique().to_numpy()
+    np.testing.assert_allclose(
+        psu_f.groupby(level=0).sum().to_numpy(), np.repeat(n_h[:, None], 30, 1)
+    )
+
+
+# ------------------------------------------------------------------ validation
+def test_errors_name_the_column(df):
+    with pytest.raises(DesignError, match="wgt"):
+        SurveyDesign(df, weight="wgt", strata="stratum", psu="psu")
+    bad = df.assign(wt=df.wt.where(df.index != 3, 0.0))
+    with pytest.raises(DesignError, match="'wt'"):
+        SurveyDesign(bad, weight="wt", strata="stratum", psu="psu")
+    one = df[~((df.stratum == 2) & (df.psu == 2))]
+    with pytest.raises(DesignError, match=r"strata \[2\].*single PSU"):
+        SurveyDesign(one, weight="wt", strata="stratum", psu="psu").mean("y")
+    with pytest.raises(DesignError, match=r"strata \[1, 4\].*jkn"):
+        SurveyDesign(df, weight="wt", strata="stratum", psu="psu").with_replicates("brr")
+    with pytest.raises(DesignError, match="nope"):
+        SurveyDesign(df, weight="wt", strata="stratum", psu="psu").mean("nope")
+    full, reps = _rep_frame(df, "jkn")
+    d = SurveyDesign(full, "wt", "stratum", "psu", replicate_weights="rw_*", method="jkn")
+    assert d.replicate_weights == list(reps)
+    full.loc[0, "rw_004"] = np.nan
+    with pytest.raises(DesignError, match="rw_004"):
+        SurveyDesign(full, "wt", "stratum", "psu", replicate_weights="rw_*", method="jkn")
+    with pytest.raises(DesignError, match="rho"):
+        SurveyDesign(df, "wt", "stratum", "psu", replicate_weights=["wt"], method="fay")
