@@ -105,6 +105,12 @@ _OPS = {
 }
 
 
+def _col(name: str):
+    from great_expectations.expectations.row_conditions import Column
+
+    return Column(name)
+
+
 def _row_condition(text: str | None):
     if not text:
         return None
@@ -298,27 +304,55 @@ def validate_output(
     forbidden, required = output_checks(spec, masked_design)
     rows = []
     names = forbidden + [c for c in puf.columns if str(c).startswith("__")]
-    cols = pd.DataFrame({"column": names, "present": [c in puf.columns for c in names]})
-    present = sorted(cols.loc[cols.present, "column"])
+    cols = pd.DataFrame(
+        {
+            "column": names + required,
+            "present": [c in puf.columns for c in names] + [c in puf.columns for c in required],
+            "kind": ["forbidden"] * len(names) + ["required"] * len(required),
+        }
+    )
+    present = sorted(cols.loc[cols.present & (cols.kind == "forbidden"), "column"])
+    absent = [c for c in required if c not in puf.columns]
     checks = [
         (
-            "no forbidden column",
-            gxe.ExpectColumnValuesToBeInSet(column="present", value_set=[False]),
-        )
+            "forbidden",
+            gxe.ExpectColumnValuesToBeInSet(
+                column="present", value_set=[False], row_condition=_col("kind") == "forbidden"
+            ),
+        ),
+        (
+            "required",
+            gxe.ExpectColumnValuesToBeInSet(
+                column="present", value_set=[True], row_condition=_col("kind") == "required"
+            ),
+        ),
     ]
-    r = _run(cols, checks, "output_columns", "column")[0]
+    forb, req = _run(cols, checks, "output_columns", "column")
     rows.append(
         {
             "name": "output: no direct identifiers, original design labels or internal columns",
-            "passed": r["success"],
-            "value": float(r["unexpected_count"]),
+            "passed": forb["success"],
+            "value": float(forb["unexpected_count"]),
             "threshold": "0 columns",
-            "detail": "none present" if r["success"] else f"present: {present}",
+            "detail": "none present" if forb["success"] else f"present: {present}",
+        }
+    )
+    rows.append(
+        {
+            "name": f"output: the {len(required)} weight, key, study and design columns present",
+            "passed": req["success"],
+            "value": float(req["unexpected_count"]),
+            "threshold": "0 missing",
+            "detail": "all present" if req["success"] else f"missing: {absent}",
         }
     )
     idx = _ROW
-    frame = puf.assign(**{_ROW: np.arange(len(puf))})
-    checks = [(f"output: column {c} present", gxe.ExpectColumnToExist(column=c)) for c in required]
+    reps = [c for c in replicate_columns if c in puf.columns]
+    extra = {_ROW: np.arange(len(puf))}
+    if reps:
+        extra["__replicate_min"] = puf[reps].min(axis=1).to_numpy()
+    frame = puf.assign(**extra)
+    checks = []
     w = spec.design.weight
     if w in puf.columns:
         checks.append(
@@ -330,14 +364,13 @@ def validate_output(
         checks.append(
             (f"output: weight {w} not missing", gxe.ExpectColumnValuesToNotBeNull(column=w))
         )
-    for c in replicate_columns:
-        if c in puf.columns:
-            checks.append(
-                (
-                    f"output: replicate weight {c} >= 0",
-                    gxe.ExpectColumnValuesToBeBetween(column=c, min_value=0),
-                )
+    if reps:
+        checks.append(
+            (
+                f"output: replicate weights {reps[0]}..{reps[-1]} ({len(reps)}) >= 0",
+                gxe.ExpectColumnValuesToBeBetween(column="__replicate_min", min_value=0),
             )
+        )
     for r in _run(frame, checks, "output_file", idx):
         rows.append(
             {

@@ -57,6 +57,6 @@ def gates_task(
 ) -> pd.DataFrame:
     """Output-file gates and metric threshold gates, one results table."""
     return pd.concat(
-        [validate_output(puf, spec, replicate_columns, masked), validate_metric_gates(gates)],
+        [validate_metric_gates(gates), validate_output(puf, spec, replicate_columns, masked)],
         ignore_index=True,
     )

@@ -115,4 +115,4 @@ def test_output_gates(data):
     assert res.loc["output: weight w positive", "value"] == 1
     # with a masked design the pseudo labels must be there
     res = validate_output(puf, spec, [], masked_design=True).set_index("name")
-    assert not res.loc["output: column h present", "passed"]
+    assert not res.loc[res.index.str.contains("columns present"), "passed"].iloc[0]
