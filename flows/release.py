@@ -285,10 +285,11 @@ def _massc_replications(
         c.tolist() for c in np.array_split(np.arange(spec.stages.massc.replications), 2) if len(c)
     ]
     futures = massc_replications.map(
-        quote(unmapped(df)),
+        # plain unmapped: Dask turns quote (a tuple subclass) into a tuple on the way to a worker
+        unmapped(df),
         unmapped(spec.model_dump(mode="json")),
         spec.release.seed,
-        quote(unmapped(original)),
+        unmapped(original),
         chunks,
     )
     return massc_epsilon(out, [f.result() for f in futures], spec)
