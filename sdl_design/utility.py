@@ -169,7 +169,8 @@ def broad_characteristics(
 
 
 def se_ratio_metrics(se: pd.DataFrame, prefix: str = "se_ratio", column: str = "ratio") -> dict:
-    """median, p10, p90, min, max of an SE-ratio column (finite values only)."""
+    """median, p10, p90, min, max of an SE-ratio column (finite values only); mean |log ratio|
+    over positive ratios, with the count of zero ratios (SE collapsed to 0) beside it."""
     r = se[column].to_numpy(dtype=float)
     r = r[np.isfinite(r)]
     if len(r) == 0:
@@ -181,7 +182,10 @@ def se_ratio_metrics(se: pd.DataFrame, prefix: str = "se_ratio", column: str = "
         f"{prefix}_p90": float(q[2]),
         f"{prefix}_min": float(r.min()),
         f"{prefix}_max": float(r.max()),
-        f"{prefix}_mean_abs_log": float(np.mean(np.abs(np.log(r)))),
+        f"{prefix}_mean_abs_log": float(np.mean(np.abs(np.log(r[r > 0]))))
+        if (r > 0).any()
+        else float("inf"),
+        f"{prefix}_n_zero": float((r <= 0).sum()),
     }
 
 

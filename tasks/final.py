@@ -83,6 +83,12 @@ def final_task(
         f"sample uniques on the keys: {before:.1%} before, {after:.1%} after; "
         f"{metrics['share_keys_changed']:.1%} of retained records have a changed key",
     ]
+    if metrics.get("se_ratio_n_zero"):
+        zero = out.loc[out["ratio"] <= 0, "characteristic"].head(5).tolist()
+        notes.append(
+            f"{metrics['se_ratio_n_zero']:.0f} characteristics have SE 0 on the released file "
+            f"(e.g. {', '.join(zero)}): the treatment left no variation there"
+        )
     return StageOutput(
         name="final",
         data=df,

@@ -67,7 +67,9 @@ def test_valid_spec_and_data():
 
 
 def test_default_spec_is_valid():
-    spec = parse_spec(yaml.safe_load(resources.files("flows").joinpath("default_spec.yaml").read_text()))
+    spec = parse_spec(
+        yaml.safe_load(resources.files("flows").joinpath("default_spec.yaml").read_text())
+    )
     assert spec.stages.prb.xi == 0.395 and spec.design.replicate_weights.method == "jkn"
 
 
@@ -92,7 +94,9 @@ def test_xi_out_of_range_named():
 
 
 def test_fay_needs_rho_and_logit_needs_bounds():
-    msg = problems(with_change(["design", "replicate_weights"], {"columns": "rw_*", "method": "fay"}))
+    msg = problems(
+        with_change(["design", "replicate_weights"], {"columns": "rw_*", "method": "fay"})
+    )
     assert "design.replicate_weights" in msg and "rho" in msg
     massc = {"calibration": {"method": "logit", "controls": ["sex"]}}
     msg = problems(with_change(["stages", "massc"], massc))
@@ -147,7 +151,10 @@ def test_load_spec_resolves_paths(tmp_path):
 
 
 def test_parse_condition():
-    assert parse_condition("age < 15 and sex == 'male'") == [("age", "<", 15), ("sex", "==", "male")]
+    assert parse_condition("age < 15 and sex == 'male'") == [
+        ("age", "<", 15),
+        ("sex", "==", "male"),
+    ]
     assert parse_condition("x in [1, 2]") == [("x", "in", [1, 2])]
 
 

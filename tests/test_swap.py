@@ -311,6 +311,21 @@ def test_deff_class_summary_matches_numpy():
     assert t.loc["count", "overall"] == 300
 
 
+def test_se_ratio_metrics_with_collapsed_se():
+    """A zero SE ratio is counted, not turned into an infinite mean |log ratio|."""
+    import warnings
+
+    from sdl_design.utility import se_ratio_metrics
+
+    r = np.array([0.0, 0.5, 1.0, 2.0, np.nan])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = se_ratio_metrics(pd.DataFrame({"ratio": r}))
+    assert m["se_ratio_n_zero"] == 1
+    assert np.isclose(m["se_ratio_mean_abs_log"], 2 * np.log(2) / 3)
+    assert m["se_ratio_min"] == 0 and np.isclose(m["se_ratio_median"], 0.75)
+
+
 def test_domain_mean_se_equals_oracle():
     from sdl_design.utility import Characteristics, domain_mean_se
 
