@@ -19,6 +19,34 @@ class DesignError(ValueError):
     """The design does not fit the data; the message names the column and the fix."""
 
 
+class _Columns:
+    """Study variables read a block at a time (variables x records), checked for missing values."""
+
+    def __init__(self, data: pd.DataFrame | np.ndarray, names: Sequence):
+        self.names, self.k = list(names), len(names)
+        # records x variables; for a frame of one float dtype this is a view, not a copy
+        self.data = data if isinstance(data, np.ndarray) else data[self.names].to_numpy(float)
+
+    def _checked(self, m: np.ndarray, names: list) -> np.ndarray:
+        bad = np.isnan(m).any(axis=1)
+        if bad.any():
+            cols = [c for c, b in zip(names, bad, strict=True) if b]
+            raise DesignError(
+                f"columns {cols} have missing values; drop or impute them, or use a domain"
+            )
+        return m
+
+    def block(self, a: int, b: int, idx: np.ndarray | None = None) -> np.ndarray:
+        """Variables a..b-1 as rows, records idx (all when None)."""
+        m = self.data[:, a:b].T
+        m = m if idx is None else np.take(m, idx, axis=1)
+        return self._checked(m, self.names[a:b])
+
+    def full(self) -> np.ndarray:
+        """All variables, records x variables."""
+        return self._checked(self.data.T, self.names).T
+
+
 def _as_list(cols: str | Sequence[str]) -> list[str]:
     return [cols] if isinstance(cols, str) else list(cols)
 
@@ -138,6 +166,8 @@ class SurveyDesign:
         self.psu_h = (uniq // m).astype(np.int64)
         self.n_psu = len(self.psu_h)
         self.n_h = np.bincount(self.psu_h).astype(float)
+        # records in PSU order (None when the file is already sorted by stratum and PSU)
+        self._psu_order = None if (np.diff(g) >= 0).all() else np.argsort(g, kind="stable")
         # sparse aggregation: records -> PSUs -> strata
         self._P = sp.csr_matrix((np.ones(n), (self.g, np.arange(n))), shape=(self.n_psu, n))
         self._S = sp.csr_matrix(
@@ -227,17 +257,11 @@ class SurveyDesign:
         return list(levels[np.flatnonzero(mask)[:k]])
 
     # ------------------------------------------------------------ data
-    def _matrix(self, cols: Sequence[str]) -> np.ndarray:
+    def _matrix(self, cols: Sequence[str]) -> _Columns:
         missing = [c for c in cols if c not in self.df.columns]
         if missing:
             raise DesignError(f"columns {missing} are not in the data")
-        y = self.df[list(cols)].to_numpy(dtype=float)
-        if np.isnan(y).any():
-            bad = [c for c, b in zip(cols, np.isnan(y).any(axis=0), strict=True) if b]
-            raise DesignError(
-                f"columns {bad} have missing values; drop or impute them, or use a domain"
-            )
-        return y
+        return _Columns(self.df, cols)
 
     def _domains(self, by: str | None) -> tuple[list, np.ndarray | None]:
         if by is None:
@@ -275,74 +299,115 @@ class SurveyDesign:
         return np.sqrt(self.rscales @ (d * d))
 
     # ------------------------------------------------------------ estimators
+    def _taylor(
+        self, y: _Columns, x: _Columns | str | None, domain: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Estimate, Taylor SE and deff of totals (x None), means (x "ones") or ratios y/x.
+
+        PSU totals of the scores z = w d (y - R x) / X (z = w d y for totals) are sums over runs
+        of records in PSU order (np.add.reduceat), a few variables at a time so every block
+        stays in cache; strata with no domain records still
+        count. deff is Kish's with-replacement deff V / (W^2 s2_w / n),
+        s2_w = n/(n-1) sum w (u - ubar_w)^2 / W over the domain's n records (svy deff='wr').
+        """
+        idx = self._psu_order
+        if domain is not None:
+            idx = np.flatnonzero(domain) if idx is None else idx[domain[idx]]
+        g, w = (self.g, self.w) if idx is None else (self.g[idx], self.w[idx])
+        nd, k = len(w), y.k
+        starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+        psu_ids, psu_w = g[starts], np.add.reduceat(w, starts)
+        Wd = w.sum()
+        est, ss, X = np.empty(k), np.empty(k), np.empty(k)
+        zt = np.zeros((self.n_psu, k))
+        xc = x if isinstance(x, _Columns) else None
+
+        def run(a: int, b: int) -> None:  # variables a..b-1
+            B = y.block(a, b, idx)  # variables x records
+            Yc = B @ w
+            XB = None if xc is None else xc.block(a, b, idx)
+            if x is None:  # totals
+                X[a:b], est[a:b] = 1.0, Yc
+                shift = (Yc / Wd)[:, None]
+            else:
+                X[a:b] = Wd if XB is None else XB @ w
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    est[a:b] = Yc / X[a:b]
+                shift = est[a:b, None] if XB is None else est[a:b, None] * XB
+            c = B - shift  # y - R x (y - ybar for totals)
+            wc = c * w
+            r = np.add.reduceat(wc, starts, axis=1)  # PSU sums of w c
+            if x is None:  # PSU totals of w y = sums of w c + ybar * PSU weight sums
+                r += shift * psu_w
+            else:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    r /= X[a:b, None]
+            zt[psu_ids, a:b] = r.T
+            ss[a:b] = np.einsum("ji,ji->j", wc, c)
+
+        step = max(1, min(k, (1 << 17) // max(nd, 1)))  # ~1 MB blocks (measured best)
+        for a in range(0, k, step):
+            run(a, min(a + step, k))
+        var = self._psu_variance(zt)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            srs = Wd * ss / ((nd - 1.0) * np.square(X))  # = W^2 s2_w / n
+            deff = var / srs if nd > 1 else np.full_like(var, np.nan)
+        return est, np.sqrt(var), deff
+
+    def _replicate(
+        self, y: np.ndarray, x: np.ndarray | str | None, rows: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Estimate and replicate SE (centred on the full-sample estimate)."""
+        ym = y if rows is None else y[rows]
+        wm = self.w if rows is None else self.w[rows]
+        xm = x[rows] if (isinstance(x, np.ndarray) and rows is not None) else x
+        xm = xm if isinstance(xm, np.ndarray) else None
+        Y = wm @ ym
+        X = 1.0 if x is None else (wm.sum() if xm is None else wm @ xm)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            est = Y / X
+        if self._F is not None:  # PSU totals of w y (and w x), then F' (PSU totals)
+            gm = self.g if rows is None else self.g[rows]
+            Pw = sp.csc_matrix((wm, (gm, np.arange(len(wm)))), shape=(self.n_psu, len(wm)))
+            theta_r = self._F.T @ np.asarray(Pw @ ym)  # R x k
+            if x is None:
+                xr = None
+            elif xm is None:
+                xr = self._F.T @ np.bincount(gm, wm, self.n_psu)[:, None]
+            else:
+                xr = self._F.T @ np.asarray(Pw @ xm)
+        else:
+            Wr = self.W if rows is None else np.asfortranarray(self.W[rows])
+            theta_r = Wr.T @ ym  # R x k: one matrix product for all variables
+            xr = None if x is None else (Wr.sum(axis=0)[:, None] if xm is None else Wr.T @ xm)
+        if xr is not None:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                theta_r = theta_r / xr
+        return est, self._replicate_se(est, theta_r)
+
     def _estimate(
         self,
-        y: np.ndarray,
-        x: np.ndarray | str | None,
+        y: _Columns,
+        x: _Columns | str | None,
         by: str | None,
         index: list,
         variance: str | None,
     ) -> pd.DataFrame:
         """Totals (x None), means (x "ones") or ratios of totals y/x, one column per variable.
 
-        Taylor: PSU totals of the scores z = w d (y - R x) / X (z = w d y for totals) come from
-        one sparse product per domain, never an n x k temporary; strata with no domain records
-        still count. deff is Kish's with-replacement deff: V / (W^2 s2_w / n) with
-        s2_w = n/(n-1) sum w (u - ubar_w)^2 / W over the domain's n records (svy deff='wr').
-        Replicate: one product (replicate weights)' y for all variables.
+        Taylor: see _taylor. Replicate: one product (replicate weights)' y for all variables.
         """
         vkind = self._variance_kind(variance)
         levels, codes = self._domains(by)
         frames = []
+        if vkind == "replicate":
+            ym, xm = y.full(), (x.full() if isinstance(x, _Columns) else x)
         for j, level in enumerate(levels):  # loop over domains only, never over variables
-            rows = slice(None) if codes is None else np.flatnonzero(codes == j)
-            ym, wm = y[rows], self.w[rows]
-            xm = x[rows] if isinstance(x, np.ndarray) else None
-            nd = len(wm)
-            Y = wm @ ym
-            X = 1.0 if x is None else (wm.sum() if xm is None else wm @ xm)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                est = Y / X
-            gm = self.g[rows]
-            fast = vkind == "taylor" or self._F is not None
-            if fast:  # PSU totals of w y (and w x) in the domain: one sparse product
-                Pw = sp.csc_matrix((wm, (gm, np.arange(nd))), shape=(self.n_psu, nd))  # y is F
-                ty = np.asarray(Pw @ ym)
-                if x is not None:
-                    tx = np.bincount(gm, wm, self.n_psu)[:, None] if xm is None else Pw @ xm
-                    tx = np.asarray(tx)
             if vkind == "taylor":
-                zt = ty
-                if x is not None:
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        zt = (ty - est[None, :] * tx) / X  # PSU totals of w d (y - R x) / X
-                var = self._psu_variance(zt)
-                se = np.sqrt(var)
-                Wd = wm.sum()
-                if x is None:
-                    c = ym - Y / Wd
-                else:
-                    c = ym - est[None, :] * (1.0 if xm is None else xm)
-                ss = np.einsum("i,ij,ij->j", wm, c, c)
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    srs = Wd * ss / ((nd - 1.0) * np.square(X))  # = W^2 s2_w / n
-                    deff = var / srs if nd > 1 else np.full_like(var, np.nan)
+                est, se, deff = self._taylor(y, x, None if codes is None else codes == j)
             else:
-                if self._F is not None:
-                    theta_r = self._F.T @ ty  # R x k from PSU totals
-                    xr = None if x is None else self._F.T @ tx
-                else:
-                    Wr = self.W if codes is None else np.asfortranarray(self.W[rows])
-                    theta_r = Wr.T @ ym  # R x k: one matrix product for all variables
-                    xr = (
-                        None
-                        if x is None
-                        else (Wr.sum(axis=0)[:, None] if xm is None else Wr.T @ xm)
-                    )
-                if xr is not None:
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        theta_r = theta_r / xr
-                se = self._replicate_se(est, theta_r)
+                rows = None if codes is None else np.flatnonzero(codes == j)
+                est, se = self._replicate(ym, xm, rows)
                 deff = None
             out = pd.DataFrame({"estimate": est, "se": se}, index=pd.Index(index, name="variable"))
             if deff is not None:
@@ -396,7 +461,9 @@ class SurveyDesign:
             )
         ind = np.zeros((self.n, len(cats)))
         ind[np.arange(self.n), codes] = 1.0
-        out = self._estimate(ind, "ones", by, list(range(len(cats))), variance)
+        out = self._estimate(
+            _Columns(ind, range(len(cats))), "ones", by, list(range(len(cats))), variance
+        )
         tuples = [(col, cats[int(v)]) for v in out.index.get_level_values("variable")]
         idx = pd.MultiIndex.from_tuples(tuples, names=["variable", "category"])
         if by is not None:
@@ -412,7 +479,7 @@ class SurveyDesign:
     ) -> np.ndarray:
         """Record-level linearized scores z (n x k) whose PSU totals give the Taylor variance:
         z = w y for totals, z = w (y - ybar) / W for means (taylor_variance(z) is V)."""
-        y = self._matrix(_as_list(cols))
+        y = self._matrix(_as_list(cols)).full()
         if estimator == "total":
             return self.w[:, None] * y
         W = self.w.sum()
