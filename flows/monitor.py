@@ -13,10 +13,10 @@ from prefect import flow
 
 from flows import registry as reg
 
-# metric of the manifest (first one present) for each monitored quantity
+# metric of the manifest (first one present) for each monitored quantity: the gated one first
 METRICS = {
     "delta": ("massc.delta",),
-    "epsilon": ("massc.epsilon",),
+    "epsilon": ("massc.epsilon_formula", "massc.epsilon"),
     "id_risk": ("prb.max_risk", "prb.identification_risk", "prb.risk_max"),
 }
 # spec gates field giving the threshold of each quantity
@@ -272,23 +272,16 @@ def drift_flags(
 
 def _png_b64(fig) -> str:
     import base64
-    import io
 
-    import matplotlib.pyplot as plt
+    from sdl_design.plots import png
 
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
+    return base64.b64encode(png(fig, dpi=90)).decode()
 
 
 def _plt():
-    import matplotlib
+    from sdl_design.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot()
 
 
 def ratio_boxplot(groups: dict[str, pd.DataFrame], title: str, legend: str = "") -> str:

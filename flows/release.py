@@ -200,10 +200,9 @@ def release_flow(
         _progress(step, total, "edit validation")
         edits = edits_task(quote(original), quote(spec))
         if not edits["passed"].all():
-            _finish(
-                spec, manifest, outputs, edits, "rejected", "edit validation failed on the input"
-            )
-            raise GateFailed("edit validation failed on the input file", edits)
+            err = GateFailed("edit validation failed on the input file", edits)
+            _finish(spec, manifest, outputs, edits, "rejected", str(err))
+            raise err
 
         df = original
         for name in names:
@@ -233,8 +232,11 @@ def release_flow(
         gate_rows = [g for o in outputs for g in o.gates]
         gates = gates_task(quote(puf), quote(spec), gate_rows, replicate_cols, masked)
         if not gates["passed"].all():
-            _finish(spec, manifest, outputs, gates, "rejected", "gates failed")
-            raise GateFailed("release gates failed; nothing was published", gates)
+            err = GateFailed("release gates failed; nothing was published", gates)
+            _finish(
+                spec, manifest, outputs, gates, "rejected", str(err)
+            )  # reasons: the failed checks
+            raise err
         manifest["status"] = "gated"
 
         step += 1

@@ -593,12 +593,9 @@ def _rebuild_replicates(
 def se_ratio_boxplot(ratios: dict[str, pd.DataFrame], column: str = "ratio") -> bytes:
     """PNG of side-by-side box plots of SE ratios by original design-effect class, one box per
     method in each class (the paper's Figure 2). ratios: method -> se_ratios frame."""
-    import io
+    from sdl_design.plots import png, pyplot
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from sdl_design.utility import DEFF_CLASSES, deff_class
 
@@ -633,7 +630,4 @@ def se_ratio_boxplot(ratios: dict[str, pd.DataFrame], column: str = "ratio") -> 
     ax.set_title("Standard error ratios by original design effect")
     ax.legend(loc="best")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    return png(fig)

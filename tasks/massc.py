@@ -22,6 +22,7 @@ from sdl_design.massc import (
     rates_table,
     replication_seed,
 )
+from sdl_design.plots import histogram
 from sdl_design.rng import stage_rng
 from sdl_design.spec import ReleaseSpec
 from tasks.base import StageOutput, gate
@@ -186,7 +187,17 @@ def massc_task(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame) -> Sta
             **cal_tables,
         },
         gates=gates,
+        figures={"weight_factors": _weight_factor_figure(data, cfg.weight, tr)},
         notes=notes,
+    )
+
+
+def _weight_factor_figure(data: pd.DataFrame, weight: str, tr) -> bytes:
+    """Histogram of the calibration adjustment factors (final weight / weight after 1/phi)."""
+    base = tr.b1.loc[tr.retained, weight].to_numpy(dtype=float) * tr.factor[tr.retained]
+    adj = data[weight].to_numpy(dtype=float) / base
+    return histogram(
+        adj, "calibration adjustment factor", "Weight adjustment factors after MASSC", vline=1.0
     )
 
 

@@ -7,6 +7,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from sdl_design.edits import failure_counts
+from sdl_design.plots import histogram
 from sdl_design.prb import (
     block_risk,
     count_changes,
@@ -93,5 +94,16 @@ def prb_task(df: pd.DataFrame, spec: ReleaseSpec, seed: int) -> StageOutput:
             "tvd": tv,
         },
         gates=[gate("prb.max_identification_risk", max_risk, upper=xi)],
+        figures={
+            "risk_hist": histogram(
+                risk["risk"].to_numpy(),
+                "exact identification risk (eq. 2.2)",
+                "Identification risk of singleton/doubleton records after PRB",
+                vline=xi,
+                vlabel=f"xi = {xi:g}",
+            )
+        }
+        if len(risk)
+        else {},
         notes=notes,
     )

@@ -6,6 +6,7 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from sdl_design.plots import histogram
 from sdl_design.risk import risk_profile
 from sdl_design.spec import ReleaseSpec
 from tasks.base import StageOutput, gate
@@ -53,6 +54,13 @@ def risk_task(df: pd.DataFrame, spec: ReleaseSpec, seed: int) -> StageOutput:
         )
     records = prof.records.reset_index(names="record")
     records["stratum"] = records["stratum"].astype(str)
+    figures = {}
+    if records["risk_score"].notna().any():
+        figures["score_hist"] = histogram(
+            {s: g["risk_score"].to_numpy() for s, g in records.groupby("stratum", sort=True)},
+            "GenMASSC risk score r_k",
+            "Record risk scores by risk stratum (U, D, T, O)",
+        )
     return StageOutput(
         name="risk",
         data=df,
@@ -70,5 +78,6 @@ def risk_task(df: pd.DataFrame, spec: ReleaseSpec, seed: int) -> StageOutput:
             "by_profile_size": prof.by_profile_size,
         },
         gates=gates,
+        figures=figures,
         notes=notes,
     )

@@ -1,5 +1,6 @@
 """The release flow end to end on a small default survey: publish, reproducibility, failures, approval."""
 
+import base64
 import json
 import threading
 import time
@@ -63,7 +64,19 @@ def test_published_release(published):
     assert on_disk["hashes"]["outputs"]["public/puf.parquet"] == sha256_file(
         out / "public" / "puf.parquet"
     )
-    assert (out / "internal" / "report.html").stat().st_size > 1000
+    # the real report parses, with every section, each run stage and its plots embedded
+    from test_report import PNG, SECTIONS, Parsed
+
+    rep = Parsed((out / "internal" / "report.html").read_text())
+    assert set(SECTIONS) <= set(rep.ids)
+    stages = {s["name"] for s in manifest["stages"]}
+    assert {"risk", "swap", "prb", "massc", "final"} <= stages
+    assert {f"stage-{n}" for n in stages} <= set(rep.ids), set(rep.ids)
+    alts = {i["alt"] for i in rep.imgs}
+    assert {"risk/score_hist", "prb/risk_hist", "massc/weight_factors"} <= alts, alts
+    assert all(s.startswith("data:") for s in rep.srcs)
+    for img in rep.imgs:
+        assert base64.b64decode(img["src"].split(",", 1)[1]).startswith(PNG)
     assert (out / "internal" / "gates.csv").is_file()
     # the seed never reaches public/
     seed = str(yaml.safe_load(path.read_text())["release"]["seed"])
@@ -106,7 +119,10 @@ def test_edit_failure_publishes_nothing(tmp_path):
 
 
 def test_failed_gate_publishes_nothing(tmp_path):
-    path = small_spec(tmp_path, **{"gates.xi": 0.34})
+    from flows import registry as reg
+
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    path = small_spec(tmp_path, **{"gates.xi": 0.34, "release.registry": url})
     with pytest.raises(GateFailed, match="identification"):
         release_flow(spec_path=str(path), approve="tester")
     out = folder(path)
@@ -115,6 +131,10 @@ def test_failed_gate_publishes_nothing(tmp_path):
     assert manifest["status"] == "rejected"
     failed = [g for g in manifest["gates"] if not g["passed"]]
     assert failed and all(g["value"] > 0.34 for g in failed)
+    # the registry has it as rejected, with the failed gate as the reason
+    rec = reg.show_release(manifest["release"]["release_id"], url=url)
+    assert rec["status"] == "rejected" and "identification" in rec["reason"]
+    assert {g["name"] for g in rec["gates"] if not g["passed"]} == {g["name"] for g in failed}
 
 
 def _paused_run_id():
@@ -209,3 +229,57 @@ def test_dask_runner_matches_thread_pool(tmp_path):
     assert t["metrics"]["massc.n_replications"] == 4
     assert t["metrics"]["massc.epsilon_empirical"] == d["metrics"]["massc.epsilon_empirical"]
     assert t["hashes"]["outputs"] == d["hashes"]["outputs"]
+
+
+def test_real_releases_in_registry_and_monitor(tmp_path, monkeypatch):
+    """Two yearly releases of the default survey (different seeds) and a third whose MASSC
+    subsampling is pushed to half the file (SEs up by about sqrt 2): the registry lists all three,
+    the monitor reports them and flags only the third year's median SE ratio."""
+    from flows import monitor as mon
+    from flows import registry as reg
+
+    monkeypatch.delenv(reg.ENV_URL, raising=False)
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    fast = {"stages.prb": None, "release.registry": url}
+    runs = [
+        (2025, 11, {}),
+        (2026, 22, {}),
+        # epsilon 0.6 lets MASSC sample out up to half the records; the gate is opened to match
+        (2027, 33, {"stages.massc.epsilon": 0.6, "gates.epsilon_max": 0.7, "gates.se_ratio": None}),
+    ]
+    manifests = {}
+    for year, seed, extra in runs:
+        path = small_spec(
+            tmp_path / str(year), **fast, **{"release.year": year, "release.seed": seed}, **extra
+        )
+        manifests[year] = release_flow(spec_path=str(path), approve="board")
+        assert manifests[year]["status"] == "published"
+    listed = reg.list_releases(url=url)
+    assert sorted(listed["year"]) == [2025, 2026, 2027]
+    assert set(listed["status"]) == {"published"}
+    m27 = manifests[2027]["metrics"]
+    assert (
+        m27["final.share_records_retained"]
+        < manifests[2025]["metrics"]["final.share_records_retained"]
+    )
+
+    s = mon.monitor(url=url, out_dir=tmp_path / "m")
+    assert s.releases["year"].tolist() == [2025, 2026, 2027]
+    by_year = s.releases.set_index("year")
+    for y in (2025, 2026):  # the regular releases sit inside the band
+        assert 0.9 <= by_year.loc[y, "se_ratio_median"] <= 1.1, by_year.loc[y]
+        assert by_year.loc[y, "se_ratio_median"] == pytest.approx(
+            manifests[y]["metrics"]["final.se_ratio_median"]
+        )
+    assert by_year.loc[2027, "se_ratio_median"] > 1.1
+    kinds = {(f["year"], f["kind"]) for f in s.flags}
+    # gated quantities stay flag-free; per-characteristic changes of small domains may move
+    # between seeds at 4,000 persons, so only the median band is asserted per year
+    assert not kinds & {
+        (y, k) for y in (2025, 2026) for k in ("se_ratio_median", "epsilon", "delta")
+    }
+    assert (2027, "se_ratio_median") in kinds and s.status == 1
+    assert (
+        "median SE ratio 1.1" in s.report.read_text()
+        or "median SE ratio 1.2" in s.report.read_text()
+    )
