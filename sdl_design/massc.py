@@ -43,17 +43,67 @@ class MasscInfeasible(MasscError):
 
 
 def massc_strata(
-    df: pd.DataFrame, keys: Sequence[KeyLike], merge: Mapping[str, str] | None = None
+    df: pd.DataFrame,
+    keys: Sequence[KeyLike],
+    merge: Mapping[str, str] | None = None,
+    substrata: Sequence[str] = (),
+    k: int = 2,
+    min_records: int = 30,
+    rng: np.random.Generator | None = None,
 ) -> pd.Series:
     """Risk stratum of each record (U, D, T, O from risk.risk_strata), merged by `merge`
-    (e.g. {"D": "NU", "T": "NU", "O": "NU"}). Returns a string Series."""
+    (e.g. {"D": "NU", "T": "NU", "O": "NU"}), each split into at most k substrata "S:1".."S:k"
+    by k-means on the standardized `substrata` variables (at most one substratum per
+    min_records records). Returns a string Series."""
     s = risk_strata(df, keys).astype(str)
     if merge:
         bad = set(merge) - set(STRATA)
         if bad:
             raise MasscError(f"merge: {sorted(bad)} are not risk strata; use keys of {STRATA}")
         s = s.map(lambda v: merge.get(v, v))
+    if substrata:
+        s = _split_substrata(df, s, list(substrata), k, min_records, rng)
     return s.rename("massc_stratum")
+
+
+def _split_substrata(
+    df: pd.DataFrame,
+    strata: pd.Series,
+    cols: list[str],
+    k: int,
+    min_records: int,
+    rng: np.random.Generator | None,
+) -> pd.Series:
+    """k-means (scipy kmeans2, k-means++ start) within each stratum; substrata are numbered by
+    increasing centroid of the first variable so labels do not depend on the start."""
+    from scipy.cluster.vq import kmeans2
+
+    missing = [c for c in cols if c not in df.columns]
+    if missing:
+        raise MasscError(f"stages.massc.substrata.variables: {missing} are not in the data")
+    try:
+        x = df[cols].to_numpy(dtype=float)
+    except (TypeError, ValueError) as e:
+        raise MasscError(
+            f"stages.massc.substrata.variables: {cols} must be numeric ({e}); recode them"
+        ) from e
+    if np.isnan(x).any():
+        raise MasscError("stages.massc.substrata.variables have missing values; impute them")
+    sd = x.std(axis=0)
+    x = (x - x.mean(axis=0)) / np.where(sd > 0, sd, 1.0)
+    rng = rng if rng is not None else np.random.default_rng(0)
+    out = strata.to_numpy(dtype=object).copy()
+    for label in sorted(pd.unique(strata)):
+        rows = np.flatnonzero(strata.to_numpy() == label)
+        kk = min(k, len(rows) // min_records)
+        if kk < 2:
+            continue
+        centroid, lab = kmeans2(x[rows], kk, minit="++", rng=rng)
+        used = np.unique(lab)
+        rank = np.empty(kk, dtype=np.int64)
+        rank[used[np.argsort(centroid[used, 0], kind="stable")]] = np.arange(len(used))
+        out[rows] = [f"{label}:{r + 1}" for r in rank[lab]]
+    return pd.Series(out, index=strata.index, dtype=object).astype(str)
 
 
 # ---------------------------------------------------------------- Step II: substitution partners
@@ -815,6 +865,9 @@ class MasscConfig:
     importance: dict[str, float] = field(default_factory=dict)
     restrictions: list[str] = field(default_factory=list)
     strata_merge: dict[str, str] | None = None
+    substrata: list[str] = field(default_factory=list)  # k-means variables within each stratum
+    substrata_k: int = 2
+    substrata_min_records: int = 30
     nest: tuple[str, str] | None = None  # (design strata, PSU): nested selection (section 5)
     cost: Literal["risk", "equal"] = "risk"  # a_h: mean pre-treatment risk score, or 1
     risk_basis: Literal["original", "treated", "max"] = "max"
@@ -879,7 +932,15 @@ def _cfg_check(df: pd.DataFrame, cfg: MasscConfig) -> None:
 def massc_plan(df: pd.DataFrame, cfg: MasscConfig, rng: np.random.Generator) -> MasscPlan:
     """Step I and II: risk strata, substitution partners, optimal psi (eq. 9)."""
     _cfg_check(df, cfg)
-    strata = massc_strata(df, cfg.keys, cfg.strata_merge).to_numpy()
+    strata = massc_strata(
+        df,
+        cfg.keys,
+        cfg.strata_merge,
+        cfg.substrata,
+        cfg.substrata_k,
+        cfg.substrata_min_records,
+        rng,
+    ).to_numpy()
     h, labels = pd.factorize(pd.Series(strata), sort=True)
     donors = find_donors(df, cfg.keys, cfg.sensitive, cfg.importance, cfg.restrictions, rng)
     has = donors.donor >= 0

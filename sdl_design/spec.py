@@ -253,8 +253,18 @@ class CalibrationSpec(_Strict):
         return self
 
 
+class Substrata(_Strict):
+    """Split each risk stratum into up to k substrata by k-means on study variables (Step I)."""
+
+    variables: list[str] = Field(min_length=1)  # numeric study variables, standardized
+    k: int = Field(default=2, ge=2, le=20)
+    min_records: int = Field(default=30, ge=2)  # fewer clusters where a stratum is small
+
+
 class MasscStage(_Strict):
     enabled: bool = True
+    strata_merge: dict[Literal["U", "D", "T", "O"], str] = {}  # e.g. {D: NU, T: NU, O: NU}
+    substrata: Substrata | None = None
     psi_max: float = Field(default=0.25, gt=0.0, le=0.25)
     phi_min: float = Field(default=0.5, ge=0.5, lt=1.0)
     epsilon: float = Field(default=0.15, gt=0.0, lt=1.0)  # target max RRMSE
@@ -372,6 +382,8 @@ class ReleaseSpec(_Strict):
                 named.setdefault(k.name, f"stages.massc.calibration.controls[{i}]")
             for c in s.massc.donor_restrictions:
                 named.setdefault(c, "stages.massc.donor_restrictions")
+            for i, c in enumerate(s.massc.substrata.variables if s.massc.substrata else []):
+                named.setdefault(c, f"stages.massc.substrata.variables[{i}]")
         for col, rule in s.topcode.items():
             named.setdefault(col, f"stages.topcode.{col}")
             for c in rule.by:

@@ -59,6 +59,10 @@ def massc_config(spec, df: pd.DataFrame) -> MasscConfig:
         alpha_share=st.alpha_share,
         importance=dict(st.importance),
         restrictions=list(st.donor_restrictions),
+        strata_merge=dict(st.strata_merge) or None,
+        substrata=list(st.substrata.variables) if st.substrata else [],
+        substrata_k=st.substrata.k if st.substrata else 2,
+        substrata_min_records=st.substrata.min_records if st.substrata else 30,
         nest=(d.strata, d.psu) if d.strata and d.psu else None,
     )
 

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from sdl_design.massc import (
+    MasscError,
     MasscInfeasible,
     StudyVariables,
     ZMoments,
@@ -513,3 +514,50 @@ def test_formulas_8a_8b_match_replications_of_the_treatment():
     assert ok.sum() > 50
     assert 0.9 < np.median(ratio) < 1.1, (np.median(ratio), ratio.min(), ratio.max())
     assert np.all((ratio > 0.5) & (ratio < 1.6))
+
+
+def test_substrata_recover_separated_groups():
+    """Two well-separated groups of the study variable inside each risk stratum come out as the
+    two substrata (numbered by increasing centroid), merge applied first; same rng, same labels."""
+    rng = np.random.default_rng(3)
+    n = 400
+    df = pd.DataFrame(
+        {
+            "a": rng.integers(0, 40, n),  # many uniques and doubles
+            "b": rng.integers(0, 3, n),
+            "grp": rng.integers(0, 2, n),
+        }
+    )
+    df["y"] = np.where(df["grp"] == 1, 100.0, 0.0) + rng.normal(0, 1, n)
+    base = massc_strata(df, ["a", "b"], NU)
+    s = massc_strata(df, ["a", "b"], NU, ["y"], k=2, min_records=10, rng=np.random.default_rng(1))
+    for label in base.unique():
+        rows = base == label
+        if rows.sum() < 20:
+            assert set(s[rows]) == {label}
+            continue
+        expected = np.where(df.loc[rows, "grp"] == 1, f"{label}:2", f"{label}:1")
+        assert (s[rows].to_numpy() == expected).all()
+    again = massc_strata(
+        df, ["a", "b"], NU, ["y"], k=2, min_records=10, rng=np.random.default_rng(1)
+    )
+    assert again.equals(s)
+    with pytest.raises(MasscError, match="substrata.variables"):
+        massc_strata(df, ["a", "b"], NU, ["nope"], rng=np.random.default_rng(1))
+
+
+def test_spec_substrata_give_rates_per_substratum(survey):
+    from sdl_design.spec import Substrata
+    from tasks.massc import massc_task
+
+    spec, df = survey
+    s = spec.model_copy(deep=True)
+    s.stages.massc.strata_merge = {"T": "TO", "O": "TO"}
+    s.stages.massc.substrata = Substrata(variables=["income"], k=2, min_records=100)
+    out = massc_task.fn(df, s, 123, df)
+    labels = out.tables["rates"]["stratum"].tolist()
+    assert (
+        labels == sorted(labels) and "TO:1" in labels and not any(x.startswith("O") for x in labels)
+    )
+    assert {x.split(":")[0] for x in labels} == {"U", "D", "TO"}
+    assert out.metrics["epsilon_formula"] <= s.stages.massc.epsilon + 1e-9

@@ -110,6 +110,18 @@ def test_bad_condition_and_thresholds():
     assert "stages.massc.psi_max" in problems(with_change(["stages", "massc"], {"psi_max": 0.5}))
 
 
+def test_massc_strata_options_named():
+    msg = problems(with_change(["stages", "massc"], {"strata_merge": {"X": "NU"}}))
+    assert "stages.massc.strata_merge" in msg
+    msg = problems(with_change(["stages", "massc"], {"substrata": {"variables": ["inc"], "k": 1}}))
+    assert "stages.massc.substrata.k" in msg
+    spec = parse_spec(
+        with_change(["stages", "massc"], {"substrata": {"variables": ["income_x"], "k": 3}})
+    )
+    with pytest.raises(SpecError, match=r"stages.massc.substrata.variables\[0\]"):
+        spec.check_data(frame())
+
+
 def test_missing_column_named_with_field():
     df = frame().drop(columns=["sex"])
     msg = problems(BASE, df)
