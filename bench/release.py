@@ -34,6 +34,8 @@ def main() -> None:
     print(f"records: {n:,}; generate + write input: {t_gen:.1f} s")
     print(f"release flow: {t_run:.1f} s (target 300 s); status {manifest['status']}")
     print(f"peak memory: {peak_gb:.2f} GB (target 8 GB)")
+    for stage, sec in manifest.get("timings_s", {}).items():
+        print(f"  {stage:<10} {sec:7.1f} s")
     print(f"output records: {manifest['counts']['n_output']:,}; folder {work}")
 
 
