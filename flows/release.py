@@ -194,12 +194,15 @@ def release_flow(
     original, input_hash = load_task(quote(spec))
     _progress(step, total, "load", t0)
     manifest = _new_manifest(spec, _spec_hash(spec_path), input_hash)
+    manifest["timings_s"]["load"] = round(time.perf_counter() - t0, 3)
     manifest["counts"]["n_input"] = len(original)
     outputs: list[StageOutput] = []
     try:
         step += 1
         _progress(step, total, "edit validation")
+        t0 = time.perf_counter()
         edits = edits_task(quote(original), quote(spec))
+        manifest["timings_s"]["edits"] = round(time.perf_counter() - t0, 3)
         if not edits["passed"].all():
             err = GateFailed("edit validation failed on the input file", edits)
             _finish(spec, manifest, outputs, edits, "rejected", str(err))
@@ -227,6 +230,7 @@ def release_flow(
 
         step += 1
         _progress(step, total, "gates")
+        t0 = time.perf_counter()
         masked = any(o.name == "swap" for o in outputs)
         drop = [c for o in outputs for c in o.drop_public]
         puf = pub.public_frame(df, spec, masked, drop)
@@ -234,6 +238,7 @@ def release_flow(
         manifest["counts"]["n_output"] = len(puf)
         gate_rows = [g for o in outputs for g in o.gates]
         gates = gates_task(quote(puf), quote(spec), gate_rows, replicate_cols, masked)
+        manifest["timings_s"]["gates"] = round(time.perf_counter() - t0, 3)
         if not gates["passed"].all():
             err = GateFailed("release gates failed; nothing was published", gates)
             _finish(
