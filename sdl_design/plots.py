@@ -43,10 +43,13 @@ def histogram(
     if groups:
         allv = np.concatenate(list(groups.values()))
         lo, hi = float(allv.min()), float(allv.max())
+        if vline is not None:  # keep the threshold in view
+            lo, hi = min(lo, vline), max(hi, vline)
         edges = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
-        labels = [k or None for k in groups]
-        ax.hist(list(groups.values()), bins=edges, stacked=True, label=labels)
-        if any(labels):
+        grouped = any(groups)
+        kw = {"label": list(groups)} if grouped else {}
+        ax.hist(list(groups.values()), bins=edges, stacked=True, **kw)
+        if grouped:
             ax.legend(loc="best")
     if vline is not None:
         ax.axvline(vline, color="crimson", ls="--", lw=1.2, label=vlabel)
