@@ -43,6 +43,11 @@ class ReleaseRejected(RuntimeError):
     pass
 
 
+def _lap(manifest: dict, name: str, t0: float) -> None:
+    """Record a step's wall time in the manifest (internal only)."""
+    manifest["timings_s"][name] = round(time.perf_counter() - t0, 3)
+
+
 def _progress(step: int, total: int, name: str, t0: float | None = None) -> None:
     if t0 is None:
         print(f"[puf] ({step}/{total}) {name} ...", file=sys.stderr, flush=True)
@@ -194,7 +199,7 @@ def release_flow(
     original, input_hash = load_task(quote(spec))
     _progress(step, total, "load", t0)
     manifest = _new_manifest(spec, _spec_hash(spec_path), input_hash)
-    manifest["timings_s"]["load"] = round(time.perf_counter() - t0, 3)
+    _lap(manifest, "load", t0)
     manifest["counts"]["n_input"] = len(original)
     outputs: list[StageOutput] = []
     try:
@@ -202,7 +207,7 @@ def release_flow(
         _progress(step, total, "edit validation")
         t0 = time.perf_counter()
         edits = edits_task(quote(original), quote(spec))
-        manifest["timings_s"]["edits"] = round(time.perf_counter() - t0, 3)
+        _lap(manifest, "edits", t0)
         if not edits["passed"].all():
             err = GateFailed("edit validation failed on the input file", edits)
             _finish(spec, manifest, outputs, edits, "rejected", str(err))
@@ -225,7 +230,7 @@ def release_flow(
             _absorb(manifest, out)
             df = out.data
             out.data = df.iloc[:0]  # keep one frame alive, not one per stage (memory at 1M records)
-            manifest["timings_s"][name] = round(time.perf_counter() - t0, 3)
+            _lap(manifest, name, t0)
             _progress(step, total, name, t0)
 
         step += 1
@@ -238,12 +243,10 @@ def release_flow(
         manifest["counts"]["n_output"] = len(puf)
         gate_rows = [g for o in outputs for g in o.gates]
         gates = gates_task(quote(puf), quote(spec), gate_rows, replicate_cols, masked)
-        manifest["timings_s"]["gates"] = round(time.perf_counter() - t0, 3)
+        _lap(manifest, "gates", t0)
         if not gates["passed"].all():
             err = GateFailed("release gates failed; nothing was published", gates)
-            _finish(
-                spec, manifest, outputs, gates, "rejected", str(err)
-            )  # reasons: the failed checks
+            _finish(spec, manifest, outputs, gates, "rejected", str(err))  # reason: failed checks
             raise err
         manifest["status"] = "gated"
 

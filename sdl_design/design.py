@@ -388,13 +388,12 @@ class SurveyDesign:
         Y = t.sum(axis=0)
         mean = Y / Wd
         ss[:] = s2 - mean * Y  # sum w (y - ybar)^2
+        dev = t - mean * psu_w[:, None]  # PSU totals of w (y - ybar)
         if x is None:  # totals
             X[:], est[:] = 1.0, Y
             zt[psu_ids] = t
-            dev = t - mean * psu_w[:, None]
         else:  # means
             X[:], est[:] = Wd, mean
-            dev = t - mean * psu_w[:, None]
             zt[psu_ids] = dev / Wd
         scale = np.abs(t).max(axis=0)
         return (ss <= 1e-6 * s2) | (np.abs(dev).max(axis=0) <= 1e-6 * scale)
@@ -405,8 +404,9 @@ class SurveyDesign:
         """Estimate and replicate SE (centred on the full-sample estimate)."""
         ym = y if rows is None else y[rows]
         wm = self.w if rows is None else self.w[rows]
-        xm = x[rows] if (isinstance(x, np.ndarray) and rows is not None) else x
-        xm = xm if isinstance(xm, np.ndarray) else None
+        xm = None  # a ratio's denominator columns (None for totals and means)
+        if isinstance(x, np.ndarray):
+            xm = x if rows is None else x[rows]
         Y = wm @ ym
         X = 1.0 if x is None else (wm.sum() if xm is None else wm @ xm)
         with np.errstate(divide="ignore", invalid="ignore"):

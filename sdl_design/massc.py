@@ -93,8 +93,9 @@ def _split_substrata(
     x = (x - x.mean(axis=0)) / np.where(sd > 0, sd, 1.0)
     rng = rng if rng is not None else np.random.default_rng(0)
     out = strata.to_numpy(dtype=object).copy()
-    for label in sorted(pd.unique(strata)):
-        rows = np.flatnonzero(strata.to_numpy() == label)
+    codes, levels = pd.factorize(strata, sort=True)
+    for j, label in enumerate(levels):
+        rows = np.flatnonzero(codes == j)
         kk = min(k, len(rows) // min_records)
         if kk < 2:
             continue
