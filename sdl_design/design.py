@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
@@ -17,6 +17,14 @@ METHODS = ("brr", "fay", "jk1", "jkn", "sdr", "bootstrap")
 
 class DesignError(ValueError):
     """The design does not fit the data; the message names the column and the fix."""
+
+
+def resolve_replicates(columns: Sequence[str], given: str | Sequence[str]) -> list[str]:
+    """Replicate weight columns: those matching a glob such as "rw_*" in data order, or the
+    explicit list as given (the one place replicate columns are resolved)."""
+    if isinstance(given, str):
+        return [str(c) for c in columns if fnmatch.fnmatchcase(str(c), given)]
+    return list(given)
 
 
 class _Columns:
@@ -128,9 +136,7 @@ class SurveyDesign:
     ):
         if isinstance(replicate_weights, str):  # a glob pattern such as "rw_*"
             pattern = replicate_weights
-            replicate_weights = sorted(
-                c for c in df.columns if fnmatch.fnmatchcase(str(c), pattern)
-            )
+            replicate_weights = resolve_replicates(df.columns, pattern)
             if not replicate_weights:
                 raise DesignError(
                     f"design.replicate_weights: no column matches '{pattern}'; fix the pattern"
@@ -196,6 +202,23 @@ class SurveyDesign:
                 )
             self.rscales = self._scales(rscales)
         self._F_cache: tuple[np.ndarray | None] | None = None
+
+    @classmethod
+    def from_spec(cls, df: pd.DataFrame, design: Any, replicates: bool = True) -> SurveyDesign:
+        """The design a spec's `design` section describes on df (replicate weights when the
+        section has them and replicates is True)."""
+        rs = design.replicate_weights
+        rw = resolve_replicates(df.columns, rs.columns) if (replicates and rs) else []
+        return cls(
+            df,
+            weight=design.weight,
+            strata=design.strata,
+            psu=design.psu,
+            segment=design.segment,
+            replicate_weights=rw or None,
+            method=rs.method if rw else None,
+            rho=rs.rho if rw else None,
+        )
 
     @property
     def _F(self) -> np.ndarray | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -11,6 +10,8 @@ import numpy as np
 import pandas as pd
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from sdl_design.design import ReplicateMethod, resolve_replicates
 
 
 class SpecError(ValueError):
@@ -39,9 +40,6 @@ class ReleaseSection(_Strict):
     )
 
 
-ReplicateMethod = Literal["brr", "fay", "jk1", "jkn", "sdr", "bootstrap"]
-
-
 class ReplicateSpec(_Strict):
     columns: str | list[str]  # a glob such as "rw_*" or an explicit list
     method: ReplicateMethod
@@ -55,9 +53,7 @@ class ReplicateSpec(_Strict):
 
     def resolve(self, columns: list[str]) -> list[str]:
         """Replicate weight columns present in the data, in data order."""
-        if isinstance(self.columns, str):
-            return [c for c in columns if fnmatch.fnmatchcase(c, self.columns)]
-        return list(self.columns)
+        return resolve_replicates(columns, self.columns)
 
 
 class DesignSection(_Strict):

@@ -1,0 +1,125 @@
+"""The one shape every stage has: built from its spec section, run(df, ctx) -> StageResult.
+
+In the spirit of scikit-learn estimators and R survey's "design in, design out": a stage is a
+small object made by `from_spec(spec)` (None when its section is absent or `enabled: false`),
+and `run(df, ctx)` treats the working frame with the context (the original file, its
+SurveyDesign, the stage's Generator, the spec) and returns a StageResult. A stage that needs
+replications of its treatment (MASSC) also has `replicate(df, ctx, indices)` and
+`combine(result, replications, ctx)`; the flow calls them when `replications > 0`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+import pandas as pd
+
+from sdl_design.rng import stage_rng
+
+if TYPE_CHECKING:
+    from sdl_design.design import SurveyDesign
+    from sdl_design.spec import ReleaseSpec
+
+
+@dataclass
+class Gate:
+    """One threshold check for the metrics gate suite: lower <= value <= upper."""
+
+    name: str
+    value: float
+    lower: float | None = None
+    upper: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "value": float(self.value),
+            "lower": self.lower,
+            "upper": self.upper,
+        }
+
+
+def gate(name: str, value: float, lower: float | None = None, upper: float | None = None) -> Gate:
+    """One threshold check: lower <= value <= upper (either side may be open)."""
+    return Gate(name, float(value), lower, upper)
+
+
+@dataclass
+class StageResult:
+    """What a stage did: the treated frame plus a small record for the manifest, gates and report."""
+
+    name: str
+    data: pd.DataFrame | None
+    params: dict[str, Any] = field(default_factory=dict)  # parameters chosen (report, manifest)
+    metrics: dict[str, float] = field(default_factory=dict)  # flat; manifest key "<name>.<metric>"
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)  # internal/<name>/<table>.csv
+    gates: list[Gate] = field(default_factory=list)
+    figures: dict[str, bytes] = field(default_factory=dict)  # PNG bytes for the report
+    drop_public: list[str] = field(default_factory=list)  # columns never to publish
+    notes: list[str] = field(default_factory=list)  # sentences for the report
+    report_tables: list[str] = field(default_factory=list)  # tables the report shows, in order
+    se_ratio_table: str | None = None  # the table of SE ratios the registry keeps, if any
+    masks_design: bool = False  # the published strata/PSU are pseudo labels made by this stage
+
+
+@dataclass
+class StageContext:
+    """What every stage sees besides the working frame: the original file and its design, the
+    spec, and Generators spawned from the release seed (one stream per stage and label)."""
+
+    original: pd.DataFrame
+    spec: ReleaseSpec
+    stage: str = ""
+
+    @property
+    def seed(self) -> int:
+        return int(self.spec.release.seed)
+
+    @cached_property
+    def design(self) -> SurveyDesign:
+        """The original file's design (its strata, PSUs and replicate weights)."""
+        from sdl_design.design import SurveyDesign
+
+        return SurveyDesign.from_spec(self.original, self.spec.design)
+
+    def rng(self, label: str | None = None) -> np.random.Generator:
+        """The Generator of this stage (or of one of its labelled sub-streams)."""
+        return stage_rng(self.seed, label or self.stage)
+
+    def for_stage(self, name: str) -> StageContext:
+        """The same context for another stage (shares the cached original design)."""
+        ctx = StageContext(self.original, self.spec, name)
+        if "design" in self.__dict__:
+            ctx.__dict__["design"] = self.__dict__["design"]
+        return ctx
+
+
+@runtime_checkable
+class Stage(Protocol):
+    """A release stage: `Stage.from_spec(spec)` (None when off), then `run(df, ctx)`."""
+
+    name: ClassVar[str]
+    replications: int
+
+    @classmethod
+    def from_spec(cls, spec: ReleaseSpec) -> Stage | None: ...
+
+    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult: ...
+
+
+class BaseStage:
+    """Defaults of the protocol: no replications."""
+
+    name: ClassVar[str] = ""
+    replications: int = 0
+
+    def replicate(self, df: pd.DataFrame, ctx: StageContext, indices: list[int]) -> list[Any]:
+        raise NotImplementedError(f"stage {self.name} has no replications")
+
+    def combine(
+        self, result: StageResult, replications: list[Any], ctx: StageContext
+    ) -> StageResult:
+        raise NotImplementedError(f"stage {self.name} has no replications")
