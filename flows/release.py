@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib
 import sys
 import time
 from pathlib import Path
@@ -19,18 +18,9 @@ from prefect.utilities.annotations import quote, unmapped
 from expectations.suites import GateFailed
 from flows import publish as pub
 from sdl_design.spec import ReleaseSpec, load_spec
-from tasks.base import StageOutput
+from sdl_design.stage import StageContext, StageResult, build_stages
 from tasks.core import edits_task, gates_task, load_task
-
-# stage name -> (module, task attribute); the order is the flow's
-STAGES = [
-    ("risk", "tasks.risk", "risk_task"),
-    ("swap", "tasks.swap", "swap_task"),
-    ("prb", "tasks.prb", "prb_task"),
-    ("massc", "tasks.massc", "massc_task"),
-    ("topcode", "tasks.topcode", "topcode_task"),
-    ("final", "tasks.final", "final_task"),
-]
+from tasks.stage import replicate_stage, run_stage
 
 
 class ReleaseApproval(RunInput):
@@ -57,20 +47,6 @@ def _progress(step: int, total: int, name: str, t0: float | None = None) -> None
             file=sys.stderr,
             flush=True,
         )
-
-
-def stage_enabled(spec: ReleaseSpec, name: str) -> bool:
-    s = spec.stages
-    if name in ("swap", "prb", "massc"):
-        cfg = getattr(s, name)
-        return cfg is not None and cfg.enabled
-    if name == "topcode":
-        return bool(s.topcode)
-    return True
-
-
-def _stage_task(module: str, attr: str):
-    return getattr(importlib.import_module(module), attr)
 
 
 def _spec_hash(spec_path: str) -> str:
@@ -106,20 +82,20 @@ def _new_manifest(spec: ReleaseSpec, spec_hash: str, input_hash: str) -> dict[st
     }
 
 
-def _absorb(manifest: dict, out: StageOutput) -> None:
+def _absorb(manifest: dict, out: StageResult) -> None:
     manifest["parameters"][out.name] = out.params
     manifest["metrics"].update({f"{out.name}.{k}": float(v) for k, v in out.metrics.items()})
     manifest["stages"].append({"name": out.name, "notes": out.notes, "params": out.params})
 
 
-def _tables(outputs: list[StageOutput], gates: pd.DataFrame | None) -> dict[str, pd.DataFrame]:
+def _tables(outputs: list[StageResult], gates: pd.DataFrame | None) -> dict[str, pd.DataFrame]:
     tables = {f"{o.name}/{k}": v for o in outputs for k, v in o.tables.items()}
     if gates is not None:
         tables["gates"] = gates
     return tables
 
 
-def _report_writer(outputs: list[StageOutput]):
+def _report_writer(outputs: list[StageResult]):
     def write(manifest: dict, path: Path) -> None:
         from flows.report import render_report
 
@@ -128,11 +104,11 @@ def _report_writer(outputs: list[StageOutput]):
     return write
 
 
-def _record(manifest: dict, outputs: list[StageOutput], spec: ReleaseSpec) -> None:
+def _record(manifest: dict, outputs: list[StageResult], spec: ReleaseSpec) -> None:
     """Record the release in the registry; a registry failure never undoes a written release."""
     from flows.registry import record_release
 
-    ratios = {o.name: o.tables["se_ratios"] for o in outputs if "se_ratios" in o.tables}
+    ratios = {o.name: o.tables[o.se_ratio_table] for o in outputs if o.se_ratio_table}
     try:
         record_release(
             manifest, ratios, url=spec.release.registry, output_dir=spec.release.output_dir
@@ -147,7 +123,7 @@ def _record(manifest: dict, outputs: list[StageOutput], spec: ReleaseSpec) -> No
 def _finish(
     spec: ReleaseSpec,
     manifest: dict,
-    outputs: list[StageOutput],
+    outputs: list[StageResult],
     gates: pd.DataFrame | None,
     status: str,
     reason: str | None,
@@ -191,8 +167,8 @@ def release_flow(
         year = _scheduled_year()
     if year is not None:
         spec.release.year = int(year)
-    names = [n for n, _, _ in STAGES if stage_enabled(spec, n)]
-    total = len(names) + 5
+    stages = build_stages(spec)
+    total = len(stages) + 5
     step = 1
     _progress(step, total, "load")
     t0 = time.perf_counter()
@@ -201,7 +177,7 @@ def release_flow(
     manifest = _new_manifest(spec, _spec_hash(spec_path), input_hash)
     _lap(manifest, "load", t0)
     manifest["counts"]["n_input"] = len(original)
-    outputs: list[StageOutput] = []
+    outputs: list[StageResult] = []
     try:
         step += 1
         _progress(step, total, "edit validation")
@@ -214,34 +190,32 @@ def release_flow(
             raise err
 
         df = original
-        for name in names:
+        base_ctx = StageContext(original, spec)
+        for stage in stages:
             step += 1
-            _progress(step, total, name)
+            _progress(step, total, stage.name)
             t0 = time.perf_counter()
-            module, attr = next((m, a) for n, m, a in STAGES if n == name)
-            task = _stage_task(module, attr)
-            if name in ("massc", "final"):
-                out = task(quote(df), quote(spec), spec.release.seed, quote(original))
-            else:
-                out = task(quote(df), quote(spec), spec.release.seed)
-            if name == "massc" and spec.stages.massc.replications > 0:
-                out = _massc_replications(df, spec, original, out)
+            ctx = base_ctx.for_stage(stage.name)
+            out = run_stage(quote(stage), quote(df), quote(ctx))
+            if stage.replications > 0:
+                reps = _replications(stage, df, ctx, runner, dask_address)
+                out = stage.combine(out, reps, ctx)
             outputs.append(out)
             _absorb(manifest, out)
             df = out.data
-            out.data = df.iloc[:0]  # keep one frame alive, not one per stage (memory at 1M records)
-            _lap(manifest, name, t0)
-            _progress(step, total, name, t0)
+            out.data = None  # keep one frame alive, not one per stage (memory at 1M records)
+            _lap(manifest, stage.name, t0)
+            _progress(step, total, stage.name, t0)
 
         step += 1
         _progress(step, total, "gates")
         t0 = time.perf_counter()
-        masked = any(o.name == "swap" for o in outputs)
+        masked = any(o.masks_design for o in outputs)
         drop = [c for o in outputs for c in o.drop_public]
         puf = pub.public_frame(df, spec, masked, drop)
         replicate_cols = spec.replicate_columns(puf)
         manifest["counts"]["n_output"] = len(puf)
-        gate_rows = [g for o in outputs for g in o.gates]
+        gate_rows = [g.as_dict() for o in outputs for g in o.gates]
         gates = gates_task(quote(puf), quote(spec), gate_rows, replicate_cols, masked)
         _lap(manifest, "gates", t0)
         if not gates["passed"].all():
@@ -285,27 +259,42 @@ def release_flow(
         raise
 
 
-def _massc_replications(
-    df: pd.DataFrame, spec: ReleaseSpec, original: pd.DataFrame, out: StageOutput
-):
-    """Replications of the whole MASSC treatment through the task runner (threads or Dask),
-    in one chunk per worker; each replication's seed depends only on its index."""
+def _task_runner(runner: str, dask_address: str | None):
+    """The task runner the run asked for: a thread pool, or Dask (a cluster at dask_address, else
+    a local cluster of two single-threaded workers)."""
+    if runner == "thread":
+        from prefect.task_runners import ThreadPoolTaskRunner
+
+        return ThreadPoolTaskRunner(max_workers=2)
+    if runner == "dask":
+        import dask
+        from prefect_dask import DaskTaskRunner
+
+        dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": 4194304})
+        if dask_address:
+            return DaskTaskRunner(address=dask_address)
+        return DaskTaskRunner(cluster_kwargs={"n_workers": 2, "threads_per_worker": 1})
+    raise ValueError(f"runner must be 'thread' or 'dask', not {runner!r}")
+
+
+def _replications(stage, df: pd.DataFrame, ctx: StageContext, runner: str, address: str | None):
+    """A stage's replications through the run's task runner (threads or Dask), one chunk per
+    worker; each replication's seed depends only on its index."""
     import numpy as np
 
-    from tasks.massc import massc_epsilon, massc_replications
-
-    chunks = [
-        c.tolist() for c in np.array_split(np.arange(spec.stages.massc.replications), 2) if len(c)
-    ]
-    futures = massc_replications.map(
+    chunks = [c.tolist() for c in np.array_split(np.arange(stage.replications), 2) if len(c)]
+    with _task_runner(runner, address) as tr:
         # plain unmapped: Dask turns quote (a tuple subclass) into a tuple on the way to a worker
-        unmapped(df),
-        unmapped(spec.model_dump(mode="json")),
-        spec.release.seed,
-        unmapped(original),
-        chunks,
-    )
-    return massc_epsilon(out, [f.result() for f in futures], spec)
+        futures = tr.map(
+            replicate_stage,
+            parameters={
+                "stage": unmapped(stage),
+                "df": unmapped(df),
+                "ctx": unmapped(ctx),
+                "indices": chunks,
+            },
+        )
+        return [f.result() for f in futures]
 
 
 def _scheduled_year() -> int | None:
@@ -358,22 +347,10 @@ def run_release(
     runner: str = "thread",
     dask_address: str | None = None,
 ) -> dict:
-    """Run the release flow with the chosen task runner (thread pool, or Dask)."""
-    fl = release_flow
-    if runner == "dask":
-        import dask
-        from prefect_dask import DaskTaskRunner
-
-        dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": 4194304})
-        tr = (
-            DaskTaskRunner(address=dask_address)
-            if dask_address
-            else DaskTaskRunner(cluster_kwargs={"n_workers": 2, "threads_per_worker": 1})
-        )
-        fl = release_flow.with_options(task_runner=tr)
-    elif runner != "thread":
+    """Run the release flow; runner and dask_address choose where replications run."""
+    if runner not in ("thread", "dask"):
         raise ValueError(f"runner must be 'thread' or 'dask', not {runner!r}")
-    return fl(
+    return release_flow(
         spec_path=str(spec_path),
         approve=approve,
         year=year,

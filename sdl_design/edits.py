@@ -76,3 +76,22 @@ def failing_rows(df: pd.DataFrame, rules: Sequence[Any]) -> pd.DataFrame:
 def failure_counts(df: pd.DataFrame, rules: Sequence[Any]) -> dict[int, int]:
     """Rule index -> number of failing records (rules with none are left out)."""
     return {i: int(m.sum()) for i, m in edit_masks(df, rules).items() if m.any()}
+
+
+class EditFailure(RuntimeError):
+    """Records break edit rules after (or before) a treatment; `counts`: rule index -> records."""
+
+    def __init__(self, where: str, counts: dict[int, int], rules: Sequence[Any]):
+        self.counts = counts
+        parts = "; ".join(f"edits[{i}] ({n} records)" for i, n in counts.items())
+        super().__init__(
+            f"{where} breaks edit rules {parts}: add the variables these rules tie to the "
+            "treated variables, or partition on them"
+        )
+
+
+def check_edits(df: pd.DataFrame, rules: Sequence[Any], where: str) -> None:
+    """Raise EditFailure when any record of df breaks an edit rule."""
+    bad = failure_counts(df, rules)
+    if bad:
+        raise EditFailure(where, bad, rules)

@@ -8,9 +8,10 @@ NZY: one block per partition set (the baseline).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -314,12 +315,25 @@ def count_changes(
     after: pd.DataFrame,
     variables: Sequence[str],
     weight: str,
-    se: Callable[[pd.DataFrame, str], pd.Series] | None = None,
+    design: Any = None,
 ) -> pd.DataFrame:
     """Tables 1/4: raw (t) and weighted (f) counts per category before and after.
 
-    se(frame, variable) -> SE of the weighted count per category (e.g. replicate SEs), optional.
+    design: the spec's design section; with replicate weights, the SEs of the weighted counts
+    (one SurveyDesign per frame) are added as se and se_star.
     """
+    se = None
+    if design is not None and design.replicate_weights is not None:
+        from sdl_design.design import SurveyDesign
+
+        designs = {
+            id(f): SurveyDesign.from_spec(f.assign(_one=1.0), design) for f in (before, after)
+        }
+        if all(d.replicate_weights for d in designs.values()):
+
+            def se(frame: pd.DataFrame, v: str) -> pd.Series:
+                return designs[id(frame)].total("_one", by=v)["se"].droplevel("variable")
+
     rows = []
     for v in variables:
         t0 = before.groupby(v, observed=True).size()
@@ -362,3 +376,86 @@ def tvd_table(
             row[name] = tvd(p0, weighted_distribution(d, cols, weight))
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+class PrbStage:
+    """Stage: PRB post-randomization of the set C in weight-homogeneous blocks (paper 002
+    section 4), the NZY baseline beside it, exact risk (eq. 2.2) gated at xi, Tables 3/4/6."""
+
+    name = "prb"
+    replications = 0
+
+    def __init__(self, section: Any, spec: Any):
+        self.section, self.spec = section, spec
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> PrbStage | None:
+        section = spec.stages.active("prb")
+        return None if section is None else cls(section, spec)
+
+    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
+        from sdl_design.edits import check_edits
+        from sdl_design.plots import histogram
+        from sdl_design.stage import StageResult, gate
+
+        cfg, spec = self.section, self.spec
+        weight = spec.design.weight
+        xi = spec.gates.xi or cfg.xi
+        rng = ctx.rng("prb")
+        kw = dict(partition=cfg.partition, seed=rng)
+        res = post_randomize(
+            df, cfg.variables, cfg.xi, weight, method=cfg.method, tuned=cfg.tuned, **kw
+        )
+        risk = block_risk(res.block, res.cell, res.theta)  # eq. 2.2, apart from the draw
+        check_edits(res.data, spec.edits, "PRB output")
+        other = "nzy" if cfg.method == "prb" else "prb"
+        base = post_randomize(
+            df, cfg.variables, cfg.xi, weight, method=other, theta=res.theta, **kw
+        )
+        tv = tvd_table(
+            df, {cfg.method: res.data, other: base.data}, default_combos(cfg.variables[:5]), weight
+        )
+        max_risk = float(risk["risk"].max()) if len(risk) else 0.0
+        n_changed = int(res.changed.sum())
+        notes = [
+            *res.merges,
+            *res.notes,
+            f"PRB ({cfg.method}) changed {n_changed} of {int(res.block.notna().sum())} singleton/"
+            f"doubleton records; max exact identification risk {max_risk:.4f} <= xi {xi}",
+        ]
+        figures = {}
+        if len(risk):
+            figures["risk_hist"] = histogram(
+                risk["risk"].to_numpy(),
+                "exact identification risk (eq. 2.2)",
+                "Identification risk of singleton/doubleton records after PRB",
+                vline=xi,
+                vlabel=f"xi = {xi:g}",
+            )
+        counts = count_changes(df, res.data, cfg.variables, weight, spec.design)
+        return StageResult(
+            name=self.name,
+            data=res.data,
+            params={"xi": cfg.xi, "theta": res.theta, "m0": res.m0, "method": cfg.method},
+            metrics={
+                "theta": res.theta,
+                "m0": float(res.m0),
+                "max_risk": max_risk,
+                "n_blocks": float(risk["block"].nunique()) if len(risk) else 0.0,
+                "n_changed": float(n_changed),
+                "share_changed": n_changed / max(len(df), 1),
+                f"tvd_mean_{cfg.method}": float(tv[cfg.method].mean()) if len(tv) else 0.0,
+                f"tvd_mean_{other}": float(tv[other].mean()) if len(tv) else 0.0,
+            },
+            tables={
+                "blocks": res.block.to_frame(),
+                "risk_by_block": risk_by_block(risk).reset_index(),
+                "identification_risk": empirical_risk(res).reset_index(names="row"),
+                "weighted_counts": counts.reset_index(),
+                "tvd": tv,
+            },
+            report_tables=["identification_risk", "risk_by_block", "weighted_counts", "tvd"],
+            gates=[gate("prb.max_identification_risk", max_risk, upper=xi)],
+            figures=figures,
+            notes=notes,
+        )

@@ -204,7 +204,7 @@ EditRule = Annotated[
 # ---------------------------------------------------------------- stages
 
 
-class SwapStage(_Strict):
+class SwapSection(_Strict):
     enabled: bool = True
     rate: float = Field(gt=0.0, le=1.0)
     matching: list[str] = Field(min_length=1)
@@ -216,7 +216,7 @@ class SwapStage(_Strict):
     rho: float | None = Field(default=None, ge=0.0, lt=1.0)
 
 
-class PrbStage(_Strict):
+class PrbSection(_Strict):
     enabled: bool = True
     xi: float = Field(gt=1 / 3, lt=0.5)
     variables: list[str] = Field(min_length=1)  # the set C
@@ -257,7 +257,7 @@ class Substrata(_Strict):
     min_records: int = Field(default=30, ge=2)  # fewer clusters where a stratum is small
 
 
-class MasscStage(_Strict):
+class MasscSection(_Strict):
     enabled: bool = True
     strata_merge: dict[Literal["U", "D", "T", "O"], str] = {}  # e.g. {D: NU, T: NU, O: NU}
     substrata: Substrata | None = None
@@ -299,17 +299,103 @@ class TopcodeRule(_Strict):
         return self
 
 
-class RiskStage(_Strict):
+class TopcodeSection(_Strict):
+    """Top/bottom-coding rules by column: `topcode: {income: {upper: ...}, enabled: true}`."""
+
+    enabled: bool = True
+    columns: dict[str, TopcodeRule] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _columns_inline(cls, v: Any) -> Any:
+        if isinstance(v, dict) and "columns" not in v:
+            rest = {k: r for k, r in v.items() if k != "enabled"}
+            return {**({"enabled": v["enabled"]} if "enabled" in v else {}), "columns": rest}
+        return v
+
+
+class RiskSection(_Strict):
+    enabled: bool = True
     loglinear: bool = True
     interactions: bool | list[tuple[str, str]] = False  # two-way terms of the log-linear model
 
 
 class StagesSection(_Strict):
-    risk: RiskStage = RiskStage()
-    swap: SwapStage | None = None
-    prb: PrbStage | None = None
-    massc: MasscStage | None = None
-    topcode: dict[str, TopcodeRule] = {}
+    risk: RiskSection = RiskSection()
+    swap: SwapSection | None = None
+    prb: PrbSection | None = None
+    massc: MasscSection | None = None
+    topcode: TopcodeSection = TopcodeSection()
+
+    def active(self, name: str) -> Any:
+        """The section of stage `name` when it is present and enabled, else None."""
+        section = getattr(self, name, None)
+        if section is None or not getattr(section, "enabled", True):
+            return None
+        if isinstance(section, TopcodeSection) and not section.columns:
+            return None
+        return section
+
+
+_FORMULA = re.compile(r"^\s*([A-Za-z_]\w*)\s*~\s*(.+?)\s*$")
+_TERM = re.compile(r"^(?:C\(\s*([A-Za-z_]\w*)\s*\)|([A-Za-z_]\w*))$")
+
+
+def formula_terms(formula: str) -> tuple[str, list[tuple[str, bool]]]:
+    """'y ~ C(a) + b' -> ('y', [('a', True), ('b', False)]): response and terms (categorical?)."""
+    m = _FORMULA.match(formula)
+    if not m:
+        raise ValueError(f"cannot read formula {formula!r}: write 'y ~ a + C(b) + c'")
+    terms = []
+    for part in m.group(2).split("+"):
+        t = _TERM.match(part.strip())
+        if not t:
+            raise ValueError(
+                f"cannot read term {part.strip()!r} of {formula!r}: a column name or C(column)"
+            )
+        terms.append((t.group(1) or t.group(2), t.group(1) is not None))
+    return m.group(1), terms
+
+
+class ModelSpec(_Strict):
+    """An analysis model the release must keep: a survey-weighted GLM."""
+
+    formula: str
+    family: Literal["gaussian", "binomial"] = "gaussian"
+
+    @field_validator("formula")
+    @classmethod
+    def _parses(cls, v: str) -> str:
+        formula_terms(v)
+        return v
+
+    def columns(self) -> list[str]:
+        y, terms = formula_terms(self.formula)
+        return [y, *(t for t, _ in terms)]
+
+
+class UtilitySection(_Strict):
+    """What analysts will do with the file: estimates by domain and models, kept and gated.
+    A domain is a column (a key uses its published coding) or a list of columns (a crossing);
+    None: every key and every pair of keys."""
+
+    domains: list[str | list[str]] | None = None
+    models: list[ModelSpec] = []
+
+    def domain_list(self, keys: list[str]) -> list[list[str]]:
+        if self.domains is None:
+            return [[k] for k in keys] + [[a, b] for i, a in enumerate(keys) for b in keys[i + 1 :]]
+        return [[d] if isinstance(d, str) else list(d) for d in self.domains]
+
+
+class UtilityGates(_Strict):
+    """Analytic validity of the published file against the original (Karr overlap of 95% CIs,
+    standardized bias in original SEs, model coefficients)."""
+
+    overlap_median_min: float = Field(default=0.9, ge=0.0, le=1.0)
+    overlap_p5_min: float = Field(default=0.5, ge=0.0, le=1.0)
+    share_beyond_2se_max: float = Field(default=0.05, ge=0.0, le=1.0)
+    model_overlap_min: float = Field(default=0.5, ge=0.0, le=1.0)
 
 
 class GatesSection(_Strict):
@@ -318,6 +404,7 @@ class GatesSection(_Strict):
     xi: float | None = Field(default=None, gt=1 / 3, lt=0.5)
     se_ratio: tuple[float, float] | None = None
     max_unique_share: float | None = Field(default=None, gt=0.0, le=1.0)
+    utility: UtilityGates = UtilityGates()
 
     @field_validator("se_ratio")
     @classmethod
@@ -339,6 +426,7 @@ class ReleaseSpec(_Strict):
     edits: list[EditRule] = []
     stages: StagesSection = StagesSection()
     gates: GatesSection = GatesSection()
+    utility: UtilitySection = UtilitySection()
     approval: ApprovalSection = ApprovalSection()
 
     # ------------------------------------------------------------ checks against the data
@@ -380,7 +468,13 @@ class ReleaseSpec(_Strict):
                 named.setdefault(c, "stages.massc.donor_restrictions")
             for i, c in enumerate(s.massc.substrata.variables if s.massc.substrata else []):
                 named.setdefault(c, f"stages.massc.substrata.variables[{i}]")
-        for col, rule in s.topcode.items():
+        for i, dom in enumerate(self.utility.domains or []):
+            for c in [dom] if isinstance(dom, str) else dom:
+                named.setdefault(c, f"utility.domains[{i}]")
+        for i, m in enumerate(self.utility.models):
+            for c in m.columns():
+                named.setdefault(c, f"utility.models[{i}].formula")
+        for col, rule in s.topcode.columns.items():
             named.setdefault(col, f"stages.topcode.{col}")
             for c in rule.by:
                 named.setdefault(c, f"stages.topcode.{col}.by")
@@ -465,9 +559,10 @@ _FIXES = {
 def _format_validation(err: ValidationError) -> list[str]:
     out = []
     for e in err.errors():
-        loc = ".".join(
-            str(p) for p in e["loc"] if not str(p).startswith(("function-", "tagged-union"))
-        )
+        parts = [str(p) for p in e["loc"] if not str(p).startswith(("function-", "tagged-union"))]
+        if parts[:3] == ["stages", "topcode", "columns"]:  # written inline in the YAML
+            del parts[2]
+        loc = ".".join(parts)
         hint = _FIXES.get(e["type"], "")
         msg = e["msg"].removeprefix("Value error, ")
         out.append(f"{loc or '<spec>'}: {msg}" + (f" ({hint})" if hint and hint not in msg else ""))

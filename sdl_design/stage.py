@@ -65,14 +65,13 @@ class StageResult:
     masks_design: bool = False  # the published strata/PSU are pseudo labels made by this stage
 
 
-@dataclass
 class StageContext:
     """What every stage sees besides the working frame: the original file and its design, the
-    spec, and Generators spawned from the release seed (one stream per stage and label)."""
+    spec, and Generators spawned from the release seed (one stream per stage and label).
+    A plain class, not a dataclass: task runners pass it through without walking into it."""
 
-    original: pd.DataFrame
-    spec: ReleaseSpec
-    stage: str = ""
+    def __init__(self, original: pd.DataFrame, spec: ReleaseSpec, stage: str = ""):
+        self.original, self.spec, self.stage = original, spec, stage
 
     @property
     def seed(self) -> int:
@@ -95,6 +94,9 @@ class StageContext:
         if "design" in self.__dict__:
             ctx.__dict__["design"] = self.__dict__["design"]
         return ctx
+
+    def __getstate__(self) -> dict:  # ship without the cached design (rebuilt where needed)
+        return {k: v for k, v in self.__dict__.items() if k != "design"}
 
 
 @runtime_checkable
@@ -123,3 +125,10 @@ class BaseStage:
         self, result: StageResult, replications: list[Any], ctx: StageContext
     ) -> StageResult:
         raise NotImplementedError(f"stage {self.name} has no replications")
+
+
+def build_stages(spec: ReleaseSpec) -> list[Stage]:
+    """The enabled stages of the spec, in release order (sdl_design.stages.RELEASE_STAGES)."""
+    from sdl_design.stages import RELEASE_STAGES
+
+    return [s for cls in RELEASE_STAGES if (s := cls.from_spec(spec)) is not None]

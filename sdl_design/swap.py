@@ -423,31 +423,17 @@ class SwapResult:
     notes: list[str] = field(default_factory=list)
 
 
-def _design_field(design: Any, *names: str, default: Any = None) -> Any:
-    for n in names:
-        if hasattr(design, n):
-            return getattr(design, n)
-    return default
-
-
 def design_columns(design: Any) -> dict[str, Any]:
     """df, weight, strata, psu, segment, replicate columns, method and rho of a SurveyDesign."""
-    rw = None
-    for name in ("replicate_columns", "replicate_weights", "rep_columns", "rep_weights"):
-        v = getattr(design, name, None)
-        if v is not None and not isinstance(v, str | np.ndarray | pd.DataFrame):
-            if all(isinstance(c, str) for c in v):
-                rw = v
-                break
     return {
-        "df": _design_field(design, "df", "data", "frame"),
-        "weight": _design_field(design, "weight"),
-        "strata": _design_field(design, "strata"),
-        "psu": _design_field(design, "psu"),
-        "segment": _design_field(design, "segment"),
-        "replicate_weights": list(rw) if rw is not None else [],
-        "method": _design_field(design, "method", "replicate_method"),
-        "rho": _design_field(design, "rho"),
+        "df": design.df,
+        "weight": design.weight,
+        "strata": design.strata,
+        "psu": design.psu,
+        "segment": design.segment,
+        "replicate_weights": list(design.replicate_weights),
+        "method": design.method,
+        "rho": design.rho,
     }
 
 
@@ -631,3 +617,123 @@ def se_ratio_boxplot(ratios: dict[str, pd.DataFrame], column: str = "ratio") -> 
     ax.legend(loc="best")
     fig.tight_layout()
     return png(fig)
+
+
+class SwapStage:
+    """Stage: segment/PSU masking by the sequential variance-preserving swap (Method 2b or 2a),
+    with the other method run as the baseline; pseudo labels, rebuilt replicate weights, SE
+    ratios by design-effect class (paper 003 Table 1)."""
+
+    name = "swap"
+    replications = 0
+
+    def __init__(self, section: Any, spec: Any):
+        self.section, self.spec = section, spec
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> SwapStage | None:
+        section = spec.stages.active("swap")
+        return None if section is None else cls(section, spec)
+
+    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
+        from sdl_design.design import SurveyDesign
+        from sdl_design.stage import StageResult, gate
+        from sdl_design.utility import broad_characteristics, se_ratio_metrics
+
+        st, spec = self.section, self.spec
+        design = SurveyDesign.from_spec(df, spec.design)
+        exclude = [*spec.variables.direct_identifiers, *([spec.design.household] or [])]
+        exclude = [c for c in exclude if c]
+        chars = broad_characteristics(df, design=design_columns(design), exclude=exclude)
+        kw = dict(
+            max_share=st.max_share,
+            cumulative=st.cumulative,
+            scope=st.scope,
+            replicate_method=st.replicate_method,
+            rho=st.rho,
+            characteristics=chars,
+        )
+        res = swap_segments(
+            df, design, st.matching, st.rate, method=st.method, seed=ctx.rng("swap"), **kw
+        )
+        other = "2a" if st.method == "2b" else "2b"
+        base = swap_segments(
+            df, design, st.matching, st.rate, method=other, seed=ctx.rng("swap-baseline"), **kw
+        )
+        se = res.se_ratios
+        metrics = {
+            "n_swapped": float(res.params["n_swapped"]),
+            "share_swapped": float(res.params["share_swapped"]),
+            "n_characteristics": float(len(se)),
+            **se_ratio_metrics(se, "se_ratio"),
+            **se_ratio_metrics(se[se["matching"]], "se_ratio_matching"),
+            **se_ratio_metrics(base.se_ratios, f"se_ratio_baseline_{other}"),
+        }
+        tables = {
+            "pairs": res.pairs,
+            "se_ratios": se,
+            "se_ratio_summary": _class_summary(se, "ratio", st.method, "taylor"),
+            "se_ratio_summary_baseline": _class_summary(base.se_ratios, "ratio", other, "taylor"),
+            "matching_variance": res.variance.reset_index(),
+        }
+        if "ratio_rep" in se.columns:
+            metrics.update(se_ratio_metrics(se, "se_ratio_rep", column="ratio_rep"))
+            tables["se_ratio_summary_replicate"] = _class_summary(
+                se, "ratio_rep", st.method, "replicate"
+            )
+        gates = []
+        if spec.gates.se_ratio is not None:
+            lo, hi = spec.gates.se_ratio
+            for key, label in (
+                ("median", "median"),
+                ("p10", "10th percentile"),
+                ("p90", "90th percentile"),
+            ):
+                gates.append(
+                    gate(
+                        f"swap: {label} of SE ratios, broad set (Taylor)",
+                        metrics[f"se_ratio_{key}"],
+                        lo,
+                        hi,
+                    )
+                )
+        by_method = {st.method: res.se_ratios, other: base.se_ratios}
+        figures = {"se_ratio_boxplot": se_ratio_boxplot({m: by_method[m] for m in ("2a", "2b")})}
+        notes = [
+            f"Method {st.method}: {res.params['n_pairs']} segment pairs swapped "
+            f"({res.params['share_swapped']:.1%} of {res.params['n_segments']} segments); "
+            f"median SE ratio {metrics['se_ratio_median']:.3f} over {len(se)} characteristics "
+            f"(baseline {other}: {metrics[f'se_ratio_baseline_{other}_median']:.3f}).",
+            *res.notes,
+        ]
+        return StageResult(
+            name=self.name,
+            data=res.data,
+            params={**res.params, "baseline": other},
+            metrics=metrics,
+            tables=tables,
+            report_tables=[
+                t
+                for t in (
+                    "se_ratio_summary",
+                    "se_ratio_summary_baseline",
+                    "se_ratio_summary_replicate",
+                )
+                if t in tables
+            ],
+            se_ratio_table="se_ratios",
+            gates=gates,
+            figures=figures,
+            drop_public=[c for c in (spec.design.segment,) if c],
+            notes=notes,
+            masks_design=True,
+        )
+
+
+def _class_summary(se: pd.DataFrame, column: str, method: str, variance: str) -> pd.DataFrame:
+    """SE-ratio summary by design-effect class in the form of paper 003 Table 1."""
+    from sdl_design.utility import deff_class_summary
+
+    t = deff_class_summary(se[column], se["deff"])
+    t.index.name = "statistic"
+    return t.reset_index().assign(method=method, variance=variance)

@@ -274,3 +274,83 @@ def topcode_frame(
     )
     cols = ["column"] + [c for c in table.columns if c != "column"]
     return out, table[cols]
+
+
+class TopcodeStage:
+    """Stage: top- and bottom-coding of the columns of spec.stages.topcode with the design
+    weight (deterministic)."""
+
+    name = "topcode"
+    replications = 0
+
+    def __init__(self, rules: Mapping[str, TopcodeRule], weight: str):
+        self.rules, self.weight = dict(rules), weight
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> TopcodeStage | None:
+        section = spec.stages.active("topcode")
+        return None if section is None else cls(section.columns, spec.design.weight)
+
+    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
+        from sdl_design.stage import StageResult
+
+        w = df[self.weight].to_numpy(dtype=float)
+        w_total = float(w.sum())
+        out, table = topcode_frame(df, self.rules, self.weight)
+        metrics: dict[str, float] = {}
+        params: dict[str, dict] = {}
+        notes: list[str] = []
+        for col, rule in self.rules.items():
+            t = table[table["column"] == col]
+            params[col] = {"by": list(rule.by)}
+            for side in ("upper", "lower"):
+                ts = t[t["side"] == side]
+                if ts.empty:
+                    continue
+                bound = getattr(rule, side).model_dump(exclude_none=True)
+                thresholds = [float(v) for v in ts["threshold"]]
+                params[col][side] = {**bound, "threshold": thresholds if rule.by else thresholds[0]}
+                n = int(ts["n_coded"].sum())
+                share = float(ts["weight_coded"].sum() / w_total)
+                metrics[f"{col}.n_{side}"] = float(n)
+                metrics[f"{col}.share_{side}"] = share
+                notes.append(_coding_note(col, side, bound, rule.by, thresholds, n, share))
+            before = float(np.nansum(w * df[col].to_numpy(dtype=float)))
+            after = float(np.nansum(w * out[col].to_numpy(dtype=float)))
+            metrics[f"{col}.total_ratio"] = after / before if before else float("nan")
+        return StageResult(
+            name=self.name,
+            data=out,
+            params=params,
+            metrics=metrics,
+            tables={"thresholds": table},
+            report_tables=["thresholds"],
+            notes=notes,
+        )
+
+
+def _coding_note(
+    col: str, side: str, bound: dict, by: Sequence[str], thresholds: list, n: int, share: float
+) -> str:
+    if "percentile" in bound:
+        rule = f"the {bound['percentile']:g}th weighted percentile"
+    elif "min_count" in bound:
+        rule = f"the value of the {bound['min_count']}-th most extreme record"
+    else:
+        rule = f"the fixed value {bound['value']:g}"
+    where = f" within groups of {', '.join(by)}" if by else ""
+    thr = (
+        f"{np.nanmin(thresholds):,.6g} to {np.nanmax(thresholds):,.6g}"
+        if by
+        else f"{thresholds[0]:,.6g}"
+    )
+    how = (
+        "their weighted mean (weighted totals preserved)"
+        if bound["replace"] == "mean"
+        else "the threshold"
+    )
+    kind = "top" if side == "upper" else "bottom"
+    return (
+        f"{col}: {kind}-coded at {rule}{where} (threshold {thr}); "
+        f"{n} records ({100 * share:.2f}% of the weighted count) replaced by {how}."
+    )

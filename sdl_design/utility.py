@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -232,6 +233,7 @@ def se_ratio_table(
     chars: Characteristics,
     method: str | None = None,
     rho: float | None = None,
+    chars_masked: Characteristics | None = None,
 ) -> pd.DataFrame:
     """One row per characteristic: se_original, se_masked, ratio, deff (original, Taylor) and,
     with replicate weights, se_original_rep, se_masked_rep, ratio_rep. Characteristics with a
@@ -247,16 +249,117 @@ def se_ratio_table(
         rho=d.get("rho"),
     )
     m = domain_mean_se(
-        masked, chars, **kw, replicate_weights=masked_replicates, method=method, rho=rho
+        masked,
+        chars_masked or chars,
+        **kw,
+        replicate_weights=masked_replicates,
+        method=method,
+        rho=rho,
     )
-    keep = o["se"].to_numpy() > 1e-12 * np.maximum(1.0, np.abs(o["estimate"].to_numpy()))
-    t = o.loc[keep, ["variable", "domain", "kind", "estimate"]].copy()
-    t["se_original"] = o.loc[keep, "se"]
-    t["se_masked"] = m.loc[keep, "se"]
-    t["ratio"] = t["se_masked"] / t["se_original"]
-    t["deff"] = o.loc[keep, "deff"]
-    if "se_rep" in o.columns and "se_rep" in m.columns:
-        t["se_original_rep"] = o.loc[keep, "se_rep"]
-        t["se_masked_rep"] = m.loc[keep, "se_rep"]
-        t["ratio_rep"] = t["se_masked_rep"] / t["se_original_rep"]
-    return t.reset_index(drop=True)
+    key = ["variable", "domain", "kind"]
+    t = o.merge(m, on=key, how="inner", suffixes=("_o", "_m"), sort=False)
+    keep = t["se_o"].to_numpy() > 1e-12 * np.maximum(1.0, np.abs(t["estimate_o"].to_numpy()))
+    t = t.loc[keep].reset_index(drop=True)
+    out = pd.DataFrame(
+        {
+            "characteristic": t["variable"] + "|" + t["domain"],
+            "variable": t["variable"],
+            "domain": t["domain"],
+            "kind": t["kind"],
+            "estimate": t["estimate_o"],
+            "estimate_masked": t["estimate_m"],
+            "se_original": t["se_o"],
+            "se_masked": t["se_m"],
+            "ratio": t["se_m"] / t["se_o"],
+            "deff": t["deff_o"],
+        }
+    )
+    if "se_rep_o" in t.columns and "se_rep_m" in t.columns:
+        out["se_original_rep"] = t["se_rep_o"]
+        out["se_masked_rep"] = t["se_rep_m"]
+        out["ratio_rep"] = out["se_masked_rep"] / out["se_original_rep"]
+    out["deff_class"] = deff_class(out["deff"]).astype(str).to_numpy()
+    return out
+
+
+class FinalStage:
+    """Stage: SE of every characteristic on the released file (its own published design) over
+    the original SE, and the key uniques before and after treatment."""
+
+    name = "final"
+    replications = 0
+
+    def __init__(self, spec: Any):
+        self.spec = spec
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> FinalStage:
+        return cls(spec)
+
+    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
+        from sdl_design.design import SurveyDesign
+        from sdl_design.keys import key_frame
+        from sdl_design.risk import risk_strata
+        from sdl_design.stage import StageResult
+        from sdl_design.swap import design_columns
+
+        spec, original = self.spec, ctx.original
+        d = spec.design
+        exclude = [*spec.variables.direct_identifiers, *([d.household] if d.household else [])]
+        released = SurveyDesign.from_spec(df, d)
+        chars = broad_characteristics(original, design=design_columns(ctx.design), exclude=exclude)
+        chars_released = broad_characteristics(df, design=design_columns(released), exclude=exclude)
+        method = released.method
+        out = se_ratio_table(
+            original,
+            df,
+            design_columns(ctx.design),
+            released.replicate_weights,
+            chars,
+            method,
+            released.rho,
+            chars_masked=chars_released,
+        )
+        metrics = se_ratio_metrics(out)
+        keys = spec.variables.keys
+        before = (risk_strata(original, keys) == "U").mean()
+        after = (risk_strata(df, keys) == "U").mean()
+        common = df.index.intersection(original.index)
+        changed = (key_frame(df.loc[common], keys) != key_frame(original.loc[common], keys)).any(
+            axis=1
+        )
+        metrics.update(
+            {
+                "n_characteristics": float(len(out)),
+                "unique_share_before": float(before),
+                "unique_share_after": float(after),
+                "share_keys_changed": float(changed.mean()) if len(common) else 0.0,
+                "share_records_retained": len(df) / len(original),
+            }
+        )
+        notes = [
+            f"{len(out)} characteristics: median SE ratio (released / original) "
+            f"{metrics.get('se_ratio_median', float('nan')):.3f}, 10th-90th percentile "
+            f"{metrics.get('se_ratio_p10', float('nan')):.3f}-"
+            f"{metrics.get('se_ratio_p90', float('nan')):.3f}",
+            f"sample uniques on the keys: {before:.1%} before, {after:.1%} after; "
+            f"{metrics['share_keys_changed']:.1%} of retained records have a changed key",
+        ]
+        if metrics.get("se_ratio_n_zero"):
+            zero = out.loc[out["ratio"] <= 0, "characteristic"].head(5).tolist()
+            notes.append(
+                f"{metrics['se_ratio_n_zero']:.0f} characteristics have SE 0 on the released file "
+                f"(e.g. {', '.join(zero)}): the treatment left no variation there"
+            )
+        return StageResult(
+            name=self.name,
+            data=df,
+            metrics=metrics,
+            tables={
+                "se_ratios": out,
+                "se_ratio_summary": deff_class_summary(out["ratio"], out["deff"]).reset_index(),
+            },
+            report_tables=["se_ratio_summary"],
+            se_ratio_table="se_ratios",
+            notes=notes,
+        )

@@ -20,3 +20,14 @@ def prefect_server():
     with prefect_test_harness(server_startup_timeout=120):
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             yield
+
+
+def run_stage(stage_cls, df, spec, seed=None, original=None):
+    """Build a stage from the spec and run it with a context (seed: overrides release.seed)."""
+    from sdl_design.stage import StageContext
+
+    if seed is not None:
+        spec = spec.model_copy(deep=True)
+        spec.release.seed = seed
+    stage = stage_cls.from_spec(spec)
+    return stage.run(df, StageContext(df if original is None else original, spec, stage.name))

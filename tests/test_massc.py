@@ -296,13 +296,13 @@ def _digest(df: pd.DataFrame) -> str:
 
 
 def test_massc_task_reproducible_and_consistent(survey):
-    from tasks.massc import massc_task
+    from sdl_design.massc_stage import massc_result as massc_task_fn
 
     spec, df = survey
-    a = massc_task.fn(df, spec, 123, df)
-    b = massc_task.fn(df, spec, 123, df)
+    a = massc_task_fn(df, spec, 123, df)
+    b = massc_task_fn(df, spec, 123, df)
     assert _digest(a.data) == _digest(b.data)
-    c = massc_task.fn(df, spec, 124, df)
+    c = massc_task_fn(df, spec, 124, df)
     assert _digest(a.data) != _digest(c.data)
     m = a.metrics
     assert len(a.data) == len(df) - m["n_subsampled_out"]
@@ -320,18 +320,19 @@ def test_massc_task_reproducible_and_consistent(survey):
         assert d.loc[d["sex"] == s, "wt"].sum() == pytest.approx(
             df.loc[df["sex"] == s, "wt"].sum(), rel=1e-8
         )
-    assert {g["name"] for g in a.gates} == {"massc.delta", "massc.epsilon_formula"}
+    assert {g.name for g in a.gates} == {"massc.delta", "massc.epsilon_formula"}
 
 
 def test_replications_do_not_depend_on_chunking(survey):
-    from tasks.massc import massc_epsilon, massc_replications, massc_task
+    from sdl_design.massc_stage import massc_epsilon, massc_replications
+    from sdl_design.massc_stage import massc_result as massc_task_fn
 
     spec, df = survey
-    whole = massc_replications.fn(df, spec, 9, df, [0, 1, 2, 3])
-    halves = np.vstack([massc_replications.fn(df, spec, 9, df, c) for c in ([0, 1], [2, 3])])
+    whole = massc_replications(df, spec, 9, df, [0, 1, 2, 3])
+    halves = np.vstack([massc_replications(df, spec, 9, df, c) for c in ([0, 1], [2, 3])])
     assert whole.tobytes() == halves.tobytes()
     assert not np.allclose(whole[0], whole[1])  # replications differ
-    out = massc_task.fn(df, spec, 9, df)
+    out = massc_task_fn(df, spec, 9, df)
     out = massc_epsilon(out, [halves[:2], halves[2:]], spec)
     assert out.metrics["epsilon_empirical"] > 0
     assert out.metrics["epsilon"] >= out.metrics["epsilon_formula"]
@@ -340,10 +341,10 @@ def test_replications_do_not_depend_on_chunking(survey):
 
 def test_plan_and_treatment_reproducible_and_edits_hold():
     from sdl_design.massc import massc_plan, massc_treat
+    from sdl_design.massc_stage import massc_config
     from sdl_design.rng import stage_rng
     from sdl_design.spec import load_spec
     from sdl_design.synth import make_survey
-    from tasks.massc import massc_config
 
     spec = load_spec("flows/default_spec.yaml")
     df = make_survey(3000, seed=8, replicates=False)
@@ -382,33 +383,30 @@ def test_plan_and_treatment_reproducible_and_edits_hold():
 
 
 def test_replications_same_in_chunks_as_direct(survey, request):
-    """The flow's fan-out (massc_replications.map over chunks) gives the same estimates as one
-    chunk run directly: each replication's seed depends only on its index. (Dask against the
-    thread pool: tests/test_release_flow.py::test_dask_runner_matches_thread_pool.)"""
+    """The flow's fan-out (replicate_stage mapped over chunks on the thread pool) gives the same
+    estimates as one chunk run directly: each replication's seed depends only on its index.
+    (Dask against the thread pool: tests/test_release_flow.py.)"""
     request.getfixturevalue("prefect_server")  # only once the data and modules are there
-    from prefect import flow, unmapped
-    from prefect.task_runners import ThreadPoolTaskRunner
+    from prefect import flow
 
-    from tasks.massc import massc_replications
+    from flows.release import _replications
+    from sdl_design.massc_stage import MasscStage, massc_replications
+    from sdl_design.stage import StageContext
 
     spec, df = survey
-    spec_json = spec.model_dump(mode="json")
+    spec = spec.model_copy(deep=True)
+    spec.release.seed = 9
+    spec.stages.massc.replications = 3
+    stage = MasscStage.from_spec(spec)
 
-    def run(runner) -> np.ndarray:
-        @flow(task_runner=runner)
-        def reps(chunks: list[list[int]]) -> np.ndarray:
-            # the spec as its JSON dict: prefect-dask walks pydantic parameters (and fails on
-            # the field named 'keys')
-            futs = massc_replications.map(
-                unmapped(df), unmapped(spec_json), unmapped(9), unmapped(df), chunks
-            )
-            return np.vstack([f.result() for f in futs])
+    @flow
+    def reps() -> list:
+        return _replications(stage, df, StageContext(df, spec, "massc"), "thread", None)
 
-        return reps([[0], [1, 2]])
-
-    thread = run(ThreadPoolTaskRunner(max_workers=2))
-    direct = massc_replications.fn(df, spec, 9, df, [0, 1, 2])
-    assert thread.tobytes() == direct.tobytes()
+    chunks = reps()
+    assert [len(c) for c in chunks] == [2, 1]
+    direct = massc_replications(df, spec, 9, df, [0, 1, 2])
+    assert np.vstack(chunks).tobytes() == direct.tobytes()
 
 
 def test_replicate_controls_follow_the_massc_input_centred_on_original(monkeypatch):
@@ -461,22 +459,22 @@ def test_replicate_recalibration_on_default_survey():
     replicate SE of a control total equals the original one, other SEs stay close."""
     pytest.importorskip("sdl_design.calibration")
     pytest.importorskip("sdl_design.design")
+    from sdl_design.design import SurveyDesign
+    from sdl_design.massc_stage import massc_result as massc_task_fn
     from sdl_design.spec import load_spec
     from sdl_design.synth import make_survey
-    from tasks.base import design_from_spec
-    from tasks.massc import massc_task
 
     spec = load_spec("flows/default_spec.yaml")
     df = make_survey(3000, seed=7)
     reps = spec.replicate_columns(df)
-    out = massc_task.fn(df, spec, 9, df)
+    out = massc_task_fn(df, spec, 9, df)
     rc = out.tables["replicate_calibration"]
     assert rc["replicate"].tolist() == reps and rc["status"].isin(["ok", "widened", "raked"]).all()
     treated = out.data.assign(male=(out.data["sex"] == "male").astype(float))
     before = df.assign(male=(df["sex"] == "male").astype(float))
     cols = ["male", "income", "bmi", "diabetes", "hypertension", "insured"]
-    a = design_from_spec(before, spec).total(cols, variance="replicate")
-    b = design_from_spec(treated, spec).total(cols, variance="replicate")
+    a = SurveyDesign.from_spec(before, spec.design).total(cols, variance="replicate")
+    b = SurveyDesign.from_spec(treated, spec.design).total(cols, variance="replicate")
     assert b.loc["male", "estimate"] == pytest.approx(a.loc["male", "estimate"], rel=1e-9)
     assert b.loc["male", "se"] == pytest.approx(a.loc["male", "se"], rel=1e-6)
     ratio = (b["se"] / a["se"]).to_numpy()
@@ -491,9 +489,9 @@ def test_formulas_8a_8b_match_replications_of_the_treatment():
     import dataclasses
 
     from sdl_design.massc import massc_plan, massc_treat
+    from sdl_design.massc_stage import massc_config
     from sdl_design.spec import load_spec
     from sdl_design.synth import make_survey
-    from tasks.massc import massc_config
 
     spec = load_spec("flows/default_spec.yaml")
     df = make_survey(3000, seed=4, replicates=False)
@@ -547,14 +545,14 @@ def test_substrata_recover_separated_groups():
 
 
 def test_spec_substrata_give_rates_per_substratum(survey):
+    from sdl_design.massc_stage import massc_result as massc_task_fn
     from sdl_design.spec import Substrata
-    from tasks.massc import massc_task
 
     spec, df = survey
     s = spec.model_copy(deep=True)
     s.stages.massc.strata_merge = {"T": "TO", "O": "TO"}
     s.stages.massc.substrata = Substrata(variables=["income"], k=2, min_records=100)
-    out = massc_task.fn(df, s, 123, df)
+    out = massc_task_fn(df, s, 123, df)
     labels = out.tables["rates"]["stratum"].tolist()
     assert (
         labels == sorted(labels) and "TO:1" in labels and not any(x.startswith("O") for x in labels)

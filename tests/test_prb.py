@@ -147,20 +147,23 @@ def test_small_partition_sets_are_merged():
 
 
 def test_task_gate_and_edit_failure(survey):
+    from conftest import run_stage
+
+    from sdl_design.edits import EditFailure
+    from sdl_design.prb import PrbStage
     from sdl_design.spec import load_spec
-    from tasks.prb import PrbEditFailure, prb_task
 
     spec = load_spec(Path(__file__).parents[1] / "flows" / "default_spec.yaml")
-    out = prb_task.fn(survey, spec, 5)
-    assert out.gates[0]["value"] <= 0.395 and out.metrics["m0"] == 5
+    out = run_stage(PrbStage, survey, spec, 5)
+    assert out.gates[0].value <= 0.395 and out.metrics["m0"] == 5
     assert {"se", "se_star"} <= set(out.tables["weighted_counts"].columns)
     assert len(out.tables["tvd"]) >= 10
     bad = spec.model_copy(deep=True)
     # marital left out of C and ages no longer kept apart: adults move into child cells
     bad.stages.prb.variables = [c for c in C if c != "marital"]
     bad.stages.prb.partition = {"sex": None}
-    with pytest.raises(PrbEditFailure, match=r"edits\[\d+\]"):
-        prb_task.fn(survey, bad, 5)
+    with pytest.raises(EditFailure, match=r"edits\[\d+\]"):
+        run_stage(PrbStage, survey, bad, 5)
 
 
 def test_tuned_theta_only_when_exact_risk_allows(survey):

@@ -209,7 +209,9 @@ def test_cli_exit_codes(tmp_path, capsys):
 
 
 def test_dask_runner_matches_thread_pool(tmp_path):
-    """MASSC replications on a local 2-worker Dask cluster give the thread pool's numbers."""
+    """MASSC replications on a local 2-worker Dask cluster give the thread pool's numbers. The
+    flow is called with its parameters as a deployment passes them (runner: dask): the Dask
+    scheduler must have run the replications."""
     from distributed import LocalCluster
 
     from flows.release import run_release
@@ -219,9 +221,15 @@ def test_dask_runner_matches_thread_pool(tmp_path):
         path = small_spec(tmp_path / runner, **{"stages.swap": None, "stages.prb": None})
         if runner == "dask":
             with LocalCluster(n_workers=2, threads_per_worker=1, processes=False) as cluster:
-                m = run_release(
-                    str(path), approve="t", runner="dask", dask_address=cluster.scheduler_address
+                assert not cluster.scheduler.task_prefixes
+                m = release_flow(
+                    spec_path=str(path),
+                    approve="t",
+                    runner="dask",
+                    dask_address=cluster.scheduler_address,
                 )
+                ran = dict(cluster.scheduler.task_prefixes)
+            assert "replicate_stage" in ran, ran
         else:
             m = run_release(str(path), approve="t")
         results[runner] = m

@@ -401,11 +401,13 @@ def _small_frame(n=600, seed=4):
 
 
 def test_risk_task_runs_on_small_frame():
-    from tasks.risk import risk_task
+    from conftest import run_stage
+
+    from sdl_design.risk import RiskStage
 
     df = _small_frame()
     spec = _small_spec(max_unique_share=0.5)
-    out = risk_task.fn(df, spec, 1)
+    out = run_stage(RiskStage, df, spec, 1)
     assert out.name == "risk" and out.data is df
     keys = spec.variables.keys
     strata = risk_strata(df, keys)
@@ -425,7 +427,7 @@ def test_risk_task_runs_on_small_frame():
     assert m["tau2"] >= m["tau1"] - 1e-12  # E(1/F) >= P(F = 1)
     assert out.tables["by_stratum"]["n_records"].sum() == len(df)
     (g,) = out.gates
-    assert g["name"] == "risk.unique_share" and g["upper"] == 0.5
-    assert g["value"] == pytest.approx(m["unique_share"])
+    assert g.name == "risk.unique_share" and g.upper == 0.5
+    assert g.value == pytest.approx(m["unique_share"])
     assert not _small_spec().gates.max_unique_share
-    assert risk_task.fn(df, _small_spec(), 1).gates == []
+    assert run_stage(RiskStage, df, _small_spec(), 1).gates == []

@@ -355,11 +355,13 @@ def test_domain_mean_se_equals_oracle():
 def test_swap_task_stage_output(survey):
     from pathlib import Path
 
-    import tasks.swap as ts
-    from sdl_design.spec import load_spec
+    from conftest import run_stage
 
-    spec = load_spec(Path(ts.__file__).parents[1] / "flows" / "default_spec.yaml")
-    out = ts.swap_task.fn(survey, spec, 20261122)
+    from sdl_design.spec import load_spec
+    from sdl_design.swap import SwapStage
+
+    spec = load_spec(Path(__file__).parents[1] / "flows" / "default_spec.yaml")
+    out = run_stage(SwapStage, survey, spec, 20261122)
     assert out.name == "swap" and out.data.index.equals(survey.index)
     assert set(out.tables) >= {"pairs", "se_ratios", "se_ratio_summary"}
     assert out.metrics["share_swapped"] == pytest.approx(0.25)
@@ -367,14 +369,14 @@ def test_swap_task_stage_output(survey):
     s = out.tables["se_ratio_summary"].set_index("statistic")
     assert s.loc["count", "overall"] == len(out.tables["se_ratios"])
     lo, hi = spec.gates.se_ratio
-    assert [g["name"] for g in out.gates] == [
+    assert [g.name for g in out.gates] == [
         "swap: median of SE ratios, broad set (Taylor)",
         "swap: 10th percentile of SE ratios, broad set (Taylor)",
         "swap: 90th percentile of SE ratios, broad set (Taylor)",
     ]
-    assert out.gates[0]["value"] == pytest.approx(out.metrics["se_ratio_median"])
-    assert all(g["lower"] == lo and g["upper"] == hi for g in out.gates)
+    assert out.gates[0].value == pytest.approx(out.metrics["se_ratio_median"])
+    assert all(g.lower == lo and g.upper == hi for g in out.gates)
     assert out.figures["se_ratio_boxplot"][:8] == b"\x89PNG\r\n\x1a\n"
     assert "segment" in out.drop_public
-    again = ts.swap_task.fn(survey, spec, 20261122)
+    again = run_stage(SwapStage, survey, spec, 20261122)
     pd.testing.assert_frame_equal(out.data, again.data)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -189,14 +191,15 @@ def test_bad_weights():
 
 def test_topcode_task_on_default_spec():
     import yaml
+    from conftest import run_stage
 
     from sdl_design.synth import make_survey
-    from tasks.topcode import topcode_task
+    from sdl_design.topcode import TopcodeStage
 
-    with open("flows/default_spec.yaml") as fh:
+    with open(Path(__file__).parents[1] / "flows" / "default_spec.yaml") as fh:
         spec = parse_spec(yaml.safe_load(fh))
     df = make_survey(4000, seed=3, replicates=False)
-    out = topcode_task.fn(df, spec, spec.release.seed)
+    out = run_stage(TopcodeStage, df, spec)
     assert out.name == "topcode" and "thresholds" in out.tables
     w = df["wt"].to_numpy()
     inc_t = weighted_percentile(df["income"], w, 99.5)

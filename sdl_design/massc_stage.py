@@ -1,19 +1,19 @@
-"""Prefect tasks: MASSC (substitution, subsampling, calibration) and its replications for epsilon."""
+"""MASSC as a release stage: optimal rates, substitution, subsampling, calibration of the weight
+and the replicate weights to the original file's controls; delta and epsilon; replications."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
+from sdl_design.edits import check_edits
 from sdl_design.keys import key_frame
 from sdl_design.massc import (
     MasscConfig,
     calibrate_treated,
-    check_edits,
     delta_measures,
     epsilon_from_replications,
     information_loss,
@@ -24,13 +24,31 @@ from sdl_design.massc import (
 )
 from sdl_design.plots import histogram
 from sdl_design.rng import stage_rng
-from sdl_design.spec import ReleaseSpec
-from tasks.base import StageOutput, gate
+from sdl_design.stage import StageResult, gate
 
 
-def as_spec(spec) -> ReleaseSpec:
-    """A ReleaseSpec from a ReleaseSpec or its JSON dict."""
-    return spec if isinstance(spec, ReleaseSpec) else ReleaseSpec.model_validate(spec)
+class MasscStage:
+    """Stage: MASSC (spec.stages.massc) with `replications` replications of the whole
+    treatment for the empirical epsilon (run through the flow's task runner)."""
+
+    name = "massc"
+
+    def __init__(self, spec: Any):
+        self.spec = spec
+        self.replications = int(spec.stages.massc.replications)
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> MasscStage | None:
+        return None if spec.stages.active("massc") is None else cls(spec)
+
+    def run(self, df: pd.DataFrame, ctx: Any) -> StageResult:
+        return massc_result(df, self.spec, ctx.seed, ctx.original)
+
+    def replicate(self, df: pd.DataFrame, ctx: Any, indices: Sequence[int]) -> np.ndarray:
+        return massc_replications(df, self.spec, ctx.seed, ctx.original, indices)
+
+    def combine(self, result: StageResult, replications: list, ctx: Any) -> StageResult:
+        return massc_epsilon(result, replications, self.spec)
 
 
 def massc_config(spec, df: pd.DataFrame) -> MasscConfig:
@@ -92,12 +110,11 @@ def _calibrate(df, spec, cfg, tr, original, replicates: bool):
     )
 
 
-@task(name="massc", cache_policy=NO_CACHE)
-def massc_task(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame) -> StageOutput:
+def massc_result(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame) -> StageResult:
     """MASSC on df (spec.stages.massc): optimal rates, substitution, subsampling, calibration of
     the weight and the replicate weights to the original file's controls; delta and epsilon."""
     cfg, plan, tr = _main(df, spec, seed)
-    check_edits(tr.b1, spec.edits)
+    check_edits(tr.b1, spec.edits, "MASSC output")
     cal = spec.stages.massc.calibration
     data, cal_tables, cal_metrics = _calibrate(df, spec, cfg, tr, original, replicates=True)
     # retained records keep their index: later stages and the final metrics match records by it
@@ -155,7 +172,7 @@ def massc_task(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame) -> Sta
         f"{', '.join(k.name for k in cal.controls)}; adjustment factors "
         f"{cal_metrics['calibration_factor_min']:.3f} to {cal_metrics['calibration_factor_max']:.3f}."
     )
-    return StageOutput(
+    return StageResult(
         name="massc",
         data=data,
         params={
@@ -190,6 +207,7 @@ def massc_task(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame) -> Sta
             "study_totals": study_totals,
             **cal_tables,
         },
+        report_tables=["rates", "delta", "delta_profiles", *cal_tables],
         gates=gates,
         figures={"weight_factors": _weight_factor_figure(data, cfg.weight, tr)},
         notes=notes,
@@ -219,7 +237,6 @@ def _top_profiles(df: pd.DataFrame, keys, dm, n: int = 50) -> pd.DataFrame:
     return pd.concat([top.reset_index(drop=True).drop(columns="profile"), kf], axis=1)
 
 
-@task(name="massc-replications", cache_policy=NO_CACHE)
 def massc_replications(
     df: pd.DataFrame, spec, seed: int, original: pd.DataFrame, chunk: Sequence[int]
 ) -> np.ndarray:
@@ -229,7 +246,6 @@ def massc_replications(
 
     spec: a ReleaseSpec or its spec.model_dump(mode="json") (pass the dict under the Dask
     runner: prefect-dask walks pydantic parameters and fails on the field named 'keys')."""
-    spec = as_spec(spec)
     cfg, plan, tr = _main(df, spec, seed)
     out = np.empty((len(chunk), len(plan.zvars.labels)))
     for i, r in enumerate(chunk):
@@ -240,9 +256,9 @@ def massc_replications(
     return out
 
 
-def massc_epsilon(out: StageOutput, estimates: Sequence[np.ndarray], spec) -> StageOutput:
+def massc_epsilon(out: StageResult, estimates: Sequence[np.ndarray], spec) -> StageResult:
     """Add the empirical epsilon (max RRMSE over replications, truth = original totals) to the
-    MASSC StageOutput: metrics epsilon_empirical, epsilon (the larger of formula and empirical)
+    MASSC StageResult: metrics epsilon_empirical, epsilon (the larger of formula and empirical)
     and table epsilon_replications. Reported, not gated: with R ~ 10 replications the maximum
     RRMSE of heavy-tailed totals is noisy; the gate is on the formula (8a + 8b)."""
     est = np.vstack([np.atleast_2d(e) for e in estimates if len(e)])

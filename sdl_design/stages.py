@@ -1,0 +1,12 @@
+"""The release stages in release order: the one list a new stage joins."""
+
+from __future__ import annotations
+
+from sdl_design.massc_stage import MasscStage
+from sdl_design.prb import PrbStage
+from sdl_design.risk import RiskStage
+from sdl_design.swap import SwapStage
+from sdl_design.topcode import TopcodeStage
+from sdl_design.utility import FinalStage
+
+RELEASE_STAGES = [RiskStage, SwapStage, PrbStage, MasscStage, TopcodeStage, FinalStage]
