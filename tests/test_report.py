@@ -9,9 +9,9 @@ from html.parser import HTMLParser
 import numpy as np
 import pandas as pd
 import pytest
-from sdl_design.stage import StageResult as StageOutput
 
 from flows.report import MAX_ROWS, artifact_key, post_artifacts, render_report
+from sdl_design.stage import StageResult as StageOutput
 from sdl_design.swap import se_ratio_boxplot
 
 PNG = b"\x89PNG\r\n\x1a\n"
