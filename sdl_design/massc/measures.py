@@ -14,8 +14,6 @@ from sdl_design.massc.common import KeyLike, _key_specs
 from sdl_design.massc.moments import ZMoments
 from sdl_design.risk import genmassc_scores, profile_codes
 
-# ---------------------------------------------------------------- post-treatment risk (eq. 3-6)
-
 
 @dataclass
 class DeltaMeasures:

@@ -12,8 +12,6 @@ from sdl_design.keys import key_frame
 from sdl_design.massc.common import KeyLike, MasscError, _key_specs
 from sdl_design.spec import KeySpec
 
-# ---------------------------------------------------------------- study variables z (section 2.4)
-
 
 @dataclass
 class StudyVariables:

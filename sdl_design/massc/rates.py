@@ -11,8 +11,6 @@ from scipy.optimize import minimize
 from sdl_design.massc.common import MasscError, MasscInfeasible
 from sdl_design.massc.moments import ZMoments
 
-# ---------------------------------------------------------------- optimal rates (eq. 9, 10)
-
 
 @dataclass
 class Rates:

@@ -10,8 +10,6 @@ import pandas as pd
 from sdl_design.massc.common import KeyLike, MasscError
 from sdl_design.risk import STRATA, risk_strata
 
-# ---------------------------------------------------------------- Step I: risk strata
-
 
 def massc_strata(
     df: pd.DataFrame,
