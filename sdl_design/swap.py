@@ -8,7 +8,7 @@ over records. Method 2a (the similarity baseline): closest segment on the matchi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -18,6 +18,7 @@ from scipy.spatial import cKDTree
 
 Method = Literal["2a", "2b"]
 Scope = Literal["any", "same_stratum", "cross_stratum"]
+Criterion = Callable[[np.ndarray | int, np.ndarray], np.ndarray]  # (segment a, partners b)
 
 
 # ---------------------------------------------------------------- segment aggregates (eq. 3)
@@ -281,22 +282,39 @@ def plan_swaps(
     """
     state = VarianceState(agg)
     n = len(agg.segment_labels)
-    psu0 = agg.seg_psu
-    strat0 = agg.seg_stratum
-    m_p = np.bincount(psu0, minlength=len(agg.psu_stratum))
-    if method == "2b":
-        feat = agg.score / np.sqrt(state.v0)
-        std = None
-    elif method == "2a":
-        sd = agg.mean.std(axis=0)
-        std = agg.mean / np.where(sd > 0, sd, 1.0)
-        feat = std
-    else:
-        raise ValueError(f"stages.swap.method: {method!r} is not '2a' or '2b'")
+    feat, std = _features(agg, state, method)
     if scope not in ("any", "same_stratum", "cross_stratum"):
         raise ValueError(f"stages.swap.scope: {scope!r} is not any, same_stratum, cross_stratum")
     k = max(1, min(n_candidates, n - 1))
-    cands = _candidate_lists(feat, psu0, strat0, scope, k)
+    cands = _candidate_lists(feat, agg.seg_psu, agg.seg_stratum, scope, k)
+    crit = _criterion(state, std, cumulative)
+    m_p = np.bincount(agg.seg_psu, minlength=len(agg.psu_stratum))
+    d1 = _initial_criterion(crit, cands)
+    order = _swap_order(agg.seg_psu, m_p, d1, rate, rng)
+    target = int(round(rate * n / 2.0))
+    pairs, n_eval, n_fallback = _choose_pairs(
+        agg, state, crit, cands, order, m_p, target, max_share, scope
+    )
+    return SwapPlan(pairs, state, d1, int((cands >= 0).sum()) + n_eval, n_fallback, target)
+
+
+def _features(
+    agg: SegmentAggregates, state: VarianceState, method: Method
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Feature space of the candidate search and, for Method 2a, the standardized segment means
+    (None for 2b): scores scaled by the original SEs (2b) or the standardized means (2a)."""
+    if method == "2b":
+        return agg.score / np.sqrt(state.v0), None
+    if method == "2a":
+        sd = agg.mean.std(axis=0)
+        std = agg.mean / np.where(sd > 0, sd, 1.0)
+        return std, std
+    raise ValueError(f"stages.swap.method: {method!r} is not '2a' or '2b'")
+
+
+def _criterion(state: VarianceState, std: np.ndarray | None, cumulative: bool) -> Criterion:
+    """crit(a, b): the criterion of swapping segment a with each segment b, against the current
+    state: D*_2a on the standardized means std, else D*_2b (eq. 6a, or 6b when cumulative)."""
 
     def crit(a: np.ndarray | int, b: np.ndarray) -> np.ndarray:
         if std is not None:  # D*_2a: sum_l |xbar_l,jr - xbar_l,j| (standardized)
@@ -306,16 +324,28 @@ def plan_swaps(
             return (np.abs(state.v + dv - state.v0) / state.v0).sum(axis=-1)
         return (np.abs(dv) / state.v0).sum(axis=-1)  # D*_2b,r (eq. 6a, c_l = 1/v(xbar_l|S))
 
-    # Step 1: each segment's initial partner from another PSU, smallest D*_1.
+    return crit
+
+
+def _initial_criterion(crit: Criterion, cands: np.ndarray) -> np.ndarray:
+    """Step 1: each segment's smallest D*_1 over its candidate partners (inf without any)."""
+    n = len(cands)
     d1 = np.full(n, np.inf)
     for s in range(0, n, 2048):
         cc = cands[s : s + 2048]
         val = crit(np.arange(s, s + len(cc)), np.where(cc >= 0, cc, 0))
         val[cc < 0] = np.inf
         d1[s : s + len(cc)] = val.min(axis=1)
-    n_eval = int((cands >= 0).sum())
+    return d1
 
-    # Step 2: best-ranked segments of each PSU form the pool; the swap set is sampled from it.
+
+def _swap_order(
+    psu0: np.ndarray, m_p: np.ndarray, d1: np.ndarray, rate: float, rng: np.random.Generator
+) -> np.ndarray:
+    """Steps 2-3: the best-ranked segments of each PSU form the pool and the swap set is sampled
+    from it; the chosen segments come first in ascending D*_1 across PSUs, then the rest of the
+    pools, then every other segment (only used when constraints left the target short)."""
+    n = len(psu0)
     k_p = rate / 2.0 * m_p
     pool_p = np.minimum(m_p, np.ceil(2.0 * k_p - 1e-9)).astype(int)
     choose_p = np.floor(k_p).astype(int) + (rng.random(len(m_p)) < k_p - np.floor(k_p))
@@ -325,9 +355,7 @@ def plan_swaps(
     in_pool = rank < pool_p[psu0]
     r2 = _rank_within(psu0, np.where(in_pool, u, np.inf), np.zeros(n))
     chosen = in_pool & (r2 < choose_p[psu0])
-    # Step 3: chosen segments in ascending D*_1 across PSUs; then the rest of the pools, then
-    # every other segment (only used when constraints left the target short).
-    order = np.concatenate(
+    return np.concatenate(
         [
             _sorted(np.flatnonzero(chosen), d1),
             _sorted(np.flatnonzero(in_pool & ~chosen), d1),
@@ -335,13 +363,27 @@ def plan_swaps(
         ]
     )
 
-    # Step 4: partners found sequentially against the current state.
+
+def _choose_pairs(
+    agg: SegmentAggregates,
+    state: VarianceState,
+    crit: Criterion,
+    cands: np.ndarray,
+    order: np.ndarray,
+    m_p: np.ndarray,
+    target: int,
+    max_share: float,
+    scope: Scope,
+) -> tuple[list[tuple[int, int, float, int]], int, int]:
+    """Step 4: partners found sequentially against the current state, each swap applied to it;
+    at most max_share of a PSU's segments swapped. Returns the pairs, the criterion evaluations
+    and the searches over every eligible segment (near candidates all taken)."""
+    psu0, strat0 = agg.seg_psu, agg.seg_stratum
     cap = np.floor(max_share * m_p + 1e-9).astype(int)
     count = np.zeros(len(m_p), dtype=int)
-    swapped = np.zeros(n, dtype=bool)
-    target = int(round(rate * n / 2.0))
+    swapped = np.zeros(len(psu0), dtype=bool)
     pairs: list[tuple[int, int, float, int]] = []
-    n_fallback = 0
+    n_eval = n_fallback = 0
     for a in order:
         if len(pairs) >= target:
             break
@@ -370,7 +412,7 @@ def plan_swaps(
         count[pa] += 1
         count[psu0[b]] += 1
         pairs.append((int(a), b, float(val[j]), len(pairs) + 1))
-    return SwapPlan(pairs, state, d1, n_eval, n_fallback, target)
+    return pairs, n_eval, n_fallback
 
 
 def _rank_within(group: np.ndarray, key: np.ndarray, tie: np.ndarray) -> np.ndarray:
@@ -463,6 +505,43 @@ def swap_segments(
     """
     from sdl_design.utility import broad_characteristics, se_ratio_table
 
+    _check_rates(rate, max_share)
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    dc = design_columns(design)
+    if dc["segment"] is None:
+        raise ValueError("design.segment: the swap needs a segment column (SSU) in the design")
+    agg = segment_aggregates(df, dc["weight"], dc["strata"], dc["psu"], dc["segment"], matching)
+    plan = plan_swaps(agg, rate, rng, method, max_share, cumulative, scope, n_candidates)
+    new_h, new_p = pseudo_labels(agg, plan.state.seg_psu, rng)
+    rep_method = replicate_method or dc["method"]
+    rep_rho = rho if rho is not None else dc["rho"]
+    data, new_rw, notes = _masked(df, dc, new_h, new_p, rep_method, rep_rho)
+
+    if characteristics is None:
+        characteristics = broad_characteristics(df, design=dc)
+    se = se_ratio_table(
+        df, data, dc, new_rw or dc["replicate_weights"], characteristics, rep_method, rep_rho
+    )
+    se["matching"] = se["variable"].isin(list(matching)) & (se["domain"] == "all")
+    settings = {
+        "method": method,
+        "rate": rate,
+        "max_share": max_share,
+        "cumulative": cumulative,
+        "scope": scope,
+    }
+    params = {**settings, **_plan_counts(agg, plan), "replicate_method": rep_method}
+    if len(plan.pairs) < plan.target_pairs:
+        notes.append(
+            f"only {len(plan.pairs)} of {plan.target_pairs} target pairs found under the "
+            f"constraints (max_share={max_share}, scope={scope})"
+        )
+    pairs = _pairs_frame(agg, plan, method, cumulative)
+    return SwapResult(data, pairs, se, _variance_frame(plan, matching), params, notes)
+
+
+def _check_rates(rate: float, max_share: float) -> None:
+    """0 < rate <= max_share <= 1."""
     if not 0.0 < rate <= 1.0:
         raise ValueError(f"stages.swap.rate: {rate} must be in (0, 1]")
     if not 0.0 < max_share <= 1.0:
@@ -472,25 +551,31 @@ def swap_segments(
             f"stages.swap.rate ({rate}) is above stages.swap.max_share ({max_share}): "
             "no PSU may swap more than max_share of its segments; lower rate or raise max_share"
         )
-    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-    dc = design_columns(design)
-    if dc["segment"] is None:
-        raise ValueError("design.segment: the swap needs a segment column (SSU) in the design")
-    agg = segment_aggregates(df, dc["weight"], dc["strata"], dc["psu"], dc["segment"], matching)
-    plan = plan_swaps(agg, rate, rng, method, max_share, cumulative, scope, n_candidates)
-    new_h, new_p = pseudo_labels(agg, plan.state.seg_psu, rng)
 
+
+def _masked(
+    df: pd.DataFrame,
+    dc: dict[str, Any],
+    new_h: np.ndarray,
+    new_p: np.ndarray,
+    rep_method: str | None,
+    rep_rho: float | None,
+) -> tuple[pd.DataFrame, list[str], list[str]]:
+    """df with pseudo strata and PSUs and, given a replicate method, replicate weights of the
+    pseudo design; the new replicate columns and the notes."""
     data = df.copy()
     data[dc["strata"]] = new_h
     data[dc["psu"]] = new_p
-    notes: list[str] = []
-    rep_method = replicate_method or dc["method"]
-    rep_rho = rho if rho is not None else dc["rho"]
-    new_rw: list[str] = []
-    if rep_method is not None:
-        data, new_rw, note = _rebuild_replicates(data, dc, rep_method, rep_rho)
-        notes.append(note)
+    if rep_method is None:
+        return data, [], []
+    data, new_rw, note = _rebuild_replicates(data, dc, rep_method, rep_rho)
+    return data, new_rw, [note]
 
+
+def _pairs_frame(
+    agg: SegmentAggregates, plan: SwapPlan, method: Method, cumulative: bool
+) -> pd.DataFrame:
+    """The (confidential) swap map: one row per pair with original labels and the criterion."""
     a = np.array([p[0] for p in plan.pairs], dtype=np.int64)
     b = np.array([p[1] for p in plan.pairs], dtype=np.int64)
     pa, pb = agg.seg_psu[a], agg.seg_psu[b]
@@ -509,25 +594,22 @@ def swap_segments(
     pairs.attrs["criterion"] = "D*_2a (standardized)" if method == "2a" else "D*_2b (eq. 6a)"
     if method == "2b" and cumulative:
         pairs.attrs["criterion"] = "D*_2b cumulative (eq. 6b)"
+    return pairs
+
+
+def _variance_frame(plan: SwapPlan, matching: Sequence[str]) -> pd.DataFrame:
+    """Taylor variance of each matching characteristic before and after, and the SE ratio."""
     variance = pd.DataFrame(
         {"v_original": plan.state.v0, "v_masked": plan.state.v},
         index=pd.Index(list(matching), name="variable"),
     )
     variance["se_ratio"] = np.sqrt(variance["v_masked"] / variance["v_original"])
+    return variance
 
-    if characteristics is None:
-        characteristics = broad_characteristics(df, design=dc)
-    se = se_ratio_table(
-        df, data, dc, new_rw or dc["replicate_weights"], characteristics, rep_method, rep_rho
-    )
-    se["matching"] = se["variable"].isin(list(matching)) & (se["domain"] == "all")
+
+def _plan_counts(agg: SegmentAggregates, plan: SwapPlan) -> dict[str, Any]:
     n_seg = len(agg.segment_labels)
-    params = {
-        "method": method,
-        "rate": rate,
-        "max_share": max_share,
-        "cumulative": cumulative,
-        "scope": scope,
+    return {
         "n_segments": n_seg,
         "n_pairs": len(plan.pairs),
         "target_pairs": plan.target_pairs,
@@ -535,14 +617,7 @@ def swap_segments(
         "share_swapped": 2 * len(plan.pairs) / n_seg,
         "candidate_evaluations": plan.n_evaluations,
         "fallback_searches": plan.n_fallback,
-        "replicate_method": rep_method,
     }
-    if len(plan.pairs) < plan.target_pairs:
-        notes.append(
-            f"only {len(plan.pairs)} of {plan.target_pairs} target pairs found under the "
-            f"constraints (max_share={max_share}, scope={scope})"
-        )
-    return SwapResult(data, pairs, se, variance, params, notes)
 
 
 def _rebuild_replicates(

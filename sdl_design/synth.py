@@ -11,6 +11,8 @@ population. Everything is vectorized numpy: no loop over persons, households or 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
 
@@ -34,6 +36,19 @@ RACE_BY_REGION = np.array(
 RACE_RATE = np.array([1.0, 2.2, 2.0, 2.6, 1.2])  # relative sampling rates (oversampling)
 AGE60_RATE = 1.8
 MARITAL = np.array(["never_married", "married", "widowed", "divorced", "separated"], dtype=object)
+# marital status probabilities (columns as MARITAL) by class of role and age (see _marital)
+MARITAL_P = np.array(
+    [
+        [1.00, 0.00, 0.00, 0.00, 0.00],  # under 18
+        [0.00, 0.96, 0.00, 0.00, 0.04],  # couples (4% separated but co-resident)
+        [0.05, 0.25, 0.55, 0.15, 0.00],  # grandparents
+        [0.40, 0.02, 0.05, 0.38, 0.15],  # single parents
+        [0.85, 0.04, 0.00, 0.07, 0.04],  # other adults < 30
+        [0.42, 0.08, 0.04, 0.36, 0.10],  # 30-54
+        [0.20, 0.10, 0.20, 0.42, 0.08],  # 55-64
+        [0.10, 0.08, 0.52, 0.26, 0.04],  # 65+
+    ]
+)
 EDUCATION = np.array(["less_hs", "high_school", "some_college", "college"], dtype=object)
 HH_SIZE_P = np.array([0.28, 0.34, 0.15, 0.13, 0.06, 0.025, 0.01, 0.005])  # sizes 1..8
 
@@ -154,40 +169,105 @@ def make_survey(
         raise ValueError(f"n_persons must be a positive integer (got {n_persons})")
     rng = np.random.default_rng(seed)
     d = _design(rng, n)
-    seg_psu, seg_county = d["seg_psu"], d["seg_county"]
-    psu_stratum = d["psu_stratum"]
-    seg_stratum = psu_stratum[seg_psu]
-    seg_region = d["region_of_stratum"][seg_stratum]
-    n_seg, n_psus = len(seg_psu), len(psu_stratum)
+    area = _area_effects(rng, d)
+    hh_size, hh_seg = _households(rng, n, d["seg_size"])
+    p = _persons(rng, n, hh_size, hh_seg, d["seg_psu"], area.seg_stratum)
+    race = _race(rng, area.seg_race_p, hh_seg, p)
+    marital_code = _marital(rng, p)
+    edu_code = _education(rng, area, p, race)
+    study = _study_variables(rng, area, p, race, edu_code)
+    w = _weights(rng, area, p, race, hh_size, hh_seg)
+    name = _names(rng, p.female, p.hh, len(hh_size))
+    pid = 10_000_000 + rng.permutation(n)
+    seg_county = d["seg_county"]
+    county_labels = np.array(
+        [f"c{i + 1:03d}" for i in range(int(seg_county.max()) + 1)], dtype=object
+    )
+    seg_region = d["region_of_stratum"][area.seg_stratum]
+    df = pd.DataFrame(
+        {
+            "person_id": pd.Series(pid).astype(str).radd("P").to_numpy(dtype=object),
+            "name": name,
+            "stratum": (p.stratum + 1).astype(np.int64),
+            "psu": d["psu_label"][p.psu].astype(np.int64),
+            "segment": (p.seg + 1).astype(np.int64),
+            "household": (p.hh + 1).astype(np.int64),
+            "wt": w.astype(np.float64),
+            "age": p.age,
+            "sex": np.where(p.female, "female", "male").astype(object),
+            "race": RACES[race],
+            "marital": MARITAL[marital_code],
+            "region": REGIONS[seg_region[p.seg]],
+            "county": county_labels[seg_county[p.seg]],
+            "education": np.where(p.adult, EDUCATION[edu_code], "child").astype(object),
+            "hh_size": p.size.astype(np.int64),
+            **study,
+        }
+    )
+    if replicates:
+        df = _with_replicates(df)
+    return df
 
-    # ---------------------------------------------------------- area effects
+
+@dataclass
+class _Area:
+    """Random effects of strata, PSUs and segments (z: ses, income, bmi, hypertension, smoker,
+    insured by PSU and segment; ses, income, insured by stratum) and each segment's race mix."""
+
+    seg_stratum: np.ndarray
+    seg_race_p: np.ndarray  # (n_seg, races) Dirichlet race shares
+    z_psu: np.ndarray  # (n_psus, 6)
+    z_seg: np.ndarray  # (n_seg, 6)
+    z_str: np.ndarray  # (N_STRATA, 3)
+    seg_ses: np.ndarray
+    seg_resp: np.ndarray  # household response propensity (logit), tied to the income effect
+
+
+def _area_effects(rng: np.random.Generator, d: dict[str, np.ndarray]) -> _Area:
+    """Race mixes (stratum, then Dirichlet by segment) and normal effects of every area level."""
+    seg_psu, psu_stratum = d["seg_psu"], d["psu_stratum"]
+    seg_stratum = psu_stratum[seg_psu]
     stratum_race = rng.gamma(30.0 * RACE_BY_REGION[d["region_of_stratum"]], 1.0)
     stratum_race /= stratum_race.sum(axis=1, keepdims=True)
     seg_race_p = rng.gamma(1.2 * stratum_race[seg_stratum], 1.0) + 1e-12  # Dirichlet by segment
     seg_race_p /= seg_race_p.sum(axis=1, keepdims=True)
-    z_psu = rng.standard_normal((n_psus, 6))  # ses, income, bmi, hypertension, smoker, insured
-    z_seg = rng.standard_normal((n_seg, 6))
-    z_str = rng.standard_normal((N_STRATA, 3))  # ses, income, insured
+    z_psu = rng.standard_normal((len(psu_stratum), 6))
+    z_seg = rng.standard_normal((len(seg_psu), 6))
+    z_str = rng.standard_normal((N_STRATA, 3))
     seg_ses = 0.35 * z_str[seg_stratum, 0] + 0.4 * z_psu[seg_psu, 0] + 0.6 * z_seg[:, 0]
-    seg_resp = (
-        1.2 + 0.25 * z_seg[:, 1] + 0.2 * z_psu[seg_psu, 1]
-    )  # response propensity (logit), tied to the income effect
+    seg_resp = 1.2 + 0.25 * z_seg[:, 1] + 0.2 * z_psu[seg_psu, 1]
+    return _Area(seg_stratum, seg_race_p, z_psu, z_seg, z_str, seg_ses, seg_resp)
 
-    # ---------------------------------------------------------- households and persons
-    hh_size_arr, hh_seg = _households(rng, n, d["seg_size"])
-    m = len(hh_size_arr)
-    hh_start = np.concatenate([[0], np.cumsum(hh_size_arr)[:-1]])
-    hh = np.repeat(np.arange(m), hh_size_arr)
-    pos = np.arange(n) - hh_start[hh]  # position in the household: 0 is the head
-    size = hh_size_arr[hh]
-    seg = hh_seg[hh]
-    psu = seg_psu[seg]
-    stratum = seg_stratum[seg]
 
-    # household type: 0 single adult, 1 couple, 2 single parent, 3 unrelated adults,
-    # 4 two-parent family, 5 one-parent family, 6 multigenerational/other
+@dataclass
+class _Persons:
+    """Each person's household, design units, role, age and sex."""
+
+    hh: np.ndarray  # household index
+    pos: np.ndarray  # position in the household: 0 is the head
+    size: np.ndarray  # household size
+    seg: np.ndarray
+    psu: np.ndarray
+    stratum: np.ndarray
+    htype: np.ndarray  # household type (see _household_types)
+    partner: np.ndarray
+    grandparent: np.ndarray
+    age: np.ndarray
+    female: np.ndarray
+
+    @property
+    def adult(self) -> np.ndarray:
+        return self.age >= 18
+
+
+def _household_types(
+    rng: np.random.Generator, s: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Type, grandparent present and head's age of each household of size s. Types: 0 single
+    adult, 1 couple, 2 single parent, 3 unrelated adults, 4 two-parent family, 5 one-parent
+    family, 6 multigenerational/other."""
+    m = len(s)
     u = rng.random(m)
-    s = hh_size_arr
     hh_type = np.select(
         [s == 1, (s == 2) & (u < 0.70), (s == 2) & (u < 0.88), s == 2, u < 0.70, u < 0.88],
         [0, 1, 2, 3, 4, 5],
@@ -209,8 +289,25 @@ def make_survey(
         ],
         22 + 36 * uh,  # parents
     ).astype(np.int64)
-    head_age = np.minimum(head_age, 90)
+    return hh_type, has_grandparent, np.minimum(head_age, 90)
 
+
+def _persons(
+    rng: np.random.Generator,
+    n: int,
+    hh_size: np.ndarray,
+    hh_seg: np.ndarray,
+    seg_psu: np.ndarray,
+    seg_stratum: np.ndarray,
+) -> _Persons:
+    """Every person of every household: role from the household type, age by role, sex."""
+    m = len(hh_size)
+    hh_start = np.concatenate([[0], np.cumsum(hh_size)[:-1]])
+    hh = np.repeat(np.arange(m), hh_size)
+    pos = np.arange(n) - hh_start[hh]
+    size = hh_size[hh]
+    seg = hh_seg[hh]
+    hh_type, has_grandparent, head_age = _household_types(rng, hh_size)
     htype = hh_type[hh]
     h_age = head_age[hh]
     partner = (pos == 1) & ((htype == 1) | ((htype == 4) & (size >= 2)))
@@ -230,61 +327,93 @@ def make_survey(
         ],
     ).astype(np.int64)
     age = np.clip(age, 0, 90)
+    female = _sex(rng, pos, htype, age, partner, grandparent, hh_start[hh])
+    psu = seg_psu[seg]
+    stratum = seg_stratum[seg]
+    return _Persons(hh, pos, size, seg, psu, stratum, htype, partner, grandparent, age, female)
 
-    # sex: partners of the opposite sex; singles more often women, especially older ones
+
+def _sex(
+    rng: np.random.Generator,
+    pos: np.ndarray,
+    htype: np.ndarray,
+    age: np.ndarray,
+    partner: np.ndarray,
+    grandparent: np.ndarray,
+    head: np.ndarray,
+) -> np.ndarray:
+    """Female indicator: partners of the opposite sex of the head (head: the head's row);
+    singles more often women, especially older ones."""
     p_female = np.where(
         pos == 0,
         np.where(htype == 0, np.where(age >= 65, 0.65, 0.52), np.where(htype == 2, 0.8, 0.5)),
         0.5,
     )
     p_female = np.where(grandparent, 0.65, p_female)
-    female = rng.random(n) < p_female
-    head_female = female[hh_start][hh]
-    female = np.where(partner, ~head_female ^ (rng.random(n) < 0.04), female)
+    female = rng.random(len(pos)) < p_female
+    head_female = female[head]
+    return np.where(partner, ~head_female ^ (rng.random(len(pos)) < 0.04), female)
 
-    # race: the household's race from its segment's mix; a few persons differ
+
+def _race(
+    rng: np.random.Generator, seg_race_p: np.ndarray, hh_seg: np.ndarray, p: _Persons
+) -> np.ndarray:
+    """The household's race from its segment's mix; a few persons differ."""
     hh_race = _draw(rng, seg_race_p, hh_seg)
-    race = np.where(rng.random(n) < 0.95, hh_race[hh], _draw(rng, seg_race_p, seg))
+    return np.where(rng.random(len(p.hh)) < 0.95, hh_race[p.hh], _draw(rng, seg_race_p, p.seg))
 
-    # marital status by role and age
-    married_couple = (pos == 0) & ((htype == 1) | ((htype == 4) & (size >= 2))) | partner
+
+def _marital(rng: np.random.Generator, p: _Persons) -> np.ndarray:
+    """Marital status code by role and age (rows of MARITAL_P)."""
+    head, htype = p.pos == 0, p.htype
+    married_couple = head & ((htype == 1) | ((htype == 4) & (p.size >= 2))) | p.partner
     mclass = np.select(
         [
-            age < 18,
+            p.age < 18,
             married_couple,
-            grandparent,
-            (pos == 0) & (htype == 2) | (pos == 0) & (htype == 5),
-            age < 30,
-            age < 55,
-            age < 65,
+            p.grandparent,
+            head & (htype == 2) | head & (htype == 5),
+            p.age < 30,
+            p.age < 55,
+            p.age < 65,
         ],
         [0, 1, 2, 3, 4, 5, 6],
         7,
     )
-    marital_p = np.array(
-        [
-            [1.00, 0.00, 0.00, 0.00, 0.00],  # under 18
-            [0.00, 0.96, 0.00, 0.00, 0.04],  # couples (4% separated but co-resident)
-            [0.05, 0.25, 0.55, 0.15, 0.00],  # grandparents
-            [0.40, 0.02, 0.05, 0.38, 0.15],  # single parents
-            [0.85, 0.04, 0.00, 0.07, 0.04],  # other adults < 30
-            [0.42, 0.08, 0.04, 0.36, 0.10],  # 30-54
-            [0.20, 0.10, 0.20, 0.42, 0.08],  # 55-64
-            [0.10, 0.08, 0.52, 0.26, 0.04],  # 65+
-        ]
-    )
-    marital_code = _draw(rng, marital_p, mclass)
+    return _draw(rng, MARITAL_P, mclass)
 
-    # education: ordered latent score, segment SES and race
+
+def _education(rng: np.random.Generator, area: _Area, p: _Persons, race: np.ndarray) -> np.ndarray:
+    """Education code: ordered latent score from segment SES, race and age."""
     race_edu = np.array([0.2, -0.15, -0.45, 0.55, -0.1])
-    latent = 0.6 * seg_ses[seg] + race_edu[race] - 0.006 * (age - 45) + rng.standard_normal(n)
-    edu_code = np.searchsorted(np.array([-1.25, -0.25, 0.45]), latent)
+    latent = (
+        0.6 * area.seg_ses[p.seg]
+        + race_edu[race]
+        - 0.006 * (p.age - 45)
+        + rng.standard_normal(len(p.age))
+    )
+    return np.searchsorted(np.array([-1.25, -0.25, 0.45]), latent)
 
-    # ---------------------------------------------------------- study variables
-    adult = age >= 18
-    ses = seg_ses[seg]
-    black, hisp, asian = race == 1, race == 2, race == 3
-    # income: lognormal body, Pareto tail, zeros; children have no personal income
+
+def _study_variables(
+    rng: np.random.Generator, area: _Area, p: _Persons, race: np.ndarray, edu_code: np.ndarray
+) -> dict[str, np.ndarray]:
+    """income, bmi and the health indicators, in the frame's column order."""
+    income = _income(rng, area, p, race, edu_code)
+    bmi = _bmi(rng, area, p, race)
+    return {
+        "income": income.astype(np.float64),
+        "bmi": bmi.astype(np.float64),
+        **_conditions(rng, area, p, race, edu_code, bmi),
+    }
+
+
+def _income(
+    rng: np.random.Generator, area: _Area, p: _Persons, race: np.ndarray, edu_code: np.ndarray
+) -> np.ndarray:
+    """Lognormal body, Pareto tail, zeros; children have no personal income."""
+    n, age = len(p.age), p.age
+    ses = area.seg_ses[p.seg]
     age_eff = np.select([age < 25, age < 35, age < 55, age < 65], [-0.55, 0.0, 0.25, 0.1], -0.3)
     edu_eff = np.array([-0.5, -0.15, 0.0, 0.45])[edu_code]
     race_inc = np.array([0.0, -0.2, -0.15, 0.1, -0.1])[race]
@@ -293,11 +422,11 @@ def make_survey(
         + age_eff
         + edu_eff
         + race_inc
-        - 0.25 * female
+        - 0.25 * p.female
         + 0.3 * ses
-        + 0.12 * z_str[stratum, 1]
-        + 0.15 * z_psu[psu, 1]
-        + 0.2 * z_seg[seg, 1]
+        + 0.12 * area.z_str[p.stratum, 1]
+        + 0.15 * area.z_psu[p.psu, 1]
+        + 0.2 * area.z_seg[p.seg, 1]
     )
     body = np.exp(mu + 0.75 * rng.standard_normal(n))
     tail = 120_000.0 * (1.0 + rng.pareto(1.6, n))
@@ -308,23 +437,39 @@ def make_survey(
     teen_inc = np.where(
         rng.random(n) < 0.5, 0.0, np.exp(np.log(4000.0) + 0.8 * rng.standard_normal(n))
     )
-    income = np.round(np.where(adult, inc, np.where(age >= 16, teen_inc, 0.0)))
+    return np.round(np.where(p.adult, inc, np.where(age >= 16, teen_inc, 0.0)))
 
-    # bmi: adults lognormal around 27.5, children by age
+
+def _bmi(rng: np.random.Generator, area: _Area, p: _Persons, race: np.ndarray) -> np.ndarray:
+    """Adults lognormal around 27.5, children by age."""
+    n, age = len(p.age), p.age
     log_bmi_adult = (
         np.log(27.5)
         + 0.004 * (np.minimum(age, 60) - 40)
-        - 0.025 * ses
+        - 0.025 * area.seg_ses[p.seg]
         + np.array([0.0, 0.05, 0.02, -0.1, 0.03])[race]
-        + 0.02 * z_psu[psu, 2]
-        + 0.03 * z_seg[seg, 2]
+        + 0.02 * area.z_psu[p.psu, 2]
+        + 0.03 * area.z_seg[p.seg, 2]
         + 0.19 * rng.standard_normal(n)
     )
     log_bmi_child = np.log(15.5 + 0.3 * np.maximum(age - 4, 0)) + 0.13 * rng.standard_normal(n)
-    bmi = np.round(np.clip(np.exp(np.where(adult, log_bmi_adult, log_bmi_child)), 12.0, 75.0), 1)
+    return np.round(np.clip(np.exp(np.where(p.adult, log_bmi_adult, log_bmi_child)), 12.0, 75.0), 1)
 
-    # diabetes: age, bmi, race; no area effect (its design effect falls below 1: the cases
-    # are concentrated in the oversampled, low-weight domains)
+
+def _conditions(
+    rng: np.random.Generator,
+    area: _Area,
+    p: _Persons,
+    race: np.ndarray,
+    edu_code: np.ndarray,
+    bmi: np.ndarray,
+) -> dict[str, np.ndarray]:
+    """diabetes, hypertension, smoker, insured, pregnant (0/1). Diabetes has no area effect (its
+    design effect falls below 1: the cases are concentrated in the oversampled, low-weight
+    domains)."""
+    n, age, female = len(p.age), p.age, p.female
+    z_psu, z_seg, seg = area.z_psu[p.psu], area.z_seg[p.seg], p.seg
+    black, hisp, asian = race == 1, race == 2, race == 3
     eta = -5.6 + 0.052 * age + 0.06 * (bmi - 27) + 0.5 * (black | hisp) + 0.4 * asian
     diabetes = (rng.random(n) < _expit(eta)).astype(np.int64)
     eta = (
@@ -333,8 +478,8 @@ def make_survey(
         + 0.07 * (bmi - 27)
         + 0.6 * black
         + 0.2 * ~female
-        + 0.15 * z_psu[psu, 3]
-        + 0.2 * z_seg[seg, 3]
+        + 0.15 * z_psu[:, 3]
+        + 0.2 * z_seg[:, 3]
     )
     hypertension = (rng.random(n) < _expit(eta) * (age >= 12)).astype(np.int64)
     eta = (
@@ -342,10 +487,10 @@ def make_survey(
         + np.array([0.8, 0.4, 0.0, -0.8])[edu_code]
         + 0.3 * ~female
         - 0.025 * np.maximum(age - 40, 0)
-        + 0.35 * z_psu[psu, 4]
-        + 0.45 * z_seg[seg, 4]
+        + 0.35 * z_psu[:, 4]
+        + 0.45 * z_seg[:, 4]
     )
-    eta = np.where(adult, eta, -3.5 + 0.4 * z_seg[seg, 4])
+    eta = np.where(p.adult, eta, -3.5 + 0.4 * area.z_seg[seg, 4])
     smoker = ((rng.random(n) < _expit(eta)) & (age >= 12)).astype(np.int64)
     eta = (
         2.0
@@ -353,10 +498,10 @@ def make_survey(
         + 0.8 * (age < 18)
         - 1.0 * hisp
         + 0.4 * (edu_code == 3)
-        + 0.4 * ses
-        + 0.4 * z_str[stratum, 2]
-        + 0.6 * z_psu[psu, 5]
-        + 0.5 * z_seg[seg, 5]
+        + 0.4 * area.seg_ses[seg]
+        + 0.4 * area.z_str[p.stratum, 2]
+        + 0.6 * z_psu[:, 5]
+        + 0.5 * z_seg[:, 5]
     )
     insured = (rng.random(n) < _expit(eta)).astype(np.int64)
     p_preg = np.select(
@@ -365,25 +510,45 @@ def make_survey(
         0.0,
     )
     pregnant = ((rng.random(n) < p_preg) & female).astype(np.int64)
+    return {
+        "diabetes": diabetes,
+        "hypertension": hypertension,
+        "smoker": smoker,
+        "insured": insured,
+        "pregnant": pregnant,
+    }
 
-    # ---------------------------------------------------------- weights
-    rate = np.maximum(RACE_RATE[race], np.where(age >= 60, AGE60_RATE, 1.0))  # domain rates
-    hh_resp = _expit(seg_resp[hh_seg] - 0.08 * (hh_size_arr - 2) + 0.2 * rng.standard_normal(m))
+
+def _weights(
+    rng: np.random.Generator,
+    area: _Area,
+    p: _Persons,
+    race: np.ndarray,
+    hh_size: np.ndarray,
+    hh_seg: np.ndarray,
+) -> np.ndarray:
+    """Oversampling of the race and 60+ domains, household nonresponse adjustment, trimming at
+    the stratum's 99th percentile, then each stratum scaled to its population."""
+    n, stratum = len(p.age), p.stratum
+    rate = np.maximum(RACE_RATE[race], np.where(p.age >= 60, AGE60_RATE, 1.0))  # domain rates
+    hh_resp = _expit(
+        area.seg_resp[hh_seg] - 0.08 * (hh_size - 2) + 0.2 * rng.standard_normal(len(hh_size))
+    )
     nr_adj = 1.0 / np.clip(hh_resp, 0.35, 0.97)
-    w = nr_adj[hh] / rate * np.exp(0.05 * rng.standard_normal(n))
-    # trim weights above the stratum's 99th percentile (a few records), then scale each stratum
-    order = np.lexsort((w, stratum))
-    ws, st_sorted = w[order], stratum[order]
+    w = nr_adj[p.hh] / rate * np.exp(0.05 * rng.standard_normal(n))
+    ws = w[np.lexsort((w, stratum))]
     st_n = np.bincount(stratum, minlength=N_STRATA)
     st_first = np.concatenate([[0], np.cumsum(st_n)[:-1]])
     cap = ws[st_first + np.floor(0.99 * (st_n - 1)).astype(np.int64)]
     w = np.minimum(w, cap[stratum])
-    del ws, st_sorted
     share = rng.gamma(20.0, 1.0, N_STRATA)
     pop_h = POPULATION * share / share.sum()
-    w = w * (pop_h / np.bincount(stratum, weights=w, minlength=N_STRATA))[stratum]
+    return w * (pop_h / np.bincount(stratum, weights=w, minlength=N_STRATA))[stratum]
 
-    # ---------------------------------------------------------- labels
+
+def _names(rng: np.random.Generator, female: np.ndarray, hh: np.ndarray, m: int) -> np.ndarray:
+    """First name by sex and last name of the household (10% of persons have their own)."""
+    n = len(female)
     first = np.where(
         female,
         np.asarray(FEMALE_NAMES, dtype=object)[rng.integers(0, len(FEMALE_NAMES), n)],
@@ -393,39 +558,7 @@ def make_survey(
     last = np.asarray(LAST_NAMES, dtype=object)[
         np.where(rng.random(n) < 0.9, last_hh[hh], rng.integers(0, len(LAST_NAMES), n))
     ]
-    pid = 10_000_000 + rng.permutation(n)
-    n_county = int(seg_county.max()) + 1
-    county_labels = np.array([f"c{i + 1:03d}" for i in range(n_county)], dtype=object)
-
-    df = pd.DataFrame(
-        {
-            "person_id": pd.Series(pid).astype(str).radd("P").to_numpy(dtype=object),
-            "name": first + " " + last,
-            "stratum": (stratum + 1).astype(np.int64),
-            "psu": d["psu_label"][psu].astype(np.int64),
-            "segment": (seg + 1).astype(np.int64),
-            "household": (hh + 1).astype(np.int64),
-            "wt": w.astype(np.float64),
-            "age": age,
-            "sex": np.where(female, "female", "male").astype(object),
-            "race": RACES[race],
-            "marital": MARITAL[marital_code],
-            "region": REGIONS[seg_region[seg]],
-            "county": county_labels[seg_county[seg]],
-            "education": np.where(adult, EDUCATION[edu_code], "child").astype(object),
-            "hh_size": size.astype(np.int64),
-            "income": income.astype(np.float64),
-            "bmi": bmi.astype(np.float64),
-            "diabetes": diabetes,
-            "hypertension": hypertension,
-            "smoker": smoker,
-            "insured": insured,
-            "pregnant": pregnant,
-        }
-    )
-    if replicates:
-        df = _with_replicates(df)
-    return df
+    return first + " " + last
 
 
 def _with_replicates(df: pd.DataFrame) -> pd.DataFrame:

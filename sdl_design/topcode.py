@@ -130,109 +130,29 @@ def topcode(
     (None: every record weighs 1).
     """
     by = list(by or [])
-    for c, what in (
-        [(column, "column")]
-        + [(c, "by column") for c in by]
-        + ([(weight, "weight")] if weight else [])
-    ):
-        if c not in df.columns:
-            raise ValueError(
-                f"topcode '{column}': {what} '{c}' is not in the data; fix the name "
-                f"(columns: {', '.join(map(str, df.columns[:12]))}{', ...' if df.shape[1] > 12 else ''})"
-            )
+    _check_columns(df, column, by, weight)
     ub, lb = _bound(upper, column, "upper"), _bound(lower, column, "lower")
     if ub is None and lb is None:
         raise ValueError(f"topcode '{column}': give upper, lower or both")
     s = df[column]
-    if not (pd.api.types.is_numeric_dtype(s) and not pd.api.types.is_bool_dtype(s)):
-        raise ValueError(
-            f"topcode '{column}': the column is not numeric ({s.dtype}); only numbers can be top-coded"
-        )
-    x = s.to_numpy(dtype=float, na_value=np.nan)
+    x, w = _values(df, column, weight)
     ok = ~np.isnan(x)
-    if weight:
-        w = pd.to_numeric(df[weight], errors="coerce").to_numpy(dtype=float, na_value=np.nan)
-        bad = ok & ~(np.isfinite(w) & (w > 0))
-        if bad.any():
-            raise ValueError(
-                f"topcode '{column}': {int(bad.sum())} records have a weight '{weight}' that is "
-                "missing or not positive; every weight must be > 0"
-            )
-    else:
-        w = np.ones(len(x))
-
-    if by:
-        g_all = df.groupby(by, sort=True, dropna=False, observed=True).ngroup().to_numpy(np.int64)
-        n_groups = int(g_all.max()) + 1 if len(g_all) else 0
-        first = np.unique(g_all, return_index=True)[1]
-        keys = df[by].iloc[first].reset_index(drop=True)
-    else:
-        g_all = np.zeros(len(x), np.int64)
-        n_groups = 1
-        keys = pd.DataFrame(index=[0])
-
-    xv, wv, gv = x[ok], w[ok], g_all[ok]
-    order = np.lexsort((xv, gv))
-    xs, ws, gs = xv[order], wv[order], gv[order]
-    n_g = np.bincount(gv, minlength=n_groups)
-    w_g = np.bincount(gv, weights=wv, minlength=n_groups)
-    tot_before = np.bincount(gv, weights=wv * xv, minlength=n_groups)
-
-    thr = {
-        side: _thresholds(xs, ws, gs, n_groups, b, side)
-        for side, b in (("upper", ub), ("lower", lb))
-        if b is not None
-    }
+    grp = _grouped(df, by, x, w, ok)
+    bounds = [(side, b) for side, b in (("upper", ub), ("lower", lb)) if b is not None]
+    thr = {side: _thresholds(grp.xs, grp.ws, grp.gs, grp.n_groups, b, side) for side, b in bounds}
     if "upper" in thr and "lower" in thr:
-        clash = thr["upper"] <= thr["lower"]
-        if clash.any():
-            i = int(np.flatnonzero(clash)[0])
-            where = "" if not by else f" in group {keys.iloc[i].to_dict()}"
-            raise ValueError(
-                f"topcode '{column}': the upper threshold {thr['upper'][i]:g} is not above the lower "
-                f"threshold {thr['lower'][i]:g}{where}; move the bounds apart"
-            )
+        _check_apart(thr["upper"], thr["lower"], grp.keys, by, column)
 
-    new = xv.copy()
-    flag = np.zeros(len(xv), np.int8)
-    rows = []
-    for side, b in (("upper", ub), ("lower", lb)):
-        if b is None:
-            continue
-        t = thr[side]
-        coded = (xv >= t[gv]) if side == "upper" else (xv <= t[gv])  # NaN threshold: False
-        wc = np.bincount(gv, weights=wv * coded, minlength=n_groups)
-        sc = np.bincount(gv, weights=wv * xv * coded, minlength=n_groups)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            rep = sc / wc if b.replace == "mean" else t.copy()  # mean: total-preserving
-        new[coded] = rep[gv[coded]]
-        flag[coded] = 1 if side == "upper" else -1
-        after = np.bincount(gv, weights=wv * new * coded, minlength=n_groups)
-        rule = next(k for k in ("percentile", "value", "min_count") if getattr(b, k) is not None)
-        rows.append(
-            pd.DataFrame(
-                {
-                    "side": side,
-                    "rule": rule,
-                    "parameter": float(getattr(b, rule)),
-                    "replace": b.replace,
-                    "threshold": t,
-                    "replacement": np.where(wc > 0, rep, np.nan),
-                    "n": n_g,
-                    "n_coded": np.bincount(gv, weights=coded, minlength=n_groups).astype(np.int64),
-                    "weight_coded": wc,
-                    "share_coded": np.divide(wc, w_g, out=np.zeros(n_groups), where=w_g > 0),
-                    "coded_total_before": sc,
-                    "coded_total_after": after,
-                }
-            )
-        )
-    tot_after = np.bincount(gv, weights=wv * new, minlength=n_groups)
+    new = grp.xv.copy()
+    flag = np.zeros(len(grp.xv), np.int8)
+    rows = [_code_side(grp, side, b, thr[side], new, flag) for side, b in bounds]
+    tot_before = np.bincount(grp.gv, weights=grp.wv * grp.xv, minlength=grp.n_groups)
+    tot_after = np.bincount(grp.gv, weights=grp.wv * new, minlength=grp.n_groups)
     table = []
     for r in rows:
         r["total_before"] = tot_before
         r["total_after"] = tot_after
-        table.append(pd.concat([keys, r], axis=1) if by else r)
+        table.append(pd.concat([grp.keys, r], axis=1) if by else r)
     table = pd.concat(table, ignore_index=True)[by + TABLE_COLUMNS]
 
     out = x.copy()
@@ -244,6 +164,133 @@ def topcode(
     fl[ok] = flag
     return TopcodeResult(
         values=values, table=table, coded=pd.Series(fl, index=df.index, name=column)
+    )
+
+
+def _check_columns(df: pd.DataFrame, column: str, by: list[str], weight: str | None) -> None:
+    """Every named column is in the data."""
+    for c, what in (
+        [(column, "column")]
+        + [(c, "by column") for c in by]
+        + ([(weight, "weight")] if weight else [])
+    ):
+        if c not in df.columns:
+            raise ValueError(
+                f"topcode '{column}': {what} '{c}' is not in the data; fix the name "
+                f"(columns: {', '.join(map(str, df.columns[:12]))}{', ...' if df.shape[1] > 12 else ''})"
+            )
+
+
+def _values(df: pd.DataFrame, column: str, weight: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """The column as floats (NaN for missing) and the weights (checked > 0 where x is present)."""
+    s = df[column]
+    if not (pd.api.types.is_numeric_dtype(s) and not pd.api.types.is_bool_dtype(s)):
+        raise ValueError(
+            f"topcode '{column}': the column is not numeric ({s.dtype}); only numbers can be top-coded"
+        )
+    x = s.to_numpy(dtype=float, na_value=np.nan)
+    if not weight:
+        return x, np.ones(len(x))
+    w = pd.to_numeric(df[weight], errors="coerce").to_numpy(dtype=float, na_value=np.nan)
+    bad = ~np.isnan(x) & ~(np.isfinite(w) & (w > 0))
+    if bad.any():
+        raise ValueError(
+            f"topcode '{column}': {int(bad.sum())} records have a weight '{weight}' that is "
+            "missing or not positive; every weight must be > 0"
+        )
+    return x, w
+
+
+@dataclass
+class _Groups:
+    """The non-missing values with their weights and group codes, as given (xv, wv, gv) and
+    sorted by (group, value) (xs, ws, gs); per group: records, weight and the `by` values."""
+
+    xv: np.ndarray
+    wv: np.ndarray
+    gv: np.ndarray
+    xs: np.ndarray
+    ws: np.ndarray
+    gs: np.ndarray
+    n_groups: int
+    n_g: np.ndarray
+    w_g: np.ndarray
+    keys: pd.DataFrame
+
+
+def _grouped(
+    df: pd.DataFrame, by: list[str], x: np.ndarray, w: np.ndarray, ok: np.ndarray
+) -> _Groups:
+    """Group codes of the records (one group without `by`) and the sorted non-missing values."""
+    if by:
+        g_all = df.groupby(by, sort=True, dropna=False, observed=True).ngroup().to_numpy(np.int64)
+        n_groups = int(g_all.max()) + 1 if len(g_all) else 0
+        first = np.unique(g_all, return_index=True)[1]
+        keys = df[by].iloc[first].reset_index(drop=True)
+    else:
+        g_all = np.zeros(len(x), np.int64)
+        n_groups = 1
+        keys = pd.DataFrame(index=[0])
+    xv, wv, gv = x[ok], w[ok], g_all[ok]
+    order = np.lexsort((xv, gv))
+    return _Groups(
+        xv=xv,
+        wv=wv,
+        gv=gv,
+        xs=xv[order],
+        ws=wv[order],
+        gs=gv[order],
+        n_groups=n_groups,
+        n_g=np.bincount(gv, minlength=n_groups),
+        w_g=np.bincount(gv, weights=wv, minlength=n_groups),
+        keys=keys,
+    )
+
+
+def _check_apart(
+    upper: np.ndarray, lower: np.ndarray, keys: pd.DataFrame, by: list[str], column: str
+) -> None:
+    """The upper threshold lies above the lower one in every group."""
+    clash = upper <= lower
+    if clash.any():
+        i = int(np.flatnonzero(clash)[0])
+        where = "" if not by else f" in group {keys.iloc[i].to_dict()}"
+        raise ValueError(
+            f"topcode '{column}': the upper threshold {upper[i]:g} is not above the lower "
+            f"threshold {lower[i]:g}{where}; move the bounds apart"
+        )
+
+
+def _code_side(
+    grp: _Groups, side: str, b: Bound, t: np.ndarray, new: np.ndarray, flag: np.ndarray
+) -> pd.DataFrame:
+    """Code one side with thresholds t per group: writes the replacements into new and +1/-1
+    into flag (records at or beyond t), returns that side's table rows (one per group)."""
+    xv, wv, gv, n_groups = grp.xv, grp.wv, grp.gv, grp.n_groups
+    coded = (xv >= t[gv]) if side == "upper" else (xv <= t[gv])  # NaN threshold: False
+    wc = np.bincount(gv, weights=wv * coded, minlength=n_groups)
+    sc = np.bincount(gv, weights=wv * xv * coded, minlength=n_groups)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rep = sc / wc if b.replace == "mean" else t.copy()  # mean: total-preserving
+    new[coded] = rep[gv[coded]]
+    flag[coded] = 1 if side == "upper" else -1
+    after = np.bincount(gv, weights=wv * new * coded, minlength=n_groups)
+    rule = next(k for k in ("percentile", "value", "min_count") if getattr(b, k) is not None)
+    return pd.DataFrame(
+        {
+            "side": side,
+            "rule": rule,
+            "parameter": float(getattr(b, rule)),
+            "replace": b.replace,
+            "threshold": t,
+            "replacement": np.where(wc > 0, rep, np.nan),
+            "n": grp.n_g,
+            "n_coded": np.bincount(gv, weights=coded, minlength=n_groups).astype(np.int64),
+            "weight_coded": wc,
+            "share_coded": np.divide(wc, grp.w_g, out=np.zeros(n_groups), where=grp.w_g > 0),
+            "coded_total_before": sc,
+            "coded_total_after": after,
+        }
     )
 
 

@@ -1,0 +1,134 @@
+"""Post-treatment risk delta (eq. 3-6) and information loss epsilon (eq. 7, 8a, 8b)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import pandas as pd
+
+from sdl_design.keys import key_frame
+from sdl_design.massc.common import KeyLike, _key_specs
+from sdl_design.massc.moments import ZMoments
+from sdl_design.risk import genmassc_scores, profile_codes
+
+
+@dataclass
+class DeltaMeasures:
+    delta_k: np.ndarray  # eq. 3, per record of B(0)
+    appearance: np.ndarray  # "u", "d", "t", "o" or "" (does not appear) per record
+    by_appearance: pd.DataFrame  # n_records, total, delta_bar (divisor N(0)) for u, d, t, o
+    profiles: pd.DataFrame  # per original profile: N_p, delta_p (eq. 4)
+    delta: float  # max of delta_u, delta_d, delta_t, delta_o
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        t = self.by_appearance.set_index("appearance")["delta_bar"]
+        return {
+            "delta": self.delta,
+            **{f"delta_{a}": float(t[a]) for a in "udto"},
+            "delta_profile_max": float(self.profiles["delta_p"].max()),
+        }
+
+
+def delta_measures(
+    b0: pd.DataFrame,
+    treated: pd.DataFrame,
+    substituted: np.ndarray,
+    retained: np.ndarray,
+    keys: Sequence[KeyLike],
+    sensitive: Any,
+    risk_basis: Literal["original", "treated", "max"] = "max",
+) -> DeltaMeasures:
+    """delta_k = (1 - d_k(1)) d_k(2) r_k(2) (eq. 3), averaged over records of B(0) by how their
+    (original) key profile appears in B(2) (u, d, t, o; divisor N(0)), and by profile (eq. 4).
+
+    treated: B(1) (all N records, after substitution); retained: d(2). r(2): "treated" is the
+    GenMASSC score of the record in B(2) (text of section 2.3), "original" the pre-treatment
+    score r(0) (what Table 3 lists), "max" the larger of the two (default, conservative).
+    """
+    specs = _key_specs(keys)
+    n = len(b0)
+    d1 = np.asarray(substituted, dtype=bool)
+    d2 = np.asarray(retained, dtype=bool)
+    both = pd.concat(
+        [key_frame(b0, specs).astype(str), key_frame(treated, specs).astype(str)],
+        ignore_index=True,
+    )
+    codes = profile_codes(both, [k.name for k in specs]).to_numpy()
+    p0, p2 = codes[:n], codes[n:]
+    cnt2 = np.bincount(p2[d2], minlength=int(codes.max()) + 1)
+    app = cnt2[p0]
+    labels = np.array(["", "u", "d", "t", "o"], dtype=object)[np.minimum(app, 4)]
+    r0 = genmassc_scores(b0, specs, sensitive).to_numpy()
+    r2 = np.zeros(n)
+    if d2.any():
+        r2[d2] = genmassc_scores(treated[d2], specs, sensitive).to_numpy()
+    r = {"original": r0, "treated": r2, "max": np.maximum(r0, r2)}[risk_basis]
+    delta_k = (~d1) * d2 * r  # eq. 3
+    rows = []
+    for a in "udto":
+        m = labels == a
+        rows.append((a, int(m.sum()), float(delta_k[m].sum()), float(delta_k[m].sum() / n)))
+    by_app = pd.DataFrame(rows, columns=["appearance", "n_records", "total", "delta_bar"])
+    n_p = np.bincount(p0)
+    t_p = np.bincount(p0, weights=delta_k, minlength=len(n_p))
+    present = np.flatnonzero(n_p > 0)
+    prof = pd.DataFrame(
+        {"profile": present, "N_p": n_p[present], "delta_p": t_p[present] / n_p[present]}
+    )
+    return DeltaMeasures(
+        delta_k=delta_k,
+        appearance=labels,
+        by_appearance=by_app,
+        profiles=prof,
+        delta=float(by_app["delta_bar"].max()),
+    )
+
+
+# ---------------------------------------------------------------- information loss
+
+
+def information_loss(m: ZMoments, psi: np.ndarray, phi: np.ndarray) -> pd.DataFrame:
+    """Per z: theta, (8a), (8b) and RRMSE = sqrt((8a) + (8b)) / |theta| (eq. 7)."""
+    b = m.bias_msq(psi)
+    v = m.variance(phi)
+    with np.errstate(divide="ignore", invalid="ignore"):  # undefined (NaN) when theta_z = 0
+        rr = np.where(m.theta != 0, np.sqrt(b + v) / np.abs(m.theta), np.nan)
+    return pd.DataFrame(
+        {
+            "variable": [lab[0] for lab in m.labels],
+            "domain": [lab[1] for lab in m.labels],
+            "category": [lab[2] for lab in m.labels],
+            "theta": m.theta,
+            "bias_msq_8a": b,
+            "variance_8b": v,
+            "rrmse": rr,
+        }
+    )
+
+
+def epsilon_from_replications(
+    estimates: np.ndarray, truth: np.ndarray, labels: Sequence[tuple[str, str, str]]
+) -> tuple[float, pd.DataFrame]:
+    """Empirical RRMSE of each z over R replications of the whole treatment; epsilon = max."""
+    from sdl_design.utility import rrmse
+
+    est = np.atleast_2d(np.asarray(estimates, dtype=float))
+    truth = np.asarray(truth, dtype=float)
+    ok = np.abs(truth) > 0
+    rr = np.full(len(truth), np.nan)
+    rr[ok] = rrmse(est[:, ok], truth[ok])
+    tab = pd.DataFrame(
+        {
+            "variable": [lab[0] for lab in labels],
+            "domain": [lab[1] for lab in labels],
+            "category": [lab[2] for lab in labels],
+            "truth": truth,
+            "mean_estimate": est.mean(axis=0),
+            "rrmse": rr,
+        }
+    )
+    return (float(np.nanmax(rr)) if ok.any() else 0.0), tab

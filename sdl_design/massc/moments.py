@@ -1,0 +1,201 @@
+"""Study variables z (section 2.4) and their per-stratum moments for (8a) and (8b)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from sdl_design.keys import key_frame
+from sdl_design.massc.common import KeyLike, MasscError, _key_specs
+from sdl_design.spec import KeySpec
+
+
+@dataclass
+class StudyVariables:
+    """z = y * 1{domain = category}: study variables (and the count) over key domains."""
+
+    study: list[str]  # numeric columns; "_count" is the constant 1
+    domains: dict[str, list[str]]  # key -> category labels ("" -> whole file)
+    keys: list[KeySpec]
+
+    @property
+    def labels(self) -> list[tuple[str, str, str]]:
+        return [(y, d, c) for y in self.study for d, cats in self.domains.items() for c in cats]
+
+    def _dom_codes(self, df: pd.DataFrame) -> dict[str, np.ndarray]:
+        out = {}
+        kf = key_frame(df, [k for k in self.keys if k.name in self.domains])
+        for d, cats in self.domains.items():
+            if d == "":
+                out[d] = np.zeros(len(df), dtype=np.int64)
+            else:
+                out[d] = pd.Categorical(kf[d].astype(str), categories=cats).codes.astype(np.int64)
+        return out
+
+    def _y(self, df: pd.DataFrame) -> dict[str, np.ndarray]:
+        return {
+            y: (np.ones(len(df)) if y == "_count" else df[y].to_numpy(dtype=float))
+            for y in self.study
+        }
+
+    def frame_parts(self, df: pd.DataFrame) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        return self._y(df), self._dom_codes(df)
+
+    def totals(self, df: pd.DataFrame, weight: np.ndarray) -> np.ndarray:
+        """Weighted totals of every z (in the order of labels)."""
+        ys, ds = self.frame_parts(df)
+        out = []
+        for y in self.study:
+            for d, cats in self.domains.items():
+                c = ds[d]
+                ok = c >= 0
+                out.append(np.bincount(c[ok], weights=(ys[y] * weight)[ok], minlength=len(cats)))
+        return np.concatenate(out) if out else np.zeros(0)
+
+
+def study_variables(
+    df: pd.DataFrame,
+    keys: Sequence[KeyLike],
+    study: Sequence[str],
+    max_levels: int = 10,
+    min_records: int = 30,
+    count: bool = True,
+) -> StudyVariables:
+    """Study variables for the rates and epsilon: each study column (and the record count) in
+    total and within each category of the keys with at most max_levels categories (domains
+    with fewer than min_records records are left out)."""
+    missing = [c for c in study if c not in df.columns]
+    if missing:
+        raise MasscError(f"study: columns {missing} are not in the data; fix variables.study")
+    specs = _key_specs(keys)
+    kf = key_frame(df, specs)
+    domains: dict[str, list[str]] = {"": [""]}
+    for k in specs:
+        vc = kf[k.name].astype(str).value_counts()
+        if len(vc) <= max_levels:
+            domains[k.name] = sorted(vc.index[vc >= min_records].tolist())
+    ys = (["_count"] if count else []) + list(study)
+    return StudyVariables(ys, domains, specs)
+
+
+def _moments(
+    h: np.ndarray,
+    n_h: int,
+    a: np.ndarray,
+    da: np.ndarray,
+    b: np.ndarray | None,
+    db: np.ndarray | None,
+    n_c: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per stratum x category sums and sums of squares of u = a 1{da = c} - b 1{db = c}."""
+    m = n_h * n_c
+    oka = da >= 0
+    ia = h[oka] * n_c + da[oka]
+    s1 = np.bincount(ia, weights=a[oka], minlength=m)
+    s2 = np.bincount(ia, weights=a[oka] ** 2, minlength=m)
+    if b is not None:
+        okb = db >= 0
+        ib = h[okb] * n_c + db[okb]
+        s1 -= np.bincount(ib, weights=b[okb], minlength=m)
+        s2 += np.bincount(ib, weights=b[okb] ** 2, minlength=m)
+        same = okb & (da == db)
+        s2 -= 2 * np.bincount(h[same] * n_c + db[same], weights=(a * b)[same], minlength=m)
+    return s1.reshape(n_h, n_c), s2.reshape(n_h, n_c)
+
+
+def _s2(s1: np.ndarray, s2: np.ndarray, nh: np.ndarray) -> np.ndarray:
+    """S^2 = (sum u^2 - N ubar^2) / (N - 1) per stratum (rows)."""
+    nn = nh[:, None].astype(float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = (s2 - s1**2 / nn) / (nn - 1)
+    return np.where(nn > 1, np.maximum(out, 0.0), 0.0)
+
+
+@dataclass
+class ZMoments:
+    """Per stratum (rows) and study variable z (columns) quantities of eq. 8a/8b."""
+
+    labels: list[tuple[str, str, str]]
+    strata: list[str]
+    N: np.ndarray  # N_h(0)
+    theta: np.ndarray  # theta_z = sum z w over B(0)
+    V: np.ndarray  # sum_k nu_hk, nu = (z~ - z) w
+    S2_nu: np.ndarray
+    S2_zstar: np.ndarray | None = None
+
+    def bias_msq(self, psi: np.ndarray) -> np.ndarray:
+        """Mean squared conditional bias (8a) of each z."""
+        psi = np.asarray(psi, dtype=float)[:, None]
+        return (self.N[:, None] * (1 - psi) * psi * self.S2_nu).sum(0) + (self.V * psi).sum(0) ** 2
+
+    def variance(self, phi: np.ndarray) -> np.ndarray:
+        """Conditional variance (8b) of each z."""
+        if self.S2_zstar is None:
+            raise MasscError("S2_zstar is not set: compute it from the substituted file first")
+        phi = np.asarray(phi, dtype=float)[:, None]
+        return (self.N[:, None] * (1 / phi - 1) * self.S2_zstar).sum(0)
+
+
+@dataclass
+class ZParts:
+    """Study values y and domain codes of B(0) and of its all-substituted copy (cached)."""
+
+    y0: dict[str, np.ndarray]
+    d0: dict[str, np.ndarray]
+    y1: dict[str, np.ndarray]
+    d1: dict[str, np.ndarray]
+
+    @classmethod
+    def of(cls, b0: pd.DataFrame, tilde: pd.DataFrame, zvars: StudyVariables) -> ZParts:
+        y0, d0 = zvars.frame_parts(b0)
+        y1, d1 = zvars.frame_parts(tilde)
+        return cls(y0, d0, y1, d1)
+
+
+def z_moments(
+    b0: pd.DataFrame,
+    tilde: pd.DataFrame | None,
+    strata: pd.Series | np.ndarray,
+    weight: str | np.ndarray,
+    zvars: StudyVariables,
+    substituted: np.ndarray | None = None,
+    parts: ZParts | None = None,
+    base: ZMoments | None = None,
+) -> ZMoments:
+    """theta_z, sum nu, S2_nu (eq. 8a) and, given the substitution indicators d(1),
+    S2 of z* w (eq. 8b). tilde: B(0) with every record's key-related variables from its partner.
+    parts: cached values (then tilde may be None); base: moments of an earlier call whose theta,
+    V and S2_nu are reused (only S2 of z* is computed)."""
+    h_codes, h_labels = pd.factorize(pd.Series(np.asarray(strata)), sort=True)
+    n_h = len(h_labels)
+    N = np.bincount(h_codes, minlength=n_h)
+    w = b0[weight].to_numpy(dtype=float) if isinstance(weight, str) else np.asarray(weight, float)
+    p = parts if parts is not None else ZParts.of(b0, tilde, zvars)
+    th, V, S2v, S2z = [], [], [], []
+    sel = None if substituted is None else np.asarray(substituted, dtype=bool)
+    for y in zvars.study:
+        for d, cats in zvars.domains.items():
+            nc = len(cats)
+            if base is None:
+                t1, _ = _moments(h_codes, n_h, w * p.y0[y], p.d0[d], None, None, nc)
+                th.append(t1.sum(0))
+                s1, s2 = _moments(h_codes, n_h, w * p.y1[y], p.d1[d], w * p.y0[y], p.d0[d], nc)
+                V.append(s1)
+                S2v.append(_s2(s1, s2, N))
+            if sel is not None:
+                ys = np.where(sel, p.y1[y], p.y0[y])
+                ds = np.where(sel, p.d1[d], p.d0[d])
+                a1, a2 = _moments(h_codes, n_h, w * ys, ds, None, None, nc)
+                S2z.append(_s2(a1, a2, N))
+    return ZMoments(
+        labels=zvars.labels,
+        strata=[str(s) for s in h_labels],
+        N=N.astype(float),
+        theta=base.theta if base is not None else np.concatenate(th),
+        V=base.V if base is not None else np.concatenate(V, axis=1),
+        S2_nu=base.S2_nu if base is not None else np.concatenate(S2v, axis=1),
+        S2_zstar=np.concatenate(S2z, axis=1) if sel is not None else None,
+    )

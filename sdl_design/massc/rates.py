@@ -1,0 +1,180 @@
+"""Optimal MASSC rates: psi_h (eq. 9 under the bias constraint 8a) and phi_h (eq. 10 under the
+variance constraint 8b), SLSQP from a feasible point found by a monotone 1-D search."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import minimize
+
+from sdl_design.massc.common import MasscError, MasscInfeasible
+from sdl_design.massc.moments import ZMoments
+
+
+@dataclass
+class Rates:
+    rates: np.ndarray  # per stratum
+    objective: float  # disclosure cost of eq. 9 or 10, divided by N(0)
+    constraint: float  # max over z of the relative constraint at the solution
+    bound: float  # alpha or beta
+    binding: int  # index of the z with the largest relative value
+    method: str  # "upper bound", "SLSQP", "1-D search", "lower bound"
+
+
+def _rel(values: np.ndarray, theta: np.ndarray) -> np.ndarray:
+    return values / theta**2
+
+
+@dataclass
+class _Problem:
+    """What eq. 9 and eq. 10 share: the z kept (|theta_z| > min_theta), their theta, N_h, the
+    S2 of the constraint for the kept z, the costs a_h and the objective's scale 1/N(0)."""
+
+    keep: np.ndarray
+    theta: np.ndarray
+    N: np.ndarray
+    S2: np.ndarray
+    a: np.ndarray
+    scale: float
+    labels: list[tuple[str, str, str]]
+
+
+def _problem(m: ZMoments, S2: np.ndarray, cost: np.ndarray | None, min_theta: float) -> _Problem:
+    keep = np.abs(m.theta) > min_theta
+    return _Problem(
+        keep=keep,
+        theta=m.theta[keep],
+        N=m.N,
+        S2=S2[:, keep],
+        a=np.ones(len(m.N)) if cost is None else np.asarray(cost, float),
+        scale=1.0 / m.N.sum(),
+        labels=[lab for lab, k in zip(m.labels, keep, strict=True) if k],
+    )
+
+
+def optimal_psi(
+    m: ZMoments,
+    alpha: float,
+    psi_max: float = 0.25,
+    psi_min: float = 1e-6,
+    cost: np.ndarray | None = None,
+    min_theta: float = 0.0,
+) -> Rates:
+    """eq. 9: min sum_h a_h N_h (1 - psi_h)/psi_h s.t. max_z (8a)/theta_z^2 <= alpha,
+    psi_min <= psi_h <= psi_max."""
+    pr = _problem(m, m.S2_nu, cost, min_theta)
+    th, N, S2, V, a, scale = pr.theta, pr.N, pr.S2, m.V[:, pr.keep], pr.a, pr.scale
+
+    def g(p):
+        pp = p[:, None]
+        return _rel((N[:, None] * (1 - pp) * pp * S2).sum(0) + (V * pp).sum(0) ** 2, th)
+
+    def jac_g(p):
+        pp = p[:, None]
+        bias = (V * pp).sum(0)
+        d = N[:, None] * (1 - 2 * pp) * S2 + 2 * bias[None, :] * V
+        return (d / th**2).T
+
+    def f(p):
+        return scale * float((a * N * (1 - p) / p).sum())
+
+    def df(p):
+        return -scale * a * N / p**2
+
+    return _solve(pr, g, jac_g, f, df, alpha, psi_min, psi_max, True, "(8a) bias")
+
+
+def optimal_phi(
+    m: ZMoments,
+    beta: float,
+    phi_min: float = 0.5,
+    phi_max: float = 0.999,
+    cost: np.ndarray | None = None,
+    min_theta: float = 0.0,
+) -> Rates:
+    """eq. 10: min sum_h a_h N_h phi_h/(1 - phi_h) s.t. max_z (8b)/theta_z^2 <= beta,
+    phi_min <= phi_h <= phi_max (< 1)."""
+    if m.S2_zstar is None:
+        raise MasscError("S2_zstar is not set: compute z_moments with the substitution indicators")
+    pr = _problem(m, m.S2_zstar, cost, min_theta)
+    th, N, S2, a, scale = pr.theta, pr.N, pr.S2, pr.a, pr.scale
+
+    def g(p):
+        return _rel((N[:, None] * (1 / p[:, None] - 1) * S2).sum(0), th)
+
+    def jac_g(p):
+        return (-N[:, None] * S2 / p[:, None] ** 2 / th**2).T
+
+    def f(p):
+        return scale * float((a * N * p / (1 - p)).sum())
+
+    def df(p):
+        return scale * a * N / (1 - p) ** 2
+
+    return _solve(pr, g, jac_g, f, df, beta, phi_min, phi_max, False, "(8b) variance")
+
+
+def _solve(pr: _Problem, g, jac_g, f, df, bound, lo, hi, increasing, name) -> Rates:
+    """Minimize f under max g <= bound in the box [lo, hi]^H. f is monotone towards the
+    constraint's bad side, so the cheapest corner is tried first, then a 1-D monotone search on
+    the ray to the safe corner gives a feasible start for SLSQP."""
+    labels, keep, dim = pr.labels, pr.keep, len(pr.N)
+    cheap, safe = (hi, lo) if increasing else (lo, hi)
+    x_cheap, x_safe = np.full(dim, cheap), np.full(dim, safe)
+    n_z = len(np.atleast_1d(g(x_cheap)))
+
+    def result(x, method):
+        gv = g(x)
+        j = int(np.argmax(gv)) if len(gv) else 0
+        z = int(np.flatnonzero(keep)[j]) if len(gv) else -1
+        return Rates(x, f(x), float(gv.max()) if len(gv) else 0.0, bound, z, method)
+
+    if n_z == 0 or g(x_cheap).max() <= bound:
+        return result(x_cheap, "bound" if n_z else "no constraint")
+    gs = g(x_safe)
+    if gs.max() > bound:
+        j = int(np.argmax(gs))
+        raise MasscInfeasible(
+            f"constraint {name} cannot be met: at the safest rates ({safe:g} in every stratum) "
+            f"the relative value for z={labels[j]} is {gs[j]:.6g} > bound {bound:.6g} "
+            f"(excess {gs[j] - bound:.6g}); raise epsilon or alpha_share, or widen the rate bounds"
+        )
+
+    def towards_safe(x: np.ndarray) -> np.ndarray:
+        """Closest feasible point on the segment from x to the safe corner (monotone in t)."""
+        if g(x).max() <= bound:
+            return x
+        t_lo, t_hi = 0.0, 1.0  # t=0: x (infeasible), t=1: safe corner (feasible)
+        for _ in range(100):
+            t = 0.5 * (t_lo + t_hi)
+            if g(x + t * (x_safe - x)).max() <= bound:
+                t_hi = t
+            else:
+                t_lo = t
+        return x + t_hi * (x_safe - x)
+
+    x0 = towards_safe(x_cheap)
+    best, method = x0, "1-D search"
+    if dim > 1:
+        res = minimize(
+            f,
+            x0,
+            jac=df,
+            method="SLSQP",
+            bounds=[(lo, hi)] * dim,
+            constraints=[
+                {
+                    "type": "ineq",
+                    "fun": lambda x: 1.0 - g(x) / bound,
+                    "jac": lambda x: -jac_g(x) / bound,
+                }
+            ],
+            options={"maxiter": 500, "ftol": 1e-14},
+        )
+        x = np.clip(res.x, lo, hi)
+        if np.all(np.isfinite(x)):
+            x = towards_safe(x)
+            if f(x) < f(x0):
+                best, method = x, "SLSQP"
+    return result(best, method)
