@@ -22,7 +22,7 @@ from sdl_design.massc import (
     massc_plan,
     massc_treat,
 )
-from sdl_design.massc_stage import massc_config
+from sdl_design.massc.stage import massc_config
 from sdl_design.rng import stage_rng
 from sdl_design.spec import load_spec
 from sdl_design.synth import make_survey

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sdl_design.massc_stage import MasscStage
+from sdl_design.massc.stage import MasscStage
 from sdl_design.prb import PrbStage
 from sdl_design.risk import RiskStage
 from sdl_design.swap import SwapStage

@@ -296,7 +296,7 @@ def _digest(df: pd.DataFrame) -> str:
 
 
 def test_massc_task_reproducible_and_consistent(survey):
-    from sdl_design.massc_stage import massc_result as massc_task_fn
+    from sdl_design.massc.stage import massc_result as massc_task_fn
 
     spec, df = survey
     a = massc_task_fn(df, spec, 123, df)
@@ -324,8 +324,8 @@ def test_massc_task_reproducible_and_consistent(survey):
 
 
 def test_replications_do_not_depend_on_chunking(survey):
-    from sdl_design.massc_stage import massc_epsilon, massc_replications
-    from sdl_design.massc_stage import massc_result as massc_task_fn
+    from sdl_design.massc.stage import massc_epsilon, massc_replications
+    from sdl_design.massc.stage import massc_result as massc_task_fn
 
     spec, df = survey
     whole = massc_replications(df, spec, 9, df, [0, 1, 2, 3])
@@ -341,7 +341,7 @@ def test_replications_do_not_depend_on_chunking(survey):
 
 def test_plan_and_treatment_reproducible_and_edits_hold():
     from sdl_design.massc import massc_plan, massc_treat
-    from sdl_design.massc_stage import massc_config
+    from sdl_design.massc.stage import massc_config
     from sdl_design.rng import stage_rng
     from sdl_design.spec import load_spec
     from sdl_design.synth import make_survey
@@ -390,7 +390,7 @@ def test_replications_same_in_chunks_as_direct(survey, request):
     from prefect import flow
 
     from flows.release import _replications
-    from sdl_design.massc_stage import MasscStage, massc_replications
+    from sdl_design.massc.stage import MasscStage, massc_replications
     from sdl_design.stage import StageContext
 
     spec, df = survey
@@ -460,7 +460,7 @@ def test_replicate_recalibration_on_default_survey():
     pytest.importorskip("sdl_design.calibration")
     pytest.importorskip("sdl_design.design")
     from sdl_design.design import SurveyDesign
-    from sdl_design.massc_stage import massc_result as massc_task_fn
+    from sdl_design.massc.stage import massc_result as massc_task_fn
     from sdl_design.spec import load_spec
     from sdl_design.synth import make_survey
 
@@ -489,7 +489,7 @@ def test_formulas_8a_8b_match_replications_of_the_treatment():
     import dataclasses
 
     from sdl_design.massc import massc_plan, massc_treat
-    from sdl_design.massc_stage import massc_config
+    from sdl_design.massc.stage import massc_config
     from sdl_design.spec import load_spec
     from sdl_design.synth import make_survey
 
@@ -545,7 +545,7 @@ def test_substrata_recover_separated_groups():
 
 
 def test_spec_substrata_give_rates_per_substratum(survey):
-    from sdl_design.massc_stage import massc_result as massc_task_fn
+    from sdl_design.massc.stage import massc_result as massc_task_fn
     from sdl_design.spec import Substrata
 
     spec, df = survey
