@@ -6,21 +6,14 @@ name, passed, value, threshold, detail (what failed, by how much, example record
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from sdl_design.spec import (
-    BetweenRule,
-    CompareRule,
-    InSetRule,
-    NotNullRule,
-    ReleaseSpec,
-    parse_condition,
-)
+from sdl_design.edits import OPS, Clause, EditRule, Expectation
+from sdl_design.spec import ReleaseSpec
 
 RESULT_COLUMNS = ["name", "passed", "value", "threshold", "detail"]
 _ROW = "__row"
@@ -85,6 +78,7 @@ def _run(df: pd.DataFrame, checks: list[tuple[str, Any]], suite: str, index_col:
                     v.item() if isinstance(v, np.generic) else v
                     for v in (d.get(index_col) for d in (result.get("unexpected_index_list") or []))
                 ][:5],
+                "missing_count": int(result.get("missing_count") or 0),
                 "observed": result.get("observed_value"),
                 "error": "; ".join(e for e in err if e),
             }
@@ -94,14 +88,12 @@ def _run(df: pd.DataFrame, checks: list[tuple[str, Any]], suite: str, index_col:
 
 # ---------------------------------------------------------------- edit rules
 
-
-_OPS = {
-    "<": operator.lt,
-    "<=": operator.le,
-    ">": operator.gt,
-    ">=": operator.ge,
-    "==": operator.eq,
-    "!=": operator.ne,
+# Expectation.kind (sdl_design.edits) -> GX column expectation and its fixed arguments
+_EXPECT = {
+    "between": ("ExpectColumnValuesToBeBetween", {}),
+    "in_set": ("ExpectColumnValuesToBeInSet", {}),
+    "not_null": ("ExpectColumnValuesToNotBeNull", {}),
+    "true": ("ExpectColumnValuesToBeInSet", {"value_set": [True]}),
 }
 
 
@@ -111,85 +103,68 @@ def _col(name: str):
     return Column(name)
 
 
-def _row_condition(text: str | None):
-    if not text:
-        return None
-    from great_expectations.expectations.row_conditions import Column
-
+def _row_condition(clauses: Sequence[Clause]):
+    """GX row condition of parsed 'when' clauses (None when there are none)."""
     cond = None
-    for col, op, value in parse_condition(text):
-        c = Column(col).is_in(value) if op == "in" else _OPS[op](Column(col), value)
+    for col, op, value in clauses:
+        c = _col(col).is_in(value) if op == "in" else OPS[op](_col(col), value)
         cond = c if cond is None else cond & c
     return cond
 
 
-def rule_label(i: int, rule) -> str:
-    """Short human name of edit rule i."""
-    when = f" when {rule.when}" if rule.when else ""
-    if isinstance(rule, BetweenRule):
-        if rule.min is not None and rule.max is not None:
-            return f"edit[{i}] {rule.column} between {rule.min:g} and {rule.max:g}{when}"
-        if rule.min is not None:
-            return f"edit[{i}] {rule.column} >= {rule.min:g}{when}"
-        return f"edit[{i}] {rule.column} <= {rule.max:g}{when}"
-    if isinstance(rule, InSetRule):
-        return f"edit[{i}] {rule.column} in {rule.values}{when}"
-    if isinstance(rule, NotNullRule):
-        return f"edit[{i}] {rule.column} not null{when}"
-    return f"edit[{i}] {rule.column_a} {rule.op} {rule.column_b}{when}"
-
-
-def _edit_checks(df: pd.DataFrame, rules: Sequence) -> tuple[pd.DataFrame, list[tuple[str, Any]]]:
+def _edit_checks(
+    df: pd.DataFrame, rules: Sequence[EditRule]
+) -> tuple[pd.DataFrame, list[Expectation], list[tuple[str, Any]]]:
+    """(df with the rules' derived columns, each rule's Expectation, (label, GX expectation))."""
     _, gxe, _ = _gx()
-    frame = df
-    extra: dict[str, pd.Series] = {}
+    exps = [rule.expectation() for rule in rules]
+    derived = {f"__edit_{i}": e.derived(df) for i, e in enumerate(exps) if e.derived is not None}
     checks = []
-    for i, rule in enumerate(rules):
-        label = rule_label(i, rule)
-        kw: dict[str, Any] = {}
-        cond = _row_condition(rule.when)
-        if cond is not None:
-            kw["row_condition"] = cond
-        if isinstance(rule, BetweenRule):
-            e = gxe.ExpectColumnValuesToBeBetween(
-                column=rule.column, min_value=rule.min, max_value=rule.max, **kw
-            )
-        elif isinstance(rule, InSetRule):
-            e = gxe.ExpectColumnValuesToBeInSet(column=rule.column, value_set=rule.values, **kw)
-        elif isinstance(rule, NotNullRule):
-            e = gxe.ExpectColumnValuesToNotBeNull(column=rule.column, **kw)
-        elif isinstance(rule, CompareRule):
-            name = f"__edit_{i}"
-            extra[name] = _OPS[rule.op](df[rule.column_a], df[rule.column_b]).astype(bool)
-            e = gxe.ExpectColumnValuesToBeInSet(column=name, value_set=[True], **kw)
-        else:  # pragma: no cover - the spec union is closed
-            raise TypeError(f"unknown edit rule {rule!r}")
-        checks.append((label, e))
-    if extra:
-        frame = df.assign(**extra)
-    return frame, checks
+    for i, (rule, e) in enumerate(zip(rules, exps, strict=True)):
+        name, fixed = _EXPECT[e.kind]
+        kw = {**e.kwargs, **fixed}
+        if e.when:
+            kw["row_condition"] = _row_condition(e.when)
+        column = e.column if e.derived is None else f"__edit_{i}"
+        checks.append((rule.label(i), getattr(gxe, name)(column=column, **kw)))
+    return (df.assign(**derived) if derived else df), exps, checks
 
 
 def validate_edits(df: pd.DataFrame, rules: Sequence, id_column: str | None = None) -> pd.DataFrame:
-    """Results table of the edit rules on df (examples are id_column values, else row numbers)."""
+    """Results table of the edit rules on df (examples are id_column values, else row numbers).
+
+    GX gives each rule's verdict and count; the rule's own pandas violations() must agree (a
+    RuntimeError if not) and supply the example records.
+    """
     if not rules:
         return pd.DataFrame(columns=RESULT_COLUMNS)
     idx = id_column if id_column and id_column in df.columns else _ROW
     base = df if idx != _ROW else df.assign(**{_ROW: np.arange(len(df))})
-    frame, checks = _edit_checks(base, rules)
+    frame, exps, checks = _edit_checks(base, rules)
     rows = []
-    for r in _run(frame, checks, "edits", idx):
+    results = _run(frame, checks, "edits", idx)
+    for rule, e, r in zip(rules, exps, results, strict=True):
+        n = r["unexpected_count"]
+        passed = r["success"]
         if r["error"]:
             detail = f"could not be evaluated: {r['error']}"
-        elif r["success"]:
-            detail = "holds"
         else:
-            detail = f"{r['unexpected_count']} records fail (e.g. {idx.strip('_')} {r['examples']})"
+            if e.missing_breaks:  # GX skips missing values and counts them apart
+                n += r["missing_count"]
+                passed = passed and r["missing_count"] == 0
+            bad = rule.violations(base).to_numpy()
+            if int(bad.sum()) != n or passed == bool(bad.any()):
+                raise RuntimeError(
+                    f"{r['label']}: GX counts {n} failing records, the rule itself "
+                    f"{int(bad.sum())}; the suite and sdl_design.edits disagree"
+                )
+            examples = base[idx].to_numpy()[bad][:5].tolist()
+            detail = "holds" if passed else f"{n} records fail (e.g. {idx.strip('_')} {examples})"
         rows.append(
             {
                 "name": r["label"],
-                "passed": r["success"],
-                "value": float(r["unexpected_count"]),
+                "passed": passed,
+                "value": float(n),
                 "threshold": "0 failing records",
                 "detail": detail,
             }

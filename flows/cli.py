@@ -64,6 +64,7 @@ def _run(
 ) -> int:
     from expectations.suites import GateFailed
     from flows.release import ReleaseRejected, run_release
+    from sdl_design.edits import EditFailure
     from sdl_design.spec import SpecError, load_spec
 
     try:
@@ -74,7 +75,7 @@ def _run(
     except SpecError as e:
         print(f"puf: {e}", file=sys.stderr)
         return 2
-    except (GateFailed, ReleaseRejected) as e:
+    except (GateFailed, ReleaseRejected, EditFailure) as e:
         print(f"puf: {e}", file=sys.stderr)
         return 1
     _print_release(manifest, Path(spec.release.output_dir))

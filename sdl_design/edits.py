@@ -1,17 +1,27 @@
-"""Edit rules of the spec evaluated with pandas (same semantics as the Great Expectations suite)."""
+"""Edit rules: the spec's rule models, their evaluation on a frame and the failure they raise.
+
+This is the one implementation of edit rules. Each rule says which records break it
+(`violations`, pandas) and describes itself as one column expectation (`expectation`, free of
+Great Expectations), which expectations/suites.py turns into the GX edit suite.
+"""
 
 from __future__ import annotations
 
+import math
 import operator
-from collections.abc import Sequence
-from typing import Any
+import re
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import pandas as pd
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from sdl_design.spec import BetweenRule, CompareRule, InSetRule, NotNullRule, parse_condition
-
-_OPS = {
+# The one operator table: pandas Series and GX row-condition Columns both overload these.
+OPS: dict[str, Callable[[Any, Any], Any]] = {
     "<": operator.lt,
     "<=": operator.le,
     ">": operator.gt,
@@ -20,78 +30,293 @@ _OPS = {
     "!=": operator.ne,
 }
 
+Clause = tuple[str, str, Any]  # (column, op, value); op is a key of OPS or "in"
+
+_COND = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(<=|>=|==|!=|<|>|in)\s*(.+?)\s*$")
+
+
+def parse_condition(text: str) -> list[Clause]:
+    """'age < 15 and sex == "male"' -> [(column, op, value), ...]; clauses joined by 'and'."""
+    clauses = []
+    for part in re.split(r"\s+and\s+", text.strip()):
+        m = _COND.match(part)
+        if not m:
+            raise ValueError(
+                f"cannot read condition {part!r}: write 'column op value' with op one of "
+                "< <= > >= == != in, joined by 'and' (e.g. \"age < 15 and sex == 'male'\")"
+            )
+        col, op, raw = m.groups()
+        if raw[0] in "<>=!":
+            raise ValueError(
+                f"cannot read condition {part!r}: the operator is not one of < <= > >= == != in"
+            )
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ValueError(f"cannot read the value {raw!r} in condition {part!r}") from e
+        if op == "in" and not isinstance(value, list):
+            raise ValueError(f"'in' needs a list, e.g. \"{col} in [1, 2]\"")
+        clauses.append((col, op, value))
+    return clauses
+
 
 def condition_mask(df: pd.DataFrame, text: str | None) -> pd.Series:
-    """Rows where a 'when' condition holds (all rows when there is none)."""
+    """Rows where a 'when' condition holds (all rows when there is none; a missing value never
+    satisfies a clause except through '!=')."""
     mask = pd.Series(True, index=df.index)
-    if not text:
-        return mask
-    for col, op, value in parse_condition(text):
+    for col, op, value in parse_condition(text) if text else []:
         if col not in df.columns:
             raise KeyError(f"edit condition names column '{col}', which is not in the data")
         s = df[col]
-        hit = s.isin(value) if op == "in" else _OPS[op](s, value)
+        hit = s.isin(value) if op == "in" else OPS[op](s, value)
         mask &= hit.fillna(False).astype(bool)
     return mask
 
 
-def edit_masks(df: pd.DataFrame, rules: Sequence[Any]) -> dict[int, pd.Series]:
+@dataclass(frozen=True)
+class Expectation:
+    """An edit rule as one column expectation, without GX.
+
+    kind: between (kwargs min_value, max_value), in_set (value_set), not_null, or true (every
+    value of the boolean column `derived(df)` is True). The expectation applies to the records
+    where all `when` clauses hold. missing_breaks: a record whose `column` is missing breaks the
+    rule too (GX column expectations skip missing values and count them apart).
+    """
+
+    kind: Literal["between", "in_set", "not_null", "true"]
+    column: str | None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    when: list[Clause] = field(default_factory=list)
+    missing_breaks: bool = False
+    derived: Callable[[pd.DataFrame], pd.Series] | None = None
+
+
+class _Edit(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    when: str | None = None
+
+    @field_validator("when")
+    @classmethod
+    def _when_parses(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_condition(v)
+        return v
+
+    def clauses(self) -> list[Clause]:
+        """The parsed 'when' condition (empty: the rule applies to every record)."""
+        return parse_condition(self.when) if self.when else []
+
+    def columns(self) -> list[str]:
+        """Columns the rule names: the checked ones first, then those of 'when'."""
+        return [c for c, _, _ in self.clauses()]
+
+    def describe(self) -> str:
+        """The rule in words, e.g. "marital in ['never_married'] when age < 15"."""
+        return self._check_text() + (f" when {self.when}" if self.when else "")
+
+    def label(self, i: int) -> str:
+        """Short human name of the rule as edits[i] of the spec."""
+        return f"edit[{i}] {self.describe()}"
+
+    def violations(self, df: pd.DataFrame) -> pd.Series:
+        """True where a record breaks the rule: 'when' holds and the check does not."""
+        return condition_mask(df, self.when) & ~self.holds(df)
+
+    @abstractmethod
+    def holds(self, df: pd.DataFrame) -> pd.Series:
+        """True where the record passes the check itself, 'when' aside."""
+
+    @abstractmethod
+    def expectation(self) -> Expectation:
+        """The rule as one column expectation (expectations/suites.py runs it in GX)."""
+
+    @abstractmethod
+    def _check_text(self) -> str: ...
+
+
+class BetweenRule(_Edit):
+    rule: Literal["between"]
+    column: str
+    min: float | None = None
+    max: float | None = None
+
+    @model_validator(mode="after")
+    def _bounds(self) -> BetweenRule:
+        if self.min is None and self.max is None:
+            raise ValueError("between needs min, max or both")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min ({self.min}) is above max ({self.max})")
+        return self
+
+    def columns(self) -> list[str]:
+        return [self.column, *super().columns()]
+
+    def _check_text(self) -> str:
+        if self.min is not None and self.max is not None:
+            return f"{self.column} between {self.min:g} and {self.max:g}"
+        if self.min is not None:
+            return f"{self.column} >= {self.min:g}"
+        return f"{self.column} <= {self.max:g}"
+
+    def holds(self, df: pd.DataFrame) -> pd.Series:
+        """Numeric (non-numeric counts as missing), not missing, within [min, max]."""
+        s = pd.to_numeric(df[self.column], errors="coerce")
+        ok = s.notna()
+        if self.min is not None:
+            ok &= s >= self.min
+        if self.max is not None:
+            ok &= s <= self.max
+        return ok.astype(bool)
+
+    def expectation(self) -> Expectation:
+        return Expectation(
+            "between",
+            self.column,
+            {"min_value": self.min, "max_value": self.max},
+            self.clauses(),
+            missing_breaks=True,
+        )
+
+
+class InSetRule(_Edit):
+    rule: Literal["in_set"]
+    column: str
+    values: list[str | int | float | bool] = Field(min_length=1)
+
+    def columns(self) -> list[str]:
+        return [self.column, *super().columns()]
+
+    def _check_text(self) -> str:
+        return f"{self.column} in {self.values}"
+
+    def holds(self, df: pd.DataFrame) -> pd.Series:
+        """One of the values (a missing value passes only when NaN is one of them)."""
+        return df[self.column].isin(self.values).astype(bool)
+
+    def expectation(self) -> Expectation:
+        nan_allowed = any(isinstance(v, float) and math.isnan(v) for v in self.values)
+        return Expectation(
+            "in_set",
+            self.column,
+            {"value_set": list(self.values)},
+            self.clauses(),
+            missing_breaks=not nan_allowed,
+        )
+
+
+class NotNullRule(_Edit):
+    rule: Literal["not_null"]
+    column: str
+
+    def columns(self) -> list[str]:
+        return [self.column, *super().columns()]
+
+    def _check_text(self) -> str:
+        return f"{self.column} not null"
+
+    def holds(self, df: pd.DataFrame) -> pd.Series:
+        return df[self.column].notna()
+
+    def expectation(self) -> Expectation:
+        return Expectation("not_null", self.column, {}, self.clauses())
+
+
+class CompareRule(_Edit):
+    rule: Literal["compare"]
+    column_a: str
+    op: Literal["<", "<=", ">", ">=", "==", "!="]
+    column_b: str
+
+    def columns(self) -> list[str]:
+        return [self.column_a, self.column_b, *super().columns()]
+
+    def _check_text(self) -> str:
+        return f"{self.column_a} {self.op} {self.column_b}"
+
+    def holds(self, df: pd.DataFrame) -> pd.Series:
+        """column_a op column_b; a missing value on either side fails."""
+        return OPS[self.op](df[self.column_a], df[self.column_b]).fillna(False).astype(bool)
+
+    def expectation(self) -> Expectation:
+        return Expectation("true", None, {}, self.clauses(), derived=self.holds)
+
+
+EditRule = Annotated[
+    BetweenRule | InSetRule | NotNullRule | CompareRule, Field(discriminator="rule")
+]
+
+
+# ---------------------------------------------------------------- evaluation on a frame
+
+
+def edit_masks(df: pd.DataFrame, rules: Sequence[_Edit]) -> dict[int, pd.Series]:
     """Rule index -> boolean Series, True where the record breaks that rule."""
-    out: dict[int, pd.Series] = {}
-    for i, rule in enumerate(rules):
-        applies = condition_mask(df, rule.when)
-        if isinstance(rule, BetweenRule):
-            s = pd.to_numeric(df[rule.column], errors="coerce")
-            ok = s.notna()
-            if rule.min is not None:
-                ok &= s >= rule.min
-            if rule.max is not None:
-                ok &= s <= rule.max
-        elif isinstance(rule, InSetRule):
-            ok = df[rule.column].isin(rule.values)
-        elif isinstance(rule, NotNullRule):
-            ok = df[rule.column].notna()
-        elif isinstance(rule, CompareRule):
-            ok = _OPS[rule.op](df[rule.column_a], df[rule.column_b]).fillna(False)
-        else:
-            raise TypeError(f"edits[{i}]: unknown edit rule {rule!r}")
-        out[i] = (applies & ~ok.astype(bool)).rename(f"edit_{i}")
-    return out
+    return {i: rule.violations(df).rename(f"edit_{i}") for i, rule in enumerate(rules)}
 
 
-def failing_rows(df: pd.DataFrame, rules: Sequence[Any]) -> pd.DataFrame:
+def failing_rows(df: pd.DataFrame, rules: Sequence[_Edit]) -> pd.DataFrame:
     """One row per (rule, record) failure: columns rule (index), column, row (df index label)."""
     parts = []
     for i, bad in edit_masks(df, rules).items():
         if bad.any():
-            rule = rules[i]
-            col = getattr(rule, "column", None) or getattr(rule, "column_a", None)
             rows = bad.index[bad.to_numpy()]
-            parts.append(pd.DataFrame({"rule": i, "column": col, "row": rows}))
+            parts.append(pd.DataFrame({"rule": i, "column": rules[i].columns()[0], "row": rows}))
     if not parts:
         return pd.DataFrame({"rule": np.array([], dtype=int), "column": [], "row": []})
     return pd.concat(parts, ignore_index=True)
 
 
-def failure_counts(df: pd.DataFrame, rules: Sequence[Any]) -> dict[int, int]:
+def failure_counts(df: pd.DataFrame, rules: Sequence[_Edit]) -> dict[int, int]:
     """Rule index -> number of failing records (rules with none are left out)."""
     return {i: int(m.sum()) for i, m in edit_masks(df, rules).items() if m.any()}
 
 
+FAILURE_COLUMNS = ["rule", "label", "column", "count", "examples"]
+DEFAULT_HINT = (
+    "treat the variables each rule ties together as one: add them to the PRB set C, or to the "
+    "MASSC key-related columns (or restrict donors on them)"
+)
+
+
 class EditFailure(RuntimeError):
-    """Records break edit rules after (or before) a treatment; `counts`: rule index -> records."""
+    """A treated file breaks edit rules. `table`: one row per broken rule with columns rule
+    (index in spec.edits), label, column, count and examples (up to 5 row labels)."""
 
-    def __init__(self, where: str, counts: dict[int, int], rules: Sequence[Any]):
-        self.counts = counts
-        parts = "; ".join(f"edits[{i}] ({n} records)" for i, n in counts.items())
-        super().__init__(
-            f"{where} breaks edit rules {parts}: add the variables these rules tie to the "
-            "treated variables, or partition on them"
+    def __init__(self, stage: str, table: pd.DataFrame, hint: str = DEFAULT_HINT):
+        self.stage, self.table, self.hint = stage, table, hint
+        broken = "; ".join(
+            f"edits[{r.rule}]{r.label.removeprefix(f'edit[{r.rule}]')} ({r.count} records)"
+            for r in table.itertuples()
         )
+        super().__init__(f"{stage} breaks edit rules: {broken}: {hint}")
+
+    def __reduce__(self):  # picklable across Dask workers despite the extra arguments
+        return type(self), (self.stage, self.table, self.hint)
 
 
-def check_edits(df: pd.DataFrame, rules: Sequence[Any], where: str) -> None:
-    """Raise EditFailure when any record of df breaks an edit rule."""
-    bad = failure_counts(df, rules)
-    if bad:
-        raise EditFailure(where, bad, rules)
+def edit_failures(df: pd.DataFrame, rules: Sequence[_Edit]) -> pd.DataFrame:
+    """The broken rules of df: FAILURE_COLUMNS, one row per rule with at least one failure."""
+    rows = []
+    for i, bad in edit_masks(df, rules).items():
+        n = int(bad.sum())
+        if n:
+            rows.append(
+                {
+                    "rule": i,
+                    "label": rules[i].label(i),
+                    "column": rules[i].columns()[0],
+                    "count": n,
+                    "examples": bad.index[bad.to_numpy()][:5].tolist(),
+                }
+            )
+    return pd.DataFrame(rows, columns=FAILURE_COLUMNS)
+
+
+def check_edits(
+    df: pd.DataFrame, rules: Sequence[_Edit], stage: str, hint: str = DEFAULT_HINT
+) -> None:
+    """Raise EditFailure naming each rule df breaks and its count ("PRB output breaks ...")."""
+    table = edit_failures(df, rules)
+    if len(table):
+        raise EditFailure(stage, table, hint)

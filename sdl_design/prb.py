@@ -407,7 +407,12 @@ class PrbStage:
             df, cfg.variables, cfg.xi, weight, method=cfg.method, tuned=cfg.tuned, **kw
         )
         risk = block_risk(res.block, res.cell, res.theta)  # eq. 2.2, apart from the draw
-        check_edits(res.data, spec.edits, "PRB output")
+        check_edits(
+            res.data,
+            spec.edits,
+            "PRB output",
+            "add the variables these rules tie to the set C or partition on them",
+        )
         other = "nzy" if cfg.method == "prb" else "prb"
         base = post_randomize(
             df, cfg.variables, cfg.xi, weight, method=other, theta=res.theta, **kw

@@ -9,9 +9,19 @@ from typing import Annotated, Any, Literal
 import numpy as np
 import pandas as pd
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from sdl_design.design import ReplicateMethod, resolve_replicates
+from sdl_design.edits import EditRule
+from sdl_design.edits import parse_condition as parse_condition  # re-exported
 
 
 class SpecError(ValueError):
@@ -82,6 +92,16 @@ class KeySpec(_Strict):
         return self
 
 
+def _names_as_keys(v: Any) -> Any:
+    """A key list may give a bare name for a key without recode: 'sex' -> {name: sex}."""
+    if isinstance(v, list):
+        return [{"name": k} if isinstance(k, str) else k for k in v]
+    return v
+
+
+KeySpecs = Annotated[list[KeySpec], BeforeValidator(_names_as_keys)]
+
+
 class SensitiveSpec(_Strict):
     name: str
     sensitivity: dict[str | int | float, Annotated[float, Field(ge=0.0, le=1.0)]]
@@ -90,116 +110,16 @@ class SensitiveSpec(_Strict):
 
 class VariablesSection(_Strict):
     direct_identifiers: list[str] = []
-    keys: list[KeySpec] = Field(min_length=1)
+    keys: KeySpecs = Field(min_length=1)
     sensitive: list[SensitiveSpec] = []
     study: list[str] = []
-
-    @field_validator("keys", mode="before")
-    @classmethod
-    def _keys_as_specs(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            return [{"name": k} if isinstance(k, str) else k for k in v]
-        return v
 
     @property
     def key_names(self) -> list[str]:
         return [k.name for k in self.keys]
 
 
-# ---------------------------------------------------------------- edit rules
-
-_COND = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(<=|>=|==|!=|<|>|in)\s*(.+?)\s*$")
-
-
-def parse_condition(text: str) -> list[tuple[str, str, Any]]:
-    """'age < 15 and sex == "male"' -> [(column, op, value), ...]; clauses joined by 'and'."""
-    clauses = []
-    for part in re.split(r"\s+and\s+", text.strip()):
-        m = _COND.match(part)
-        if not m:
-            raise ValueError(
-                f"cannot read condition {part!r}: write 'column op value' with op one of "
-                "< <= > >= == != in, joined by 'and' (e.g. \"age < 15 and sex == 'male'\")"
-            )
-        col, op, raw = m.groups()
-        if raw[0] in "<>=!":
-            raise ValueError(
-                f"cannot read condition {part!r}: the operator is not one of < <= > >= == != in"
-            )
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError as e:
-            raise ValueError(f"cannot read the value {raw!r} in condition {part!r}") from e
-        if op == "in" and not isinstance(value, list):
-            raise ValueError(f"'in' needs a list, e.g. \"{col} in [1, 2]\"")
-        clauses.append((col, op, value))
-    return clauses
-
-
-class _Edit(_Strict):
-    when: str | None = None
-
-    @field_validator("when")
-    @classmethod
-    def _when_parses(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_condition(v)
-        return v
-
-    def columns(self) -> list[str]:
-        cols = [c for c, _, _ in parse_condition(self.when)] if self.when else []
-        return cols
-
-
-class BetweenRule(_Edit):
-    rule: Literal["between"]
-    column: str
-    min: float | None = None
-    max: float | None = None
-
-    @model_validator(mode="after")
-    def _bounds(self) -> BetweenRule:
-        if self.min is None and self.max is None:
-            raise ValueError("between needs min, max or both")
-        if self.min is not None and self.max is not None and self.min > self.max:
-            raise ValueError(f"min ({self.min}) is above max ({self.max})")
-        return self
-
-    def columns(self) -> list[str]:
-        return [self.column, *super().columns()]
-
-
-class InSetRule(_Edit):
-    rule: Literal["in_set"]
-    column: str
-    values: list[str | int | float | bool] = Field(min_length=1)
-
-    def columns(self) -> list[str]:
-        return [self.column, *super().columns()]
-
-
-class NotNullRule(_Edit):
-    rule: Literal["not_null"]
-    column: str
-
-    def columns(self) -> list[str]:
-        return [self.column, *super().columns()]
-
-
-class CompareRule(_Edit):
-    rule: Literal["compare"]
-    column_a: str
-    op: Literal["<", "<=", ">", ">=", "==", "!="]
-    column_b: str
-
-    def columns(self) -> list[str]:
-        return [self.column_a, self.column_b, *super().columns()]
-
-
-EditRule = Annotated[
-    BetweenRule | InSetRule | NotNullRule | CompareRule, Field(discriminator="rule")
-]
-
+# edit rules (EditRule): sdl_design/edits.py
 
 # ---------------------------------------------------------------- stages
 
@@ -228,15 +148,8 @@ class PrbSection(_Strict):
 class CalibrationSpec(_Strict):
     method: Literal["logit", "linear", "raking", "poststratify"] = "logit"
     bounds: tuple[float, float] | None = None
-    controls: list[KeySpec] = []
+    controls: KeySpecs = []
     infeasible_policy: Literal["widen", "rake"] = "widen"
-
-    @field_validator("controls", mode="before")
-    @classmethod
-    def _controls_as_specs(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            return [{"name": k} if isinstance(k, str) else k for k in v]
-        return v
 
     @model_validator(mode="after")
     def _bounds_ok(self) -> CalibrationSpec:

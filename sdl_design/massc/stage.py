@@ -114,7 +114,12 @@ def massc_result(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame) -> S
     """MASSC on df (spec.stages.massc): optimal rates, substitution, subsampling, calibration of
     the weight and the replicate weights to the original file's controls; delta and epsilon."""
     cfg, plan, tr = _main(df, spec, seed)
-    check_edits(tr.b1, spec.edits, "MASSC output")
+    check_edits(
+        tr.b1,
+        spec.edits,
+        "MASSC output",
+        "add the variables these rules tie to the keys to the substituted (key-related) columns, or restrict donors",
+    )
     cal = spec.stages.massc.calibration
     data, cal_tables, cal_metrics = _calibrate(df, spec, cfg, tr, original, replicates=True)
     # retained records keep their index: later stages and the final metrics match records by it

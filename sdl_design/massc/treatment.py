@@ -215,29 +215,6 @@ def rates_table(plan: MasscPlan, tr: MasscTreatment) -> pd.DataFrame:
     ).astype({"n_no_donor": int, "n_substituted": int, "n_retained": int})
 
 
-def check_edits(df: pd.DataFrame, edits: Sequence[Any]) -> None:
-    """Raise MasscError when the treated file breaks an edit rule (sdl_design.edits.failing_rows)."""
-    if not edits:
-        return
-    try:
-        from sdl_design.edits import failing_rows
-    except ImportError:
-        return
-    bad = failing_rows(df, edits)
-    if isinstance(bad, pd.DataFrame):
-        n_bad = len(bad)
-        detail = bad.head(5).to_dict("records")
-    else:
-        arr = np.asarray(bad)
-        n_bad = int(arr.sum()) if arr.dtype == bool else len(arr)
-        detail = None
-    if n_bad:
-        raise MasscError(
-            f"substitution broke {n_bad} edit checks (e.g. {detail}); add the variables these "
-            "edits tie to the keys to the substituted (key-related) columns, or restrict donors"
-        )
-
-
 # ---------------------------------------------------------------- Step IV: calibration
 
 
