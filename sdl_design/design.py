@@ -298,8 +298,13 @@ class SurveyDesign:
         with replacement in strata. A sparse z (e.g. scores of many domains, each zero outside
         its domain) costs its nonzeros, not n x k."""
         if sp.issparse(z):
-            return self._psu_variance(sp.csr_matrix(self._P @ sp.csc_matrix(z)))
+            return self._psu_variance(sp.csr_matrix(self._P @ sp.csr_matrix(z)))
         return self._psu_variance(np.asarray(self._P @ z))
+
+    def psu_variance(self, zt: np.ndarray | sp.spmatrix | sp.sparray) -> np.ndarray:
+        """Variance of totals from their PSU totals zt (PSUs x k, dense or scipy sparse; row j
+        is the PSU coded j in `g`): the with-replacement kernel of taylor_variance."""
+        return self._psu_variance(sp.csr_matrix(zt) if sp.issparse(zt) else np.asarray(zt))
 
     def taylor_covariance(self, z: np.ndarray) -> np.ndarray:
         """Covariance matrix (k x k) of the totals of scores z (n x k): sum_h n_h/(n_h-1)
@@ -317,10 +322,12 @@ class SurveyDesign:
         if not self.replicate_weights:
             raise DesignError("replicate_totals needs replicate weights in the design")
         if sp.issparse(z):
-            z = sp.csc_matrix(z)
-            if self._F is not None:
-                pt = sp.csr_matrix(self._P @ z.multiply(self.w[:, None]))
-                return np.asarray((pt.T @ self._F).T)
+            z = sp.csr_matrix(z)
+            if self._F is not None:  # PSU totals of w z: the PSU indicator matrix with data w
+                Pw = sp.csr_matrix(
+                    (self.w[self._P.indices], self._P.indices, self._P.indptr), shape=self._P.shape
+                )
+                return np.asarray((sp.csr_matrix(Pw @ z).T @ self._F).T)
             return np.asarray((z.T @ self.W).T)
         z = np.asarray(z, dtype=float).reshape(self.n, -1)
         if self._F is not None:
