@@ -81,8 +81,9 @@ def ci_overlap(
 
 def file_design(df: pd.DataFrame, spec: ReleaseSpec, replicates: bool = True) -> SurveyDesign:
     """The design a user reads off df with the spec's names: weight, the strata and PSU columns
-    when present (each record its own PSU otherwise), replicate weights when present."""
-    d = spec.design
+    when present (each record its own PSU otherwise), replicate weights when present. The
+    segment (never published) plays no part in a variance and is left out."""
+    d = spec.design.model_copy(update={"segment": None})
     if d.strata in df.columns and d.psu in df.columns:
         return SurveyDesign.from_spec(df, d, replicates=replicates)
     rs = d.replicate_weights
@@ -582,6 +583,13 @@ def assess(
     """
     keys = _key_specs(spec)
     key_names = list(keys)
+    need = [spec.design.weight, *key_names, *spec.variables.study]
+    for name, f in (("original", original), ("released", released)):
+        gone = [c for c in need if c not in f.columns]
+        if gone:
+            raise ValueError(
+                f"assess: the {name} file has no column {gone}; it needs the weight, keys and study variables"
+            )
     des = (file_design(original, spec, replicates), file_design(released, spec, replicates))
     has_rep = replicates and all(d.replicate_weights for d in des)
     if variance == "replicate" and not has_rep:
