@@ -293,17 +293,64 @@ class SurveyDesign:
         return list(levels), codes
 
     # ------------------------------------------------------------ variance kernels
-    def taylor_variance(self, z: np.ndarray) -> np.ndarray:
-        """Variance of the totals of linearized scores z (n x k): PSUs with replacement in strata."""
+    def taylor_variance(self, z: np.ndarray | sp.spmatrix | sp.sparray) -> np.ndarray:
+        """Variance of the totals of linearized scores z (n x k, dense or scipy sparse): PSUs
+        with replacement in strata. A sparse z (e.g. scores of many domains, each zero outside
+        its domain) costs its nonzeros, not n x k."""
+        if sp.issparse(z):
+            return self._psu_variance(sp.csr_matrix(self._P @ sp.csr_matrix(z)))
         return self._psu_variance(np.asarray(self._P @ z))
 
-    def _psu_variance(self, zt: np.ndarray) -> np.ndarray:
-        """sum_h n_h/(n_h-1) sum_i (z_hi - zbar_h)^2 from PSU totals zt (PSUs x k)."""
+    def psu_variance(self, zt: np.ndarray | sp.spmatrix | sp.sparray) -> np.ndarray:
+        """Variance of totals from their PSU totals zt (PSUs x k, dense or scipy sparse; row j
+        is the PSU coded j in `g`): the with-replacement kernel of taylor_variance."""
+        return self._psu_variance(sp.csr_matrix(zt) if sp.issparse(zt) else np.asarray(zt))
+
+    def taylor_covariance(self, z: np.ndarray) -> np.ndarray:
+        """Covariance matrix (k x k) of the totals of scores z (n x k): sum_h n_h/(n_h-1)
+        sum_i (z_hi - zbar_h)(z_hi - zbar_h)' over PSU totals z_hi (svyrecvar's one-stage
+        with-replacement kernel; the B of a GLM sandwich A^-1 B A^-1)."""
+        self._check_psus()
+        zt = np.asarray(self._P @ np.asarray(z, dtype=float).reshape(self.n, -1))
+        dev = zt - (np.asarray(self._S @ zt) / self.n_h[:, None])[self.psu_h]
+        f = (self.n_h / (self.n_h - 1.0))[self.psu_h]
+        return (dev * f[:, None]).T @ dev
+
+    def replicate_totals(self, z: np.ndarray | sp.spmatrix | sp.sparray) -> np.ndarray:
+        """Totals of z (n x k, dense or scipy sparse) under every replicate weight (R x k):
+        F' (PSU totals of w z) when the replicate factors are constant within PSUs, else W' z."""
+        if not self.replicate_weights:
+            raise DesignError("replicate_totals needs replicate weights in the design")
+        if sp.issparse(z):
+            z = sp.csr_matrix(z)
+            if self._F is not None:  # PSU totals of w z: the PSU indicator matrix with data w
+                Pw = sp.csr_matrix(
+                    (self.w[self._P.indices], self._P.indices, self._P.indptr), shape=self._P.shape
+                )
+                return np.asarray((sp.csr_matrix(Pw @ z).T @ self._F).T)
+            return np.asarray((z.T @ self.W).T)
+        z = np.asarray(z, dtype=float).reshape(self.n, -1)
+        if self._F is not None:
+            return self._F.T @ np.asarray(self._P @ (self.w[:, None] * z))
+        return self.W.T @ z
+
+    def _check_psus(self) -> None:
         if (self.n_h < 2).any():
             raise DesignError(
                 f"design.strata: strata {self._labels(self.n_h < 2)} of column '{self.strata}' have a "
                 "single PSU; Taylor variance needs >= 2: collapse them with a neighbouring stratum"
             )
+
+    def _psu_variance(self, zt: np.ndarray | sp.csr_matrix) -> np.ndarray:
+        """sum_h n_h/(n_h-1) sum_i (z_hi - zbar_h)^2 from PSU totals zt (PSUs x k, dense or
+        sparse; a sparse zt is summed over its nonzeros, PSUs without them counting as 0)."""
+        self._check_psus()
+        nh = self.n_h[:, None]
+        if sp.issparse(zt):
+            s1 = sp.csr_matrix(self._S @ zt)
+            s2 = sp.csr_matrix(self._S @ zt.multiply(zt))
+            d = s2 - sp.diags(1.0 / self.n_h) @ s1.multiply(s1)  # per stratum, as below
+            return np.maximum(np.asarray(d.T @ (self.n_h / (self.n_h - 1.0))).ravel(), 0.0)
         s1 = np.asarray(self._S @ zt)
         s2 = np.asarray(self._S @ (zt * zt))
         nh = self.n_h[:, None]

@@ -1,0 +1,715 @@
+"""The file that would be published against the confidential original, each under its own design.
+
+The original is read with its strata, PSUs and replicate weights; the released file exactly as
+a user of the public README reads it: its published (pseudo) strata and PSUs and its published
+replicate weights, with the spec's weight and replicate method. Both are SurveyDesigns
+(`SurveyDesign.from_spec`). Four parts:
+
+- domain estimates: every study variable (mean, or proportion for a 0/1 variable, and total)
+  overall, by each analysis domain and by each pair of domains; estimate and SE on both files,
+  relative bias, standardized bias (released - original) / SE_original, the CI overlap of Karr,
+  Kohnen, Oganian, Reiter and Sanil (2006) and the SE ratio;
+- analysis models: survey-weighted GLMs (sdl_design.glm) on both files, coefficient by
+  coefficient;
+- general utility: the propensity-score pMSE ratio of Snoke, Raab, Nowok, Dibben and
+  Slavkovic (2018);
+- disclosure risk of the published file: a re-identification attack with the intruder's keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import combinations
+from typing import Any, Literal
+
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+from scipy.stats import norm
+
+from sdl_design.design import DesignError, SurveyDesign, resolve_replicates
+from sdl_design.glm import (
+    GLMFit,
+    design_matrix,
+    independent_columns,
+    irls,
+    parse_formula,
+    svyglm,
+    term_levels,
+)
+from sdl_design.keys import coarsen
+from sdl_design.spec import KeySpec, ReleaseSpec
+
+Variance = Literal["taylor", "replicate"]
+DomainArg = str | Sequence[str]
+
+
+# ---------------------------------------------------------------- Karr et al. (2006) CI overlap
+
+
+def ci_overlap(
+    est_a: np.ndarray,
+    se_a: np.ndarray,
+    est_b: np.ndarray,
+    se_b: np.ndarray,
+    level: float = 0.95,
+) -> np.ndarray:
+    """Karr et al. (2006) overlap of the level-CIs (L_a, U_a) = est_a -/+ z se_a and (L_b, U_b):
+
+        J = 1/2 [ (U - L) / (U_a - L_a) + (U - L) / (U_b - L_b) ],  L = max(L_a, L_b),
+                                                                    U = min(U_a, U_b),
+
+    and J = 0 when the intervals are disjoint (U < L). J = 1 for identical intervals, J < 1
+    otherwise (for nested intervals J = (1 + w_inner / w_outer) / 2). For two normal intervals
+    with equal SE s and estimates d apart, J = 1 - d / (2 z s) while d <= 2 z s. A zero-width
+    interval's term is 1 when it lies in the other interval and 0 otherwise; a missing
+    estimate or SE gives 0 (the file cannot answer the question)."""
+    z = float(norm.ppf(0.5 + level / 2.0))
+    a, sa, b, sb = (np.asarray(v, dtype=float) for v in (est_a, se_a, est_b, se_b))
+    la, ua, lb, ub = a - z * sa, a + z * sa, b - z * sb, b + z * sb
+    inter = np.minimum(ua, ub) - np.maximum(la, lb)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ta = np.where(ua > la, inter / (ua - la), (inter >= 0).astype(float))
+        tb = np.where(ub > lb, inter / (ub - lb), (inter >= 0).astype(float))
+    out = np.where(inter >= 0, 0.5 * (ta + tb), 0.0)
+    return np.where(np.isfinite(out), out, 0.0)
+
+
+# ---------------------------------------------------------------- designs and codings
+
+
+def file_design(df: pd.DataFrame, spec: ReleaseSpec, replicates: bool = True) -> SurveyDesign:
+    """The design a user reads off df with the spec's names: weight, the strata and PSU columns
+    when present (each record its own PSU otherwise), replicate weights when present. The
+    segment (never published) plays no part in a variance and is left out."""
+    d = spec.design.model_copy(update={"segment": None})
+    if d.strata in df.columns and d.psu in df.columns:
+        return SurveyDesign.from_spec(df, d, replicates=replicates)
+    rs = d.replicate_weights
+    rw = resolve_replicates(df.columns, rs.columns) if (replicates and rs) else []
+    try:
+        return SurveyDesign(
+            df,
+            d.weight,
+            replicate_weights=rw or None,
+            method=rs.method if rw else None,
+            rho=rs.rho if rw else None,
+        )
+    except DesignError:  # e.g. jkn replicates without the PSUs they delete: unusable
+        return SurveyDesign(df, d.weight)
+
+
+def _key_specs(spec: ReleaseSpec) -> dict[str, KeySpec]:
+    return {k.name: k for k in spec.variables.keys}
+
+
+@dataclass
+class Coding:
+    """One variable on several files: integer codes per file into one category list."""
+
+    codes: list[np.ndarray]
+    categories: list
+
+    def series(self, f: int, index: pd.Index, missing: bool = True) -> pd.Series:
+        """File f as a Categorical Series ('missing' as NaN when missing is False)."""
+        cats = self.categories
+        c = self.codes[f]
+        if not missing and "missing" in cats:
+            m = cats.index("missing")
+            c = np.where(c == m, -1, c)
+            c = np.where(c > m, c - 1, c)
+            cats = [x for x in cats if x != "missing"]
+        return pd.Series(pd.Categorical.from_codes(c, categories=cats), index=index)
+
+
+def published_coding(
+    frames: Sequence[pd.DataFrame], name: str, keys: Mapping[str, KeySpec]
+) -> Coding:
+    """Column `name` of each frame coded into one category list across frames: a key in its
+    published coding (keys.coarsen: bins in bin order, map values sorted), any other column as
+    is (sorted values). Missing values are the last category, 'missing'; categories no file
+    uses are left out."""
+    k = keys.get(name)
+    if k is not None and k.bins is not None:
+        e = np.asarray(k.bins, dtype=float)
+        cats: list = [f"{e[i]:g}-{e[i + 1]:g}" for i in range(len(e) - 1)]
+        codes = []
+        for f in frames:
+            x = pd.to_numeric(f[name], errors="coerce").to_numpy(dtype=float)
+            c = np.searchsorted(e, x, side="right") - 1
+            c = np.where((c >= 0) & (c < len(cats)), c, len(cats))  # 'out_of_range'
+            codes.append(np.where(np.isnan(x), len(cats) + 1, c))
+        cats += ["out_of_range", "missing"]
+    else:
+        vals = [
+            coarsen(f[name], None, k.map) if k is not None and k.map else f[name] for f in frames
+        ]
+        allv = pd.concat(vals, ignore_index=True)
+        try:
+            c, u = pd.factorize(allv, sort=True)
+        except TypeError:  # mixed types: sort as text
+            c, u = pd.factorize(allv.astype(str).where(allv.notna()), sort=True)
+        cats = [*u.tolist(), "missing"]
+        c = np.where(c < 0, len(u), c)
+        bounds = np.cumsum([0, *(len(v) for v in vals)])
+        codes = [c[bounds[j] : bounds[j + 1]] for j in range(len(frames))]
+    used = np.zeros(len(cats), dtype=bool)
+    for c in codes:
+        used[np.unique(c)] = True
+    remap = np.cumsum(used) - 1
+    return Coding(
+        [remap[c].astype(np.int64) for c in codes],
+        [x for x, u in zip(cats, used, strict=True) if u],
+    )
+
+
+def _domain_list(domains: Sequence[DomainArg] | None, keys: list[str]) -> list[tuple[str, ...]]:
+    """Overall, each domain and each pair of domains (crossings with the union of their
+    variables), without repeats."""
+    given = [(d,) if isinstance(d, str) else tuple(d) for d in (domains or keys)]
+    out: list[tuple[str, ...]] = [()]
+    seen: set[frozenset] = {frozenset()}
+    for g in [*given, *(tuple(dict.fromkeys(a + b)) for a, b in combinations(given, 2))]:
+        if frozenset(g) not in seen:
+            seen.add(frozenset(g))
+            out.append(g)
+    return out
+
+
+def _dense_codes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(x, return_inverse=True) for integers >= 0: by counting when their range is
+    small (no sort), else by sorting."""
+    top = int(x.max(initial=0)) + 1
+    if top > 4 * len(x) + 100_000:
+        u, inv = np.unique(x, return_inverse=True)
+        return u, inv.ravel()
+    present = np.bincount(x, minlength=top) > 0
+    return np.flatnonzero(present), (np.cumsum(present) - 1)[x]
+
+
+def _cells(
+    coded: Sequence[Coding], sizes: Sequence[int]
+) -> tuple[list[np.ndarray], list[str], int]:
+    """Cell codes of a crossing on every file (shared codes; the cells observed in some file),
+    labels 'a, b' and the number of cells. No variables: one cell 'all'."""
+    codes = [np.zeros(m, dtype=np.int64) for m in sizes]
+    if not coded:
+        return codes, ["all"], 1
+    for var in coded:
+        m = len(var.categories)
+        codes = [c * m + v for c, v in zip(codes, var.codes, strict=True)]
+    uniq, inv = _dense_codes(np.concatenate(codes))
+    bounds = np.cumsum([0, *sizes])
+    out = [inv[bounds[f] : bounds[f + 1]].astype(np.int64) for f in range(len(sizes))]
+    rest, parts = uniq.copy(), []
+    for var in reversed(coded):
+        cats = np.asarray([str(c) for c in var.categories], dtype=object)
+        parts.append(cats[rest % len(cats)])
+        rest //= len(cats)
+    labels = [", ".join(t) for t in zip(*reversed(parts), strict=True)]
+    return out, labels, len(uniq)
+
+
+# ---------------------------------------------------------------- domain estimates
+
+
+@dataclass
+class _Study:
+    """Study columns on one file: values with NaN set to 0 (Y0), non-missing indicators (M)."""
+
+    names: list[str]
+    kinds: list[str]  # "mean" | "proportion"
+    Y0: np.ndarray  # n x k
+    M: np.ndarray  # n x k
+
+
+def _study_columns(frames: Sequence[pd.DataFrame], study: Sequence[str]) -> list[_Study]:
+    """Numeric study variables as they are; a categorical one as one 0/1 column per category
+    ('var=cat'). A variable is a proportion when its values in the first file are all 0/1."""
+    cols: list[list[np.ndarray]] = [[] for _ in frames]
+    names, kinds = [], []
+    for v in study:
+        s0 = frames[0][v]
+        if pd.api.types.is_numeric_dtype(s0) or pd.api.types.is_bool_dtype(s0):
+            vals = [pd.to_numeric(f[v], errors="coerce").to_numpy(dtype=float) for f in frames]
+            x = vals[0][np.isfinite(vals[0])]
+            kinds.append("proportion" if np.isin(x, (0.0, 1.0)).all() else "mean")
+            names.append(v)
+            for j, a in enumerate(vals):
+                cols[j].append(a)
+        else:
+            cats = sorted(pd.unique(pd.concat([f[v].dropna() for f in frames])), key=str)
+            for c in cats:
+                names.append(f"{v}={c}")
+                kinds.append("proportion")
+                for j, f in enumerate(frames):
+                    a = (f[v] == c).to_numpy(dtype=float)
+                    cols[j].append(np.where(f[v].isna(), np.nan, a))
+    out = []
+    for c in cols:
+        Y = np.column_stack(c) if c else np.zeros((0, 0))
+        M = np.isfinite(Y)
+        out.append(_Study(names, kinds, np.where(M, Y, 0.0), M.astype(float)))
+    return out
+
+
+def domain_estimates_of(
+    design: SurveyDesign, st: _Study, codes: np.ndarray, L: int, replicates: bool
+) -> dict[str, np.ndarray]:
+    """Means (ratios to the non-missing weight: domain estimation over the non-missing records)
+    and totals of every study variable in every cell, arrays L x k, with Taylor SEs and (when
+    replicates and the design has them) replicate SEs.
+
+    One pass: the PSU x cell sums of w y, w m and m (counted, not sorted); the PSU totals of
+    the linearized scores, z = w d m (y - R_d) / X_d for means and w d m y for totals,
+    follow from them and go to the design's with-replacement kernel as one sparse PSUs x
+    (cells x 2 x variables) matrix. A mean whose cell has non-missing records in one PSU only
+    has Taylor SE 0 (set exactly, not left at rounding level)."""
+    n, k = st.Y0.shape
+    w = design.w
+    wY, wM = w[:, None] * st.Y0, w[:, None] * st.M
+    pair, of = _dense_codes(design.g * L + codes)  # (PSU, cell) pairs; the pair of each record
+    pg, pc = pair // L, pair % L
+    P = len(pair)
+    idx = (of[:, None] * k + np.arange(k)[None, :]).ravel()
+
+    def pair_sums(a: np.ndarray) -> np.ndarray:
+        return np.bincount(idx, weights=a.ravel(), minlength=P * k).reshape(P, k)
+
+    Sy, Sm, Sn, Sa = (pair_sums(a) for a in (wY, wM, st.M, np.abs(wY)))
+    Cp = sp.csr_matrix((np.ones(len(pc)), (pc, np.arange(len(pc)))), shape=(L, len(pc)))
+    Ty, Tm, cnt, Ta = (np.asarray(Cp @ a) for a in (Sy, Sm, Sn, Sa))
+    npsu = np.asarray(Cp @ (Sn > 0).astype(float))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        R = Ty / Tm
+        zm = np.where(Sm > 0, (Sy - R[pc] * Sm) / Tm[pc], 0.0)
+    kk = 2 * k
+    zt = sp.csr_matrix(
+        (
+            np.concatenate([zm, Sy], axis=1).ravel(),
+            (pc[:, None] * kk + np.arange(kk)[None, :]).ravel(),
+            np.r_[0, np.cumsum(np.bincount(pg, minlength=design.n_psu) * kk)],
+        ),
+        shape=(design.n_psu, L * kk),
+    )
+    var = design.psu_variance(zt).reshape(L, 2, k)
+    se_mean = np.sqrt(var[:, 0])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tiny = se_mean <= 1e-10 * Ta / Tm  # rounding level of the cell's mean |y|
+    se_mean[(npsu <= 1) | tiny] = 0.0
+    out = {"n": cnt, "mean": R, "se_mean": se_mean, "total": Ty, "se_total": np.sqrt(var[:, 1])}
+    if replicates and design.replicate_weights:
+        Z = sp.csr_matrix(
+            (
+                np.concatenate([st.Y0, st.M], axis=1).ravel(),
+                (codes[:, None] * kk + np.arange(kk)[None, :]).ravel(),
+                np.arange(0, n * kk + 1, kk),
+            ),
+            shape=(n, L * kk),
+        )
+        t = design.replicate_totals(Z).reshape(-1, L, 2, k)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            dm = (t[:, :, 0] / t[:, :, 1] - R[None]).reshape(len(t), -1)
+        dt = (t[:, :, 0] - Ty[None]).reshape(len(t), -1)
+        out["se_rep_mean"] = np.sqrt(design.rscales @ (dm * dm)).reshape(L, k)
+        out["se_rep_total"] = np.sqrt(design.rscales @ (dt * dt)).reshape(L, k)
+    return out
+
+
+def _compare(
+    est_o: np.ndarray, se_o: np.ndarray, est_r: np.ndarray, se_r: np.ndarray, level: float
+) -> dict[str, np.ndarray]:
+    diff = est_r - est_o
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = diff / np.abs(est_o)
+        std = np.where(diff == 0, 0.0, diff / se_o)
+        ratio = np.where(se_r == se_o, 1.0, se_r / se_o)
+    return {
+        "relative_bias": rel,
+        "std_bias": std,
+        "ci_overlap": ci_overlap(est_o, se_o, est_r, se_r, level),
+        "se_ratio": ratio,
+    }
+
+
+# ---------------------------------------------------------------- pMSE (Snoke et al. 2018)
+
+
+def pmse_ratio(
+    a: pd.DataFrame,
+    b: pd.DataFrame,
+    categorical: Sequence[str],
+    numeric: Sequence[str],
+) -> dict[str, float]:
+    """Propensity-score mean squared error of telling b from a (Snoke, Raab, Nowok, Dibben and
+    Slavkovic 2018): stack the two files, fit a logistic model of membership in b on main
+    effects (treatment dummies of the categorical columns; numeric columns as is, missing values
+    set to the mean plus a missing indicator), pMSE = mean_i (p_i - c)^2 with c = n_b / N.
+
+    pmse_ratio divides by the null expectation for two independent samples of one population,
+    (k - 1) c (1 - c) / N with k the number of (non-aliased) parameters: under that null
+    p_i - c ~ c (1 - c) x_i' (b - b0) with Cov(b) = (c (1 - c) X'X)^-1, so sum_i (p_i - c)^2 ~
+    c (1 - c) chi2_{k-1} (the intercept takes one degree: mean p_i = c). Two random halves of a
+    file give ~1 (tests/test_assess.py). pmse_ratio_snoke divides by the expectation printed in
+    Snoke et al. and used by synthpop, (k - 1)(1 - c)^2 c / N, which is meant for synthetic data
+    drawn from a model of the original and reads 1 / (1 - c) (2 for halves) at this null."""
+    N, nb = len(a) + len(b), len(b)
+    rows = np.arange(N)
+    blocks = [sp.csr_matrix(np.ones((N, 1)))]
+    for v in categorical:
+        s = pd.concat([a[v], b[v]], ignore_index=True)
+        codes = pd.factorize(s, sort=True, use_na_sentinel=False)[0]
+        m = int(codes.max(initial=0)) + 1
+        if m > 1:  # treatment dummies against the first level
+            blocks.append(sp.csr_matrix((np.ones(N), (rows, codes)), shape=(N, m))[:, 1:])
+    for v in numeric:
+        x = pd.to_numeric(pd.concat([a[v], b[v]], ignore_index=True), errors="coerce")
+        x = x.to_numpy(dtype=float)
+        miss = ~np.isfinite(x)
+        if miss.all():
+            continue
+        mu, sd = x[~miss].mean(), x[~miss].std()
+        blocks.append(sp.csr_matrix(((np.where(miss, mu, x) - mu) / (sd or 1.0))[:, None]))
+        if miss.any():
+            blocks.append(sp.csr_matrix(miss[:, None].astype(float)))
+    X = sp.hstack(blocks, format="csr")
+    y = np.r_[np.zeros(len(a)), np.ones(nb)]
+    keep = independent_columns((X.T @ X).toarray())
+    beta, p, converged, _ = irls(X[:, keep], y, np.ones(N), "binomial", max_iter=50)
+    c = nb / N
+    pmse = float(np.mean((p - c) ** 2))
+    k = len(keep)
+    null = (k - 1) * c * (1 - c) / N
+    snoke = (k - 1) * (1 - c) ** 2 * c / N
+    return {
+        "pmse": pmse,
+        "pmse_null": null,
+        "pmse_ratio": pmse / null if null > 0 else float("nan"),
+        "pmse_ratio_snoke": pmse / snoke if snoke > 0 else float("nan"),
+        "pmse_k": float(k),
+        "pmse_converged": float(converged),
+    }
+
+
+# ---------------------------------------------------------------- re-identification
+
+
+def reidentification(original_keys: pd.DataFrame, released_keys: pd.DataFrame) -> dict[str, float]:
+    """The intruder matches each record's key profile from the original file (the published
+    coding) to the released file's profiles. For a record whose label is in the released file
+    and whose released profile equals its original one, the matching cell holds F >= 1
+    released records, one of them the true one: it is matched correctly with probability 1/F.
+    Returns the expected correct matches sum 1/F, their rate per original record, and the
+    share of the original sample uniques (cells of size 1 in the original) that are correctly
+    and uniquely (F = 1) matched."""
+    if not released_keys.index.is_unique or not original_keys.index.is_unique:
+        raise ValueError("reidentification: index labels must be unique in both files")
+    cols = list(original_keys.columns)
+    both = pd.concat([original_keys[cols], released_keys[cols]], ignore_index=True)
+    prof = np.zeros(len(both), dtype=np.int64)
+    for c in cols:  # profile ids, one key at a time (missing values are a value)
+        codes = pd.factorize(both[c], use_na_sentinel=False)[0]
+        prof = np.unique(prof * (int(codes.max(initial=0)) + 1) + codes, return_inverse=True)[1]
+    po, pr = prof[: len(original_keys)], prof[len(original_keys) :]
+    G = int(prof.max()) + 1 if len(prof) else 0
+    F = np.bincount(pr, minlength=G)
+    n_orig = np.bincount(po, minlength=G)
+    pos = released_keys.index.get_indexer(original_keys.index)  # -1: not released
+    kept = pos >= 0
+    same = np.zeros(len(po), dtype=bool)
+    same[kept] = pr[pos[kept]] == po[kept]
+    Fi = F[po]
+    expected = float(np.sum(1.0 / Fi[same]))
+    unique = n_orig[po] == 1
+    hit = unique & same & (Fi == 1)
+    n_unique = int(unique.sum())
+    return {
+        "reid_expected_matches": expected,
+        "reid_expected_match_rate": expected / len(po) if len(po) else 0.0,
+        "reid_sample_uniques": float(n_unique),
+        "reid_unique_matches": float(hit.sum()),
+        "reid_share": float(hit.sum() / n_unique) if n_unique else 0.0,
+    }
+
+
+# ---------------------------------------------------------------- the assessment
+
+
+@dataclass
+class Assessment:
+    """Domain estimates and model coefficients on both files, and the scalar metrics."""
+
+    domain_estimates: pd.DataFrame
+    model_coefficients: pd.DataFrame
+    metrics: dict[str, float]
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {
+            "domain_estimates": self.domain_estimates,
+            "model_coefficients": self.model_coefficients,
+        }
+
+    def worst(self, n: int = 20, reliable_only: bool = True) -> pd.DataFrame:
+        """The n estimates with the largest |standardized bias| over the whole table (missing
+        values last); only reliable ones (enough original records, SE > 0) by default."""
+        t = self.domain_estimates
+        if reliable_only:
+            t = t[t["reliable"]]
+        order = np.argsort(-np.nan_to_num(t["std_bias"].abs().to_numpy(), nan=-1.0), kind="stable")
+        return t.iloc[order[:n]]
+
+
+def _model_specs(models: Sequence[Any] | None) -> list[tuple[str, str]]:
+    out = []
+    for m in models or []:
+        if isinstance(m, str):
+            out.append((m, "gaussian"))
+        elif isinstance(m, Mapping):
+            out.append((m["formula"], m.get("family", "gaussian")))
+        elif isinstance(m, tuple):
+            out.append((m[0], m[1]))
+        else:
+            out.append((m.formula, m.family))
+    return out
+
+
+def _fit_models(
+    original: pd.DataFrame,
+    released: pd.DataFrame,
+    designs: tuple[SurveyDesign, SurveyDesign],
+    models: list[tuple[str, str]],
+    keys: Mapping[str, KeySpec],
+    variance: Variance,
+    replicates: bool,
+    level: float,
+) -> pd.DataFrame:
+    rows = []
+    for text, family in models:
+        f = parse_formula(text)
+        frames = [original, released]
+        data = [pd.DataFrame(index=x.index) for x in frames]
+        for v in f.variables:
+            cat = any(t.name == v and t.categorical for t in f.terms)
+            numeric = pd.api.types.is_numeric_dtype(original[v]) or pd.api.types.is_bool_dtype(
+                original[v]
+            )
+            if v != f.response and (cat or not numeric):
+                coded = published_coding(frames, v, keys)
+                for j, d in enumerate(data):
+                    d[v] = coded.series(j, d.index, missing=False)
+            else:
+                for d, x in zip(data, frames, strict=True):
+                    d[v] = x[v]
+        lv = term_levels(f, data)
+        fits: list[GLMFit] = []
+        for d, des in zip(data, designs, strict=True):
+            X, y, ok, names = design_matrix(d, f, lv)
+            fits.append(svyglm(X, y, ok, names, des, family, replicates=replicates))
+        fo, fr = fits
+        se_o = fo.se_replicate if variance == "replicate" else fo.se_taylor
+        se_r = fr.se_replicate if variance == "replicate" else fr.se_taylor
+        cmp = _compare(fo.coef, se_o, fr.coef, se_r, level)
+        rows.append(
+            pd.DataFrame(
+                {
+                    "model": text,
+                    "family": family,
+                    "term": fo.names,
+                    "coef_original": fo.coef,
+                    "se_original": se_o,
+                    "coef_released": fr.coef,
+                    "se_released": se_r,
+                    "ci_overlap": cmp["ci_overlap"],
+                    "std_diff": cmp["std_bias"],
+                    "se_ratio": cmp["se_ratio"],
+                    "se_taylor_original": fo.se_taylor,
+                    "se_taylor_released": fr.se_taylor,
+                    "se_replicate_original": fo.se_replicate,
+                    "se_replicate_released": fr.se_replicate,
+                    "n_original": fo.n_used,
+                    "n_released": fr.n_used,
+                    "converged": fo.converged and fr.converged,
+                }
+            )
+        )
+    cols = [
+        "model",
+        "family",
+        "term",
+        "coef_original",
+        "se_original",
+        "coef_released",
+        "se_released",
+        "ci_overlap",
+        "std_diff",
+        "se_ratio",
+    ]
+    return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=cols)
+
+
+def _quantiles(x: np.ndarray, prefix: str, qs: Mapping[str, float]) -> dict[str, float]:
+    x = x[np.isfinite(x)]
+    if not len(x):
+        return {}
+    return {f"{prefix}_{name}": float(np.percentile(x, q)) for name, q in qs.items()}
+
+
+def assess(
+    original: pd.DataFrame,
+    released: pd.DataFrame,
+    spec: ReleaseSpec,
+    domains: Sequence[DomainArg] | None = None,
+    models: Sequence[Any] | None = None,
+    variance: Variance = "taylor",
+    replicates: bool = True,
+    min_n: int = 30,
+    level: float = 0.95,
+    pmse: bool = True,
+    reid: bool = True,
+) -> Assessment:
+    """Assess the released file against the original, each under its own design.
+
+    domains: names (a key in its published coding, see keys.coarsen) or lists of names (a
+    crossing); every pair of them is crossed too. Default: every key and every pair of keys.
+    models: {formula, family} mappings, (formula, family) tuples or objects with those fields
+    (formula 'y ~ a + C(b) + c'; a categorical key term in its published coding).
+    variance: the SE that overlap, standardized bias and SE ratio use ("taylor" with the
+    strata/PSUs, or "replicate"); replicate SEs are reported beside when replicates is True and
+    both files have replicate weights. An estimate is reliable when its original cell has at
+    least min_n non-missing records and a positive SE; the metrics are over reliable ones.
+    """
+    keys = _key_specs(spec)
+    key_names = list(keys)
+    need = [spec.design.weight, *key_names, *spec.variables.study]
+    for name, f in (("original", original), ("released", released)):
+        gone = [c for c in need if c not in f.columns]
+        if gone:
+            raise ValueError(
+                f"assess: the {name} file has no column {gone}; it needs the weight, keys and study variables"
+            )
+    des = (file_design(original, spec, replicates), file_design(released, spec, replicates))
+    has_rep = replicates and all(d.replicate_weights for d in des)
+    if variance == "replicate" and not has_rep:
+        raise DesignError("variance='replicate' needs replicate weights on both files")
+    frames = [original, released]
+
+    # ------------------------------------------------ domain estimates
+    utility = getattr(spec, "utility", None)  # the spec's utility section, when it has one
+    if domains is None and utility is not None:
+        domains = getattr(utility, "domains", None)
+    if models is None and utility is not None:
+        models = getattr(utility, "models", None)
+    groupings = _domain_list(domains, key_names)
+    coding: dict[str, list[pd.Series]] = {}
+    for g in groupings:
+        for v in g:
+            if v not in coding:
+                coding[v] = published_coding(frames, v, keys)
+    studies = _study_columns(frames, spec.variables.study)
+    names, kinds = studies[0].names, studies[0].kinds
+    k = len(names)
+    parts: dict[str, list] = {}
+    for g in groupings:
+        codes, labels, L = _cells([coding[v] for v in g], [len(f) for f in frames])
+        res = [
+            domain_estimates_of(d, st, c, L, has_rep)
+            for d, st, c in zip(des, studies, codes, strict=True)
+        ]
+        for stat in ("mean", "total"):
+            block = {
+                "variable": np.tile(np.asarray(names, dtype=object), L),
+                "statistic": np.tile(np.asarray(kinds, dtype=object), L)
+                if stat == "mean"
+                else np.full(L * k, "total", dtype=object),
+                "domain": np.full(L * k, " x ".join(g) if g else "all", dtype=object),
+                "level": np.repeat(np.asarray(labels, dtype=object), k),
+                "n_original": res[0]["n"].ravel(),
+                "n_released": res[1]["n"].ravel(),
+                "estimate_original": res[0][stat].ravel(),
+                "estimate_released": res[1][stat].ravel(),
+                "se_taylor_original": res[0][f"se_{stat}"].ravel(),
+                "se_taylor_released": res[1][f"se_{stat}"].ravel(),
+            }
+            if has_rep:
+                block["se_replicate_original"] = res[0][f"se_rep_{stat}"].ravel()
+                block["se_replicate_released"] = res[1][f"se_rep_{stat}"].ravel()
+            for c, v in block.items():
+                parts.setdefault(c, []).append(v)
+    # an empty cell: mean NaN, total 0 with SE 0
+    est = pd.DataFrame({c: np.concatenate(v) for c, v in parts.items()})
+    se_o = est[f"se_{variance}_original"].to_numpy()
+    se_r = est[f"se_{variance}_released"].to_numpy()
+    est.insert(8, "se_original", se_o)
+    est.insert(10, "se_released", se_r)
+    cmp = _compare(
+        est["estimate_original"].to_numpy(), se_o, est["estimate_released"].to_numpy(), se_r, level
+    )
+    none = est["estimate_original"].isna() & est["estimate_released"].isna()
+    cmp["ci_overlap"] = np.where(none, np.nan, cmp["ci_overlap"])  # nothing to compare
+    for name, col in cmp.items():
+        est[name] = col
+    est["reliable"] = (est["n_original"] >= min_n) & (se_o > 0)
+
+    # ------------------------------------------------ models
+    coefs = _fit_models(
+        original, released, des, _model_specs(models), keys, variance, has_rep, level
+    )
+
+    # ------------------------------------------------ metrics
+    rel = est[est["reliable"]]
+    ov = rel["ci_overlap"].to_numpy()
+    metrics: dict[str, float] = {
+        "n_estimates": float(len(est)),
+        "n_reliable": float(len(rel)),
+        **_quantiles(ov, "overlap", {"median": 50, "p5": 5, "p10": 10, "min": 0}),
+        "share_abs_std_bias_gt2": float((rel["std_bias"].abs() > 2).mean()) if len(rel) else 0.0,
+        **_quantiles(rel["se_ratio"].to_numpy(), "se_ratio", {"p10": 10, "median": 50, "p90": 90}),
+    }
+    if has_rep and variance == "taylor":
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rr = (rel["se_replicate_released"] / rel["se_replicate_original"]).to_numpy()
+        metrics |= _quantiles(rr, "se_ratio_replicate", {"p10": 10, "median": 50, "p90": 90})
+    if len(coefs):
+        metrics["model_overlap_min"] = float(coefs["ci_overlap"].min())
+        metrics["model_std_diff_max_abs"] = float(coefs["std_diff"].abs().max())
+    common = released.index.intersection(original.index)
+    metrics |= {
+        "n_original": float(len(original)),
+        "n_released": float(len(released)),
+        "share_retained": len(common) / len(original) if len(original) else 0.0,
+    }
+    study_num = [v for v in spec.variables.study if v not in key_names]
+    if pmse:
+        kc = {v: coding.get(v) or published_coding(frames, v, keys) for v in key_names}
+        a = pd.DataFrame({v: c.codes[0] for v, c in kc.items()}, index=original.index)
+        b = pd.DataFrame({v: c.codes[1] for v, c in kc.items()}, index=released.index)
+        num = [v for v in study_num if pd.api.types.is_numeric_dtype(original[v])]
+        for v in study_num:
+            a[v], b[v] = original[v], released[v]
+        metrics |= pmse_ratio(a, b, key_names + [v for v in study_num if v not in num], num)
+    if reid:
+        kc = {v: coding.get(v) or published_coding(frames, v, keys) for v in key_names}
+        ko = pd.DataFrame({v: c.codes[0] for v, c in kc.items()}, index=original.index)
+        kr = pd.DataFrame({v: c.codes[1] for v, c in kc.items()}, index=released.index)
+        metrics |= reidentification(ko, kr)
+    params = {
+        "variance": variance,
+        "replicates": bool(has_rep),
+        "min_n": min_n,
+        "level": level,
+        "domains": [list(g) for g in groupings[1:]],
+        "models": [{"formula": t, "family": f} for t, f in _model_specs(models)],
+        "design_original": _describe(des[0]),
+        "design_released": _describe(des[1]),
+    }
+    return Assessment(est, coefs, metrics, params)
+
+
+def _describe(d: SurveyDesign) -> str:
+    s = f"{d.n} records, {len(d.n_h)} strata, {d.n_psu} PSUs"
+    if d.replicate_weights:
+        s += f", {len(d.replicate_weights)} {d.method} replicate weights"
+    return s
