@@ -195,7 +195,7 @@ def release_flow(
             step += 1
             _progress(step, total, stage.name)
             t0 = time.perf_counter()
-            ctx = base_ctx.for_stage(stage.name)
+            ctx = base_ctx.for_stage(stage.name, outputs)
             out = run_stage(quote(stage), quote(df), quote(ctx))
             if stage.replications > 0:
                 reps = _replications(stage, df, ctx, runner, dask_address)

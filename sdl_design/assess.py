@@ -666,11 +666,18 @@ def assess(
         "n_reliable": float(len(rel)),
         **_quantiles(ov, "overlap", {"median": 50, "p5": 5, "p10": 10, "min": 0}),
         "share_abs_std_bias_gt2": float((rel["std_bias"].abs() > 2).mean()) if len(rel) else 0.0,
-        **_quantiles(rel["se_ratio"].to_numpy(), "se_ratio", {"p10": 10, "median": 50, "p90": 90}),
+        # SE ratios of means and proportions: a total of a calibration control has Taylor SE 0
+        # on calibrated weights by construction, which says nothing of the treatment
+        **_quantiles(
+            rel.loc[rel["statistic"] != "total", "se_ratio"].to_numpy(),
+            "se_ratio",
+            {"p10": 10, "median": 50, "p90": 90},
+        ),
     }
     if has_rep and variance == "taylor":
+        rm = rel[rel["statistic"] != "total"]
         with np.errstate(divide="ignore", invalid="ignore"):
-            rr = (rel["se_replicate_released"] / rel["se_replicate_original"]).to_numpy()
+            rr = (rm["se_replicate_released"] / rm["se_replicate_original"]).to_numpy()
         metrics |= _quantiles(rr, "se_ratio_replicate", {"p10": 10, "median": 50, "p90": 90})
     if len(coefs):
         metrics["model_overlap_min"] = float(coefs["ci_overlap"].min())
@@ -713,3 +720,158 @@ def _describe(d: SurveyDesign) -> str:
     if d.replicate_weights:
         s += f", {len(d.replicate_weights)} {d.method} replicate weights"
     return s
+
+
+# ---------------------------------------------------------------- the stage
+
+
+class AssessStage:
+    """Stage: the file that would be published (the working frame without the columns that are
+    never published, read with its published design) against the original; analytic-validity
+    and risk gates on it. Nothing here is a value a treatment set itself."""
+
+    name = "assess"
+    replications = 0
+
+    def __init__(self, spec: ReleaseSpec):
+        self.spec = spec
+
+    @classmethod
+    def from_spec(cls, spec: ReleaseSpec) -> AssessStage:
+        return cls(spec)
+
+    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
+        from sdl_design.plots import estimate_plots
+        from sdl_design.risk import risk_strata
+        from sdl_design.stage import StageResult
+
+        spec = self.spec
+        released = df.drop(columns=[c for c in ctx.unpublished() if c in df.columns])
+        a = assess(ctx.original, released, spec)
+        m = dict(a.metrics)
+        keys = spec.variables.keys
+        m["unique_share_published"] = float((risk_strata(released, keys) == "U").mean())
+        m["epsilon_published"] = _epsilon_published(a.domain_estimates)
+        worst = a.worst(20)
+        return StageResult(
+            name=self.name,
+            data=df,
+            params=a.params,
+            metrics=m,
+            tables={**a.tables, "worst_estimates": worst},
+            report_tables=["worst_estimates", "model_coefficients"],
+            gates=assessment_gates(m, spec),
+            figures=estimate_plots(a.domain_estimates, a.model_coefficients),
+            notes=_notes(m, worst),
+        )
+
+
+def _epsilon_published(est: pd.DataFrame) -> float:
+    """Information loss of the published file: the largest relative error of an overall study
+    total (paper 000's epsilon, eq. 7, realized on the published file against the original)."""
+    t = est[(est["domain"] == "all") & (est["statistic"] == "total")]
+    o, r = t["estimate_original"].to_numpy(), t["estimate_released"].to_numpy()
+    ok = np.abs(o) > 0
+    return float(np.max(np.abs(r[ok] - o[ok]) / np.abs(o[ok]))) if ok.any() else 0.0
+
+
+def assessment_gates(m: Mapping[str, float], spec: ReleaseSpec) -> list:
+    """The gates on the published file against the original (names say what is compared)."""
+    from sdl_design.stage import gate
+
+    g, u = spec.gates, spec.gates.utility
+    out = [
+        gate(
+            "utility: median CI overlap of domain estimates",
+            m.get("overlap_median", np.nan),
+            u.overlap_median_min,
+        ),
+        gate(
+            "utility: 5th percentile CI overlap of domain estimates",
+            m.get("overlap_p5", np.nan),
+            u.overlap_p5_min,
+        ),
+        gate(
+            "utility: share of domain estimates more than 2 original SEs off",
+            m["share_abs_std_bias_gt2"],
+            upper=u.share_beyond_2se_max,
+        ),
+    ]
+    if "model_overlap_min" in m:
+        out.append(
+            gate(
+                "utility: smallest CI overlap of a model coefficient",
+                m["model_overlap_min"],
+                u.model_overlap_min,
+            )
+        )
+    if g.se_ratio is not None:
+        lo, hi = g.se_ratio
+        out.append(
+            gate(
+                "utility: 10th percentile of published/original SE ratios",
+                m.get("se_ratio_p10", np.nan),
+                lo,
+                hi,
+            )
+        )
+        out.append(
+            gate(
+                "utility: 90th percentile of published/original SE ratios",
+                m.get("se_ratio_p90", np.nan),
+                lo,
+                hi,
+            )
+        )
+    if g.epsilon_max is not None:
+        out.append(
+            gate(
+                "utility: epsilon, largest relative error of a study total",
+                m["epsilon_published"],
+                upper=g.epsilon_max,
+            )
+        )
+    if g.xi is not None:
+        out.append(
+            gate(
+                "risk: share of original sample uniques re-identified",
+                m.get("reid_share", 0.0),
+                upper=g.xi,
+            )
+        )
+    if g.max_unique_share is not None:
+        out.append(
+            gate(
+                "risk: share of sample uniques on the published keys",
+                m["unique_share_published"],
+                upper=g.max_unique_share,
+            )
+        )
+    return out
+
+
+def _notes(m: Mapping[str, float], worst: pd.DataFrame) -> list[str]:
+    notes = [
+        f"{int(m['n_reliable'])} reliable domain estimates of the study variables (of "
+        f"{int(m['n_estimates'])}): median CI overlap {m.get('overlap_median', np.nan):.3f}, 5th "
+        f"percentile {m.get('overlap_p5', np.nan):.3f}; {m['share_abs_std_bias_gt2']:.1%} more than 2 "
+        f"original SEs off; published/original SE ratio 10th-90th percentile "
+        f"{m.get('se_ratio_p10', np.nan):.3f}-{m.get('se_ratio_p90', np.nan):.3f}.",
+        f"Published file: {int(m['n_released'])} of {int(m['n_original'])} records; "
+        f"{m['unique_share_published']:.1%} sample uniques on the keys; "
+        f"{m.get('reid_share', 0.0):.1%} of the original sample uniques re-identified; "
+        f"pMSE ratio {m.get('pmse_ratio', np.nan):.2f}.",
+    ]
+    if "model_overlap_min" in m:
+        notes.append(
+            f"Analysis models: smallest coefficient CI overlap {m['model_overlap_min']:.3f}, "
+            f"largest |standardized difference| {m['model_std_diff_max_abs']:.2f}."
+        )
+    if len(worst):
+        w = worst.iloc[0]
+        notes.append(
+            f"Worst estimate: {w['statistic']} of {w['variable']} in {w['domain']} = {w['level']}: "
+            f"{w['estimate_released']:.4g} published vs {w['estimate_original']:.4g} original "
+            f"({w['std_bias']:+.1f} original SEs)."
+        )
+    return notes

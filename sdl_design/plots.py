@@ -60,3 +60,47 @@ def histogram(
     ax.set_title(title)
     fig.tight_layout()
     return png(fig)
+
+
+def _interval_plot(rows, title: str, xlabel: str) -> bytes:
+    """Original and released estimates with 95% CIs, one row per label (forest plot)."""
+    plt = pyplot()
+    n = len(rows)
+    fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.26 * n))
+    y = np.arange(n)[::-1]
+    for off, col, lab, c in (
+        (0.15, "original", "original", "#3182bd"),
+        (-0.15, "released", "published", "#e6550d"),
+    ):
+        est = rows[f"estimate_{col}"].to_numpy(dtype=float)
+        half = 1.96 * rows[f"se_{col}"].to_numpy(dtype=float)
+        ax.errorbar(est, y + off, xerr=half, fmt="o", ms=3, lw=1, color=c, label=lab)
+    ax.set_yticks(y, rows["label"].tolist(), fontsize=7)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    return png(fig)
+
+
+def estimate_plots(est, coefs, max_rows: int = 40) -> dict[str, bytes]:
+    """Released vs original estimates with 95% CIs: one plot per study variable (its means or
+    proportions overall and by each single domain; the max_rows largest |standardized bias| when
+    there are more) and one coefficient plot per model."""
+    figs: dict[str, bytes] = {}
+    single = est[(est["statistic"] != "total") & ~est["domain"].str.contains(" x ")]
+    single = single[single["reliable"]] if "reliable" in single else single
+    for v, t in single.groupby("variable", sort=False):
+        if len(t) > max_rows:
+            t = t.loc[t["std_bias"].abs().sort_values(ascending=False).index[:max_rows]]
+        t = t.assign(label=t["domain"] + " = " + t["level"].astype(str))
+        kind = t["statistic"].iloc[0]
+        figs[f"estimates_{v}"] = _interval_plot(t, f"{kind} of {v}: published vs original", kind)
+    for i, (model, t) in enumerate(coefs.groupby("model", sort=False)):
+        t = t.rename(
+            columns={"coef_original": "estimate_original", "coef_released": "estimate_released"}
+        )
+        t = t.assign(label=t["term"]).dropna(subset=["estimate_original", "estimate_released"])
+        if len(t):
+            figs[f"model_{i + 1}"] = _interval_plot(t, model, "coefficient")
+    return figs

@@ -611,9 +611,8 @@ class RiskStage:
     name = "risk"
     replications = 0
 
-    def __init__(self, section: Any, keys: list, sensitive: list, weight: str, gate: Any):
+    def __init__(self, section: Any, keys: list, sensitive: list, weight: str):
         self.section, self.keys, self.sensitive, self.weight = section, keys, sensitive, weight
-        self.max_unique_share = gate
 
     @classmethod
     def from_spec(cls, spec: Any) -> RiskStage | None:
@@ -621,17 +620,11 @@ class RiskStage:
         if section is None:
             return None
         v = spec.variables
-        return cls(
-            section,
-            list(v.keys),
-            list(v.sensitive),
-            spec.design.weight,
-            spec.gates.max_unique_share,
-        )
+        return cls(section, list(v.keys), list(v.sensitive), spec.design.weight)
 
     def run(self, df: pd.DataFrame, ctx: Any) -> Any:
         from sdl_design.plots import histogram
-        from sdl_design.stage import StageResult, gate
+        from sdl_design.stage import StageResult
 
         interactions = self.section.interactions or False
         prof = risk_profile(
@@ -643,9 +636,6 @@ class RiskStage:
             loglinear=self.section.loglinear,
         )
         m = prof.metrics
-        gates = []
-        if self.max_unique_share is not None:
-            gates.append(gate("risk.unique_share", m["unique_share"], upper=self.max_unique_share))
         ll = prof.loglinear
         names = [k.name for k in self.keys]
         notes = [
@@ -694,7 +684,6 @@ class RiskStage:
                 "by_profile_size": prof.by_profile_size,
             },
             report_tables=["by_stratum", "by_profile_size"],
-            gates=gates,
             figures=figures,
             notes=notes,
         )

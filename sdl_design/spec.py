@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -250,26 +250,6 @@ class StagesSection(_Strict):
         return section
 
 
-_FORMULA = re.compile(r"^\s*([A-Za-z_]\w*)\s*~\s*(.+?)\s*$")
-_TERM = re.compile(r"^(?:C\(\s*([A-Za-z_]\w*)\s*\)|([A-Za-z_]\w*))$")
-
-
-def formula_terms(formula: str) -> tuple[str, list[tuple[str, bool]]]:
-    """'y ~ C(a) + b' -> ('y', [('a', True), ('b', False)]): response and terms (categorical?)."""
-    m = _FORMULA.match(formula)
-    if not m:
-        raise ValueError(f"cannot read formula {formula!r}: write 'y ~ a + C(b) + c'")
-    terms = []
-    for part in m.group(2).split("+"):
-        t = _TERM.match(part.strip())
-        if not t:
-            raise ValueError(
-                f"cannot read term {part.strip()!r} of {formula!r}: a column name or C(column)"
-            )
-        terms.append((t.group(1) or t.group(2), t.group(1) is not None))
-    return m.group(1), terms
-
-
 class ModelSpec(_Strict):
     """An analysis model the release must keep: a survey-weighted GLM."""
 
@@ -279,12 +259,15 @@ class ModelSpec(_Strict):
     @field_validator("formula")
     @classmethod
     def _parses(cls, v: str) -> str:
-        formula_terms(v)
+        from sdl_design.glm import parse_formula
+
+        parse_formula(v)
         return v
 
     def columns(self) -> list[str]:
-        y, terms = formula_terms(self.formula)
-        return [y, *(t for t, _ in terms)]
+        from sdl_design.glm import parse_formula
+
+        return parse_formula(self.formula).variables
 
 
 class UtilitySection(_Strict):
@@ -392,6 +375,16 @@ class ReleaseSpec(_Strict):
             for c in rule.by:
                 named.setdefault(c, f"stages.topcode.{col}.by")
         return named
+
+    def unpublished_columns(self, masked_design: bool, drop: Sequence[str] = ()) -> list[str]:
+        """The columns that may never be published: direct identifiers, segment, household, the
+        stages' drop_public columns, and the original strata/PSU unless the design is masked or
+        the spec publishes its labels (internal '__' columns are never published either)."""
+        d = self.design
+        gone = set(self.variables.direct_identifiers) | {d.segment, d.household} | set(drop)
+        if not masked_design and not d.publish_design_labels:
+            gone |= {d.strata, d.psu}
+        return sorted(c for c in gone if c)
 
     def replicate_columns(self, df: pd.DataFrame) -> list[str]:
         rw = self.design.replicate_weights

@@ -70,8 +70,25 @@ class StageContext:
     spec, and Generators spawned from the release seed (one stream per stage and label).
     A plain class, not a dataclass: task runners pass it through without walking into it."""
 
-    def __init__(self, original: pd.DataFrame, spec: ReleaseSpec, stage: str = ""):
+    def __init__(
+        self,
+        original: pd.DataFrame,
+        spec: ReleaseSpec,
+        stage: str = "",
+        previous: list[StageResult] | None = None,
+    ):
         self.original, self.spec, self.stage = original, spec, stage
+        self.previous: list[StageResult] = list(previous or [])  # results of the earlier stages
+
+    @property
+    def masked_design(self) -> bool:
+        """An earlier stage made the published strata/PSU pseudo labels."""
+        return any(r.masks_design for r in self.previous)
+
+    def unpublished(self) -> list[str]:
+        """Columns the public file will not carry, given the stages run so far."""
+        drop = [c for r in self.previous for c in r.drop_public]
+        return self.spec.unpublished_columns(self.masked_design, drop)
 
     @property
     def seed(self) -> int:
@@ -88,15 +105,17 @@ class StageContext:
         """The Generator of this stage (or of one of its labelled sub-streams)."""
         return stage_rng(self.seed, label or self.stage)
 
-    def for_stage(self, name: str) -> StageContext:
+    def for_stage(self, name: str, previous: list[StageResult] | None = None) -> StageContext:
         """The same context for another stage (shares the cached original design)."""
-        ctx = StageContext(self.original, self.spec, name)
+        ctx = StageContext(self.original, self.spec, name, previous)
         if "design" in self.__dict__:
             ctx.__dict__["design"] = self.__dict__["design"]
         return ctx
 
-    def __getstate__(self) -> dict:  # ship without the cached design (rebuilt where needed)
-        return {k: v for k, v in self.__dict__.items() if k != "design"}
+    def __getstate__(self) -> dict:  # ship without the cached design and earlier results
+        state = {k: v for k, v in self.__dict__.items() if k != "design"}
+        state["previous"] = []
+        return state
 
 
 @runtime_checkable

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sdl_design.assess import AssessStage
 from sdl_design.massc.stage import MasscStage
 from sdl_design.prb import PrbStage
 from sdl_design.risk import RiskStage
@@ -9,4 +10,4 @@ from sdl_design.swap import SwapStage
 from sdl_design.topcode import TopcodeStage
 from sdl_design.utility import FinalStage
 
-RELEASE_STAGES = [RiskStage, SwapStage, PrbStage, MasscStage, TopcodeStage, FinalStage]
+RELEASE_STAGES = [RiskStage, SwapStage, PrbStage, MasscStage, TopcodeStage, FinalStage, AssessStage]

@@ -712,7 +712,7 @@ class SwapStage:
 
     def run(self, df: pd.DataFrame, ctx: Any) -> Any:
         from sdl_design.design import SurveyDesign
-        from sdl_design.stage import StageResult, gate
+        from sdl_design.stage import StageResult
         from sdl_design.utility import broad_characteristics, se_ratio_metrics
 
         st, spec = self.section, self.spec
@@ -756,22 +756,6 @@ class SwapStage:
             tables["se_ratio_summary_replicate"] = _class_summary(
                 se, "ratio_rep", st.method, "replicate"
             )
-        gates = []
-        if spec.gates.se_ratio is not None:
-            lo, hi = spec.gates.se_ratio
-            for key, label in (
-                ("median", "median"),
-                ("p10", "10th percentile"),
-                ("p90", "90th percentile"),
-            ):
-                gates.append(
-                    gate(
-                        f"swap: {label} of SE ratios, broad set (Taylor)",
-                        metrics[f"se_ratio_{key}"],
-                        lo,
-                        hi,
-                    )
-                )
         by_method = {st.method: res.se_ratios, other: base.se_ratios}
         figures = {"se_ratio_boxplot": se_ratio_boxplot({m: by_method[m] for m in ("2a", "2b")})}
         notes = [
@@ -797,7 +781,6 @@ class SwapStage:
                 if t in tables
             ],
             se_ratio_table="se_ratios",
-            gates=gates,
             figures=figures,
             drop_public=[c for c in (spec.design.segment,) if c],
             notes=notes,

@@ -147,8 +147,6 @@ def massc_result(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame) -> S
     gates = []
     if spec.gates.delta_max is not None:
         gates.append(gate("massc.delta", dm.delta, upper=spec.gates.delta_max))
-    if spec.gates.epsilon_max is not None:
-        gates.append(gate("massc.epsilon_formula", eps, upper=spec.gates.epsilon_max))
     truth = plan.zvars.totals(original, original[cfg.weight].to_numpy(dtype=float))
     labels = plan.zvars.labels
     study_totals = pd.DataFrame(labels, columns=["variable", "domain", "category"])
