@@ -176,8 +176,10 @@ def validate_edits(df: pd.DataFrame, rules: Sequence, id_column: str | None = No
 
 
 def gate_frame(gates: Sequence[dict]) -> pd.DataFrame:
-    """StageOutput.gates dicts -> frame name, value, lower, upper (float, NaN where open)."""
-    f = pd.DataFrame(list(gates), columns=["name", "value", "lower", "upper"])
+    """Gate dicts -> frame name, value, lower, upper (float, NaN where open), explain (text
+    added to a failure: e.g. the worst estimates)."""
+    f = pd.DataFrame(list(gates), columns=["name", "value", "lower", "upper", "explain"])
+    f["explain"] = f["explain"].fillna("").astype(str)
     for c in ("value", "lower", "upper"):
         f[c] = pd.to_numeric(f[c], errors="coerce").astype(float)
     return f
@@ -242,6 +244,8 @@ def validate_metric_gates(gates: Sequence[dict]) -> pd.DataFrame:
             detail = f"{g.value:.6g} is above {g.upper:g} by {g.value - g.upper:.4g}"
         else:
             detail = "within bounds"
+        if (m or b or a) and g.explain:
+            detail += f"; {g.explain}"
         rows.append(
             {
                 "name": g.name,

@@ -760,7 +760,7 @@ class AssessStage:
             metrics=m,
             tables={**a.tables, "worst_estimates": worst},
             report_tables=["worst_estimates", "model_coefficients"],
-            gates=assessment_gates(m, spec),
+            gates=assessment_gates(m, spec, _worst_text(worst), _worst_terms(a.model_coefficients)),
             figures=estimate_plots(a.domain_estimates, a.model_coefficients),
             notes=_notes(m, worst),
         )
@@ -775,7 +775,30 @@ def _epsilon_published(est: pd.DataFrame) -> float:
     return float(np.max(np.abs(r[ok] - o[ok]) / np.abs(o[ok]))) if ok.any() else 0.0
 
 
-def assessment_gates(m: Mapping[str, float], spec: ReleaseSpec) -> list:
+def _worst_text(worst: pd.DataFrame, n: int = 5) -> str:
+    """The worst estimates in words, for a failed gate."""
+    parts = [
+        f"{w.statistic} of {w.variable} in {w.domain} = {w.level}: {w.estimate_released:.4g} "
+        f"published vs {w.estimate_original:.4g} original ({w.std_bias:+.1f} SE)"
+        for w in worst.head(n).itertuples()
+    ]
+    return "worst estimates: " + "; ".join(parts) if parts else ""
+
+
+def _worst_terms(coefs: pd.DataFrame, n: int = 3) -> str:
+    if not len(coefs):
+        return ""
+    t = coefs.sort_values("ci_overlap").head(n)
+    return "worst coefficients: " + "; ".join(
+        f"{r.term} in {r.model}: {r.coef_released:.3g} published vs {r.coef_original:.3g} "
+        f"original (overlap {r.ci_overlap:.2f})"
+        for r in t.itertuples()
+    )
+
+
+def assessment_gates(
+    m: Mapping[str, float], spec: ReleaseSpec, worst: str = "", worst_terms: str = ""
+) -> list:
     """The gates on the published file against the original (names say what is compared)."""
     from sdl_design.stage import gate
 
@@ -785,16 +808,19 @@ def assessment_gates(m: Mapping[str, float], spec: ReleaseSpec) -> list:
             "utility: median CI overlap of domain estimates",
             m.get("overlap_median", np.nan),
             u.overlap_median_min,
+            explain=worst,
         ),
         gate(
             "utility: 5th percentile CI overlap of domain estimates",
             m.get("overlap_p5", np.nan),
             u.overlap_p5_min,
+            explain=worst,
         ),
         gate(
             "utility: share of domain estimates more than 2 original SEs off",
             m["share_abs_std_bias_gt2"],
             upper=u.share_beyond_2se_max,
+            explain=worst,
         ),
     ]
     if "model_overlap_min" in m:
@@ -803,6 +829,7 @@ def assessment_gates(m: Mapping[str, float], spec: ReleaseSpec) -> list:
                 "utility: smallest CI overlap of a model coefficient",
                 m["model_overlap_min"],
                 u.model_overlap_min,
+                explain=worst_terms,
             )
         )
     if g.se_ratio is not None:
