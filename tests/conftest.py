@@ -20,3 +20,16 @@ def prefect_server():
     with prefect_test_harness(server_startup_timeout=120):
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that asks for the Prefect test server is end to end: it must be marked flow, so
+    that `-m "not flow"` (the unit layer) never starts the server."""
+    unmarked = [
+        i.nodeid
+        for i in items
+        if "prefect_server" in getattr(i, "fixturenames", ())
+        and i.get_closest_marker("flow") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(f"tests using prefect_server without @pytest.mark.flow: {unmarked}")
