@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# the unit layer: no Prefect flow or server, Dask, PostgreSQL or subprocess runs
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not flow" tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

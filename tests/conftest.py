@@ -31,3 +31,16 @@ def run_stage(stage_cls, df, spec, seed=None, original=None):
         spec.release.seed = seed
     stage = stage_cls.from_spec(spec)
     return stage.run(df, StageContext(df if original is None else original, spec, stage.name))
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that asks for the Prefect test server is end to end: it must be marked flow, so
+    that `-m "not flow"` (the unit layer) never starts the server."""
+    unmarked = [
+        i.nodeid
+        for i in items
+        if "prefect_server" in getattr(i, "fixturenames", ())
+        and i.get_closest_marker("flow") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(f"tests using prefect_server without @pytest.mark.flow: {unmarked}")

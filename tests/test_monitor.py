@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import base64
-from html.parser import HTMLParser
+import json
 
 import numpy as np
 import pandas as pd
 import pytest
+from helpers import PNG, Parsed
 
 from flows import monitor as mon
 from flows import registry as reg
@@ -71,20 +72,6 @@ def url(tmp_path, monkeypatch):
     reg.record_release(manifest(2025, 11), {"swap": se_table(11)}, url=u)
     reg.record_release(manifest(2026, 22), {"swap": se_table(22), "final": se_table(23)}, url=u)
     return u
-
-
-class Parsed(HTMLParser):
-    def __init__(self, text):
-        super().__init__()
-        self.ids, self.imgs = [], []
-        self.feed(text)
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        if "id" in a:
-            self.ids.append(a["id"])
-        if tag == "img":
-            self.imgs.append(a)
 
 
 # ---------------------------------------------------------------- pure functions
@@ -189,7 +176,7 @@ def test_two_releases_no_drift_then_injected_drift(url, tmp_path):
     assert {"flags", "releases", "survey-default-survey"} <= set(p.ids)
     assert len(p.imgs) == 2
     for img in p.imgs:
-        assert base64.b64decode(img["src"].split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+        assert base64.b64decode(img["src"].split(",", 1)[1]).startswith(PNG)
     assert "median SE ratio 0.6" in s.report.read_text()
     # thresholds recorded with a release override the defaults
     reg.record_release(
@@ -213,6 +200,7 @@ def test_survey_filter_and_empty(tmp_path, monkeypatch, url):
         mon.monitor(url=empty, band=(1.1, 0.9))
 
 
+@pytest.mark.flow
 @pytest.mark.usefixtures("prefect_server")
 def test_monitor_flow_artifacts_and_gate(url, tmp_path):
     from prefect.artifacts import Artifact
@@ -220,8 +208,6 @@ def test_monitor_flow_artifacts_and_gate(url, tmp_path):
     s = mon.monitor_flow(url=url, out_dir=str(tmp_path), gate_on_drift=True)
     assert s.flags == [] and s.report.is_file()
     art = Artifact.get("puf-monitor-all-releases")
-    import json
-
     rows = json.loads(art.data)
     assert [r["year"] for r in rows] == [2025, 2026]
     reg.record_release(manifest(2027, 33), {"swap": se_table(33, distort=True)}, url=url)

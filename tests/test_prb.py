@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 import pytest
+from helpers import DEFAULT_SPEC
 
 from sdl_design.edits import edit_masks, failing_rows
 from sdl_design.prb import (
@@ -42,20 +41,27 @@ def test_theta0_m0_h():
 
 
 def test_ifpr_unbiased_exact_and_simulated():
+    """eq. 2.1: E[S] = T exactly under P. Simulated: G copies of one block with cell counts t,
+    kept apart by the partition and perturbed in one call: a record of cell j moves to cell i
+    with probability P[i, j], and the block's counts average t."""
     t = np.array([1, 2, 1, 2, 1, 1])
     P = transition_matrix(t, 0.8)
     assert np.allclose(P.sum(axis=0), 1.0)
     assert np.allclose(P @ t, t)  # E[S] = T
-    cells = np.repeat(np.arange(len(t)), t)
-    df = pd.DataFrame({"x": cells, "w": 1.0})
-    counts = np.zeros(len(t))
-    rng = np.random.default_rng(5)
-    reps = 4000
-    for _ in range(reps):
-        r = post_randomize(df, ["x"], 0.395, "w", None, seed=rng)
-        counts += np.bincount(r.data["x"].to_numpy(), minlength=len(t))
-    se = np.sqrt(t * 1.0 / reps)
-    assert np.all(np.abs(counts / reps - t) < 4 * se)
+    G = 2000
+    x = np.tile(np.repeat(np.arange(len(t)), t), G)
+    df = pd.DataFrame({"g": np.repeat(np.arange(G), t.sum()), "x": x, "w": 1.0})
+    r = post_randomize(df, ["g", "x"], 0.395, "w", {"g": None}, seed=5)
+    assert r.theta == pytest.approx(theta0(0.395)) and r.merges == []
+    assert r.block.nunique() == G  # one block per copy
+    assert (r.data["g"] == df["g"]).all()  # never out of its partition set
+    P = transition_matrix(t, r.theta)
+    n_from = G * t  # records starting in each cell
+    freq = pd.crosstab(r.data["x"], df["x"]).to_numpy() / n_from  # rows: to, columns: from
+    assert np.all(np.abs(freq - P) < 4.5 * np.sqrt(P * (1 - P) / n_from))
+    var_s = (P * (1 - P)) @ t  # variance of a block's count S_i (independent moves)
+    counts = np.bincount(r.data["x"], minlength=len(t)) / G
+    assert np.all(np.abs(counts - t) < 4.5 * np.sqrt(var_s / G))
 
 
 def _brute_risk(t, theta):
@@ -146,14 +152,15 @@ def test_small_partition_sets_are_merged():
     assert block_risk(r.block, r.cell, r.theta)["risk"].max() <= 0.395
 
 
-def test_task_gate_and_edit_failure(survey):
+def test_task_gate_and_edit_failure():
     from conftest import run_stage
 
     from sdl_design.edits import EditFailure
     from sdl_design.prb import PrbStage
     from sdl_design.spec import load_spec
 
-    spec = load_spec(Path(__file__).parents[1] / "flows" / "default_spec.yaml")
+    spec = load_spec(DEFAULT_SPEC)
+    survey = make_survey(n_persons=4000, seed=11)  # the weighted-count SEs cost ~ records
     out = run_stage(PrbStage, survey, spec, 5)
     assert out.gates[0].value <= 0.395 and out.metrics["m0"] == 5
     assert {"se", "se_star"} <= set(out.tables["weighted_counts"].columns)
@@ -167,10 +174,19 @@ def test_task_gate_and_edit_failure(survey):
 
 
 def test_tuned_theta_only_when_exact_risk_allows(survey):
-    r = post_randomize(survey, C, 0.395, "wt", PART, seed=2, tuned=True)
-    assert r.theta in (pytest.approx(theta_tuned(0.395)), pytest.approx(theta0(0.395)))
-    assert block_risk(r.block, r.cell, r.theta)["risk"].max() <= 0.395
-    assert len(r.notes) == 1
+    """Section 6: the tuned theta is kept only when eq. 2.2 under it, by brute force over every
+    block, stays <= xi; otherwise theta0 (here the tuned theta is rejected)."""
+    xi = 0.395
+    r = post_randomize(survey, C, xi, "wt", PART, seed=2, tuned=True)
+    ok = r.block.notna().to_numpy()
+    b, c = r.block.to_numpy()[ok].astype(int), r.cell[ok]
+    t = pd.Series(c).groupby([b, c]).size()
+    worst = max(max(_brute_risk(g.to_numpy(), theta_tuned(xi))) for _, g in t.groupby(level=0))
+    kept = worst <= xi
+    assert r.theta == pytest.approx(theta_tuned(xi) if kept else theta0(xi))
+    (note,) = r.notes
+    assert f"{worst:.4f}" in note and ("rejected" in note) == (not kept)
+    assert block_risk(r.block, r.cell, r.theta)["risk"].max() <= xi
 
 
 def test_tuned_theta_accepted_on_singleton_block():

@@ -143,7 +143,7 @@ def pg_url():
         stop()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.flow)])
 def url(request, tmp_path, monkeypatch):
     monkeypatch.delenv(reg.ENV_URL, raising=False)
     if request.param == "sqlite":
@@ -309,6 +309,7 @@ def test_concurrent_threads(url):
         assert c.execute(sa.text(n_events)).scalar() == 32
 
 
+@pytest.mark.flow
 def test_concurrent_processes_fresh_sqlite(tmp_path, monkeypatch):
     """3 processes create the schema and record at once on a new SQLite file: nothing lost."""
     monkeypatch.delenv(reg.ENV_URL, raising=False)

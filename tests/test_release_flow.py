@@ -5,9 +5,11 @@ import json
 import threading
 import time
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from helpers import PNG, SECTIONS, STAGE_TABLES, Parsed
 
 from expectations.suites import GateFailed
 from flows.cli import main as puf
@@ -15,7 +17,7 @@ from flows.cli import write_demo_spec
 from flows.publish import sha256_file
 from flows.release import ReleaseRejected, release_flow
 
-pytestmark = pytest.mark.usefixtures("prefect_server")
+pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_server")]
 
 N = 4000
 
@@ -53,10 +55,32 @@ def test_published_release(published):
     out = folder(path)
     assert manifest["status"] == "published"
     assert manifest["approval"]["approver"] == "tester"
-    assert all(g["passed"] for g in manifest["gates"]) and len(manifest["gates"]) >= 10
     public = sorted(p.name for p in (out / "public").iterdir())
     assert public == ["README.md", "codebook.csv", "puf.csv", "puf.parquet"]
     puf_df = pd.read_parquet(out / "public" / "puf.parquet")
+    # the gates, recomputed from the spec and the release's files
+    from sdl_design.spec import load_spec
+
+    spec = load_spec(path)
+    gates = {g["name"]: g for g in manifest["gates"]}
+    assert all(g["passed"] for g in gates.values())
+    se = pd.read_csv(out / "internal" / "swap" / "se_ratios.csv")["ratio"].to_numpy()
+    lo, hi = spec.gates.se_ratio
+    for label, q in (("median", 50), ("10th percentile", 10), ("90th percentile", 90)):
+        v = gates[f"swap: {label} of SE ratios, broad set (Taylor)"]["value"]
+        assert v == pytest.approx(np.percentile(se, q), rel=1e-9) and lo <= v <= hi
+    blocks = pd.read_csv(out / "internal" / "prb" / "risk_by_block.csv")
+    v = gates["prb.max_identification_risk"]["value"]
+    assert v == pytest.approx(blocks["max_risk"].max(), rel=1e-9) and v <= spec.gates.xi
+    assert gates["massc.delta"]["value"] <= spec.gates.delta_max
+    assert gates["massc.epsilon_formula"]["value"] <= spec.gates.epsilon_max + 1e-9
+    assert gates["output: weight wt positive"]["value"] == (puf_df["wt"] <= 0).sum() == 0
+    edits = [n for n in gates if n.startswith("output: edit[")]
+    assert len(edits) == len(spec.edits) and all(gates[n]["value"] == 0 for n in edits)
+    assert len(gates) == 3 + 3 + len(spec.edits) + 5  # swap, prb + massc, edits, output checks
+    # every table the tasks emit is in internal/ (the names test_report builds its outputs with)
+    written = {(p.parent.name, p.stem) for p in (out / "internal").glob("*/*.csv")}
+    assert written == {(s, t) for s, ts in STAGE_TABLES.items() for t in ts}
     for col in ("person_id", "name", "household", "segment"):
         assert col not in puf_df.columns
     assert (puf_df["wt"] > 0).all()
@@ -65,8 +89,6 @@ def test_published_release(published):
         out / "public" / "puf.parquet"
     )
     # the real report parses, with every section, each run stage and its plots embedded
-    from test_report import PNG, SECTIONS, Parsed
-
     rep = Parsed((out / "internal" / "report.html").read_text())
     assert set(SECTIONS) <= set(rep.ids)
     stages = {s["name"] for s in manifest["stages"]}

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import base64
 import json
-from html.parser import HTMLParser
 
 import numpy as np
 import pandas as pd
 import pytest
+from helpers import PNG, SECTIONS, STAGE_TABLES, Parsed
 
 from flows.report import MAX_ROWS, artifact_key, post_artifacts, render_report
 from sdl_design.stage import StageResult as StageOutput
 from sdl_design.swap import se_ratio_boxplot
-
-PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def se_table(seed: int) -> pd.DataFrame:
@@ -33,18 +31,28 @@ def se_table(seed: int) -> pd.DataFrame:
     )
 
 
+def _tables(stage: str, **given: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Every table the stage's task emits (helpers.STAGE_TABLES): the given ones, the others as
+    a one-row frame naming themselves."""
+    assert set(given) <= set(STAGE_TABLES[stage]), set(given) - set(STAGE_TABLES[stage])
+    return {t: given.get(t, pd.DataFrame({"table": [f"{stage}/{t}"]})) for t in STAGE_TABLES[stage]}
+
+
 def outputs(stages=("risk", "swap", "prb", "massc", "final")) -> list[StageOutput]:
+    """Stage outputs with the table, metric and parameter names the tasks really emit."""
     df = pd.DataFrame({"x": [1, 2]})
     made = {
         "risk": StageOutput(
             "risk",
             df,
             params={"keys": ["age", "sex"]},
-            metrics={"unique_share": 0.31},
-            tables={
-                "by_stratum": pd.DataFrame({"stratum": list("UDTO"), "records": [31, 20, 15, 34]}),
-                "records": pd.DataFrame({"record": range(500), "risk": 0.5}),
-            },
+            metrics={"unique_share": 0.31, "max_score": 1.0},
+            tables=_tables(
+                "risk",
+                by_stratum=pd.DataFrame({"stratum": list("UDTO"), "n_records": [31, 20, 15, 34]}),
+                records=pd.DataFrame({"record": range(500), "risk_score": 0.5}),
+            ),
+            figures={"score_hist": PNG + b"fake-but-valid-header"},
             notes=["1,234 key profiles"],
         ),
         "swap": StageOutput(
@@ -52,46 +60,67 @@ def outputs(stages=("risk", "swap", "prb", "massc", "final")) -> list[StageOutpu
             df,
             params={"method": "2b", "rate": 0.25},
             metrics={"se_ratio_median": 1.01, "share_swapped": 0.25},
-            tables={
-                "se_ratios": se_table(1),
-                "se_ratio_summary": pd.DataFrame(
+            tables=_tables(
+                "swap",
+                se_ratios=se_table(1),
+                se_ratio_summary=pd.DataFrame(
                     {"statistic": ["count", "50%"], "overall": [30, 1.0]}
                 ),
-                "pairs": pd.DataFrame({"segment_a": [1, 2], "segment_b": [3, 4]}),
-            },
+                pairs=pd.DataFrame({"segment_a": [1, 2], "segment_b": [3, 4]}),
+            ),
             figures={"se_ratio_boxplot": se_ratio_boxplot({"2b": se_table(1)})},
             notes=["Method 2b: 40 pairs"],
         ),
         "prb": StageOutput(
             "prb",
             df,
-            params={"xi": 0.395, "theta0": 0.61, "m0": 3},
+            params={"xi": 0.395, "theta": 0.799, "m0": 5, "method": "prb"},
             metrics={"max_risk": 0.39},
-            tables={
-                "risk_table": pd.DataFrame({"block": [1, 2], "risk": [0.38, 0.39]}),
-                "tvd": pd.DataFrame({"variables": ["age x sex"], "tvd": [0.012]}),
-                "weighted_counts": pd.DataFrame(
+            tables=_tables(
+                "prb",
+                risk_by_block=pd.DataFrame(
+                    {"m": [5, 6], "units": [7, 9], "max_risk": [0.38, 0.39]}
+                ),
+                tvd=pd.DataFrame({"variables": ["age x sex"], "prb": [0.012], "nzy": [0.02]}),
+                weighted_counts=pd.DataFrame(
                     {"cell": ["a", "b"], "orig": [10.0, 5.0], "masked": [9.5, 5.5]}
                 ),
-            },
+            ),
             figures={"risk_hist": PNG + b"fake-but-valid-header"},
         ),
         "massc": StageOutput(
             "massc",
             df,
-            params={"psi_max": 0.25, "calibration": {"method": "logit", "bounds": [0.5, 2.0]}},
-            metrics={"delta": 0.12, "epsilon": 0.05, "adj_min": 0.61, "adj_max": 1.83},
-            tables={
-                "delta_by_stratum": pd.DataFrame(
-                    {"stratum": list("UDTO"), "delta": [0.2, 0.1, 0.05, 0.01]}
-                ),
-                "calibration": pd.DataFrame(
-                    {"control": ["sex=female"], "target": [100.0], "achieved": [100.0]}
-                ),
+            params={
+                "psi_max": 0.25,
+                "calibration": {
+                    "method": "logit",
+                    "bounds": [0.5, 2.0],
+                    "infeasible_policy": "widen",
+                },
             },
+            metrics={
+                "delta": 0.12,
+                "epsilon": 0.05,
+                "calibration_factor_min": 0.61,
+                "calibration_factor_max": 1.83,
+            },
+            tables=_tables(
+                "massc",
+                delta=pd.DataFrame(
+                    {"appearance": list("udto"), "delta_bar": [0.2, 0.1, 0.05, 0.01]}
+                ),
+                weight_factors=pd.DataFrame(
+                    {"percentile": [0, 50, 100], "calibration_factor": [0.61, 1.0, 1.83]}
+                ),
+            ),
+            figures={"weight_factors": PNG + b"fake-but-valid-header"},
         ),
         "final": StageOutput(
-            "final", df, metrics={"se_ratio_median": 1.0}, tables={"se_ratios": se_table(2)}
+            "final",
+            df,
+            metrics={"se_ratio_median": 1.0},
+            tables=_tables("final", se_ratios=se_table(2)),
         ),
     }
     return [made[s] for s in stages]
@@ -144,42 +173,6 @@ def manifest(status="published", gates=None) -> dict:
     }
 
 
-class Parsed(HTMLParser):
-    def __init__(self, text):
-        super().__init__()
-        self.ids, self.imgs, self.srcs, self.text, self.rows = [], [], [], [], 0
-        self.feed(text)
-        self.close()
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        if "id" in a:
-            self.ids.append(a["id"])
-        if tag == "img":
-            self.imgs.append(a)
-        if "src" in a or "href" in a:
-            self.srcs.append(a.get("src") or a.get("href"))
-        if tag == "tr":
-            self.rows += 1
-
-    def handle_data(self, data):
-        self.text.append(data)
-
-
-SECTIONS = [
-    "summary",
-    "gates",
-    "approval",
-    "risk",
-    "identification-risk",
-    "se-ratios",
-    "utility",
-    "calibration",
-    "stages",
-    "provenance",
-]
-
-
 def test_full_report(tmp_path):
     path = render_report(manifest(), outputs(), tmp_path / "internal" / "report.html")
     html = path.read_text()
@@ -188,34 +181,57 @@ def test_full_report(tmp_path):
     assert {f"stage-{s}" for s in ("risk", "swap", "prb", "massc", "final")} <= set(p.ids)
     alts = sorted(i["alt"] for i in p.imgs)
     # every StageOutput figure once, plus the report's own SE-ratio box plot (swap vs final)
-    assert alts == ["final/se_ratios_boxplot", "prb/risk_hist", "swap/se_ratio_boxplot"]
+    assert alts == [
+        "final/se_ratios_boxplot",
+        "massc/weight_factors",
+        "prb/risk_hist",
+        "risk/score_hist",
+        "swap/se_ratio_boxplot",
+    ]
     for img in p.imgs:
         assert img["src"].startswith("data:image/png;base64,")
         assert base64.b64decode(img["src"].split(",", 1)[1]).startswith(PNG)
     assert all(s.startswith("data:") for s in p.srcs)  # self-contained: nothing fetched
     text = " ".join(p.text)
+    # each table the tasks emit is shown once (a placeholder table holds its own name)
+    for o in outputs():
+        for t, v in o.tables.items():
+            if list(v.columns) == ["table"]:
+                assert text.count(f"{o.name}/{t}") == 1, (o.name, t)
+    # in its section, under its caption
     for needle in (
         "before treatment (risk): by_stratum",
-        "after treatment (MASSC): delta_by_stratum",
-        "prb: risk_table",
+        "before treatment (risk): by_profile_size",
+        "after treatment (MASSC): delta",
+        "after treatment (MASSC): delta_profiles",
+        "prb: risk_by_block",
+        "prb: identification_risk",
         "prb: tvd",
         "prb: weighted_counts",
-        "massc: calibration",
+        "massc: replicate_calibration",
+        "massc: weight_factors",
         "swap (Table 1 form): se_ratio_summary",
+        "swap (Table 1 form): se_ratio_summary_baseline",
+        "swap (Table 1 form): se_ratio_summary_replicate",
         "final: SE ratios by deff class",
+        "final: se_ratio_summary",
+        "swap: SE ratio by characteristic",
+        "massc: rates",
+        "massc: study_totals",
         "dora",
         "approved",
         "Weight adjustment factors",
-        "adj_max",
+        "calibration_factor_max",
+        "infeasible_policy",
         "2 passed, 0 failed",
         "Method 2b: 40 pairs",
-        "theta0",
         "3.8.8",
     ):
         assert needle in text, needle
     # the record-level risk table and the swap map stay in their CSVs
-    assert "internal/risk/records.csv" in text and "internal/swap/pairs.csv" in text
-    assert "segment_a" not in html
+    assert "records: internal/risk/records.csv" in text
+    assert "pairs: internal/swap/pairs.csv" in text
+    assert "segment_a" not in html and "risk_score" not in html
     # the swap se_ratios table (30 rows) shown in full, not more than MAX_ROWS rows anywhere
     assert "v29" in text and p.rows < 20 * MAX_ROWS
 
@@ -230,7 +246,8 @@ def test_failed_gates_and_missing_stages(tmp_path):
     m.pop("versions")
     path = render_report(m, outputs(("risk",)), tmp_path / "r.html")
     p = Parsed(path.read_text())
-    assert set(SECTIONS) <= set(p.ids) and p.imgs == []
+    assert set(SECTIONS) <= set(p.ids)
+    assert [i["alt"] for i in p.imgs] == ["risk/score_hist"]  # the only stage run: its figure
     text = " ".join(p.text)
     assert "FAILED" in text and "1 passed, 1 failed" in text and "gates failed" in text
     for absent in ("PRB stage not run.", "MASSC stage not run.", "No SE ratios computed."):
@@ -251,6 +268,7 @@ def test_artifact_key():
     assert artifact_key("puf-Default_Survey-2026") == "puf-default-survey-2026"
 
 
+@pytest.mark.flow
 @pytest.mark.usefixtures("prefect_server")
 def test_post_artifacts_in_a_flow():
     from prefect import flow

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from helpers import paper000_table1
 
 from sdl_design.risk import (
     RiskInputError,
@@ -22,15 +23,7 @@ from sdl_design.spec import KeySpec, SensitiveSpec, parse_spec
 
 # ---------------------------------------------------------------- paper 000, Table 1(b)
 
-# Obs 1..10: age category (1: 12-16, 2: 17-20, 3: 21-24, 4: 25-29), gender, binge drinking
-TABLE_1B = pd.DataFrame(
-    {
-        "age": [4, 2, 2, 1, 4, 1, 3, 2, 3, 3],
-        "gender": ["F", "F", "F", "M", "F", "F", "M", "M", "M", "M"],
-        "alc": ["N", "Y", "Y", "Y", "N", "Y", "N", "Y", "Y", "Y"],
-    },
-    index=pd.RangeIndex(1, 11, name="obs"),
-)
+TABLE_1B = paper000_table1()
 ALC = {"alc": {"Y": 1.0, "N": 0.0}}
 SCORES_1B = [0, 1, 1, 1, 0, 1, 4 / 9, 1, 4 / 9, 4 / 9]
 STRATA_1B = ["D", "D", "D", "U", "D", "U", "T", "U", "T", "T"]
@@ -199,6 +192,17 @@ def _truth(sample: pd.DataFrame, F: np.ndarray):
     return float((F[su] == 1).sum()), float((1.0 / F[su]).sum()), su
 
 
+def _assert_close_to_oracle(res, nu: np.ndarray, t1: float, t2: float) -> None:
+    """tau1, tau2 within 12% / 8% of eq. 4 at the true lambda (nu = lambda (1 - pi) of each
+    sample unique), and within 3 model SDs (plus that margin) of the realised counts t1, t2."""
+    o1, o2 = np.exp(-nu).sum(), (-np.expm1(-nu) / nu).sum()
+    sd1, sd2 = _model_sd(nu)
+    assert res.tau1 == pytest.approx(o1, rel=0.12)
+    assert res.tau2 == pytest.approx(o2, rel=0.08)
+    assert abs(res.tau1 - t1) < 3 * sd1 + 0.12 * o1
+    assert abs(res.tau2 - t2) < 3 * sd2 + 0.08 * o2
+
+
 def _model_sd(nu: np.ndarray) -> tuple[float, float]:
     """SD of tau1 and tau2 given the sample under F = 1 + Poisson(nu) for each sample unique."""
     p1 = np.exp(-nu)
@@ -227,14 +231,7 @@ def test_loglinear_bernoulli_sample_close_to_truth():
     res = loglinear_risk(s, KEYS, pi=pi)
     assert res.method == "ML" and res.fit.converged
     assert res.n_unique == len(su) and res.p_unique.notna().sum() == len(su)
-    # the oracle: eq. 4 with the true lambda
-    nu = lam[su] * (1 - pi)
-    o1, o2 = np.exp(-nu).sum(), (-np.expm1(-nu) / nu).sum()
-    sd1, sd2 = _model_sd(nu)
-    assert res.tau1 == pytest.approx(o1, rel=0.12)
-    assert res.tau2 == pytest.approx(o2, rel=0.08)
-    assert abs(res.tau1 - t1) < 3 * sd1 + 0.12 * o1
-    assert abs(res.tau2 - t2) < 3 * sd2 + 0.08 * o2
+    _assert_close_to_oracle(res, lam[su] * (1 - pi), t1, t2)  # eq. 4 with the true lambda
     assert t1 > 30  # enough population uniques for the check to mean something
     # per record values are the eq. 4 functions of the fitted lambda
     u = res.p_unique.notna()
@@ -255,13 +252,7 @@ def test_pseudo_ml_unequal_weights_close_to_truth():
     t1, t2, su = _truth(s, F)
     res = loglinear_risk(s, KEYS, weight="w")
     assert res.method == "pseudo-ML" and res.fit.converged
-    nu = lam[su] * (1 - pi_by[su // np.prod(LEVELS[1:])])
-    o1, o2 = np.exp(-nu).sum(), (-np.expm1(-nu) / nu).sum()
-    sd1, sd2 = _model_sd(nu)
-    assert res.tau1 == pytest.approx(o1, rel=0.12)
-    assert res.tau2 == pytest.approx(o2, rel=0.08)
-    assert abs(res.tau1 - t1) < 3 * sd1 + 0.12 * o1
-    assert abs(res.tau2 - t2) < 3 * sd2 + 0.08 * o2
+    _assert_close_to_oracle(res, lam[su] * (1 - pi_by[su // np.prod(LEVELS[1:])]), t1, t2)
     # per record pi_hat = 1/w in eq. 4
     u = res.p_unique.notna()
     nu_hat = res.lam[u] * (1 - 1 / s.loc[u, "w"])
@@ -417,13 +408,19 @@ def test_risk_task_runs_on_small_frame():
     assert m["n_double"] == (strata == "D").sum()
     rec = out.tables["records"]
     assert len(rec) == len(df) and rec["stratum"].tolist() == strata.astype(str).tolist()
-    sens = {
-        "diabetes": {0: 0.0, 1: 1.0},
-    }
-    r_diab = genmassc_scores(df, keys, sens)
-    assert (rec["risk_score"].to_numpy() >= r_diab.to_numpy() - 1e-12).all()
-    assert m["max_score"] == pytest.approx(rec["risk_score"].max())
-    assert m["tau1"] == pytest.approx(rec["p_unique"].sum())
+    # r_k: the larger of the one-variable scores of diabetes and of income in its bins (eq. 1-2)
+    r_each = np.column_stack(
+        [genmassc_scores(df, keys, [s]).to_numpy() for s in spec.variables.sensitive]
+    )
+    np.testing.assert_allclose(rec["risk_score"], r_each.max(axis=1), atol=1e-12)
+    assert m["max_score"] == pytest.approx(r_each.max())
+    assert m["mean_score"] == pytest.approx(r_each.max(axis=1).mean())
+    # tau1, tau2: the pseudo-ML log-linear fit on the design weight (paper 001 eq. 7), fitted alone
+    ll = loglinear_risk(df, keys, weight="wt")
+    assert ll.method == "pseudo-ML"
+    assert m["tau1"] == pytest.approx(ll.tau1, rel=1e-9)
+    assert m["tau2"] == pytest.approx(ll.tau2, rel=1e-9)
+    np.testing.assert_allclose(rec["p_unique"], ll.p_unique.to_numpy(), rtol=1e-9)
     assert m["tau2"] >= m["tau1"] - 1e-12  # E(1/F) >= P(F = 1)
     assert out.tables["by_stratum"]["n_records"].sum() == len(df)
     (g,) = out.gates

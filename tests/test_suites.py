@@ -92,8 +92,13 @@ def test_metric_gates_say_by_how_much():
     assert res.loc["massc.delta", "detail"] == "0.31 is above 0.25 by 0.06"
     assert res.loc["swap.se_ratio_p10", "detail"] == "0.7 is below 0.8 by 0.1"
     assert res.loc["swap.se_ratio_median", "threshold"] == "[0.8, 1.25]"
-    with pytest.raises(GateFailed, match="3 of 4 checks failed"):
-        raise GateFailed("gates", res.reset_index())
+    # the suite's exception lists the failed checks, each with its detail
+    assert str(GateFailed("gates", res.reset_index())).splitlines() == [
+        "gates: 3 of 4 checks failed",
+        "  - massc.delta: 0.31 is above 0.25 by 0.06",
+        "  - swap.se_ratio_p10: 0.7 is below 0.8 by 0.1",
+        "  - prb.max_risk: metric is missing",
+    ]
 
 
 def test_output_gates(data):
@@ -115,4 +120,5 @@ def test_output_gates(data):
     assert res.loc["output: weight w positive", "value"] == 1
     # with a masked design the pseudo labels must be there
     res = validate_output(puf, spec, [], masked_design=True).set_index("name")
-    assert not res.loc[res.index.str.contains("columns present"), "passed"].iloc[0]
+    req = res.loc[res.index.str.contains("columns present")].iloc[0]
+    assert not req.passed and req.value == 2 and "['h', 'p']" in req.detail  # strata, PSU

@@ -1,0 +1,93 @@
+"""Shared test data and helpers: paper 000's worked example, the default spec's path, an HTML
+parser for the release and monitoring reports. Found by the tests through pytest's rootdir
+import (tests/ is on sys.path), from any current directory."""
+
+from __future__ import annotations
+
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_SPEC = ROOT / "flows" / "default_spec.yaml"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def paper000_table1() -> pd.DataFrame:
+    """Paper 000, Table 1: obs 1..10, age category (1: 12-16, 2: 17-20, 3: 21-24, 4: 25-29),
+    gender, binge drinking (alc)."""
+    return pd.DataFrame(
+        {
+            "age": [4, 2, 2, 1, 4, 1, 3, 2, 3, 3],
+            "gender": ["F", "F", "F", "M", "F", "F", "M", "M", "M", "M"],
+            "alc": ["N", "Y", "Y", "Y", "N", "Y", "N", "Y", "Y", "Y"],
+        },
+        index=pd.RangeIndex(1, 11, name="obs"),
+    )
+
+
+class Parsed(HTMLParser):
+    """Element ids, <img> attributes, every src/href, text and table-row count of an HTML page."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.ids, self.imgs, self.srcs, self.text, self.rows = [], [], [], [], 0
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if "id" in a:
+            self.ids.append(a["id"])
+        if tag == "img":
+            self.imgs.append(a)
+        if "src" in a or "href" in a:
+            self.srcs.append(a.get("src") or a.get("href"))
+        if tag == "tr":
+            self.rows += 1
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+# The tables each stage's task puts in StageOutput.tables (tasks/*.py) on the default spec, as
+# a release writes them to internal/<stage>/<table>.csv. test_report builds its stage outputs
+# with these names; test_release_flow checks them against a real release.
+STAGE_TABLES = {
+    "risk": ["records", "by_stratum", "by_profile_size"],
+    "swap": [
+        "pairs",
+        "se_ratios",
+        "se_ratio_summary",
+        "se_ratio_summary_baseline",
+        "se_ratio_summary_replicate",
+        "matching_variance",
+    ],
+    "prb": ["blocks", "risk_by_block", "identification_risk", "weighted_counts", "tvd"],
+    "massc": [
+        "rates",
+        "delta",
+        "delta_profiles",
+        "epsilon_formula",
+        "study_totals",
+        "replicate_calibration",
+        "weight_factors",
+        "epsilon_replications",
+    ],
+    "topcode": ["thresholds"],
+    "final": ["se_ratios", "se_ratio_summary"],
+}
+# the report's sections (element ids), in order
+SECTIONS = [
+    "summary",
+    "gates",
+    "approval",
+    "risk",
+    "identification-risk",
+    "se-ratios",
+    "utility",
+    "calibration",
+    "stages",
+    "provenance",
+]
