@@ -423,8 +423,5 @@ def test_risk_task_runs_on_small_frame():
     np.testing.assert_allclose(rec["p_unique"], ll.p_unique.to_numpy(), rtol=1e-9)
     assert m["tau2"] >= m["tau1"] - 1e-12  # E(1/F) >= P(F = 1)
     assert out.tables["by_stratum"]["n_records"].sum() == len(df)
-    (g,) = out.gates
-    assert g.name == "risk.unique_share" and g.upper == 0.5
-    assert g.value == pytest.approx(m["unique_share"])
-    assert not _small_spec().gates.max_unique_share
-    assert run_stage(RiskStage, df, _small_spec(), 1).gates == []
+    # the input's risk is a diagnostic: max_unique_share is gated on the published file
+    assert out.gates == []
