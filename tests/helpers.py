@@ -51,7 +51,7 @@ class Parsed(HTMLParser):
         self.text.append(data)
 
 
-# The tables each stage's task puts in StageOutput.tables (tasks/*.py) on the default spec, as
+# The tables each stage puts in StageResult.tables (sdl_design stages) on the default spec, as
 # a release writes them to internal/<stage>/<table>.csv. test_report builds its stage outputs
 # with these names; test_release_flow checks them against a real release.
 STAGE_TABLES = {
@@ -77,6 +77,7 @@ STAGE_TABLES = {
     ],
     "topcode": ["thresholds"],
     "final": ["se_ratios", "se_ratio_summary"],
+    "assess": ["domain_estimates", "model_coefficients", "worst_estimates"],
 }
 # the report's sections (element ids), in order
 SECTIONS = [
