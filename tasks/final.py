@@ -30,7 +30,7 @@ def _se_table(df: pd.DataFrame, spec: ReleaseSpec) -> pd.DataFrame:
         "replicate_weights": rw,
     }
     exclude = [*spec.variables.direct_identifiers, *(c for c in (d.household,) if c)]
-    chars = broad_characteristics(df, cols, exclude=exclude)
+    chars = broad_characteristics(df, cols, exclude=exclude, domains=spec.variables.keys[:2])
     method = d.replicate_weights.method if (rw and d.replicate_weights) else None
     rho = d.replicate_weights.rho if method else None
     return domain_mean_se(df, chars, d.weight, d.strata, d.psu, rw, method, rho)

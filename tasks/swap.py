@@ -22,7 +22,7 @@ def swap_task(df: pd.DataFrame, spec, seed: int) -> StageOutput:
     exclude = list(spec.variables.direct_identifiers)
     if spec.design.household:
         exclude.append(spec.design.household)
-    chars = broad_characteristics(df, design=dc, exclude=exclude)
+    chars = broad_characteristics(df, design=dc, exclude=exclude, domains=spec.variables.keys[:2])
     kw = dict(
         max_share=st.max_share,
         cumulative=st.cumulative,
