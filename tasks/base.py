@@ -21,6 +21,8 @@ class StageOutput:
     figures: dict[str, bytes] = field(default_factory=dict)  # PNG bytes for the report
     drop_public: list[str] = field(default_factory=list)  # columns never to publish
     notes: list[str] = field(default_factory=list)  # sentences for the report
+    report_tables: list[str] = field(default_factory=list)  # tables the report shows, in order
+    se_ratio_table: str | None = None  # the table of SE ratios the registry keeps, if any
 
 
 def gate(name: str, value: float, lower: float | None = None, upper: float | None = None) -> dict:

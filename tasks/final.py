@@ -98,4 +98,6 @@ def final_task(
             "se_ratio_summary": deff_class_summary(out["ratio"], out["deff"]).reset_index(),
         },
         notes=notes,
+        report_tables=["se_ratio_summary", "se_ratios"],
+        se_ratio_table="se_ratios",
     )

@@ -193,6 +193,7 @@ def massc_task(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame) -> Sta
         gates=gates,
         figures={"weight_factors": _weight_factor_figure(data, cfg.weight, tr)},
         notes=notes,
+        report_tables=["rates", "delta", "delta_profiles", "epsilon_formula", *cal_tables],
     )
 
 
@@ -253,6 +254,7 @@ def massc_epsilon(out: StageOutput, estimates: Sequence[np.ndarray], spec) -> St
     out.metrics["n_replications"] = float(len(est))
     out.metrics["epsilon"] = max(out.metrics.get("epsilon_formula", 0.0), eps)
     out.tables["epsilon_replications"] = table
+    out.report_tables.append("epsilon_replications")
     out.notes.append(
         f"Empirical epsilon over {len(est)} replications of the whole treatment: {eps:.4f}."
     )

@@ -106,4 +106,5 @@ def prb_task(df: pd.DataFrame, spec: ReleaseSpec, seed: int) -> StageOutput:
         if len(risk)
         else {},
         notes=notes,
+        report_tables=["identification_risk", "risk_by_block", "weighted_counts", "tvd"],
     )

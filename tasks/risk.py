@@ -80,4 +80,5 @@ def risk_task(df: pd.DataFrame, spec: ReleaseSpec, seed: int) -> StageOutput:
         gates=gates,
         figures=figures,
         notes=notes,
+        report_tables=["by_stratum", "by_profile_size"],
     )

@@ -11,6 +11,9 @@ from sdl_design.swap import design_columns, se_ratio_boxplot, swap_segments
 from sdl_design.utility import broad_characteristics, deff_class_summary, se_ratio_metrics
 from tasks.base import StageOutput, design_from_spec, gate
 
+# the SE-ratio summaries (Table 1 form) the report shows, in order; the pairs stay in their CSV
+SUMMARIES = ("se_ratio_summary", "se_ratio_summary_baseline", "se_ratio_summary_replicate")
+
 
 @task(name="swap", cache_policy=NO_CACHE)
 def swap_task(df: pd.DataFrame, spec, seed: int) -> StageOutput:
@@ -99,6 +102,12 @@ def swap_task(df: pd.DataFrame, spec, seed: int) -> StageOutput:
         figures=figs,
         drop_public=[c for c in (spec.design.segment,) if c],
         notes=notes,
+        report_tables=[
+            *(k for k in SUMMARIES if k in tables),
+            "matching_variance",
+            "se_ratios",
+        ],
+        se_ratio_table="se_ratios",
     )
 
 

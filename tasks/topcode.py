@@ -66,6 +66,7 @@ def topcode_task(df: pd.DataFrame, spec: ReleaseSpec, seed: int) -> StageOutput:
         metrics=metrics,
         tables={"thresholds": table},
         notes=notes,
+        report_tables=["thresholds"],
     )
 
 

@@ -10,11 +10,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from flows.manifest import Manifest
 from flows.report import MAX_ROWS, artifact_key, post_artifacts, render_report
+from sdl_design.stage import StageResult
 from sdl_design.swap import se_ratio_boxplot
-from tasks.base import StageOutput
 
 PNG = b"\x89PNG\r\n\x1a\n"
+FLOW = ("risk", "swap", "prb", "massc", "topcode", "final")  # the flow's stages, in order
 
 
 def se_table(seed: int) -> pd.DataFrame:
@@ -33,10 +35,10 @@ def se_table(seed: int) -> pd.DataFrame:
     )
 
 
-def outputs(stages=("risk", "swap", "prb", "massc", "final")) -> list[StageOutput]:
+def outputs(stages=("risk", "swap", "prb", "massc", "final")) -> list[StageResult]:
     df = pd.DataFrame({"x": [1, 2]})
     made = {
-        "risk": StageOutput(
+        "risk": StageResult(
             "risk",
             df,
             params={"keys": ["age", "sex"]},
@@ -46,14 +48,15 @@ def outputs(stages=("risk", "swap", "prb", "massc", "final")) -> list[StageOutpu
                 "records": pd.DataFrame({"record": range(500), "risk": 0.5}),
             },
             notes=["1,234 key profiles"],
+            report_tables=["by_stratum"],
         ),
-        "swap": StageOutput(
+        "swap": StageResult(
             "swap",
             df,
             params={"method": "2b", "rate": 0.25},
             metrics={"se_ratio_median": 1.01, "share_swapped": 0.25},
             tables={
-                "se_ratios": se_table(1),
+                "ratios_by_characteristic": se_table(1),
                 "se_ratio_summary": pd.DataFrame(
                     {"statistic": ["count", "50%"], "overall": [30, 1.0]}
                 ),
@@ -61,8 +64,10 @@ def outputs(stages=("risk", "swap", "prb", "massc", "final")) -> list[StageOutpu
             },
             figures={"se_ratio_boxplot": se_ratio_boxplot({"2b": se_table(1)})},
             notes=["Method 2b: 40 pairs"],
+            report_tables=["se_ratio_summary", "ratios_by_characteristic"],
+            se_ratio_table="ratios_by_characteristic",
         ),
-        "prb": StageOutput(
+        "prb": StageResult(
             "prb",
             df,
             params={"xi": 0.395, "theta0": 0.61, "m0": 3},
@@ -75,8 +80,9 @@ def outputs(stages=("risk", "swap", "prb", "massc", "final")) -> list[StageOutpu
                 ),
             },
             figures={"risk_hist": PNG + b"fake-but-valid-header"},
+            report_tables=["weighted_counts", "tvd"],  # risk_table: CSV only
         ),
-        "massc": StageOutput(
+        "massc": StageResult(
             "massc",
             df,
             params={"psi_max": 0.25, "calibration": {"method": "logit", "bounds": [0.5, 2.0]}},
@@ -89,15 +95,21 @@ def outputs(stages=("risk", "swap", "prb", "massc", "final")) -> list[StageOutpu
                     {"control": ["sex=female"], "target": [100.0], "achieved": [100.0]}
                 ),
             },
+            report_tables=["calibration", "delta_by_stratum", "epsilon_replications"],
         ),
-        "final": StageOutput(
-            "final", df, metrics={"se_ratio_median": 1.0}, tables={"se_ratios": se_table(2)}
+        "final": StageResult(
+            "final",
+            df,
+            metrics={"se_ratio_median": 1.0},
+            tables={"se_ratios": se_table(2)},
+            report_tables=["se_ratios"],
+            se_ratio_table="se_ratios",
         ),
     }
     return [made[s] for s in stages]
 
 
-def manifest(status="published", gates=None) -> dict:
+def manifest(status="published", gates=None) -> Manifest:
     gates = (
         gates
         if gates is not None
@@ -111,37 +123,38 @@ def manifest(status="published", gates=None) -> dict:
             },
         ]
     )
-    return {
-        "release": {
-            "name": "default-survey",
-            "year": 2026,
-            "release_id": "default-survey-2026-0a1b2c3d",
-            "created": "2026-02-01T06:00:00",
-        },
-        "status": status,
-        "reason": None if status == "published" else "gates failed",
-        "hashes": {
-            "spec": "a" * 64,
-            "input": "b" * 64,
-            "outputs": {"public/puf.parquet": "c" * 64},
-        },
-        "versions": {"python": "3.11.7", "prefect": "3.8.8"},
-        "parameters": {},
-        "metrics": {"massc.delta": 0.12, "risk.n_unique": np.int64(5)},
-        "gates": gates,
-        "approval": {
-            "required": True,
-            "approver": "dora",
-            "decision": "approved",
-            "comment": "ok",
-            "at": None,
-        },
-        "stages": [
-            {"name": n, "notes": [], "params": {}}
-            for n in ("risk", "swap", "prb", "massc", "final")
-        ],
-        "counts": {"n_input": 4000, "n_output": 3900},
-    }
+    return Manifest.model_validate(
+        {
+            "release": {
+                "name": "default-survey",
+                "year": 2026,
+                "release_id": "default-survey-2026-0a1b2c3d",
+                "created": "2026-02-01T06:00:00",
+            },
+            "status": status,
+            "reason": None if status == "published" else "gates failed",
+            "hashes": {
+                "spec": "a" * 64,
+                "input": "b" * 64,
+                "outputs": {"public/puf.parquet": "c" * 64},
+            },
+            "versions": {"python": "3.11.7", "prefect": "3.8.8"},
+            "metrics": {"massc.delta": 0.12, "risk.n_unique": np.int64(5)},
+            "gates": gates,
+            "approval": {
+                "required": True,
+                "approver": "dora",
+                "decision": "approved",
+                "comment": "ok",
+                "at": None,
+            },
+            "stages": [
+                {"name": n, "notes": [], "params": {}}
+                for n in ("risk", "swap", "prb", "massc", "final")
+            ],
+            "counts": {"n_input": 4000, "n_output": 3900},
+        }
+    )
 
 
 class Parsed(HTMLParser):
@@ -166,46 +179,37 @@ class Parsed(HTMLParser):
         self.text.append(data)
 
 
-SECTIONS = [
-    "summary",
-    "gates",
-    "approval",
-    "risk",
-    "identification-risk",
-    "se-ratios",
-    "utility",
-    "calibration",
-    "stages",
-    "provenance",
-]
+SECTIONS = ["summary", "gates", "approval", "se-ratios", "stages", "provenance"]
 
 
 def test_full_report(tmp_path):
-    path = render_report(manifest(), outputs(), tmp_path / "internal" / "report.html")
+    path = render_report(manifest(), outputs(), tmp_path / "internal" / "report.html", FLOW)
     html = path.read_text()
     p = Parsed(html)
-    assert set(SECTIONS) <= set(p.ids)
-    assert {f"stage-{s}" for s in ("risk", "swap", "prb", "massc", "final")} <= set(p.ids)
+    assert [i for i in p.ids if i in SECTIONS] == SECTIONS  # in this order
+    assert [i for i in p.ids if i.startswith("stage-")] == [f"stage-{s}" for s in FLOW]
     alts = sorted(i["alt"] for i in p.imgs)
-    # every StageOutput figure once, plus the report's own SE-ratio box plot (swap vs final)
-    assert alts == ["final/se_ratios_boxplot", "prb/risk_hist", "swap/se_ratio_boxplot"]
+    # every figure of every result once, plus the report's SE-ratio box plot (swap vs final)
+    assert alts == ["prb/risk_hist", "se-ratios/by-stage", "swap/se_ratio_boxplot"]
     for img in p.imgs:
         assert img["src"].startswith("data:image/png;base64,")
         assert base64.b64decode(img["src"].split(",", 1)[1]).startswith(PNG)
     assert all(s.startswith("data:") for s in p.srcs)  # self-contained: nothing fetched
     text = " ".join(p.text)
     for needle in (
-        "before treatment (risk): by_stratum",
-        "after treatment (MASSC): delta_by_stratum",
-        "prb: risk_table",
-        "prb: tvd",
-        "prb: weighted_counts",
+        "risk: by_stratum",
         "massc: calibration",
-        "swap (Table 1 form): se_ratio_summary",
-        "final: SE ratios by deff class",
+        "massc: delta_by_stratum",
+        "prb: weighted_counts",
+        "prb: tvd",
+        "swap: se_ratio_summary",
+        "swap: SE ratios by design-effect class",
+        "final: SE ratios by design-effect class",
+        "internal/swap/ratios_by_characteristic.csv",
+        "epsilon_replications: not produced by this run.",
+        "Not run: switched off in the spec.",
         "dora",
         "approved",
-        "Weight adjustment factors",
         "adj_max",
         "2 passed, 0 failed",
         "Method 2b: 40 pairs",
@@ -213,10 +217,20 @@ def test_full_report(tmp_path):
         "3.8.8",
     ):
         assert needle in text, needle
-    # the record-level risk table and the swap map stay in their CSVs
-    assert "internal/risk/records.csv" in text and "internal/swap/pairs.csv" in text
-    assert "segment_a" not in html
-    # the swap se_ratios table (30 rows) shown in full, not more than MAX_ROWS rows anywhere
+    # declared tables in the declared order, not in the order of the tables dict
+    assert text.index("massc: calibration") < text.index("massc: delta_by_stratum")
+    assert text.index("prb: weighted_counts") < text.index("prb: tvd")
+    # undeclared tables stay in their CSVs, whatever their names (risk_table is not shown)
+    for csv in (
+        "internal/risk/records.csv",
+        "internal/swap/pairs.csv",
+        "internal/prb/risk_table.csv",
+    ):
+        assert csv in text
+    assert "segment_a" not in html and "prb: risk_table" not in text
+    # SE-ratio summary by class: the overall median of the 30 final ratios, as numpy has it
+    assert f"{np.median(se_table(2)['ratio']):.4g}" in text
+    # the swap ratios (30 rows) shown in full, not more than MAX_ROWS rows anywhere
     assert "v29" in text and p.rows < 20 * MAX_ROWS
 
 
@@ -226,23 +240,29 @@ def test_failed_gates_and_missing_stages(tmp_path):
         {"name": "swap: median SE ratio", "passed": True, "value": 1.0, "threshold": "[0.8, 1.25]"},
     ]
     m = manifest("rejected", gates)
-    m["approval"] = {}
-    m.pop("versions")
-    path = render_report(m, outputs(("risk",)), tmp_path / "r.html")
+    m.approval = m.approval.model_copy(update={"approver": None, "decision": None})
+    m.versions = {}
+    path = render_report(m, outputs(("risk",)), tmp_path / "r.html", FLOW)
     p = Parsed(path.read_text())
     assert set(SECTIONS) <= set(p.ids) and p.imgs == []
+    assert [i for i in p.ids if i.startswith("stage-")] == [f"stage-{s}" for s in FLOW]
     text = " ".join(p.text)
     assert "FAILED" in text and "1 passed, 1 failed" in text and "gates failed" in text
-    for absent in ("PRB stage not run.", "MASSC stage not run.", "No SE ratios computed."):
-        assert absent in text
-    # nothing at all
-    p = Parsed(render_report({"release": {}}, [], tmp_path / "e.html").read_text())
-    assert set(SECTIONS) <= set(p.ids) and "No gate was evaluated." in " ".join(p.text)
+    assert "No SE ratios computed." in text
+    # five stages of the flow without a result, each said so
+    assert text.count("Not run: switched off in the spec, or the release stopped before it.") == 5
+    # nothing at all: a drafted release with no gate, no stage
+    bare = Manifest.model_validate({"release": {"name": "s", "year": 2026, "release_id": "s-1"}})
+    p = Parsed(render_report(bare, [], tmp_path / "e.html").read_text())
+    text = " ".join(p.text)
+    assert set(SECTIONS) <= set(p.ids)
+    assert "No gate was evaluated." in text and "No stage ran." in text
 
 
 def test_long_table_truncated(tmp_path):
     o = outputs(("risk",))
     o[0].tables["by_profile_size"] = pd.DataFrame({"size": range(500), "n": range(500)})
+    o[0].report_tables.append("by_profile_size")
     text = " ".join(Parsed(render_report(manifest(), o, tmp_path / "r.html").read_text()).text)
     assert f"first {MAX_ROWS} of 500 rows; all rows in internal/risk/by_profile_size.csv" in text
 
@@ -268,7 +288,9 @@ def test_post_artifacts_in_a_flow():
 
     @flow
     def f():
-        return post_artifacts(manifest("rejected", gates), outputs(("risk",)))
+        m = manifest("rejected", gates)
+        m.stages[0].notes = ["1,234 key profiles"]
+        return post_artifacts(m)
 
     keys = f()
     assert keys == [
@@ -285,3 +307,5 @@ def test_post_artifacts_in_a_flow():
     assert metrics == {"massc.delta": 0.12, "risk.n_unique": 5}
     md = Artifact.get(keys[0]).data
     assert "## Failed gates" in md and "g1: 0.31" in md
+    # stage notes from the manifest's stage records
+    assert "## risk\n\n- 1,234 key profiles" in md and "## swap" not in md
