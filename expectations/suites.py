@@ -264,15 +264,13 @@ def validate_metric_gates(gates: Sequence[dict]) -> pd.DataFrame:
 
 def output_checks(spec: ReleaseSpec, masked_design: bool) -> tuple[list[str], list[str]]:
     """(columns that must not be in the PUF, columns that must be in it)."""
+    from flows.publish import forbidden_columns
+
     d = spec.design
-    forbidden = list(spec.variables.direct_identifiers)
-    forbidden += [c for c in (d.segment, d.household) if c]
-    if not masked_design and not d.publish_design_labels:
-        forbidden += [d.strata, d.psu]
     required = [d.weight, *spec.variables.key_names, *spec.variables.study]
     if masked_design:
         required += [d.strata, d.psu]
-    return sorted(set(forbidden)), list(dict.fromkeys(required))
+    return forbidden_columns(spec, masked_design), list(dict.fromkeys(required))
 
 
 def validate_output(

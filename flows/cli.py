@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
+from flows.env import quiet_env
+
+if TYPE_CHECKING:
+    from flows.manifest import Manifest
+
 DEFAULT_SPEC = "default_spec.yaml"
-
-
-def _quiet_env() -> None:
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("MPLBACKEND", "Agg")
 
 
 def default_spec_text() -> str:
@@ -43,20 +41,18 @@ def write_demo_spec(workdir: Path, n_persons: int | None = None) -> Path:
     return path
 
 
-def _print_release(manifest: dict, out_dir: Path) -> None:
-    rel = manifest["release"]
-    print(f"release {rel['release_id']}: {manifest['status']}")
-    folder = out_dir / rel["name"] / str(rel["year"])
+def _print_release(manifest: Manifest, out_dir: Path) -> None:
+    rel = manifest.release
+    print(f"release {rel.release_id}: {manifest.status}")
+    folder = out_dir / rel.name / str(rel.year)
     print(
         f"  public file : {folder / 'public' / 'puf.parquet'}  (and puf.csv, codebook.csv, README.md)"
     )
     print(f"  report      : {folder / 'internal' / 'report.html'}")
     print(f"  gate results: {folder / 'internal' / 'gates.csv'}")
     print(f"  manifest    : {folder / 'internal' / 'manifest.json'}")
-    failed = [g for g in manifest["gates"] if not g["passed"]]
-    print(
-        f"  gates       : {len(manifest['gates']) - len(failed)} of {len(manifest['gates'])} passed"
-    )
+    n = len(manifest.gates)
+    print(f"  gates       : {n - manifest.n_failed_gates} of {n} passed")
 
 
 def _run(
@@ -144,7 +140,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _quiet_env()
+    quiet_env()
     p = argparse.ArgumentParser(
         prog="puf", description="Build, gate and publish a public-use survey file."
     )

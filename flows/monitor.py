@@ -4,6 +4,7 @@ flags, an HTML report and Prefect artifacts. The statistics are small pure funct
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,22 +13,39 @@ import pandas as pd
 from prefect import flow
 
 from flows import registry as reg
+from flows.html import artifact_key, img
+from flows.html import table as html_table
+from flows.manifest import Manifest
 
-# metric of the manifest (first one present) for each monitored quantity: the gated one first
+# the metric each monitored quantity is (as the stages emit it, the gated one) and its label
 METRICS = {
-    "delta": ("massc.delta",),
-    "epsilon": ("massc.epsilon_formula", "massc.epsilon"),
-    "id_risk": ("prb.max_risk", "prb.identification_risk", "prb.risk_max"),
+    "delta": "massc.delta",
+    "epsilon": "massc.epsilon_formula",
+    "id_risk": "prb.max_risk",
+    "unique_share": "risk.unique_share",
 }
-# spec gates field giving the threshold of each quantity
-THRESHOLD_FIELDS = {"delta": "delta_max", "epsilon": "epsilon_max", "id_risk": "xi"}
+LABELS = {
+    "delta": "delta",
+    "epsilon": "epsilon",
+    "id_risk": "identification risk",
+    "unique_share": "sample-unique share",
+}
+# the spec's gates field (recorded in each release's manifest) giving each quantity's threshold
+THRESHOLD_FIELDS = {
+    "delta": "delta_max",
+    "epsilon": "epsilon_max",
+    "id_risk": "xi",
+    "unique_share": "max_unique_share",
+}
 SE_SOURCES = ("final", "swap")  # preferred SE-ratio table of a release, in order
-# "<stage>.share_treated", "<stage>.share_swapped", "<stage>.changed_share", ...
-TREATED = re.compile(
-    r"^(?P<stage>\w+)\.(share_(?P<a>treated|swapped|changed|perturbed|substituted|subsampled|"
-    r"coded|topcoded)|(?P<b>treated|swapped|changed|perturbed|substituted|subsampled|coded|"
-    r"topcoded)_share)$"
-)
+# share of records (or segments) each stage treated: column 'treated:<label>'
+TREATED = {
+    "swap": "swap.share_swapped",  # share of segments moved to another PSU
+    "prb": "prb.share_changed",
+    "massc": "massc.share_substituted",
+}
+# top-coding: "topcode.<column>.share_upper" / "share_lower" (weighted share coded)
+TOPCODED = re.compile(r"^topcode\.(?P<column>.+)\.share_(?P<side>upper|lower)$")
 
 
 class DriftDetected(RuntimeError):
@@ -48,6 +66,7 @@ class MonitorSummary:
     releases: pd.DataFrame  # one row per survey and year (the release monitored)
     flags: list[dict] = field(default_factory=list)
     report: Path | None = None
+    notes: list[str] = field(default_factory=list)  # e.g. quantities without a threshold
 
     @property
     def status(self) -> int:
@@ -59,8 +78,11 @@ class MonitorSummary:
             lines.append(
                 f"  {r.survey} {r.year} {r.release_id} [{r.status}] "
                 f"median SE ratio {_fmt(r.se_ratio_median)}, delta {_fmt(r.delta)}, "
-                f"epsilon {_fmt(r.epsilon)}, id risk {_fmt(r.id_risk)}"
+                f"epsilon {_fmt(r.epsilon)}, id risk {_fmt(r.id_risk)}, "
+                f"unique share {_fmt(r.unique_share)}"
             )
+        for n in self.notes:
+            lines.append(f"  NOTE {n}")
         for f in self.flags:
             lines.append(f"  DRIFT {f['survey']} {f['year']} {f['kind']}: {f['detail']}")
         if self.report:
@@ -111,29 +133,28 @@ def ratio_distribution(se: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index()[cols]
 
 
-def default_thresholds() -> dict:
-    """Thresholds of the default spec's gates (used when a release's manifest has none)."""
-    from importlib import resources
-
-    import yaml
-
-    g = yaml.safe_load(resources.files("flows").joinpath("default_spec.yaml").read_text())["gates"]
-    return {k: float(g[f]) for k, f in THRESHOLD_FIELDS.items() if g.get(f) is not None}
+def _threshold(manifest: Manifest | None, key: str) -> float | None:
+    """The release's own threshold of a quantity (its spec's gate), None when not recorded."""
+    gates = manifest.parameters.gates if manifest is not None else None
+    v = getattr(gates, THRESHOLD_FIELDS[key], None) if gates is not None else None
+    return None if v is None else float(v)
 
 
-def _threshold(manifest: dict, key: str, defaults: dict) -> float | None:
-    gates = ((manifest or {}).get("parameters") or {}).get("gates") or {}
-    v = gates.get(THRESHOLD_FIELDS[key])
-    return float(v) if v is not None else defaults.get(key)
+def treated_shares(m: pd.Series) -> dict[str, float]:
+    """Share treated by each stage from a release's metrics (metric -> value): 'treated:<stage>'
+    and, for top-coding, 'treated:topcode <column> (<side>)'."""
+    out = {f"treated:{k}": float(m[n]) for k, n in TREATED.items() if n in m and pd.notna(m[n])}
+    for metric, v in m.items():
+        hit = TOPCODED.match(str(metric))
+        if hit and pd.notna(v):
+            out[f"treated:topcode {hit['column']} ({hit['side']})"] = float(v)
+    return out
 
 
-def release_table(
-    rel: pd.DataFrame, metrics: pd.DataFrame, se: pd.DataFrame, defaults: dict | None = None
-) -> pd.DataFrame:
-    """Per survey and year: median SE ratio, delta, epsilon, identification risk with their
-    thresholds (the release's spec gates when recorded in its manifest, else defaults), and the
-    share of records treated by each stage (columns 'treated:<stage>')."""
-    defaults = defaults or {}
+def release_table(rel: pd.DataFrame, metrics: pd.DataFrame, se: pd.DataFrame) -> pd.DataFrame:
+    """Per survey and year: median SE ratio, delta, epsilon, identification risk and sample-unique
+    share with their thresholds (the release's own spec gates, from its manifest; NaN when it
+    recorded none), and the share of records treated by each stage (columns 'treated:...')."""
     rows = []
     for r in rel.itertuples():
         m = metrics[metrics["release_id"] == r.release_id].set_index("metric")["value"]
@@ -155,18 +176,30 @@ def release_table(
             )
             row["se_ratio_median"] = float(m[key]) if key else np.nan
             row["se_source"] = key.split(".")[0] if key else None
-        manifest = r.manifest if "manifest" in rel.columns else {}
-        for key, names in METRICS.items():
-            name = next((n for n in names if n in m.index), None)
-            row[key] = float(m[name]) if name is not None and pd.notna(m[name]) else np.nan
-            t = _threshold(manifest, key, defaults)
+        manifest = getattr(r, "manifest", None)
+        for key, name in METRICS.items():
+            row[key] = float(m[name]) if name in m.index and pd.notna(m[name]) else np.nan
+            t = _threshold(manifest, key)
             row[f"{key}_max"] = np.nan if t is None else t
-        for metric, value in m.items():
-            hit = TREATED.match(str(metric))
-            if hit and pd.notna(value):
-                row[f"treated:{hit.group('stage')}"] = float(value)
+        row.update(treated_shares(m))
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def unchecked(table: pd.DataFrame) -> list[str]:
+    """Sentences naming, per survey, the quantities measured but never flagged because the
+    releases recorded no threshold for them."""
+    out = []
+    for survey, t in table.groupby("survey", sort=True) if len(table) else []:
+        for key, label in LABELS.items():
+            open_ = t[np.isfinite(t[key]) & ~np.isfinite(t[f"{key}_max"])]
+            if len(open_):
+                years = ", ".join(str(y) for y in open_["year"])
+                out.append(
+                    f"{survey}: no {label} threshold recorded by the release(s) of {years}: "
+                    f"{label} not flagged there"
+                )
+    return out
 
 
 def ratio_changes(se: pd.DataFrame) -> pd.DataFrame:
@@ -242,11 +275,9 @@ def drift_flags(
                 f"[{lo}, {hi}]",
                 f"median SE ratio {med:.3f} outside [{lo}, {hi}]",
             )
-        for key, label in (
-            ("delta", "delta"),
-            ("epsilon", "epsilon"),
-            ("id_risk", "identification risk"),
-        ):
+        for key, label in LABELS.items():
+            if key not in table.columns:
+                continue
             v, t = getattr(r, key), getattr(r, f"{key}_max")
             if np.isfinite(v) and np.isfinite(t) and v > t:
                 flag(r, key, v, f"<= {t:g}", f"{label} {v:.4f} above threshold {t:g}")
@@ -270,96 +301,36 @@ def drift_flags(
 # ---------------------------------------------------------------- plots and report
 
 
-def _png_b64(fig) -> str:
-    import base64
+def boxplot_by_year(se: pd.DataFrame, survey: str) -> bytes:
+    """PNG: a survey's SE ratios by design-effect class, one box per year."""
+    from sdl_design.plots import se_ratio_boxplot
 
-    from sdl_design.plots import png
-
-    return base64.b64encode(png(fig, dpi=90)).decode()
-
-
-def _plt():
-    from sdl_design.plots import pyplot
-
-    return pyplot()
-
-
-def ratio_boxplot(groups: dict[str, pd.DataFrame], title: str, legend: str = "") -> str:
-    """Base64 PNG: SE ratios by original design-effect class, one box per group in each class
-    (frames with columns ratio and deff_class, or deff)."""
-    from sdl_design.utility import DEFF_CLASSES, deff_class
-
-    plt = _plt()
-    classes = [f"({a:g},{b:g}]" for a, b in zip(DEFF_CLASSES[:-1], DEFF_CLASSES[1:], strict=True)]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    width = 0.8 / max(1, len(groups))
-    cmap = plt.get_cmap("tab10")
-    for k, (label, g) in enumerate(groups.items()):
-        cls = g["deff_class"] if "deff_class" in g else deff_class(g["deff"].to_numpy())
-        cls = np.asarray(cls.astype(str))
-        r = g["ratio"].astype(float).to_numpy()
-        data = [r[(cls == c) & np.isfinite(r)] for c in classes]
-        keep = [i for i, d in enumerate(data) if len(d)]
-        if not keep:
-            continue
-        pos = np.arange(len(classes)) + (k - (len(groups) - 1) / 2) * width
-        bp = ax.boxplot(
-            [data[i] for i in keep],
-            positions=pos[keep],
-            widths=width * 0.9,
-            patch_artist=True,
-            manage_ticks=False,
-        )
-        for b in bp["boxes"]:
-            b.set_facecolor(cmap(k % 10))
-        ax.plot([], [], "s", color=cmap(k % 10), label=str(label))
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(np.arange(len(classes)), classes)
-    ax.set_xlabel("original design effect")
-    ax.set_ylabel("SE ratio (released / original)")
-    ax.set_title(title)
-    ax.legend(title=legend or None, loc="best")
-    fig.tight_layout()
-    return _png_b64(fig)
-
-
-def boxplot_by_year(se: pd.DataFrame, survey: str) -> str:
-    """Base64 PNG: a survey's SE ratios by design-effect class, one box per year."""
     s = se[se["name"] == survey]
     groups = {str(y): g for y, g in s.groupby("year", sort=True)}
-    return ratio_boxplot(groups, f"{survey}: SE ratios by design-effect class and year", "year")
+    title = f"{survey}: SE ratios by design-effect class and year"
+    return se_ratio_boxplot(groups, title, legend="year", dpi=90)
 
 
-def trend_plot(table: pd.DataFrame, survey: str) -> str:
-    """Base64 PNG: delta, epsilon, identification risk and median SE ratio by year, thresholds dashed."""
-    plt = _plt()
+def trend_plot(table: pd.DataFrame, survey: str) -> bytes:
+    """PNG: median SE ratio and each monitored quantity by year, thresholds dashed."""
+    from sdl_design.plots import png, pyplot
+
+    plt = pyplot()
     t = table[table["survey"] == survey].sort_values("year")
-    fig, axes = plt.subplots(1, 4, figsize=(12, 3.2))
-    for ax, (key, label) in zip(
-        axes,
-        (
-            ("se_ratio_median", "median SE ratio"),
-            ("delta", "delta"),
-            ("epsilon", "epsilon"),
-            ("id_risk", "identification risk"),
-        ),
-        strict=True,
-    ):
+    panels = [("se_ratio_median", "median SE ratio"), *LABELS.items()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3 * len(panels), 3.2))
+    for ax, (key, label) in zip(axes, panels, strict=True):
         ax.plot(t["year"], t[key], "o-")
         if f"{key}_max" in t and t[f"{key}_max"].notna().any():
             ax.plot(t["year"], t[f"{key}_max"], "r--", lw=1, label="threshold")
         ax.set_title(label)
         ax.set_xticks(t["year"].tolist())
     fig.tight_layout()
-    return _png_b64(fig)
+    return png(fig, dpi=90)
 
 
-def _html_table(df: pd.DataFrame) -> str:
-    if df is None or df.empty:
-        return "<p><em>none</em></p>"
-    return df.to_html(
-        index=False, border=0, classes="t", float_format=lambda x: f"{x:.4g}", na_rep=""
-    )
+def _table(df: pd.DataFrame | None) -> str:
+    return html_table(df, empty="none")
 
 
 CSS = (
@@ -376,6 +347,7 @@ def render_monitor_html(
     flags: list[dict],
     se: pd.DataFrame,
     params: dict,
+    notes: Sequence[str] = (),
 ) -> str:
     from html import escape
 
@@ -384,7 +356,8 @@ def render_monitor_html(
         f"<title>PUF release monitoring</title><style>{CSS}</style></head><body>",
         "<h1>PUF release monitoring</h1>",
         f"<p>Drift band for the median SE ratio {params['band']}, largest allowed year-on-year change of a "
-        f"characteristic's SE ratio {params['max_change']}.</p>",
+        f"characteristic's SE ratio {params['max_change']}; delta, epsilon, identification risk and "
+        "sample-unique share against each release's own gates.</p>",
         "<h2 id='flags'>Drift flags</h2>",
     ]
     if flags:
@@ -398,42 +371,36 @@ def render_monitor_html(
         )
     else:
         parts.append("<p class='ok'>No drift flag.</p>")
-    parts += ["<h2 id='releases'>Releases monitored</h2>", _html_table(table)]
+    if notes:
+        parts.append("<ul>" + "".join(f"<li>{escape(n)}</li>" for n in notes) + "</ul>")
+    parts += ["<h2 id='releases'>Releases monitored</h2>", _table(table)]
     for survey in sorted(table["survey"].unique()) if len(table) else []:
         parts.append(f"<h2 id='survey-{escape(survey)}'>{escape(survey)}</h2>")
         parts.append("<h3>SE ratios by design-effect class</h3>")
         if len(se) and (se["name"] == survey).any():
-            parts.append(
-                f"<img alt='SE ratio box plots {escape(survey)}' src='data:image/png;base64,{boxplot_by_year(se, survey)}'>"
-            )
-        parts.append(_html_table(dist[dist["name"] == survey]))
+            parts.append(img(boxplot_by_year(se, survey), f"SE ratio box plots {survey}"))
+        parts.append(_table(dist[dist["name"] == survey]))
         parts.append("<h3>Risk and variance bias by year</h3>")
-        parts.append(
-            f"<img alt='trends {escape(survey)}' src='data:image/png;base64,{trend_plot(table, survey)}'>"
-        )
+        parts.append(img(trend_plot(table, survey), f"trends {survey}"))
         treated = [c for c in table.columns if c.startswith("treated:")]
         if treated:
             parts.append("<h3>Share of records treated by stage</h3>")
             t = table.loc[table["survey"] == survey, ["year", *treated]]
-            parts.append(_html_table(t.rename(columns=lambda c: c.removeprefix("treated:"))))
+            parts.append(_table(t.rename(columns=lambda c: c.removeprefix("treated:"))))
         c = changes[changes["survey"] == survey] if len(changes) else changes
         if len(c):
             parts.append("<h3>Largest year-on-year changes of SE ratios</h3>")
             top = c.reindex(c["change"].abs().sort_values(ascending=False).index).head(20)
-            parts.append(_html_table(top))
+            parts.append(_table(top))
     parts.append("</body></html>")
     return "\n".join(parts)
-
-
-def _artifact_key(text: str) -> str:
-    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:100] or "all"
 
 
 def post_monitor_artifacts(table: pd.DataFrame, flags: list[dict], survey: str | None) -> None:
     """Markdown summary and a table artifact (plain Python values: no numpy scalars)."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    key = _artifact_key(f"puf-monitor-{survey or 'all'}")
+    key = artifact_key(f"puf-monitor-{survey or 'all'}", default="all")
     md = [
         f"# PUF monitoring ({survey or 'all surveys'})",
         "",
@@ -470,9 +437,9 @@ def monitor(
     out_dir: str | Path | None = None,
     band: tuple[float, float] = (0.9, 1.1),
     max_change: float = 0.1,
-    thresholds: dict | None = None,
 ) -> MonitorSummary:
-    """The monitoring computation and report, without Prefect (the flow adds artifacts)."""
+    """The monitoring computation and report, without Prefect (the flow adds artifacts).
+    Each release is held to its own spec's gates (recorded in its manifest)."""
     lo, hi = band
     if not lo < hi:
         raise ValueError(f"band {band}: give (low, high) with low < high, e.g. (0.9, 1.1)")
@@ -486,16 +453,17 @@ def monitor(
     se_all = reg.load_se_ratios(url, survey)
     se_all = se_all[se_all["release_id"].isin(ids)]
     se = preferred_se(se_all)
-    table = release_table(rel, metrics, se, {**default_thresholds(), **(thresholds or {})})
+    table = release_table(rel, metrics, se)
     dist = ratio_distribution(se)
     changes = ratio_changes(se_all)
     flags = drift_flags(table, changes, band, max_change) if len(table) else []
     out = Path(out_dir) if out_dir else _default_out_dir(url)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"monitor-{_artifact_key(survey or 'all')}.html"
+    path = out / f"monitor-{artifact_key(survey or 'all', default='all')}.html"
     params = {"band": list(band), "max_change": max_change}
-    path.write_text(render_monitor_html(table, dist, changes, flags, se, params))
-    return MonitorSummary(releases=table, flags=flags, report=path)
+    notes = unchecked(table)
+    path.write_text(render_monitor_html(table, dist, changes, flags, se, params, notes))
+    return MonitorSummary(releases=table, flags=flags, report=path, notes=notes)
 
 
 @flow(name="puf-monitor", log_prints=True)
@@ -506,11 +474,10 @@ def monitor_flow(
     gate_on_drift: bool = False,
     band: tuple[float, float] = (0.9, 1.1),
     max_change: float = 0.1,
-    thresholds: dict | None = None,
 ) -> MonitorSummary:
     """Monitor the registry's releases (one survey or all): HTML report, Prefect artifacts and
     drift flags. With gate_on_drift, raises DriftDetected (the run fails) when a flag is up."""
-    summary = monitor(survey, url, out_dir, tuple(band), max_change, thresholds)
+    summary = monitor(survey, url, out_dir, tuple(band), max_change)
     post_monitor_artifacts(summary.releases, summary.flags, survey)
     print(str(summary))
     if gate_on_drift and summary.flags:

@@ -7,16 +7,19 @@ import json
 import platform
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from sdl_design.spec import ReleaseSpec
+
+if TYPE_CHECKING:
+    from flows.manifest import Manifest
 
 VERSIONED = [
     "puf-release",
@@ -60,15 +63,25 @@ def release_dir(spec: ReleaseSpec) -> Path:
     return Path(spec.release.output_dir) / spec.release.name / str(spec.release.year)
 
 
-def public_frame(
-    df: pd.DataFrame, spec: ReleaseSpec, masked_design: bool, drop: Sequence[str] = ()
-) -> pd.DataFrame:
-    """The columns that may be published: no identifiers, segment, household, internal columns."""
+def forbidden_columns(
+    spec: ReleaseSpec, masked_design: bool, drop: Sequence[str] = ()
+) -> list[str]:
+    """The columns that may never be published: direct identifiers, segment, household, the
+    stages' drop_public columns, and the original strata/PSU unless the design is masked or
+    the spec publishes its labels. (Internal '__' columns are never published either.)"""
     d = spec.design
     gone = set(spec.variables.direct_identifiers) | {c for c in (d.segment, d.household) if c}
     gone |= set(drop)
     if not masked_design and not d.publish_design_labels:
         gone |= {d.strata, d.psu}
+    return sorted(c for c in gone if c)
+
+
+def public_frame(
+    df: pd.DataFrame, spec: ReleaseSpec, masked_design: bool, drop: Sequence[str] = ()
+) -> pd.DataFrame:
+    """The columns that may be published: none of forbidden_columns, no internal '__' column."""
+    gone = set(forbidden_columns(spec, masked_design, drop))
     keep = [c for c in df.columns if c not in gone and not str(c).startswith("__")]
     return df[keep].reset_index(drop=True)
 
@@ -161,9 +174,9 @@ def write_json(path: Path, obj: Any) -> None:
 
 def write_release(
     spec: ReleaseSpec,
-    manifest: dict,
+    manifest: Manifest,
     tables: dict[str, pd.DataFrame],
-    report_writer,
+    report_writer: Callable[[Manifest, Path], Any],
     puf: pd.DataFrame | None = None,
     notes: str | None = None,
 ) -> Path:
@@ -192,8 +205,8 @@ def write_release(
             path = internal / f"{key}.csv"
             path.parent.mkdir(parents=True, exist_ok=True)
             frame.to_csv(path, index=False, lineterminator="\n")
-        manifest.setdefault("hashes", {})["outputs"] = outputs
-        write_json(internal / "manifest.json", manifest)
+        manifest.hashes.outputs = outputs
+        write_json(internal / "manifest.json", manifest.to_json())
         report_writer(manifest, internal / "report.html")
         # swap into place: the old folder (a re-run) is removed only after the new one is in
         backup = None

@@ -12,18 +12,22 @@ import json
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from flows.manifest import STATUSES, Manifest
+
+if TYPE_CHECKING:
+    from sdl_design.stage import StageResult
+
 ENV_URL = "PUF_REGISTRY_URL"
-STATUSES = ("drafted", "gated", "approved", "published", "rejected", "failed")
 BUSY_TIMEOUT_MS = 60_000
 
 # ---------------------------------------------------------------- schema (current version)
@@ -318,55 +322,53 @@ def _json(obj: Any) -> str:
     return json.dumps(obj, default=_json_default)
 
 
+def se_ratio_tables(results: Sequence[StageResult]) -> dict[str, pd.DataFrame]:
+    """The SE-ratio table each result declares (`se_ratio_table`), by stage name: what
+    record_release stores as the release's SE ratios (source = the stage)."""
+    return {r.name: r.tables[r.se_ratio_table] for r in results if r.se_ratio_table}
+
+
 def record_release(
-    manifest: dict,
+    manifest: Manifest | dict,
     se_ratios: dict[str, pd.DataFrame] | None = None,
     url: str | None = None,
     output_dir: str | Path | None = None,
 ) -> str:
     """Insert or update (by release_id) a release, its metrics, gates and SE ratios; one
     transaction. Every call also appends the status to the release's audit trail, so a release
-    that fails after being drafted keeps its history. Returns the release_id."""
-    rel = manifest.get("release") or {}
-    missing = [k for k in ("release_id", "name", "year") if rel.get(k) in (None, "")]
-    if missing:
-        raise ValueError(f"manifest['release'] lacks {missing}: see the manifest contract")
-    status = manifest.get("status") or "drafted"
-    if status not in STATUSES:
-        raise ValueError(f"manifest['status']={status!r}: must be one of {STATUSES}")
-    rid = str(rel["release_id"])
-    hashes = manifest.get("hashes") or {}
-    approval = manifest.get("approval") or {}
+    that fails after being drafted keeps its history. A dict manifest is validated as a
+    Manifest first (pydantic.ValidationError, a ValueError, names what is wrong). Returns the
+    release_id."""
+    m = manifest if isinstance(manifest, Manifest) else Manifest.model_validate(manifest)
+    rel = m.release
+    rid = rel.release_id
     now = _now()
     row = {
         "release_id": rid,
-        "name": str(rel["name"]),
-        "year": int(rel["year"]),
-        "status": status,
-        "reason": manifest.get("reason"),
-        "spec_hash": hashes.get("spec"),
-        "input_hash": hashes.get("input"),
-        "output_hashes": _json(hashes.get("outputs") or {}),
-        "approver": approval.get("approver"),
-        "decision": approval.get("decision"),
-        "created": str(rel.get("created") or now),
+        "name": rel.name,
+        "year": rel.year,
+        "status": m.status,
+        "reason": m.reason,
+        "spec_hash": m.hashes.spec,
+        "input_hash": m.hashes.input,
+        "output_hashes": _json(m.hashes.outputs),
+        "approver": m.approval.approver,
+        "decision": m.approval.decision,
+        "created": rel.created or now,
         "updated": now,
-        "manifest": _json(manifest),
+        "manifest": _json(m.to_json()),
     }
-    metric_rows = [
-        {"release_id": rid, "metric": str(k), "value": _num(v)}
-        for k, v in (manifest.get("metrics") or {}).items()
-    ]
+    metric_rows = [{"release_id": rid, "metric": k, "value": _num(v)} for k, v in m.metrics.items()]
     gate_rows = [
         {
             "release_id": rid,
             "seq": i,
-            "name": str(g.get("name")),
-            "passed": bool(g.get("passed")),
-            "value": _num(g.get("value")),
-            "threshold": None if g.get("threshold") is None else str(g.get("threshold")),
+            "name": g.name,
+            "passed": g.passed,
+            "value": _num(g.value),
+            "threshold": g.threshold,
         }
-        for i, g in enumerate(manifest.get("gates") or [])
+        for i, g in enumerate(m.gates)
     ]
     se_rows: list[dict] = []
     for source, frame in (se_ratios or {}).items():
@@ -389,7 +391,7 @@ def record_release(
         conn.execute(ins.on_conflict_do_update(index_elements=["release_id"], set_=keep))
         conn.execute(
             release_events.insert().values(
-                release_id=rid, status=status, reason=row["reason"], at=now
+                release_id=rid, status=m.status, reason=row["reason"], at=now
             )
         )
         for table, rows, replace in (
@@ -506,7 +508,7 @@ def show_release(release_id: str, url: str | None = None) -> dict:
     return out
 
 
-def read_manifest(release_id: str, url: str | None = None) -> dict:
+def read_manifest(release_id: str, url: str | None = None) -> Manifest:
     """The manifest stored with a release."""
     with get_engine(url).connect() as conn:
         text = conn.execute(
@@ -514,7 +516,7 @@ def read_manifest(release_id: str, url: str | None = None) -> dict:
         ).scalar_one_or_none()
     if text is None:
         raise ReleaseNotFound(f"release {release_id!r} is not in the registry")
-    return json.loads(text)
+    return Manifest.model_validate(json.loads(text))
 
 
 def load_metrics(url: str | None = None, survey: str | None = None) -> pd.DataFrame:
@@ -542,11 +544,12 @@ def load_se_ratios(url: str | None = None, survey: str | None = None) -> pd.Data
 
 
 def load_releases(url: str | None = None, survey: str | None = None) -> pd.DataFrame:
-    """releases rows with their parsed manifests (column `manifest` holds dicts)."""
+    """releases rows with their parsed manifests (column `manifest`: a Manifest, or None for a
+    release recorded before the registry kept manifests)."""
     q = sa.select(releases)
     if survey:
         q = q.where(releases.c.name == survey)
     with get_engine(url).connect() as conn:
         df = _frame(conn, q.order_by(releases.c.name, releases.c.year))
-    df["manifest"] = [json.loads(t) if t else {} for t in df["manifest"]]
+    df["manifest"] = [Manifest.model_validate(json.loads(t)) if t else None for t in df["manifest"]]
     return df

@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 from prefect import flow
@@ -17,8 +15,10 @@ from prefect.utilities.annotations import quote, unmapped
 
 from expectations.suites import GateFailed
 from flows import publish as pub
+from flows.manifest import Manifest
 from sdl_design.spec import ReleaseSpec, load_spec
 from sdl_design.stage import StageContext, StageResult, build_stages
+from sdl_design.stages import RELEASE_STAGES
 from tasks.core import edits_task, gates_task, load_task
 from tasks.stage import replicate_stage, run_stage
 
@@ -33,9 +33,9 @@ class ReleaseRejected(RuntimeError):
     pass
 
 
-def _lap(manifest: dict, name: str, t0: float) -> None:
+def _lap(manifest: Manifest, name: str, t0: float) -> None:
     """Record a step's wall time in the manifest (internal only)."""
-    manifest["timings_s"][name] = round(time.perf_counter() - t0, 3)
+    manifest.timings_s[name] = round(time.perf_counter() - t0, 3)
 
 
 def _progress(step: int, total: int, name: str, t0: float | None = None) -> None:
@@ -53,39 +53,12 @@ def _spec_hash(spec_path: str) -> str:
     return pub.sha256_file(Path(spec_path))
 
 
-def _new_manifest(spec: ReleaseSpec, spec_hash: str, input_hash: str) -> dict[str, Any]:
-    rid = hashlib.sha256(f"{spec_hash}{input_hash}{spec.release.year}".encode()).hexdigest()[:8]
-    return {
-        "release": {
-            "name": spec.release.name,
-            "year": spec.release.year,
-            "release_id": f"{spec.release.name}-{spec.release.year}-{rid}",
-            "created": pub.now(),
-        },
-        "status": "drafted",
-        "reason": None,
-        "hashes": {"spec": spec_hash, "input": input_hash, "outputs": {}},
-        "versions": pub.versions(),
-        "parameters": {"release": {"seed": spec.release.seed}, "gates": spec.gates.model_dump()},
-        "metrics": {},
-        "gates": [],
-        "approval": {
-            "required": spec.approval.required,
-            "approver": None,
-            "decision": None,
-            "comment": "",
-            "at": None,
-        },
-        "stages": [],
-        "timings_s": {},  # wall time per stage
-        "counts": {},
-    }
+def _new_manifest(spec: ReleaseSpec, spec_hash: str, input_hash: str) -> Manifest:
+    return Manifest.new(spec, spec_hash, input_hash)
 
 
-def _absorb(manifest: dict, out: StageResult) -> None:
-    manifest["parameters"][out.name] = out.params
-    manifest["metrics"].update({f"{out.name}.{k}": float(v) for k, v in out.metrics.items()})
-    manifest["stages"].append({"name": out.name, "notes": out.notes, "params": out.params})
+def _absorb(manifest: Manifest, out: StageResult) -> None:
+    manifest.absorb(out)
 
 
 def _tables(outputs: list[StageResult], gates: pd.DataFrame | None) -> dict[str, pd.DataFrame]:
@@ -96,33 +69,33 @@ def _tables(outputs: list[StageResult], gates: pd.DataFrame | None) -> dict[str,
 
 
 def _report_writer(outputs: list[StageResult]):
-    def write(manifest: dict, path: Path) -> None:
+    def write(manifest: Manifest, path: Path) -> None:
         from flows.report import render_report
 
-        render_report(manifest, outputs, path)
+        render_report(manifest, outputs, path, stages=[cls.name for cls in RELEASE_STAGES])
 
     return write
 
 
-def _record(manifest: dict, outputs: list[StageResult], spec: ReleaseSpec) -> None:
+def _record(manifest: Manifest, outputs: list[StageResult], spec: ReleaseSpec) -> None:
     """Record the release in the registry; a registry failure never undoes a written release."""
-    from flows.registry import record_release
+    from flows.registry import record_release, se_ratio_tables
 
-    ratios = {o.name: o.tables[o.se_ratio_table] for o in outputs if o.se_ratio_table}
+    ratios = se_ratio_tables(outputs)
     try:
         record_release(
             manifest, ratios, url=spec.release.registry, output_dir=spec.release.output_dir
         )
     except Exception as e:  # noqa: BLE001 - reported, the release folder stands
         print(
-            f"[puf] WARNING: the registry could not record {manifest['release']['release_id']}: {e}",
+            f"[puf] WARNING: the registry could not record {manifest.release.release_id}: {e}",
             file=sys.stderr,
         )
 
 
 def _finish(
     spec: ReleaseSpec,
-    manifest: dict,
+    manifest: Manifest,
     outputs: list[StageResult],
     gates: pd.DataFrame | None,
     status: str,
@@ -130,25 +103,17 @@ def _finish(
     puf: pd.DataFrame | None = None,
     notes: str | None = None,
 ) -> Path:
-    manifest["status"] = status
-    manifest["reason"] = reason
+    manifest.status = status
+    manifest.reason = reason
     if gates is not None:
-        manifest["gates"] = [
-            {
-                "name": r.name,
-                "passed": bool(r.passed),
-                "value": float(r.value),
-                "threshold": str(r.threshold),
-            }
-            for r in gates.itertuples()
-        ]
+        manifest.set_gates(gates)
     folder = pub.write_release(
         spec, manifest, _tables(outputs, gates), _report_writer(outputs), puf, notes
     )
     _record(manifest, outputs, spec)
     from flows.report import post_artifacts
 
-    post_artifacts(manifest, outputs)
+    post_artifacts(manifest)
     return folder
 
 
@@ -160,7 +125,7 @@ def release_flow(
     runner: str = "thread",
     dask_address: str | None = None,
     approval_poll_s: int = 10,
-) -> dict:
+) -> Manifest:
     """Run one release of the spec; returns the manifest. Raises on a failed edit, gate or approval."""
     spec = load_spec(spec_path)
     if year is None:
@@ -176,7 +141,7 @@ def release_flow(
     _progress(step, total, "load", t0)
     manifest = _new_manifest(spec, _spec_hash(spec_path), input_hash)
     _lap(manifest, "load", t0)
-    manifest["counts"]["n_input"] = len(original)
+    manifest.counts.n_input = len(original)
     outputs: list[StageResult] = []
     try:
         step += 1
@@ -214,7 +179,7 @@ def release_flow(
         drop = [c for o in outputs for c in o.drop_public]
         puf = pub.public_frame(df, spec, masked, drop)
         replicate_cols = spec.replicate_columns(puf)
-        manifest["counts"]["n_output"] = len(puf)
+        manifest.counts.n_output = len(puf)
         gate_rows = [g.as_dict() for o in outputs for g in o.gates]
         gates = gates_task(quote(puf), quote(spec), gate_rows, replicate_cols, masked)
         _lap(manifest, "gates", t0)
@@ -222,12 +187,12 @@ def release_flow(
             err = GateFailed("release gates failed; nothing was published", gates)
             _finish(spec, manifest, outputs, gates, "rejected", str(err))  # reason: failed checks
             raise err
-        manifest["status"] = "gated"
+        manifest.status = "gated"
 
         step += 1
         _progress(step, total, "approval")
         decision = _approval(spec, approve, approval_poll_s)
-        manifest["approval"].update(decision)
+        manifest.approval = manifest.approval.model_copy(update=decision)
         if decision["decision"] != "approved":
             _finish(
                 spec,
@@ -246,12 +211,12 @@ def release_flow(
         rep_method = spec.design.replicate_weights.method if spec.design.replicate_weights else None
         notes = pub.variance_notes(spec, masked, rep_method, len(replicate_cols))
         folder = _finish(spec, manifest, outputs, gates, "published", None, puf, notes)
-        print(f"[puf] published {manifest['release']['release_id']} to {folder}", file=sys.stderr)
+        print(f"[puf] published {manifest.release.release_id} to {folder}", file=sys.stderr)
         return manifest
     except (GateFailed, ReleaseRejected):
         raise
     except BaseException as e:
-        if manifest["status"] not in ("rejected", "failed", "published"):
+        if manifest.status not in ("rejected", "failed", "published"):
             try:
                 _finish(spec, manifest, outputs, None, "failed", f"{type(e).__name__}: {e}")
             except Exception:  # keep the original error visible
@@ -346,7 +311,7 @@ def run_release(
     year: int | None = None,
     runner: str = "thread",
     dask_address: str | None = None,
-) -> dict:
+) -> Manifest:
     """Run the release flow; runner and dask_address choose where replications run."""
     if runner not in ("thread", "dask"):
         raise ValueError(f"runner must be 'thread' or 'dask', not {runner!r}")

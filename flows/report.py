@@ -1,22 +1,29 @@
 """The release report (internal/report.html, self-contained) and the run's Prefect artifacts.
 
-Robust to any stage being switched off or any table missing: it shows what is there.
+The report shows what it is given: each stage's result with the tables it declares
+(`StageResult.report_tables`) and all its figures, the SE ratios of every result that declares an
+`se_ratio_table`, and for a stage of the flow with no result a line saying it did not run.
 """
 
 from __future__ import annotations
 
-import base64
-import json
-import re
+from collections.abc import Sequence
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
+from flows.html import artifact_key, img, table, value
+from flows.manifest import Manifest
+
+if TYPE_CHECKING:
+    from sdl_design.stage import StageResult
+
+__all__ = ["MAX_ROWS", "artifact_key", "post_artifacts", "render_html", "render_report"]
+
 MAX_ROWS = 60
-HIDDEN_TABLES = {("risk", "records"), ("swap", "pairs")}  # record-level / swap map: CSV only
 CSS = (
     "body{font-family:sans-serif;margin:2em;max-width:1200px;color:#222}"
     "table.t{border-collapse:collapse;font-size:13px;margin:.5em 0}"
@@ -27,87 +34,15 @@ CSS = (
 )
 
 
-def _img(png: bytes, alt: str) -> str:
-    b64 = base64.b64encode(png).decode()
-    return f"<figure><img alt='{escape(alt)}' src='data:image/png;base64,{b64}'></figure>"
-
-
-def _value(v: Any) -> str:
-    if isinstance(v, float | np.floating):
-        return f"{float(v):.6g}"
-    if isinstance(v, dict | list | tuple):
-        return json.dumps(v, default=str)
-    return str(v)
-
-
-def _table(df: pd.DataFrame | None, caption: str = "", where: str = "") -> str:
-    if df is None or len(df) == 0:
-        return f"<p class='note'>{escape(caption or 'table')}: empty.</p>"
-    head = df.head(MAX_ROWS)
-    if isinstance(head.index, pd.MultiIndex) or head.index.name is not None:
-        head = head.reset_index()
-    html = head.to_html(
-        index=False, border=0, classes="t", na_rep="", float_format=lambda x: f"{x:.4g}"
-    )
-    cap = f"<p><b>{escape(caption)}</b></p>" if caption else ""
-    more = ""
-    if len(df) > MAX_ROWS:
-        more = (
-            f"<p class='note'>first {MAX_ROWS} of {len(df)} rows; all rows in {escape(where)}</p>"
-        )
-    return cap + html + more
-
-
 def _kv(d: dict, caption: str) -> str:
     if not d:
         return ""
     rows = "".join(
         f"<tr><th style='text-align:left'>{escape(str(k))}</th><td style='text-align:left'>"
-        f"{escape(_value(v))}</td></tr>"
+        f"{escape(value(v))}</td></tr>"
         for k, v in d.items()
     )
     return f"<p><b>{escape(caption)}</b></p><table class='t'>{rows}</table>"
-
-
-class _Outputs:
-    """Stage outputs by name, with a record of the tables and figures already shown."""
-
-    def __init__(self, outputs: list):
-        self.by_name = {o.name: o for o in outputs}
-        self.shown: set[tuple[str, str]] = set()
-
-    def get(self, stage: str):
-        return self.by_name.get(stage)
-
-    def tables(self, stage: str, pattern: str) -> dict[str, pd.DataFrame]:
-        o = self.by_name.get(stage)
-        if o is None:
-            return {}
-        rx = re.compile(pattern)
-        return {
-            k: v
-            for k, v in o.tables.items()
-            if rx.search(k) and (stage, k) not in HIDDEN_TABLES and isinstance(v, pd.DataFrame)
-        }
-
-    def show_tables(self, stage: str, pattern: str, label: str = "") -> list[str]:
-        out = []
-        for k, v in self.tables(stage, pattern).items():
-            self.shown.add((stage, k))
-            out.append(_table(v, f"{label or stage}: {k}", f"internal/{stage}/{k}.csv"))
-        return out
-
-    def show_figures(self, stage: str, pattern: str) -> list[str]:
-        o = self.by_name.get(stage)
-        if o is None:
-            return []
-        rx = re.compile(pattern)
-        out = []
-        for k, png in o.figures.items():
-            if rx.search(k) and (stage, f"fig:{k}") not in self.shown:
-                self.shown.add((stage, f"fig:{k}"))
-                out.append(_img(png, f"{stage}/{k}"))
-        return out
 
 
 def _section(sid: str, title: str, body: list[str], absent: str) -> str:
@@ -115,186 +50,167 @@ def _section(sid: str, title: str, body: list[str], absent: str) -> str:
     return f"<section id='{sid}'><h2>{escape(title)}</h2>\n{content}\n</section>"
 
 
+def _summary(m: Manifest, results: Sequence[StageResult]) -> str:
+    n = len(m.gates)
+    counts = m.counts
+    summary = {
+        "release id": m.release.release_id,
+        "status": m.status,
+        "reason": m.reason,
+        "created": m.release.created,
+        "records in / out": "{} / {}".format(
+            "?" if counts.n_input is None else counts.n_input,
+            "?" if counts.n_output is None else counts.n_output,
+        ),
+        "gates": f"{n - m.n_failed_gates} of {n} passed",
+        "stages run": ", ".join(s.name for s in m.stages) or ", ".join(r.name for r in results),
+    }
+    return _section("summary", "Summary", [_kv(summary, "Release")], "")
+
+
+def _gates(m: Manifest) -> str:
+    if not m.gates:
+        return _section("gates", "Gates", [], "No gate was evaluated.")
+    rows = "".join(
+        f"<tr><td style='text-align:left'>{escape(g.name)}</td>"
+        f"<td class='{'pass' if g.passed else 'fail'}'>{'passed' if g.passed else 'FAILED'}</td>"
+        f"<td>{escape(value(g.value))}</td><td>{escape(str(g.threshold))}</td></tr>"
+        for g in m.gates
+    )
+    n_fail = m.n_failed_gates
+    html = (
+        f"<p>{len(m.gates) - n_fail} passed, {n_fail} failed.</p><table class='t'><tr>"
+        f"<th>gate</th><th>result</th><th>value</th><th>threshold</th></tr>{rows}</table>"
+    )
+    return _section("gates", "Gates", [html], "")
+
+
+def _approval(m: Manifest) -> str:
+    ap = m.approval
+    decision = {
+        "required": ap.required,
+        "approver": ap.approver or "none",
+        "decision": ap.decision or "none",
+        "comment": ap.comment,
+        "at": ap.at,
+    }
+    return _section("approval", "Approval", [_kv(decision, "Decision")], "")
+
+
 def _se_summary(se: pd.DataFrame) -> pd.DataFrame | None:
     from sdl_design.utility import deff_class_summary
 
-    if se is None or "ratio" not in se or "deff" not in se:
+    if "ratio" not in se or "deff" not in se:
         return None
     t = deff_class_summary(se["ratio"], se["deff"])
     t.index.name = "statistic"
     return t.reset_index()
 
 
-def render_html(manifest: dict, outputs: list) -> str:
-    """The report's HTML text."""
-    rel = manifest.get("release") or {}
-    o = _Outputs(outputs or [])
-    title = f"{rel.get('name', '?')} {rel.get('year', '')}: release report"
-    status = manifest.get("status", "?")
+def _se_ratios(results: Sequence[StageResult]) -> str:
+    """One box plot of every declared SE-ratio table (one box per stage in each design-effect
+    class) and each table's summary by class."""
+    from sdl_design.plots import se_ratio_boxplot
+
+    declared = [r for r in results if r.se_ratio_table and r.se_ratio_table in r.tables]
+    if not declared:
+        return _section("se-ratios", "Standard-error ratios", [], "No SE ratios computed.")
+    groups = {r.name: r.tables[r.se_ratio_table] for r in declared}
+    png = se_ratio_boxplot(groups, "SE ratios by design-effect class", legend="stage", dpi=90)
+    body = [img(png, "se-ratios/by-stage")]
+    for r in declared:
+        caption = f"{r.name}: SE ratios by design-effect class"
+        body.append(table(_se_summary(groups[r.name]), caption))
+        body.append(
+            f"<p class='note'>one row per characteristic in "
+            f"internal/{escape(r.name)}/{escape(str(r.se_ratio_table))}.csv</p>"
+        )
+    return _section("se-ratios", "Standard-error ratios", body, "")
+
+
+def _stage(r: StageResult) -> str:
+    """What one stage did: notes, parameters, metrics, all its figures, its declared tables;
+    the other tables are named with their CSV."""
+    name = escape(r.name)
+    body = [f"<h3 id='stage-{name}'>{name}</h3>"]
+    if r.notes:
+        body.append("<ul>" + "".join(f"<li>{escape(str(n))}</li>" for n in r.notes) + "</ul>")
+    body.append(_kv(r.params, "Parameters"))
+    body.append(_kv(r.metrics, "Metrics"))
+    body += [img(png, f"{r.name}/{k}") for k, png in r.figures.items()]
+    for k in r.report_tables:
+        where = f"internal/{r.name}/{k}.csv"
+        if k in r.tables:
+            body.append(table(r.tables[k], f"{r.name}: {k}", where, MAX_ROWS))
+        else:
+            body.append(f"<p class='note'>{escape(k)}: not produced by this run.</p>")
+    csv_only = [k for k in r.tables if k not in r.report_tables]
+    if csv_only:
+        files = ", ".join(f"internal/{r.name}/{k}.csv" for k in csv_only)
+        body.append(f"<p class='note'>Tables in CSV only: {escape(files)}</p>")
+    return "\n".join(b for b in body if b)
+
+
+def _not_run(name: str, m: Manifest) -> str:
+    why = (
+        "switched off in the spec, or the release stopped before it"
+        if m.status in ("rejected", "failed")
+        else "switched off in the spec"
+    )
+    return f"<h3 id='stage-{escape(name)}'>{escape(name)}</h3><p class='note'>Not run: {why}.</p>"
+
+
+def _stages(m: Manifest, results: Sequence[StageResult], stages: Sequence[str] | None) -> str:
+    by_name = {r.name: r for r in results}
+    names = list(stages) if stages is not None else []
+    names += [n for n in by_name if n not in names]
+    body = [_stage(by_name[n]) if n in by_name else _not_run(n, m) for n in names]
+    return _section("stages", "What each stage did", body, "No stage ran.")
+
+
+def _provenance(m: Manifest) -> str:
+    hashes = {"spec": m.hashes.spec, "input": m.hashes.input}
+    body = [
+        _kv({k: v for k, v in hashes.items() if v is not None}, "Hashes"),
+        _kv(m.hashes.outputs, "Published files"),
+        _kv(m.versions, "Versions"),
+    ]
+    return _section("provenance", "Provenance", body, "")
+
+
+def render_html(
+    manifest: Manifest, results: Sequence[StageResult], stages: Sequence[str] | None = None
+) -> str:
+    """The report's HTML text. stages: the names of every stage of the flow, in order (a stage
+    with no result gets a line saying it did not run); default: the results' names."""
+    rel = manifest.release
+    title = f"{rel.name} {rel.year}: release report"
     head = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         f"<title>{escape(title)}</title><style>{CSS}</style></head><body>",
         f"<h1>{escape(title)}</h1>",
     ]
-    gates = manifest.get("gates") or []
-    n_fail = sum(not g.get("passed") for g in gates)
-    summary = {
-        "release id": rel.get("release_id"),
-        "status": status,
-        "reason": manifest.get("reason"),
-        "created": rel.get("created"),
-        "records in / out": "{} / {}".format(
-            (manifest.get("counts") or {}).get("n_input", "?"),
-            (manifest.get("counts") or {}).get("n_output", "?"),
-        ),
-        "gates": f"{len(gates) - n_fail} of {len(gates)} passed",
-        "stages run": ", ".join(s.get("name", "?") for s in manifest.get("stages") or [])
-        or ", ".join(o.by_name),
-    }
-    sections = [_section("summary", "Summary", [_kv(summary, "Release")], "")]
-
-    # gates
-    if gates:
-        g = pd.DataFrame(gates)
-        rows = "".join(
-            f"<tr><td style='text-align:left'>{escape(str(r.get('name')))}</td>"
-            f"<td class='{'pass' if r.get('passed') else 'fail'}'>"
-            f"{'passed' if r.get('passed') else 'FAILED'}</td>"
-            f"<td>{escape(_value(r.get('value')))}</td><td>{escape(str(r.get('threshold')))}</td></tr>"
-            for r in g.to_dict(orient="records")
-        )
-        gate_html = (
-            f"<p>{len(gates) - n_fail} passed, {n_fail} failed.</p><table class='t'><tr>"
-            f"<th>gate</th><th>result</th><th>value</th><th>threshold</th></tr>{rows}</table>"
-        )
-    else:
-        gate_html = ""
-    sections.append(_section("gates", "Gates", [gate_html], "No gate was evaluated."))
-
-    # approval
-    ap = manifest.get("approval") or {}
-    sections.append(
-        _section(
-            "approval",
-            "Approval",
-            [
-                _kv(
-                    {
-                        "required": ap.get("required"),
-                        "approver": ap.get("approver") or "none",
-                        "decision": ap.get("decision") or "none",
-                        "comment": ap.get("comment", ""),
-                        "at": ap.get("at"),
-                    },
-                    "Decision",
-                )
-            ],
-            "",
-        )
-    )
-
-    # risk before / after by stratum
-    risk_body = o.show_tables("risk", r"stratum|profile_size", "before treatment (risk)")
-    risk_body += o.show_tables("massc", r"delta|stratum|risk", "after treatment (MASSC)")
-    risk_body += o.show_tables("final", r"risk|stratum", "after treatment (final)")
-    sections.append(
-        _section(
-            "risk", "Disclosure risk before and after, by stratum", risk_body, "Risk not measured."
-        )
-    )
-
-    # identification risk (PRB)
-    sections.append(
-        _section(
-            "identification-risk",
-            "Identification risk (PRB)",
-            o.show_tables("prb", r"risk"),
-            "PRB stage not run.",
-        )
-    )
-
-    # SE ratios
-    se_body = o.show_figures("swap", r"se_ratio|box") + o.show_figures("final", r"se_ratio|box")
-    se_body += o.show_tables("swap", r"^se_ratio_summary", "swap (Table 1 form)")
-    fin = o.get("final")
-    if fin is not None and "se_ratios" in fin.tables:
-        from flows.monitor import ratio_boxplot
-
-        groups = {k: v.tables["se_ratios"] for k, v in o.by_name.items() if "se_ratios" in v.tables}
-        png = base64.b64decode(ratio_boxplot(groups, "SE ratios by design-effect class", "stage"))
-        se_body.append(_img(png, "final/se_ratios_boxplot"))
-        se_body.append(
-            _table(_se_summary(fin.tables["se_ratios"]), "final: SE ratios by deff class")
-        )
-    for stage in ("swap", "final"):
-        se_body += o.show_tables(stage, r"^se_ratios$", f"{stage}: SE ratio by characteristic")
-    sections.append(
-        _section("se-ratios", "Standard-error ratios", se_body, "No SE ratios computed.")
-    )
-
-    # utility: TVD and weighted counts
-    util = []
-    for stage in ("prb", "massc", "topcode", "final"):
-        util += o.show_tables(stage, r"tvd|count|cramer|aad|utility")
-    sections.append(_section("utility", "TVD and weighted counts", util, "No utility tables."))
-
-    # calibration (MASSC)
-    massc = o.get("massc")
-    cal = []
-    if massc is not None:
-        cal_params = (massc.params or {}).get("calibration")
-        if cal_params:
-            cal.append(
-                _kv(
-                    cal_params if isinstance(cal_params, dict) else {"calibration": cal_params},
-                    "Calibration settings",
-                )
-            )
-        cal_metrics = {
-            k: v for k, v in massc.metrics.items() if re.search(r"calib|adj|factor|weight", k)
-        }
-        cal.append(_kv(cal_metrics, "Weight adjustment factors"))
-        cal += o.show_tables("massc", r"calib|adjust|factor|replicate")
-    sections.append(
-        _section("calibration", "Calibration summary (MASSC)", cal, "MASSC stage not run.")
-    )
-
-    # each stage: what it did
-    stage_html = []
-    for out in outputs or []:
-        body = [f"<h3 id='stage-{escape(out.name)}'>{escape(out.name)}</h3>"]
-        if out.notes:
-            body.append("<ul>" + "".join(f"<li>{escape(str(n))}</li>" for n in out.notes) + "</ul>")
-        body.append(_kv(out.params, "Parameters"))
-        body.append(_kv(out.metrics, "Metrics"))
-        body += o.show_figures(out.name, r".")
-        for k, v in out.tables.items():
-            if (out.name, k) in o.shown:
-                continue
-            if (out.name, k) in HIDDEN_TABLES:
-                body.append(
-                    f"<p class='note'>{escape(k)}: internal/{escape(out.name)}/{escape(k)}.csv</p>"
-                )
-                continue
-            body.append(_table(v, f"{out.name}: {k}", f"internal/{out.name}/{k}.csv"))
-        stage_html.append("\n".join(b for b in body if b))
-    sections.append(_section("stages", "What each stage did", stage_html, "No stage ran."))
-
-    # provenance
-    prov = [
-        _kv({k: v for k, v in (manifest.get("hashes") or {}).items() if k != "outputs"}, "Hashes"),
-        _kv((manifest.get("hashes") or {}).get("outputs") or {}, "Published files"),
-        _kv(manifest.get("versions") or {}, "Versions"),
+    sections = [
+        _summary(manifest, results),
+        _gates(manifest),
+        _approval(manifest),
+        _se_ratios(results),
+        _stages(manifest, results, stages),
+        _provenance(manifest),
     ]
-    sections.append(_section("provenance", "Provenance", prov, ""))
     return "\n".join(head + sections + ["</body></html>"])
 
 
-def render_report(manifest: dict, outputs: list, path: str | Path) -> Path:
+def render_report(
+    manifest: Manifest,
+    results: Sequence[StageResult],
+    path: str | Path,
+    stages: Sequence[str] | None = None,
+) -> Path:
     """Write the self-contained HTML release report (plots embedded as base64 PNG)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_html(manifest, outputs), encoding="utf-8")
+    path.write_text(render_html(manifest, results, stages), encoding="utf-8")
     return path
 
 
@@ -309,50 +225,39 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def artifact_key(text: str) -> str:
-    """A valid artifact key (lowercase letters, digits, dashes)."""
-    return re.sub(r"[^a-z0-9-]+", "-", str(text).lower()).strip("-")[:100] or "release"
-
-
-def post_artifacts(manifest: dict, outputs: list) -> list[str]:
+def post_artifacts(manifest: Manifest) -> list[str]:
     """Markdown summary, gates table and metrics table artifacts for the current run; returns keys."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    rel = manifest.get("release") or {}
-    base = artifact_key(f"puf-{rel.get('name', 'release')}-{rel.get('year', '')}")
-    gates = manifest.get("gates") or []
-    n_fail = sum(not g.get("passed") for g in gates)
-    ap = manifest.get("approval") or {}
+    m = manifest
+    rel = m.release
+    base = artifact_key(f"puf-{rel.name}-{rel.year}")
+    n, n_fail = len(m.gates), m.n_failed_gates
+    ap = m.approval
     md = [
-        f"# {rel.get('name')} {rel.get('year')}: {manifest.get('status')}",
+        f"# {rel.name} {rel.year}: {m.status}",
         "",
-        f"Release `{rel.get('release_id')}`; gates: {len(gates) - n_fail} of {len(gates)} passed; "
-        f"approver: {ap.get('approver') or 'none'} ({ap.get('decision') or 'no decision'}).",
+        f"Release `{rel.release_id}`; gates: {n - n_fail} of {n} passed; "
+        f"approver: {ap.approver or 'none'} ({ap.decision or 'no decision'}).",
     ]
-    if manifest.get("reason"):
-        md.append(f"\n**Reason:** {manifest['reason']}")
+    if m.reason:
+        md.append(f"\n**Reason:** {m.reason}")
     if n_fail:
         md += ["", "## Failed gates", ""]
-        md += [
-            f"- {g['name']}: {g.get('value')} (threshold {g.get('threshold')})"
-            for g in gates
-            if not g.get("passed")
-        ]
-    for out in outputs or []:
-        if out.notes:
-            md += ["", f"## {out.name}", ""] + [f"- {n}" for n in out.notes]
+        md += [f"- {g.name}: {g.value} (threshold {g.threshold})" for g in m.gates if not g.passed]
+    for st in m.stages:
+        if st.notes:
+            md += ["", f"## {st.name}", ""] + [f"- {n}" for n in st.notes]
     keys = [f"{base}-summary", f"{base}-gates", f"{base}-metrics"]
     create_markdown_artifact(key=keys[0], markdown="\n".join(md), description="release summary")
     create_table_artifact(
         key=keys[1],
-        table=[{k: _plain(v) for k, v in g.items()} for g in gates],
+        table=[{k: _plain(v) for k, v in g.model_dump().items()} for g in m.gates],
         description="gate results",
     )
     create_table_artifact(
         key=keys[2],
-        table=[
-            {"metric": k, "value": _plain(v)} for k, v in (manifest.get("metrics") or {}).items()
-        ],
+        table=[{"metric": k, "value": _plain(v)} for k, v in m.metrics.items()],
         description="release metrics",
     )
     return keys

@@ -6,6 +6,7 @@ import io
 from collections.abc import Mapping
 
 import numpy as np
+import pandas as pd
 
 
 def pyplot():
@@ -60,6 +61,52 @@ def histogram(
     ax.set_title(title)
     fig.tight_layout()
     return png(fig)
+
+
+def se_ratio_boxplot(
+    groups: Mapping[str, pd.DataFrame],
+    title: str = "Standard error ratios by original design effect",
+    legend: str | None = None,
+    column: str = "ratio",
+    dpi: int = 100,
+) -> bytes:
+    """PNG of side-by-side box plots of SE ratios by original design-effect class, one box per
+    group in each class (the swap paper's Figure 2). groups: label -> frame with the column and
+    deff_class (or deff, classed by `sdl_design.utility.deff_class`)."""
+    from sdl_design.utility import DEFF_CLASSES, deff_class
+
+    plt = pyplot()
+    classes = [f"({a:g},{b:g}]" for a, b in zip(DEFF_CLASSES[:-1], DEFF_CLASSES[1:], strict=True)]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / max(1, len(groups))
+    cmap = plt.get_cmap("tab10")
+    for k, (label, g) in enumerate(groups.items()):
+        cls = g["deff_class"] if "deff_class" in g else deff_class(g["deff"].to_numpy())
+        cls = np.asarray(pd.Series(cls).astype(str))
+        r = g[column].to_numpy(dtype=float)
+        data = [r[(cls == c) & np.isfinite(r)] for c in classes]
+        keep = [i for i, d in enumerate(data) if len(d)]
+        if not keep:
+            continue
+        pos = np.arange(len(classes)) + (k - (len(groups) - 1) / 2) * width
+        bp = ax.boxplot(
+            [data[i] for i in keep],
+            positions=pos[keep],
+            widths=width * 0.9,
+            patch_artist=True,
+            manage_ticks=False,
+        )
+        for b in bp["boxes"]:
+            b.set_facecolor(cmap(k % 10))
+        ax.plot([], [], "s", color=cmap(k % 10), label=str(label))
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(np.arange(len(classes)), classes)
+    ax.set_xlabel("original design effect")
+    ax.set_ylabel("SE ratio (released / original)")
+    ax.set_title(title)
+    ax.legend(title=legend, loc="best")
+    fig.tight_layout()
+    return png(fig, dpi=dpi)
 
 
 def _interval_plot(rows, title: str, xlabel: str) -> bytes:

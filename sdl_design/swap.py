@@ -654,44 +654,9 @@ def _rebuild_replicates(
 def se_ratio_boxplot(ratios: dict[str, pd.DataFrame], column: str = "ratio") -> bytes:
     """PNG of side-by-side box plots of SE ratios by original design-effect class, one box per
     method in each class (the paper's Figure 2). ratios: method -> se_ratios frame."""
-    from sdl_design.plots import png, pyplot
+    from sdl_design.plots import se_ratio_boxplot as boxplot
 
-    plt = pyplot()
-
-    from sdl_design.utility import DEFF_CLASSES, deff_class
-
-    classes = [f"({a:g},{b:g}]" for a, b in zip(DEFF_CLASSES[:-1], DEFF_CLASSES[1:], strict=True)]
-    names = list(ratios)
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    width = 0.8 / max(1, len(names))
-    colors = ["#9ecae1", "#fdae6b", "#a1d99b", "#bcbddc"]
-    for k, name in enumerate(names):
-        se = ratios[name]
-        cls = deff_class(se["deff"]).to_numpy()
-        data = [se[column].to_numpy()[cls == c] for c in classes]
-        data = [d[np.isfinite(d)] for d in data]
-        pos = np.arange(len(classes)) + (k - (len(names) - 1) / 2) * width
-        keep = [i for i, d in enumerate(data) if len(d)]
-        if not keep:
-            continue
-        bp = ax.boxplot(
-            [data[i] for i in keep],
-            positions=pos[keep],
-            widths=width * 0.9,
-            patch_artist=True,
-            manage_ticks=False,
-        )
-        for b in bp["boxes"]:
-            b.set_facecolor(colors[k % len(colors)])
-        ax.plot([], [], "s", color=colors[k % len(colors)], label=f"Method {name}")
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(np.arange(len(classes)), classes)
-    ax.set_xlabel("original design effect")
-    ax.set_ylabel("SE ratio (masked / original)")
-    ax.set_title("Standard error ratios by original design effect")
-    ax.legend(loc="best")
-    fig.tight_layout()
-    return png(fig)
+    return boxplot({f"Method {k}": v for k, v in ratios.items()}, column=column)
 
 
 class SwapStage:
@@ -717,9 +682,10 @@ class SwapStage:
 
         st, spec = self.section, self.spec
         design = SurveyDesign.from_spec(df, spec.design)
-        exclude = [*spec.variables.direct_identifiers, *([spec.design.household] or [])]
-        exclude = [c for c in exclude if c]
-        chars = broad_characteristics(df, design=design_columns(design), exclude=exclude)
+        exclude = [c for c in (*spec.variables.direct_identifiers, spec.design.household) if c]
+        chars = broad_characteristics(
+            df, design=design_columns(design), exclude=exclude, domains=spec.variables.keys[:2]
+        )
         kw = dict(
             max_share=st.max_share,
             cumulative=st.cumulative,
@@ -777,6 +743,8 @@ class SwapStage:
                     "se_ratio_summary",
                     "se_ratio_summary_baseline",
                     "se_ratio_summary_replicate",
+                    "matching_variance",
+                    "se_ratios",
                 )
                 if t in tables
             ],

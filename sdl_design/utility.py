@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
+
+if TYPE_CHECKING:
+    from sdl_design.spec import KeySpec
 
 
 def weighted_distribution(
@@ -113,16 +116,20 @@ def broad_characteristics(
     design: dict | None = None,
     exclude: Sequence[str] = (),
     max_categories: int = 30,
-    sex: str | None = "sex",
-    age: str | None = "age",
-    age_bins: Sequence[float] = (0, 18, 45, 65, np.inf),
+    domains: Sequence[KeySpec | str] = (),
+    cross: bool = True,
 ) -> Characteristics:
     """Every numeric and binary variable, every category of the categorical ones (up to
-    max_categories), and domain means by sex, age group and sex x age group.
+    max_categories), and domain means within each domain variable and, with cross, within the
+    crossing of the first two.
 
     design: the dict of `sdl_design.swap.design_columns`; its columns (weight, strata, PSU,
     segment, replicate weights) are left out, as are exclude and constant columns.
+    domains: columns of df, or KeySpecs (e.g. the spec's keys) whose bins or map coarsen them
+    (none by default); a domain variable with more than max_categories categories is left out.
     """
+    from sdl_design.keys import key_frame
+
     skip = set(exclude)
     if design:
         skip |= {design.get(k) for k in ("weight", "strata", "psu", "segment")}
@@ -145,26 +152,20 @@ def broad_characteristics(
             name = f"{c}={v}"
             extra[name] = (df[c] == v).astype(float)
             kinds[name] = "proportion"
-    domains = []
-    if sex and sex in df.columns:
-        extra["_dom_sex"] = df[sex].astype(str)
-        domains.append("_dom_sex")
-    if age and age in df.columns:
-        lab = [
-            f"{a:g}-{b - 1:g}" if np.isfinite(b) else f"{a:g}+"
-            for a, b in zip(age_bins[:-1], age_bins[1:], strict=True)
-        ]
-        g = pd.cut(df[age], list(age_bins), right=False, labels=lab).astype(str)
-        extra["_dom_age"] = g
-        domains.append("_dom_age")
-        if "_dom_sex" in extra:
-            extra["_dom_sex_age"] = extra["_dom_sex"] + ":" + g
-            domains.append("_dom_sex_age")
+    dom = key_frame(df, list(domains)).astype(str)
+    dom = dom[[c for c in dom.columns if dom[c].nunique() <= max_categories]]
+    names = [f"_dom_{c}" for c in dom.columns]
+    for name, c in zip(names, dom.columns, strict=True):
+        extra[name] = dom[c]
+    if cross and len(names) >= 2:
+        a, b = dom.columns[:2]
+        extra[f"_dom_{a}:{b}"] = dom[a] + ":" + dom[b]
+        names.append(f"_dom_{a}:{b}")
     return Characteristics(
         extra=pd.DataFrame(extra, index=df.index),
         overall=numeric + [k for k, v in kinds.items() if v == "proportion"],
         domain_vars=numeric,
-        domains=domains,
+        domains=names,
         kinds=kinds,
     )
 
@@ -307,8 +308,13 @@ class FinalStage:
         d = spec.design
         exclude = [*spec.variables.direct_identifiers, *([d.household] if d.household else [])]
         released = SurveyDesign.from_spec(df, d)
-        chars = broad_characteristics(original, design=design_columns(ctx.design), exclude=exclude)
-        chars_released = broad_characteristics(df, design=design_columns(released), exclude=exclude)
+        doms = spec.variables.keys[:2]
+        chars = broad_characteristics(
+            original, design=design_columns(ctx.design), exclude=exclude, domains=doms
+        )
+        chars_released = broad_characteristics(
+            df, design=design_columns(released), exclude=exclude, domains=doms
+        )
         method = released.method
         out = se_ratio_table(
             original,
@@ -359,7 +365,7 @@ class FinalStage:
                 "se_ratios": out,
                 "se_ratio_summary": deff_class_summary(out["ratio"], out["deff"]).reset_index(),
             },
-            report_tables=["se_ratio_summary"],
+            report_tables=["se_ratio_summary", "se_ratios"],
             se_ratio_table="se_ratios",
             notes=notes,
         )

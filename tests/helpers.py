@@ -80,15 +80,4 @@ STAGE_TABLES = {
     "assess": ["domain_estimates", "model_coefficients", "worst_estimates"],
 }
 # the report's sections (element ids), in order
-SECTIONS = [
-    "summary",
-    "gates",
-    "approval",
-    "risk",
-    "identification-risk",
-    "se-ratios",
-    "utility",
-    "calibration",
-    "stages",
-    "provenance",
-]
+SECTIONS = ["summary", "gates", "approval", "se-ratios", "stages", "provenance"]

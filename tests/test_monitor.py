@@ -34,8 +34,11 @@ def se_table(seed: int, distort: bool = False) -> pd.DataFrame:
     )
 
 
+GATES = {"delta_max": 0.25, "epsilon_max": 0.15, "xi": 0.395}  # the default survey's spec
+
+
 def manifest(
-    year: int, seed: int, status="published", delta=0.10, name="default-survey", gates=None
+    year: int, seed: int, status="published", delta=0.10, name="default-survey", gates=GATES
 ):
     m = {
         "release": {
@@ -50,10 +53,13 @@ def manifest(
         "parameters": {"release": {"seed": seed}},
         "metrics": {
             "massc.delta": delta,
-            "massc.epsilon": 0.05,
+            "massc.epsilon_formula": 0.05,
+            "massc.epsilon": 0.07,  # formula and empirical: not the gated one
             "prb.max_risk": 0.38,
             "swap.share_swapped": 0.25,
             "massc.share_substituted": 0.04,
+            "topcode.income.n_upper": 12.0,
+            "topcode.income.share_upper": 0.005,
             "risk.unique_share": 0.3,  # a risk measure, not a treated share
         },
         "gates": [],
@@ -155,8 +161,15 @@ def test_two_releases_no_drift_then_injected_drift(url, tmp_path):
     assert r26["se_source"] == "final"  # the end-to-end ratios are preferred to the swap's
     assert r26["se_ratio_median"] == pytest.approx(np.median(se_table(23)["ratio"]))
     assert r26["treated:swap"] == 0.25 and r26["treated:massc"] == 0.04
-    assert "treated:risk" not in s.releases.columns
-    assert r26["delta_max"] == 0.25  # the default spec's gate when the manifest has none
+    assert r26["treated:topcode income (upper)"] == 0.005
+    assert not [c for c in s.releases.columns if c.startswith("treated:") and "risk" in c]
+    assert r26["epsilon"] == 0.05  # the gated massc.epsilon_formula, not massc.epsilon
+    assert r26["delta_max"] == 0.25  # the survey's own gate, recorded in its manifest
+    # the default survey records no max_unique_share gate: said, never flagged
+    assert s.notes == [
+        "default-survey: no sample-unique share threshold recorded by the release(s) of "
+        "2025, 2026: sample-unique share not flagged there"
+    ]
 
     # 2027: masking that ignores the design (SEs shrink to SRS) and a delta above its gate
     reg.record_release(
@@ -178,7 +191,7 @@ def test_two_releases_no_drift_then_injected_drift(url, tmp_path):
     for img in p.imgs:
         assert base64.b64decode(img["src"].split(",", 1)[1]).startswith(PNG)
     assert "median SE ratio 0.6" in s.report.read_text()
-    # thresholds recorded with a release override the defaults
+    # each release is held to its own recorded thresholds
     reg.record_release(
         manifest(2028, 44, delta=0.31, gates={"delta_max": 0.4, "epsilon_max": 0.15, "xi": 0.395}),
         {"swap": se_table(33, distort=True)},
@@ -214,3 +227,31 @@ def test_monitor_flow_artifacts_and_gate(url, tmp_path):
     with pytest.raises(mon.DriftDetected, match="median SE ratio"):
         mon.monitor_flow(url=url, out_dir=str(tmp_path), gate_on_drift=True)
     assert "2027" in Artifact.get("puf-monitor-all").data
+
+
+def test_each_survey_held_to_its_own_thresholds(tmp_path, monkeypatch):
+    """Three surveys with the same delta 0.30 (and risk 0.38): survey a's spec gates delta at
+    0.25 and xi at 0.36, b's at 0.35 and 0.395, c records no gate: only a is flagged (twice),
+    and c's quantities are named as not flagged."""
+    monkeypatch.delenv(reg.ENV_URL, raising=False)
+    url = reg.registry_url(tmp_path)
+    own = {
+        "a": {"delta_max": 0.25, "epsilon_max": 0.15, "xi": 0.36},
+        "b": {"delta_max": 0.35, "epsilon_max": 0.15, "xi": 0.395},
+        "c": None,
+    }
+    for i, (name, gates) in enumerate(own.items()):
+        m = manifest(2026, i, delta=0.30, name=name, gates=gates)
+        reg.record_release(m, {"swap": se_table(i)}, url=url)
+    s = mon.monitor(url=url, out_dir=tmp_path / "m")
+    t = s.releases.set_index("survey")
+    assert t["delta"].tolist() == [0.30, 0.30, 0.30]
+    assert t.loc["a", "delta_max"] == 0.25 and t.loc["b", "delta_max"] == 0.35
+    assert t.loc["a", "id_risk_max"] == 0.36 and np.isnan(t.loc["c", "delta_max"])
+    assert sorted((f["survey"], f["kind"]) for f in s.flags) == [("a", "delta"), ("a", "id_risk")]
+    assert s.status == 1
+    unflagged = [n for n in s.notes if n.startswith("c: ")]
+    labels = ("delta", "epsilon", "identification risk", "sample-unique share")
+    assert len(unflagged) == 4 and all(any(f" {x} " in n for n in unflagged) for x in labels)
+    assert "NOTE c: no delta threshold recorded by the release(s) of 2026" in str(s)
+    assert "c: no delta threshold recorded" in s.report.read_text()

@@ -203,7 +203,7 @@ def test_v1_database_migrated_to_current(tmp_path, monkeypatch):
     reg.record_release(manifest(), url=str(db))
     eng2 = reg.get_engine(str(db))
     assert "manifest" in {c["name"] for c in sa.inspect(eng2).get_columns("releases")}
-    assert reg.read_manifest("survey-a-2025-0000abcd", url=str(db))["counts"]["n_output"] == 95
+    assert reg.read_manifest("survey-a-2025-0000abcd", url=str(db)).counts.n_output == 95
 
 
 def test_record_list_show(url):

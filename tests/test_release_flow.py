@@ -53,8 +53,9 @@ def published(tmp_path_factory):
 def test_published_release(published):
     path, manifest = published
     out = folder(path)
-    assert manifest["status"] == "published"
-    assert manifest["approval"]["approver"] == "tester"
+    assert manifest.status == "published"
+    assert manifest.approval.approver == "tester"
+    assert all(g.passed for g in manifest.gates) and len(manifest.gates) >= 10
     public = sorted(p.name for p in (out / "public").iterdir())
     assert public == ["README.md", "codebook.csv", "puf.csv", "puf.parquet"]
     puf_df = pd.read_parquet(out / "public" / "puf.parquet")
@@ -91,7 +92,7 @@ def test_published_release(published):
     # the real report parses, with every section, each run stage and its plots embedded
     rep = Parsed((out / "internal" / "report.html").read_text())
     assert set(SECTIONS) <= set(rep.ids)
-    stages = {s["name"] for s in manifest["stages"]}
+    stages = {s.name for s in manifest.stages}
     assert {"risk", "swap", "prb", "massc", "final"} <= stages
     assert {f"stage-{n}" for n in stages} <= set(rep.ids), set(rep.ids)
     alts = {i["alt"] for i in rep.imgs}
@@ -117,8 +118,8 @@ def test_same_spec_same_bytes(published, tmp_path):
     )
     copy.write_text(path.read_text())
     m2 = release_flow(spec_path=str(copy), approve="tester")
-    assert m2["hashes"]["outputs"] == manifest["hashes"]["outputs"]
-    assert m2["release"]["release_id"] == manifest["release"]["release_id"]
+    assert m2.hashes.outputs == manifest.hashes.outputs
+    assert m2.release.release_id == manifest.release.release_id
 
 
 def test_edit_failure_publishes_nothing(tmp_path):
@@ -205,9 +206,7 @@ def test_approval_pause_and_resume(tmp_path, approved):
     manifest = json.loads((out / "internal" / "manifest.json").read_text())
     assert manifest["approval"]["approver"] == "board"
     if approved:
-        assert (
-            box["manifest"]["status"] == "published" and (out / "public" / "puf.parquet").is_file()
-        )
+        assert box["manifest"].status == "published" and (out / "public" / "puf.parquet").is_file()
     else:
         assert isinstance(box["error"], ReleaseRejected)
         assert manifest["status"] == "rejected" and not (out / "public").exists()
@@ -256,9 +255,9 @@ def test_dask_runner_matches_thread_pool(tmp_path):
             m = run_release(str(path), approve="t")
         results[runner] = m
     t, d = results["thread"], results["dask"]
-    assert t["metrics"]["massc.n_replications"] == 4
-    assert t["metrics"]["massc.epsilon_empirical"] == d["metrics"]["massc.epsilon_empirical"]
-    assert t["hashes"]["outputs"] == d["hashes"]["outputs"]
+    assert t.metrics["massc.n_replications"] == 4
+    assert t.metrics["massc.epsilon_empirical"] == d.metrics["massc.epsilon_empirical"]
+    assert t.hashes.outputs == d.hashes.outputs
 
 
 def test_real_releases_in_registry_and_monitor(tmp_path, monkeypatch):
@@ -283,14 +282,14 @@ def test_real_releases_in_registry_and_monitor(tmp_path, monkeypatch):
             tmp_path / str(year), **fast, **{"release.year": year, "release.seed": seed}, **extra
         )
         manifests[year] = release_flow(spec_path=str(path), approve="board")
-        assert manifests[year]["status"] == "published"
+        assert manifests[year].status == "published"
     listed = reg.list_releases(url=url)
     assert sorted(listed["year"]) == [2025, 2026, 2027]
     assert set(listed["status"]) == {"published"}
-    m27 = manifests[2027]["metrics"]
+    m27 = manifests[2027].metrics
     assert (
         m27["final.share_records_retained"]
-        < manifests[2025]["metrics"]["final.share_records_retained"]
+        < manifests[2025].metrics["final.share_records_retained"]
     )
 
     s = mon.monitor(url=url, out_dir=tmp_path / "m")
@@ -299,7 +298,7 @@ def test_real_releases_in_registry_and_monitor(tmp_path, monkeypatch):
     for y in (2025, 2026):  # the regular releases sit inside the band
         assert 0.9 <= by_year.loc[y, "se_ratio_median"] <= 1.1, by_year.loc[y]
         assert by_year.loc[y, "se_ratio_median"] == pytest.approx(
-            manifests[y]["metrics"]["final.se_ratio_median"]
+            manifests[y].metrics["final.se_ratio_median"]
         )
     assert by_year.loc[2027, "se_ratio_median"] > 1.1
     kinds = {(f["year"], f["kind"]) for f in s.flags}

@@ -217,11 +217,15 @@ def small_survey():
 
 @pytest.fixture(scope="module")
 def results(survey):
+    from sdl_design.spec import KeySpec
     from sdl_design.swap import design_columns, swap_segments
     from sdl_design.utility import broad_characteristics
 
     d = _design(survey)
-    chars = broad_characteristics(survey, design=design_columns(d), exclude=EXCLUDE)
+    domains = [KeySpec(name="sex"), KeySpec(name="age", bins=[0, 18, 45, 65, 91])]
+    chars = broad_characteristics(
+        survey, design=design_columns(d), exclude=EXCLUDE, domains=domains
+    )
     return {
         m: swap_segments(survey, d, MATCHING, 0.25, method=m, seed=3, characteristics=chars)
         for m in ("2a", "2b")

@@ -210,7 +210,7 @@ def massc_result(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame) -> S
             "study_totals": study_totals,
             **cal_tables,
         },
-        report_tables=["rates", "delta", "delta_profiles", *cal_tables],
+        report_tables=["rates", "delta", "delta_profiles", "epsilon_formula", *cal_tables],
         gates=gates,
         figures={"weight_factors": _weight_factor_figure(data, cfg.weight, tr)},
         notes=notes,
@@ -272,6 +272,7 @@ def massc_epsilon(out: StageResult, estimates: Sequence[np.ndarray], spec) -> St
     out.metrics["n_replications"] = float(len(est))
     out.metrics["epsilon"] = max(out.metrics.get("epsilon_formula", 0.0), eps)
     out.tables["epsilon_replications"] = table
+    out.report_tables.append("epsilon_replications")
     out.notes.append(
         f"Empirical epsilon over {len(est)} replications of the whole treatment: {eps:.4f}."
     )
