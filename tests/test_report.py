@@ -245,6 +245,7 @@ def test_artifact_key():
     assert artifact_key("puf-Default_Survey-2026") == "puf-default-survey-2026"
 
 
+@pytest.mark.flow
 @pytest.mark.usefixtures("prefect_server")
 def test_post_artifacts_in_a_flow():
     from prefect import flow
