@@ -20,15 +20,19 @@ from flows.manifest import Manifest
 # the metric each monitored quantity is (as the stages emit it, the gated one) and its label
 METRICS = {
     "delta": "massc.delta",
-    "epsilon": "massc.epsilon_formula",
-    "id_risk": "prb.max_risk",
-    "unique_share": "risk.unique_share",
+    "epsilon": "assess.epsilon_published",
+    "id_risk": "assess.reid_share",
+    "unique_share": "assess.unique_share_published",
+    "overlap_median": "assess.overlap_median",
+    "beyond_2se": "assess.share_abs_std_bias_gt2",
 }
 LABELS = {
     "delta": "delta",
     "epsilon": "epsilon",
     "id_risk": "identification risk",
     "unique_share": "sample-unique share",
+    "overlap_median": "median CI overlap",
+    "beyond_2se": "share of estimates beyond 2 SE",
 }
 # the spec's gates field (recorded in each release's manifest) giving each quantity's threshold
 THRESHOLD_FIELDS = {
@@ -36,7 +40,10 @@ THRESHOLD_FIELDS = {
     "epsilon": "epsilon_max",
     "id_risk": "xi",
     "unique_share": "max_unique_share",
+    "overlap_median": "utility.overlap_median_min",
+    "beyond_2se": "utility.share_beyond_2se_max",
 }
+LOWER_BOUNDS = {"overlap_median"}  # flagged below the threshold; the others above it
 SE_SOURCES = ("final", "swap")  # preferred SE-ratio table of a release, in order
 # share of records (or segments) each stage treated: column 'treated:<label>'
 TREATED = {
@@ -135,8 +142,9 @@ def ratio_distribution(se: pd.DataFrame) -> pd.DataFrame:
 
 def _threshold(manifest: Manifest | None, key: str) -> float | None:
     """The release's own threshold of a quantity (its spec's gate), None when not recorded."""
-    gates = manifest.parameters.gates if manifest is not None else None
-    v = getattr(gates, THRESHOLD_FIELDS[key], None) if gates is not None else None
+    v = manifest.parameters.gates if manifest is not None else None
+    for part in THRESHOLD_FIELDS[key].split("."):
+        v = v.get(part) if isinstance(v, dict) else getattr(v, part, None)
     return None if v is None else float(v)
 
 
@@ -279,7 +287,11 @@ def drift_flags(
             if key not in table.columns:
                 continue
             v, t = getattr(r, key), getattr(r, f"{key}_max")
-            if np.isfinite(v) and np.isfinite(t) and v > t:
+            if not (np.isfinite(v) and np.isfinite(t)):
+                continue
+            if key in LOWER_BOUNDS and v < t:
+                flag(r, key, v, f">= {t:g}", f"{label} {v:.4f} below threshold {t:g}")
+            elif key not in LOWER_BOUNDS and v > t:
                 flag(r, key, v, f"<= {t:g}", f"{label} {v:.4f} above threshold {t:g}")
         if len(changes):
             c = changes[(changes["survey"] == r.survey) & (changes["year"] == r.year)]

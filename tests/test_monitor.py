@@ -34,7 +34,12 @@ def se_table(seed: int, distort: bool = False) -> pd.DataFrame:
     )
 
 
-GATES = {"delta_max": 0.25, "epsilon_max": 0.15, "xi": 0.395}  # the default survey's spec
+GATES = {  # the default survey's spec
+    "delta_max": 0.25,
+    "epsilon_max": 0.15,
+    "xi": 0.395,
+    "utility": {"overlap_median_min": 0.9, "share_beyond_2se_max": 0.05},
+}
 
 
 def manifest(
@@ -53,9 +58,13 @@ def manifest(
         "parameters": {"release": {"seed": seed}},
         "metrics": {
             "massc.delta": delta,
-            "massc.epsilon_formula": 0.05,
-            "massc.epsilon": 0.07,  # formula and empirical: not the gated one
-            "prb.max_risk": 0.38,
+            "massc.epsilon_formula": 0.04,  # the optimizer's own value: not the gated one
+            "assess.epsilon_published": 0.05,
+            "assess.reid_share": 0.38,
+            "assess.overlap_median": 0.95,
+            "assess.share_abs_std_bias_gt2": 0.02,
+            "assess.unique_share_published": 0.2,
+            "prb.max_risk": 0.37,
             "swap.share_swapped": 0.25,
             "massc.share_substituted": 0.04,
             "topcode.income.n_upper": 12.0,
@@ -163,7 +172,7 @@ def test_two_releases_no_drift_then_injected_drift(url, tmp_path):
     assert r26["treated:swap"] == 0.25 and r26["treated:massc"] == 0.04
     assert r26["treated:topcode income (upper)"] == 0.005
     assert not [c for c in s.releases.columns if c.startswith("treated:") and "risk" in c]
-    assert r26["epsilon"] == 0.05  # the gated massc.epsilon_formula, not massc.epsilon
+    assert r26["epsilon"] == 0.05  # epsilon of the published file, not the optimizer's
     assert r26["delta_max"] == 0.25  # the survey's own gate, recorded in its manifest
     # the default survey records no max_unique_share gate: said, never flagged
     assert s.notes == [
@@ -252,6 +261,25 @@ def test_each_survey_held_to_its_own_thresholds(tmp_path, monkeypatch):
     assert s.status == 1
     unflagged = [n for n in s.notes if n.startswith("c: ")]
     labels = ("delta", "epsilon", "identification risk", "sample-unique share")
-    assert len(unflagged) == 4 and all(any(f" {x} " in n for n in unflagged) for x in labels)
+    assert len(unflagged) == len(mon.METRICS) and all(
+        any(f" {x} " in n for n in unflagged) for x in labels
+    )
     assert "NOTE c: no delta threshold recorded by the release(s) of 2026" in str(s)
     assert "c: no delta threshold recorded" in s.report.read_text()
+
+
+def test_utility_flags_below_their_lower_threshold(tmp_path, monkeypatch):
+    """Analytic validity drifts: a year whose median CI overlap falls under the survey's own
+    utility gate (0.9) is flagged, one above it is not; the share beyond 2 SE is an upper bound."""
+    monkeypatch.delenv(reg.ENV_URL, raising=False)
+    url = reg.registry_url(tmp_path)
+    for year, ov, beyond in ((2025, 0.95, 0.02), (2026, 0.85, 0.08)):
+        m = manifest(year, year)
+        m["metrics"]["assess.overlap_median"] = ov
+        m["metrics"]["assess.share_abs_std_bias_gt2"] = beyond
+        reg.record_release(m, {"final": se_table(year)}, url=url)
+    s = mon.monitor(url=url, out_dir=tmp_path / "m")
+    kinds = sorted((f["year"], f["kind"]) for f in s.flags)
+    assert kinds == [(2026, "beyond_2se"), (2026, "overlap_median")]
+    low = next(f for f in s.flags if f["kind"] == "overlap_median")
+    assert low["value"] == 0.85 and low["limit"] == ">= 0.9"
