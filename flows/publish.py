@@ -66,15 +66,8 @@ def release_dir(spec: ReleaseSpec) -> Path:
 def forbidden_columns(
     spec: ReleaseSpec, masked_design: bool, drop: Sequence[str] = ()
 ) -> list[str]:
-    """The columns that may never be published: direct identifiers, segment, household, the
-    stages' drop_public columns, and the original strata/PSU unless the design is masked or
-    the spec publishes its labels. (Internal '__' columns are never published either.)"""
-    d = spec.design
-    gone = set(spec.variables.direct_identifiers) | {c for c in (d.segment, d.household) if c}
-    gone |= set(drop)
-    if not masked_design and not d.publish_design_labels:
-        gone |= {d.strata, d.psu}
-    return sorted(c for c in gone if c)
+    """The columns that may never be published (ReleaseSpec.unpublished_columns)."""
+    return spec.unpublished_columns(masked_design, drop)
 
 
 def public_frame(

@@ -108,11 +108,20 @@ class SensitiveSpec(_Strict):
     bins: list[float] | None = None  # continuous variable: categories are the bin labels
 
 
+class OtherColumns(_Strict):
+    """Columns that are neither keys, study, sensitive, design nor identifiers: published as
+    they are (keep) or never published (drop, e.g. fine geography)."""
+
+    keep: list[str] = []
+    drop: list[str] = []
+
+
 class VariablesSection(_Strict):
     direct_identifiers: list[str] = []
     keys: KeySpecs = Field(min_length=1)
     sensitive: list[SensitiveSpec] = []
     study: list[str] = []
+    other: OtherColumns = OtherColumns()
 
     @property
     def key_names(self) -> list[str]:
@@ -345,6 +354,9 @@ class ReleaseSpec(_Strict):
             named[s.name] = f"variables.sensitive[{i}].name"
         for i, c in enumerate(v.study):
             named[c] = f"variables.study[{i}]"
+        for part in ("keep", "drop"):
+            for i, c in enumerate(getattr(v.other, part)):
+                named.setdefault(c, f"variables.other.{part}[{i}]")
         for i, e in enumerate(self.edits):
             for c in e.columns():
                 named.setdefault(c, f"edits[{i}]")
@@ -381,7 +393,8 @@ class ReleaseSpec(_Strict):
         stages' drop_public columns, and the original strata/PSU unless the design is masked or
         the spec publishes its labels (internal '__' columns are never published either)."""
         d = self.design
-        gone = set(self.variables.direct_identifiers) | {d.segment, d.household} | set(drop)
+        v = self.variables
+        gone = set(v.direct_identifiers) | set(v.other.drop) | {d.segment, d.household} | set(drop)
         if not masked_design and not d.publish_design_labels:
             gone |= {d.strata, d.psu}
         return sorted(c for c in gone if c)

@@ -32,6 +32,7 @@ class Gate:
     value: float
     lower: float | None = None
     upper: float | None = None
+    explain: str = ""  # said when the gate fails (e.g. the worst estimates)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -39,12 +40,19 @@ class Gate:
             "value": float(self.value),
             "lower": self.lower,
             "upper": self.upper,
+            "explain": self.explain,
         }
 
 
-def gate(name: str, value: float, lower: float | None = None, upper: float | None = None) -> Gate:
+def gate(
+    name: str,
+    value: float,
+    lower: float | None = None,
+    upper: float | None = None,
+    explain: str = "",
+) -> Gate:
     """One threshold check: lower <= value <= upper (either side may be open)."""
-    return Gate(name, float(value), lower, upper)
+    return Gate(name, float(value), lower, upper, explain)
 
 
 @dataclass
