@@ -160,6 +160,32 @@ def test_failed_gate_publishes_nothing(tmp_path):
     assert {g["name"] for g in rec["gates"] if not g["passed"]} == {g["name"] for g in failed}
 
 
+def test_single_year_age_perturbed_is_refused_by_the_utility_gates(tmp_path):
+    """PRB on single-year age with no partition (the intruder's key at full detail, so nearly
+    every unit sits in a singleton/doubleton cell): the release is refused by the analytic-
+    validity gates, the failure names the worst estimates, and nothing is published."""
+    path = small_spec(tmp_path, **{"stages.massc": None, "stages.swap": None})
+    data = yaml.safe_load(path.read_text())
+    data["variables"]["keys"][0] = "age"  # single years, no bins
+    data["stages"]["prb"]["partition"] = {}
+    data["stages"]["prb"].pop("cells", None)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(GateFailed) as ei:
+        release_flow(spec_path=str(path), approve="tester")
+    msg = str(ei.value)
+    assert "utility: median CI overlap of domain estimates" in msg
+    assert "worst estimates: " in msg
+    out = folder(path)
+    assert not (out / "public").exists()
+    manifest = json.loads((out / "internal" / "manifest.json").read_text())
+    assert manifest["status"] == "rejected" and manifest["hashes"]["outputs"] == {}
+    failed = {g["name"] for g in manifest["gates"] if not g["passed"]}
+    assert "utility: median CI overlap of domain estimates" in failed
+    # the worst estimate named is the worst of the assessment table written to internal/
+    worst = pd.read_csv(out / "internal" / "assess" / "worst_estimates.csv").iloc[0]
+    assert f"{worst['variable']} in {worst['domain']} = {worst['level']}" in msg
+
+
 def _paused_run_id():
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
