@@ -3,6 +3,9 @@
 PRB: units of singleton/doubleton cells of X_C, per partition set, ranked by weight and cut into
 blocks of 2*m0; IFPR (eq. 2.1) inside each block with the block's own cell counts t'.
 NZY: one block per partition set (the baseline).
+The cells of X_C are the keys as the intruder sees them (their published coding); the other
+variables of C ride along with them. Partition sets are refined by the declared analysis domains,
+and where a set is too small to hold m0 cells the merge is reported per domain.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import pandas as pd
 from scipy.optimize import brentq
 
 from sdl_design.keys import coarsen
+from sdl_design.spec import KeySpec
 from sdl_design.utility import tvd, weighted_distribution
 
 
@@ -66,40 +70,82 @@ class PrbResult:
     theta: float
     m0: int
     method: str
-    cell: np.ndarray  # original X_C cell code per record
+    cell: np.ndarray  # original X_C cell code per record (cells as the intruder sees them)
     cell_after: np.ndarray  # X_C cell code after perturbation
     merges: list[str] = field(default_factory=list)  # partition sets merged (report)
     notes: list[str] = field(default_factory=list)  # tuned-theta decision
+    part: np.ndarray | None = None  # partition set per record, after merging
+    cell_values: pd.DataFrame | None = None  # published coding of each cell (row = cell code)
+    domains: list[list[str]] = field(default_factory=list)  # declared domains on cell columns
 
     @property
     def changed(self) -> np.ndarray:
         return self.cell != self.cell_after
 
 
+def published(s: pd.Series, key: KeySpec | None = None) -> pd.Series:
+    """A column in the coding the intruder sees (the key's bins or map; as-is without a recode).
+    Bins give an ordered categorical, so that neighbouring intervals sort next to each other."""
+    if key is None or (key.bins is None and key.map is None):
+        return s
+    if key.bins is not None:
+        lab = coarsen(s, key.bins)
+        edges = np.asarray(key.bins, dtype=float)
+        cats = [f"{edges[i]:g}-{edges[i + 1]:g}" for i in range(len(edges) - 1)]
+        cats = [*cats, "out_of_range"]
+        return pd.Series(pd.Categorical(lab, categories=cats, ordered=True), s.index, name=s.name)
+    codes, uniq = pd.factorize(s, use_na_sentinel=False)  # recode distinct values only
+    rec = coarsen(pd.Series(uniq, dtype=object), mapping=key.map).to_numpy(dtype=object)
+    return pd.Series(rec[codes], index=s.index, name=s.name)
+
+
+def _as_keys(cells: Sequence[KeySpec | str]) -> list[KeySpec]:
+    return [KeySpec(name=k) if isinstance(k, str) else k for k in cells]
+
+
 def _cells(df: pd.DataFrame, variables: Sequence[str]) -> np.ndarray:
     return df.groupby(list(variables), sort=True, dropna=False, observed=True).ngroup().to_numpy()
 
 
-def _partition_codes(
-    df: pd.DataFrame, partition: Mapping[str, Sequence[float] | None]
-) -> tuple[np.ndarray, list[str]]:
-    if not partition:
-        return np.zeros(len(df), dtype=np.int64), ["all"]
-    cols = {}
+def _partition_frame(
+    df: pd.DataFrame,
+    coded: pd.DataFrame,
+    partition: Mapping[str, Sequence[float] | None],
+    domain_cols: Sequence[str],
+) -> pd.DataFrame:
+    """Partition columns: the spec's partition (bins on the raw values, or None: as in the cells),
+    then each declared domain column of the cells in its published coding."""
+    cols: dict[str, pd.Series] = {}
     for c, bins in partition.items():
-        cols[c] = coarsen(df[c], bins) if bins is not None else df[c]
-    pf = pd.DataFrame(cols, index=df.index)
+        if bins is not None:
+            cols[c] = published(df[c], KeySpec(name=c, bins=list(bins)))
+        else:
+            cols[c] = coded[c] if c in coded.columns else df[c]
+    for c in domain_cols:
+        if c in partition and partition[c] is None:
+            continue
+        cols[c if c not in cols else f"{c} (published)"] = coded[c]
+    return pd.DataFrame(cols, index=df.index)
+
+
+def _partition_codes(pf: pd.DataFrame) -> tuple[np.ndarray, pd.DataFrame, list[str]]:
+    """Partition set per record (sets in sorted order), the values of each set, their labels."""
+    if pf.shape[1] == 0:
+        return np.zeros(len(pf), dtype=np.int64), pd.DataFrame(index=[0]), ["all"]
     g = pf.groupby(list(pf.columns), sort=True, dropna=False, observed=True)
     codes = g.ngroup().to_numpy()
-    keys = [k if isinstance(k, tuple) else (k,) for k in g.groups.keys()]
-    labels = [", ".join(f"{c}={v}" for c, v in zip(pf.columns, k, strict=True)) for k in keys]
-    return codes, labels
+    first = pd.Series(np.arange(len(pf))).groupby(codes).first().to_numpy()
+    values = pf.iloc[first].reset_index(drop=True)
+    labels = [
+        ", ".join(f"{c}={v}" for c, v in zip(pf.columns, row, strict=True))
+        for row in values.itertuples(index=False)
+    ]
+    return codes, values, labels
 
 
-def _merge_partitions(
-    part: np.ndarray, n_cells: np.ndarray, need: int, labels: list[str]
-) -> tuple[np.ndarray, list[str]]:
-    """Merge adjacent partition sets until each has >= need singleton/doubleton cells."""
+def _merge_groups(n_cells: np.ndarray, need: int) -> np.ndarray:
+    """Greedy merge of adjacent sets until each has >= need singleton/doubleton cells: the group
+    of each set (a set with none stands alone; a short tail joins the last group)."""
     groups: list[list[int]] = []
     acc: list[int] = []
     tot = 0
@@ -119,15 +165,62 @@ def _merge_partitions(
         else:
             groups.append(acc)
     new = np.empty(len(n_cells), dtype=np.int64)
-    notes = []
     for g, members in enumerate(groups):
         new[members] = g
-        if len(members) > 1:
-            notes.append(
-                "partition sets merged (fewer than m0 singleton/doubleton cells): "
-                + " + ".join(labels[m] for m in members)
-            )
-    return new[part], notes
+    return new
+
+
+def _merge_notes(group: np.ndarray, labels: list[str]) -> list[str]:
+    members = pd.Series(np.arange(len(group))).groupby(group).agg(list)
+    return [
+        "partition sets merged (fewer than m0 singleton/doubleton cells): "
+        + " + ".join(labels[m] for m in ms)
+        for ms in members
+        if len(ms) > 1
+    ]
+
+
+def _merge_partitions(
+    part: np.ndarray, n_cells: np.ndarray, need: int, labels: list[str]
+) -> tuple[np.ndarray, list[str]]:
+    """Merge adjacent partition sets until each has >= need singleton/doubleton cells."""
+    group = _merge_groups(n_cells, need)
+    return group[part], _merge_notes(group, labels)
+
+
+def _merge_nested(
+    part: np.ndarray, n_cells: np.ndarray, need: int, values: pd.DataFrame, labels: list[str]
+) -> tuple[np.ndarray, list[str]]:
+    """_merge_partitions from the last partition column up: a short set is first merged with its
+    neighbours that agree on every other column, then on one column fewer, and so on, so the
+    last (least important) columns are given up first."""
+    n_cells = np.asarray(n_cells, dtype=np.int64)
+    n_sets = len(n_cells)
+    group = np.arange(n_sets)  # group of each set, named by its first set (sets are sorted)
+    for level in range(values.shape[1] - 1, -1, -1):
+        tot = np.bincount(group, weights=n_cells, minlength=n_sets).astype(np.int64)
+        if not ((tot > 0) & (tot < need)).any():
+            break
+        cols = list(values.columns[:level])
+        prefix = (
+            values.groupby(cols, sort=False, dropna=False, observed=True).ngroup().to_numpy()
+            if cols
+            else np.zeros(n_sets, dtype=np.int64)
+        )
+        heads = np.unique(group)  # sorted sets: prefixes of the heads do not decrease
+        hp = prefix[heads]
+        short = (tot[heads] > 0) & (tot[heads] < need)
+        runs = np.split(np.arange(len(heads)), np.flatnonzero(np.diff(hp)) + 1)
+        remap = np.arange(n_sets)
+        for run in runs:
+            if not short[run].any():
+                continue
+            members = heads[run]
+            sub = _merge_groups(tot[members], need)
+            remap[members] = members[np.unique(sub, return_index=True)[1]][sub]
+        group = remap[group]
+    group = np.unique(group, return_inverse=True)[1].ravel()
+    return group[part], _merge_notes(group, labels)
 
 
 def post_randomize(
@@ -140,14 +233,26 @@ def post_randomize(
     method: str = "prb",
     theta: float | None = None,
     tuned: bool = False,
+    cells: Sequence[KeySpec | str] | None = None,
+    domains: Sequence[Sequence[str]] | None = None,
 ) -> PrbResult:
     """Post-randomize the X_C values of singleton/doubleton units (PRB or NZY blocks).
 
+    cells: the variables of C whose cross-classification defines the cells, each in its
+    published coding (a KeySpec with bins/map: the key as the intruder sees it); None: every
+    variable of C as it is. The other variables of C are carried: a unit that moves to another
+    cell takes all of C's values from one record of the destination cell in its own block, so
+    edit rules among the variables of C keep holding.
+    domains: declared analysis domains (lists of columns); their columns that are cells refine
+    the partition, so that a value moves only inside a domain cell; a partition set with fewer
+    than m0 singleton/doubleton cells is merged with a neighbour (PrbResult.merges).
     theta defaults to theta0(xi); tuned=True tries theta solving h*(theta) = xi (section 6) and
     keeps it only if the exact R_j(1, t') of eq. 2.2 stays <= xi in every block.
     """
     variables = list(variables)
     partition = dict(partition or {})
+    keys = _as_keys(variables if cells is None else cells)
+    names = [k.name for k in keys]
     for c in [*variables, weight, *partition]:
         if c not in df.columns:
             raise PrbError(f"column '{c}' (stages.prb / design.weight) is not in the data")
@@ -156,6 +261,9 @@ def post_randomize(
             raise PrbError(
                 f"partition column '{c}' is not in stages.prb.variables: add it to the set C"
             )
+    for c in names:
+        if c not in variables:
+            raise PrbError(f"cell variable '{c}' (stages.prb.cells) is not in stages.prb.variables")
     if method not in ("prb", "nzy"):
         raise PrbError(f"method '{method}' must be 'prb' or 'nzy'")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
@@ -164,28 +272,31 @@ def post_randomize(
     n = len(df)
     w = df[weight].to_numpy(dtype=float)
 
-    cell = _cells(df, variables)
+    coded = pd.DataFrame({k.name: published(df[k.name], k) for k in keys}, index=df.index)
+    cell = _cells(coded, names)
     t = np.bincount(cell)
-    sd = t[cell] <= 2  # units of singleton/doubleton cells
-    part, labels = _partition_codes(df, partition)
+    sd = t[cell] <= 2  # units of singleton/doubleton cells (of X_C as the intruder sees it)
+    doms = [[c for c in d if c in names] for d in (domains or [])]
+    doms = [d for i, d in enumerate(doms) if d and d not in doms[:i]]
+    dom_cols = list(dict.fromkeys(c for d in doms for c in d))
+    part, values, labels = _partition_codes(_partition_frame(df, coded, partition, dom_cols))
     n_part = len(labels)
-    # singleton/doubleton cells per partition set (cells nest in partition sets)
-    first = np.zeros(len(t), dtype=np.int64)
-    first[cell[::-1]] = part[::-1]
-    n_sd_cells = (
-        np.bincount(first[t <= 2], minlength=n_part) if (t <= 2).any() else np.zeros(n_part)
-    )
+    # singleton/doubleton cells per partition set (a cell split by raw-value bins counts in each)
+    sd_pairs = np.unique(np.stack([part[sd], cell[sd]]), axis=1)
+    n_sd_cells = np.bincount(sd_pairs[0], minlength=n_part)
     if 0 < n_sd_cells.sum() < mm:
         raise PrbError(
             f"only {int(n_sd_cells.sum())} singleton/doubleton cells of X_C in the data, fewer than "
             f"m0 = {mm}: IFPR cannot bound the risk; add variables to stages.prb.variables"
         )
-    part, merges = _merge_partitions(part, n_sd_cells, mm, labels)
+    part, merges = _merge_nested(part, n_sd_cells, mm, values, labels)
 
     notes: list[str] = []
     idx = np.flatnonzero(sd)
     block = np.full(n, -1, dtype=np.int64)
     cell_after = cell.copy()
+    src = np.empty(0, dtype=np.int64)
+    moved = np.empty(0, dtype=np.int64)
     if len(idx):
         u_tie = rng.random(len(idx))
         order = idx[np.lexsort((u_tie, w[idx], part[idx]))]  # by partition, weight, random ties
@@ -212,21 +323,25 @@ def post_randomize(
                 notes.append(
                     f"tuned theta {tt:.4f} rejected: max R_j(1, t') {worst:.4f} > xi; theta0 kept"
                 )
-        cell_after[order] = _ifpr(b, cell[order], th, rng)
+        dest, rep = _ifpr(b, cell[order], th, rng)
+        cell_after[order] = dest
+        go = dest != cell[order]
+        moved, src = order[go], order[rep[go]]  # a record of the destination cell, same block
 
     data = df.copy()
-    moved = np.flatnonzero(cell_after != cell)
     if len(moved):
-        rep = np.zeros(len(t), dtype=np.int64)  # a row of each cell holds its X_C values
-        rep[cell[::-1]] = np.arange(n)[::-1]
-        src = rep[cell_after[moved]]
-        for c in variables:
+        for c in variables:  # all of C from one record: cell values and carried values together
             col = data[c].to_numpy(copy=True)
             col[moved] = col[src]
             data[c] = pd.Series(col, index=data.index, dtype=df[c].dtype)
     blk = pd.Series(pd.array(np.where(block >= 0, block, 0), dtype="Int64"), index=df.index)
     blk[block < 0] = pd.NA
-    return PrbResult(data, blk.rename("block"), th, mm, method, cell, cell_after, merges, notes)
+    first = pd.Series(np.arange(n)).groupby(cell).first().to_numpy()
+    cell_values = coded.iloc[first].reset_index(drop=True)
+    return PrbResult(
+        data, blk.rename("block"), th, mm, method, cell, cell_after, merges, notes,
+        part, cell_values, doms,
+    )  # fmt: skip
 
 
 def _block_cells(b: np.ndarray, c: np.ndarray):
@@ -239,8 +354,11 @@ def _block_cells(b: np.ndarray, c: np.ndarray):
     return pairs, inv.ravel(), tp, m, offs
 
 
-def _ifpr(b: np.ndarray, c: np.ndarray, theta: float, rng: np.random.Generator) -> np.ndarray:
-    """One IFPR draw (eq. 2.1 with the block's t') for units with block b and cell c."""
+def _ifpr(
+    b: np.ndarray, c: np.ndarray, theta: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """One IFPR draw (eq. 2.1 with the block's t') for units with block b and cell c: the cell
+    after, and the position (in b, c) of a record of that cell in the same block, drawn at random."""
     pairs, inv, tp, m, offs = _block_cells(b, c)
     if (m < 2).any():
         raise PrbError("a block has a single cell: too few singleton/doubleton cells to perturb")
@@ -252,8 +370,13 @@ def _ifpr(b: np.ndarray, c: np.ndarray, theta: float, rng: np.random.Generator) 
     pos = inv - offs[pairs[0][inv]]  # own position among the block's cells
     k = np.minimum((v * (mb - 1)).astype(np.int64), mb - 2)  # uniform over the m - 1 others
     k = k + (k >= pos)
-    dest = pairs[1][offs[pairs[0][inv]] + k]
-    return np.where(move, dest, c)
+    dpair = np.where(move, offs[pairs[0][inv]] + k, inv)
+    # the records of each (block, cell) pair, pair by pair; one of the destination pair's t'
+    members = np.argsort(inv, kind="stable")
+    start = np.r_[0, np.cumsum(tp)[:-1]]
+    r = rng.random(len(c))
+    pick = np.minimum((r * tp[dpair]).astype(np.int64), tp[dpair] - 1)
+    return pairs[1][dpair], members[start[dpair] + pick]
 
 
 def transition_matrix(t: np.ndarray, theta: float) -> np.ndarray:
@@ -354,6 +477,81 @@ def count_changes(
     return out
 
 
+DOMAIN_COLUMNS = ["domain", "partition_set", "cells_merged", "n_cells", "n_records", "n_moved"]
+
+
+def domains_not_kept(res: PrbResult) -> tuple[int, pd.DataFrame]:
+    """Records moved across a declared domain cell boundary (any domain), and per domain and
+    merged partition set the domain cells merged and the records moved across them."""
+    cols = list(dict.fromkeys(c for d in res.domains for c in d))
+    if not cols or res.cell_values is None or res.part is None:
+        return 0, pd.DataFrame(columns=DOMAIN_COLUMNS)
+    inb = np.flatnonzero(res.block.notna().to_numpy())  # units of the blocks: only they move
+    part, cell, after = res.part[inb], res.cell[inb], res.cell_after[inb]
+    across = np.zeros(len(inb), dtype=bool)
+    tables = []
+    for d in res.domains:
+        g = res.cell_values.groupby(d, sort=True, dropna=False, observed=True)
+        dcode = g.ngroup().to_numpy()  # domain cell of each cell
+        first = pd.Series(np.arange(len(dcode))).groupby(dcode).first().to_numpy()
+        lab = np.array(
+            [
+                ", ".join(f"{c}={v}" for c, v in zip(d, row, strict=True))
+                for row in res.cell_values.iloc[first][d].itertuples(index=False)
+            ],
+            dtype=object,
+        )  # one label per domain cell
+        moved = dcode[cell] != dcode[after]
+        across |= moved
+        pairs = pd.DataFrame({"part": part, "dom": dcode[cell]}).drop_duplicates()
+        n_cells = pairs.groupby("part").size()
+        merged = n_cells.index[n_cells > 1].to_numpy()
+        if not len(merged):
+            continue
+        pairs = pairs[pairs["part"].isin(merged)].sort_values(["part", "dom"])
+        pairs["lab"] = lab[pairs["dom"].to_numpy()]
+        tables.append(
+            pd.DataFrame(
+                {
+                    "domain": " x ".join(d),
+                    "partition_set": merged,
+                    "cells_merged": pairs.groupby("part")["lab"].agg(" + ".join).loc[merged].values,
+                    "n_cells": n_cells.loc[merged].to_numpy(),
+                    "n_records": np.bincount(part, minlength=merged.max() + 1)[merged],
+                    "n_moved": np.bincount(part, weights=moved, minlength=merged.max() + 1)[
+                        merged
+                    ].astype(np.int64),
+                }
+            )
+        )
+    out = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=DOMAIN_COLUMNS)
+    return int(across.sum()), out
+
+
+def _domain_notes(not_kept: pd.DataFrame, m0: int) -> list[str]:
+    """One sentence per domain not kept that contains no other domain not kept (the crossings
+    containing it are named with it)."""
+    if not len(not_kept):
+        return []
+    by = not_kept.groupby("domain", sort=False).agg(
+        sets=("partition_set", "size"), cells=("n_cells", "sum"), moved=("n_moved", "sum")
+    )
+    cols = {d: set(d.split(" x ")) for d in by.index}
+    notes = []
+    for d, r in by.iterrows():
+        if any(cols[o] < cols[d] for o in cols):
+            continue
+        wider = [o for o in cols if cols[d] < cols[o]]
+        notes.append(
+            f"PRB could not keep the domain '{d}'"
+            + (f" (nor its crossings {', '.join(wider)})" if wider else "")
+            + f": {r.sets} merged partition sets (sets with fewer than m0 = {m0} singleton/"
+            f"doubleton cells joined to neighbours) span {r.cells} of its cells; {r.moved} records "
+            "moved across its cell boundaries (table domains_not_kept)"
+        )
+    return notes
+
+
 def default_combos(variables: Sequence[str], extra: Sequence[str] = ()) -> list[tuple[str, ...]]:
     """Pairs and triples of the variables (Table 6 style)."""
     v = [*variables, *[e for e in extra if e not in variables]]
@@ -380,7 +578,9 @@ def tvd_table(
 
 class PrbStage:
     """Stage: PRB post-randomization of the set C in weight-homogeneous blocks (paper 002
-    section 4), the NZY baseline beside it, exact risk (eq. 2.2) gated at xi, Tables 3/4/6."""
+    section 4), the NZY baseline beside it, exact risk (eq. 2.2) gated at xi, Tables 3/4/6.
+    Cells on the keys' published coding, partition sets refined by utility.domains; the records
+    moved across a declared domain cell are counted (n_moved_across_domains, domains_not_kept)."""
 
     name = "prb"
     replications = 0
@@ -393,6 +593,17 @@ class PrbStage:
         section = spec.stages.active("prb")
         return None if section is None else cls(section, spec)
 
+    def cells(self) -> list[KeySpec]:
+        """The cell variables in their published coding: stages.prb.cells, or the keys in C."""
+        cfg, keys = self.section, {k.name: k for k in self.spec.variables.keys}
+        names = cfg.cells if cfg.cells is not None else [c for c in cfg.variables if c in keys]
+        if not names:
+            raise PrbError(
+                "stages.prb.variables holds no key variable: the cells of X_C are the keys as the "
+                "intruder sees them; add the keys to the set C or list stages.prb.cells"
+            )
+        return [keys.get(c, KeySpec(name=c)) for c in names]
+
     def run(self, df: pd.DataFrame, ctx: Any) -> Any:
         from sdl_design.edits import check_edits
         from sdl_design.plots import histogram
@@ -402,7 +613,9 @@ class PrbStage:
         weight = spec.design.weight
         xi = spec.gates.xi or cfg.xi
         rng = ctx.rng("prb")
-        kw = dict(partition=cfg.partition, seed=rng)
+        cells = self.cells()
+        declared = spec.utility.domain_list(spec.variables.key_names)
+        kw = dict(partition=cfg.partition, seed=rng, cells=cells, domains=declared)
         res = post_randomize(
             df, cfg.variables, cfg.xi, weight, method=cfg.method, tuned=cfg.tuned, **kw
         )
@@ -422,12 +635,30 @@ class PrbStage:
         )
         max_risk = float(risk["risk"].max()) if len(risk) else 0.0
         n_changed = int(res.changed.sum())
+        n_across, not_kept = domains_not_kept(res)
+        cell_names = [k.name for k in cells]
+        carried = [c for c in cfg.variables if c not in cell_names]
         notes = [
-            *res.merges,
+            f"PRB cells: {', '.join(cell_names)} in their published coding; carried with them "
+            f"(copied from one record of the destination cell): {', '.join(carried) or 'none'}",
+            *res.merges[:10],
+            *(
+                [f"... and {len(res.merges) - 10} more merges of partition sets"]
+                if len(res.merges) > 10
+                else []
+            ),
             *res.notes,
             f"PRB ({cfg.method}) changed {n_changed} of {int(res.block.notna().sum())} singleton/"
             f"doubleton records; max exact identification risk {max_risk:.4f} <= xi {xi}",
         ]
+        notes += _domain_notes(not_kept, res.m0)
+        notes.append(f"{n_across} records moved across a declared domain cell boundary")
+        moved_cols = [c for d in declared for c in d if c in carried]
+        if moved_cols:
+            notes.append(
+                f"declared domain columns carried by PRB (in C but not cells), not kept: "
+                f"{', '.join(dict.fromkeys(moved_cols))}"
+            )
         figures = {}
         if len(risk):
             figures["risk_hist"] = histogram(
@@ -441,7 +672,14 @@ class PrbStage:
         return StageResult(
             name=self.name,
             data=res.data,
-            params={"xi": cfg.xi, "theta": res.theta, "m0": res.m0, "method": cfg.method},
+            params={
+                "xi": cfg.xi,
+                "theta": res.theta,
+                "m0": res.m0,
+                "method": cfg.method,
+                "cells": cell_names,
+                "domains": [" x ".join(d) for d in res.domains],
+            },
             metrics={
                 "theta": res.theta,
                 "m0": float(res.m0),
@@ -449,6 +687,7 @@ class PrbStage:
                 "n_blocks": float(risk["block"].nunique()) if len(risk) else 0.0,
                 "n_changed": float(n_changed),
                 "share_changed": n_changed / max(len(df), 1),
+                "n_moved_across_domains": float(n_across),
                 f"tvd_mean_{cfg.method}": float(tv[cfg.method].mean()) if len(tv) else 0.0,
                 f"tvd_mean_{other}": float(tv[other].mean()) if len(tv) else 0.0,
             },
@@ -458,8 +697,15 @@ class PrbStage:
                 "identification_risk": empirical_risk(res).reset_index(names="row"),
                 "weighted_counts": counts.reset_index(),
                 "tvd": tv,
+                "domains_not_kept": not_kept,
             },
-            report_tables=["identification_risk", "risk_by_block", "weighted_counts", "tvd"],
+            report_tables=[
+                "identification_risk",
+                "risk_by_block",
+                "weighted_counts",
+                "tvd",
+                *(["domains_not_kept"] if len(not_kept) else []),
+            ],
             gates=[gate("prb.max_identification_risk", max_risk, upper=xi)],
             figures=figures,
             notes=notes,

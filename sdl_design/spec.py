@@ -149,9 +149,23 @@ class PrbSection(_Strict):
     enabled: bool = True
     xi: float = Field(gt=1 / 3, lt=0.5)
     variables: list[str] = Field(min_length=1)  # the set C
-    partition: dict[str, list[float] | None] = {}  # coarsening: bins, or None for as-is
+    # the variables of C whose cross-classification defines the cells of X_C, each key in its
+    # published coding (bins/map: as the intruder sees it); None (default): the keys in C.
+    # The other variables of C (tied to the keys by edit rules) are carried: a unit that moves
+    # takes all of C's values from one record of the destination cell.
+    cells: list[str] | None = None
+    # partition sets: bins on the raw values, or None for the column as in the cells (a key in
+    # its published coding); refined by the declared domains (utility.domains) among the cells
+    partition: dict[str, list[float] | None] = {}
     method: Literal["prb", "nzy"] = "prb"
     tuned: bool = False  # h*(theta) = xi (paper 002 section 6)
+
+    @model_validator(mode="after")
+    def _cells_in_c(self) -> PrbSection:
+        extra = [c for c in self.cells or [] if c not in self.variables]
+        if extra:
+            raise ValueError(f"cells {extra} are not in variables (the set C); add them there")
+        return self
 
 
 class CalibrationSpec(_Strict):
@@ -369,6 +383,8 @@ class ReleaseSpec(_Strict):
                 named.setdefault(c, f"stages.prb.variables[{i}]")
             for c in s.prb.partition:
                 named.setdefault(c, f"stages.prb.partition.{c}")
+            for i, c in enumerate(s.prb.cells or []):
+                named.setdefault(c, f"stages.prb.cells[{i}]")
         if s.massc:
             for i, k in enumerate(s.massc.calibration.controls):
                 named.setdefault(k.name, f"stages.massc.calibration.controls[{i}]")

@@ -8,18 +8,21 @@ import pytest
 from helpers import DEFAULT_SPEC
 
 from sdl_design.edits import edit_masks, failing_rows
+from sdl_design.keys import key_frame
 from sdl_design.prb import (
     block_risk,
     default_combos,
+    domains_not_kept,
     h,
     m0,
     post_randomize,
+    published,
     theta0,
     theta_tuned,
     transition_matrix,
     tvd_table,
 )
-from sdl_design.spec import parse_spec
+from sdl_design.spec import KeySpec, UtilitySection, parse_spec
 from sdl_design.synth import make_survey
 
 C = ["age", "sex", "race", "marital", "region", "county", "education", "pregnant"]
@@ -166,9 +169,11 @@ def test_task_gate_and_edit_failure():
     assert {"se", "se_star"} <= set(out.tables["weighted_counts"].columns)
     assert len(out.tables["tvd"]) >= 10
     bad = spec.model_copy(deep=True)
-    # marital left out of C and ages no longer kept apart: adults move into child cells
+    # marital left out of C and age groups no longer kept (only sex is a declared domain):
+    # married adults take the age of a child record of their block
     bad.stages.prb.variables = [c for c in C if c != "marital"]
     bad.stages.prb.partition = {"sex": None}
+    bad.utility = UtilitySection(domains=["sex"])
     with pytest.raises(EditFailure, match=r"edits\[\d+\]"):
         run_stage(PrbStage, survey, bad, 5)
 
@@ -198,3 +203,186 @@ def test_tuned_theta_accepted_on_singleton_block():
     expected = 1 / (1 + r.theta / (1 - r.theta) * 9 * a / (1 - a))
     assert block_risk(r.block, r.cell, r.theta)["risk"].to_numpy() == pytest.approx(expected)
     assert expected <= 0.395
+
+
+# ---------------------------------------------------------------- cells as the intruder sees them
+
+AGE = KeySpec(name="age", bins=[0, 30, 60, 91])
+REGION = KeySpec(name="region", map={"r1": "east", "r2": "east", "r3": "west", "r4": "west"})
+
+
+def _toy(rare: list[tuple[int, str, str]], seed: int = 0, n_common: int = 300) -> pd.DataFrame:
+    """n_common records in large coded cells (x = common; raw ages nearly all distinct) and one
+    cell per rare tuple (count, coded age group start, raw region); weights rise along the rows."""
+    rng = np.random.default_rng(seed)
+    rows = {
+        "age": list(rng.integers(0, 91, n_common)),
+        "x": ["common"] * n_common,
+        "region": list(rng.choice(["r1", "r2", "r3", "r4"], n_common)),
+    }
+    for i, (count, lo, reg) in enumerate(rare):
+        for _ in range(count):
+            rows["age"].append(int(lo) + int(rng.integers(0, 30)))
+            rows["x"].append(f"rare{i}")
+            rows["region"].append(reg)
+    df = pd.DataFrame(rows)
+    df["edu"] = np.where(df["age"] < 18, "child", "adult")  # carried: tied to raw age
+    df["w"] = np.r_[rng.uniform(1, 2, n_common), 10 + np.arange(len(df) - n_common)]
+    return df
+
+
+def test_published_coding_of_a_key():
+    s = pd.Series([0, 29, 30, 90, 95], name="age")
+    assert list(published(s, AGE).astype(str)) == ["0-30", "0-30", "30-60", "60-91", "out_of_range"]
+    assert published(s, AGE).cat.ordered  # neighbouring intervals sort next to each other
+    r = pd.Series(["r2", "r3", "r9"], name="region")
+    assert list(published(r, REGION)) == ["east", "west", "r9"]  # as keys.coarsen: unmapped kept
+    assert published(r).equals(r)
+
+
+def test_only_singleton_doubleton_coded_cells_move_at_the_ifpr_rate():
+    # 30 blocks of 10 units (weight ranks 10k..10k+9): 4 singletons and 3 doubletons each
+    one = [(1, 0, "r1")] * 2 + [(1, 60, "r2")] * 2 + [(2, 30, "r3"), (2, 0, "r4"), (2, 60, "r1")]
+    df = _toy(one * 30)
+    cells, C4 = [AGE, "x", REGION], ["age", "x", "region", "edu"]
+    tcell = df.groupby(["x", published(df["age"], AGE)], observed=True)["w"].transform("size")
+    tcell = tcell.to_numpy()
+    sd = np.flatnonzero(tcell <= 2)
+    n_rep, th = 80, theta0(0.395)
+    moved = np.zeros(len(df))
+    for s in range(n_rep):
+        r = post_randomize(df, C4, 0.395, "w", seed=s, cells=cells)
+        assert (r.block.iloc[sd].to_numpy() == np.arange(len(sd)) // 10).all()
+        moved += r.changed
+        out = r.data
+        # a unit in a cell of 3+ (coded) keeps every value, however unique its raw age
+        assert out.loc[tcell > 2].equals(df.loc[tcell > 2])
+        # a moved unit takes all of C from one record of its own block (raw age and edu together)
+        ch = np.flatnonzero(r.changed)
+        rows = df[C4].assign(b=r.block).iloc[sd]
+        assert set(map(tuple, out[C4].assign(b=r.block).iloc[ch].to_numpy())) <= set(
+            map(tuple, rows.to_numpy())
+        )
+        assert (out["edu"] == np.where(out["age"] < 18, "child", "adult")).all()
+    # P(move) = 1 - p_jj = theta / t_j, the sum of the IFPR off-diagonal probabilities (eq. 2.1)
+    for k in (1, 2):
+        sel = tcell == k
+        se = np.sqrt(th / k * (1 - th / k) / (sel.sum() * n_rep))
+        assert abs(moved[sel].mean() / n_rep - th / k) < 4 * se
+    share = moved.sum() / n_rep / len(df)
+    expected = (tcell == 1).mean() * th + (tcell == 2).mean() * th / 2
+    p = np.where(tcell <= 2, th / tcell, 0.0)
+    assert abs(share - expected) < 4 * np.sqrt((p * (1 - p)).sum() / n_rep) / len(df)
+
+
+def test_raw_partition_bins_kept_by_the_record_copied():
+    # the partition cuts the coded group 0-30 at raw age 15: a copy comes from the same set
+    rare = [(1, 0, "r1")] * 12 + [(2, 0, "r3")] * 6 + [(1, 30, "r2")] * 10
+    df = _toy(rare, seed=3)
+    for s in range(40):
+        r = post_randomize(
+            df, ["age", "x", "region", "edu"], 0.395, "w", {"age": [0, 15, 91]}, seed=s,
+            cells=[AGE, "x", REGION],
+        )  # fmt: skip
+        assert ((r.data["age"] < 15) == (df["age"] < 15)).all()
+        assert block_risk(r.block, r.cell, r.theta)["risk"].max() <= 0.395
+
+
+def test_declared_domains_kept_when_every_set_holds_m0():
+    # domain region (published: east/west) x age group: each domain cell holds >= m0 sd cells
+    rare = [(1, lo, reg) for lo in (0, 30) for reg in ("r1", "r2", "r3", "r4") for _ in range(3)]
+    rare += [(2, lo, reg) for lo in (0, 30) for reg in ("r2", "r3")]
+    df = _toy(rare, seed=5)
+    cells = [AGE, "x", REGION]
+    before = key_frame(df, [AGE, REGION])
+    raw_moved = 0
+    for s in range(40):
+        r = post_randomize(
+            df, ["age", "x", "region", "edu"], 0.395, "w", seed=s, cells=cells,
+            domains=[["region"], ["age", "region"]],
+        )  # fmt: skip
+        assert r.merges == []
+        assert key_frame(r.data, [AGE, REGION]).equals(before)  # never leaves its domain cell
+        raw_moved += int((r.data["region"] != df["region"]).sum())  # raw region moves inside
+        n, tab = domains_not_kept(r)
+        assert n == 0 and tab.empty
+        assert block_risk(r.block, r.cell, r.theta)["risk"].max() <= 0.395
+        assert r.changed.any()
+    assert raw_moved > 0
+
+
+def test_forced_merge_is_reported_with_brute_force_counts():
+    # west has 3 sd cells (< m0 = 5) in age group 0-30: merged with east of the same age group
+    rare = [(1, 0, "r1")] * 8 + [(1, 0, "r3")] * 2 + [(2, 0, "r4")]
+    rare += [(1, 30, "r2")] * 6 + [(1, 30, "r3")] * 6
+    df = _toy(rare, seed=7)
+    cells, doms = [AGE, "x", REGION], [["age"], ["region"]]
+    total_moved = 0
+    for s in range(30):
+        r = post_randomize(
+            df, ["age", "x", "region", "edu"], 0.395, "w", seed=s, cells=cells, domains=doms
+        )
+        assert len(r.merges) == 1 and "region=east" in r.merges[0] and "region=west" in r.merges[0]
+        assert "age=0-30" in r.merges[0] and "30-60" not in r.merges[0]  # the last column first
+        kb, ka = key_frame(df, [AGE, REGION]), key_frame(r.data, [AGE, REGION])
+        assert (kb["age"] == ka["age"]).all()
+        brute = (kb != ka).any(axis=1)
+        n, tab = domains_not_kept(r)
+        assert n == brute.sum()
+        assert list(tab["domain"]) == ["region"]
+        assert tab["cells_merged"].iloc[0] == "region=east + region=west"
+        assert tab["n_moved"].iloc[0] == (kb["region"] != ka["region"]).sum()
+        young_sd = (published(df["age"], AGE) == "0-30") & (df["x"] != "common")
+        assert tab["n_records"].iloc[0] == young_sd.sum() == 8 + 2 + 2
+        assert block_risk(r.block, r.cell, r.theta)["risk"].max() <= 0.395
+        total_moved += n
+    assert total_moved > 0  # the merge does move records across east/west
+
+
+def _stage_checks(out, df, spec):
+    keys, doms = spec.variables.keys, spec.utility.domain_list(spec.variables.key_names)
+    kb, ka = key_frame(df, keys), key_frame(out.data, keys)
+    t = kb.groupby(list(kb.columns), observed=True)[kb.columns[0]].transform("size")
+    changed = (out.data[spec.stages.prb.variables] != df[spec.stages.prb.variables]).any(axis=1)
+    assert out.metrics["n_changed"] == changed.sum() > 0
+    assert (t[changed] <= 2).all()  # only units of singleton/doubleton cells of the coded keys
+    assert failing_rows(out.data, spec.edits).empty
+    assert out.tables["risk_by_block"]["max_risk"].max() <= 0.395
+    cols = list(dict.fromkeys(c for d in doms for c in d))
+    assert out.metrics["n_moved_across_domains"] == (kb[cols] != ka[cols]).any(axis=1).sum()
+    tab = out.tables["domains_not_kept"]
+    for d in doms:
+        brute = (kb[d] != ka[d]).any(axis=1).sum()
+        assert tab.loc[tab["domain"] == " x ".join(d), "n_moved"].sum() == brute
+    return kb, ka
+
+
+def test_stage_cells_on_published_keys_and_declared_domains(survey):
+    from conftest import run_stage
+
+    from sdl_design.prb import PrbStage
+    from sdl_design.spec import load_spec
+
+    spec = load_spec(Path(__file__).parents[1] / "flows" / "default_spec.yaml")
+    spec.utility = UtilitySection(domains=["age", "sex", "race", ["age", "sex"]])
+    out = run_stage(PrbStage, survey, spec, 5)
+    kb, ka = _stage_checks(out, survey, spec)
+    assert out.params["cells"] == ["age", "sex", "race", "marital", "region", "county"]
+    assert out.metrics["n_moved_across_domains"] == 0 and out.tables["domains_not_kept"].empty
+    assert (kb[["age", "sex", "race"]] == ka[["age", "sex", "race"]]).all().all()
+    # every key a domain (the default): what cannot be kept is merged and reported
+    spec.utility = UtilitySection()
+    out = run_stage(PrbStage, survey, spec, 5)
+    _stage_checks(out, survey, spec)
+    assert out.metrics["n_moved_across_domains"] > 0
+    assert any("could not keep the domain 'county'" in n for n in out.notes)
+
+
+def test_cells_outside_c_refused_by_the_spec():
+    from sdl_design.spec import SpecError, load_spec
+
+    spec = load_spec(Path(__file__).parents[1] / "flows" / "default_spec.yaml")
+    data = spec.model_dump(mode="json")
+    data["stages"]["prb"]["cells"] = ["age", "income"]
+    with pytest.raises(SpecError, match=r"stages\.prb.*income"):
+        parse_spec(data)
