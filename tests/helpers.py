@@ -81,3 +81,19 @@ STAGE_TABLES = {
 }
 # the report's sections (element ids), in order
 SECTIONS = ["summary", "gates", "approval", "se-ratios", "stages", "provenance"]
+
+
+def county_key_spec():
+    """The default spec with county back among the keys (89 counties: many sample uniques) and
+    no declared utility domains (every key and every pair of keys): the wide-key setting several
+    method tests were written for."""
+    import yaml
+
+    from sdl_design.spec import parse_spec
+
+    data = yaml.safe_load(DEFAULT_SPEC.read_text())
+    data["variables"]["keys"].append("county")
+    data["stages"]["prb"]["variables"].insert(5, "county")
+    data["variables"]["other"] = {}
+    data.pop("utility", None)
+    return parse_spec(data)

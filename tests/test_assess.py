@@ -10,7 +10,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import scipy.sparse as sp
-import yaml
 from scipy.stats import norm
 
 from sdl_design.assess import (
@@ -29,7 +28,6 @@ from sdl_design.glm import (
     term_levels,
 )
 from sdl_design.keys import coarsen
-from sdl_design.spec import parse_spec
 from sdl_design.synth import make_survey
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +41,9 @@ MODELS = [
 
 @pytest.fixture(scope="module")
 def spec():
-    return parse_spec(yaml.safe_load((ROOT / "flows" / "default_spec.yaml").read_text()))
+    from helpers import county_key_spec
+
+    return county_key_spec()
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -359,11 +361,11 @@ def _stage_checks(out, df, spec):
 
 def test_stage_cells_on_published_keys_and_declared_domains(survey):
     from conftest import run_stage
+    from helpers import county_key_spec
 
     from sdl_design.prb import PrbStage
-    from sdl_design.spec import load_spec
 
-    spec = load_spec(Path(__file__).parents[1] / "flows" / "default_spec.yaml")
+    spec = county_key_spec()
     spec.utility = UtilitySection(domains=["age", "sex", "race", ["age", "sex"]])
     out = run_stage(PrbStage, survey, spec, 5)
     kb, ka = _stage_checks(out, survey, spec)
