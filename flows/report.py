@@ -161,8 +161,9 @@ def _not_run(name: str, m: Manifest) -> str:
 
 
 def _stages(m: Manifest, results: Sequence[StageResult], stages: Sequence[str] | None) -> str:
-    by_name = {r.name: r for r in results}
-    names = list(stages) if stages is not None else []
+    by_name = {r.name: r for r in results if not r.section}  # the others have their own
+    own = {r.name for r in results if r.section}
+    names = [n for n in (stages or []) if n not in own]
     names += [n for n in by_name if n not in names]
     body = [_stage(by_name[n]) if n in by_name else _not_run(n, m) for n in names]
     return _section("stages", "What each stage did", body, "No stage ran.")
@@ -190,9 +191,11 @@ def render_html(
         f"<title>{escape(title)}</title><style>{CSS}</style></head><body>",
         f"<h1>{escape(title)}</h1>",
     ]
+    own = [_section(f"section-{r.name}", r.section, [_stage(r)], "") for r in results if r.section]
     sections = [
         _summary(manifest, results),
         _gates(manifest),
+        *own,
         _approval(manifest),
         _se_ratios(results),
         _stages(manifest, results, stages),

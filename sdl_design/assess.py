@@ -760,6 +760,7 @@ class AssessStage:
             metrics=m,
             tables={**a.tables, "worst_estimates": worst},
             report_tables=["worst_estimates", "model_coefficients"],
+            section="Analytic validity and risk of the published file",
             gates=assessment_gates(m, spec, _worst_text(worst), _worst_terms(a.model_coefficients)),
             figures=estimate_plots(a.domain_estimates, a.model_coefficients),
             notes=_notes(m, worst),

@@ -71,6 +71,7 @@ class StageResult:
     report_tables: list[str] = field(default_factory=list)  # tables the report shows, in order
     se_ratio_table: str | None = None  # the table of SE ratios the registry keeps, if any
     masks_design: bool = False  # the published strata/PSU are pseudo labels made by this stage
+    section: str | None = None  # a title: the report shows this result as a section of its own
 
 
 class StageContext:

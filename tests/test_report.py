@@ -284,3 +284,25 @@ def test_post_artifacts_in_a_flow():
     assert "## Failed gates" in md and "g1: 0.31" in md
     # stage notes from the manifest's stage records
     assert "## risk\n\n- 1,234 key profiles" in md and "## swap" not in md
+
+
+def test_a_result_with_a_section_title_gets_its_own_section(tmp_path):
+    """The assessment declares a section title: it is shown right after the gates, with its
+    figures and tables, and not again among the stages."""
+    df = pd.DataFrame({"x": [1.0]})
+    worst = pd.DataFrame({"variable": ["bmi"], "std_bias": [2.5]})
+    res = StageResult(
+        "assess",
+        df,
+        notes=["median CI overlap 0.97"],
+        tables={"worst_estimates": worst},
+        report_tables=["worst_estimates"],
+        figures={"estimates_bmi": PNG + b"x"},
+        section="Analytic validity and risk of the published file",
+    )
+    path = render_report(manifest(), [*outputs(("risk",)), res], tmp_path / "r.html", FLOW)
+    p = Parsed(path.read_text())
+    assert p.ids.index("section-assess") == p.ids.index("gates") + 1
+    assert p.ids.count("stage-assess") == 1  # once, inside its own section
+    assert {i["alt"] for i in p.imgs} >= {"assess/estimates_bmi"}
+    assert "assess: worst_estimates" in " ".join(p.text)
