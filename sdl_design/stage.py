@@ -160,3 +160,16 @@ def build_stages(spec: ReleaseSpec) -> list[Stage]:
     from sdl_design.stages import RELEASE_STAGES
 
     return [s for cls in RELEASE_STAGES if (s := cls.from_spec(spec)) is not None]
+
+
+def run_stages(spec: ReleaseSpec, original: pd.DataFrame) -> list[StageResult]:
+    """Every enabled stage in order on the original file, without orchestration (no Prefect, no
+    replications): what the release flow does between edit validation and the gates."""
+    ctx = StageContext(original, spec)
+    results: list[StageResult] = []
+    df = original
+    for stage in build_stages(spec):
+        result = stage.run(df, ctx.for_stage(stage.name, results))
+        results.append(result)
+        df = result.data
+    return results
