@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import scipy.linalg
+import scipy.linalg.lapack
 import scipy.sparse
 from scipy.optimize import linprog
 
@@ -31,6 +32,7 @@ from sdl_design.spec import KeySpec
 
 METHODS = ("linear", "raking", "logit", "poststratify")
 TOL = 1e-8  # relative tolerance to which every control total must be met
+_SPARSE_AT = 200  # categorical controls with more categories than this: X held sparse
 _NEWTON_TOL = 1e-12
 _MAX_ITER = 100
 
@@ -47,11 +49,13 @@ class CalibrationInfeasible(CalibrationError):
 
 
 class _Dense:
-    """Auxiliary matrix X (m x p) held densely: the profiles of categorical controls."""
+    """Auxiliary matrix X (m x p): the profiles of categorical controls, held densely, or as a
+    scipy CSR matrix when there are many categories (one nonzero per margin and profile)."""
 
-    def __init__(self, X: np.ndarray) -> None:
+    def __init__(self, X: np.ndarray | scipy.sparse.csr_matrix) -> None:
         self.X = X
         self.m, self.p = X.shape
+        self.sparse = scipy.sparse.issparse(X)
 
     def matvec(self, lam: np.ndarray) -> np.ndarray:
         return self.X @ lam
@@ -60,13 +64,17 @@ class _Dense:
         return self.X.T @ a
 
     def gram(self, v: np.ndarray) -> np.ndarray:
+        if self.sparse:
+            return (self.X.T @ self.X.multiply(v[:, None]).tocsr()).toarray()
         return self.X.T @ (self.X * v[:, None])
 
     def abs_rmatvec(self, a: np.ndarray) -> np.ndarray:
-        return np.abs(self.X).T @ np.abs(a)
+        return abs(self.X).T @ np.abs(a)
 
     def weighted_rows(self, w: np.ndarray) -> scipy.sparse.csr_matrix:
         """(X * w)' as a sparse p x m matrix (for the feasibility LP)."""
+        if self.sparse:
+            return scipy.sparse.csr_matrix(self.X.multiply(w[:, None]).T)
         return scipy.sparse.csr_matrix((self.X * w[:, None]).T)
 
 
@@ -233,11 +241,18 @@ def _design(df: pd.DataFrame, totals: Mapping[str, Any]) -> _Design:
         _, first, inverse = np.unique(
             np.column_stack(codes), axis=0, return_index=True, return_inverse=True
         )
-    Xc = np.zeros((len(first), len(labels)))
-    j = 0
-    for code, m in zip(codes, sizes, strict=True):
-        Xc[np.arange(len(first)), j + code[first]] = 1.0
-        j += m
+    K = len(first)
+    offsets = np.cumsum([0, *sizes[:-1]])
+    cols = np.stack([o + code[first] for o, code in zip(offsets, codes, strict=True)], axis=1)
+    if not nums and len(labels) > _SPARSE_AT:  # many categories: X as CSR (profiles x p)
+        rows = np.repeat(np.arange(K), len(codes))
+        Xc = scipy.sparse.csr_matrix(
+            (np.ones(rows.size), (rows, cols.ravel())), shape=(K, len(labels))
+        )
+    else:
+        Xc = np.zeros((K, len(labels)))
+        for j in range(len(codes)):
+            Xc[np.arange(K), cols[:, j]] = 1.0
     return _Design(Xc, inverse.ravel().astype(np.intp), Z, labels + nlabels, margins)
 
 
@@ -289,18 +304,18 @@ def _scale(P: _Dense | _Structured, wp: np.ndarray, T: np.ndarray) -> np.ndarray
 
 
 def _independent(G: np.ndarray) -> np.ndarray:
-    """Columns of X with linearly independent weighted columns, from the Gram matrix G = X'|W|X
-    (pivoted QR of a square root of G picks the same columns as pivoted QR of |W|^1/2 X)."""
+    """Columns of X with linearly independent weighted columns, from the Gram matrix G = X'|W|X:
+    pivoted Cholesky of G (LAPACK dpstrf, diagonal pivoting) picks the columns that pivoted QR of
+    |W|^1/2 X picks, stopping at a remaining pivot of 1e-12 on the scale of unit columns."""
     dg = np.diag(G)
     nz = np.flatnonzero(dg > 0)  # an empty category or all-zero column carries nothing
     if len(nz) == 0:
         return nz
     Gn = G[np.ix_(nz, nz)] / np.sqrt(np.outer(dg[nz], dg[nz]))  # unit columns
-    ev, V = np.linalg.eigh(Gn)
-    root = np.sqrt(np.clip(ev, 0.0, None))[:, None] * V.T
-    _, R, piv = scipy.linalg.qr(root, pivoting=True)
-    rank = int(np.sum(np.abs(np.diag(R)) > 1e-6))  # 1e-12 on the scale of Gn
-    return np.sort(nz[piv[:rank]])
+    _, piv, rank, info = scipy.linalg.lapack.dpstrf(Gn, tol=1e-12)
+    if info < 0:
+        raise CalibrationError(f"pivoted Cholesky failed (LAPACK dpstrf info {info})")
+    return np.sort(nz[piv[:rank] - 1])
 
 
 def _newton(
@@ -405,9 +420,16 @@ def _diagnose(
 
 
 def _solve(
-    d: _Design, wp: np.ndarray, T: np.ndarray, method: str, bounds: Any, warm: dict | None = None
+    d: _Design,
+    wp: np.ndarray,
+    T: np.ndarray,
+    method: str,
+    bounds: Any,
+    warm: dict | None = None,
+    explain: bool = True,
 ) -> tuple[np.ndarray | None, str]:
-    """g on the rows of d.problem() (profiles or records), or None and the reason."""
+    """g on the rows of d.problem() (profiles or records), or None and the reason (the
+    feasibility LP that names the control furthest off runs only when explain)."""
     if method == "poststratify":
         if len(d.margins) != 1 or not d.on_profiles:
             raise CalibrationError(
@@ -425,7 +447,7 @@ def _solve(
             if method == "linear":
                 return None, f"the controls are inconsistent (relative misfit {misfit:.3g})"
             lo, hi = bounds if method == "logit" else (0.0, None)
-            return None, _diagnose(P, wp, T, d.labels, lo, hi)
+            return None, _diagnose(P, wp, T, d.labels, lo, hi) if explain else "infeasible"
     if bounds is not None and method != "logit":  # bounds are checked, not enforced
         w_ = wp != 0
         gmin, gmax = float(g[w_].min()), float(g[w_].max())
@@ -460,19 +482,21 @@ def calibrate(
     totals: Mapping[str, Any],
     method: str = "logit",
     bounds: tuple[float, float] | None = None,
+    explain: bool = True,
 ) -> pd.Series:
     """Calibrated weights (a Series aligned with df). totals: {column: {category: total}} for a
     categorical margin, {column: total} for a numeric control. method: linear, raking, logit
     (bounds (L, U) required, 0 < L < 1 < U, enforced), poststratify (one margin). For linear and
     raking, bounds are checked afterwards. Raises CalibrationInfeasible when the totals cannot be
-    met, naming the control and the gap."""
+    met, naming the control and the gap (explain=False: without the feasibility LP that
+    finds it)."""
     if method not in METHODS:
         raise CalibrationError(f"method '{method}' unknown; use one of {METHODS}")
     bounds = _check_bounds(method, bounds)
     w = _weights(df, weight)
     d = _design(df, totals)
     T = d.target(totals)
-    g, why = _solve(d, d.aggregate(w), T, method, bounds)
+    g, why = _solve(d, d.aggregate(w), T, method, bounds, explain=explain)
     if g is None:
         raise CalibrationInfeasible(f"calibration ({method}) failed: {why}")
     name = weight if isinstance(weight, str) else "weight"
@@ -605,14 +629,15 @@ def _union_totals(per: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def _fallback(
     d: _Design, wp: np.ndarray, T: np.ndarray, method: str, bounds: Any, policy: str
 ) -> tuple[np.ndarray | None, str, Any]:
-    """Policy for an infeasible replicate: widen the bounds geometrically, or rake."""
-    if policy == "rake" or bounds is None:
-        g, _ = _solve(d, wp, T, "raking", None)
-        return g, "raked", None
+    """Policy for an infeasible replicate: widen the bounds geometrically, or rake. Widening
+    starts only when raking (g > 0 unbounded) reaches the totals: otherwise no bounds can."""
+    g, _ = _solve(d, wp, T, "raking", None, explain=False)
+    if policy == "rake" or bounds is None or g is None:
+        return g, "raked" if g is not None else "failed", None
     L, U = bounds
     for k in range(1, 41):
         b = (L / 1.25**k, U * 1.25**k)
-        g, _ = _solve(d, wp, T, method, b)
+        g, _ = _solve(d, wp, T, method, b, explain=False)
         if g is not None:
             return g, "widened", b
     return None, "failed", None

@@ -173,6 +173,11 @@ class CalibrationSpec(_Strict):
     bounds: tuple[float, float] | None = None
     controls: KeySpecs = []
     infeasible_policy: Literal["widen", "rake"] = "widen"
+    # also calibrate to the original's weighted counts of every declared domain
+    # (utility.domain_list, keys in their published coding); cells with fewer than
+    # domain_min_records retained records are pooled per domain and reported
+    domain_margins: bool = True
+    domain_min_records: int = Field(default=30, ge=1)
 
     @model_validator(mode="after")
     def _bounds_ok(self) -> CalibrationSpec:
@@ -199,8 +204,20 @@ class MasscSection(_Strict):
     substrata: Substrata | None = None
     psi_max: float = Field(default=0.25, gt=0.0, le=0.25)
     phi_min: float = Field(default=0.5, ge=0.5, lt=1.0)
-    epsilon: float = Field(default=0.15, gt=0.0, lt=1.0)  # target max RRMSE
-    alpha_share: float = Field(default=0.5, gt=0.0, lt=1.0)  # alpha = share * epsilon^2
+    # Budgets of the bias (8a) and variance (8b) constraints of each study total theta_z:
+    # - "sampling" (default): (8a) <= bias_share * V_z and (8b) <= variance_share * V_z, V_z the
+    #   Taylor sampling variance of theta_z in the original design: the treatment adds at most
+    #   these shares of the sampling variance, whatever the size of the file;
+    # - "relative" (paper 000, eq. 7): (8a) <= alpha_share * epsilon^2 * theta_z^2 and
+    #   (8b) <= (1 - alpha_share) * epsilon^2 * theta_z^2.
+    loss_scale: Literal["sampling", "relative"] = "sampling"
+    bias_share: float = Field(default=0.05, gt=0.0, le=1.0)
+    variance_share: float = Field(default=0.05, gt=0.0, le=1.0)
+    epsilon: float = Field(default=0.15, gt=0.0, lt=1.0)  # relative: target max RRMSE
+    alpha_share: float = Field(default=0.5, gt=0.0, lt=1.0)  # relative: alpha = share * eps^2
+    # strata whose disclosure cost a_h (mean over the stratum of r_k / F_k, eq. 9/10) is at
+    # most this get the minimal treatment (psi_min, phi_max): treatment follows risk
+    negligible_risk: float = Field(default=0.01, ge=0.0, lt=1.0)
     importance: dict[str, float] = {}  # distance weights for donor search
     donor_restrictions: list[str] = []  # donors must share these columns
     calibration: CalibrationSpec = CalibrationSpec(method="raking")

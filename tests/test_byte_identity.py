@@ -1,7 +1,8 @@
 """The demo release is byte-identical to the one recorded before the stage-protocol refactor
 (commit 95ef319, `puf demo --n-persons 3000`, same seed). A change that alters the public file
-on purpose updates these hashes and says why in its commit. Updated by issue 11 (PRB cells on
-the published coding of the keys, partition refined by the declared domains)."""
+on purpose updates these hashes and says why in its commit (issue 11, MASSC composed against
+the original with sampling-scale budgets and declared-domain margins: the hashes of the MASSC
+output of that change)."""
 
 import hashlib
 
@@ -13,9 +14,9 @@ pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_server")]
 
 RECORDED = {
     "README.md": "0f71be87baaacea3cc29b96d7fe1c5711079ec2c3ba4aebf4ed30457e77e2ba2",
-    "codebook.csv": "e58c38e103eb9c018a4d044267093b5f1f676ab86d9c693500ad242e65b3777b",
-    "puf.csv": "b31464ef67bf2735e972d927d3f55aa53ac6a958c186502cd8fa8975d0d91cbe",
-    "puf.parquet": "38147652c66ca807c9878cc1f2c870b358e98b468fe80d61ff86eb7837efb598",
+    "codebook.csv": "aec01857d8c952a9be67c4cefb2031eff4cc71c0c925a3bcf515d29e67b42ea8",
+    "puf.csv": "0181824f49de94a15e5bdabd90259b3330f280c80538cec10a2443f67a158aa7",
+    "puf.parquet": "e4cb0c6764276fae991890980bc3125a35edbbbdc53698f50015c1f930dff1cc",
 }
 
 

@@ -387,3 +387,62 @@ def test_default_survey_replicate_ses_stay_close():
     assert se["female"][1] == pytest.approx(se["female"][0], rel=1e-7)
     for v in ("income", "bmi", "diabetes"):
         assert 0.8 < se[v][1] / se[v][0] < 1.25, (v, se[v])
+
+
+def test_sparse_design_equals_dense(monkeypatch):
+    """Many categories: X held as CSR (sparse Gram) gives the weights of the dense path, for
+    raking and logit, full weight and replicates (a crossing of 3 margins, 120+ categories)."""
+    import sdl_design.calibration as cal
+
+    rng = np.random.default_rng(4)
+    n = 3000
+    df = pd.DataFrame(
+        {
+            "a": rng.integers(0, 40, n).astype(str),
+            "b": rng.integers(0, 60, n).astype(str),
+            "c": rng.integers(0, 30, n).astype(str),
+            "w": rng.uniform(1, 3, n),
+        }
+    )
+    df["r1"] = df["w"] * rng.uniform(0.5, 1.5, n)
+    df["r2"] = df["w"] * rng.uniform(0.5, 1.5, n)
+    base = df.assign(w=df["w"] * rng.uniform(0.8, 1.25, n))
+    totals = control_totals(base, "w", ["a", "b", "c"])
+    per = control_totals(base, ["r1", "r2"], ["a", "b", "c"])
+    out = {}
+    for at in (10_000, 10):  # dense, then sparse
+        monkeypatch.setattr(cal, "_SPARSE_AT", at)
+        d = cal._design(df, totals)
+        assert cal.scipy.sparse.issparse(d.Xc) == (at == 10)
+        out[at] = (
+            calibrate(df, "w", totals, "raking").to_numpy(),
+            calibrate(df, "w", totals, "logit", (0.3, 3.0)).to_numpy(),
+            calibrate_replicates(df, ["r1", "r2"], per, "logit", (0.3, 3.0))[0].to_numpy(),
+        )
+    for dense, sparse in zip(out[10_000], out[10], strict=True):
+        np.testing.assert_allclose(sparse, dense, rtol=1e-9)
+    _assert_met(df, pd.Series(out[10][1], index=df.index), totals)
+
+
+def test_widen_fails_fast_when_raking_cannot_reach_the_totals():
+    """Contradictory totals (two margins that split the records the same way, with different
+    totals): no positive weights reach them, so the widen policy stops after raking fails
+    instead of trying 40 bounds."""
+    import sdl_design.calibration as cal
+
+    df = pd.DataFrame({"x": ["p", "p", "q", "q"], "y": ["u", "u", "v", "v"], "r": 1.0})
+    per = [{"x": {"p": 2.0, "q": 2.0}, "y": {"u": 1.0, "v": 3.0}}]
+    calls = []
+    solve = cal._solve
+
+    def counting(*a, **k):
+        calls.append(a[3])
+        return solve(*a, **k)
+
+    cal._solve = counting
+    try:
+        with pytest.raises(CalibrationInfeasible, match="'r'"):
+            calibrate_replicates(df, ["r"], per, "logit", (0.5, 2.0), policy="widen")
+    finally:
+        cal._solve = solve
+    assert calls == ["logit", "raking"]

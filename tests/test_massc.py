@@ -39,6 +39,8 @@ DONOR = np.array([PARTNER[k] - 1 for k in TABLE.index])
 SUBSTITUTED = TABLE.index.isin([5, 6, 10])
 RETAINED = ~TABLE.index.isin([3, 4])
 NU = {"D": "NU", "T": "NU", "O": "NU"}
+# declared analysis domains of the default survey in the tests (issue 11's example)
+DOMAINS = ["age", "sex", "race", ["age", "sex"]]
 # z = 1 if male and binge drinking: binge within the domain gender = M
 ZVARS = StudyVariables(["binge"], {"gender": ["M"]}, [KeySpec(name="gender")])
 
@@ -272,6 +274,7 @@ def survey():
     from sdl_design.synth import make_survey
 
     spec = load_spec(DEFAULT_SPEC)
+    spec.utility.domains = DOMAINS  # declared: substitution may change the other keys
     df = make_survey(2500, seed=7, replicates=False)
     return spec, df
 
@@ -294,7 +297,9 @@ def test_massc_task_reproducible_and_consistent(survey):
     m = a.metrics
     assert len(a.data) == len(df) - m["n_subsampled_out"]
     assert 0 < m["n_substituted"] < 0.25 * len(df) + 4 * np.sqrt(len(df))
-    assert m["epsilon_formula"] <= spec.stages.massc.epsilon + 1e-9
+    # sampling scale: MASSC's own RMSE of every total within sqrt(bias + variance share) SEs
+    st = spec.stages.massc
+    assert 0 < m["loss_in_se_treatment"] <= np.sqrt(st.bias_share + st.variance_share) + 1e-9
     rates = a.tables["rates"]
     assert (rates["psi"] <= 0.25 + 1e-12).all() and (rates["phi"] >= 0.5 - 1e-12).all()
     # edits tied to the keys hold: the PRB set moved with the keys
@@ -307,7 +312,7 @@ def test_massc_task_reproducible_and_consistent(survey):
         assert d.loc[d["sex"] == s, "wt"].sum() == pytest.approx(
             df.loc[df["sex"] == s, "wt"].sum(), rel=1e-8
         )
-    assert {g.name for g in a.gates} == {"massc.delta"}  # epsilon: gated on the published file
+    assert {g.name for g in a.gates} == {"massc.delta"}  # epsilon: a diagnostic
 
 
 def test_replications_do_not_depend_on_chunking(survey):
@@ -349,6 +354,7 @@ def test_plan_and_treatment_reproducible_and_edits_hold():
     from sdl_design.synth import make_survey
 
     spec = load_spec(DEFAULT_SPEC)
+    spec.utility.domains = DOMAINS
     df = make_survey(3000, seed=8, replicates=False)
     cfg = massc_config(spec, df)
     runs = []
@@ -377,7 +383,10 @@ def test_plan_and_treatment_reproducible_and_edits_hold():
 
     kf0 = key_frame(df, cfg.keys).to_numpy()[d1]
     kf1 = key_frame(b1, cfg.keys).to_numpy()[d1]
-    assert ((kf0 != kf1).sum(axis=1) >= 1).all() and len(keys) == kf0.shape[1]
+    assert d1.sum() > 20 and ((kf0 != kf1).sum(axis=1) >= 1).all() and len(keys) == kf0.shape[1]
+    # ... but never the declared domains (age group, sex, race in their published coding)
+    dom = [k for k in cfg.keys if k.name in ("age", "sex", "race")]
+    assert key_frame(b1, dom).equals(key_frame(df, dom))
     # edits tied to the keys still hold after substitution
     assert not ((b1["sex"] == "male") & (b1["pregnant"] == 1)).any()
     assert ((b1["age"] < 18) == (b1["education"] == "child")).all()
@@ -412,9 +421,10 @@ def test_replications_same_in_chunks_as_direct(survey, request):
     assert np.vstack(chunks).tobytes() == direct.tobytes()
 
 
-def test_replicate_controls_follow_the_massc_input_centred_on_original(monkeypatch):
-    """Replicate r is calibrated to T_r(B0) + T(original) - T(B0); weights and replicates of the
-    retained records are divided by phi first (solver replaced by a recorder)."""
+def test_replicate_targets_are_the_original_replicate_totals(monkeypatch):
+    """Replicate r is calibrated to the original file's replicate totals T_r(original), not to
+    those of the MASSC input; weights and replicates of the retained records are divided by phi
+    first (solver replaced by a recorder)."""
     import sys
     import types
 
@@ -427,7 +437,7 @@ def test_replicate_controls_follow_the_massc_input_centred_on_original(monkeypat
             return [control_totals(df, w, controls) for w in weight]
         return {c: df.groupby(c)[weight].sum().to_dict() for c in controls}
 
-    def calibrate(df, weight, totals, method="logit", bounds=None):
+    def calibrate(df, weight, totals, method="logit", bounds=None, explain=True):
         seen["totals"] = totals
         return df[weight]
 
@@ -439,46 +449,83 @@ def test_replicate_controls_follow_the_massc_input_centred_on_original(monkeypat
     fake = types.ModuleType("sdl_design.calibration")
     fake.control_totals, fake.calibrate = control_totals, calibrate
     fake.calibrate_replicates = calibrate_replicates
+    fake.CalibrationError = fake.CalibrationInfeasible = ValueError
     monkeypatch.setitem(sys.modules, "sdl_design.calibration", fake)
     original = pd.DataFrame(
         {"sex": ["f", "m", "f", "m"], "w": [1.0, 2.0, 3.0, 4.0], "r1": [2.0, 0, 6.0, 8.0]}
     )
-    b0 = original.assign(sex=["f", "m", "m", "m"])  # an earlier stage moved record 2
+    b0 = original.assign(sex=["f", "m", "m", "m"], r1=[1.0, 1.0, 1.0, 1.0])  # an earlier stage
     b2 = b0.iloc[[0, 2, 3]]
     factor = np.array([2.0, 1.0, 1.5])
     out, tables, _ = calibrate_treated(
-        b2, "w", factor, original, ["sex"], "raking", None, ["r1"], "widen", b0=b0
+        b2, "w", factor, original, ["sex"], "raking", None, ["r1"], "widen"
     )
     assert seen["totals"] == {"sex": {"f": 4.0, "m": 6.0}}
-    # T_r(B0) = {f: 2, m: 14}; + T(original) {f: 4, m: 6} - T(B0) {f: 1, m: 9}
-    assert seen["per_rep"] == [{"sex": {"f": 5.0, "m": 11.0}}]
-    np.testing.assert_allclose(seen["rep_in"]["r1"], [4.0, 6.0, 12.0])
+    # T_r(original): r1 of the original's f records 2 + 6, of its m records 0 + 8
+    assert seen["per_rep"] == [{"sex": {"f": 8.0, "m": 8.0}}]
+    np.testing.assert_allclose(seen["rep_in"]["r1"], [2.0, 1.0, 1.5])
     np.testing.assert_allclose(out["w"], [2.0, 3.0, 6.0])
     assert list(tables) == ["replicate_calibration", "weight_factors"]
+    with pytest.raises(MasscError, match="original file's replicate weights"):
+        calibrate_treated(
+            b2, "w", factor, original.drop(columns="r1"), ["sex"], "raking", None, ["r1"]
+        )
 
 
-def test_replicate_recalibration_on_default_survey():
-    """Each JKn replicate is recalibrated to its own replicate's original controls: the
-    replicate SE of a control total equals the original one, other SEs stay close."""
+def _control_columns(df: pd.DataFrame, controls) -> tuple[pd.DataFrame, list[str]]:
+    """One 0/1 column per category of each control (keys coded as published)."""
+    from sdl_design.keys import key_frame
+
+    kf = key_frame(df, controls).astype(str)
+    cols = {
+        f"{k}={c}": (kf[k] == c).astype(float).to_numpy()
+        for k in kf.columns
+        for c in sorted(kf[k].unique())
+    }
+    return df.assign(**cols), list(cols)
+
+
+@pytest.mark.parametrize("composed", [False, True])
+def test_replicate_ses_of_controls_equal_the_original(composed):
+    """Each JKn replicate is recalibrated to the original file's replicate totals: the
+    replicate SE of every control total (sex, age groups, region) on the treated file equals
+    the original's to 1e-8, also when an earlier stage moved the region of 30% of the records
+    (then the MASSC input's own replicate SEs of region differ from the original's)."""
     from sdl_design.design import SurveyDesign
-    from sdl_design.massc.stage import massc_result as massc_task_fn
+    from sdl_design.massc.stage import massc_result
     from sdl_design.spec import load_spec
     from sdl_design.synth import make_survey
 
     spec = load_spec(DEFAULT_SPEC)
-    df = make_survey(3000, seed=7)
+    spec.utility.domains = DOMAINS
+    original = make_survey(3000, seed=7)
+    df = original
+    if composed:
+        rng = np.random.default_rng(2)
+        moved = rng.random(len(original)) < 0.3
+        region = original["region"].to_numpy().copy()
+        region[moved] = rng.permutation(region[moved])
+        df = original.assign(region=region)
     reps = spec.replicate_columns(df)
-    out = massc_task_fn(df, spec, 9, df)
+    out = massc_result(df, spec, 9, original)
     rc = out.tables["replicate_calibration"]
     assert rc["replicate"].tolist() == reps and rc["status"].isin(["ok", "widened", "raked"]).all()
-    treated = out.data.assign(male=(out.data["sex"] == "male").astype(float))
-    before = df.assign(male=(df["sex"] == "male").astype(float))
-    cols = ["male", "income", "bmi", "diabetes", "hypertension", "insured"]
-    a = SurveyDesign.from_spec(before, spec.design).total(cols, variance="replicate")
-    b = SurveyDesign.from_spec(treated, spec.design).total(cols, variance="replicate")
-    assert b.loc["male", "estimate"] == pytest.approx(a.loc["male", "estimate"], rel=1e-9)
-    assert b.loc["male", "se"] == pytest.approx(a.loc["male", "se"], rel=1e-6)
-    ratio = (b["se"] / a["se"]).to_numpy()
+    controls = spec.stages.massc.calibration.controls
+    a, cols = _control_columns(original, controls)
+    b, _ = _control_columns(out.data, controls)
+    c, _ = _control_columns(df, controls)
+    se_a = SurveyDesign.from_spec(a, spec.design).total(cols, variance="replicate")
+    se_b = SurveyDesign.from_spec(b, spec.design).total(cols, variance="replicate")
+    np.testing.assert_allclose(se_b["estimate"], se_a["estimate"], rtol=1e-8)
+    np.testing.assert_allclose(se_b["se"], se_a["se"], rtol=1e-8)
+    if composed:  # the input's region SEs are not the original's: the targets made the match
+        se_c = SurveyDesign.from_spec(c, spec.design).total(cols, variance="replicate")
+        region = [k for k in cols if k.startswith("region=")]
+        assert np.abs(se_c.loc[region, "se"] / se_a.loc[region, "se"] - 1).max() > 0.01
+    study = ["income", "bmi", "diabetes", "hypertension", "insured"]
+    sa = SurveyDesign.from_spec(original, spec.design).total(study, variance="replicate")
+    sb = SurveyDesign.from_spec(out.data, spec.design).total(study, variance="replicate")
+    ratio = (sb["se"] / sa["se"]).to_numpy()
     assert np.all((ratio > 0.85) & (ratio < 1.2))
     # retained records: weights and replicates w/phi before calibration, factors near 1
     assert (out.tables["weight_factors"]["calibration_factor"].between(0.5, 2.0)).all()
@@ -496,8 +543,12 @@ def test_formulas_8a_8b_match_replications_of_the_treatment():
     from sdl_design.synth import make_survey
 
     spec = county_key_spec()  # county among the keys: enough risk for rates well above 0
+    spec.utility.domains = ["smoker"]  # not substituted: partners unrestricted
     df = make_survey(3000, seed=4, replicates=False)
-    cfg = dataclasses.replace(massc_config(spec, df), nest=None)
+    # the paper's relative budgets and every stratum treated: rates well inside (0, 1)
+    cfg = dataclasses.replace(
+        massc_config(spec, df), nest=None, loss_scale="relative", negligible_risk=0.0
+    )
     rng = np.random.default_rng(1)
     plan = massc_plan(df, cfg, rng)
     tr = massc_treat(df, plan, cfg, rng)
@@ -560,4 +611,402 @@ def test_spec_substrata_give_rates_per_substratum(survey):
         labels == sorted(labels) and "TO:1" in labels and not any(x.startswith("O") for x in labels)
     )
     assert {x.split(":")[0] for x in labels} == {"U", "D", "TO"}
-    assert out.metrics["epsilon_formula"] <= s.stages.massc.epsilon + 1e-9
+    st = s.stages.massc
+    assert out.metrics["loss_in_se_treatment"] <= np.sqrt(st.bias_share + st.variance_share)
+
+
+# ---------------------------------------------------------------- issue 11: composed, domains,
+# sampling-scale budgets, treatment follows risk
+
+
+def _spec(massc: dict | None = None, domains=None, study=("y",), keys=("agecat", "sex", "race")):
+    """A small spec for the synthetic files below (design h/p/w, sensitive s)."""
+    from sdl_design.spec import parse_spec
+
+    return parse_spec(
+        {
+            "release": {"name": "t", "year": 2026, "seed": 1},
+            "design": {"weight": "w", "strata": "h", "psu": "p"},
+            "variables": {
+                "keys": list(keys),
+                "sensitive": [{"name": "s", "sensitivity": {1: 1.0, 0: 0.0}}],
+                "study": list(study),
+            },
+            "utility": {} if domains is None else {"domains": domains},
+            "stages": {
+                "massc": {
+                    "calibration": {"method": "raking", "controls": ["sex"]},
+                    "replications": 0,
+                    **(massc or {}),
+                }
+            },
+        }
+    )
+
+
+def _zero_unique_file(n: int = 2560, seed: int = 1) -> pd.DataFrame:
+    """32 key cells (4 age groups x 2 sexes x 4 races) of n/32 records each: no sample unique;
+    4 strata of 2 PSUs; a binary sensitive variable s; a study variable y."""
+    rng = np.random.default_rng(seed)
+    cell = np.arange(n) % 32
+    df = pd.DataFrame(
+        {
+            "agecat": np.array(["0-19", "20-39", "40-59", "60+"])[cell // 8],
+            "sex": np.array(["male", "female"])[(cell // 4) % 2],
+            "race": np.array(["a", "b", "c", "d"])[cell % 4],
+            "h": rng.integers(0, 4, n),
+            "p": rng.integers(0, 2, n),
+            "w": rng.uniform(500, 1500, n),
+            "s": (rng.random(n) < 0.2).astype(int),
+        }
+    )
+    df["y"] = rng.gamma(2.0, 10.0, n) + 5 * (df["sex"] == "male")
+    return df
+
+
+def test_zero_unique_file_is_not_treated():
+    """A file without sample uniques (32 cells of 80 records): the disclosure cost of its one
+    stratum, mean r_k / F_k, is below negligible_risk, so MASSC leaves it alone: psi = 0 and
+    phi = 1, nothing substituted, nothing sampled out. Without the rule the optimizer would
+    treat it to the edge of its loss budget (the measured 6.6% substituted, 9.2% dropped)."""
+    from sdl_design.massc.stage import massc_result
+    from sdl_design.risk import genmassc_scores
+
+    df = _zero_unique_file()
+    spec = _spec(domains=["agecat", "sex"])
+    out = massc_result(df, spec, 3, df)
+    rates = out.tables["rates"]
+    assert rates["stratum"].tolist() == ["O"]
+    # a_h by hand: GenMASSC score over the cell size, averaged over the stratum
+    F = df.groupby(["agecat", "sex", "race"])["w"].transform("size").to_numpy()
+    r = genmassc_scores(df, ["agecat", "sex", "race"], spec.variables.sensitive).to_numpy()
+    assert (r / F).mean() < spec.stages.massc.negligible_risk
+    assert rates["psi"].tolist() == [0.0] and rates["phi"].tolist() == [1.0]
+    assert out.metrics["share_substituted"] == 0.0 and out.metrics["share_retained"] == 1.0
+    assert out.metrics["n_strata_no_risk"] == 1.0
+    # the same file with the rule off: the budget, not the risk, sets the treatment
+    loose = _spec({"negligible_risk": 0.0}, domains=["agecat", "sex"])
+    treated = massc_result(df, loose, 3, df).tables["rates"]
+    assert treated["psi"].iloc[0] > 0.001 and treated["phi"].iloc[0] < 0.999
+
+
+def test_treatment_follows_risk_across_strata():
+    """Strata whose cost a_h is at most negligible_risk get psi = 0, phi = 1; the others are
+    optimized with them fixed; a_h = mean over the stratum of r_k / F_k."""
+    from sdl_design.massc import optimal_phi, optimal_psi
+
+    m = _two_strata(5)
+    cost = np.array([0.0, 1.0])
+    psi = optimal_psi(m, 0.004, psi_max=0.25, cost=cost)
+    assert (
+        psi.rates[0] == 0.0
+        and 0 < psi.rates[1] <= 0.25
+        and psi.no_risk.tolist()
+        == [
+            True,
+            False,
+        ]
+    )
+    beta = 0.2 * (m.variance(np.full(2, 0.5)) / m.theta**2).max()
+    phi = optimal_phi(m, beta, phi_min=0.5, phi_max=0.99, cost=cost)
+    assert phi.rates[0] == 1.0 and 0.5 <= phi.rates[1] <= 0.99
+    # the free stratum: the best rate on a grid with the other one fixed at no treatment
+    grid = np.linspace(0.5, 0.99, 4901)
+    g = ((m.N[1] * (1 / grid[:, None] - 1) * m.S2_zstar[1]) / m.theta**2).max(axis=1)
+    assert phi.rates[1] == pytest.approx(grid[g <= beta].min(), abs=1e-3)
+    everything = optimal_psi(m, 0.004, cost=np.zeros(2))
+    assert everything.rates.tolist() == [0.0, 0.0] and everything.method == "no risk"
+
+
+def test_missing_study_values_give_finite_rates_and_totals():
+    """NaN in a study variable: totals over the non-missing records (never NaN), finite rates
+    that equal those of the same file with the missing values set to 0 (not a silent 0.5)."""
+    from sdl_design.massc.stage import massc_result
+
+    df = _small_survey()
+    miss = np.random.default_rng(4).random(len(df)) < 0.1
+    with_nan = df.assign(y=df["y"].where(~miss))
+    spec = _spec({"negligible_risk": 0.0}, domains=["agecat"])
+    a = massc_result(with_nan, spec, 2, with_nan)
+    b = massc_result(df.assign(y=df["y"].where(~miss, 0.0)), spec, 2, with_nan)
+    st = a.tables["study_totals"].set_index(["variable", "domain", "category"])
+    assert st.loc[("y", "", ""), "original_total"] == pytest.approx(
+        np.nansum(with_nan["w"] * with_nan["y"]), rel=1e-12
+    )
+    assert np.isfinite(st["original_total"]).all() and np.isfinite(st["original_se"]).all()
+    ra, rb = a.tables["rates"], b.tables["rates"]
+    assert np.isfinite(ra[["psi", "phi"]].to_numpy()).all()
+    np.testing.assert_array_equal(ra[["psi", "phi"]].to_numpy(), rb[["psi", "phi"]].to_numpy())
+    assert (ra["phi"] > spec.stages.massc.phi_min).any()
+
+
+def _small_survey(n: int = 1200, seed: int = 6) -> pd.DataFrame:
+    """Keys with uniques (8 age groups x 2 x 6 races over 1200 records, skewed), design h/p."""
+    rng = np.random.default_rng(seed)
+    df = pd.DataFrame(
+        {
+            "agecat": rng.choice(
+                [f"a{i}" for i in range(8)], n, p=[0.3, 0.2, 0.15, 0.1] + [0.0625] * 4
+            ),
+            "sex": rng.choice(["male", "female"], n),
+            "race": rng.choice(list("abcdef"), n, p=[0.6, 0.2, 0.1, 0.05, 0.03, 0.02]),
+            "h": rng.integers(0, 3, n),
+            "p": rng.integers(0, 2, n),
+            "w": rng.uniform(100, 900, n),
+            "s": (rng.random(n) < 0.3).astype(int),
+        }
+    )
+    df["y"] = rng.gamma(2.0, 10.0, n) + 3 * (df["race"] == "a")
+    return df
+
+
+def test_sampling_scale_budgets_are_multiples_of_the_taylor_variance():
+    """alpha_z = bias_share V_z and beta_z = variance_share V_z with V_z the Taylor variance of
+    theta_z in the original design; with 2 PSUs per stratum V_z = sum_h (t_h1 - t_h2)^2 of the
+    PSU totals t_hi = sum w z. Relative scale: alpha share * epsilon^2 * theta_z^2."""
+    import dataclasses
+
+    from sdl_design.massc import MasscConfig, massc_plan
+
+    df = pd.DataFrame(
+        {
+            "k": list("ababbaabbaab"),
+            "h": [0] * 6 + [1] * 6,
+            "p": [0, 0, 0, 1, 1, 1] * 2,
+            "w": [1.0, 2.0, 3.0, 2.0, 2.0, 5.0, 1.0, 1.0, 4.0, 3.0, 2.0, 1.0],
+            "y": [3.0, 1.0, 0.0, 2.0, 5.0, 1.0, 4.0, 2.0, 2.0, 0.0, 1.0, 6.0],
+        }
+    )
+    cfg = MasscConfig(
+        keys=[KeySpec(name="k")],
+        sensitive=[],
+        study=["y"],
+        weight="w",
+        substitute_columns=["k"],
+        bias_share=0.1,
+        variance_share=0.3,
+        strata_col="h",
+        psu_col="p",
+        min_records=1,
+    )
+    plan = massc_plan(df, cfg, np.random.default_rng(0))
+    alpha, beta = plan.budgets(cfg)
+
+    def v(z: np.ndarray) -> float:  # sum_h (t_h1 - t_h2)^2
+        t = pd.Series(df["w"] * z).groupby([df["h"], df["p"]]).sum().unstack()
+        return float(((t[0] - t[1]) ** 2).sum())
+
+    ones, y, a = np.ones(12), df["y"].to_numpy(), (df["k"] == "a").to_numpy()
+    expect = [v(ones), v(ones * a), v(ones * ~a), v(y), v(y * a), v(y * ~a)]
+    assert plan.zvars.labels == [
+        ("_count", "", ""),
+        ("_count", "k", "a"),
+        ("_count", "k", "b"),
+        ("y", "", ""),
+        ("y", "k", "a"),
+        ("y", "k", "b"),
+    ]
+    np.testing.assert_allclose(alpha, 0.1 * np.array(expect), rtol=1e-8)
+    np.testing.assert_allclose(beta, 0.3 * np.array(expect), rtol=1e-8)
+    rel = dataclasses.replace(cfg, loss_scale="relative", epsilon=0.2, alpha_share=0.25)
+    alpha_r, beta_r = massc_plan(df, rel, np.random.default_rng(0)).budgets(rel)
+    theta = np.array([(df["w"] * z).sum() for z in (ones, a, ~a, y, y * a, y * ~a)])
+    np.testing.assert_allclose(alpha_r, 0.25 * 0.04 * theta**2, rtol=1e-8)
+    np.testing.assert_allclose(beta_r, 0.75 * 0.04 * theta**2, rtol=1e-8)
+
+
+def _psu_file(n: int, n_psu: int, seed: int) -> pd.DataFrame:
+    """n records of one population (weights sum to about 300,000) in 6 strata of n_psu PSUs."""
+    rng = np.random.default_rng(seed)
+    return pd.DataFrame(
+        {
+            "h": rng.integers(0, 6, n),
+            "p": rng.integers(0, n_psu, n),
+            "w": rng.uniform(100, 900, n) * 600 / n,
+            "y": rng.gamma(2.0, 10.0, n),
+            "risky": rng.random(n) < 0.2,
+        }
+    )
+
+
+def test_rates_do_not_depend_on_file_size_on_the_sampling_scale():
+    """A file 4 times larger (same population, 4 times the PSUs): the sampling variance and the
+    treatment variance (8b) both shrink like 1/n, so phi on the sampling scale stays, while on
+    the relative scale the budget beta theta^2 does not shrink and phi falls to its lower bound:
+    the large-file subsampling of issue 11."""
+    from sdl_design.design import SurveyDesign
+    from sdl_design.massc import z_moments
+
+    zv = StudyVariables(["_count", "y"], {"": [""]}, [])
+    out = {}
+    for name, f in (("small", _psu_file(600, 10, 1)), ("big", _psu_file(2400, 40, 2))):
+        strata = np.where(f["risky"], "U", "O")
+        m = z_moments(f, f, strata, "w", zv, substituted=np.zeros(len(f), dtype=bool))
+        m.denom = zv.sampling_variance(f, SurveyDesign(f, "w", "h", "p"))
+        samp = optimal_phi(m, 0.05, phi_min=0.5, cost=np.array([0.1, 1.0])).rates
+        m.denom = None
+        rel = optimal_phi(m, 0.0005, phi_min=0.5, cost=np.array([0.1, 1.0])).rates
+        out[name] = samp, rel
+    assert (out["small"][0] > 0.7).all() and (out["small"][0] < 0.99).all()
+    np.testing.assert_allclose(out["big"][0], out["small"][0], rtol=0.03)
+    assert (out["small"][1] > 0.55).all() and (out["big"][1] == 0.5).all()
+
+
+def test_strata_and_costs_come_from_the_original_keys():
+    """MASSC after an earlier stage: strata and disclosure costs use the original key profiles
+    of the records (matched by index label), not the perturbed ones; delta and epsilon are
+    against the original (epsilon: the earlier stage's deviation is inside the bias)."""
+    from sdl_design.massc import massc_plan
+    from sdl_design.massc.stage import massc_config, massc_result
+    from sdl_design.risk import risk_strata
+
+    original = _small_survey().set_axis(pd.RangeIndex(100, 1300))
+    rng = np.random.default_rng(3)
+    moved = rng.random(len(original)) < 0.2
+    race = original["race"].to_numpy().copy()
+    race[moved] = "b"  # an earlier stage moved 20% of the records to race b
+    df = original.assign(race=race).iloc[::-1]  # another order: matched by label
+    spec = _spec(domains=["agecat", "sex"])
+    cfg = massc_config(spec, df)
+    plan = massc_plan(df, cfg, np.random.default_rng(1), original)
+    size = original.groupby(["agecat", "sex", "race"])["w"].transform("size").loc[df.index]
+    expect = np.array(["U", "D", "T", "O"])[np.minimum(size.to_numpy(), 4) - 1]
+    assert (plan.strata == expect).all()
+    assert (plan.strata != risk_strata(df, cfg.keys).to_numpy().astype(str)).sum() > 20
+    out = massc_result(df, spec, 1, original)
+    il = out.tables["epsilon_formula"].set_index(["variable", "domain", "category"])
+    w = original["w"]
+    truth = (w * original["y"]).groupby(original["race"]).sum()
+    for race_c in ("a", "b"):
+        row = il.loc[("y", "race", race_c)]
+        assert row["truth"] == pytest.approx(truth[race_c], rel=1e-12)
+        theta_in = (df["w"] * df["y"])[df["race"] == race_c].sum()
+        assert row["theta"] == pytest.approx(theta_in, rel=1e-12)
+        # the input's deviation off from the truth enters the squared bias: (off + s)^2 with
+        # s^2 <= (8a), so (|off| - sqrt(8a))^2 <= E (theta* - truth)^2 <= (|off| + sqrt(8a))^2 + (8a)
+        off, b = abs(theta_in - truth[race_c]), np.sqrt(row["bias_msq_8a"])
+        assert off > 0.01 * truth[race_c]
+        assert (off - b) ** 2 <= row["bias_msq_original"] <= (off + b) ** 2 + b**2
+    with pytest.raises(MasscError, match="not in the original file"):
+        massc_result(df.set_axis(df.index + 5000), spec, 1, original)
+
+
+def test_bias_against_the_truth_matches_monte_carlo():
+    """E (theta* - truth)^2 with theta = truth + off: (8a) with off inside the squared bias,
+    against repeated stratified SRSWOR substitution."""
+    rng = np.random.default_rng(12)
+    h = np.repeat([0, 1], [40, 80])
+    nu = np.r_[rng.normal(0.5, 1.0, 40), rng.normal(-0.2, 2.0, 80)]
+    psi = np.array([0.25, 0.125])
+    N = np.bincount(h).astype(float)
+    V = np.bincount(h, weights=nu)[:, None]
+    S2 = np.array([nu[h == k].var(ddof=1) for k in range(2)])[:, None]
+    m = ZMoments([("y", "", "")], ["a", "b"], N, np.array([50.0]), V, S2, S2)
+    off = 3.0  # theta of the input minus the truth
+    il = information_loss(m, psi, np.ones(2), truth=np.array([50.0 - off]))
+    mc = np.array([(off + (nu * select(h, psi[h], rng)).sum()) ** 2 for _ in range(6000)])
+    assert il["bias_msq_original"].iloc[0] == pytest.approx(mc.mean(), rel=0.06)
+    assert il["rrmse"].iloc[0] == pytest.approx(
+        np.sqrt(il["bias_msq_original"].iloc[0]) / 47.0, rel=1e-12
+    )
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_donors_never_cross_a_domain_cell(seed):
+    """Property: with the declared-domain cell as a donor restriction every donor shares its
+    recipient's cell, and exactly the records whose cell holds a single key profile have none."""
+    from sdl_design.massc.treatment import domain_cells
+
+    df = _small_file(300, seed)
+    keys = ["a", "b", "c"]
+    cells = domain_cells(df, ["a", "grp"])
+    res = find_donors(df, keys, {"y": {}}, rng=seed, cells=cells)
+    has = res.donor >= 0
+    assert (cells[has] == cells[res.donor[has]]).all()
+    profile = df[keys].astype(str).agg("|".join, axis=1)
+    single = profile.groupby(cells).transform("nunique").to_numpy() == 1
+    np.testing.assert_array_equal(~has, single)
+    assert has.sum() > 200
+    # every key restricted: no partner anywhere, found without a search
+    none = find_donors(df, keys, {"y": {}}, rng=seed, cells=domain_cells(df, keys))
+    assert (none.donor == -1).all()
+
+
+def test_declared_domains_kept_by_substitution_and_calibration(survey):
+    """With declared domains age group, sex, race and age x sex: substitution never changes a
+    record's domain cell, and the calibrated weighted count of every domain cell equals the
+    original's (cells with fewer than domain_min_records retained records are pooled and
+    reported); the count of records without a partner in their cell is reported."""
+    from sdl_design.keys import key_frame
+    from sdl_design.massc.stage import massc_result
+
+    spec, df = survey
+    out = massc_result(df, spec, 5, df)
+    assert out.metrics["n_substituted"] > 0
+    keys = {k.name: k for k in spec.variables.keys}
+    dom = [keys["age"], keys["sex"], keys["race"]]
+    retained = out.data.index
+    assert key_frame(out.data, dom).equals(key_frame(df.loc[retained], dom))
+    table = out.tables["calibration_domains"].set_index("domain")
+    assert table.index.tolist() == ["age", "sex", "race", "age x sex"]
+    kf_o, kf_t = key_frame(df, dom), key_frame(out.data, dom)
+    for name, cols in (
+        ("age", ["age"]),
+        ("sex", ["sex"]),
+        ("race", ["race"]),
+        ("age x sex", ["age", "sex"]),
+    ):
+        t_o = df["wt"].groupby([kf_o[c] for c in cols]).sum()
+        t_t = out.data["wt"].groupby([kf_t[c] for c in cols]).sum()
+        n_t = out.data["wt"].groupby([kf_t[c] for c in cols]).size()
+        kept = n_t.index[n_t >= spec.stages.massc.calibration.domain_min_records]
+        assert table.loc[name, "cells_kept"] == len(kept)
+        if "merged into" in table.loc[name, "status"]:  # small cells joined the largest one
+            kept = kept.drop(n_t.loc[kept].idxmax())
+        np.testing.assert_allclose(t_t.loc[kept], t_o.loc[kept], rtol=1e-8)
+        assert t_t.sum() == pytest.approx(t_o.sum(), rel=1e-8)
+    assert out.metrics["calibration_domains_dropped"] == 0
+    assert any("declared domains" in n for n in out.notes)
+    assert "n_no_donor_domain" in out.metrics
+
+
+def test_no_donor_in_domain_cell_counted_and_reported():
+    """Records whose declared-domain cell holds a single key profile cannot be substituted
+    without leaving the cell: they get no partner, and the release counts and says so."""
+    from sdl_design.massc.stage import massc_result
+
+    df = _zero_unique_file(640)
+    # one age group of one sex has a single race: its records have no partner inside the cell
+    lonely = (df["agecat"] == "60+") & (df["sex"] == "male")
+    df.loc[lonely, "race"] = "a"
+    spec = _spec({"negligible_risk": 0.0}, domains=[["agecat", "sex"]])
+    out = massc_result(df, spec, 1, df)
+    assert out.metrics["n_no_donor_domain"] == lonely.sum() == 80
+    assert out.metrics["n_no_donor"] == 80
+    assert any("80 records (12.5%) have no partner in their cell" in n for n in out.notes)
+
+
+def test_minimal_treatment_only_when_delta_allows():
+    """The zero-unique file left alone has delta (eq. 3-6) = mean r_k (every record appears as
+    'o' and is kept). With a delta target below that, minimal treatment of its negligible-risk
+    stratum is not allowed: MASSC treats it, then doubles the loss budgets, until delta meets the
+    target; the revisions are reported. Without a target nothing is revised."""
+    from sdl_design.massc.stage import massc_result
+    from sdl_design.risk import genmassc_scores
+
+    df = _zero_unique_file()
+    spec = _spec(domains=["agecat", "sex"])
+    r = genmassc_scores(df, ["agecat", "sex", "race"], spec.variables.sensitive).to_numpy()
+    alone = massc_result(df, spec, 3, df)
+    assert alone.metrics["delta"] == pytest.approx(r.mean(), rel=1e-12)  # delta_o, untreated
+    assert alone.metrics["n_delta_revisions"] == 0
+    spec.gates.delta_max = 0.9 * r.mean()
+    out = massc_result(df, spec, 3, df)
+    m = out.metrics
+    assert m["delta"] <= spec.gates.delta_max and m["n_delta_revisions"] >= 1
+    rates = out.tables["rates"]
+    assert rates["psi"].iloc[0] > 0 and rates["phi"].iloc[0] < 1
+    assert m["budget_scale"] == 2.0 ** (m["n_delta_revisions"] - 1)
+    assert any("treat the strata of negligible risk" in n for n in out.notes)
+    spec.gates.delta_max = None
+    assert massc_result(df, spec, 3, df).metrics["n_delta_revisions"] == 0

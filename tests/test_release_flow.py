@@ -299,8 +299,18 @@ def test_real_releases_in_registry_and_monitor(tmp_path, monkeypatch):
     runs = [
         (2025, 11, {}),
         (2026, 22, {}),
-        # epsilon 0.6 lets MASSC sample out up to half the records; the gate is opened to match
-        (2027, 33, {"stages.massc.epsilon": 0.6, "gates.epsilon_max": 0.7, "gates.se_ratio": None}),
+        # the paper's relative budget with epsilon 0.6 lets MASSC sample out up to half the
+        # records; the gate is opened to match
+        (
+            2027,
+            33,
+            {
+                "stages.massc.loss_scale": "relative",
+                "stages.massc.epsilon": 0.6,
+                "gates.epsilon_max": 0.7,
+                "gates.se_ratio": None,
+            },
+        ),
     ]
     manifests = {}
     for year, seed, extra in runs:

@@ -57,15 +57,17 @@ def find_donors(
     restrictions: Sequence[str] = (),
     rng: np.random.Generator | int | None = 0,
     chunk: int = 200_000,
+    cells: np.ndarray | None = None,
 ) -> Donors:
     """Nearest donor for every record (paper 000, Step II).
 
     Distance between recipient and donor profiles: sum over keys and sensitive variables y of
     importance_y * lambda(y_i, y_i') / (p_y' Lambda_y p_y) with lambda = 1 for different
-    categories, p_y the category shares in the donor set (records sharing `restrictions`).
-    At least one key differs. Ties: fewest keys changed, then key order, then sensitive
-    categories in order of appearance. Among the records of the eligible donor profiles of the
-    chosen block the donor is drawn at random (proportional to profile size) with rng.
+    categories, p_y the category shares in the donor set (records sharing `restrictions` and,
+    when given, the integer `cells` code, e.g. the declared-domain cell). At least one key
+    differs. Ties: fewest keys changed, then key order, then sensitive categories in order of
+    appearance. Among the records of the eligible donor profiles of the chosen block the donor
+    is drawn at random (proportional to profile size) with rng.
     """
     rng = np.random.default_rng(rng)
     specs = _key_specs(keys)
@@ -73,7 +75,21 @@ def find_donors(
         raise MasscError("keys: give at least one key variable for the donor search")
     sens = _sens_specs(sensitive)
     importance = _checked_importance(df, specs, sens, restrictions, importance)
-    prof = _profiles(df, specs, sens, restrictions)
+    if cells is not None and len(cells) != len(df):
+        raise MasscError(f"cells: {len(cells)} codes for {len(df)} records; give one per record")
+    prof = _profiles(df, specs, sens, restrictions, cells)
+    K = len(specs)
+    # a donor set with a single key profile has no partner for its records
+    kp = _combine([prof.r_p, *[prof.k_p[:, i] for i in range(K)]], prof.n_p)
+    if int(kp.max()) + 1 == prof.n_r:
+        n = len(df)
+        return Donors(
+            donor=np.full(n, -1, dtype=np.int64),
+            distance=np.full(n, np.inf),
+            n_changed=np.zeros(n, dtype=np.int64),
+            n_profiles=prof.n_p,
+            by_level={i: (n if i == 0 else 0) for i in range(K + 1)},
+        )
     if prof.n_r * prof.n_s * prof.n_s > 50_000_000:
         raise MasscError(
             f"sensitive: {prof.n_s} combinations of sensitive categories in {prof.n_r} donor sets "
@@ -82,7 +98,6 @@ def find_donors(
         )
     chunk = max(1000, min(chunk, 20_000_000 // prof.n_s))
     cost_k, ds = _unit_distances(prof, specs, sens, importance)
-    K = len(specs)
     subsets = [S for j in range(1, K + 1) for S in combinations(range(K), j)]
     blocks = _Blocks(prof)
     best, best_set, best_s = _nearest_cells(prof, blocks, subsets, cost_k, ds, chunk)
@@ -147,13 +162,18 @@ class _Profiles:
 
 
 def _profiles(
-    df: pd.DataFrame, specs: list[KeySpec], sens: list[SensitiveSpec], restrictions: Sequence[str]
+    df: pd.DataFrame,
+    specs: list[KeySpec],
+    sens: list[SensitiveSpec],
+    restrictions: Sequence[str],
+    cells: np.ndarray | None = None,
 ) -> _Profiles:
     """Codes of every record and of every distinct profile (taken from its first record)."""
     n = len(df)
     kc, _ = _key_codes(df, specs)
     sc = [_codes(coarsen(df[s.name], s.bins) if s.bins is not None else df[s.name]) for s in sens]
-    r_rec = _combine([_codes(df[c]) for c in restrictions], n)
+    extra = [] if cells is None else [_codes(pd.Series(np.asarray(cells)))]
+    r_rec = _combine([_codes(df[c]) for c in restrictions] + extra, n)
     s_rec = _combine(sc, n)
     pid = _combine([r_rec, *kc, s_rec], n)
     n_p = int(pid.max()) + 1

@@ -91,13 +91,32 @@ def delta_measures(
 # ---------------------------------------------------------------- information loss
 
 
-def information_loss(m: ZMoments, psi: np.ndarray, phi: np.ndarray) -> pd.DataFrame:
-    """Per z: theta, (8a), (8b) and RRMSE = sqrt((8a) + (8b)) / |theta| (eq. 7)."""
+def information_loss(
+    m: ZMoments,
+    psi: np.ndarray,
+    phi: np.ndarray,
+    truth: np.ndarray | None = None,
+    sampling_var: np.ndarray | None = None,
+) -> pd.DataFrame:
+    """Per z: theta, (8a), (8b) and RRMSE = sqrt((8a) + (8b)) / |theta| (eq. 7).
+
+    truth: the original file's totals when the treated input B(0) is itself the output of
+    earlier stages: the bias is then taken against the truth, E (theta* - truth)^2 = (8a) with
+    the offset theta - truth inside its squared term, and rrmse is relative to |truth|
+    (rrmse_treatment: MASSC's own (8a) + (8b) relative to |truth|). sampling_var: the original
+    sampling variances; adds the root mean squared errors in original SEs (rmse_in_se,
+    rmse_in_se_treatment)."""
     b = m.bias_msq(psi)
     v = m.variance(phi)
+    ref = m.theta if truth is None else np.asarray(truth, dtype=float)
+    b_orig = b
+    if truth is not None:
+        off = m.theta - ref
+        b_orig = b + off**2 + 2 * off * (m.V * np.asarray(psi, dtype=float)[:, None]).sum(0)
     with np.errstate(divide="ignore", invalid="ignore"):  # undefined (NaN) when theta_z = 0
-        rr = np.where(m.theta != 0, np.sqrt(b + v) / np.abs(m.theta), np.nan)
-    return pd.DataFrame(
+        rr = np.where(ref != 0, np.sqrt(b_orig + v) / np.abs(ref), np.nan)
+        rr_own = np.where(ref != 0, np.sqrt(b + v) / np.abs(ref), np.nan)
+    out = pd.DataFrame(
         {
             "variable": [lab[0] for lab in m.labels],
             "domain": [lab[1] for lab in m.labels],
@@ -108,6 +127,17 @@ def information_loss(m: ZMoments, psi: np.ndarray, phi: np.ndarray) -> pd.DataFr
             "rrmse": rr,
         }
     )
+    if truth is not None:
+        out.insert(4, "truth", ref)
+        out["bias_msq_original"] = b_orig
+        out["rrmse_treatment"] = rr_own
+    if sampling_var is not None:
+        sv = np.asarray(sampling_var, dtype=float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out["original_se"] = np.sqrt(sv)
+            out["rmse_in_se"] = np.where(sv > 0, np.sqrt(b_orig + v) / np.sqrt(sv), np.nan)
+            out["rmse_in_se_treatment"] = np.where(sv > 0, np.sqrt(b + v) / np.sqrt(sv), np.nan)
+    return out
 
 
 def epsilon_from_replications(

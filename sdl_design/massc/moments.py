@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from sdl_design.design import SurveyDesign
 from sdl_design.keys import key_frame
 from sdl_design.massc.common import KeyLike, MasscError, _key_specs
 from sdl_design.spec import KeySpec
@@ -36,8 +37,10 @@ class StudyVariables:
         return out
 
     def _y(self, df: pd.DataFrame) -> dict[str, np.ndarray]:
+        """Values of each study variable; a missing value counts 0 (totals over the non-missing
+        records, never NaN)."""
         return {
-            y: (np.ones(len(df)) if y == "_count" else df[y].to_numpy(dtype=float))
+            y: (np.ones(len(df)) if y == "_count" else np.nan_to_num(df[y].to_numpy(dtype=float)))
             for y in self.study
         }
 
@@ -53,6 +56,26 @@ class StudyVariables:
                 c = ds[d]
                 ok = c >= 0
                 out.append(np.bincount(c[ok], weights=(ys[y] * weight)[ok], minlength=len(cats)))
+        return np.concatenate(out) if out else np.zeros(0)
+
+    def sampling_variance(self, df: pd.DataFrame, design: SurveyDesign) -> np.ndarray:
+        """Taylor sampling variance of every total (in the order of labels) in the design of df
+        (records of df in the design's order): PSUs with replacement within strata."""
+        if design.n != len(df):
+            raise MasscError(
+                f"the design has {design.n} records, the file {len(df)}: give the design of df"
+            )
+        ys, ds = self.frame_parts(df)
+        w = design.w
+        out = []
+        for y in self.study:
+            wy = w * ys[y]
+            for d, cats in self.domains.items():
+                c = ds[d]
+                ok = np.flatnonzero(c >= 0)
+                Z = np.zeros((len(df), len(cats)))
+                Z[ok, c[ok]] = wy[ok]
+                out.append(design.taylor_variance(Z))
         return np.concatenate(out) if out else np.zeros(0)
 
 
@@ -125,6 +148,14 @@ class ZMoments:
     V: np.ndarray  # sum_k nu_hk, nu = (z~ - z) w
     S2_nu: np.ndarray
     S2_zstar: np.ndarray | None = None
+    # squared scale D_z of each z's constraints: (8a) <= alpha D_z, (8b) <= beta D_z. None:
+    # theta_z^2 (eq. 9, 10 as written); else e.g. the original sampling variance of theta_z
+    denom: np.ndarray | None = None
+
+    @property
+    def scale2(self) -> np.ndarray:
+        """D_z: theta_z^2 unless denom is set."""
+        return self.theta**2 if self.denom is None else self.denom
 
     def bias_msq(self, psi: np.ndarray) -> np.ndarray:
         """Mean squared conditional bias (8a) of each z."""
@@ -198,4 +229,5 @@ def z_moments(
         V=base.V if base is not None else np.concatenate(V, axis=1),
         S2_nu=base.S2_nu if base is not None else np.concatenate(S2v, axis=1),
         S2_zstar=np.concatenate(S2z, axis=1) if sel is not None else None,
+        denom=base.denom if base is not None else None,
     )

@@ -1,9 +1,14 @@
 """Optimal MASSC rates: psi_h (eq. 9 under the bias constraint 8a) and phi_h (eq. 10 under the
-variance constraint 8b), SLSQP from a feasible point found by a monotone 1-D search."""
+variance constraint 8b), SLSQP from a feasible point found by a monotone 1-D search.
+
+Each constraint is relative to a squared scale D_z of the study total (ZMoments.scale2):
+theta_z^2 as in the paper, or the original sampling variance of theta_z. A stratum with zero
+disclosure cost a_h (no risk) adds nothing to the objective: it gets the minimal treatment,
+psi_h = 0 and phi_h = 1, and the others are optimized with it fixed there."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import minimize
@@ -19,20 +24,18 @@ class Rates:
     constraint: float  # max over z of the relative constraint at the solution
     bound: float  # alpha or beta
     binding: int  # index of the z with the largest relative value
-    method: str  # "upper bound", "SLSQP", "1-D search", "lower bound"
-
-
-def _rel(values: np.ndarray, theta: np.ndarray) -> np.ndarray:
-    return values / theta**2
+    method: str  # "upper bound", "SLSQP", "1-D search", "lower bound", "no risk"
+    no_risk: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # a_h = 0
 
 
 @dataclass
 class _Problem:
-    """What eq. 9 and eq. 10 share: the z kept (|theta_z| > min_theta), their theta, N_h, the
-    S2 of the constraint for the kept z, the costs a_h and the objective's scale 1/N(0)."""
+    """What eq. 9 and eq. 10 share: the z kept (D_z > 0 and |theta_z| > min_theta), their
+    squared scales D_z, N_h, the S2 of the constraint for the kept z, the costs a_h and the
+    objective's scale 1/N(0)."""
 
     keep: np.ndarray
-    theta: np.ndarray
+    D: np.ndarray
     N: np.ndarray
     S2: np.ndarray
     a: np.ndarray
@@ -41,13 +44,19 @@ class _Problem:
 
 
 def _problem(m: ZMoments, S2: np.ndarray, cost: np.ndarray | None, min_theta: float) -> _Problem:
-    keep = np.abs(m.theta) > min_theta
+    D = m.scale2
+    keep = np.isfinite(D) & (D > 0)
+    if min_theta > 0:
+        keep &= np.abs(m.theta) > min_theta
+    a = np.ones(len(m.N)) if cost is None else np.asarray(cost, float)
+    if np.any(a < 0) or not np.all(np.isfinite(a)):
+        raise MasscError("cost: the disclosure costs a_h must be finite and >= 0")
     return _Problem(
         keep=keep,
-        theta=m.theta[keep],
+        D=D[keep],
         N=m.N,
         S2=S2[:, keep],
-        a=np.ones(len(m.N)) if cost is None else np.asarray(cost, float),
+        a=a,
         scale=1.0 / m.N.sum(),
         labels=[lab for lab, k in zip(m.labels, keep, strict=True) if k],
     )
@@ -61,28 +70,28 @@ def optimal_psi(
     cost: np.ndarray | None = None,
     min_theta: float = 0.0,
 ) -> Rates:
-    """eq. 9: min sum_h a_h N_h (1 - psi_h)/psi_h s.t. max_z (8a)/theta_z^2 <= alpha,
-    psi_min <= psi_h <= psi_max."""
+    """eq. 9: min sum_h a_h N_h (1 - psi_h)/psi_h s.t. max_z (8a)/D_z <= alpha,
+    psi_min <= psi_h <= psi_max; psi_h = 0 where a_h = 0."""
     pr = _problem(m, m.S2_nu, cost, min_theta)
-    th, N, S2, V, a, scale = pr.theta, pr.N, pr.S2, m.V[:, pr.keep], pr.a, pr.scale
+    D, N, S2, V, a, scale = pr.D, pr.N, pr.S2, m.V[:, pr.keep], pr.a, pr.scale
 
     def g(p):
         pp = p[:, None]
-        return _rel((N[:, None] * (1 - pp) * pp * S2).sum(0) + (V * pp).sum(0) ** 2, th)
+        return ((N[:, None] * (1 - pp) * pp * S2).sum(0) + (V * pp).sum(0) ** 2) / D
 
     def jac_g(p):
         pp = p[:, None]
         bias = (V * pp).sum(0)
         d = N[:, None] * (1 - 2 * pp) * S2 + 2 * bias[None, :] * V
-        return (d / th**2).T
+        return (d / D).T
 
-    def f(p):
-        return scale * float((a * N * (1 - p) / p).sum())
+    def f(p, on):
+        return scale * float((a[on] * N[on] * (1 - p[on]) / p[on]).sum())
 
-    def df(p):
-        return -scale * a * N / p**2
+    def df(p, on):
+        return -scale * a[on] * N[on] / p[on] ** 2
 
-    return _solve(pr, g, jac_g, f, df, alpha, psi_min, psi_max, True, "(8a) bias")
+    return _solve(pr, g, jac_g, f, df, alpha, psi_min, psi_max, 0.0, True, "(8a) bias")
 
 
 def optimal_phi(
@@ -93,43 +102,48 @@ def optimal_phi(
     cost: np.ndarray | None = None,
     min_theta: float = 0.0,
 ) -> Rates:
-    """eq. 10: min sum_h a_h N_h phi_h/(1 - phi_h) s.t. max_z (8b)/theta_z^2 <= beta,
-    phi_min <= phi_h <= phi_max (< 1)."""
+    """eq. 10: min sum_h a_h N_h phi_h/(1 - phi_h) s.t. max_z (8b)/D_z <= beta,
+    phi_min <= phi_h <= phi_max (< 1); phi_h = 1 where a_h = 0."""
     if m.S2_zstar is None:
         raise MasscError("S2_zstar is not set: compute z_moments with the substitution indicators")
     pr = _problem(m, m.S2_zstar, cost, min_theta)
-    th, N, S2, a, scale = pr.theta, pr.N, pr.S2, pr.a, pr.scale
+    D, N, S2, a, scale = pr.D, pr.N, pr.S2, pr.a, pr.scale
 
     def g(p):
-        return _rel((N[:, None] * (1 / p[:, None] - 1) * S2).sum(0), th)
+        return (N[:, None] * (1 / p[:, None] - 1) * S2).sum(0) / D
 
     def jac_g(p):
-        return (-N[:, None] * S2 / p[:, None] ** 2 / th**2).T
+        return (-N[:, None] * S2 / p[:, None] ** 2 / D).T
 
-    def f(p):
-        return scale * float((a * N * p / (1 - p)).sum())
+    def f(p, on):
+        return scale * float((a[on] * N[on] * p[on] / (1 - p[on])).sum())
 
-    def df(p):
-        return scale * a * N / (1 - p) ** 2
+    def df(p, on):
+        return scale * a[on] * N[on] / (1 - p[on]) ** 2
 
-    return _solve(pr, g, jac_g, f, df, beta, phi_min, phi_max, False, "(8b) variance")
+    return _solve(pr, g, jac_g, f, df, beta, phi_min, phi_max, 1.0, False, "(8b) variance")
 
 
-def _solve(pr: _Problem, g, jac_g, f, df, bound, lo, hi, increasing, name) -> Rates:
-    """Minimize f under max g <= bound in the box [lo, hi]^H. f is monotone towards the
-    constraint's bad side, so the cheapest corner is tried first, then a 1-D monotone search on
-    the ray to the safe corner gives a feasible start for SLSQP."""
-    labels, keep, dim = pr.labels, pr.keep, len(pr.N)
+def _solve(pr: _Problem, g, jac_g, f, df, bound, lo, hi, none, increasing, name) -> Rates:
+    """Minimize f under max g <= bound in the box [lo, hi] for the strata with a_h > 0 (the
+    others are fixed at `none`, no treatment). f is monotone towards the constraint's bad side,
+    so the cheapest corner is tried first, then a 1-D monotone search on the ray to the safe
+    corner gives a feasible start for SLSQP (over the free strata)."""
+    labels, keep = pr.labels, pr.keep
+    on = pr.a > 0
     cheap, safe = (hi, lo) if increasing else (lo, hi)
-    x_cheap, x_safe = np.full(dim, cheap), np.full(dim, safe)
+    x_cheap = np.where(on, cheap, none)
+    x_safe = np.where(on, safe, none)
     n_z = len(np.atleast_1d(g(x_cheap)))
 
     def result(x, method):
         gv = g(x)
         j = int(np.argmax(gv)) if len(gv) else 0
         z = int(np.flatnonzero(keep)[j]) if len(gv) else -1
-        return Rates(x, f(x), float(gv.max()) if len(gv) else 0.0, bound, z, method)
+        return Rates(x, f(x, on), float(gv.max()) if len(gv) else 0.0, bound, z, method, ~on)
 
+    if not on.any():
+        return result(x_cheap, "no risk")
     if n_z == 0 or g(x_cheap).max() <= bound:
         return result(x_cheap, "bound" if n_z else "no constraint")
     gs = g(x_safe)
@@ -138,7 +152,8 @@ def _solve(pr: _Problem, g, jac_g, f, df, bound, lo, hi, increasing, name) -> Ra
         raise MasscInfeasible(
             f"constraint {name} cannot be met: at the safest rates ({safe:g} in every stratum) "
             f"the relative value for z={labels[j]} is {gs[j]:.6g} > bound {bound:.6g} "
-            f"(excess {gs[j] - bound:.6g}); raise epsilon or alpha_share, or widen the rate bounds"
+            f"(excess {gs[j] - bound:.6g}); raise the loss budget (bias_share/variance_share, "
+            "or epsilon and alpha_share on the relative scale), or widen the rate bounds"
         )
 
     def towards_safe(x: np.ndarray) -> np.ndarray:
@@ -156,25 +171,32 @@ def _solve(pr: _Problem, g, jac_g, f, df, bound, lo, hi, increasing, name) -> Ra
 
     x0 = towards_safe(x_cheap)
     best, method = x0, "1-D search"
-    if dim > 1:
+    free = np.flatnonzero(on)
+    if len(free) > 1:
+
+        def full(y: np.ndarray) -> np.ndarray:
+            x = x_safe.copy()
+            x[free] = y
+            return x
+
         res = minimize(
-            f,
-            x0,
-            jac=df,
+            lambda y: f(full(y), on),
+            x0[free],
+            jac=lambda y: df(full(y), on),
             method="SLSQP",
-            bounds=[(lo, hi)] * dim,
+            bounds=[(lo, hi)] * len(free),
             constraints=[
                 {
                     "type": "ineq",
-                    "fun": lambda x: 1.0 - g(x) / bound,
-                    "jac": lambda x: -jac_g(x) / bound,
+                    "fun": lambda y: 1.0 - g(full(y)) / bound,
+                    "jac": lambda y: -jac_g(full(y))[:, free] / bound,
                 }
             ],
             options={"maxiter": 500, "ftol": 1e-14},
         )
-        x = np.clip(res.x, lo, hi)
-        if np.all(np.isfinite(x)):
-            x = towards_safe(x)
-            if f(x) < f(x0):
+        y = np.clip(res.x, lo, hi)
+        if np.all(np.isfinite(y)):
+            x = towards_safe(full(y))
+            if f(x, on) < f(x0, on):
                 best, method = x, "SLSQP"
     return result(best, method)

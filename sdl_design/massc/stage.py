@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from sdl_design.design import SurveyDesign
 from sdl_design.edits import check_edits
 from sdl_design.keys import key_frame
 from sdl_design.massc import (
@@ -22,8 +23,10 @@ from sdl_design.massc import (
     rates_table,
     replication_seed,
 )
+from sdl_design.massc.treatment import meet_delta, original_rows
 from sdl_design.plots import histogram
 from sdl_design.rng import stage_rng
+from sdl_design.spec import KeySpec
 from sdl_design.stage import StageResult, gate
 
 
@@ -42,10 +45,10 @@ class MasscStage:
         return None if spec.stages.active("massc") is None else cls(spec)
 
     def run(self, df: pd.DataFrame, ctx: Any) -> StageResult:
-        return massc_result(df, self.spec, ctx.seed, ctx.original)
+        return massc_result(df, self.spec, ctx.seed, ctx.original, ctx.design)
 
     def replicate(self, df: pd.DataFrame, ctx: Any, indices: Sequence[int]) -> np.ndarray:
-        return massc_replications(df, self.spec, ctx.seed, ctx.original, indices)
+        return massc_replications(df, self.spec, ctx.seed, ctx.original, indices, ctx.design)
 
     def combine(self, result: StageResult, replications: list, ctx: Any) -> StageResult:
         return massc_epsilon(result, replications, self.spec)
@@ -65,6 +68,10 @@ def massc_config(spec, df: pd.DataFrame) -> MasscConfig:
             related += [c for c in cols if c not in related]
     related = [c for c in related if c in df.columns]
     d = spec.design
+    by_name = {k.name: k for k in v.keys}
+    in_domains = dict.fromkeys(c for dom in _domains(spec) for c in dom)
+    # a donor shares the recipient's cell of every declared-domain column that moves with it
+    domain_columns = [by_name.get(c, KeySpec(name=c)) for c in in_domains if c in related]
     return MasscConfig(
         keys=list(v.keys),
         sensitive=list(v.sensitive),
@@ -75,6 +82,13 @@ def massc_config(spec, df: pd.DataFrame) -> MasscConfig:
         phi_min=st.phi_min,
         epsilon=st.epsilon,
         alpha_share=st.alpha_share,
+        loss_scale=st.loss_scale,
+        bias_share=st.bias_share,
+        variance_share=st.variance_share,
+        negligible_risk=st.negligible_risk,
+        strata_col=d.strata,
+        psu_col=d.psu,
+        domain_columns=domain_columns,
         importance=dict(st.importance),
         restrictions=list(st.donor_restrictions),
         strata_merge=dict(st.strata_merge) or None,
@@ -85,16 +99,44 @@ def massc_config(spec, df: pd.DataFrame) -> MasscConfig:
     )
 
 
-def _main(df: pd.DataFrame, spec, seed: int):
+def _domains(spec) -> list[list[str]]:
+    """The declared analysis domains (utility.domain_list over the keys): lists of columns."""
+    return spec.utility.domain_list(spec.variables.key_names)
+
+
+def _domain_specs(spec) -> list[list[KeySpec]]:
+    """The declared domains as calibration margins (keys in their published coding)."""
+    by_name = {k.name: k for k in spec.variables.keys}
+    return [[by_name.get(c, KeySpec(name=c)) for c in dom] for dom in _domains(spec)]
+
+
+def _design(spec, original: pd.DataFrame, design: SurveyDesign | None) -> SurveyDesign:
+    if design is not None:
+        return design
+    return SurveyDesign.from_spec(original, spec.design, replicates=False)
+
+
+def _main(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame, design=None):
+    """The release run: plan, treatment and, when delta is above gates.delta_max, the
+    revisions of meet_delta (deterministic given the seed: replications repeat them)."""
     cfg = massc_config(spec, df)
     rng = stage_rng(seed, "massc")
-    plan = massc_plan(df, cfg, rng)
+    plan = massc_plan(df, cfg, rng, original, _design(spec, original, design))
     tr = massc_treat(df, plan, cfg, rng)
-    return cfg, plan, tr
+    dm, revisions = None, []
+    if spec.gates.delta_max is not None:
+        cfg, plan, tr, dm, revisions = meet_delta(
+            df, original, plan, tr, cfg, rng, spec.gates.delta_max
+        )
+    return cfg, plan, tr, dm, revisions
 
 
-def _calibrate(df, spec, cfg, tr, original, replicates: bool):
+def _calibrate(df, spec, cfg, tr, original, replicates: bool, domains=None):
+    """Step IV for treatment tr (domains: the declared domains to calibrate to, default all
+    of them when calibration.domain_margins)."""
     cal = spec.stages.massc.calibration
+    if domains is None:
+        domains = _domain_specs(spec) if cal.domain_margins else []
     b2 = tr.b1.loc[tr.retained]
     return calibrate_treated(
         b2,
@@ -106,14 +148,26 @@ def _calibrate(df, spec, cfg, tr, original, replicates: bool):
         cal.bounds,
         spec.replicate_columns(df) if replicates else (),
         cal.infeasible_policy,
-        b0=df,
+        domains,
+        cal.domain_min_records,
     )
 
 
-def massc_result(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame) -> StageResult:
-    """MASSC on df (spec.stages.massc): optimal rates, substitution, subsampling, calibration of
-    the weight and the replicate weights to the original file's controls; delta and epsilon."""
-    cfg, plan, tr = _main(df, spec, seed)
+def massc_result(
+    df: pd.DataFrame,
+    spec,
+    seed: int,
+    original: pd.DataFrame,
+    design: SurveyDesign | None = None,
+) -> StageResult:
+    """MASSC on df (spec.stages.massc) composed against the original file (its records matched
+    to df's by index label): strata, costs, delta and epsilon on the original keys and values,
+    optimal rates within the loss budgets (original sampling variances by default, from
+    `design`, the original SurveyDesign), substitution within the declared-domain cells,
+    subsampling, calibration of the weight and of each replicate weight to the original file's
+    totals (controls and declared domains)."""
+    cfg, plan, tr, dm, revisions = _main(df, spec, seed, original, design)
+    b0 = original_rows(df, original)
     check_edits(
         tr.b1,
         spec.edits,
@@ -123,21 +177,31 @@ def massc_result(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame) -> S
     cal = spec.stages.massc.calibration
     data, cal_tables, cal_metrics = _calibrate(df, spec, cfg, tr, original, replicates=True)
     # retained records keep their index: later stages and the final metrics match records by it
-    dm = delta_measures(
-        df, tr.b1, tr.substituted, tr.retained, cfg.keys, cfg.sensitive, cfg.risk_basis
+    if dm is None:
+        dm = delta_measures(
+            b0, tr.b1, tr.substituted, tr.retained, cfg.keys, cfg.sensitive, cfg.risk_basis
+        )
+    il = information_loss(
+        tr.moments, plan.psi.rates, tr.phi.rates, truth=plan.truth, sampling_var=plan.sampling_var
     )
-    il = information_loss(tr.moments, plan.psi.rates, tr.phi.rates)
-    eps = float(np.nanmax(il["rrmse"])) if len(il) else 0.0
+    eps = _nanmax(il["rrmse"])
     rates = rates_table(plan, tr)
     metrics = {
         **dm.metrics,
         "epsilon_formula": eps,
         "epsilon": eps,
+        "epsilon_treatment": _nanmax(il["rrmse_treatment"]),
+        "loss_in_se": _nanmax(il["rmse_in_se"]),
+        "loss_in_se_treatment": _nanmax(il["rmse_in_se_treatment"]),
         "n_substituted": float(tr.substituted.sum()),
         "n_subsampled_out": float((~tr.retained).sum()),
         "share_substituted": float(tr.substituted.mean()),
         "share_retained": float(tr.retained.mean()),
         "n_no_donor": float((plan.donors.donor < 0).sum()),
+        "n_no_donor_domain": float(plan.n_no_donor_domain),
+        "n_strata_no_risk": float(plan.psi.no_risk.sum()),
+        "budget_scale": cfg.budget_scale,
+        "n_delta_revisions": float(len(revisions)),
         "n_study_variables": float(len(il)),
         "n_donor_profiles": float(plan.donors.n_profiles),
         **{f"psi_{h}": float(p) for h, p in zip(plan.labels, plan.psi.rates, strict=True)},
@@ -147,32 +211,90 @@ def massc_result(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame) -> S
     gates = []
     if spec.gates.delta_max is not None:
         gates.append(gate("massc.delta", dm.delta, upper=spec.gates.delta_max))
-    truth = plan.zvars.totals(original, original[cfg.weight].to_numpy(dtype=float))
     labels = plan.zvars.labels
     study_totals = pd.DataFrame(labels, columns=["variable", "domain", "category"])
-    study_totals["original_total"] = truth
-    worst = il.iloc[int(np.nanargmax(il["rrmse"]))] if len(il) else None
+    study_totals["original_total"] = plan.truth
+    study_totals["original_se"] = np.sqrt(plan.sampling_var)
+    a_z, b_z = plan.budgets(cfg)
+    study_totals["alpha"], study_totals["beta"] = a_z, b_z
+    worst = il.iloc[int(np.nanargmax(il["rrmse"]))] if il["rrmse"].notna().any() else None
+    if cfg.loss_scale == "sampling":
+        budget = (
+            f"(8a) <= alpha_z = {cfg.bias_share * cfg.budget_scale:g} x V_z, (8b) <= beta_z = "
+            f"{cfg.variance_share * cfg.budget_scale:g} x V_z, V_z the original Taylor sampling "
+            "variance of theta_z"
+        )
+    else:
+        budget = (
+            f"(8a) <= alpha theta_z^2, alpha = {cfg.alpha:.5f}, (8b) <= beta theta_z^2, "
+            f"beta = {cfg.beta:.5f}"
+        )
     notes = [
-        f"Risk strata {', '.join(f'{h} ({c})' for h, c in zip(rates['stratum'], rates['N'], strict=True))}; "
-        f"substitution rates psi = {_fmt(plan.psi.rates)} ({plan.psi.method}, eq. 9 under (8a) <= "
-        f"alpha = {cfg.alpha:.5f}), subsampling rates phi = {_fmt(tr.phi.rates)} "
-        f"({tr.phi.method}, eq. 10 under (8b) <= beta = {cfg.beta:.5f}).",
+        f"Risk strata on the original keys {', '.join(f'{h} ({c})' for h, c in zip(rates['stratum'], rates['N'], strict=True))}; "
+        f"disclosure costs a_h (mean r_k/F_k) {_fmt(plan.cost)}"
+        + (
+            f", {int(plan.psi.no_risk.sum())} stratum(s) at most {cfg.negligible_risk:g}: no "
+            "risk, not treated"
+            if plan.psi.no_risk.any()
+            else ""
+        )
+        + f". Substitution rates psi = {_fmt(plan.psi.rates)} ({plan.psi.method}, eq. 9), "
+        f"subsampling rates phi = {_fmt(tr.phi.rates)} ({tr.phi.method}, eq. 10), under "
+        f"{budget}.",
         f"{int(tr.substituted.sum())} records substituted ({tr.substituted.mean():.1%}), "
         f"{int((~tr.retained).sum())} sampled out; selection "
         f"{'nested within PSUs' if cfg.nest else 'stratified SRSWOR'}; partners differ in "
-        f"{', '.join(f'{k} key(s): {v}' for k, v in plan.donors.by_level.items() if v)} records.",
-        f"Post-treatment risk delta = {dm.delta:.4f} (u {metrics['delta_u']:.4f}, "
-        f"d {metrics['delta_d']:.4f}, t {metrics['delta_t']:.4f}, o {metrics['delta_o']:.4f}).",
+        f"{', '.join(f'{k} key(s): {v}' for k, v in plan.donors.by_level.items() if k and v) or 'no'} "
+        "records.",
+        f"Post-treatment risk delta against the original keys = {dm.delta:.4f} (u "
+        f"{metrics['delta_u']:.4f}, d {metrics['delta_d']:.4f}, t {metrics['delta_t']:.4f}, "
+        f"o {metrics['delta_o']:.4f}).",
     ]
+    if revisions:
+        notes.append(
+            f"Delta above its target {spec.gates.delta_max:g}: the rates were revised "
+            + "; ".join(
+                f"{r.action} (delta {r.delta_before:.4f} -> {r.delta_after:.4f})" for r in revisions
+            )
+            + f"; loss budgets at {cfg.budget_scale:g} times the spec's."
+        )
+    if cfg.domain_columns:
+        notes.append(
+            "Partners come from the recipient's cell of the declared domains ("
+            + ", ".join(k.name for k in cfg.domain_columns)
+            + f"): {plan.n_no_donor_domain} records ({plan.n_no_donor_domain / len(df):.1%}) "
+            "have no partner in their cell and are not substituted"
+            + (
+                " (every key is a declared domain: substitution cannot keep the domains)."
+                if {k.name for k in cfg.keys} <= {k.name for k in cfg.domain_columns}
+                else "."
+            )
+        )
     if worst is not None:
         notes.append(
-            f"Information loss from (8a)+(8b): epsilon = {eps:.4f} over {len(il)} study totals, "
-            f"largest for {worst['variable']} in {worst['domain'] or 'all'} "
-            f"{worst['category']}."
+            f"Information loss from (8a)+(8b) against the original totals: epsilon = {eps:.4f} "
+            f"(MASSC's own treatment: {metrics['epsilon_treatment']:.4f}; in original SEs: "
+            f"{metrics['loss_in_se']:.3f}, own {metrics['loss_in_se_treatment']:.3f}) over "
+            f"{len(il)} study totals, largest for {worst['variable']} in "
+            f"{worst['domain'] or 'all'} {worst['category']}."
+        )
+    dom = cal_tables.get("calibration_domains")
+    dom_note = ""
+    if dom is not None and len(dom):
+        pooled = dom[dom["status"] != "kept"]
+        dom_note = f" and of {len(dom)} declared domains" + (
+            "; not kept exactly: "
+            + "; ".join(
+                f"{r.domain} ({r.status}, {r.pooled_share:.1%} of the weight)"
+                for r in pooled.itertuples()
+            )
+            if len(pooled)
+            else ", every cell kept"
         )
     notes.append(
         f"Calibration: {cal.method} to original totals of "
-        f"{', '.join(k.name for k in cal.controls)}; adjustment factors "
+        f"{', '.join(k.name for k in cal.controls) or 'no control'}{dom_note}; replicate weights "
+        f"to the original replicate totals; adjustment factors "
         f"{cal_metrics['calibration_factor_min']:.3f} to {cal_metrics['calibration_factor_max']:.3f}."
     )
     return StageResult(
@@ -183,9 +305,13 @@ def massc_result(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame) -> S
             "psi": {h: float(p) for h, p in zip(plan.labels, plan.psi.rates, strict=True)},
             "phi": {h: float(p) for h, p in zip(plan.labels, tr.phi.rates, strict=True)},
             "cost_a": {h: float(a) for h, a in zip(plan.labels, plan.cost, strict=True)},
+            "loss_scale": cfg.loss_scale,
             "alpha": cfg.alpha,
             "beta": cfg.beta,
+            "budget_scale": cfg.budget_scale,
             "epsilon_target": cfg.epsilon,
+            "negligible_risk": cfg.negligible_risk,
+            "domain_columns": [k.name for k in cfg.domain_columns],
             "psi_method": plan.psi.method,
             "phi_method": tr.phi.method,
             "selection": "nested within PSU (pps)" if cfg.nest else "stratified SRSWOR",
@@ -199,13 +325,15 @@ def massc_result(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame) -> S
                 "bounds": list(cal.bounds) if cal.bounds else None,
                 "controls": [k.model_dump(exclude_none=True) for k in cal.controls],
                 "infeasible_policy": cal.infeasible_policy,
+                "domain_margins": cal.domain_margins,
+                "domain_min_records": cal.domain_min_records,
             },
         },
         metrics=metrics,
         tables={
             "rates": rates,
             "delta": dm.by_appearance,
-            "delta_profiles": _top_profiles(df, cfg.keys, dm),
+            "delta_profiles": _top_profiles(b0, cfg.keys, dm),
             "epsilon_formula": il,
             "study_totals": study_totals,
             **cal_tables,
@@ -226,6 +354,10 @@ def _weight_factor_figure(data: pd.DataFrame, weight: str, tr) -> bytes:
     )
 
 
+def _nanmax(x: pd.Series) -> float:
+    return float(np.nanmax(x)) if x.notna().any() else 0.0
+
+
 def _fmt(x: np.ndarray) -> str:
     return "(" + ", ".join(f"{v:.4f}" for v in x) + ")"
 
@@ -241,7 +373,12 @@ def _top_profiles(df: pd.DataFrame, keys, dm, n: int = 50) -> pd.DataFrame:
 
 
 def massc_replications(
-    df: pd.DataFrame, spec, seed: int, original: pd.DataFrame, chunk: Sequence[int]
+    df: pd.DataFrame,
+    spec,
+    seed: int,
+    original: pd.DataFrame,
+    chunk: Sequence[int],
+    design: SurveyDesign | None = None,
 ) -> np.ndarray:
     """Estimates of every study total (rows: replications in chunk) from independent
     replications of the whole treatment (substitution, subsampling, calibration of the weight)
@@ -249,12 +386,19 @@ def massc_replications(
 
     spec: a ReleaseSpec or its spec.model_dump(mode="json") (pass the dict under the Dask
     runner: prefect-dask walks pydantic parameters and fails on the field named 'keys')."""
-    cfg, plan, tr = _main(df, spec, seed)
+    cfg, plan, tr, _, _ = _main(df, spec, seed, original, design)
+    domains = _domain_specs(spec) if spec.stages.massc.calibration.domain_margins else []
+    if domains:  # the declared domains the release run's weight could be calibrated to
+        _, tables, _ = _calibrate(df, spec, cfg, tr, original, replicates=False)
+        st = tables["calibration_domains"].set_index("domain")["status"]
+        domains = [
+            d for d in domains if not st[" x ".join(k.name for k in d)].startswith("dropped")
+        ]
     out = np.empty((len(chunk), len(plan.zvars.labels)))
     for i, r in enumerate(chunk):
         rng = np.random.default_rng(replication_seed(seed, r))
         rep = massc_treat(df, plan, cfg, rng, phi=tr.phi.rates)
-        data, _, _ = _calibrate(df, spec, cfg, rep, original, replicates=False)
+        data, _, _ = _calibrate(df, spec, cfg, rep, original, replicates=False, domains=domains)
         out[i] = plan.zvars.totals(data, data[cfg.weight].to_numpy(dtype=float))
     return out
 

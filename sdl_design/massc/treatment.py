@@ -3,20 +3,22 @@ substitution and subsampling (Steps II-III, phi), calibration (Step IV), replica
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import numpy as np
 import pandas as pd
 
+from sdl_design.design import SurveyDesign
 from sdl_design.keys import key_frame
 from sdl_design.massc.common import KeyLike, MasscError, _codes, _combine, _key_specs
 from sdl_design.massc.donors import Donors, find_donors, substitute
+from sdl_design.massc.measures import DeltaMeasures, delta_measures
 from sdl_design.massc.moments import StudyVariables, ZMoments, ZParts, study_variables, z_moments
 from sdl_design.massc.rates import Rates, optimal_phi, optimal_psi
 from sdl_design.massc.strata import massc_strata
-from sdl_design.risk import genmassc_scores
+from sdl_design.risk import _key_codes, cell_sizes, genmassc_scores
 from sdl_design.spec import KeySpec, SensitiveSpec
 
 # ---------------------------------------------------------------- selection (stratified SRSWOR)
@@ -71,36 +73,65 @@ class MasscConfig:
     substrata_k: int = 2
     substrata_min_records: int = 30
     nest: tuple[str, str] | None = None  # (design strata, PSU): nested selection (section 5)
-    cost: Literal["risk", "equal"] = "risk"  # a_h: mean pre-treatment risk score, or 1
+    # a_h: "risk" = mean over the stratum of r_k / F_k (GenMASSC score of the original record
+    # times the chance 1/F_k that an inside intruder picks it among the F_k records of its
+    # original key profile; 1/F_k alone without sensitive variables), or 1 ("equal")
+    cost: Literal["risk", "equal"] = "risk"
+    negligible_risk: float = 0.01  # a_h <= this: no risk, minimal treatment (psi 0, phi 1)
     risk_basis: Literal["original", "treated", "max"] = "max"
     max_levels: int = 10
     min_records: int = 30
+    # budgets of (8a) and (8b): "sampling": bias_share and variance_share times the original
+    # Taylor sampling variance of each theta_z; "relative": alpha_share * epsilon^2 and
+    # (1 - alpha_share) * epsilon^2 times theta_z^2 (eq. 7)
+    loss_scale: Literal["sampling", "relative"] = "sampling"
+    bias_share: float = 0.05
+    variance_share: float = 0.05
+    strata_col: str | None = None  # original design (Taylor variance of theta_z)
+    psu_col: str | None = None
+    # columns (keys in their published coding) whose cell a donor shares with its recipient:
+    # the declared domains, so that substitution never moves a record to another domain cell
+    domain_columns: list[KeySpec] = field(default_factory=list)
+    budget_scale: float = 1.0  # alpha and beta times this (raised by meet_delta)
 
-    # alpha + beta = epsilon^2 (eq. 7), a hair inside so that sqrt(alpha + beta) <= epsilon
-    # survives floating-point rounding at the gate
+    # a hair inside the budget so that the constraint survives floating-point rounding at the
+    # gate (relative: alpha + beta = epsilon^2, eq. 7, and sqrt(alpha + beta) <= epsilon)
     @property
     def alpha(self) -> float:
-        return self.alpha_share * self.epsilon**2 * (1 - 1e-9)
+        """Bound of (8a) / D_z (D_z = sampling variance or theta_z^2 by loss_scale)."""
+        if self.loss_scale == "sampling":
+            return self.budget_scale * self.bias_share * (1 - 1e-9)
+        return self.budget_scale * self.alpha_share * self.epsilon**2 * (1 - 1e-9)
 
     @property
     def beta(self) -> float:
-        return (1.0 - self.alpha_share) * self.epsilon**2 * (1 - 1e-9)
+        """Bound of (8b) / D_z."""
+        if self.loss_scale == "sampling":
+            return self.budget_scale * self.variance_share * (1 - 1e-9)
+        return self.budget_scale * (1.0 - self.alpha_share) * self.epsilon**2 * (1 - 1e-9)
 
 
 @dataclass
 class MasscPlan:
     """Deterministic part of a run (given its Generator): strata, partners, rates psi."""
 
-    strata: np.ndarray  # stratum label per record
+    strata: np.ndarray  # stratum label per record (original key profiles)
     labels: list[str]  # strata in rate order
     h: np.ndarray  # stratum index per record
     donors: Donors
-    tilde: pd.DataFrame  # B(0) with every record's key-related variables from its partner
+    tilde: pd.DataFrame  # the input with every record's key-related variables from its partner
     zvars: StudyVariables
     parts: ZParts
-    moments: ZMoments
+    moments: ZMoments  # denom: D_z of the constraints
     cost: np.ndarray
     psi: Rates
+    truth: np.ndarray  # theta_z of the original file
+    sampling_var: np.ndarray  # Taylor sampling variance of theta_z in the original design
+    n_no_donor_domain: int = 0  # records without a partner only because of the domain cells
+
+    def budgets(self, cfg: MasscConfig) -> tuple[np.ndarray, np.ndarray]:
+        """(alpha_z, beta_z): the bounds of (8a) and (8b) of every study total."""
+        return cfg.alpha * self.moments.scale2, cfg.beta * self.moments.scale2
 
 
 @dataclass
@@ -113,14 +144,22 @@ class MasscTreatment:
     moments: ZMoments  # with S2 of z*
 
 
-def _cfg_check(df: pd.DataFrame, cfg: MasscConfig) -> None:
-    need = [cfg.weight, *cfg.substitute_columns, *cfg.restrictions, *cfg.study]
+def _cfg_check(
+    df: pd.DataFrame, cfg: MasscConfig, what: str = "the data", substitute: bool = True
+) -> None:
+    need = [cfg.weight, *cfg.study]
     need += [k.name for k in cfg.keys] + [s.name for s in cfg.sensitive]
-    if cfg.nest:
-        need += list(cfg.nest)
+    if substitute:
+        need += [*cfg.substitute_columns, *cfg.restrictions, *(k.name for k in cfg.domain_columns)]
+        if cfg.nest:
+            need += list(cfg.nest)
+    else:
+        need += [c for c in (cfg.strata_col, cfg.psu_col) if c]
     missing = sorted({c for c in need if c not in df.columns})
     if missing:
-        raise MasscError(f"columns {missing} named by the MASSC config are not in the data")
+        raise MasscError(f"columns {missing} named by the MASSC config are not in {what}")
+    if not substitute:
+        return
     keys = {k.name for k in cfg.keys}
     if not keys <= set(cfg.substitute_columns):
         raise MasscError(
@@ -131,11 +170,73 @@ def _cfg_check(df: pd.DataFrame, cfg: MasscConfig) -> None:
         raise MasscError("rate bounds: need 0 < psi_min < psi_max <= 1, 0 < phi_min < phi_max < 1")
 
 
-def massc_plan(df: pd.DataFrame, cfg: MasscConfig, rng: np.random.Generator) -> MasscPlan:
-    """Step I and II: risk strata, substitution partners, optimal psi (eq. 9)."""
+def original_rows(df: pd.DataFrame, original: pd.DataFrame | None) -> pd.DataFrame:
+    """B(0): the original file's version of the records of df, matched by index label (df
+    itself when original is None)."""
+    if original is None or original is df:
+        return df
+    if df.index.equals(original.index):
+        return original
+    if not df.index.is_unique or not original.index.is_unique:
+        raise MasscError(
+            "the MASSC input and the original file must have unique index labels: records are "
+            "matched to their original by label; keep the index through earlier stages"
+        )
+    missing = ~df.index.isin(original.index)
+    if missing.any():
+        raise MasscError(
+            f"{int(missing.sum())} records of the MASSC input (labels "
+            f"{list(df.index[missing][:5])}) are not in the original file; earlier stages must "
+            "keep each record's index label"
+        )
+    return original.loc[df.index]
+
+
+def domain_cells(df: pd.DataFrame, columns: Sequence[KeyLike]) -> np.ndarray:
+    """Cell code of each record on the crossing of `columns` (keys in their published coding)."""
+    specs = _key_specs(columns)
+    if not specs:
+        return np.zeros(len(df), dtype=np.int64)
+    codes, _ = _key_codes(df, specs)
+    return _combine(codes, len(df))
+
+
+def disclosure_cost(
+    b0: pd.DataFrame, h: np.ndarray, n_h: int, cfg: MasscConfig
+) -> tuple[np.ndarray, np.ndarray]:
+    """a_h of eq. 9/10 for each stratum, and the mean r_k / F_k before the negligible-risk rule
+    (cfg.cost "risk": r_k the GenMASSC score of the original record, F_k the number of records
+    with its original key profile; "equal": 1)."""
+    if cfg.cost != "risk":
+        return np.ones(n_h), np.ones(n_h)
+    F = cell_sizes(b0, cfg.keys).to_numpy().astype(float)
+    r = genmassc_scores(b0, cfg.keys, cfg.sensitive).to_numpy() if cfg.sensitive else 1.0
+    raw = np.bincount(h, weights=r / F, minlength=n_h) / np.maximum(
+        np.bincount(h, minlength=n_h), 1
+    )
+    return np.where(raw > cfg.negligible_risk, raw, 0.0), raw
+
+
+def massc_plan(
+    df: pd.DataFrame,
+    cfg: MasscConfig,
+    rng: np.random.Generator,
+    original: pd.DataFrame | None = None,
+    design: SurveyDesign | None = None,
+) -> MasscPlan:
+    """Step I and II: risk strata, substitution partners, optimal psi (eq. 9).
+
+    df is the MASSC input (perhaps treated by earlier stages); original the confidential file
+    (default df). Strata and costs come from the original key profiles of df's records
+    (matched by index label), partners from df within its declared-domain cells, and the
+    constraints are relative to the original totals theta_z (loss_scale "relative") or to their
+    Taylor sampling variance in the original design (default: one built from cfg)."""
     _cfg_check(df, cfg)
+    original = df if original is None else original
+    b0 = original_rows(df, original)
+    _cfg_check(b0, cfg, what="the original file", substitute=False)
     strata = massc_strata(
-        df,
+        b0,
         cfg.keys,
         cfg.strata_merge,
         cfg.substrata,
@@ -144,24 +245,57 @@ def massc_plan(df: pd.DataFrame, cfg: MasscConfig, rng: np.random.Generator) -> 
         rng,
     ).to_numpy()
     h, labels = pd.factorize(pd.Series(strata), sort=True)
-    donors = find_donors(df, cfg.keys, cfg.sensitive, cfg.importance, cfg.restrictions, rng)
+    cells = domain_cells(df, cfg.domain_columns) if cfg.domain_columns else None
+    donors = find_donors(
+        df, cfg.keys, cfg.sensitive, cfg.importance, cfg.restrictions, rng, cells=cells
+    )
+    n_no_donor_domain = 0
+    if cells is not None:  # records whose donor set has other key profiles but their cell none
+        base = _combine([_codes(df[c]) for c in cfg.restrictions], len(df))
+        prof = domain_cells(df, cfg.keys)
+        n_no_donor_domain = int(
+            (
+                _single_profile(_combine([base, cells], len(df)), prof)
+                & ~_single_profile(base, prof)
+            ).sum()
+        )
     has = donors.donor >= 0
     need = list(dict.fromkeys([*cfg.substitute_columns, *cfg.study]))
     tilde = substitute(
         df[need], np.where(has, donors.donor, np.arange(len(df))), has, cfg.substitute_columns
     )
-    zvars = study_variables(df, cfg.keys, cfg.study, cfg.max_levels, cfg.min_records)
+    zvars = study_variables(b0, cfg.keys, cfg.study, cfg.max_levels, cfg.min_records)
     parts = ZParts.of(df, tilde, zvars)
     mom = z_moments(df, None, strata, cfg.weight, zvars, parts=parts)
-    if cfg.cost == "risk" and cfg.sensitive:
-        r0 = genmassc_scores(df, cfg.keys, cfg.sensitive).to_numpy()
-        cost = np.maximum(np.bincount(h, weights=r0) / np.bincount(h), 0.01)
-    else:
-        cost = np.ones(len(labels))
+    truth = zvars.totals(original, original[cfg.weight].to_numpy(dtype=float))
+    if design is None:
+        design = SurveyDesign(original, cfg.weight, cfg.strata_col, cfg.psu_col)
+    var = zvars.sampling_variance(original, design)
+    mom.denom = var if cfg.loss_scale == "sampling" else truth**2
+    cost, _ = disclosure_cost(b0, h, len(labels), cfg)
     psi = optimal_psi(mom, cfg.alpha, cfg.psi_max, cfg.psi_min, cost)
     return MasscPlan(
-        strata, [str(x) for x in labels], h, donors, tilde, zvars, parts, mom, cost, psi
+        strata,
+        [str(x) for x in labels],
+        h,
+        donors,
+        tilde,
+        zvars,
+        parts,
+        mom,
+        cost,
+        psi,
+        truth,
+        var,
+        n_no_donor_domain,
     )
+
+
+def _single_profile(group: np.ndarray, profile: np.ndarray) -> np.ndarray:
+    """Records whose group holds a single key profile (no partner can differ on a key)."""
+    g = pd.factorize(group)[0]
+    n_prof = pd.Series(profile).groupby(g).nunique().to_numpy()
+    return n_prof[g] == 1
 
 
 def _groups(df: pd.DataFrame, plan: MasscPlan, cfg: MasscConfig) -> np.ndarray:
@@ -189,12 +323,76 @@ def massc_treat(
         rates = optimal_phi(mom, cfg.beta, cfg.phi_min, cfg.phi_max, plan.cost)
     else:
         phi = np.asarray(phi, dtype=float)
-        g = mom.variance(phi) / mom.theta**2
+        with np.errstate(divide="ignore", invalid="ignore"):
+            g = np.where(mom.scale2 > 0, mom.variance(phi) / mom.scale2, np.nan)
         rates = Rates(
             phi, float("nan"), float(np.nanmax(g)), cfg.beta, int(np.nanargmax(g)), "given"
         )
     d2 = select(groups, rates.rates[plan.h], rng)
     return MasscTreatment(d1, d2, b1, rates, 1.0 / rates.rates[plan.h], mom)
+
+
+@dataclass
+class DeltaRevision:
+    """One revision of the rates because the post-treatment delta exceeded its target."""
+
+    delta_before: float
+    action: str  # "treat no-risk strata" or "double the loss budgets"
+    budget_scale: float
+    delta_after: float
+
+
+def meet_delta(
+    df: pd.DataFrame,
+    original: pd.DataFrame | None,
+    plan: MasscPlan,
+    tr: MasscTreatment,
+    cfg: MasscConfig,
+    rng: np.random.Generator,
+    target: float,
+    max_doublings: int = 6,
+) -> tuple[MasscConfig, MasscPlan, MasscTreatment, DeltaMeasures, list[DeltaRevision]]:
+    """The iterative step of MASSC (paper 000, section 3): while the post-treatment risk delta
+    against the original keys (eq. 3-6) is above target, revise the rates: first treat the
+    strata left alone for negligible risk (their minimal treatment is not allowed), then double
+    the loss budgets alpha and beta (at most max_doublings times, or until every rate sits at
+    the paper's bound). Returns the final config, plan, treatment, delta and the revisions."""
+    b0 = original_rows(df, original)
+
+    def measure(t: MasscTreatment) -> DeltaMeasures:
+        return delta_measures(
+            b0, t.b1, t.substituted, t.retained, cfg.keys, cfg.sensitive, cfg.risk_basis
+        )
+
+    dm = measure(tr)
+    revisions: list[DeltaRevision] = []
+    doublings = 0
+    while dm.delta > target:
+        if plan.psi.no_risk.any() and cfg.negligible_risk > 0:
+            cfg = replace(cfg, negligible_risk=0.0)
+            action = "treat the strata of negligible risk"
+        elif doublings < max_doublings and not _at_bounds(plan, tr, cfg):
+            cfg = replace(cfg, budget_scale=cfg.budget_scale * 2.0)
+            doublings += 1
+            action = "double the loss budgets"
+        else:
+            break
+        cost, _ = disclosure_cost(b0, plan.h, len(plan.labels), cfg)
+        psi = optimal_psi(plan.moments, cfg.alpha, cfg.psi_max, cfg.psi_min, cost)
+        plan = replace(plan, cost=cost, psi=psi)
+        tr = massc_treat(df, plan, cfg, rng)
+        before, dm = dm.delta, measure(tr)
+        revisions.append(DeltaRevision(before, action, cfg.budget_scale, dm.delta))
+    return cfg, plan, tr, dm, revisions
+
+
+def _at_bounds(plan: MasscPlan, tr: MasscTreatment, cfg: MasscConfig) -> bool:
+    """Every treated stratum at the most treatment the paper's bounds allow."""
+    on = ~plan.psi.no_risk
+    return bool(
+        np.all(plan.psi.rates[on] >= cfg.psi_max - 1e-12)
+        and np.all(tr.phi.rates[on] <= cfg.phi_min + 1e-12)
+    )
 
 
 def rates_table(plan: MasscPlan, tr: MasscTreatment) -> pd.DataFrame:
@@ -223,19 +421,112 @@ def _coarsened(df: pd.DataFrame, controls: Sequence[KeyLike]) -> tuple[pd.DataFr
     recoded = [k for k in specs if k.bins is not None or k.map is not None]
     if not recoded:
         return df, [k.name for k in specs]
-    out = df.copy()
     kf = key_frame(df, recoded)
-    for k in recoded:
-        out[k.name] = kf[k.name]
-    return out, [k.name for k in specs]
+    return df.assign(**{k.name: kf[k.name] for k in recoded}), [k.name for k in specs]
 
 
-def _shift_totals(t: Any, add: Any, sub: Any) -> Any:
-    """t + add - sub for control totals (numbers or {category: total} margins)."""
-    if isinstance(t, Mapping):
-        cats = set(t) | set(add) | set(sub)
-        return {c: t.get(c, 0.0) + add.get(c, 0.0) - sub.get(c, 0.0) for c in cats}
-    return float(t) + float(add) - float(sub)
+def margin_name(domain: Sequence[KeyLike]) -> str:
+    """Calibration column of a declared domain: 'domain: age x sex'."""
+    return "domain: " + " x ".join(k.name for k in _key_specs(domain))
+
+
+def domain_margins(
+    b2: pd.DataFrame,
+    original: pd.DataFrame,
+    domains: Sequence[Sequence[KeyLike]],
+    weight: str,
+    min_records: int = 30,
+    replicates: Sequence[str] = (),
+    original_replicates: Sequence[str] = (),
+) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], pd.DataFrame]:
+    """Cell labels of each declared domain (a crossing; keys in their published coding) on the
+    retained records b2 and on the original file, ready as calibration margins.
+
+    A cell is calibrated as it is when it has at least min_records retained records, a positive
+    original total and, for replicate calibration, a positive replicate total in the same
+    replicates on both files; the other cells of the domain are pooled into one cell, itself
+    merged into the largest kept cell when it fails those conditions. A domain without a kept
+    cell is dropped. Returns {column: (labels on b2, labels on the original)} and a table per
+    domain: cells, cells kept, original weight share pooled, status."""
+    from sdl_design.calibration import CalibrationError
+
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    rows = []
+    n2 = len(b2)
+    w_o = original[weight].to_numpy(dtype=float)
+    W_b = b2[list(replicates)].to_numpy(dtype=float) if replicates else None
+    W_o = original[list(original_replicates)].to_numpy(dtype=float) if replicates else None
+    for dom in domains:
+        specs = _key_specs(dom)
+        cols = [k.name for k in specs]
+        missing = [c for c in cols if c not in b2.columns or c not in original.columns]
+        if missing:
+            raise CalibrationError(
+                f"declared domain {cols}: columns {missing} are not in both files; fix "
+                "utility.domains or set calibration.domain_margins: false"
+            )
+        both = pd.concat([b2[cols], original[cols]], ignore_index=True)
+        cell = domain_cells(both, specs)
+        n_c = int(cell.max()) + 1 if len(cell) else 0
+        cb, co = cell[:n2], cell[n2:]
+        n_b = np.bincount(cb, minlength=n_c)
+        t_o = np.bincount(co, weights=w_o, minlength=n_c)
+        ok = (n_b >= min_records) & (t_o > 0)
+        if W_b is not None:
+            A, B = _cell_sums(cb, W_b, n_c), _cell_sums(co, W_o, n_c)
+            ok &= ((A > 0) == (B > 0)).all(axis=1)
+        first = np.full(n_c, len(cell), dtype=np.int64)
+        np.minimum.at(first, cell, np.arange(len(cell)))
+        kf = key_frame(both.iloc[first], specs).astype(str)
+        names = kf.iloc[:, 0].to_numpy(dtype=object)
+        for c in kf.columns[1:]:
+            names = names + " | " + kf[c].to_numpy(dtype=object)
+        target = np.arange(n_c)
+        pooled = ~ok
+        status = "kept"
+        if not ok.any():
+            rows.append(_margin_row(dom, n_c, 0, 1.0, "dropped: no cell can be calibrated"))
+            continue
+        if pooled.any():
+            label_p = n_c  # the pooled cell
+            fine = n_b[pooled].sum() >= min_records and t_o[pooled].sum() > 0
+            if W_b is not None:
+                fine &= bool(((A[pooled].sum(0) > 0) == (B[pooled].sum(0) > 0)).all())
+            if fine:
+                names = np.append(names, "(pooled)")
+                target[pooled] = label_p
+                status = f"{int(pooled.sum())} cells pooled"
+            else:
+                big = int(np.flatnonzero(ok)[np.argmax(n_b[ok])])
+                target[pooled] = big
+                status = f"{int(pooled.sum())} cells merged into {names[big]}"
+        out[margin_name(dom)] = (names[target[cb]], names[target[co]])
+        share = float(t_o[pooled].sum() / t_o.sum()) if t_o.sum() > 0 else 0.0
+        rows.append(_margin_row(dom, n_c, int(ok.sum()), share, status))
+    table = pd.DataFrame(rows, columns=["domain", "cells", "cells_kept", "pooled_share", "status"])
+    return out, table
+
+
+def _margin_row(dom, n_c: int, kept: int, share: float, status: str) -> tuple:
+    return (" x ".join(k.name for k in _key_specs(dom)), n_c, kept, share, status)
+
+
+def _same_replicates(
+    b2: pd.DataFrame, original: pd.DataFrame, reps: Sequence[str], orig_reps: Sequence[str]
+) -> bool:
+    """The replicate weights of b2 are the original file's for the same records."""
+    if not reps or not b2.index.isin(original.index).all():
+        return False
+    a = b2[list(reps)].to_numpy(dtype=float)
+    return bool(np.array_equal(a, original.loc[b2.index, list(orig_reps)].to_numpy(dtype=float)))
+
+
+def _cell_sums(cell: np.ndarray, W: np.ndarray, n_c: int) -> np.ndarray:
+    """Column sums of W within each cell: (n_c, R)."""
+    import scipy.sparse as sp
+
+    S = sp.csr_matrix((np.ones(len(cell)), (cell, np.arange(len(cell)))), shape=(n_c, len(cell)))
+    return np.asarray(S @ W)
 
 
 def calibrate_treated(
@@ -248,47 +539,109 @@ def calibrate_treated(
     bounds: tuple[float, float] | None = None,
     replicate_columns: Sequence[str] = (),
     policy: str = "widen",
-    b0: pd.DataFrame | None = None,
+    domains: Sequence[Sequence[KeyLike]] = (),
+    min_records: int = 30,
+    original_replicates: Sequence[str] | None = None,
 ) -> tuple[pd.DataFrame, dict[str, pd.DataFrame], dict[str, float]]:
-    """Step IV: weights w/phi of the retained records calibrated to the original file's control
-    totals; each replicate weight divided by phi and recalibrated to its own replicate's
-    controls. Replicate r's controls are those of B(0) (b0: the MASSC input, whose replicate
-    weights belong to the released design) moved by the difference between the original and
-    B(0) full-sample totals, T_r = T_r(B0) + T(original) - T(B0): equal to the original's
-    replicate totals when earlier stages left weights and controls alone. No controls: weights
-    and replicates are only divided by phi. Returns the frame, report tables, metrics."""
+    """Step IV: weights w/phi of the retained records calibrated to the original file's totals
+    of the controls and of the declared domains (domain_margins; a domain that makes the
+    calibration infeasible is dropped, largest first, and reported); each replicate weight
+    divided by phi and recalibrated to the original file's totals in the same replicate
+    (replicate r of b2 to T_r(original), original_replicates[r], default the same column
+    names), so the replicate SEs of the controls equal the original's. No controls and no
+    domains: weights and replicates are only divided by phi. Returns the frame, report tables,
+    metrics."""
     base = b2[weight].to_numpy(dtype=float) * factor
     out = b2.copy()
     tables: dict[str, pd.DataFrame] = {}
     reps = list(replicate_columns)
-    if not controls:
+    orig_reps = reps if original_replicates is None else list(original_replicates)
+    if len(orig_reps) != len(reps) or any(c not in original.columns for c in orig_reps):
+        raise MasscError(
+            f"replicate calibration needs the original file's replicate weights: {len(reps)} "
+            f"replicate columns in the treated file, original columns {orig_reps[:3]}... are "
+            "missing or differ in number; give the original file with its replicate weights"
+        )
+    # domain margins go to the replicates only when they are the original design's (no
+    # earlier stage rebuilt them): rebuilt replicates (a masked design) delete other PSUs
+    rep_margins = _same_replicates(b2, original, reps, orig_reps)
+    margins, dom_table = domain_margins(
+        b2,
+        original,
+        domains,
+        weight,
+        min_records,
+        reps if rep_margins else (),
+        orig_reps if rep_margins else (),
+    )
+    metrics: dict[str, float] = {}
+    if len(domains):
+        tables["calibration_domains"] = dom_table
+    if not controls and not margins:
         w_cal = base
         out[weight] = base
         for c in reps:
             out[c] = b2[c].to_numpy(dtype=float) * factor
     else:
-        from sdl_design.calibration import calibrate, calibrate_replicates, control_totals
+        from sdl_design.calibration import (
+            CalibrationInfeasible,
+            calibrate,
+            calibrate_replicates,
+            control_totals,
+        )
 
         work, names = _coarsened(b2, controls)
         orig, _ = _coarsened(original, controls)
-        work = work.assign(**{weight: base})
-        totals = control_totals(orig, weight, names)
-        w_cal = np.asarray(calibrate(work, weight, totals, method=method, bounds=bounds), float)
+        work = work.assign(**{weight: base}, **{m: v[0] for m, v in margins.items()})
+        orig = orig.assign(**{m: v[1] for m, v in margins.items()})
+        kept = list(margins)
+        while True:  # the same controls for the weight and every replicate
+            cols = names + kept
+            totals = control_totals(orig, weight, cols)
+            step = "the weight"
+            try:
+                w_cal = calibrate(
+                    work, weight, totals, method=method, bounds=bounds, explain=not kept
+                )
+                if reps:
+                    step = "a replicate weight"
+                    rcols = cols if rep_margins else names
+                    per_rep = control_totals(orig, orig_reps, rcols)
+                    rep_in = work[rcols].assign(
+                        **{c: b2[c].to_numpy(dtype=float) * factor for c in reps}
+                    )
+                    cal, report = calibrate_replicates(
+                        rep_in, reps, per_rep, method, bounds, policy
+                    )
+                break
+            except CalibrationInfeasible:
+                if not kept:
+                    raise
+                drop = max(kept, key=lambda m: len(totals[m]))  # the finest domain first
+                kept.remove(drop)
+                name = drop.removeprefix("domain: ")
+                dom_table.loc[dom_table["domain"] == name, "status"] = (
+                    f"dropped: calibration of {step} infeasible with it"
+                )
+        w_cal = np.asarray(w_cal, dtype=float)
         out[weight] = w_cal
         if reps:
-            src, _ = _coarsened(b0 if b0 is not None else original, controls)
-            t_src = control_totals(src, weight, names)
-            per_rep = [
-                {v: _shift_totals(t_r[v], totals[v], t_src[v]) for v in names}
-                for t_r in control_totals(src, reps, names)
-            ]
-            rep_in = work[names].copy()
-            for c in reps:
-                rep_in[c] = b2[c].to_numpy(dtype=float) * factor
-            cal, report = calibrate_replicates(rep_in, reps, per_rep, method, bounds, policy)
             for c in reps:
                 out[c] = np.asarray(cal[c], dtype=float)
             tables["replicate_calibration"] = pd.DataFrame(report)
+        if len(domains):
+            tables["calibration_domains"] = dom_table
+        metrics["calibration_domains_kept"] = float(len(kept))
+        metrics["calibration_replicate_domains"] = float(len(kept) if reps and rep_margins else 0)
+    if len(domains):
+        st = dom_table["status"]
+        metrics["calibration_domains_dropped"] = float(st.str.startswith("dropped").sum())
+        metrics["calibration_domain_cells_pooled"] = float(
+            (dom_table["cells"] - dom_table["cells_kept"])[~st.str.startswith("dropped")].sum()
+        )
+        metrics["calibration_domain_pooled_share_max"] = (
+            float(dom_table["pooled_share"].max()) if len(dom_table) else 0.0
+        )
     adj = w_cal / base
     final = w_cal / b2[weight].to_numpy(dtype=float)
     q = [0, 1, 5, 50, 95, 99, 100]
@@ -299,12 +652,14 @@ def calibrate_treated(
             "total_factor": np.percentile(final, q),
         }
     )
-    metrics = {
-        "calibration_factor_min": float(adj.min()),
-        "calibration_factor_max": float(adj.max()),
-        "weight_factor_max": float(final.max()),
-        "weight_sum_ratio": float(w_cal.sum() / original[weight].sum()),
-    }
+    metrics.update(
+        {
+            "calibration_factor_min": float(adj.min()),
+            "calibration_factor_max": float(adj.max()),
+            "weight_factor_max": float(final.max()),
+            "weight_sum_ratio": float(w_cal.sum() / original[weight].sum()),
+        }
+    )
     return out, tables, metrics
 
 
