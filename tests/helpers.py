@@ -84,9 +84,9 @@ SECTIONS = ["summary", "gates", "approval", "se-ratios", "stages", "provenance"]
 
 
 def county_key_spec():
-    """The default spec with county back among the keys (89 counties: many sample uniques) and
-    no declared utility domains (every key and every pair of keys): the wide-key setting several
-    method tests were written for."""
+    """The default spec with county back among the keys (89 counties: many sample uniques), the
+    earlier higher sensitivity scores and no declared utility domains (every key and every pair
+    of keys): the high-risk setting several method tests were written for."""
     import yaml
 
     from sdl_design.spec import parse_spec
@@ -95,5 +95,10 @@ def county_key_spec():
     data["variables"]["keys"].append("county")
     data["stages"]["prb"]["variables"].insert(5, "county")
     data["variables"]["other"] = {}
+    sens = {s["name"]: s for s in data["variables"]["sensitive"]}  # the earlier, higher scores
+    sens["hypertension"]["sensitivity"] = {1: 0.7, 0: 0.0}
+    sens["income"]["sensitivity"] = dict(
+        zip(sens["income"]["sensitivity"], [0.5, 0.3, 0.1, 0.1, 0.5, 1.0], strict=True)
+    )
     data.pop("utility", None)
     return parse_spec(data)
