@@ -761,7 +761,13 @@ class AssessStage:
             tables={**a.tables, "worst_estimates": worst},
             report_tables=["worst_estimates", "model_coefficients"],
             section="Analytic validity and risk of the published file",
-            gates=assessment_gates(m, spec, _worst_text(worst), _worst_terms(a.model_coefficients)),
+            gates=assessment_gates(
+                m,
+                spec,
+                _worst_text(worst),
+                _worst_terms(a.model_coefficients),
+                _worst_se_text(a.domain_estimates),
+            ),
             figures=estimate_plots(a.domain_estimates, a.model_coefficients),
             notes=_notes(m, worst),
         )
@@ -786,6 +792,17 @@ def _worst_text(worst: pd.DataFrame, n: int = 5) -> str:
     return "worst estimates: " + "; ".join(parts) if parts else ""
 
 
+def _worst_se_text(est: pd.DataFrame, n: int = 5) -> str:
+    """The estimates whose published SE is furthest from the original one (means, proportions)."""
+    t = est[est["reliable"] & (est["statistic"] != "total") & (est["se_ratio"] > 0)]
+    t = t.iloc[np.argsort(-np.abs(np.log(t["se_ratio"].to_numpy())), kind="stable")[:n]]
+    parts = [
+        f"SE ratio {w.se_ratio:.2f} for the {w.statistic} of {w.variable} in {w.domain} = {w.level}"
+        for w in t.itertuples()
+    ]
+    return "worst estimates: " + "; ".join(parts) if parts else ""
+
+
 def _worst_terms(coefs: pd.DataFrame, n: int = 3) -> str:
     if not len(coefs):
         return ""
@@ -798,7 +815,11 @@ def _worst_terms(coefs: pd.DataFrame, n: int = 3) -> str:
 
 
 def assessment_gates(
-    m: Mapping[str, float], spec: ReleaseSpec, worst: str = "", worst_terms: str = ""
+    m: Mapping[str, float],
+    spec: ReleaseSpec,
+    worst: str = "",
+    worst_terms: str = "",
+    worst_se: str = "",
 ) -> list:
     """The gates on the published file against the original (names say what is compared)."""
     from sdl_design.stage import gate
@@ -841,6 +862,7 @@ def assessment_gates(
                 m.get("se_ratio_p10", np.nan),
                 lo,
                 hi,
+                explain=worst_se,
             )
         )
         out.append(
@@ -849,6 +871,7 @@ def assessment_gates(
                 m.get("se_ratio_p90", np.nan),
                 lo,
                 hi,
+                explain=worst_se,
             )
         )
     if g.epsilon_max is not None:
