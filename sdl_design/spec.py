@@ -216,7 +216,8 @@ class MasscSection(_Strict):
     epsilon: float = Field(default=0.15, gt=0.0, lt=1.0)  # relative: target max RRMSE
     alpha_share: float = Field(default=0.5, gt=0.0, lt=1.0)  # relative: alpha = share * eps^2
     # strata whose disclosure cost a_h (mean over the stratum of r_k / F_k, eq. 9/10) is at
-    # most this get the minimal treatment (psi_min, phi_max): treatment follows risk
+    # most this get no treatment (psi 0, phi 1) while delta allows: treatment follows risk.
+    # When delta exceeds gates.delta_max they are treated, then the budgets are raised
     negligible_risk: float = Field(default=0.01, ge=0.0, lt=1.0)
     importance: dict[str, float] = {}  # distance weights for donor search
     donor_restrictions: list[str] = []  # donors must share these columns

@@ -12,6 +12,11 @@
   within PSUs with probabilities proportional to the stratum rates (section 5); the whole run
   and its calibration (Step IV): `treatment`.
 - Post-treatment risk delta (eq. 3-6) and information loss epsilon (eq. 7, 8a, 8b): `measures`.
+
+Composed after earlier stages (issue 11): strata, costs, delta and epsilon use the original
+file's keys and values of the same records (matched by index label); partners stay inside the
+declared-domain cells; the loss budgets are shares of each total's original sampling variance
+by default; a stratum of negligible risk is left untreated while delta allows (`treatment`).
 """
 
 from sdl_design.massc.common import KeyLike, MasscError, MasscInfeasible
@@ -26,12 +31,18 @@ from sdl_design.massc.moments import StudyVariables, ZMoments, ZParts, study_var
 from sdl_design.massc.rates import Rates, optimal_phi, optimal_psi
 from sdl_design.massc.strata import massc_strata
 from sdl_design.massc.treatment import (
+    DeltaRevision,
     MasscConfig,
     MasscPlan,
     MasscTreatment,
     calibrate_treated,
+    disclosure_cost,
+    domain_cells,
+    domain_margins,
     massc_plan,
     massc_treat,
+    meet_delta,
+    original_rows,
     rates_table,
     replication_seed,
     select,
@@ -39,6 +50,7 @@ from sdl_design.massc.treatment import (
 
 __all__ = [
     "DeltaMeasures",
+    "DeltaRevision",
     "Donors",
     "KeyLike",
     "MasscConfig",
@@ -52,12 +64,17 @@ __all__ = [
     "ZParts",
     "calibrate_treated",
     "delta_measures",
+    "disclosure_cost",
+    "domain_cells",
+    "domain_margins",
     "epsilon_from_replications",
     "find_donors",
     "information_loss",
     "massc_plan",
     "massc_strata",
     "massc_treat",
+    "meet_delta",
+    "original_rows",
     "optimal_phi",
     "optimal_psi",
     "rates_table",

@@ -293,8 +293,14 @@ def massc_result(
         )
     notes.append(
         f"Calibration: {cal.method} to original totals of "
-        f"{', '.join(k.name for k in cal.controls) or 'no control'}{dom_note}; replicate weights "
-        f"to the original replicate totals; adjustment factors "
+        f"{', '.join(k.name for k in cal.controls) or 'no control'}{dom_note}"
+        + (
+            "; each replicate weight to the original file's replicate totals"
+            + ("" if cal_metrics.get("calibration_replicate_domains") else " of the controls")
+            if "replicate_calibration" in cal_tables
+            else ""
+        )
+        + "; adjustment factors "
         f"{cal_metrics['calibration_factor_min']:.3f} to {cal_metrics['calibration_factor_max']:.3f}."
     )
     return StageResult(

@@ -337,7 +337,7 @@ class DeltaRevision:
     """One revision of the rates because the post-treatment delta exceeded its target."""
 
     delta_before: float
-    action: str  # "treat no-risk strata" or "double the loss budgets"
+    action: str  # "treat the strata of negligible risk" or "raise the loss budgets"
     budget_scale: float
     delta_after: float
 
@@ -350,13 +350,14 @@ def meet_delta(
     cfg: MasscConfig,
     rng: np.random.Generator,
     target: float,
-    max_doublings: int = 6,
+    step: float = 2.0**0.5,
+    max_steps: int = 12,
 ) -> tuple[MasscConfig, MasscPlan, MasscTreatment, DeltaMeasures, list[DeltaRevision]]:
     """The iterative step of MASSC (paper 000, section 3): while the post-treatment risk delta
     against the original keys (eq. 3-6) is above target, revise the rates: first treat the
-    strata left alone for negligible risk (their minimal treatment is not allowed), then double
-    the loss budgets alpha and beta (at most max_doublings times, or until every rate sits at
-    the paper's bound). Returns the final config, plan, treatment, delta and the revisions."""
+    strata left alone for negligible risk (their minimal treatment is not allowed), then raise
+    the loss budgets alpha and beta by `step` (at most max_steps times, or until every rate sits
+    at the paper's bound). Returns the final config, plan, treatment, delta and the revisions."""
     b0 = original_rows(df, original)
 
     def measure(t: MasscTreatment) -> DeltaMeasures:
@@ -366,15 +367,15 @@ def meet_delta(
 
     dm = measure(tr)
     revisions: list[DeltaRevision] = []
-    doublings = 0
+    steps = 0
     while dm.delta > target:
         if plan.psi.no_risk.any() and cfg.negligible_risk > 0:
             cfg = replace(cfg, negligible_risk=0.0)
             action = "treat the strata of negligible risk"
-        elif doublings < max_doublings and not _at_bounds(plan, tr, cfg):
-            cfg = replace(cfg, budget_scale=cfg.budget_scale * 2.0)
-            doublings += 1
-            action = "double the loss budgets"
+        elif steps < max_steps and not _at_bounds(plan, tr, cfg):
+            steps += 1
+            cfg = replace(cfg, budget_scale=step**steps)
+            action = f"raise the loss budgets to {step**steps:.3g} times"
         else:
             break
         cost, _ = disclosure_cost(b0, plan.h, len(plan.labels), cfg)
