@@ -64,7 +64,14 @@ STAGE_TABLES = {
         "se_ratio_summary_replicate",
         "matching_variance",
     ],
-    "prb": ["blocks", "risk_by_block", "identification_risk", "weighted_counts", "tvd"],
+    "prb": [
+        "blocks",
+        "risk_by_block",
+        "identification_risk",
+        "weighted_counts",
+        "tvd",
+        "domains_not_kept",
+    ],
     "massc": [
         "rates",
         "delta",
@@ -74,6 +81,7 @@ STAGE_TABLES = {
         "replicate_calibration",
         "weight_factors",
         "epsilon_replications",
+        "calibration_domains",
     ],
     "topcode": ["thresholds"],
     "final": ["se_ratios", "se_ratio_summary"],
