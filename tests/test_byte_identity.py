@@ -1,8 +1,10 @@
-"""The demo release is byte-identical to the one recorded before the stage-protocol refactor
-(commit 95ef319, `puf demo --n-persons 3000`, same seed). A change that alters the public file
-on purpose updates these hashes and says why in its commit (issue 11, MASSC composed against
-the original with sampling-scale budgets and declared-domain margins: the hashes of the MASSC
-output of that change)."""
+"""The demo release is reproducible byte for byte: `puf demo --n-persons 3000` gives these
+hashes. They were recorded before the stage-protocol refactor (commit 95ef319) and the refactor
+kept them; issue 11 changed the public file on purpose (PRB cells on the published coding within
+the declared domains; MASSC composed against the original on the sampling-error scale; the
+default spec's utility domains, county not published and its sensitivity scores), and the
+hashes below are those of that change. A change that alters the public file on purpose updates
+them and says why in its commit."""
 
 import hashlib
 
@@ -14,9 +16,9 @@ pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_server")]
 
 RECORDED = {
     "README.md": "0f71be87baaacea3cc29b96d7fe1c5711079ec2c3ba4aebf4ed30457e77e2ba2",
-    "codebook.csv": "aec01857d8c952a9be67c4cefb2031eff4cc71c0c925a3bcf515d29e67b42ea8",
-    "puf.csv": "0181824f49de94a15e5bdabd90259b3330f280c80538cec10a2443f67a158aa7",
-    "puf.parquet": "e4cb0c6764276fae991890980bc3125a35edbbbdc53698f50015c1f930dff1cc",
+    "codebook.csv": "fc8ca16f4d9ee424771a10715c7c2f219e81a173b9df450ce7a3b0516637dc26",
+    "puf.csv": "80ef57dfe9db37d3b2710961ed7c4832c733d267e4a37fc7a67e6da8f47fb0af",
+    "puf.parquet": "3d0f2ead3f072001ffdc4ea833bb956405208013ce010744a0ebb2e0be4e1156",
 }
 
 
