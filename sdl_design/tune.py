@@ -1064,10 +1064,13 @@ def risk_utility_map(
         ax.annotate(
             f"recommended: {_short_label(str(r['candidate']))}",
             (r["risk_index"], r["utility"]),
-            xytext=(10, -16),
-            textcoords="offset points",
+            xytext=(0.45, 0.05),  # the lower right: high risk and low utility, seldom crowded
+            textcoords="axes fraction",
             fontsize=8,
             color="purple",
+            bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "purple", "alpha": 0.9},
+            arrowprops={"arrowstyle": "->", "color": "purple", "lw": 1},
+            zorder=6,
         )
     ax.set_xlabel("risk: largest share of its limit a risk gate uses (1 = at the limit)")
     ax.set_ylabel("utility: median CI overlap - share beyond 2 SE")
