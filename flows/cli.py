@@ -1,4 +1,4 @@
-"""`puf`: demo, run, validate, releases, show, monitor."""
+"""`puf`: demo, run, validate, tune, releases, show, monitor."""
 
 from __future__ import annotations
 
@@ -108,6 +108,41 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0 if res["passed"].all() else 1
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from flows.tune import run_tune
+    from sdl_design.spec import SpecError
+
+    try:
+        out = run_tune(args.spec, args.budget, args.runner, args.dask_address)
+    except SpecError as e:
+        print(f"puf: {e}", file=sys.stderr)
+        return 2
+    own, rec = out["own"], out["recommended"]
+    print(f"tuned {args.spec}: {out['n_candidates']} candidates in {out['wall_seconds']} s")
+    print(
+        f"  spec's own  : risk {own['risk_index']:.4f}, overlap median "
+        f"{own['overlap_median']:.4f}, beyond 2 SE {own['share_abs_std_bias_gt2']:.4f}"
+        + ("" if own["passes_risk"] else "  (fails a risk gate)")
+    )
+    if rec:
+        print(
+            f"  recommended : {rec['candidate']}\n"
+            f"                risk {rec['risk_index']:.4f}, overlap median "
+            f"{rec['overlap_median']:.4f}, beyond 2 SE {rec['share_abs_std_bias_gt2']:.4f}"
+            + (
+                f"; still failing: {rec['failed_gates']}"
+                if rec["failed_gates"]
+                else "; every gate holds"
+            )
+        )
+        print(f"  spec        : {out['recommended_spec']}")
+    else:
+        print("  recommended : none (no candidate passes every risk gate)")
+    print(f"  candidates  : {out['candidates']}")
+    print(f"  map         : {out['map']}")
+    return 0 if rec else 1
+
+
 def cmd_releases(args: argparse.Namespace) -> int:
     from flows.registry import list_releases
 
@@ -172,6 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     v.add_argument("spec")
     v.set_defaults(func=cmd_validate)
+
+    t = sub.add_parser(
+        "tune",
+        help="search the stages' settings for the least damaging one that meets every risk gate",
+    )
+    t.add_argument("spec")
+    t.add_argument(
+        "--budget", type=int, default=24, help="candidate settings to run, the spec's own included"
+    )
+    runner_opts(t)
+    t.set_defaults(func=cmd_tune)
 
     for name, fn, hlp in (
         ("releases", cmd_releases, "list the release registry"),

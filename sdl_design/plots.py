@@ -2,11 +2,41 @@
 
 from __future__ import annotations
 
+import functools
 import io
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 
 import numpy as np
 import pandas as pd
+
+_local = threading.local()
+
+
+@contextmanager
+def figures_off() -> Iterator[None]:
+    """Within it (in this thread) the stages' figures are not drawn: histogram and
+    se_ratio_boxplot give b"", estimate_plots {} (runs that keep only numbers: tuning)."""
+    before = getattr(_local, "off", False)
+    _local.off = True
+    try:
+        yield
+    finally:
+        _local.off = before
+
+
+def _drawn(empty: Callable[[], object]):
+    """The figure function, or empty() inside figures_off."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            return empty() if getattr(_local, "off", False) else fn(*args, **kwargs)
+
+        return inner
+
+    return wrap
 
 
 def pyplot():
@@ -19,6 +49,14 @@ def pyplot():
     return plt
 
 
+def subplots(nrows: int = 1, ncols: int = 1, **kwargs):
+    """(figure, axes) of a Figure pyplot does not track: safe when stages run in threads."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=kwargs.pop("figsize", None))
+    return fig, fig.subplots(nrows, ncols, **kwargs)
+
+
 def png(fig, dpi: int = 100) -> bytes:
     """The figure as PNG bytes; the figure is closed."""
     buf = io.BytesIO()
@@ -27,6 +65,7 @@ def png(fig, dpi: int = 100) -> bytes:
     return buf.getvalue()
 
 
+@_drawn(bytes)
 def histogram(
     values: np.ndarray | Mapping[str, np.ndarray],
     xlabel: str,
@@ -36,11 +75,10 @@ def histogram(
     bins: int = 30,
 ) -> bytes:
     """PNG histogram of values (stacked by group when a mapping), with an optional threshold line."""
-    plt = pyplot()
     groups = dict(values) if isinstance(values, Mapping) else {"": np.asarray(values)}
     groups = {k: np.asarray(v, dtype=float) for k, v in groups.items()}
     groups = {k: v[np.isfinite(v)] for k, v in groups.items() if np.isfinite(v).any()}
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = subplots(figsize=(7, 3.8))
     if groups:
         allv = np.concatenate(list(groups.values()))
         lo, hi = float(allv.min()), float(allv.max())
@@ -63,6 +101,7 @@ def histogram(
     return png(fig)
 
 
+@_drawn(bytes)
 def se_ratio_boxplot(
     groups: Mapping[str, pd.DataFrame],
     title: str = "Standard error ratios by original design effect",
@@ -73,13 +112,14 @@ def se_ratio_boxplot(
     """PNG of side-by-side box plots of SE ratios by original design-effect class, one box per
     group in each class (the swap paper's Figure 2). groups: label -> frame with the column and
     deff_class (or deff, classed by `sdl_design.utility.deff_class`)."""
+    from matplotlib import colormaps
+
     from sdl_design.utility import DEFF_CLASSES, deff_class
 
-    plt = pyplot()
     classes = [f"({a:g},{b:g}]" for a, b in zip(DEFF_CLASSES[:-1], DEFF_CLASSES[1:], strict=True)]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = subplots(figsize=(8, 4.5))
     width = 0.8 / max(1, len(groups))
-    cmap = plt.get_cmap("tab10")
+    cmap = colormaps["tab10"]
     for k, (label, g) in enumerate(groups.items()):
         cls = g["deff_class"] if "deff_class" in g else deff_class(g["deff"].to_numpy())
         cls = np.asarray(pd.Series(cls).astype(str))
@@ -111,9 +151,8 @@ def se_ratio_boxplot(
 
 def _interval_plot(rows, title: str, xlabel: str) -> bytes:
     """Original and released estimates with 95% CIs, one row per label (forest plot)."""
-    plt = pyplot()
     n = len(rows)
-    fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.26 * n))
+    fig, ax = subplots(figsize=(7.5, 1.2 + 0.26 * n))
     y = np.arange(n)[::-1]
     for off, col, lab, c in (
         (0.15, "original", "original", "#3182bd"),
@@ -130,6 +169,7 @@ def _interval_plot(rows, title: str, xlabel: str) -> bytes:
     return png(fig)
 
 
+@_drawn(dict)
 def estimate_plots(est, coefs, max_rows: int = 40) -> dict[str, bytes]:
     """Released vs original estimates with 95% CIs: one plot per study variable (its means or
     proportions overall and by each single domain; the max_rows largest |standardized bias| when

@@ -1,0 +1,439 @@
+"""puf tune: candidate generation, refinement, Pareto front, recommended YAML, the demo search."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from sdl_design import tune
+from sdl_design.spec import load_spec
+
+DEFAULT = Path(__file__).resolve().parents[1] / "flows" / "default_spec.yaml"
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return load_spec(DEFAULT)
+
+
+def _small_frame() -> pd.DataFrame:
+    """Study columns of the default spec: income, bmi and hh_size numeric, the rest 0/1."""
+    rng = np.random.default_rng(0)
+    df = pd.DataFrame({v: rng.integers(0, 2, 50) for v in ("diabetes", "hypertension")})
+    for v in ("smoker", "insured"):
+        df[v] = rng.integers(0, 2, 50)
+    df["income"], df["bmi"], df["hh_size"] = rng.gamma(2, 2e4, 50), rng.normal(27, 4, 50), 3
+    df.loc[:10, "hh_size"] = 1
+    return df
+
+
+# ---------------------------------------------------------------- candidates
+
+
+def test_one_factor_candidates_change_one_setting_each(spec):
+    facs = tune.factors(spec, _small_frame())
+    paths = [f.path for f in facs]
+    assert paths == [
+        "stages.swap.rate",
+        "stages.swap.cumulative",
+        "stages.prb.partition",
+        "stages.prb.tuned",
+        "stages.massc.epsilon",
+        "stages.massc.psi_max",
+        "stages.massc.phi_min",
+        "stages.massc.substrata",
+        "stages.topcode.income.upper.percentile",  # bmi is coded at a value, not a percentile
+    ]
+    own = spec.model_dump()
+    cands = tune.one_factor_candidates(facs, toward="risk")
+    assert len(cands) == sum(len(f.levels) for f in facs)
+    assert len({c.key for c in cands}) == len(cands)
+    for c in cands:
+        assert len(c.changes) == 1 and len(c.reasons) == 1 and c.reasons[0]
+        path, value = c.changes[0]
+        assert value != tune.get_path(own, path)
+        changed = tune.spec_with(spec, c.changes).model_dump()  # validates
+        got = tune.get_path(changed, path)  # a mapping gets the model's defaults besides
+        assert got == value or all(got[k] == v for k, v in value.items())
+        # nothing else moved
+        assert tune.apply_changes(changed, [(path, tune.get_path(own, path))]) == own
+    # the first round takes one level of every factor, then the second round begins
+    assert [c.changes[0][0] for c in cands[: len(facs)]] == paths
+    first = {c.changes[0][0]: c.changes[0][1] for c in cands[: len(facs)]}
+    # toward risk: the nearest level in the direction that lowers risk (more swapping, a larger
+    # MASSC epsilon, more income top-coded); phi_min is at its floor, so its nearest level up
+    assert first["stages.swap.rate"] == 0.3 and first["stages.massc.epsilon"] == 0.2
+    assert first["stages.massc.phi_min"] == 0.7
+    assert first["stages.topcode.income.upper.percentile"] == 99.0
+    assert first["stages.massc.substrata"] == {"variables": ["income", "bmi", "hh_size"]}
+    # toward utility the other way first
+    toward_u = tune.one_factor_candidates(facs, toward="utility")[: len(facs)]
+    first_u = {c.changes[0][0]: c.changes[0][1] for c in toward_u}
+    assert first_u["stages.swap.rate"] == 0.2 and first_u["stages.massc.epsilon"] == 0.1
+    assert first_u["stages.topcode.income.upper.percentile"] == 99.9
+
+
+def test_partition_ladder_adds_one_variable_of_c_per_rung(spec):
+    # the declared domains already refine the partition by every key in C: the rungs add
+    # the carried variables of C (education, then pregnant)
+    f = next(f for f in tune.factors(spec) if f.path == "stages.prb.partition")
+    assert f.levels == [
+        {"age": None, "sex": None, "education": None},
+        {"age": None, "sex": None, "education": None, "pregnant": None},
+    ]
+
+
+def test_factors_skip_disabled_stages_and_missing_fields(spec):
+    data = spec.model_dump()
+    data["stages"]["swap"] = None
+    data["stages"]["massc"]["enabled"] = False
+    s2 = type(spec).model_validate(data)
+    paths = [f.path for f in tune.factors(s2)]
+    assert not any(p.startswith(("stages.swap", "stages.massc")) for p in paths)
+    assert "stages.prb.partition" in paths
+
+
+def test_prefix_cache_evicts_least_recently_used():
+    from sdl_design.stage import StageResult
+
+    orig = pd.DataFrame({"x": np.arange(1000.0)})  # 8,000 bytes of values, 132 of index
+
+    def res(name):
+        return (StageResult(name, orig), StageResult(name, orig + 1))  # one frame of its own
+
+    c = tune.PrefixCache(orig, max_entries=2, max_bytes=20_000)
+    c.put("a", res("a"))
+    c.put("b", res("b"))
+    assert c.get("a") is not None  # a is now the most recently used
+    c.put("c", res("c"))  # beyond two entries: b goes
+    assert c.get("b") is None and c.get("a") is not None and c.get("c") is not None
+    c.max_entries = 10
+    c.put("d", res("d"))  # 3 x 8,132 bytes > 20,000: the least recently used (a) goes
+    assert c.get("a") is None and c.get("c") is not None and c.get("d") is not None
+    c.put("big", (StageResult("big", pd.DataFrame({"x": np.zeros(3000)})),))  # alone too big
+    assert c.get("big") is None and c.hits == 5
+
+
+# ---------------------------------------------------------------- search on a synthetic landscape
+
+
+def _value(spec, c: tune.Candidate, path: str):
+    return tune.get_path(tune.apply_changes(spec.model_dump(), c.changes), path)
+
+
+def _synthetic_rows(spec, cands: list[tune.Candidate], skip) -> list[dict]:
+    """A known landscape: the delta gate's share of its limit falls with epsilon and rises with
+    phi_min; utility falls with epsilon, rises with phi_min, peaks at swap rate 0.2."""
+    rows = []
+    for c in cands:
+        eps = _value(spec, c, "stages.massc.epsilon")
+        phi = _value(spec, c, "stages.massc.phi_min")
+        rate = _value(spec, c, "stages.swap.rate")
+        ratio = 1.04 - 1.2 * (eps - 0.15) + 0.05 * (phi - 0.5)
+        u = 0.9 - 0.5 * (eps - 0.15) + 0.04 * (phi - 0.5) - 0.05 * abs(rate - 0.2)
+        u += 1e-6 * (zlib.crc32(repr(c.key).encode()) % 997)  # no ties
+        rows.append(
+            {
+                "changes": json.dumps([list(x) for x in c.changes]),
+                "risk_index": ratio,
+                "risk_ratios": json.dumps({"massc.delta": ratio}),
+                "utility": u,
+                "overlap_median": u,
+                "overlap_p5": 0.5,
+                "share_abs_std_bias_gt2": 0.0,
+                "passes_risk": bool(ratio <= 1.0),
+                "passes_all": False,
+                "error": "",
+            }
+        )
+    return rows
+
+
+def _best_so_far(rows: list[dict]) -> dict:
+    """Brute force: the highest utility among rows within the risk limit, else the lowest risk."""
+    ok = [r for r in rows if r["risk_index"] <= 1.0]
+    if ok:
+        return max(ok, key=lambda r: r["utility"])
+    return min(rows, key=lambda r: (r["risk_index"], -r["utility"]))
+
+
+@pytest.mark.parametrize("budget", [1, 5, 14, 30])
+def test_search_respects_budget_and_refines_around_the_best(spec, budget):
+    res = tune.search(
+        spec, _small_frame(), budget, run_batch=lambda c, s: _synthetic_rows(spec, c, s)
+    )
+    t = res.table
+    assert len(t) == budget
+    assert t["changes"].iloc[0] == "[]" and t["origin"].iloc[0] == "spec"
+    assert len(set(t["changes"])) == budget  # no candidate twice
+    n_ofat = res.extra["n_one_factor"]
+    assert (t["origin"].iloc[1 : 1 + n_ofat] == "one-factor").all()
+    assert n_ofat == min(budget - 1, max(min(9, budget - 2), (2 * (budget - 1) + 2) // 3))
+    rows = t.to_dict("records")
+    n_refine = 0
+    for k in range(1 + n_ofat, budget):
+        best = _best_so_far(rows[:k])
+        if rows[k]["origin"] != "refine":
+            # refinement ran dry (nothing new around the best): the next one-factor level
+            assert rows[k]["origin"] == "one-factor" and len(json.loads(rows[k]["changes"])) == 1
+            continue
+        n_refine += 1
+        best = dict(json.loads(best["changes"]))
+        this = {p: v for p, v in json.loads(rows[k]["changes"])}
+        differ = {p for p in best.keys() | this.keys() if best.get(p, "own") != this.get(p, "own")}
+        assert len(differ) == 1, (best, this)
+    if budget >= 14:
+        assert n_refine >= (budget - 1 - n_ofat) // 2
+        # the own spec fails the risk limit; a larger epsilon fixes it, and the refinement adds
+        # the utility gains of phi_min and a swap rate of 0.2 to it
+        rec = t.loc[res.recommended]
+        assert rec["passes_risk"] and res.extra["toward"] == "risk"
+        got = dict(json.loads(rec["changes"]))
+        assert got.get("stages.massc.epsilon", 0.15) > 0.15
+        assert got.get("stages.massc.phi_min", 0.5) > 0.5
+
+
+# ---------------------------------------------------------------- Pareto front
+
+
+def _front_brute(r, u):
+    out = []
+    for i in range(len(r)):
+        if not (np.isfinite(r[i]) and np.isfinite(u[i])):
+            out.append(False)
+            continue
+        dom = any(
+            np.isfinite(r[j])
+            and np.isfinite(u[j])
+            and r[j] <= r[i]
+            and u[j] >= u[i]
+            and (r[j] < r[i] or u[j] > u[i])
+            for j in range(len(r))
+        )
+        out.append(not dom)
+    return np.array(out)
+
+
+def test_pareto_front_matches_brute_force():
+    rng = np.random.default_rng(7)
+    for trial in range(200):
+        n = int(rng.integers(1, 25))
+        r = rng.integers(0, 6, n).astype(float)  # many ties
+        u = rng.integers(0, 6, n).astype(float)
+        if trial % 3 == 0:
+            r[rng.random(n) < 0.2] = np.nan
+        np.testing.assert_array_equal(tune.pareto_front(r, u), _front_brute(r, u))
+    # a worked case: (1, 5) and (0, 3) are on it; (1, 4), (2, 5) and (0, 2) are dominated
+    r, u = [1, 1, 2, 0, 0], [5, 4, 5, 3, 2]
+    assert tune.pareto_front(r, u).tolist() == [True, False, False, True, False]
+
+
+def test_recommend_prefers_risk_pass_then_all_gates_then_beating_own():
+    rows = [
+        # own: fails a risk gate
+        dict(changes="[]", passes_risk=False, passes_all=False, utility=0.95, risk_index=1.1),
+        # best utility but fails a risk gate: never recommended
+        dict(changes='[["a", 1]]', passes_risk=False, passes_all=False, utility=0.99),
+        # passes risk, worse than own on the overlap median
+        dict(changes='[["a", 2]]', passes_risk=True, passes_all=False, utility=0.94),
+        # passes risk and beats own on both utility measures
+        dict(changes='[["a", 3]]', passes_risk=True, passes_all=False, utility=0.93),
+    ]
+    for r, (om, sh) in zip(
+        rows, [(0.95, 0.01), (0.99, 0.0), (0.94, 0.02), (0.96, 0.005)], strict=True
+    ):
+        r.update(overlap_median=om, share_abs_std_bias_gt2=sh, overlap_p5=0.7, error="")
+    t = pd.DataFrame(rows)
+    assert tune.recommend(t) == 3
+    t.loc[2, "passes_all"] = True  # every gate holds: first
+    assert tune.recommend(t) == 2
+    t["passes_risk"] = False
+    assert tune.recommend(t) is None
+
+
+# ---------------------------------------------------------------- recommended YAML
+
+
+def _subsequence(needles: list[str], hay: list[str]) -> bool:
+    it = iter(hay)
+    return all(any(n == h for h in it) for n in needles)
+
+
+def test_recommended_yaml_keeps_lines_validates_and_comments_changes(tmp_path, spec):
+    text = DEFAULT.read_text()
+    changes = [
+        ("stages.massc.epsilon", 0.2),  # a scalar on its own line
+        ("stages.prb.partition", {"age": None, "sex": None, "education": None}),  # has a comment
+        ("stages.topcode.income.upper.percentile", 99.9),  # inside a flow mapping
+        ("stages.swap.cumulative", True),  # not written yet: added to its block section
+        ("stages.massc.substrata", {"variables": ["income", "bmi"]}),  # added too
+        ("stages.massc.phi_min", 0.9),
+    ]
+    reasons = [f"reason number {i}" for i in range(len(changes))]
+    out = tune.recommended_yaml(text, changes, reasons, header="made by a test\nsecond line")
+    lines, new = text.split("\n"), out.split("\n")
+    touched = ("    epsilon: 0.15", "    partition: {age", "    income: {upper", "    phi_min: 0.5")
+    kept = [ln for ln in lines if not ln.startswith(touched)]
+    assert len(kept) == len(lines) - 4
+    assert _subsequence(kept, new)  # every unchanged line, in order
+    assert len(new) == len(lines) + 2 + 2  # header lines and two added settings
+    assert new[:2] == ["# made by a test", "# second line"]
+    expect = {
+        "    epsilon: 0.2  # tuned (was 0.15): reason number 0",
+        "    partition: {age: null, sex: null, education: null}  # tuned (was {age: null, "
+        "sex: null}): reason number 1",
+        "    income: {upper: {percentile: 99.9, replace: mean}}  # tuned (was 99.5): "
+        "reason number 2",
+        "    cumulative: true  # tuned (added): reason number 3",
+        "    substrata: {variables: [income, bmi]}  # tuned (added): reason number 4",
+        "    phi_min: 0.9  # tuned (was 0.5): reason number 5",
+    }
+    assert expect <= set(new)
+    path = tmp_path / "recommended.yaml"
+    path.write_text(out)
+    got = load_spec(path)
+    (tmp_path / "own.yaml").write_text(text)
+    want = tune.spec_with(load_spec(tmp_path / "own.yaml"), changes)
+    assert got == want
+
+
+def test_recommended_yaml_block_values_and_shared_lines():
+    text = (
+        "a:\n"
+        "  b:          # a block mapping\n"
+        "    c: 1\n"
+        "    # a comment inside\n"
+        "    d: [1, 2]\n"
+        "  e: {f: 1, g: 2}\n"
+        "h: 3  # keep me\n"
+    )
+    changes = [("a.b", {"c": 2}), ("a.e.f", 5), ("a.e.g", 6)]
+    out = tune.recommended_yaml(text, changes, ["x", "y", "z"])
+    assert out.split("\n") == [
+        "a:",
+        "  b: {c: 2}  # tuned (was {c: 1, d: [1, 2]}): x",
+        "  e: {f: 5, g: 6}  # tuned (was 1): y; tuned (was 2): z",
+        "h: 3  # keep me",
+        "",
+    ]
+    assert yaml.safe_load(out) == {"a": {"b": {"c": 2}, "e": {"f": 5, "g": 6}}, "h": 3}
+
+
+def test_recommended_yaml_refuses_what_it_cannot_write():
+    with pytest.raises((ValueError, KeyError)):
+        tune.recommended_yaml("a: 1\n", [("b.c", 2)], ["no section b"])
+
+
+# ---------------------------------------------------------------- the demo survey
+
+
+def test_tune_demo_beats_the_spec_within_risk_and_reproduces(tmp_path, spec):
+    """On the demo survey a budget of 13 finds a setting that meets every risk gate and beats
+    the spec's own on median overlap and on share beyond 2 SE; the recommended YAML, run fresh
+    (no shared stage results, every stage, figures drawn), gives the same assessment."""
+    from sdl_design.synth import make_survey
+
+    df = make_survey(seed=spec.release.seed)
+    res = tune.search(spec, df, budget=13)
+    t = res.table
+    assert len(t) == 13 and res.extra["toward"] == "risk"
+    own = t.iloc[0]
+    assert own["changes"] == "[]" and not own["passes_risk"]  # massc.delta above its limit
+    assert res.recommended is not None
+    rec = t.loc[res.recommended]
+    ratios = json.loads(rec["risk_ratios"])
+    assert set(ratios) >= {"prb.max_identification_risk", "massc.delta"}
+    assert all(v <= 1.0 for v in ratios.values()) and rec["risk_index"] == max(ratios.values())
+    assert not any(tune.is_risk_gate(g) for g in filter(None, rec["failed_gates"].split("; ")))
+    assert rec["overlap_median"] >= own["overlap_median"]
+    assert rec["share_abs_std_bias_gt2"] <= own["share_abs_std_bias_gt2"]
+    assert rec["pareto"]  # nothing safer is more useful
+    png = tune.risk_utility_map(t, res.recommended)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+    cand = res.candidates[res.recommended]
+    text = tune.recommended_yaml(
+        DEFAULT.read_text(), cand.changes, tune.change_reasons(res, res.recommended)
+    )
+    for path, value in cand.changes:
+        key = path.rsplit(".", 1)[1]
+        assert any(
+            ln.strip().startswith(f"{key}: {tune._text(value)}") and "# tuned" in ln
+            for ln in text.split("\n")
+        )
+    path = tmp_path / "recommended_spec.yaml"
+    path.write_text(text)
+    spec2 = load_spec(path)
+    assert spec2.stages.massc.replications == spec.stages.massc.replications  # unchanged
+    results, _ = tune.run_pipeline(spec2, df)  # as `puf run`: every stage, figures on
+    assess = next(r for r in results if r.name == "assess")
+    assert assess.figures  # figures were drawn
+    assert json.dumps(assess.metrics, sort_keys=True) == rec["assess_metrics"]
+    gates = [g for r in results for g in r.gates]
+    assert all(tune.gate_holds(g) for g in gates if tune.is_risk_gate(g.name))
+
+
+# ---------------------------------------------------------------- the flow and the CLI
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_server")
+def test_puf_tune_flow_outputs_artifacts_and_a_spec_that_reproduces(tmp_path, capsys):
+    """`puf tune` on a small demo survey: progress per candidate, the table, the map, the
+    recommended spec in the scratch folder (not public/) and the artifacts; `puf run` of the
+    recommended spec (the release flow) reproduces the candidate's assessment metrics."""
+    from prefect.artifacts import Artifact
+
+    from expectations.suites import GateFailed
+    from flows.cli import main as puf
+    from flows.cli import write_demo_spec
+    from flows.release import release_flow
+
+    path = write_demo_spec(tmp_path, n_persons=4000)
+    code = puf(["tune", str(path), "--budget", "4"])
+    out, err = capsys.readouterr()
+    assert len([ln for ln in err.splitlines() if ln.startswith("[puf] tune (")]) == 4
+    folder = tmp_path / "default-survey" / "tune" / "2026"
+    t = pd.read_csv(folder / "candidates.csv", keep_default_na=False, na_values=[""])
+    assert len(t) == 4 and t["candidate"].iloc[0] == "spec's own"
+    assert (folder / "risk_utility_map.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "default-survey" / "2026" / "public").exists()  # nothing published
+    assert str(folder / "candidates.csv") in out and str(folder / "risk_utility_map.png") in out
+    rows = json.loads(Artifact.get("puf-tune-default-survey-2026-candidates").data)
+    assert [r["candidate"] for r in rows] == t["candidate"].tolist()
+    md = Artifact.get("puf-tune-default-survey-2026-map").data
+    assert "data:image/png;base64," in md
+
+    assert t["passes_risk"].any()  # the small survey's own setting is within every risk limit
+    assert code == 0
+    rec_path = folder / "recommended_spec.yaml"
+    assert str(rec_path) in out
+    rec = t.loc[tune.recommend(t)]
+    spec2 = load_spec(rec_path)  # validates; its input and output folder made absolute
+    assert spec2.release.input == (tmp_path / "input" / "default_survey.parquet").resolve()
+    try:
+        release_flow(spec_path=str(rec_path), approve="tester")
+    except GateFailed:  # a utility gate may still fail: the manifest is written all the same
+        pass
+    manifest = json.loads(
+        (tmp_path / "default-survey" / "2026" / "internal" / "manifest.json").read_text()
+    )
+    want = json.loads(rec["assess_metrics"])
+    got = {
+        k.removeprefix("assess."): v
+        for k, v in manifest["metrics"].items()
+        if k.startswith("assess.")
+    }
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k] == v or (_nan(v) and _nan(got[k])), k
+
+
+def _nan(x) -> bool:
+    return x is None or (isinstance(x, float) and np.isnan(x))
