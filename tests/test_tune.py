@@ -335,24 +335,24 @@ def test_recommended_yaml_refuses_what_it_cannot_write():
 
 def test_tune_demo_beats_the_spec_within_risk_and_reproduces(tmp_path, spec):
     """On the demo survey a budget of 13 finds a setting that meets every risk gate and beats
-    the spec's own on median overlap and on share beyond 2 SE; the recommended YAML, run fresh
+    the default spec's own on median overlap and on share beyond 2 SE (both strictly); the recommended YAML, run fresh
     (no shared stage results, every stage, figures drawn), gives the same assessment."""
     from sdl_design.synth import make_survey
 
     df = make_survey(seed=spec.release.seed)
     res = tune.search(spec, df, budget=13)
     t = res.table
-    assert len(t) == 13 and res.extra["toward"] == "risk"
+    assert len(t) == 13
     own = t.iloc[0]
-    assert own["changes"] == "[]" and not own["passes_risk"]  # massc.delta above its limit
+    assert own["changes"] == "[]"  # the spec's own setting is the first candidate
     assert res.recommended is not None
     rec = t.loc[res.recommended]
     ratios = json.loads(rec["risk_ratios"])
     assert set(ratios) >= {"prb.max_identification_risk", "massc.delta"}
     assert all(v <= 1.0 for v in ratios.values()) and rec["risk_index"] == max(ratios.values())
     assert not any(tune.is_risk_gate(g) for g in filter(None, rec["failed_gates"].split("; ")))
-    assert rec["overlap_median"] >= own["overlap_median"]
-    assert rec["share_abs_std_bias_gt2"] <= own["share_abs_std_bias_gt2"]
+    assert rec["overlap_median"] > own["overlap_median"]
+    assert rec["share_abs_std_bias_gt2"] < own["share_abs_std_bias_gt2"]
     assert rec["pareto"]  # nothing safer is more useful
     png = tune.risk_utility_map(t, res.recommended)
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
