@@ -68,11 +68,31 @@ def _tables(outputs: list[StageResult], gates: pd.DataFrame | None) -> dict[str,
     return tables
 
 
-def _report_writer(outputs: list[StageResult]):
+def _tune_map(spec: ReleaseSpec) -> list[StageResult]:
+    """The risk-utility map of the last `puf tune` of this spec, shown in the report when there."""
+    from flows.tune import tune_dir
+
+    png = tune_dir(spec) / "risk_utility_map.png"
+    if not png.is_file():
+        return []
+    note = f"From `puf tune` ({png.parent}): candidates.csv and recommended_spec.yaml are there."
+    return [
+        StageResult(
+            "tune",
+            None,
+            figures={"risk_utility_map": png.read_bytes()},
+            notes=[note],
+            section="Risk-utility map of the tuning run",
+        )
+    ]
+
+
+def _report_writer(outputs: list[StageResult], spec: ReleaseSpec):
     def write(manifest: Manifest, path: Path) -> None:
         from flows.report import render_report
 
-        render_report(manifest, outputs, path, stages=[cls.name for cls in RELEASE_STAGES])
+        shown = [*outputs, *_tune_map(spec)]
+        render_report(manifest, shown, path, stages=[cls.name for cls in RELEASE_STAGES])
 
     return write
 
@@ -108,7 +128,7 @@ def _finish(
     if gates is not None:
         manifest.set_gates(gates)
     folder = pub.write_release(
-        spec, manifest, _tables(outputs, gates), _report_writer(outputs), puf, notes
+        spec, manifest, _tables(outputs, gates), _report_writer(outputs, spec), puf, notes
     )
     _record(manifest, outputs, spec)
     from flows.report import post_artifacts

@@ -433,6 +433,13 @@ def test_puf_tune_flow_outputs_artifacts_and_a_spec_that_reproduces(tmp_path, ca
     assert set(got) == set(want)
     for k, v in want.items():
         assert got[k] == v or (_nan(v) and _nan(got[k])), k
+    # the release report shows the tuning run's map in a section of its own
+    from helpers import Parsed
+
+    report = tmp_path / "default-survey" / "2026" / "internal" / "report.html"
+    parsed = Parsed(report.read_text())
+    assert "section-tune" in parsed.ids
+    assert "tune/risk_utility_map" in {i["alt"] for i in parsed.imgs}
 
 
 def _nan(x) -> bool:
