@@ -224,21 +224,11 @@ def _summary(row: pd.Series) -> dict[str, Any]:
     return {k: (row[k].item() if hasattr(row[k], "item") else row[k]) for k in keys if k in row}
 
 
-TABLE_COLUMNS = [
+TABLE_COLUMNS = [  # the artifact's columns: the candidate, its risk and utility, its verdict
     "candidate",
     "origin",
-    "risk_index",
-    "prb_max_risk",
-    "massc_delta",
-    "reid_share",
-    "utility",
-    "overlap_median",
-    "overlap_p5",
-    "share_abs_std_bias_gt2",
-    "model_overlap_min",
-    "se_ratio_p10",
-    "se_ratio_p90",
-    "share_retained",
+    *tune.RISK_COLUMNS,
+    *tune.UTILITY_COLUMNS,
     "passes_risk",
     "passes_all",
     "pareto",
