@@ -264,7 +264,7 @@ def validate_metric_gates(gates: Sequence[dict]) -> pd.DataFrame:
 
 def output_checks(spec: ReleaseSpec, masked_design: bool) -> tuple[list[str], list[str]]:
     """(columns that must not be in the PUF, columns that must be in it)."""
-    from flows.publish import forbidden_columns
+    from flows.public_files import forbidden_columns
 
     d = spec.design
     required = [d.weight, *spec.variables.key_names, *spec.variables.study]

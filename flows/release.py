@@ -16,6 +16,8 @@ from prefect.utilities.annotations import quote, unmapped
 from expectations.suites import GateFailed
 from flows import publish as pub
 from flows.manifest import Manifest
+from flows.public_docs import variance_notes
+from flows.public_files import public_frame
 from sdl_design.spec import ReleaseSpec, load_spec
 from sdl_design.stage import StageContext, StageResult, build_stages
 from sdl_design.stages import RELEASE_STAGES
@@ -197,7 +199,7 @@ def release_flow(
         t0 = time.perf_counter()
         masked = any(o.masks_design for o in outputs)
         drop = [c for o in outputs for c in o.drop_public]
-        puf = pub.public_frame(df, spec, masked, drop)
+        puf = public_frame(df, spec, masked, drop)
         replicate_cols = spec.replicate_columns(puf)
         manifest.counts.n_output = len(puf)
         gate_rows = [g.as_dict() for o in outputs for g in o.gates]
@@ -229,7 +231,7 @@ def release_flow(
         step += 1
         _progress(step, total, "publish")
         rep_method = spec.design.replicate_weights.method if spec.design.replicate_weights else None
-        notes = pub.variance_notes(spec, masked, rep_method, len(replicate_cols))
+        notes = variance_notes(spec, masked, rep_method, len(replicate_cols))
         folder = _finish(spec, manifest, outputs, gates, "published", None, puf, notes)
         print(f"[puf] published {manifest.release.release_id} to {folder}", file=sys.stderr)
         return manifest
