@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import resources
 from pathlib import Path
@@ -55,6 +56,33 @@ def _print_release(manifest: Manifest, out_dir: Path) -> None:
     print(f"  gates       : {n - manifest.n_failed_gates} of {n} passed")
 
 
+def _no_approver(spec, spec_path: str) -> str:
+    """Why a run that needs approval cannot get it here, and the two ways to give it."""
+    return (
+        f"puf: approval.required: {spec.release.name} {spec.release.year} needs the review board's "
+        "approval, and this run has neither --approve nor a Prefect server to pause on "
+        "(PREFECT_API_URL is not set), so nobody could approve it. Either\n"
+        f"  puf run {spec_path} --approve NAME            (NAME: the approver, recorded)\n"
+        "or start a server and run against it, then approve in the Prefect UI form:\n"
+        "  prefect server start &  export PREFECT_API_URL=http://127.0.0.1:4200/api"
+    )
+
+
+def _registry(args: argparse.Namespace) -> str | None:
+    """The registry a command reads: --registry, else the one of --spec's output folder
+    (release.registry or <output_dir>/registry.db, where every run of that spec records,
+    started from the CLI or a deployment), else PUF_REGISTRY_URL or ./releases/registry.db."""
+    if args.registry:
+        return args.registry
+    if getattr(args, "spec", None):
+        from flows.registry import registry_url
+        from sdl_design.spec import load_spec
+
+        spec = load_spec(args.spec)
+        return spec.release.registry or registry_url(spec.release.output_dir)
+    return None
+
+
 def _run(
     spec_path: str, approve: str | None, year: int | None, runner: str, address: str | None
 ) -> int:
@@ -65,6 +93,9 @@ def _run(
 
     try:
         spec = load_spec(spec_path)
+        if spec.approval.required and not approve and not os.environ.get("PREFECT_API_URL"):
+            print(_no_approver(spec, spec_path), file=sys.stderr)
+            return 2
         manifest = run_release(
             spec_path, approve=approve, year=year, runner=runner, dask_address=address
         )
@@ -146,7 +177,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def cmd_releases(args: argparse.Namespace) -> int:
     from flows.registry import list_releases
 
-    df = list_releases(url=args.registry, survey=args.survey)
+    df = list_releases(url=_registry(args), survey=args.survey)
     print(df.to_string(index=False) if len(df) else "no releases recorded")
     return 0
 
@@ -157,7 +188,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from flows.registry import ReleaseNotFound, show_release
 
     try:
-        print(json.dumps(show_release(args.release_id, url=args.registry), indent=2, default=str))
+        print(json.dumps(show_release(args.release_id, url=_registry(args)), indent=2, default=str))
     except ReleaseNotFound as e:
         print(f"puf: {e}", file=sys.stderr)
         return 1
@@ -168,7 +199,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     from flows.monitor import monitor_flow
 
     summary = monitor_flow(
-        survey=args.survey, url=args.registry, out_dir=args.out, gate_on_drift=False
+        survey=args.survey, url=_registry(args), out_dir=args.out, gate_on_drift=False
     )
     print(summary)
     return summary.status if args.gate_on_drift else 0
@@ -186,6 +217,18 @@ def main(argv: list[str] | None = None) -> int:
             "--runner", choices=["thread", "dask"], default="thread", help="task runner"
         )
         sp.add_argument("--dask-address", default=None, help="tcp://host:port of a Dask scheduler")
+
+    def _registry_opts(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument(
+            "--registry",
+            default=None,
+            help="registry URL or SQLite path (default: PUF_REGISTRY_URL or releases/registry.db)",
+        )
+        sp.add_argument(
+            "--spec",
+            default=None,
+            help="read the registry of this spec's output folder (where its runs record)",
+        )
 
     d = sub.add_parser("demo", help="generate the default survey and release it end to end")
     d.add_argument("--dir", default="releases", help="working folder (default: ./releases)")
@@ -225,11 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         s = sub.add_parser(name, help=hlp)
         s.add_argument("--survey", default=None)
-        s.add_argument(
-            "--registry",
-            default=None,
-            help="registry URL (default: PUF_REGISTRY_URL or releases/registry.db)",
-        )
+        _registry_opts(s)
         if name == "monitor":
             s.add_argument("--out", default=None, help="folder for the monitoring report")
             s.add_argument(
@@ -238,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         s.set_defaults(func=fn)
     sh = sub.add_parser("show", help="metrics and gate results of one release")
     sh.add_argument("release_id")
-    sh.add_argument("--registry", default=None)
+    _registry_opts(sh)
     sh.set_defaults(func=cmd_show)
 
     args = p.parse_args(argv)

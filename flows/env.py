@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 QUIET = {
@@ -12,7 +13,13 @@ QUIET = {
 }
 
 
+# third-party loggers whose INFO lines are noise on a person's terminal
+NOISY_LOGGERS = ("great_expectations", "distributed", "numexpr", "matplotlib")
+
+
 def quiet_env() -> None:
-    """Set the quiet defaults in os.environ (a value already set wins)."""
+    """Set the quiet defaults in os.environ (a value already set wins); third-party INFO off."""
     for k, v in QUIET.items():
         os.environ.setdefault(k, v)
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -16,6 +16,7 @@ from prefect.utilities.annotations import quote, unmapped
 from expectations.suites import GateFailed
 from flows import publish as pub
 from flows.manifest import Manifest
+from flows.progress import PROGRESS
 from flows.public_docs import variance_notes
 from flows.public_files import public_frame
 from sdl_design.spec import ReleaseSpec, load_spec
@@ -40,15 +41,12 @@ def _lap(manifest: Manifest, name: str, t0: float) -> None:
     manifest.timings_s[name] = round(time.perf_counter() - t0, 3)
 
 
-def _progress(step: int, total: int, name: str, t0: float | None = None) -> None:
+def _progress(step: int, total: int, name: str, t0: float | None = None) -> float:
+    """A step's line on the terminal: its start (returns the start time) or, given t0, its end."""
     if t0 is None:
-        print(f"[puf] ({step}/{total}) {name} ...", file=sys.stderr, flush=True)
-    else:
-        print(
-            f"[puf] ({step}/{total}) {name} done in {time.perf_counter() - t0:.1f} s",
-            file=sys.stderr,
-            flush=True,
-        )
+        return PROGRESS.start(step, total, name)
+    PROGRESS.done(step, total, name, t0)
+    return t0
 
 
 def _spec_hash(spec_path: str) -> str:
@@ -171,6 +169,7 @@ def release_flow(
         t0 = time.perf_counter()
         edits = edits_task(quote(original), quote(spec))
         _lap(manifest, "edits", t0)
+        _progress(step, total, "edit validation", t0)
         if not edits["passed"].all():
             err = GateFailed("edit validation failed on the input file", edits)
             _finish(spec, manifest, outputs, edits, "rejected", str(err))
@@ -205,6 +204,7 @@ def release_flow(
         gate_rows = [g.as_dict() for o in outputs for g in o.gates]
         gates = gates_task(quote(puf), quote(spec), gate_rows, replicate_cols, masked)
         _lap(manifest, "gates", t0)
+        _progress(step, total, "gates", t0)
         if not gates["passed"].all():
             err = GateFailed("release gates failed; nothing was published", gates)
             _finish(spec, manifest, outputs, gates, "rejected", str(err))  # reason: failed checks
@@ -212,8 +212,9 @@ def release_flow(
         manifest.status = "gated"
 
         step += 1
-        _progress(step, total, "approval")
+        t0 = _progress(step, total, "approval")
         decision = _approval(spec, approve, approval_poll_s)
+        _progress(step, total, "approval", t0)
         manifest.approval = manifest.approval.model_copy(update=decision)
         if decision["decision"] != "approved":
             _finish(
@@ -229,11 +230,12 @@ def release_flow(
             )
 
         step += 1
-        _progress(step, total, "publish")
+        t0 = _progress(step, total, "publish")
         rep_method = spec.design.replicate_weights.method if spec.design.replicate_weights else None
         notes = variance_notes(spec, masked, rep_method, len(replicate_cols))
         folder = _finish(spec, manifest, outputs, gates, "published", None, puf, notes)
-        print(f"[puf] published {manifest.release.release_id} to {folder}", file=sys.stderr)
+        _progress(step, total, "publish", t0)
+        PROGRESS.say(f"published {manifest.release.release_id} to {folder}")
         return manifest
     except (GateFailed, ReleaseRejected):
         raise

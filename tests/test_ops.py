@@ -1,0 +1,115 @@
+"""What a person sees and where things land: progress lines, quiet third-party logs, a run that
+cannot be approved refused at once, one registry per output folder for CLI and deployment runs."""
+
+import io
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.cli import main as puf
+from flows.cli import write_demo_spec
+from flows.progress import Progress
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_progress_lines_without_a_terminal():
+    out = io.StringIO()
+    p = Progress(out, tty=False)
+    t0 = p.start(3, 12, "risk")
+    p.done(3, 12, "risk", t0 - 2.0)  # started two seconds ago
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "[puf] (3/12) risk ..."
+    assert lines[1].startswith("[puf] (3/12) risk done in 2.0 s")
+
+
+def test_progress_ticks_on_a_terminal(monkeypatch):
+    import flows.progress as prog
+
+    monkeypatch.setattr(prog, "TICK_S", 0.05)
+    out = io.StringIO()
+    p = Progress(out, tty=True)
+    t0 = p.start(6, 12, "massc")
+    time.sleep(0.4)
+    p.done(6, 12, "massc", t0)
+    text = out.getvalue()
+    ticks = text.count("\r[puf] (6/12) massc [")
+    assert ticks >= 3  # the running line was redrawn while the step ran
+    assert text.rstrip().endswith("s") and "massc done in 0.4 s" in text
+
+
+def test_flow_progress_goes_to_the_terminal_not_to_print(monkeypatch):
+    """The flow's step lines bypass print (log_prints would turn them into Prefect log records
+    below the quiet WARNING level, which is why they never showed)."""
+    import flows.progress as prog
+    from flows import release
+
+    out = io.StringIO()
+    monkeypatch.setattr(prog.PROGRESS, "stream", out)
+    monkeypatch.setattr(prog.PROGRESS, "tty", False)
+    monkeypatch.setattr("builtins.print", lambda *a, **k: pytest.fail("print used"))
+    t0 = release._progress(2, 9, "edit validation")
+    release._progress(2, 9, "edit validation", t0)
+    assert "[puf] (2/9) edit validation done in" in out.getvalue()
+
+
+def test_third_party_info_is_quiet():
+    from flows.env import NOISY_LOGGERS, quiet_env
+
+    logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.NOTSET)
+    logging.getLogger("great_expectations").setLevel(logging.INFO)
+    quiet_env()
+    ge = logging.getLogger("great_expectations.data_context.types.base")
+    assert "great_expectations" in NOISY_LOGGERS
+    assert not ge.isEnabledFor(logging.INFO) and ge.isEnabledFor(logging.WARNING)
+
+
+def test_run_needing_approval_without_server_or_approver_is_refused_at_once(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    path = write_demo_spec(tmp_path, n_persons=1200)
+    t0 = time.perf_counter()
+    assert puf(["run", str(path)]) == 2
+    assert time.perf_counter() - t0 < 5  # before any work
+    err = capsys.readouterr().err
+    assert "approval.required" in err and "--approve NAME" in err and "PREFECT_API_URL" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "default-survey").exists()
+
+
+def test_one_registry_per_output_folder(tmp_path, capsys, monkeypatch):
+    """A run records in <output_dir>/registry.db of its spec whoever starts it; `puf releases
+    --spec` reads that same registry. The packaged default spec (the deployment's) writes to
+    <repo>/releases, the folder `puf releases` reads by default from the repository root."""
+    from flows import registry as reg
+    from sdl_design.spec import load_spec
+
+    monkeypatch.delenv(reg.ENV_URL, raising=False)
+    spec = load_spec(ROOT / "flows" / "default_spec.yaml")
+    assert spec.release.output_dir == (ROOT / "releases").resolve()
+    monkeypatch.chdir(ROOT)
+    assert reg.registry_url(None) == reg.registry_url(spec.release.output_dir)
+
+    path = write_demo_spec(tmp_path / "work", n_persons=1200)
+    data = yaml.safe_load(path.read_text())
+    data["release"]["output_dir"] = str(tmp_path / "out")
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    os.makedirs(tmp_path / "out")
+    m = {
+        "release": {"name": "default-survey", "year": 2031, "release_id": "default-survey-2031-x"},
+        "status": "published",
+        "hashes": {"spec": "a" * 64, "input": "b" * 64, "outputs": {}},
+        "metrics": {},
+        "gates": [],
+        "approval": {"required": True, "approver": "dora", "decision": "approved"},
+    }
+    reg.record_release(m, output_dir=load_spec(path).release.output_dir)  # as the flow does
+    monkeypatch.chdir(tmp_path)  # elsewhere: the default ./releases has nothing
+    assert puf(["releases", "--spec", str(path)]) == 0
+    assert "default-survey-2031-x" in capsys.readouterr().out
+    assert (tmp_path / "out" / "registry.db").is_file()
