@@ -23,11 +23,14 @@ class GateFailed(RuntimeError):
     """A suite failed; `results` is its results table."""
 
     def __init__(self, title: str, results: pd.DataFrame):
-        self.results = results
+        self.title, self.results = title, results
         failed = results[~results["passed"]]
         lines = [f"{title}: {len(failed)} of {len(results)} checks failed"]
         lines += [f"  - {r.name}: {r.detail}" for r in failed.itertuples()]
         super().__init__("\n".join(lines))
+
+    def __reduce__(self):  # picklable across Dask workers despite the extra argument
+        return type(self), (self.title, self.results)
 
 
 def _gx():

@@ -31,6 +31,9 @@ class SpecError(ValueError):
         self.problems = list(problems)
         super().__init__("release spec is not valid:\n" + "\n".join(f"  - {p}" for p in problems))
 
+    def __reduce__(self):  # picklable (Dask workers) with its problems, not its message
+        return type(self), (self.problems,)
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -113,3 +113,35 @@ def test_one_registry_per_output_folder(tmp_path, capsys, monkeypatch):
     assert puf(["releases", "--spec", str(path)]) == 0
     assert "default-survey-2031-x" in capsys.readouterr().out
     assert (tmp_path / "out" / "registry.db").is_file()
+
+
+def test_release_errors_survive_pickling():
+    """Errors raised on a Dask worker come back whole (they used to fail to unpickle)."""
+    import pickle
+
+    import pandas as pd
+
+    from expectations.suites import GateFailed
+    from sdl_design.edits import EditFailure
+    from sdl_design.spec import SpecError
+
+    table = pd.DataFrame({"name": ["xi"], "passed": [False], "detail": ["0.5 > 0.4"]})
+    for err in (
+        GateFailed("release gates failed", table),
+        SpecError(["design.weight: not numeric", "seed: not an integer"]),
+        EditFailure(
+            "prb",
+            pd.DataFrame(
+                {
+                    "rule": [0],
+                    "label": ["edit[0]"],
+                    "column": ["age"],
+                    "count": [3],
+                    "examples": [""],
+                }
+            ),
+        ),
+    ):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err)
+    assert pickle.loads(pickle.dumps(SpecError(["a: b"]))).problems == ["a: b"]
