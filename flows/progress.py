@@ -41,6 +41,9 @@ class Progress:
         self.tty = self.stream.isatty() if tty is None else tty
         self._ticker: _Ticker | None = None
 
+    def __reduce__(self):  # a worker gets its own (a stream does not pickle)
+        return type(self), ()
+
     def _stop(self) -> None:
         if self._ticker is not None:
             self._ticker.stopped.set()
