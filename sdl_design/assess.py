@@ -79,25 +79,31 @@ def ci_overlap(
 # ---------------------------------------------------------------- designs and codings
 
 
-def file_design(df: pd.DataFrame, spec: ReleaseSpec, replicates: bool = True) -> SurveyDesign:
-    """The design a user reads off df with the spec's names: weight, the strata and PSU columns
-    when present (each record its own PSU otherwise), replicate weights when present. The
-    segment (never published) plays no part in a variance and is left out."""
-    d = spec.design.model_copy(update={"segment": None})
-    if d.strata in df.columns and d.psu in df.columns:
-        return SurveyDesign.from_spec(df, d, replicates=replicates)
+def file_design(
+    df: pd.DataFrame, spec: ReleaseSpec, replicates: bool = True, design: Any = None
+) -> SurveyDesign:
+    """The design a user reads off df with the names of `design` (default the spec's design
+    section): weight, the strata and PSU columns that are declared and present (no strata: one
+    stratum; no PSU: each record its own PSU), replicate weights when present. The segment
+    (never published) plays no part in a variance and is left out."""
+    d = (design or spec.design).model_copy(update={"segment": None})
+    strata = d.strata if d.strata in df.columns else None
+    psu = d.psu if d.psu in df.columns else None
     rs = d.replicate_weights
     rw = resolve_replicates(df.columns, rs.columns) if (replicates and rs) else []
+    rw = [c for c in rw if c in df.columns]
     try:
         return SurveyDesign(
             df,
             d.weight,
+            strata=strata,
+            psu=psu,
             replicate_weights=rw or None,
             method=rs.method if rw else None,
             rho=rs.rho if rw else None,
         )
     except DesignError:  # e.g. jkn replicates without the PSUs they delete: unusable
-        return SurveyDesign(df, d.weight)
+        return SurveyDesign(df, d.weight, strata=strata, psu=psu)
 
 
 def _key_specs(spec: ReleaseSpec) -> dict[str, KeySpec]:
@@ -569,6 +575,7 @@ def assess(
     level: float = 0.95,
     pmse: bool = True,
     reid: bool = True,
+    design_released: Any = None,
 ) -> Assessment:
     """Assess the released file against the original, each under its own design.
 
@@ -580,6 +587,8 @@ def assess(
     strata/PSUs, or "replicate"); replicate SEs are reported beside when replicates is True and
     both files have replicate weights. An estimate is reliable when its original cell has at
     least min_n non-missing records and a positive SE; the metrics are over reliable ones.
+    design_released: the design section the released file is read with (default the spec's;
+    a pseudo design built for the public file, sdl_design.stage.public_design).
     """
     keys = _key_specs(spec)
     key_names = list(keys)
@@ -590,7 +599,10 @@ def assess(
             raise ValueError(
                 f"assess: the {name} file has no column {gone}; it needs the weight, keys and study variables"
             )
-    des = (file_design(original, spec, replicates), file_design(released, spec, replicates))
+    des = (
+        file_design(original, spec, replicates),
+        file_design(released, spec, replicates, design_released),
+    )
     has_rep = replicates and all(d.replicate_weights for d in des)
     if variance == "replicate" and not has_rep:
         raise DesignError("variance='replicate' needs replicate weights on both files")
@@ -747,10 +759,13 @@ class AssessStage:
 
         spec = self.spec
         released = df.drop(columns=[c for c in ctx.unpublished() if c in df.columns])
-        a = assess(ctx.original, released, spec)
+        a = assess(ctx.original, released, spec, design_released=ctx.public_design())
         m = dict(a.metrics)
         keys = spec.variables.keys
+        # risk of the published file whatever stages ran: its own keys, and MASSC's delta of
+        # the published records against the original keys
         m["unique_share_published"] = float((risk_strata(released, keys) == "U").mean())
+        m |= published_delta(ctx.original, released, spec)
         m["epsilon_published"] = _epsilon_published(a.domain_estimates)
         worst = a.worst(20)
         return StageResult(
@@ -771,6 +786,45 @@ class AssessStage:
             figures=estimate_plots(a.domain_estimates, a.model_coefficients),
             notes=_notes(m, worst),
         )
+
+
+def published_delta(
+    original: pd.DataFrame, released: pd.DataFrame, spec: ReleaseSpec
+) -> dict[str, float]:
+    """MASSC's delta (paper 000, eq. 3-6) of the published file against the original keys, for
+    any release: d(2) = the record is published (index label kept), d(1) = its published key
+    profile differs from its original one (in the published coding), r = the larger GenMASSC
+    score of its original and published profile. With no sensitive variable every record
+    scores zeta = 1 (disclosure of the identity alone). Returns delta_published and its parts."""
+    from sdl_design.massc.measures import delta_measures
+
+    keys = spec.variables.keys
+    names = [k.name for k in keys]
+    sensitive = list(spec.variables.sensitive)
+    if not sensitive:  # identity disclosure alone: one constant sensitive category, score 1
+        sensitive = {"__identity": {1: 1.0}}
+    pos = released.index.get_indexer(original.index)
+    kept = pos >= 0
+    treated = original.copy()
+    cols = names + [c for c in _sensitive_names(sensitive) if c in released.columns]
+    rel = released.iloc[pos[kept]]
+    for c in cols:
+        vals = treated[c].to_numpy(dtype=object, copy=True)
+        vals[kept] = rel[c].astype(object).to_numpy()
+        treated[c] = pd.Series(vals, index=treated.index).infer_objects()
+    if isinstance(sensitive, dict):
+        original = original.assign(__identity=1)
+        treated = treated.assign(__identity=1)
+    coded = {n: published_coding([original, treated], n, _key_specs(spec)) for n in names}
+    changed = np.zeros(len(original), dtype=bool)
+    for c in coded.values():
+        changed |= c.codes[0] != c.codes[1]
+    dm = delta_measures(original, treated, changed, kept, keys, sensitive, "max")
+    return {f"{k}_published": v for k, v in dm.metrics.items()}
+
+
+def _sensitive_names(sensitive: Any) -> list[str]:
+    return list(sensitive) if isinstance(sensitive, dict) else [s.name for s in sensitive]
 
 
 def _epsilon_published(est: pd.DataFrame) -> float:
@@ -888,6 +942,14 @@ def assessment_gates(
                 "risk: share of original sample uniques re-identified",
                 m.get("reid_share", 0.0),
                 upper=g.xi,
+            )
+        )
+    if g.delta_max is not None and "delta_published" in m:
+        out.append(
+            gate(
+                "risk: delta (MASSC) of the published file against the original keys",
+                m["delta_published"],
+                upper=g.delta_max,
             )
         )
     if g.max_unique_share is not None:

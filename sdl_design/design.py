@@ -255,11 +255,8 @@ class SurveyDesign:
             return np.full(R, 4.0 / R)
         if self.method == "bootstrap":
             return np.full(R, 1.0 / R)
-        # jkn: the stratum of the PSU deleted in replicate r gives (n_h - 1)/n_h
-        if self.strata is None or self.psu is None:
-            raise DesignError(
-                "design: jkn replicate weights need strata and psu columns, or rscales"
-            )
+        # jkn: the stratum of the PSU deleted in replicate r gives (n_h - 1)/n_h (no strata:
+        # one stratum; no psu: each record is a PSU)
         psu_sum = np.asarray(self._P @ self.W)  # PSUs x R
         zero = psu_sum == 0
         ok = zero.any(axis=0)
@@ -610,7 +607,7 @@ class SurveyDesign:
         prefix: str = "rw_",
     ) -> pd.DataFrame:
         """New replicate weight columns for this design (attrs: method, rho, rscales)."""
-        if self.strata is None and method in ("jkn", "brr", "fay"):
+        if self.strata is None and method in ("brr", "fay"):
             raise DesignError(f"{method} replicate weights need strata")
         w = self.w
         G, H = self.n_psu, len(self.n_h)

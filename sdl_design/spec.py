@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -69,14 +70,47 @@ class ReplicateSpec(_Strict):
         return resolve_replicates(columns, self.columns)
 
 
+class PseudoDesignSection(_Strict):
+    """The variance design built for the public file when no stage masks the design and the
+    original labels are not published (sdl_design.pseudo): pseudo strata (groups of at least two
+    original strata, sorted by label, split at random into sub-strata) and psus_per_stratum
+    pseudo PSUs in each (original PSUs, or records when each record is its own PSU, dealt at
+    random within their original stratum), at least min_units original PSUs in each pseudo PSU,
+    at most max_psus pseudo PSUs (JKn: one replicate each), and replicate weights of the pseudo
+    design. psus_per_stratum None: 2 when the design has PSUs (stratification kept pair by
+    pair), 10 when each record is its own PSU (more degrees of freedom per replicate)."""
+
+    enabled: bool = True
+    strata: str = "pseudo_stratum"  # column of the pseudo strata when design.strata is not given
+    psu: str = "pseudo_psu"  # column of the pseudo PSUs when design.psu is not given
+    psus_per_stratum: int | None = Field(default=None, ge=2, le=50)
+    max_psus: int = Field(default=100, ge=2, le=2000)
+    min_units: int = Field(default=2, ge=1)  # original PSUs (or records) per pseudo PSU
+    replicate_method: Literal["jkn", "bootstrap"] = "jkn"
+    replicates: int = Field(default=100, ge=2, le=1000)  # bootstrap only
+    replicate_prefix: str = Field(default="rw_", min_length=1)  # when the spec names no glob
+
+
 class DesignSection(_Strict):
+    """The design as it comes: strata, PSU and segment are each optional (no strata: one
+    stratum; no PSU: each record is its own PSU). A weights-only file: `design: {weight: w}`."""
+
     weight: str
-    strata: str
-    psu: str
+    strata: str | None = None
+    psu: str | None = None
     segment: str | None = None
     household: str | None = None
     replicate_weights: ReplicateSpec | None = None
     publish_design_labels: bool = False  # publish original strata/PSU labels when no masking runs
+    pseudo: PseudoDesignSection = PseudoDesignSection()
+
+    @model_validator(mode="after")
+    def _segment_in_psu(self) -> DesignSection:
+        if self.segment is not None and self.psu is None:
+            raise ValueError(
+                "segment needs psu: segments are nested in PSUs; name the psu column or drop segment"
+            )
+        return self
 
 
 class KeySpec(_Strict):
@@ -369,6 +403,22 @@ class ReleaseSpec(_Strict):
     utility: UtilitySection = UtilitySection()
     approval: ApprovalSection = ApprovalSection()
 
+    @model_validator(mode="after")
+    def _stages_have_their_design(self) -> ReleaseSpec:
+        """A stage that needs design columns the spec does not declare is an error naming it."""
+        swap = self.stages.swap
+        if swap is not None and swap.enabled:
+            need = [
+                f"design.{f}" for f in ("strata", "psu", "segment") if not getattr(self.design, f)
+            ]
+            if need:
+                raise ValueError(
+                    f"stages.swap.enabled: the segment swap needs {', '.join(need)} (segments "
+                    "nested in PSUs nested in strata); declare them, or set stages.swap.enabled: "
+                    "false (the public file then gets a pseudo design, design.pseudo)"
+                )
+        return self
+
     # ------------------------------------------------------------ checks against the data
     def columns_named(self) -> dict[str, str]:
         """Every column the spec names -> the field that names it."""
@@ -475,8 +525,12 @@ class ReleaseSpec(_Strict):
                     f"design.weight: {bad} records have a weight that is not positive "
                     f"(column '{d.weight}'); every weight must be > 0"
                 )
-        if d.strata in df.columns and d.psu in df.columns:
-            n_psu = df.groupby(d.strata, observed=True)[d.psu].nunique()
+        if d.strata in df.columns and (d.psu in df.columns or d.psu is None):
+            n_psu = (
+                df.groupby(d.strata, observed=True)[d.psu].nunique()
+                if d.psu
+                else df.groupby(d.strata, observed=True).size()  # each record its own PSU
+            )
             single = n_psu[n_psu < 2]
             if len(single):
                 problems.append(
@@ -521,6 +575,10 @@ def _format_validation(err: ValidationError) -> list[str]:
         loc = ".".join(parts)
         hint = _FIXES.get(e["type"], "")
         msg = e["msg"].removeprefix("Value error, ")
+        if not loc and (
+            m := re.match(r"^([A-Za-z_][\w.\[\]]*): ", msg)
+        ):  # a model check naming its field
+            loc, msg = m.group(1), msg[m.end() :]
         out.append(f"{loc or '<spec>'}: {msg}" + (f" ({hint})" if hint and hint not in msg else ""))
     return out
 

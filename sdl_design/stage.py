@@ -99,6 +99,10 @@ class StageContext:
         drop = [c for r in self.previous for c in r.drop_public]
         return self.spec.unpublished_columns(self.masked_design, drop)
 
+    def public_design(self) -> Any:
+        """The design section a user reads the working frame with (see public_design)."""
+        return public_design(self.spec, self.previous)
+
     @property
     def seed(self) -> int:
         return int(self.spec.release.seed)
@@ -125,6 +129,31 @@ class StageContext:
         state = {k: v for k, v in self.__dict__.items() if k != "design"}
         state["previous"] = []
         return state
+
+
+def public_design(spec: ReleaseSpec, results: list[StageResult]) -> Any:
+    """The DesignSection of the public file after the given stages: the spec's own, or the
+    columns of the last stage that built a design for the public file (a StageResult whose
+    params carry 'public_design': weight, strata, psu, replicate_weights, replicate_method)."""
+    from sdl_design.spec import ReplicateSpec
+
+    for r in reversed(results):
+        pub = r.params.get("public_design") if r.params else None
+        if pub:
+            rw = pub.get("replicate_weights") or []
+            return spec.design.model_copy(
+                update={
+                    "strata": pub["strata"],
+                    "psu": pub["psu"],
+                    "segment": None,
+                    "replicate_weights": ReplicateSpec(
+                        columns=list(rw), method=pub["replicate_method"]
+                    )
+                    if rw
+                    else None,
+                }
+            )
+    return spec.design
 
 
 @runtime_checkable

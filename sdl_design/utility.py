@@ -206,17 +206,38 @@ def domain_mean_se(
     from sdl_design.design import SurveyDesign
 
     frame = pd.concat([df, chars.extra], axis=1)
+    calls = [(None, chars.overall)] + [(d, chars.domain_vars) for d in chars.domains]
+    # a variable with missing values: its mean over the records that have it (the ratio of
+    # sum w y 1{y observed} to sum w 1{y observed}, linearized), the other records a domain
+    used = list(dict.fromkeys(c for _, cols in calls for c in cols))
+    na = [c for c in used if frame[c].isna().any()]
+    if na:
+        filled = {f"__y0:{c}": frame[c].fillna(0).astype(float) for c in na}
+        seen = {f"__nn:{c}": frame[c].notna().astype(float) for c in na}
+        frame = pd.concat([frame, pd.DataFrame({**filled, **seen}, index=frame.index)], axis=1)
     rw = list(replicate_weights) if (replicate_weights and method) else None
     design = SurveyDesign(
         frame, weight=weight, strata=strata, psu=psu, replicate_weights=rw, method=method, rho=rho
     )
-    calls = [(None, chars.overall)] + [(d, chars.domain_vars) for d in chars.domains]
+
+    def means(cols: list[str], by: str | None, variance: str) -> pd.DataFrame:
+        full = [c for c in cols if c not in na]
+        part = [c for c in cols if c in na]
+        res = [design.mean(full, by=by, variance=variance).reset_index()] if full else []
+        if part:
+            r = design.ratio(
+                [f"__y0:{c}" for c in part], [f"__nn:{c}" for c in part], by=by, variance=variance
+            ).reset_index()
+            r["variable"] = r["variable"].str.removeprefix("__y0:").str.split("/__nn:").str[0]
+            res.append(r)
+        return pd.concat(res, ignore_index=True)
+
     out = []
     for by, cols in calls:
-        t = design.mean(cols, by=by, variance="taylor").reset_index()
+        t = means(cols, by, "taylor")
         t["domain"] = "all" if by is None else by.removeprefix("_dom_") + "=" + t[by].astype(str)
         if rw:
-            r = design.mean(cols, by=by, variance="replicate").reset_index()
+            r = means(cols, by, "replicate")
             t["se_rep"] = r["se"].to_numpy()
         t["kind"] = [
             chars.kinds.get(c, "mean") if by is None else "domain mean" for c in t.variable
@@ -235,12 +256,16 @@ def se_ratio_table(
     method: str | None = None,
     rho: float | None = None,
     chars_masked: Characteristics | None = None,
+    masked_design: dict | None = None,
 ) -> pd.DataFrame:
     """One row per characteristic: se_original, se_masked, ratio, deff (original, Taylor) and,
     with replicate weights, se_original_rep, se_masked_rep, ratio_rep. Characteristics with a
-    zero original SE (constants in a domain) are left out."""
+    zero original SE (constants in a domain) are left out. masked_design: the masked file's
+    own design columns (a pseudo design in new columns), default those of design."""
     d = design
     kw = {"weight": d["weight"], "strata": d["strata"], "psu": d["psu"]}
+    md = masked_design or design
+    kw_m = {"weight": md["weight"], "strata": md["strata"], "psu": md["psu"]}
     o = domain_mean_se(
         original,
         chars,
@@ -252,7 +277,7 @@ def se_ratio_table(
     m = domain_mean_se(
         masked,
         chars_masked or chars,
-        **kw,
+        **kw_m,
         replicate_weights=masked_replicates,
         method=method,
         rho=rho,
@@ -306,8 +331,9 @@ class FinalStage:
 
         spec, original = self.spec, ctx.original
         d = spec.design
-        exclude = [*spec.variables.direct_identifiers, *([d.household] if d.household else [])]
-        released = SurveyDesign.from_spec(df, d)
+        v = spec.variables
+        exclude = [*v.direct_identifiers, *v.other.drop, *([d.household] if d.household else [])]
+        released = SurveyDesign.from_spec(df, ctx.public_design())
         doms = spec.variables.keys[:2]
         chars = broad_characteristics(
             original, design=design_columns(ctx.design), exclude=exclude, domains=doms
@@ -325,6 +351,7 @@ class FinalStage:
             method,
             released.rho,
             chars_masked=chars_released,
+            masked_design=design_columns(released),
         )
         metrics = se_ratio_metrics(out)
         keys = spec.variables.keys
