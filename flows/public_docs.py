@@ -420,6 +420,16 @@ def _method_section(name: str, res: StageResult, spec: ReleaseSpec, des: dict) -
                         )
                     )
         ch = res.tables.get("changed_by_variable")
+        if tr is not None and len(tr):
+            kept = tr[tr["original"] == tr["published"]].groupby("variable")["p"].min()
+            within = [v for v, pv in kept.items() if pv >= 1.0 - 1e-12]
+            if within:
+                L += [
+                    "",
+                    f"{', '.join(f'`{v}`' for v in within)}: never moved to another published "
+                    "category (PRB partitions on it); raw values may still change inside "
+                    "a category (e.g. exact age within its age group).",
+                ]
         if ch is not None and len(ch):
             L += [
                 "",

@@ -34,7 +34,8 @@ CSS = (
     ".verdict{font-size:16px;padding:.8em;border-left:6px solid}"
     "p.verdict.pass{border-color:#070;background:#f1f8f1;color:#222;font-weight:normal}"
     "p.verdict.fail{border-color:#b00;background:#fbf1f1;color:#222;font-weight:normal}"
-    "table.t td:first-child{text-align:left}"
+    "table.t td:first-child,table.t th:first-child{text-align:left}"
+    "#leaves table.t td,#leaves table.t th{text-align:left}"
 )
 
 
