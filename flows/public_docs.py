@@ -271,7 +271,15 @@ def codebook(puf: pd.DataFrame, notes: dict[str, dict[str, Any]] | None = None) 
 def _missing_codes(spec: ReleaseSpec) -> dict[str, str]:
     """Declared missing-value codes per variable (read defensively: the field may be absent)."""
     v = spec.variables
-    codes = getattr(v, "missing_codes", None) or getattr(v, "missing", None) or {}
+    codes = (
+        getattr(v, "missing_codes", None)
+        or getattr(v, "missing", None)
+        or getattr(spec, "missing_codes", None)
+        or getattr(spec, "missing", None)
+        or {}
+    )
+    if hasattr(codes, "model_dump"):
+        codes = codes.model_dump()
     if not isinstance(codes, dict):
         return {}
     return {

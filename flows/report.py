@@ -1,6 +1,9 @@
 """The release report (internal/report.html, self-contained) and the run's Prefect artifacts.
 
-The report shows what it is given: each stage's result with the tables it declares
+For the board first: a plain-language verdict (publish or not, and why), what leaves the
+building (every published column and what was done to it, the dropped columns with why), the
+risk of the published file, its analytic validity and every gate; then the detail.
+The detail shows what it is given: each stage's result with the tables it declares
 (`StageResult.report_tables`) and all its figures, the SE ratios of every result that declares an
 `se_ratio_table`, and for a stage of the flow with no result a line saying it did not run.
 """

@@ -207,3 +207,13 @@ def test_expected_transitions_match_a_brute_force_sum_over_blocks():
         pd.testing.assert_series_equal(
             got.sort_index(), want.sort_index(), check_names=False, rtol=1e-12
         )
+
+
+def test_missing_codes_read_defensively():
+    from types import SimpleNamespace
+
+    from flows.public_docs import _missing_codes
+
+    spec = SimpleNamespace(variables=SimpleNamespace(missing_codes={"income": [-9, -8], "bmi": -1}))
+    assert _missing_codes(spec) == {"income": "-9; -8", "bmi": "-1"}
+    assert _missing_codes(SimpleNamespace(variables=SimpleNamespace())) == {}
