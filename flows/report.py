@@ -347,7 +347,8 @@ def _validity(m: Manifest, results: Sequence[StageResult]) -> str:
             _ok(get("epsilon_published"), hi=eps_max),
         ),
         (
-            "propensity-score pMSE ratio (Snoke et al. 2018; near 1 = indistinguishable)",
+            "propensity-score pMSE ratio (Snoke et al. 2018): the files' distinguishability over "
+            "its null expectation; at or below 1, the public file cannot be told apart",
             _num(get("pmse_ratio_snoke")),
             "",
             "",
