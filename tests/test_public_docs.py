@@ -217,3 +217,42 @@ def test_missing_codes_read_defensively():
     spec = SimpleNamespace(variables=SimpleNamespace(missing_codes={"income": [-9, -8], "bmi": -1}))
     assert _missing_codes(spec) == {"income": "-9; -8", "bmi": "-1"}
     assert _missing_codes(SimpleNamespace(variables=SimpleNamespace())) == {}
+
+
+def _r_survey() -> bool:
+    import shutil
+    import subprocess
+
+    if shutil.which("Rscript") is None:
+        return False
+    r = subprocess.run(["Rscript", "-e", "library(survey)"], capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(not _r_survey(), reason="Rscript with the survey package not installed")
+def test_r_recipes_give_survey_design_ses(demo, tmp_path):
+    """The README's R code (svydesign and svrepdesign with its rscales), run by R survey on the
+    CSV, gives SurveyDesign's Taylor and replicate SEs."""
+    import subprocess
+
+    spec, _, puf, readme = demo
+    puf.to_csv(tmp_path / "puf.csv", index=False)
+    taylor, rep = re.findall(r"```r\n(.*?)```", readme, re.S)
+    ex = re.search(r"svymean\(~(\w+), des\)", taylor).group(1)
+    show = f"cat(sprintf('%.17g\\n', SE(svymean(~{ex}, des))))"
+    code = (
+        "suppressMessages(library(survey))\n"
+        + taylor.replace("library(survey)\n", "").replace(
+            'arrow::read_parquet("puf.parquet")', 'read.csv("puf.csv")'
+        )
+        + rep
+    ).replace(f"svymean(~{ex}, des)", show)
+    (tmp_path / "check.R").write_text(code)
+    out = subprocess.run(
+        ["Rscript", "check.R"], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.split()
+    des = SurveyDesign.from_spec(puf, spec.design.model_copy(update={"segment": None}))
+    assert float(out[0]) == pytest.approx(des.mean(ex, variance="taylor")["se"].iloc[0], rel=1e-10)
+    assert float(out[1]) == pytest.approx(
+        des.mean(ex, variance="replicate")["se"].iloc[0], rel=1e-10
+    )
