@@ -76,22 +76,28 @@ def design_facts(spec: ReleaseSpec | None, results: Sequence[StageResult]) -> di
     def role(name: str) -> str | None:
         return (roles.get(name) or [None])[0]
 
+    pub = p.get("public_design") if isinstance(p.get("public_design"), dict) else {}
     d = spec.design if spec is not None else None
     rw = d.replicate_weights if d is not None else None
-    method = p.get("replicate_method") or (rw.method if rw else None)
+    method = pub.get("replicate_method") or p.get("replicate_method") or (rw.method if rw else None)
     if method is None and a is not None:  # "..., 70 jkn replicate weights"
         words = str(a.params.get("design_released", "")).split()
         method = words[-3] if len(words) >= 3 and words[-2:] == ["replicate", "weights"] else None
+
+    def named(*vals: Any) -> str | None:  # the first value that is a column name
+        return next((v for v in vals if isinstance(v, str) and v), None)
+
     return {
-        "weight": d.weight if d is not None else role("weight") or "",
-        "strata": p.get("pseudo_strata")
-        or (getattr(d, "strata", None) if d is not None else role("stratum")),
-        "psu": p.get("pseudo_psus")
-        or p.get("pseudo_psu")
-        or (getattr(d, "psu", None) if d is not None else role("PSU")),
+        "weight": pub.get("weight") or (d.weight if d is not None else role("weight") or ""),
+        "strata": named(
+            pub.get("strata"),
+            getattr(d, "strata", None) if d is not None else role("stratum"),
+        ),
+        "psu": named(pub.get("psu"), getattr(d, "psu", None) if d is not None else role("PSU")),
+        "replicate_weights": list(pub.get("replicate_weights") or []),
         "masked_by": mask.name if mask is not None else None,
         "method": method,
-        "rho": p.get("rho", rw.rho if rw else None),
+        "rho": pub.get("rho", p.get("rho", rw.rho if rw else None)),
     }
 
 
@@ -169,7 +175,13 @@ def column_treatments(
         if c in reps[:1]:
             what = [
                 f"{METHOD_NAME.get(des['method'], des['method'])} replicate weights"
-                + (" rebuilt for the masked design" if des["masked_by"] else "")
+                + (
+                    " rebuilt for the masked design"
+                    if des["masked_by"] == "swap"
+                    else f" built by the {des['masked_by']} stage"
+                    if des["masked_by"]
+                    else ""
+                )
                 + ("; each recalibrated as the full-sample weight" if "massc" in r else "")
             ]
         rows.append(
@@ -301,7 +313,9 @@ def variance_notes(
     des = design_facts(spec, results)
     w = des["weight"]
     rw = spec.design.replicate_weights
-    reps = rw.resolve(list(puf.columns)) if rw else []
+    reps = [c for c in des["replicate_weights"] if c in puf.columns] or (
+        rw.resolve(list(puf.columns)) if rw else []
+    )
     strata = des["strata"] if des["strata"] in puf.columns else None
     psu = des["psu"] if des["psu"] in puf.columns else None
     treat = column_treatments(spec, results, list(puf.columns))
@@ -496,12 +510,16 @@ def _method_section(name: str, res: StageResult, spec: ReleaseSpec, des: dict) -
             "",
         ]
         return L
+    said = " ".join(str(n) for n in res.notes) or (
+        "Pseudo-strata and pseudo-PSUs were formed for this file and replicate weights built "
+        "from them."
+    )
     return [
-        f"### Pseudo-design ({name})",
+        "### Pseudo-design for variance estimation",
         "",
-        f"The published `{des['strata']}` and `{des['psu']}` are pseudo-strata and pseudo-PSUs "
-        f"formed for this file ({', '.join(f'{k}: {v}' for k, v in p.items() if not isinstance(v, dict | list))}); "
-        "replicate weights were built for them.",
+        f"The published `{des['strata']}` and `{des['psu']}` are not the survey's strata and PSUs: "
+        + said
+        + " Use them as ordinary strata and PSUs (below).",
         "",
     ]
 

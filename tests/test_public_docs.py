@@ -256,3 +256,39 @@ def test_r_recipes_give_survey_design_ses(demo, tmp_path):
     assert float(out[1]) == pytest.approx(
         des.mean(ex, variance="replicate")["se"].iloc[0], rel=1e-10
     )
+
+
+def test_pseudo_design_stage_described_instead_of_the_swap(demo):
+    """A pseudo-design stage (params as sdl_design.pseudo records them: counts under
+    pseudo_strata/pseudo_psus, the published names under public_design) replaces the swap's
+    section; the recipes use its columns and method."""
+    from sdl_design.stage import StageResult
+
+    spec, results, puf, _ = demo
+    reps = spec.replicate_columns(puf)
+    fake = StageResult(
+        "pseudo_design",
+        None,
+        params={
+            "built": True,
+            "pseudo_strata": 30,
+            "pseudo_psus": 70,
+            "public_design": {
+                "weight": "wt",
+                "strata": "stratum",
+                "psu": "psu",
+                "replicate_weights": reps,
+                "replicate_method": "jkn",
+            },
+        },
+        notes=["Pseudo design for the public file: 30 pseudo strata of 2 or 3 pseudo PSUs."],
+        masks_design=True,
+    )
+    rest = [fake, *(r for r in results if r.name != "swap")]
+    text = variance_notes(spec, rest, puf)
+    assert "### Pseudo-design for variance estimation" in text
+    assert "30 pseudo strata of 2 or 3 pseudo PSUs" in text
+    assert "paper 003" not in text and "swapped" not in text
+    assert "strata = ~stratum" in text and "ids = ~psu" in text
+    assert "built by the pseudo_design stage" in text
+    assert np.array_equal(_rep_vector(text), _rep_vector(demo[3]))
