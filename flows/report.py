@@ -221,7 +221,9 @@ def _risk(m: Manifest, results: Sequence[StageResult]) -> str:
     dmax = g.delta_max if g else None
     umax = g.max_unique_share if g else None
     reid = _metric(results, "assess", "reid_share")
-    delta = _metric(results, "massc", "delta")
+    delta = _metric(results, "assess", "delta_published")  # on the published file, if measured
+    if delta is None:
+        delta = _metric(results, "massc", "delta")
     uniq = _metric(results, "assess", "unique_share_published")
     uniq0 = _metric(results, "risk", "unique_share")
     prb = _metric(results, "prb", "max_risk")
@@ -236,7 +238,7 @@ def _risk(m: Manifest, results: Sequence[StageResult]) -> str:
         (
             "post-treatment risk delta (paper 000, eq. 3-6: risk left after substitution and "
             "subsampling)",
-            _num(delta, ".4f") if delta is not None else "MASSC did not run",
+            _num(delta, ".4f") if delta is not None else "not measured",
             f"<= {dmax}" if dmax is not None else "none",
             _ok(delta, hi=dmax),
         ),

@@ -384,3 +384,21 @@ def test_verdict_says_do_not_publish_on_a_failed_gate(tmp_path):
         "Do not publish: 1 of 2 checks failed (massc: delta <= 0.25: 0.31 against <= 0.25)" in text
     )
     assert "Publish:" not in text
+
+
+def test_risk_section_prefers_the_published_file_delta(tmp_path):
+    """Where the assessment measured delta on the published file, the risk table shows it
+    (not MASSC's own)."""
+    o = _assessed()
+    o[-1].metrics["delta_published"] = 0.1234
+    text = " ".join(
+        Parsed(render_report(manifest(), o, tmp_path / "r.html", FLOW).read_text()).text
+    )
+    risk = text[text.index("Risk of the published file") : text.index("Analytic validity")]
+    assert "0.1234" in risk and "0.1200" not in risk
+    o[-1].metrics.pop("delta_published")
+    text = " ".join(
+        Parsed(render_report(manifest(), o, tmp_path / "s.html", FLOW).read_text()).text
+    )
+    risk = text[text.index("Risk of the published file") : text.index("Analytic validity")]
+    assert "0.1200" in risk
