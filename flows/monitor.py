@@ -323,6 +323,23 @@ def boxplot_by_year(se: pd.DataFrame, survey: str) -> bytes:
     return se_ratio_boxplot(groups, title, legend="year", dpi=90)
 
 
+def _plain_y(ax, values: np.ndarray) -> None:
+    """Plain y tick labels (no offset such as '1e-11+1.499999999e-1'); a flat series (equal up
+    to rounding) gets a window of +-5% around its value, so that its ticks read as numbers."""
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter
+
+    fmt = ScalarFormatter(useOffset=False)
+    fmt.set_scientific(False)
+    ax.yaxis.set_major_formatter(fmt)
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=5))
+    v = values[np.isfinite(values)]
+    if len(v):
+        lo, hi = float(v.min()), float(v.max())
+        if hi - lo <= 1e-6 * max(abs(hi), 1e-12):
+            pad = max(0.05 * abs(hi), 1e-3)
+            ax.set_ylim(lo - pad, hi + pad)
+
+
 def trend_plot(table: pd.DataFrame, survey: str) -> bytes:
     """PNG: median SE ratio and each monitored quantity by year, thresholds dashed."""
     from sdl_design.plots import png, pyplot
@@ -337,6 +354,7 @@ def trend_plot(table: pd.DataFrame, survey: str) -> bytes:
             ax.plot(t["year"], t[f"{key}_max"], "r--", lw=1, label="threshold")
         ax.set_title(label)
         ax.set_xticks(t["year"].tolist())
+        _plain_y(ax, t[[c for c in (key, f"{key}_max") if c in t]].to_numpy(dtype=float))
     fig.tight_layout()
     return png(fig, dpi=90)
 

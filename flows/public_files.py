@@ -34,6 +34,8 @@ def write_public_files(puf: pd.DataFrame, public: Path, notes: str) -> dict[str,
     public.mkdir()
     puf.to_parquet(public / "puf.parquet", index=False)
     puf.to_csv(public / "puf.csv", index=False, lineterminator="\n")
-    codebook(puf).to_csv(public / "codebook.csv", index=False, lineterminator="\n")
+    codebook(puf, getattr(notes, "codebook_notes", None)).to_csv(
+        public / "codebook.csv", index=False, lineterminator="\n"
+    )
     (public / "README.md").write_text(notes)
     return {f"public/{f.name}": sha256_file(f) for f in sorted(public.iterdir())}

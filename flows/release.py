@@ -231,8 +231,7 @@ def release_flow(
 
         step += 1
         t0 = _progress(step, total, "publish")
-        rep_method = spec.design.replicate_weights.method if spec.design.replicate_weights else None
-        notes = variance_notes(spec, masked, rep_method, len(replicate_cols))
+        notes = variance_notes(spec, outputs, puf)
         folder = _finish(spec, manifest, outputs, gates, "published", None, puf, notes)
         _progress(step, total, "publish", t0)
         PROGRESS.say(f"published {manifest.release.release_id} to {folder}")

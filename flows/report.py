@@ -1,6 +1,9 @@
 """The release report (internal/report.html, self-contained) and the run's Prefect artifacts.
 
-The report shows what it is given: each stage's result with the tables it declares
+For the board first: a plain-language verdict (publish or not, and why), what leaves the
+building (every published column and what was done to it, the dropped columns with why), the
+risk of the published file, its analytic validity and every gate; then the detail.
+The detail shows what it is given: each stage's result with the tables it declares
 (`StageResult.report_tables`) and all its figures, the SE ratios of every result that declares an
 `se_ratio_table`, and for a stage of the flow with no result a line saying it did not run.
 """
@@ -31,6 +34,11 @@ CSS = (
     "table.t th{background:#f3f3f3}.pass{color:#070}.fail{color:#b00;font-weight:bold}"
     "img{max-width:100%;border:1px solid #eee}.note{color:#555;font-size:12px}"
     "h2{border-bottom:2px solid #ddd;padding-bottom:3px}"
+    ".verdict{font-size:16px;padding:.8em;border-left:6px solid}"
+    "p.verdict.pass{border-color:#070;background:#f1f8f1;color:#222;font-weight:normal}"
+    "p.verdict.fail{border-color:#b00;background:#fbf1f1;color:#222;font-weight:normal}"
+    "table.t td:first-child,table.t th:first-child{text-align:left}"
+    "#leaves table.t td,#leaves table.t th{text-align:left}"
 )
 
 
@@ -56,7 +64,7 @@ def _summary(m: Manifest, results: Sequence[StageResult]) -> str:
     summary = {
         "release id": m.release.release_id,
         "status": m.status,
-        "reason": m.reason,
+        **({"reason": m.reason} if m.reason else {}),
         "created": m.release.created,
         "records in / out": "{} / {}".format(
             "?" if counts.n_input is None else counts.n_input,
@@ -66,6 +74,291 @@ def _summary(m: Manifest, results: Sequence[StageResult]) -> str:
         "stages run": ", ".join(s.name for s in m.stages) or ", ".join(r.name for r in results),
     }
     return _section("summary", "Summary", [_kv(summary, "Release")], "")
+
+
+def _metric(results: Sequence[StageResult], stage: str, name: str) -> float | None:
+    r = next((r for r in results if r.name == stage), None)
+    v = None if r is None else r.metrics.get(name)
+    return None if v is None or not np.isfinite(v) else float(v)
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{100 * v:.1f}%"
+
+
+def _num(v: float | None, fmt: str = ".3f") -> str:
+    return "n/a" if v is None else format(v, fmt)
+
+
+def _verdict(m: Manifest, results: Sequence[StageResult]) -> str:
+    """One paragraph in plain words: publish or not, and why."""
+    gates = m.gates
+    failed = [g for g in gates if not g.passed]
+    n_in, n_out = m.counts.n_input, m.counts.n_output
+    ap = m.approval
+    if m.status == "failed":
+        head = "Do not publish: the release did not complete"
+        why = f" ({m.reason})." if m.reason else "."
+        text = head + why + " No file was produced for publication."
+    elif failed:
+        names = "; ".join(
+            f"{g.name}: {value(g.value) if g.value is not None else '?'} against {g.threshold}"
+            for g in failed[:5]
+        )
+        more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""
+        text = (
+            f"Do not publish: {len(failed)} of {len(gates)} checks failed ({names}{more}). "
+            "Nothing was released; the failed checks say what must change."
+        )
+    elif m.status == "rejected" and ap.decision == "rejected":
+        text = f"Not published: rejected by {ap.approver or 'the board'}" + (
+            f" ({ap.comment})." if ap.comment else "."
+        )
+    elif not gates:
+        text = "No decision possible: no check was evaluated on this release."
+    else:
+        reid = _metric(results, "assess", "reid_share")
+        uniq = _metric(results, "assess", "unique_share_published")
+        uniq0 = _metric(results, "risk", "unique_share")
+        overlap = _metric(results, "assess", "overlap_median")
+        ser = _metric(results, "assess", "se_ratio_median")
+        xi = m.parameters.gates.xi if m.parameters.gates else None
+        done = "published" if m.status == "published" else "ready to publish"
+        parts = [
+            f"Publish: the file is {done}, and all {len(gates)} checks pass.",
+            (
+                f"It holds {n_out:,} of the {n_in:,} survey records."
+                if n_in is not None and n_out is not None
+                else ""
+            ),
+        ]
+        if reid is not None:
+            parts.append(
+                f"An intruder who knows the key variables would correctly re-identify "
+                f"{_pct(reid)} of the people who were unique in the survey"
+                + (f" (the limit is {_pct(xi)})" if xi is not None else "")
+                + "."
+            )
+        if uniq is not None:
+            parts.append(
+                f"{_pct(uniq)} of published records are unique on the keys"
+                + (f" (in the survey file: {_pct(uniq0)})" if uniq0 is not None else "")
+                + "."
+            )
+        if overlap is not None:
+            parts.append(
+                f"Estimates from the public file agree with the confidential file within sampling "
+                f"error: their confidence intervals overlap by {_pct(overlap)} at the median"
+                + (
+                    f", and standard errors are {ser:.2f} times the original at the median"
+                    if ser
+                    else ""
+                )
+                + "."
+            )
+        if ap.decision == "approved" and ap.approver:
+            parts.append(f"Approved by {ap.approver}.")
+        text = " ".join(p for p in parts if p)
+    cls = "pass" if (gates and not failed and m.status not in ("failed", "rejected")) else "fail"
+    return _section("verdict", "Verdict", [f"<p class='verdict {cls}'>{escape(text)}</p>"], "")
+
+
+def _leaves(m: Manifest, results: Sequence[StageResult]) -> str:
+    """Every published column and what was done to it; the columns dropped, with why."""
+    from flows.public_docs import column_treatments, dropped_columns
+
+    cols = column_treatments(None, results)
+    body = []
+    if len(cols):
+        body.append(table(cols, "Published columns"))
+    dropped = dropped_columns(results)
+    if dropped:
+        d = pd.DataFrame({"column": list(dropped), "why not published": list(dropped.values())})
+        body.append(table(d, "Columns not published"))
+    rows = []
+    n_in, n_out = m.counts.n_input, m.counts.n_output
+    if n_in is not None and n_out is not None:
+        rows.append(f"Records: {n_out:,} published of {n_in:,} in the survey file.")
+    prb = _metric(results, "prb", "share_changed")
+    if prb is not None:
+        rows.append(f"Post-randomization (PRB) changed the keys of {_pct(prb)} of records.")
+    sub = _metric(results, "massc", "share_substituted")
+    if sub is not None:
+        rows.append(f"Substitution (MASSC) replaced the keys of {_pct(sub)} of records.")
+    if rows:
+        body.append("<ul>" + "".join(f"<li>{escape(r)}</li>" for r in rows) + "</ul>")
+    return _section(
+        "leaves",
+        "What leaves the building",
+        body,
+        "No column record: the release stopped before the published file was assessed.",
+    )
+
+
+def _check_rows(m: Manifest, rows: list[tuple[str, float | None, str, str]]) -> str:
+    """(what, value, limit text, pass/fail/'') rows as a table."""
+    html = "".join(
+        f"<tr><td style='text-align:left'>{escape(w)}</td><td>{escape(v)}</td>"
+        f"<td>{escape(lim)}</td><td class='{ok}'>{escape(ok)}</td></tr>"
+        for w, v, lim, ok in rows
+    )
+    return (
+        "<table class='t'><tr><th>measure</th><th>value</th><th>limit</th><th></th></tr>"
+        f"{html}</table>"
+    )
+
+
+def _ok(v: float | None, lo: float | None = None, hi: float | None = None) -> str:
+    if v is None or (lo is None and hi is None):
+        return ""
+    good = (lo is None or v >= lo) and (hi is None or v <= hi)
+    return "pass" if good else "fail"
+
+
+def _risk(m: Manifest, results: Sequence[StageResult]) -> str:
+    g = m.parameters.gates
+    xi = g.xi if g else None
+    dmax = g.delta_max if g else None
+    umax = g.max_unique_share if g else None
+    reid = _metric(results, "assess", "reid_share")
+    delta = _metric(results, "assess", "delta_published")  # on the published file, if measured
+    if delta is None:
+        delta = _metric(results, "massc", "delta")
+    uniq = _metric(results, "assess", "unique_share_published")
+    uniq0 = _metric(results, "risk", "unique_share")
+    prb = _metric(results, "prb", "max_risk")
+    rows = [
+        (
+            "share of the survey's sample uniques an intruder re-identifies in the published "
+            "file (matching on the keys)",
+            _num(reid, ".4f"),
+            f"<= xi = {xi}" if xi is not None else "none",
+            _ok(reid, hi=xi),
+        ),
+        (
+            "post-treatment risk delta (paper 000, eq. 3-6: risk left after substitution and "
+            "subsampling)",
+            _num(delta, ".4f") if delta is not None else "not measured",
+            f"<= {dmax}" if dmax is not None else "none",
+            _ok(delta, hi=dmax),
+        ),
+        (
+            "records unique on the keys, published file"
+            + (f" (survey file: {_pct(uniq0)})" if uniq0 is not None else ""),
+            _pct(uniq),
+            f"<= {_pct(umax)}" if umax is not None else "none",
+            _ok(uniq, hi=umax),
+        ),
+        (
+            "largest exact identification risk of a post-randomized record (paper 002, eq. 2.2)",
+            _num(prb, ".4f") if prb is not None else "PRB did not run",
+            f"<= xi = {xi}" if xi is not None else "none",
+            _ok(prb, hi=xi),
+        ),
+    ]
+    body = [_check_rows(m, rows), _strata_counts(results)]
+    return _section("risk", "Risk of the published file", body, "")
+
+
+def _strata_counts(results: Sequence[StageResult]) -> str:
+    """The two U/D/T/O counts side by side, each said in words."""
+    r = {x.name: x for x in results}
+    a = r.get("risk").tables.get("by_stratum") if "risk" in r else None
+    b = r.get("massc").tables.get("delta") if "massc" in r else None
+    if a is None and b is None:
+        return ""
+    idx = ["U", "D", "T", "O"]
+    t = pd.DataFrame(index=pd.Index(idx, name="stratum"))
+    if a is not None and {"stratum", "n_records"} <= set(a.columns):
+        t["survey records whose key combination is held by 1, 2, 3, 4+ survey records"] = (
+            a.set_index("stratum")["n_records"].reindex(idx)
+        )
+    if b is not None and {"appearance", "n_records"} <= set(b.columns):
+        t[
+            "survey records whose original key combination appears 1, 2, 3, 4+ times in the published file"
+        ] = (
+            b.assign(stratum=b["appearance"].str.upper())
+            .set_index("stratum")["n_records"]
+            .reindex(idx)
+        )
+    if t.shape[1] == 0:
+        return ""
+    note = (
+        "<p class='note'>U, D, T, O: unique, doubleton, tripleton, other (4 or more). The first "
+        "count classifies the survey file before treatment (what the risk scores and MASSC's "
+        "rates use); the second classifies the same survey records by how often their original "
+        "key combination is still found in the published file (what the risk delta of paper 000 "
+        "averages; a record whose combination no longer appears is in neither row).</p>"
+    )
+    return table(t.reset_index(), "Records by key-combination frequency") + note
+
+
+def _validity(m: Manifest, results: Sequence[StageResult]) -> str:
+    g = m.parameters.gates
+    u = getattr(g, "utility", None) if g else None
+    u = u if isinstance(u, dict) else (u.model_dump() if hasattr(u, "model_dump") else {})
+    ser = g.se_ratio if g else None
+    lo, hi = (ser[0], ser[1]) if ser else (None, None)
+    get = lambda n: _metric(results, "assess", n)  # noqa: E731
+    eps_max = g.epsilon_max if g else None
+    rows = [
+        (
+            "median overlap of 95% confidence intervals, published vs survey file, over all "
+            "domain estimates (Karr et al. 2006; 1 = identical)",
+            _num(get("overlap_median")),
+            f">= {u.get('overlap_median_min')}" if u.get("overlap_median_min") is not None else "",
+            _ok(get("overlap_median"), lo=u.get("overlap_median_min")),
+        ),
+        (
+            "5th percentile of that overlap",
+            _num(get("overlap_p5")),
+            f">= {u.get('overlap_p5_min')}" if u.get("overlap_p5_min") is not None else "",
+            _ok(get("overlap_p5"), lo=u.get("overlap_p5_min")),
+        ),
+        (
+            "share of estimates more than 2 survey SEs away from the survey estimate",
+            _pct(get("share_abs_std_bias_gt2")),
+            f"<= {_pct(u.get('share_beyond_2se_max'))}"
+            if u.get("share_beyond_2se_max") is not None
+            else "",
+            _ok(get("share_abs_std_bias_gt2"), hi=u.get("share_beyond_2se_max")),
+        ),
+        (
+            "SE ratio (published / survey), 10th percentile",
+            _num(get("se_ratio_p10")),
+            f"in [{lo}, {hi}]" if ser else "",
+            _ok(get("se_ratio_p10"), lo, hi),
+        ),
+        ("SE ratio, median", _num(get("se_ratio_median")), "", ""),
+        (
+            "SE ratio, 90th percentile",
+            _num(get("se_ratio_p90")),
+            f"in [{lo}, {hi}]" if ser else "",
+            _ok(get("se_ratio_p90"), lo, hi),
+        ),
+        (
+            "smallest confidence-interval overlap of a coefficient of the declared models",
+            _num(get("model_overlap_min")),
+            f">= {u.get('model_overlap_min')}" if u.get("model_overlap_min") is not None else "",
+            _ok(get("model_overlap_min"), lo=u.get("model_overlap_min")),
+        ),
+        (
+            "largest relative error of a study total (epsilon, paper 000 eq. 7)",
+            _num(get("epsilon_published"), ".4f"),
+            f"<= {eps_max}" if eps_max is not None else "",
+            _ok(get("epsilon_published"), hi=eps_max),
+        ),
+        (
+            "propensity-score pMSE ratio (Snoke et al. 2018): the files' distinguishability over "
+            "its null expectation; at or below 1, the public file cannot be told apart",
+            _num(get("pmse_ratio_snoke")),
+            "",
+            "",
+        ),
+    ]
+    if get("overlap_median") is None:
+        return _section("validity", "Analytic validity", [], "The published file was not assessed.")
+    return _section("validity", "Analytic validity", [_check_rows(m, rows)], "")
 
 
 def _gates(m: Manifest) -> str:
@@ -193,10 +486,15 @@ def render_html(
     ]
     own = [_section(f"section-{r.name}", r.section, [_stage(r)], "") for r in results if r.section]
     sections = [
-        _summary(manifest, results),
+        _verdict(manifest, results),
+        _leaves(manifest, results),
+        _risk(manifest, results),
+        _validity(manifest, results),
         _gates(manifest),
-        *own,
         _approval(manifest),
+        "<h2 style='margin-top:2em'>Detail</h2>",
+        _summary(manifest, results),
+        *own,
         _se_ratios(results),
         _stages(manifest, results, stages),
         _provenance(manifest),

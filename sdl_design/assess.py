@@ -737,6 +737,55 @@ def _describe(d: SurveyDesign) -> str:
 # ---------------------------------------------------------------- the stage
 
 
+def column_record(spec: ReleaseSpec, ctx: Any, published: list[str]) -> dict[str, Any]:
+    """What leaves: the published columns by role (as the spec declares them) and every column
+    of the input that is not published, with why (for the report and the public README)."""
+    d, v = spec.design, spec.variables
+    reps = set(spec.replicate_columns(ctx.original))
+    role_of: dict[str, str] = {}
+    for role, cols in (
+        ("direct identifier", v.direct_identifiers),
+        ("replicate weight", sorted(reps)),
+        ("weight", [d.weight]),
+        ("stratum", [getattr(d, "strata", None)]),
+        ("PSU", [getattr(d, "psu", None)]),
+        ("segment", [getattr(d, "segment", None)]),
+        ("household", [getattr(d, "household", None)]),
+        ("key", v.key_names),
+        ("sensitive", [s.name for s in v.sensitive]),
+        ("study", v.study),
+        ("other, kept", v.other.keep),
+        ("other, dropped", v.other.drop),
+    ):
+        for c in cols:
+            if c:
+                role_of.setdefault(c, role)
+    by_stage = {c: r.name for r in ctx.previous for c in r.drop_public}
+    why = {
+        "direct identifier": "direct identifier (variables.direct_identifiers)",
+        "other, dropped": "declared not for publication (variables.other.drop)",
+        "segment": "segment label: geography below the PSU",
+        "household": "household identifier",
+        "stratum": "original design label (published only when masked or design.publish_design_labels)",
+        "PSU": "original design label (published only when masked or design.publish_design_labels)",
+    }
+    keep = set(published)
+    dropped = {}
+    for c in ctx.original.columns:
+        if c in keep or str(c).startswith("__"):
+            continue
+        role = role_of.get(c, "")
+        reason = why.get(role) or (
+            f"dropped by the {by_stage[c]} stage" if c in by_stage else "not published"
+        )
+        dropped[str(c)] = reason
+    roles: dict[str, list[str]] = {}
+    for c in published:
+        if not str(c).startswith("__"):
+            roles.setdefault(role_of.get(c, "other, kept"), []).append(str(c))
+    return {"published_columns": roles, "dropped_columns": dropped}
+
+
 class AssessStage:
     """Stage: the file that would be published (the working frame without the columns that are
     never published, read with its published design) against the original; analytic-validity
@@ -760,6 +809,7 @@ class AssessStage:
         spec = self.spec
         released = df.drop(columns=[c for c in ctx.unpublished() if c in df.columns])
         a = assess(ctx.original, released, spec, design_released=ctx.public_design())
+        a.params.update(column_record(spec, ctx, list(released.columns)))
         m = dict(a.metrics)
         keys = spec.variables.keys
         # risk of the published file whatever stages ran: its own keys, and MASSC's delta of

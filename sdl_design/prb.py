@@ -407,6 +407,85 @@ def block_risk(block: pd.Series, cell: np.ndarray, theta: float) -> pd.DataFrame
     )
 
 
+def expected_transitions(res: PrbResult, weight: np.ndarray) -> pd.DataFrame:
+    """The PRAM matrix of each cell variable in its published coding, implied by the IFPR draw
+    (eq. 2.1) in the blocks of this run: p = P(published = b | original = a), weighted by the
+    design weight (so that E[published total of b] = sum_a p(a, b) * original total of a).
+    A unit of cell j in a block of m cells stays with 1 - theta/t'_j and moves to each other cell
+    with theta/((m - 1) t'_j); units outside blocks stay. Columns: variable, original, published,
+    p, n_original (records), weight_original."""
+    cv = res.cell_values
+    cols = ["variable", "original", "published", "p", "n_original", "weight_original"]
+    if cv is None or not len(cv.columns):
+        return pd.DataFrame(columns=cols)
+    w = np.asarray(weight, dtype=float)
+    bl = res.block.to_numpy(dtype="float64", na_value=np.nan)
+    inb = ~np.isnan(bl)
+    rows = []
+    for v in cv.columns:
+        cat_codes, cats = pd.factorize(cv[v].astype(str), sort=True)
+        k = len(cats)
+        a = cat_codes[res.cell]  # original category per record
+        # moves: per unit, prob theta/((m-1) t'_j) to each other cell of its block
+        flow = np.zeros((k, k))
+        stay_w = w.copy()
+        if inb.any():
+            idx = np.flatnonzero(inb)
+            b = bl[idx].astype(np.int64)
+            pairs, inv, tp, m, _ = _block_cells(b, res.cell[idx])
+            pb = pairs[0]
+            # cells of each category per block: C[block, category]
+            C = np.zeros((len(m), k))
+            np.add.at(C, (pb, cat_codes[pairs[1]]), 1.0)
+            tj = tp[inv].astype(float)
+            mb = m[pb[inv]].astype(float)
+            q = res.theta / ((mb - 1) * tj)  # to each other cell
+            stay_w[idx] = w[idx] * (1 - res.theta / tj)
+            own = np.zeros((len(idx), k))
+            own[np.arange(len(idx)), a[idx]] = 1.0
+            to = (C[b] - own) * (w[idx] * q)[:, None]  # expected weight moved to each category
+            np.add.at(flow, a[idx], to)
+        np.add.at(flow, (a, a), stay_w)
+        tot = np.bincount(a, weights=w, minlength=k)
+        nrec = np.bincount(a, minlength=k)
+        p = flow / np.where(tot > 0, tot, 1.0)[:, None]
+        i, j = np.nonzero(p > 0)
+        rows.append(
+            pd.DataFrame(
+                {
+                    "variable": v,
+                    "original": np.asarray(cats, dtype=object)[i],
+                    "published": np.asarray(cats, dtype=object)[j],
+                    "p": p[i, j],
+                    "n_original": nrec[i],
+                    "weight_original": tot[i],
+                }
+            )
+        )
+    return pd.concat(rows, ignore_index=True)[cols]
+
+
+def changed_by_variable(
+    before: pd.DataFrame, after: pd.DataFrame, variables: Sequence[str], weight: str
+) -> pd.DataFrame:
+    """Records (and weighted share) whose value of each variable of C the draw changed."""
+    w = before[weight].to_numpy(dtype=float)
+    rows = []
+    for v in variables:
+        x0, x1 = before[v], after[v]
+        ch = (x0 != x1) & ~(x0.isna() & x1.isna())
+        ch = ch.to_numpy(dtype=bool)
+        rows.append(
+            {
+                "variable": v,
+                "n_changed": int(ch.sum()),
+                "share_changed": float(ch.mean()) if len(ch) else 0.0,
+                "weighted_share_changed": float(w[ch].sum() / w.sum()) if w.sum() else 0.0,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
 def risk_by_block(risk: pd.DataFrame) -> pd.DataFrame:
     """Max R_j(1, t') per block, with its size."""
     g = risk.groupby("block")
@@ -656,7 +735,8 @@ class PrbStage:
         moved_cols = [c for d in declared for c in d if c in carried]
         if moved_cols:
             notes.append(
-                f"declared domain columns carried by PRB (in C but not cells), not kept: "
+                "declared domain columns carried by PRB (perturbed with the keys, paper 002's "
+                f"set C, but not cell variables), not kept: "
                 f"{', '.join(dict.fromkeys(moved_cols))}"
             )
         figures = {}
@@ -698,6 +778,8 @@ class PrbStage:
                 "weighted_counts": counts.reset_index(),
                 "tvd": tv,
                 "domains_not_kept": not_kept,
+                "transitions": expected_transitions(res, df[weight].to_numpy(dtype=float)),
+                "changed_by_variable": changed_by_variable(df, res.data, cfg.variables, weight),
             },
             report_tables=[
                 "identification_risk",

@@ -71,6 +71,8 @@ STAGE_TABLES = {
         "weighted_counts",
         "tvd",
         "domains_not_kept",
+        "transitions",
+        "changed_by_variable",
     ],
     "massc": [
         "rates",
@@ -88,7 +90,18 @@ STAGE_TABLES = {
     "assess": ["domain_estimates", "model_coefficients", "worst_estimates"],
 }
 # the report's sections (element ids), in order
-SECTIONS = ["summary", "gates", "approval", "se-ratios", "stages", "provenance"]
+SECTIONS = [
+    "verdict",
+    "leaves",
+    "risk",
+    "validity",
+    "gates",
+    "approval",
+    "summary",
+    "se-ratios",
+    "stages",
+    "provenance",
+]
 
 
 def county_key_spec():

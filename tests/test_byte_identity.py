@@ -3,7 +3,9 @@ hashes. They were recorded before the stage-protocol refactor (commit 95ef319) a
 kept them; issue 11 changed the public file on purpose (PRB cells on the published coding within
 the declared domains; MASSC composed against the original on the sampling-error scale; the
 default spec's utility domains, county not published and its sensitivity scores), and the
-hashes below are those of that change. A change that alters the public file on purpose updates
+hashes below are those of that change. Issue 13 rewrote the public README and codebook (the
+methods that ran with their parameters, variance recipes, labels and top-code flags); puf.csv
+and puf.parquet kept their hashes. A change that alters the public file on purpose updates
 them and says why in its commit."""
 
 import hashlib
@@ -15,8 +17,8 @@ from flows.cli import main as puf
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_server")]
 
 RECORDED = {
-    "README.md": "0f71be87baaacea3cc29b96d7fe1c5711079ec2c3ba4aebf4ed30457e77e2ba2",
-    "codebook.csv": "fc8ca16f4d9ee424771a10715c7c2f219e81a173b9df450ce7a3b0516637dc26",
+    "README.md": "7723fd0d80d650ffe542cdbe869fd35add1451aa9430269a705b9516945e60af",
+    "codebook.csv": "33cbfb7d06f1480fea2b7a48d53d5c03f2831bcc1fbe8f535dca8522bab3ea1b",
     "puf.csv": "80ef57dfe9db37d3b2710961ed7c4832c733d267e4a37fc7a67e6da8f47fb0af",
     "puf.parquet": "3d0f2ead3f072001ffdc4ea833bb956405208013ce010744a0ebb2e0be4e1156",
 }

@@ -283,3 +283,24 @@ def test_utility_flags_below_their_lower_threshold(tmp_path, monkeypatch):
     assert kinds == [(2026, "beyond_2se"), (2026, "overlap_median")]
     low = next(f for f in s.flags if f["kind"] == "overlap_median")
     assert low["value"] == 0.85 and low["limit"] == ">= 0.9"
+
+
+def test_flat_trend_axis_reads_as_plain_numbers():
+    """A series equal up to rounding (epsilon 0.15 each year, 1e-11 apart) gets plain tick
+    labels around its value, not '1e-11+1.499999999e-1'."""
+    from flows.monitor import _plain_y
+    from sdl_design.plots import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots()
+    y = np.array([0.15, 0.15 + 1e-11, 0.15 - 1e-11])
+    ax.plot([2024, 2025, 2026], y)
+    _plain_y(ax, y)
+    fig.canvas.draw()
+    assert ax.yaxis.get_offset_text().get_text() == ""
+    ticks = [float(t.get_text().replace("\u2212", "-")) for t in ax.get_yticklabels()]
+    lo, hi = ax.get_ylim()
+    assert lo == pytest.approx(0.15 - 0.0075) and hi == pytest.approx(0.15 + 0.0075)
+    shown = [t for t in ticks if lo <= t <= hi]
+    assert 3 <= len(shown) <= 6 and all(abs(t - 0.15) <= 0.0075 for t in shown)
+    plt.close(fig)

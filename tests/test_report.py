@@ -287,8 +287,8 @@ def test_post_artifacts_in_a_flow():
 
 
 def test_a_result_with_a_section_title_gets_its_own_section(tmp_path):
-    """The assessment declares a section title: it is shown right after the gates, with its
-    figures and tables, and not again among the stages."""
+    """The assessment declares a section title: it is the first detail section (right after the
+    summary), with its figures and tables, and not again among the stages."""
     df = pd.DataFrame({"x": [1.0]})
     worst = pd.DataFrame({"variable": ["bmi"], "std_bias": [2.5]})
     res = StageResult(
@@ -302,7 +302,103 @@ def test_a_result_with_a_section_title_gets_its_own_section(tmp_path):
     )
     path = render_report(manifest(), [*outputs(("risk",)), res], tmp_path / "r.html", FLOW)
     p = Parsed(path.read_text())
-    assert p.ids.index("section-assess") == p.ids.index("gates") + 1
+    assert p.ids.index("section-assess") == p.ids.index("summary") + 1
     assert p.ids.count("stage-assess") == 1  # once, inside its own section
     assert {i["alt"] for i in p.imgs} >= {"assess/estimates_bmi"}
     assert "assess: worst_estimates" in " ".join(p.text)
+
+
+def _assessed() -> list[StageResult]:
+    """The default outputs plus an assessment that recorded the published columns."""
+    a = StageResult(
+        "assess",
+        None,
+        params={
+            "published_columns": {
+                "weight": ["wt"],
+                "replicate weight": ["rw_1", "rw_2"],
+                "key": ["age", "sex"],
+                "study": ["bmi"],
+            },
+            "dropped_columns": {"name": "direct identifier (variables.direct_identifiers)"},
+            "design_released": "3900 records, 2 strata, 4 PSUs, 2 jk1 replicate weights",
+        },
+        metrics={
+            "reid_share": 0.07,
+            "unique_share_published": 0.05,
+            "overlap_median": 0.95,
+            "overlap_p5": 0.75,
+            "se_ratio_median": 1.01,
+        },
+        section="Analytic validity and risk of the published file",
+    )
+    o = outputs()
+    o[2].params["theta"] = 0.61
+    o[0].tables["by_stratum"] = pd.DataFrame(
+        {"stratum": list("UDTO"), "n_records": [311, 222, 133, 3334]}
+    )
+    o[3].tables["delta"] = pd.DataFrame(
+        {"appearance": list("udto"), "n_records": [184, 177, 166, 3300]}
+    )
+    o[2].tables["changed_by_variable"] = pd.DataFrame(
+        {"variable": ["age", "sex"], "share_changed": [0.097, 0.001]}
+    )
+    return [*o, a]
+
+
+def test_verdict_and_what_leaves_the_building(tmp_path):
+    m = manifest()
+    m.parameters.gates = m.parameters.gates or None
+    p = Parsed(render_report(m, _assessed(), tmp_path / "r.html", FLOW).read_text())
+    assert p.ids[:4] == ["verdict", "leaves", "risk", "validity"]
+    text = " ".join(p.text)
+    assert text.index("Publish: the file is published, and all 2 checks pass.") < text.index(
+        "What leaves the building"
+    )
+    assert "It holds 3,900 of the 4,000 survey records." in text
+    assert "re-identify 7.0% of the people who were unique" in text
+    # every published column once, the replicate weights as one row; the dropped one with why
+    for needle in (
+        "rw_1 .. rw_2 (2 columns)",
+        "post-randomized by PRB (paper 002; theta 0.6100): 9.7% of records changed",
+        "name",
+        "direct identifier (variables.direct_identifiers)",
+    ):
+        assert needle in text, needle
+    assert "reason" not in text  # a published release has no reason: no 'reason: None'
+    # the two U/D/T/O counts side by side, said in words
+    assert "Records by key-combination frequency" in text and "U, D, T, O: unique" in text
+    counts = text[text.index("Records by key-combination frequency") :]
+    assert counts.index("311") < counts.index("184") < counts.index("222") < counts.index("177")
+
+
+def test_verdict_says_do_not_publish_on_a_failed_gate(tmp_path):
+    gates = [
+        {"name": "massc: delta <= 0.25", "passed": False, "value": 0.31, "threshold": "<= 0.25"},
+        {"name": "output: ids", "passed": True, "value": 0.0, "threshold": "0 columns"},
+    ]
+    m = manifest("rejected", gates)
+    p = Parsed(render_report(m, _assessed(), tmp_path / "r.html", FLOW).read_text())
+    text = " ".join(p.text)
+    assert (
+        "Do not publish: 1 of 2 checks failed (massc: delta <= 0.25: 0.31 against <= 0.25)" in text
+    )
+    assert "Publish:" not in text
+
+
+def test_risk_section_prefers_the_published_file_delta(tmp_path):
+    """Where the assessment measured delta on the published file, the risk table shows it
+    (not MASSC's own)."""
+    o = _assessed()
+    o[-1].metrics["delta_published"] = 0.1234
+    text = " ".join(
+        Parsed(render_report(manifest(), o, tmp_path / "r.html", FLOW).read_text()).text
+    )
+    risk = text[text.index("Risk of the published file") : text.index("Analytic validity")]
+    assert "0.1234" in risk and "0.1200" not in risk
+    o[-1].metrics.pop("delta_published")
+    text = " ".join(
+        Parsed(render_report(manifest(), o, tmp_path / "s.html", FLOW).read_text()).text
+    )
+    risk = text[text.index("Risk of the published file") : text.index("Analytic validity")]
+    assert "0.1200" in risk

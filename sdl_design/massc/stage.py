@@ -220,14 +220,15 @@ def massc_result(
     worst = il.iloc[int(np.nanargmax(il["rrmse"]))] if il["rrmse"].notna().any() else None
     if cfg.loss_scale == "sampling":
         budget = (
-            f"(8a) <= alpha_z = {cfg.bias_share * cfg.budget_scale:g} x V_z, (8b) <= beta_z = "
-            f"{cfg.variance_share * cfg.budget_scale:g} x V_z, V_z the original Taylor sampling "
-            "variance of theta_z"
+            f"a bias budget of {cfg.bias_share * cfg.budget_scale:g} x V_z and a variance budget "
+            f"of {cfg.variance_share * cfg.budget_scale:g} x V_z for every study total theta_z "
+            "(paper 000, constraints 8a and 8b), V_z its original Taylor sampling variance"
         )
     else:
         budget = (
-            f"(8a) <= alpha theta_z^2, alpha = {cfg.alpha:.5f}, (8b) <= beta theta_z^2, "
-            f"beta = {cfg.beta:.5f}"
+            f"a bias budget of alpha theta_z^2 (alpha = {cfg.alpha:.5f}) and a variance budget "
+            f"of beta theta_z^2 (beta = {cfg.beta:.5f}) for every study total theta_z "
+            "(paper 000, constraints 8a and 8b)"
         )
     notes = [
         f"Risk strata on the original keys {', '.join(f'{h} ({c})' for h, c in zip(rates['stratum'], rates['N'], strict=True))}; "
@@ -238,9 +239,10 @@ def massc_result(
             if plan.psi.no_risk.any()
             else ""
         )
-        + f". Substitution rates psi = {_fmt(plan.psi.rates)} ({plan.psi.method}, eq. 9), "
-        f"subsampling rates phi = {_fmt(tr.phi.rates)} ({tr.phi.method}, eq. 10), under "
-        f"{budget}.",
+        + f". Substitution rates psi = {_fmt(plan.psi.rates)}, the least disclosure cost the "
+        f"bias budget allows (paper 000 eq. 9; {plan.psi.method}); retention rates phi = "
+        f"{_fmt(tr.phi.rates)}, the least cost the variance budget allows (eq. 10; "
+        f"{tr.phi.method}); under {budget}.",
         f"{int(tr.substituted.sum())} records substituted ({tr.substituted.mean():.1%}), "
         f"{int((~tr.retained).sum())} sampled out; selection "
         f"{'nested within PSUs' if cfg.nest else 'stratified SRSWOR'}; partners differ in "
@@ -272,7 +274,8 @@ def massc_result(
         )
     if worst is not None:
         notes.append(
-            f"Information loss from (8a)+(8b) against the original totals: epsilon = {eps:.4f} "
+            "Information loss (bias plus variance of the treatment, paper 000 eq. 8a + 8b) "
+            f"against the original totals: epsilon = {eps:.4f} "
             f"(MASSC's own treatment: {metrics['epsilon_treatment']:.4f}; in original SEs: "
             f"{metrics['loss_in_se']:.3f}, own {metrics['loss_in_se_treatment']:.3f}) over "
             f"{len(il)} study totals, largest for {worst['variable']} in "
