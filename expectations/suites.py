@@ -271,8 +271,8 @@ def output_checks(spec: ReleaseSpec, masked_design: bool) -> tuple[list[str], li
 
     d = spec.design
     required = [d.weight, *spec.variables.key_names, *spec.variables.study]
-    if masked_design:
-        required += [d.strata, d.psu]
+    if masked_design:  # the masked or pseudo labels (a design may have neither)
+        required += [c for c in (d.strata, d.psu) if c]
     return forbidden_columns(spec, masked_design), list(dict.fromkeys(required))
 
 

@@ -20,7 +20,7 @@ from flows.progress import PROGRESS
 from flows.public_docs import variance_notes
 from flows.public_files import public_frame
 from sdl_design.spec import ReleaseSpec, load_spec
-from sdl_design.stage import StageContext, StageResult, build_stages
+from sdl_design.stage import StageContext, StageResult, build_stages, public_design
 from sdl_design.stages import RELEASE_STAGES
 from tasks.core import edits_task, gates_task, load_task
 from tasks.stage import replicate_stage, run_stage
@@ -199,7 +199,12 @@ def release_flow(
         masked = any(o.masks_design for o in outputs)
         drop = [c for o in outputs for c in o.drop_public]
         puf = public_frame(df, spec, masked, drop)
-        replicate_cols = spec.replicate_columns(puf)
+        pdesign = public_design(spec, outputs)  # the spec's, or a stage's pseudo design
+        replicate_cols = (
+            pdesign.replicate_weights.resolve(list(puf.columns))
+            if pdesign.replicate_weights
+            else []
+        )
         manifest.counts.n_output = len(puf)
         gate_rows = [g.as_dict() for o in outputs for g in o.gates]
         gates = gates_task(quote(puf), quote(spec), gate_rows, replicate_cols, masked)
