@@ -6,6 +6,7 @@ name, passed, value, threshold, detail (what failed, by how much, example record
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,8 @@ def _gx():
     import great_expectations.expectations as gxe
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
+    # GX sets this logger to INFO on import ('ephemeral docs site' lines on every context)
+    logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.WARNING)
     ctx = gx.get_context(mode="ephemeral")
     ctx.variables.progress_bars = ProgressBarsConfig(globally=False)
     return gx, gxe, ctx
