@@ -238,21 +238,22 @@ def _weights(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
 
 
 class _Psus:
-    """PSUs nested in strata: record -> PSU code g, PSU -> stratum psu_h, PSUs per stratum."""
+    """PSUs nested in strata: record -> PSU code g, PSU -> stratum psu_h, PSUs per stratum,
+    and the records in PSU order (order, None when already so; PSU p holds the records
+    starts[p]:starts[p + 1] of that order)."""
 
     def __init__(self, df: pd.DataFrame, strata: str, psu: str):
         h, self.h_labels = pd.factorize(df[strata], sort=True)
-        g, uniq = pd.factorize(pd.MultiIndex.from_arrays([h, df[psu].to_numpy()]), sort=True)
+        p_code, p_labels = pd.factorize(df[psu], sort=True)
+        g, uniq = pd.factorize(h.astype(np.int64) * max(len(p_labels), 1) + p_code, sort=True)
         self.g = g.astype(np.int64)
-        self.psu_h = np.asarray(uniq.get_level_values(0), dtype=np.int64)
+        self.psu_h = (uniq // max(len(p_labels), 1)).astype(np.int64)
         self.G, self.H = len(self.psu_h), len(self.h_labels)
         self.n_h = np.bincount(self.psu_h, minlength=self.H)
         self.n_p = np.bincount(self.g, minlength=self.G)
-        n = len(df)
-        self.P = sp.csr_matrix((np.ones(n), (self.g, np.arange(n))), shape=(self.G, n))
-        first = np.zeros(self.G, dtype=np.int64)
-        first[self.g[::-1]] = np.arange(n)[::-1]
-        self.first = first  # first record of each PSU
+        # None: the file is already in PSU order (no gather needed)
+        self.order = None if (np.diff(self.g) >= 0).all() else np.argsort(self.g, kind="stable")
+        self.starts = np.r_[0, np.cumsum(self.n_p)[:-1]]
 
     def strata(self, mask: np.ndarray) -> str:
         return _short(list(self.h_labels[np.flatnonzero(mask)]))
@@ -312,17 +313,18 @@ def _swap(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
 def _factor_blocks(
     df: pd.DataFrame, cols: list[str], w: np.ndarray, p: _Psus
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(records zero per PSU, G x R), (PSU factor W/w at its first record, G x R), (factor
-    constant within every PSU, R): read _CHUNK columns at a time."""
+    """(records zero per PSU, G x R), (PSU factor W/w, its smallest value in the PSU, G x R),
+    (factor constant within every PSU, R): _CHUNK columns at a time, records in PSU order."""
     zc, F, const = [], [], []
+    ws = (w if p.order is None else w[p.order])[:, None]
     for a in range(0, len(cols), _CHUNK):
         W = df[cols[a : a + _CHUNK]].to_numpy(dtype=float)
-        zc.append(np.asarray(p.P @ (W == 0).astype(float)))
-        ratio = W / w[:, None]
-        f = ratio[p.first]
-        dev = np.abs(ratio - f[p.g]).max(axis=0, initial=0.0)
-        const.append(dev <= _TOL * np.maximum(np.abs(f).max(axis=0, initial=0.0), 1.0))
-        F.append(f)
+        ratio = (W if p.order is None else W[p.order]) / ws
+        zc.append(np.add.reduceat((ratio == 0).astype(np.int64), p.starts, axis=0))
+        lo = np.minimum.reduceat(ratio, p.starts, axis=0)
+        hi = np.maximum.reduceat(ratio, p.starts, axis=0)
+        const.append((hi - lo).max(axis=0) <= _TOL * np.maximum(np.abs(hi).max(axis=0), 1.0))
+        F.append(lo)
     return np.hstack(zc), np.hstack(F), np.concatenate(const)
 
 
@@ -485,10 +487,10 @@ def _subsampling(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
     n_p = p.n_p.astype(float)
     seg = spec.design.segment
     if spec.stages.active("swap") is not None and seg and seg in df.columns:
-        seg_size = df.groupby(seg, sort=False, observed=True).size()
-        n_seg = (
-            pd.Series(df[seg].to_numpy()).groupby(p.g, sort=True).nunique().to_numpy(dtype=float)
-        )
+        s_code = pd.factorize(df[seg])[0]
+        seg_size = np.bincount(s_code)
+        pairs = np.unique(p.g * (len(seg_size) + 1) + s_code)  # distinct (PSU, segment)
+        n_seg = np.bincount(pairs // (len(seg_size) + 1), minlength=p.G).astype(float)
         n_p = np.minimum(n_p, n_seg * float(seg_size.min()))
     risk = single_psu_chance(n_p, p.psu_h, p.H, phi_min)
     bad = (p.n_h >= 2) & (risk > SINGLE_PSU_RISK_MAX)
