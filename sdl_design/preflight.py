@@ -34,7 +34,6 @@ def preflight(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
     out += _types(spec, df)
     out += _conditions(spec, df)
     out += _sensitive_labels(spec, df)
-    out += _weights(spec, df)
     if spec.stages.active("swap") is not None:
         out += _swap(spec, df)
     if spec.design.replicate_weights is not None:
@@ -208,30 +207,6 @@ def _sensitive_labels(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
                 "different values with one category label; recode them to one spelling"
             )
     return out
-
-
-# ---------------------------------------------------------------- weights
-
-
-def _weights(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
-    """Weights normalised to the sample size make the log-linear risk count every sample unique
-    as a population unique."""
-    w_col = spec.design.weight
-    risk = spec.stages.active("risk")
-    if w_col not in df.columns or not _is_number(df[w_col]):
-        return []
-    if not ((risk is not None and risk.loglinear) or spec.stages.active("massc") is not None):
-        return []
-    w = df[w_col].to_numpy(dtype=float)
-    if not np.isfinite(w).all() or len(w) < 2:
-        return []
-    if abs(w.sum() - len(w)) <= 1e-6 * len(w) and np.ptp(w) > 1e-9:
-        return [
-            f"design.weight: the weights of '{w_col}' sum to the sample size ({len(w)}): they look "
-            "normalised; risk and MASSC need weights that sum to the population size: give the "
-            "survey's expansion weights"
-        ]
-    return []
 
 
 # ---------------------------------------------------------------- design structure
