@@ -113,7 +113,17 @@ def _row_condition(clauses: Sequence[Clause]):
     """GX row condition of parsed 'when' clauses (None when there are none)."""
     cond = None
     for col, op, value in clauses:
-        c = _col(col).is_in(value) if op == "in" else OPS[op](_col(col), value)
+        gc = _col(col)
+        if op == "in":
+            c = gc.is_in(value)
+        elif op == "not in":
+            c = gc.is_not_in(value)
+        elif op == "is null":
+            c = gc.is_null()
+        elif op == "not null":
+            c = gc.is_not_null()
+        else:
+            c = OPS[op](gc, value)
         cond = c if cond is None else cond & c
     return cond
 

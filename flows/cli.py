@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +17,7 @@ from flows.env import quiet_env
 
 if TYPE_CHECKING:
     from flows.manifest import Manifest
+    from sdl_design.spec import ReleaseSpec
 
 DEFAULT_SPEC = "default_spec.yaml"
 
@@ -83,30 +86,91 @@ def _registry(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _known_errors() -> dict[type[BaseException], int]:
+    """Errors that say what is wrong in words (no traceback) and the exit code of each:
+    2 the spec or data is not usable for a method, 1 an edit, gate or approval failed."""
+    from expectations.suites import GateFailed
+    from flows.release import ReleaseRejected
+    from sdl_design.calibration import CalibrationError
+    from sdl_design.design import DesignError
+    from sdl_design.edits import EditFailure
+    from sdl_design.glm import FormulaError
+    from sdl_design.massc.common import MasscError
+    from sdl_design.prb import PrbError
+    from sdl_design.risk import RiskInputError
+    from sdl_design.spec import SpecError
+
+    unusable = (SpecError, DesignError, PrbError, MasscError, RiskInputError, CalibrationError)
+    return {
+        **{e: 2 for e in (*unusable, FormulaError)},
+        **{e: 1 for e in (GateFailed, ReleaseRejected, EditFailure)},
+    }
+
+
+class _KnownErrorFilter(logging.Filter):
+    """Drops Prefect's task and flow failure records (and their tracebacks) for a known error:
+    the CLI says it once itself."""
+
+    def __init__(self, names: set[str]):
+        super().__init__()
+        self.names = names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and type(exc).__name__ in self.names:
+            return False
+        msg = str(record.msg)
+        return not any(f"{n}(" in msg or f"{n}:" in msg for n in self.names)
+
+
+def _silence_known_errors(known: dict[type[BaseException], int]) -> None:
+    names = {e.__name__ for e in known}
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _KnownErrorFilter) for f in logger.filters):
+            logger.addFilter(_KnownErrorFilter(names))
+
+
+def _guarded(fn: Callable[[], int]) -> int:
+    """fn's exit code; a known error is printed once, without a traceback, with its code."""
+    known = _known_errors()
+    _silence_known_errors(known)
+    try:
+        return fn()
+    except tuple(known) as e:
+        code = next(c for t, c in known.items() if isinstance(e, t))
+        print(f"puf: {e}", file=sys.stderr)
+        return code
+
+
+def _check_input(spec: ReleaseSpec) -> int:
+    """Read the input and run check_data and preflight (SpecError on any problem); the number
+    of records. The frame is freed before the flow starts."""
+    from tasks.core import load_task
+
+    df, _ = load_task.fn(spec)
+    return len(df)
+
+
 def _run(
     spec_path: str, approve: str | None, year: int | None, runner: str, address: str | None
 ) -> int:
-    from expectations.suites import GateFailed
-    from flows.release import ReleaseRejected, run_release
-    from sdl_design.edits import EditFailure
-    from sdl_design.spec import SpecError, load_spec
+    from flows.release import run_release
+    from sdl_design.spec import load_spec, with_year
 
-    try:
-        spec = load_spec(spec_path)
+    def go() -> int:
+        spec = with_year(load_spec(spec_path), year)
         if spec.approval.required and not approve and not os.environ.get("PREFECT_API_URL"):
             print(_no_approver(spec, spec_path), file=sys.stderr)
             return 2
+        _check_input(spec)  # every problem of spec and data before the flow starts any work
         manifest = run_release(
             spec_path, approve=approve, year=year, runner=runner, dask_address=address
         )
-    except SpecError as e:
-        print(f"puf: {e}", file=sys.stderr)
-        return 2
-    except (GateFailed, ReleaseRejected, EditFailure) as e:
-        print(f"puf: {e}", file=sys.stderr)
-        return 1
-    _print_release(manifest, Path(spec.release.output_dir))
-    return 0
+        _print_release(manifest, Path(spec.release.output_dir))
+        return 0
+
+    return _guarded(go)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -121,33 +185,40 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """Dry run: the spec, the data and every enabled stage's preconditions, nothing treated."""
     from expectations.suites import validate_edits
-    from sdl_design.spec import SpecError, load_spec
+    from sdl_design.spec import load_spec
+    from sdl_design.stage import build_stages
     from tasks.core import load_task
 
-    try:
+    def go() -> int:
         spec = load_spec(args.spec)
-        df, _ = load_task.fn(spec)
-    except SpecError as e:
-        print(f"puf: {e}", file=sys.stderr)
-        return 2
-    ids = spec.variables.direct_identifiers
-    res = validate_edits(df, spec.edits, ids[0] if ids else None)
-    print(f"spec {args.spec}: valid; {len(df)} records, {len(df.columns)} columns")
-    for r in res.itertuples():
-        print(f"  [{'ok' if r.passed else 'FAIL'}] {r.name}: {r.detail}")
-    return 0 if res["passed"].all() else 1
+        df, _ = load_task.fn(spec)  # check_data and preflight: SpecError lists every problem
+        ids = spec.variables.direct_identifiers
+        res = validate_edits(df, spec.edits, ids[0] if ids else None)
+        stages = ", ".join(s.name for s in build_stages(spec))
+        print(f"spec {args.spec}: valid; {len(df)} records, {len(df.columns)} columns")
+        print(f"  stages      : {stages}; every stage's preconditions hold on the input")
+        for r in res.itertuples():
+            print(f"  [{'ok' if r.passed else 'FAIL'}] {r.name}: {r.detail}")
+        return 0 if res["passed"].all() else 1
+
+    return _guarded(go)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from flows.tune import run_tune
-    from sdl_design.spec import SpecError
 
-    try:
+    out = None
+
+    def go() -> int:
+        nonlocal out
         out = run_tune(args.spec, args.budget, args.runner, args.dask_address)
-    except SpecError as e:
-        print(f"puf: {e}", file=sys.stderr)
-        return 2
+        return 0
+
+    code = _guarded(go)
+    if out is None:
+        return code
     own, rec = out["own"], out["recommended"]
     print(f"tuned {args.spec}: {out['n_candidates']} candidates in {out['wall_seconds']} s")
     print(

@@ -17,7 +17,6 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 import pandas as pd
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # The one operator table: pandas Series and GX row-condition Columns both overload these.
@@ -30,46 +29,138 @@ OPS: dict[str, Callable[[Any, Any], Any]] = {
     "!=": operator.ne,
 }
 
-Clause = tuple[str, str, Any]  # (column, op, value); op is a key of OPS or "in"
+Clause = tuple[str, str, Any]  # (column, op, value); op: a key of OPS, "in", "not in",
+# "is null" or "not null" (value None)
 
-_COND = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(<=|>=|==|!=|<|>|in)\s*(.+?)\s*$")
+_COND = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(<=|>=|==|!=|<|>|not\s+in\b|in\b)\s*(.+?)\s*$")
+_NUMBER = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
+_NULLS = ("null", "none", "~")
+
+
+def _scalar(token: str, part: str) -> Any:
+    """One value of a condition: 'quoted' or "quoted" text, true/false, null, a number, else
+    the bare word as text (yes, no, on and off are text, never booleans; a number with a
+    leading zero such as 0001 is text too)."""
+    t = token.strip()
+    if len(t) >= 2 and t[0] == t[-1] and t[0] in "'\"":
+        return t[1:-1]
+    if not t or any(c in t for c in "[]{},'\""):
+        raise ValueError(f"cannot read the value {t!r} in condition {part!r}; quote text values")
+    low = t.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in _NULLS:
+        return None
+    if _NUMBER.match(t):
+        digits = t.lstrip("+-")
+        if len(digits) > 1 and digits[0] == "0" and digits[1].isdigit():
+            return t
+        return int(t) if re.fullmatch(r"[-+]?\d+", t) else float(t)
+    return t
+
+
+def _items(inner: str, part: str) -> list[Any]:
+    """The values of '[a, 'b', 3]' (commas inside quotes are kept)."""
+    items, cur, quote = [], "", None
+    for ch in inner:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == ",":
+            items.append(cur)
+            cur = ""
+            continue
+        cur += ch
+    if cur.strip() or items:
+        items.append(cur)
+    values = [_scalar(x, part) for x in items]
+    if not values:
+        raise ValueError(f"condition {part!r}: the list is empty; give at least one value")
+    if any(v is None for v in values):
+        raise ValueError(
+            f"condition {part!r}: a list may not hold null; test missing values on their own "
+            "clause (column == null)"
+        )
+    return values
+
+
+def _value(raw: str, part: str) -> Any:
+    raw = raw.strip()
+    if raw.startswith("["):
+        if not raw.endswith("]"):
+            raise ValueError(f"condition {part!r}: the list is not closed with ']'")
+        return _items(raw[1:-1], part)
+    return _scalar(raw, part)
 
 
 def parse_condition(text: str) -> list[Clause]:
-    """'age < 15 and sex == "male"' -> [(column, op, value), ...]; clauses joined by 'and'."""
+    """'age < 15 and sex == "male"' -> [(column, op, value), ...]; clauses joined by 'and'.
+
+    Values: 'quoted' text, true/false, numbers, bare words as text (`consent == yes` compares
+    with the text "yes"), lists. `x == [1, 2]` means x in the list (`!=`: not in it);
+    `x == null` holds where x is missing (`!=`: where it is not)."""
     clauses = []
     for part in re.split(r"\s+and\s+", text.strip()):
         m = _COND.match(part)
         if not m:
             raise ValueError(
                 f"cannot read condition {part!r}: write 'column op value' with op one of "
-                "< <= > >= == != in, joined by 'and' (e.g. \"age < 15 and sex == 'male'\")"
+                "< <= > >= == != in, not in, joined by 'and' (e.g. \"age < 15 and sex == 'male'\")"
             )
         col, op, raw = m.groups()
+        op = " ".join(op.split())
         if raw[0] in "<>=!":
             raise ValueError(
                 f"cannot read condition {part!r}: the operator is not one of < <= > >= == != in"
             )
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError as e:
-            raise ValueError(f"cannot read the value {raw!r} in condition {part!r}") from e
-        if op == "in" and not isinstance(value, list):
-            raise ValueError(f"'in' needs a list, e.g. \"{col} in [1, 2]\"")
+        value = _value(raw, part)
+        if isinstance(value, list):
+            if op in ("==", "in"):
+                op = "in"
+            elif op in ("!=", "not in"):
+                op = "not in"
+            else:
+                raise ValueError(
+                    f"condition {part!r}: a list can only be compared with ==, !=, in or not in"
+                )
+        elif op in ("in", "not in"):
+            raise ValueError(f"'{op}' needs a list, e.g. \"{col} {op} [1, 2]\"")
+        elif value is None:
+            if op not in ("==", "!="):
+                raise ValueError(
+                    f"condition {part!r}: a missing value has no order; write {col} == null "
+                    f"(records where {col} is missing) or {col} != null"
+                )
+            op = "is null" if op == "==" else "not null"
         clauses.append((col, op, value))
     return clauses
 
 
+def clause_hits(s: pd.Series, op: str, value: Any) -> pd.Series:
+    """Where one clause holds on column s (a missing value satisfies only '!=', 'not in' and
+    '== null'; a comparison that gives a missing result does not hold)."""
+    if op == "in":
+        hit = s.isin(value)
+    elif op == "not in":
+        hit = ~s.isin(value)
+    elif op == "is null":
+        hit = s.isna()
+    elif op == "not null":
+        hit = s.notna()
+    else:
+        hit = OPS[op](s, value)
+    return hit.fillna(False).astype(bool)
+
+
 def condition_mask(df: pd.DataFrame, text: str | None) -> pd.Series:
     """Rows where a 'when' condition holds (all rows when there is none; a missing value never
-    satisfies a clause except through '!=')."""
+    satisfies a clause except through '!=', 'not in' and '== null')."""
     mask = pd.Series(True, index=df.index)
     for col, op, value in parse_condition(text) if text else []:
         if col not in df.columns:
             raise KeyError(f"edit condition names column '{col}', which is not in the data")
-        s = df[col]
-        hit = s.isin(value) if op == "in" else OPS[op](s, value)
-        mask &= hit.fillna(False).astype(bool)
+        mask &= clause_hits(df[col], op, value)
     return mask
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
-from numbers import Number
 from typing import Any
 
 import numpy as np
@@ -25,7 +24,7 @@ import scipy.sparse as sp
 import scipy.sparse.linalg
 
 from sdl_design.keys import coarsen, key_frame
-from sdl_design.spec import KeySpec, SensitiveSpec
+from sdl_design.spec import KeySpec, SensitiveSpec, category_label
 
 STRATA = ("U", "D", "T", "O")
 KeyLike = str | KeySpec
@@ -119,17 +118,9 @@ def risk_strata(df: pd.DataFrame, keys: Sequence[KeyLike]) -> pd.Series:
 
 
 def _label(v: Any) -> str:
-    """Category label used to match data values with sensitivity keys (1, 1.0 and '1' agree)."""
-    if isinstance(v, (bool, np.bool_)):
-        return str(bool(v))
-    if isinstance(v, Number) and not isinstance(v, complex):
-        f = float(v)
-        if np.isnan(f):
-            return "nan"
-        return str(int(f)) if f.is_integer() else repr(f)
-    if v is None or (isinstance(v, float) and np.isnan(v)) or v is pd.NA or v is pd.NaT:
-        return "nan"
-    return str(v)
+    """Category label used to match data values with sensitivity keys (1, 1.0, '1' and '1.0'
+    agree): the one rule of spec.category_label, shared with the spec's data check."""
+    return category_label(v)
 
 
 def _sensitive_specs(sensitive: SensitiveLike) -> list[SensitiveSpec]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from numbers import Number
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import numpy as np
 import pandas as pd
@@ -16,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -36,8 +38,24 @@ class SpecError(ValueError):
         return type(self), (self.problems,)
 
 
+def _allows_bool(annotation: Any) -> bool:
+    """Whether a field's type admits a boolean (bool itself, Any, or a union holding either)."""
+    if annotation is bool or annotation is Any:
+        return True
+    return any(_allows_bool(a) for a in get_args(annotation))
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """`seed: true` is not the number 1: a boolean only where the field is a boolean."""
+        if isinstance(v, bool) and info.field_name in cls.model_fields:
+            if not _allows_bool(cls.model_fields[info.field_name].annotation):
+                raise ValueError(f"{str(v).lower()} is a boolean here; write the value itself")
+        return v
 
 
 # ---------------------------------------------------------------- release, design, variables
@@ -52,6 +70,17 @@ class ReleaseSection(_Strict):
     registry: str | None = (
         None  # SQLAlchemy URL; default PUF_REGISTRY_URL or <output_dir>/registry.db
     )
+
+    @field_validator("name")
+    @classmethod
+    def _safe_folder(cls, v: str) -> str:
+        """The name is a folder under output_dir: no '/', and no leading dot ('.', '..', hidden)."""
+        if v.startswith("."):
+            raise ValueError(
+                f"{v!r} cannot be a release folder name (it starts with a dot); start it with a "
+                "letter or digit, e.g. 'my-survey'"
+            )
+        return v
 
 
 class ReplicateSpec(_Strict):
@@ -139,6 +168,28 @@ def _names_as_keys(v: Any) -> Any:
 KeySpecs = Annotated[list[KeySpec], BeforeValidator(_names_as_keys)]
 
 
+_NUMERIC_TEXT = re.compile(r"^\s*[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?\s*$")
+
+
+def category_label(v: Any) -> str:
+    """The label that matches a data value with a sensitivity key: 1, 1.0, '1' and '1.0' all
+    give '1'; 0.5 and '0.5' give '0.5'; True gives 'True'; a missing value gives 'nan'."""
+    if isinstance(v, (bool, np.bool_)):
+        return str(bool(v))
+    if isinstance(v, str):
+        if not _NUMERIC_TEXT.match(v):
+            return v
+        v = float(v)
+    if isinstance(v, Number) and not isinstance(v, complex):
+        f = float(v)
+        if np.isnan(f):
+            return "nan"
+        return str(int(f)) if f.is_integer() else repr(f)
+    if v is None or v is pd.NA or v is pd.NaT:
+        return "nan"
+    return str(v)
+
+
 class SensitiveSpec(_Strict):
     name: str
     sensitivity: dict[str | int | float, Annotated[float, Field(ge=0.0, le=1.0)]]
@@ -180,6 +231,15 @@ class SwapSection(_Strict):
     scope: Literal["any", "same_stratum", "cross_stratum"] = "any"
     replicate_method: ReplicateMethod | None = None  # default: the design's replicate method
     rho: float | None = Field(default=None, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _rate_within_share(self) -> SwapSection:
+        if self.rate > self.max_share + 1e-12:
+            raise ValueError(
+                f"rate {self.rate:g} is above max_share {self.max_share:g}: no PSU may swap more "
+                "than max_share of its segments; lower rate or raise max_share"
+            )
+        return self
 
 
 class PrbSection(_Strict):
@@ -539,8 +599,8 @@ class ReleaseSpec(_Strict):
                 )
         for i, s in enumerate(self.variables.sensitive):
             if s.name in df.columns and s.bins is None:
-                listed = {str(k) for k in s.sensitivity}
-                seen = {str(v) for v in pd.unique(df[s.name].dropna())}
+                listed = {category_label(k) for k in s.sensitivity}
+                seen = {category_label(v) for v in pd.unique(df[s.name].dropna())}
                 missing = sorted(seen - listed)
                 if missing:
                     problems.append(
@@ -583,6 +643,95 @@ def _format_validation(err: ValidationError) -> list[str]:
     return out
 
 
+def spec_problems(spec: ReleaseSpec) -> list[str]:
+    """Settings that are each valid but contradict one another ('field: what and fix')."""
+    out = []
+    prb, gates = spec.stages.active("prb"), spec.gates
+    if prb is not None and gates.xi is not None and gates.xi < prb.xi:
+        out.append(
+            f"gates.xi: {gates.xi:g} is below stages.prb.xi ({prb.xi:g}); PRB bounds the "
+            "identification risk by stages.prb.xi, so the gate would fail after the whole run: "
+            f"lower stages.prb.xi to at most {gates.xi:g}, or raise gates.xi"
+        )
+    if spec.stages.active("massc") is not None and not spec.variables.sensitive:
+        out.append(
+            "variables.sensitive: MASSC (stages.massc) needs at least one sensitive variable with "
+            "its sensitivity scores (its disclosure costs come from GenMASSC risk scores, e.g. "
+            "{name: diabetes, sensitivity: {1: 1.0, 0: 0.0}}); add one, or set "
+            "stages.massc.enabled: false"
+        )
+    return out
+
+
+def with_year(spec: ReleaseSpec, year: int | None) -> ReleaseSpec:
+    """The spec with release.year replaced (a --year override), validated like the YAML's."""
+    if year is None:
+        return spec
+    try:
+        ReleaseSection.model_validate({**spec.release.model_dump(), "year": year})
+    except ValidationError as err:
+        raise SpecError(
+            [p.replace("year:", "release.year (--year):", 1) for p in _format_validation(err)]
+        ) from None
+    spec.release.year = year
+    return spec
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """YAML as the spec means it: only true/false are booleans (yes, no, on, off stay text, as
+    in YAML 1.2), and a key given twice in one mapping is an error, not the last one winning."""
+
+
+_SpecLoader.yaml_implicit_resolvers = {
+    first: [r for r in resolvers if r[0] != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool",
+    re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+    list("tTfF"),
+)
+
+
+def _duplicate_keys(node: yaml.Node, path: str = "") -> list[str]:
+    """Keys given twice in a mapping of the composed YAML tree, with their lines."""
+    out: list[str] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for k, v in node.value:
+            key = k.value if isinstance(k, yaml.ScalarNode) else None
+            here = f"{path}.{key}" if path else str(key)
+            if key is not None and key != "<<":
+                line = k.start_mark.line + 1
+                if key in seen:
+                    out.append(
+                        f"{here}: the key '{key}' is given twice (lines {seen[key]} and {line}); "
+                        "keep one"
+                    )
+                else:
+                    seen[key] = line
+            out += _duplicate_keys(v, here)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            out += _duplicate_keys(v, f"{path}[{i}]")
+    return out
+
+
+def read_spec_yaml(text: str) -> Any:
+    """The spec's YAML text as Python data (see _SpecLoader); SpecError on a duplicated key."""
+    loader = _SpecLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        dup = _duplicate_keys(node)
+        if dup:
+            raise SpecError(dup)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def parse_spec(data: dict[str, Any], base_dir: Path | None = None) -> ReleaseSpec:
     """Validate a spec mapping; relative paths are resolved against base_dir."""
     if not isinstance(data, dict):
@@ -593,6 +742,9 @@ def parse_spec(data: dict[str, Any], base_dir: Path | None = None) -> ReleaseSpe
         spec = ReleaseSpec.model_validate(data)
     except ValidationError as err:
         raise SpecError(_format_validation(err)) from None
+    problems = spec_problems(spec)
+    if problems:
+        raise SpecError(problems)
     if base_dir is not None:
         rel = spec.release
         if rel.input is not None and not rel.input.is_absolute():
@@ -608,7 +760,7 @@ def load_spec(path: str | Path) -> ReleaseSpec:
     if not path.is_file():
         raise SpecError([f"<spec>: no file at {path}; give the path of a release spec YAML"])
     try:
-        data = yaml.safe_load(path.read_text())
+        data = read_spec_yaml(path.read_text())
     except yaml.YAMLError as e:
         raise SpecError([f"<spec>: {path} is not valid YAML: {e}"]) from None
     return parse_spec(data, base_dir=path.parent.resolve())

@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from expectations.suites import validate_edits, validate_metric_gates, validate_output
 from flows.publish import sha256_file, sha256_frame
+from sdl_design.preflight import preflight, raise_problems
 from sdl_design.spec import ReleaseSpec, SpecError
 
 
@@ -38,6 +39,7 @@ def load_task(spec: ReleaseSpec) -> tuple[pd.DataFrame, str]:
             )
         digest = sha256_file(path)
     spec.check_data(df)
+    raise_problems(preflight(spec, df))  # every enabled stage's preconditions, before any work
     return df, digest
 
 

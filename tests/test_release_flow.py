@@ -161,18 +161,19 @@ def test_failed_gate_publishes_nothing(tmp_path):
     from flows import registry as reg
 
     url = f"sqlite:///{tmp_path / 'registry.db'}"
-    path = small_spec(tmp_path, **{"gates.xi": 0.34, "release.registry": url})
-    with pytest.raises(GateFailed, match="identification"):
+    # (gates.xi below stages.prb.xi is now refused before the run: a unique-share gate fails)
+    path = small_spec(tmp_path, **{"gates.max_unique_share": 0.001, "release.registry": url})
+    with pytest.raises(GateFailed, match="sample uniques"):
         release_flow(spec_path=str(path), approve="tester")
     out = folder(path)
     assert not (out / "public").exists()
     manifest = json.loads((out / "internal" / "manifest.json").read_text())
     assert manifest["status"] == "rejected"
     failed = [g for g in manifest["gates"] if not g["passed"]]
-    assert failed and all(g["value"] > 0.34 for g in failed)
+    assert failed and all(g["value"] > 0.001 for g in failed)
     # the registry has it as rejected, with the failed gate as the reason
     rec = reg.show_release(manifest["release"]["release_id"], url=url)
-    assert rec["status"] == "rejected" and "identification" in rec["reason"]
+    assert rec["status"] == "rejected" and "sample uniques" in rec["reason"]
     assert {g["name"] for g in rec["gates"] if not g["passed"]} == {g["name"] for g in failed}
 
 
