@@ -423,7 +423,8 @@ def expected_transitions(res: PrbResult, weight: np.ndarray) -> pd.DataFrame:
     inb = ~np.isnan(bl)
     rows = []
     for v in cv.columns:
-        cat_codes, cats = pd.factorize(cv[v].astype(str), sort=True)
+        # a missing value is a category of its own (the missing-value policy)
+        cat_codes, cats = pd.factorize(cv[v].astype(str), sort=True, use_na_sentinel=False)
         k = len(cats)
         a = cat_codes[res.cell]  # original category per record
         # moves: per unit, prob theta/((m-1) t'_j) to each other cell of its block
