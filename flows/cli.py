@@ -14,6 +14,7 @@ from flows.env import quiet_env
 
 if TYPE_CHECKING:
     from flows.manifest import Manifest
+    from sdl_design.spec import ReleaseSpec
 
 DEFAULT_SPEC = "default_spec.yaml"
 
@@ -55,6 +56,14 @@ def _print_release(manifest: Manifest, out_dir: Path) -> None:
     print(f"  gates       : {n - manifest.n_failed_gates} of {n} passed")
 
 
+def check_input(spec: ReleaseSpec) -> None:
+    """Read the input as the spec declares it and check its values (SpecError when unusable)."""
+    from sdl_design.io import read_input
+
+    df, _ = read_input(spec)
+    spec.check_data(df)
+
+
 def _run(
     spec_path: str, approve: str | None, year: int | None, runner: str, address: str | None
 ) -> int:
@@ -65,6 +74,7 @@ def _run(
 
     try:
         spec = load_spec(spec_path)
+        check_input(spec)  # bad data: exit 2 with the message, before any work or Prefect run
         manifest = run_release(
             spec_path, approve=approve, year=year, runner=runner, dask_address=address
         )

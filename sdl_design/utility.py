@@ -206,6 +206,13 @@ def domain_mean_se(
     from sdl_design.design import SurveyDesign
 
     frame = pd.concat([df, chars.extra], axis=1)
+    incomplete = [
+        c for c in dict.fromkeys([*chars.overall, *chars.domain_vars]) if frame[c].isna().any()
+    ]
+    if incomplete:  # domain estimation: the mean over the records where the variable is observed
+        y0 = {f"__y0|{c}": frame[c].astype(float).fillna(0.0) for c in incomplete}
+        obs = {f"__obs|{c}": frame[c].notna().astype(float) for c in incomplete}
+        frame = frame.assign(**y0, **obs)
     rw = list(replicate_weights) if (replicate_weights and method) else None
     design = SurveyDesign(
         frame, weight=weight, strata=strata, psu=psu, replicate_weights=rw, method=method, rho=rho
@@ -213,10 +220,10 @@ def domain_mean_se(
     calls = [(None, chars.overall)] + [(d, chars.domain_vars) for d in chars.domains]
     out = []
     for by, cols in calls:
-        t = design.mean(cols, by=by, variance="taylor").reset_index()
+        t = _means(design, cols, incomplete, by, "taylor")
         t["domain"] = "all" if by is None else by.removeprefix("_dom_") + "=" + t[by].astype(str)
         if rw:
-            r = design.mean(cols, by=by, variance="replicate").reset_index()
+            r = _means(design, cols, incomplete, by, "replicate")
             t["se_rep"] = r["se"].to_numpy()
         t["kind"] = [
             chars.kinds.get(c, "mean") if by is None else "domain mean" for c in t.variable
@@ -224,6 +231,31 @@ def domain_mean_se(
         cols_out = ["variable", "domain", "kind", "estimate", "se", "deff"]
         out.append(t[cols_out + (["se_rep"] if rw else [])])
     return pd.concat(out, ignore_index=True)
+
+
+def _means(
+    design: Any, cols: list[str], incomplete: list[str], by: str | None, variance: str
+) -> pd.DataFrame:
+    """design.mean of cols (reset index); a column with missing values is estimated on its
+    domain of observed values, as the ratio of the totals of y (0 where missing) and of the
+    indicator of y observed (its linearization is the domain mean's)."""
+    miss = [c for c in cols if c in incomplete]
+    if not miss:
+        return design.mean(cols, by=by, variance=variance).reset_index()
+    full = [c for c in cols if c not in incomplete]
+    parts = []
+    if full:
+        parts.append(design.mean(full, by=by, variance=variance).reset_index())
+    r = design.ratio(
+        [f"__y0|{c}" for c in miss], [f"__obs|{c}" for c in miss], by=by, variance=variance
+    ).reset_index()
+    r["variable"] = np.tile(miss, len(r) // len(miss)) if by is not None else miss
+    parts.append(r)
+    t = pd.concat(parts, ignore_index=True)
+    order = {c: i for i, c in enumerate(cols)}
+    keys = [t["variable"].map(order)] if by is None else [t[by], t["variable"].map(order)]
+    pos = np.lexsort(keys[::-1])
+    return t.iloc[pos].reset_index(drop=True)
 
 
 def se_ratio_table(
