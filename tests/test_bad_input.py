@@ -167,6 +167,9 @@ def test_refused_before_any_work(tmp_path, capsys, survey, case):
         assert text in err, (text, err)
     assert "Traceback" not in err and err.count("\n  - ") >= 1
     assert not list(tmp_path.rglob("public")) and not (tmp_path / "default-survey").exists()
+    assert main(["validate", str(spec)]) == 2  # puf validate refuses it the same way
+    err = capsys.readouterr().err
+    assert all(text in err for text in said) and "Traceback" not in err
 
 
 def test_misleading_messages_gone(tmp_path, capsys, survey):
