@@ -27,7 +27,7 @@ import scipy.linalg.lapack
 import scipy.sparse
 from scipy.optimize import linprog
 
-from sdl_design.keys import key_frame
+from sdl_design.keys import MISSING, key_frame
 from sdl_design.spec import KeySpec
 
 METHODS = ("linear", "raking", "logit", "poststratify")
@@ -191,6 +191,13 @@ def _is_margin(t: Any) -> bool:
     return isinstance(t, Mapping)
 
 
+def _margin_codes(s: pd.Series) -> tuple[np.ndarray, list]:
+    """Codes and sorted categories of a margin column; a missing value is a category of its own
+    (MISSING, the missing-value policy), in the control totals and in the calibrated file alike."""
+    code, cats = pd.factorize(s, sort=True, use_na_sentinel=False)
+    return code, [MISSING if pd.isna(c) else c for c in cats]
+
+
 def _design(df: pd.DataFrame, totals: Mapping[str, Any]) -> _Design:
     """One column of X per category of each margin and one per numeric total."""
     if not totals:
@@ -204,11 +211,13 @@ def _design(df: pd.DataFrame, totals: Mapping[str, Any]) -> _Design:
     for col, t in totals.items():
         s = df[col]
         n_na = int(s.isna().sum())
-        if n_na:
-            raise CalibrationError(f"control column '{col}' has {n_na} missing values; impute them")
+        if n_na and not _is_margin(t):
+            raise CalibrationError(
+                f"control column '{col}' has {n_na} missing values; a numeric total needs "
+                "every value (calibrate to its categories, or impute)"
+            )
         if _is_margin(t):
-            code, cats = pd.factorize(s, sort=True)
-            cats = list(cats)
+            code, cats = _margin_codes(s)
             absent = [c for c in cats if c not in t]
             if absent:
                 raise CalibrationError(
@@ -526,14 +535,17 @@ def control_totals(
     out: list[dict[str, Any]] = [{} for _ in wcols]
     for k in specs:
         s = kf[k.name]
-        if s.isna().any():
-            raise CalibrationError(f"control column '{k.name}' has missing values; impute them")
         if k.bins is None and k.map is None and pd.api.types.is_numeric_dtype(s):
+            if s.isna().any():
+                raise CalibrationError(
+                    f"control column '{k.name}' has missing values; a numeric total needs every "
+                    "value (give it bins, or impute)"
+                )
             v = s.to_numpy(dtype=float) @ W
             for i in range(len(wcols)):
                 out[i][k.name] = float(v[i])
         else:
-            code, cats = pd.factorize(s, sort=True)
+            code, cats = _margin_codes(s)
             S = scipy.sparse.csr_matrix(
                 (np.ones(len(code)), (code, np.arange(len(code)))), shape=(len(cats), len(code))
             )

@@ -3,6 +3,12 @@
 This is the one implementation of edit rules. Each rule says which records break it
 (`violations`, pandas) and describes itself as one column expectation (`expectation`, free of
 Great Expectations), which expectations/suites.py turns into the GX edit suite.
+
+Missing values (the declared missing-value policy, README "Missing values"): a rule checks the
+values that are there. A record whose checked column is missing (NaN, or a declared missing code
+read as missing) passes the rule unless the rule says `missing: fail`; `not_null` is the rule
+whose whole point is that a missing value fails. The input and every output check (PRB, MASSC,
+the public file) use this one definition.
 """
 
 from __future__ import annotations
@@ -186,6 +192,8 @@ class _Edit(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     when: str | None = None
+    # a record whose checked column is missing: passes the rule ("pass", default) or breaks it
+    missing: Literal["pass", "fail"] = "pass"
 
     @field_validator("when")
     @classmethod
@@ -214,9 +222,21 @@ class _Edit(BaseModel):
         """True where a record breaks the rule: 'when' holds and the check does not."""
         return condition_mask(df, self.when) & ~self.holds(df)
 
-    @abstractmethod
     def holds(self, df: pd.DataFrame) -> pd.Series:
-        """True where the record passes the check itself, 'when' aside."""
+        """True where the record passes the check itself, 'when' aside: the check on the values
+        that are there; a missing checked value passes unless `missing: fail`."""
+        ok = self.check(df)
+        if self.missing == "pass":
+            ok = ok | self.missing_mask(df)
+        return ok.astype(bool)
+
+    def missing_mask(self, df: pd.DataFrame) -> pd.Series:
+        """True where a checked column of the record is missing."""
+        return df[self.columns()[0]].isna()
+
+    @abstractmethod
+    def check(self, df: pd.DataFrame) -> pd.Series:
+        """True where the record's values pass the check (a missing value does not)."""
 
     @abstractmethod
     def expectation(self) -> Expectation:
@@ -250,8 +270,8 @@ class BetweenRule(_Edit):
             return f"{self.column} >= {self.min:g}"
         return f"{self.column} <= {self.max:g}"
 
-    def holds(self, df: pd.DataFrame) -> pd.Series:
-        """Numeric (non-numeric counts as missing), not missing, within [min, max]."""
+    def check(self, df: pd.DataFrame) -> pd.Series:
+        """Numeric (a non-numeric value fails), within [min, max]."""
         s = pd.to_numeric(df[self.column], errors="coerce")
         ok = s.notna()
         if self.min is not None:
@@ -266,7 +286,7 @@ class BetweenRule(_Edit):
             self.column,
             {"min_value": self.min, "max_value": self.max},
             self.clauses(),
-            missing_breaks=True,
+            missing_breaks=self.missing == "fail",
         )
 
 
@@ -281,8 +301,8 @@ class InSetRule(_Edit):
     def _check_text(self) -> str:
         return f"{self.column} in {self.values}"
 
-    def holds(self, df: pd.DataFrame) -> pd.Series:
-        """One of the values (a missing value passes only when NaN is one of them)."""
+    def check(self, df: pd.DataFrame) -> pd.Series:
+        """One of the values (a missing value is one only when NaN is listed)."""
         return df[self.column].isin(self.values).astype(bool)
 
     def expectation(self) -> Expectation:
@@ -292,13 +312,14 @@ class InSetRule(_Edit):
             self.column,
             {"value_set": list(self.values)},
             self.clauses(),
-            missing_breaks=not nan_allowed,
+            missing_breaks=self.missing == "fail" and not nan_allowed,
         )
 
 
 class NotNullRule(_Edit):
     rule: Literal["not_null"]
     column: str
+    missing: Literal["fail"] = "fail"  # the rule's point: a missing value fails
 
     def columns(self) -> list[str]:
         return [self.column, *super().columns()]
@@ -306,7 +327,7 @@ class NotNullRule(_Edit):
     def _check_text(self) -> str:
         return f"{self.column} not null"
 
-    def holds(self, df: pd.DataFrame) -> pd.Series:
+    def check(self, df: pd.DataFrame) -> pd.Series:
         return df[self.column].notna()
 
     def expectation(self) -> Expectation:
@@ -325,9 +346,13 @@ class CompareRule(_Edit):
     def _check_text(self) -> str:
         return f"{self.column_a} {self.op} {self.column_b}"
 
-    def holds(self, df: pd.DataFrame) -> pd.Series:
-        """column_a op column_b; a missing value on either side fails."""
-        return OPS[self.op](df[self.column_a], df[self.column_b]).fillna(False).astype(bool)
+    def check(self, df: pd.DataFrame) -> pd.Series:
+        """column_a op column_b (a missing value on either side fails the comparison)."""
+        a, b = df[self.column_a], df[self.column_b]
+        return OPS[self.op](a, b).fillna(False).astype(bool) & a.notna() & b.notna()
+
+    def missing_mask(self, df: pd.DataFrame) -> pd.Series:
+        return df[self.column_a].isna() | df[self.column_b].isna()
 
     def expectation(self) -> Expectation:
         return Expectation("true", None, {}, self.clauses(), derived=self.holds)

@@ -9,30 +9,40 @@ import pandas as pd
 
 from sdl_design.spec import KeySpec
 
+# the label of a missing value where a category needs a name (calibration margins, tables)
+MISSING = "(missing)"
+
 
 def coarsen(
     s: pd.Series, bins: Sequence[float] | None = None, mapping: dict | None = None
 ) -> pd.Series:
-    """Left-closed bins ([a, b) labelled 'a-b') or a category map; unmapped values keep their own label."""
+    """Left-closed bins ([a, b) labelled 'a-b') or a category map; unmapped values keep their own
+    label. A missing value stays missing (NaN): the missing-value policy keeps it as a category of
+    its own wherever keys are counted, never as 'out_of_range' (values outside the bins)."""
     if bins is not None:
         edges = np.asarray(bins, dtype=float)
-        codes = np.searchsorted(edges, s.to_numpy(dtype=float), side="right") - 1
+        x = s.to_numpy(dtype=float, na_value=np.nan)
+        codes = np.searchsorted(edges, x, side="right") - 1
         labels = [f"{edges[i]:g}-{edges[i + 1]:g}" for i in range(len(edges) - 1)]
         out = np.where((codes >= 0) & (codes < len(labels)), codes, -1)
-        lab = np.array(labels + ["out_of_range"], dtype=object)[
-            np.where(out >= 0, out, len(labels))
+        lab = np.array(labels + ["out_of_range", np.nan], dtype=object)[
+            np.where(np.isnan(x), len(labels) + 1, np.where(out >= 0, out, len(labels)))
         ]
         return pd.Series(lab, index=s.index, name=s.name)
     if mapping is not None:
         m = {str(k): v for k, v in mapping.items()}
-        return s.astype(str).map(lambda v: m.get(v, v)).rename(s.name)
+        return s.map(lambda v: v if pd.isna(v) else m.get(str(v), str(v))).rename(s.name)
     return s
 
 
 def key_frame(df: pd.DataFrame, keys: Sequence[KeySpec | str]) -> pd.DataFrame:
-    """The key columns of df with each key's recode applied."""
+    """The key columns of df with each key's recode applied; a missing value is the category
+    MISSING (its own category in every count, equal to itself when files are compared)."""
     cols = {}
     for k in keys:
         k = KeySpec(name=k) if isinstance(k, str) else k
-        cols[k.name] = coarsen(df[k.name], k.bins, k.map)
+        c = coarsen(df[k.name], k.bins, k.map)
+        if c.isna().any():
+            c = c.astype(object).where(c.notna(), MISSING)
+        cols[k.name] = c
     return pd.DataFrame(cols, index=df.index)

@@ -132,6 +132,9 @@ class DesignSection(_Strict):
     replicate_weights: ReplicateSpec | None = None
     publish_design_labels: bool = False  # publish original strata/PSU labels when no masking runs
     pseudo: PseudoDesignSection = PseudoDesignSection()
+    # the weights sum to the sample size (or to 1), not to the population: declared, the release
+    # goes on (the log-linear risk then takes the sample for the population); else an error
+    weights_normalised: bool = False
 
     @model_validator(mode="after")
     def _segment_in_psu(self) -> DesignSection:
@@ -210,6 +213,9 @@ class VariablesSection(_Strict):
     sensitive: list[SensitiveSpec] = []
     study: list[str] = []
     other: OtherColumns = OtherColumns()
+    # declared missing codes per column: values read as missing (NaN), e.g.
+    # {hinctnta: [77, 88], income: ["", "NA?"]}; NaN in the file is missing whatever is declared
+    missing: dict[str, list[str | int | float]] = {}
 
     @property
     def key_names(self) -> list[str]:
@@ -570,21 +576,15 @@ class ReleaseSpec(_Strict):
                     f"design.replicate_weights.columns: pattern '{d.replicate_weights.columns}' "
                     "matches no column; fix the pattern or remove replicate_weights"
                 )
-        design_cols = [c for c in (d.weight, d.strata, d.psu, d.segment) if c and c in df.columns]
-        for c in design_cols + [c for c in self.replicate_columns(df) if c in df.columns]:
-            n_na = int(df[c].isna().sum())
-            if n_na:
+        design_cols = [c for c in (d.strata, d.psu, d.segment) if c and c in df.columns]
+        for c in design_cols:
+            miss = df[c].isna().to_numpy()
+            if miss.any():
                 problems.append(
-                    f"design: column '{c}' has {n_na} missing values; impute or drop those records first"
+                    f"design: column '{c}' is missing in {_rows(miss)}; every record needs its "
+                    "design label: correct those records or drop them first"
                 )
-        if d.weight in df.columns:
-            w = pd.to_numeric(df[d.weight], errors="coerce")
-            bad = int((~(w > 0)).sum())
-            if bad:
-                problems.append(
-                    f"design.weight: {bad} records have a weight that is not positive "
-                    f"(column '{d.weight}'); every weight must be > 0"
-                )
+        problems += self._value_problems(df)
         if d.strata in df.columns and (d.psu in df.columns or d.psu is None):
             n_psu = (
                 df.groupby(d.strata, observed=True)[d.psu].nunique()
@@ -598,8 +598,10 @@ class ReleaseSpec(_Strict):
                     f"({_short(single.index)}); collapse each with a neighbouring stratum"
                 )
         for i, s in enumerate(self.variables.sensitive):
-            if s.name in df.columns and s.bins is None:
-                listed = {category_label(k) for k in s.sensitivity}
+            if s.name not in df.columns:
+                continue
+            listed = {category_label(k) for k in s.sensitivity}
+            if s.bins is None:
                 seen = {category_label(v) for v in pd.unique(df[s.name].dropna())}
                 missing = sorted(seen - listed)
                 if missing:
@@ -607,8 +609,103 @@ class ReleaseSpec(_Strict):
                         f"variables.sensitive[{i}].sensitivity: categories {missing[:8]} of "
                         f"'{s.name}' have no sensitivity score; add them"
                     )
+            miss = df[s.name].isna().to_numpy()
+            if miss.any() and "nan" not in listed:
+                problems.append(
+                    f"variables.sensitive[{i}].sensitivity: '{s.name}' is missing in "
+                    f"{_rows(miss)}; score the missing values as a category of their own "
+                    "(add `nan: <score>` to its sensitivity map)"
+                )
         if problems:
             raise SpecError(problems)
+
+    def _value_problems(self, df: pd.DataFrame) -> list[str]:
+        """Values the release cannot use, one message per column and kind: weights and replicate
+        weights numeric, present, finite, below 1e15, weight > 0 and replicates >= 0; numeric
+        keys and study variables finite and below 1e15 (missing values follow the missing-value
+        policy); weights that sum to the sample size (normalised) unless declared."""
+        d, v = self.design, self.variables
+        out: list[str] = []
+        reps = [c for c in self.replicate_columns(df) if c in df.columns]
+        weights = ([d.weight] if d.weight in df.columns else []) + reps
+        for c in weights:
+            field = "design.weight" if c == d.weight else "design.replicate_weights"
+            s = df[c]
+            if not pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s):
+                x = pd.to_numeric(s, errors="coerce")
+                bad = (x.isna() & s.notna()).to_numpy()
+                out.append(
+                    f"{field}: column '{c}' is not numeric ({_rows(bad, s)}); "
+                    "give the weights as numbers"
+                )
+                continue
+            x = s.to_numpy(dtype=float, na_value=np.nan)
+            out += _finite(field, c, x, "weight", missing_ok=False)
+            ok = np.isfinite(x) & (np.abs(x) <= MAX_VALUE)
+            low = ok & ((x <= 0) if c == d.weight else (x < 0))
+            if low.any():
+                need = "> 0" if c == d.weight else ">= 0"
+                out.append(
+                    f"{field}: column '{c}' has values that are not {need} ({_rows(low, s)}); "
+                    f"every {'weight' if c == d.weight else 'replicate weight'} must be {need}"
+                )
+        numeric = [k.name for k in v.keys] + list(v.study) + [s.name for s in v.sensitive]
+        fields = self.columns_named()
+        for c in dict.fromkeys(numeric):
+            if c not in df.columns or c in weights:
+                continue
+            s = df[c]
+            if pd.api.types.is_numeric_dtype(s) and not pd.api.types.is_bool_dtype(s):
+                x = s.to_numpy(dtype=float, na_value=np.nan)
+                out += _finite(fields.get(c, c), c, x, "value", missing_ok=True)
+        if d.weight in df.columns and not d.weights_normalised and len(df) > 1:
+            w = pd.to_numeric(df[d.weight], errors="coerce").to_numpy(dtype=float)
+            total = float(np.nansum(np.where(np.isfinite(w), w, np.nan)))
+            n = len(df)
+            if abs(total / n - 1.0) <= 0.01 or abs(total - 1.0) <= 0.01:
+                scale = "the sample size" if abs(total / n - 1.0) <= 0.01 else "1"
+                out.append(
+                    f"design.weight: the weights of '{d.weight}' sum to {total:.6g}, about "
+                    f"{scale} ({n} records): they look normalised, not population-scale. The "
+                    "log-linear risk estimates population frequencies from the weights and would "
+                    "take the sample for the population (every sample unique a population "
+                    "unique). Give weights that sum to the population size (multiply them and "
+                    "the replicate weights by N / sum of weights), or declare "
+                    "design.weights_normalised: true to release with these weights anyway"
+                )
+        return out
+
+
+MAX_VALUE = 1e15  # a weight or study value beyond this is a code or an overflow, not a value
+
+
+def _rows(mask: np.ndarray, values: pd.Series | None = None) -> str:
+    from sdl_design.io import rows_text
+
+    return rows_text(mask, values)
+
+
+def _finite(field: str, col: str, x: np.ndarray, what: str, missing_ok: bool) -> list[str]:
+    """Messages for missing (unless allowed), infinite and implausibly large values of x."""
+    out = []
+    nan, inf = np.isnan(x), np.isinf(x)
+    huge = np.isfinite(x) & (np.abs(x) > MAX_VALUE)
+    fix = "correct those values" + (
+        " (or declare the code under variables.missing if it means no value)" if missing_ok else ""
+    )
+    if nan.any() and not missing_ok:
+        out.append(
+            f"{field}: column '{col}' is missing in {_rows(nan)}; every {what} must be given: "
+            "correct those records or drop them first"
+        )
+    if inf.any():
+        out.append(f"{field}: column '{col}' is infinite in {_rows(inf)}; {fix}")
+    if huge.any():
+        out.append(
+            f"{field}: column '{col}' has values beyond {MAX_VALUE:g} in absolute value "
+            f"({_rows(huge, pd.Series(x))}): a code or an overflow, not a {what}; {fix}"
+        )
+    return out
 
 
 def _short(items: Any, n: int = 12) -> str:

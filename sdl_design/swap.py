@@ -64,11 +64,7 @@ def _matrix(df: pd.DataFrame, cols: Sequence[str], field_name: str) -> np.ndarra
                 f"{field_name}: column '{c}' is not numeric or binary (dtype {s.dtype}); "
                 "use numeric or 0/1 matching characteristics"
             )
-        if s.isna().any():
-            raise ValueError(
-                f"{field_name}: column '{c}' has {int(s.isna().sum())} missing values; impute first"
-            )
-        out[:, i] = s.to_numpy(dtype=float)
+        out[:, i] = s.to_numpy(dtype=float, na_value=np.nan)  # missing: NaN (domain means)
     return out
 
 
@@ -107,16 +103,25 @@ def segment_aggregates(
         raise ValueError(
             f"design.strata: {int(np.sum(n_h < 2))} strata have a single PSU; collapse them first"
         )
-    wsum = w.sum()
-    xbar = w @ x / wsum
-    z = w[:, None] * (x - xbar) / wsum  # linearized scores of the weighted mean
+    # a missing value (declared missing policy) leaves its record out of that mean: the weighted
+    # mean over the domain of observed values, and segment means over their observed records
+    obs = ~np.isnan(x)
+    x0 = np.where(obs, x, 0.0)
+    wo = w[:, None] * obs
+    wsum = wo.sum(axis=0)
+    if np.any(wsum <= 0):
+        bad = [c for c, k in zip(matching, wsum <= 0, strict=True) if k]
+        raise ValueError(f"stages.swap.matching: {bad} have no observed value; remove them")
+    xbar = (wo * x0).sum(axis=0) / wsum
+    z = wo * (x0 - xbar) / wsum  # linearized scores of the weighted (domain) mean
     score = np.zeros((n_seg, x.shape[1]))
     _rowsum(score, s_code, z)
-    seg_w = np.bincount(s_code, weights=w, minlength=n_seg)
+    seg_w = np.zeros_like(score)
+    _rowsum(seg_w, s_code, wo)
     mean = np.zeros_like(score)
-    _rowsum(mean, s_code, w[:, None] * x)
-    mean /= seg_w[:, None]
-    const = np.ptp(x, axis=0) == 0
+    _rowsum(mean, s_code, wo * x0)
+    mean = np.where(seg_w > 0, mean / np.where(seg_w > 0, seg_w, 1.0), xbar)
+    const = (np.nanmax(x, axis=0) - np.nanmin(x, axis=0)) == 0
     if const.any():
         bad = [c for c, k in zip(matching, const, strict=True) if k]
         raise ValueError(f"stages.swap.matching: {bad} are constant; remove them")

@@ -2,42 +2,22 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from expectations.suites import validate_edits, validate_metric_gates, validate_output
-from flows.publish import sha256_file, sha256_frame
+from sdl_design.io import read_input
 from sdl_design.preflight import preflight, raise_problems
-from sdl_design.spec import ReleaseSpec, SpecError
+from sdl_design.spec import ReleaseSpec
 
 
 @task(name="load", cache_policy=NO_CACHE)
 def load_task(spec: ReleaseSpec) -> tuple[pd.DataFrame, str]:
-    """Read the input (Parquet or CSV; the embedded default survey when none) and check it fits the spec."""
-    path = spec.release.input
-    if path is None:
-        from sdl_design.synth import make_survey
-
-        df = make_survey(seed=spec.release.seed)
-        digest = sha256_frame(df)
-    else:
-        path = Path(path)
-        if not path.is_file():
-            raise SpecError(
-                [f"release.input: no file at {path}; give the path of a .parquet or .csv file"]
-            )
-        if path.suffix.lower() == ".parquet":
-            df = pd.read_parquet(path)
-        elif path.suffix.lower() == ".csv":
-            df = pd.read_csv(path)
-        else:
-            raise SpecError(
-                [f"release.input: {path.name} is neither .parquet nor .csv; convert it"]
-            )
-        digest = sha256_file(path)
+    """Read the input as the spec declares it (sdl_design.io.read_input: Parquet or CSV read as
+    text and typed, declared missing codes; the embedded default survey when none) and check
+    it fits the spec."""
+    df, digest = read_input(spec)
     spec.check_data(df)
     raise_problems(preflight(spec, df))  # every enabled stage's preconditions, before any work
     return df, digest

@@ -56,21 +56,21 @@ def hand():
 
 # (rule, label, failing records counted by hand)
 HAND = [
-    # missing age is not between 0 and 90
-    ({"rule": "between", "column": "age", "min": 0, "max": 90}, "age between 0 and 90", "r0 r5 r6"),
-    ({"rule": "between", "column": "age", "min": 15}, "age >= 15", "r0 r1 r2 r6 r7"),
-    ({"rule": "between", "column": "age", "max": 14}, "age <= 14", "r3 r4 r5 r6"),
+    # a missing age passes (missing-value policy) unless the rule says missing: fail
+    ({"rule": "between", "column": "age", "min": 0, "max": 90}, "age between 0 and 90", "r0 r5"),
+    ({"rule": "between", "column": "age", "min": 15}, "age >= 15", "r0 r1 r2 r7"),
+    ({"rule": "between", "column": "age", "max": 14}, "age <= 14", "r3 r4 r5"),
     # a missing age never satisfies 'age < 15'
     (
         {"rule": "in_set", "column": "marital", "values": ["never"], "when": "age < 15"},
         "marital in ['never'] when age < 15",
         "r1 r2 r7",
     ),
-    # a missing value is not in the set
+    # a missing value passes; with missing: fail it is not in the set
     (
         {"rule": "in_set", "column": "marital", "values": ["never", "married"]},
         "marital in ['never', 'married']",
-        "r4",
+        "",
     ),
     # and + in: sex == 'm' holds for r0 r2 r5, age in [14, 91, 12] for r2 r5 r7
     (
@@ -95,19 +95,39 @@ HAND = [
         "marital not null when age > 90",
         "",
     ),
-    # a missing value on either side fails
+    # a missing value on either side passes (r2 r3)
     (
         {"rule": "compare", "column_a": "inc", "op": ">=", "column_b": "wage"},
         "inc >= wage",
-        "r1 r2 r3 r5",
+        "r1 r5",
     ),
     (
         {"rule": "compare", "column_a": "inc", "op": ">", "column_b": "wage", "when": "age <= 14"},
         "inc > wage when age <= 14",
-        "r1 r2",
+        "r1",
     ),
-    # ... except with !=, where NaN != x holds (pandas semantics, kept)
     ({"rule": "compare", "column_a": "inc", "op": "!=", "column_b": "wage"}, "inc != wage", "r4"),
+    # missing: fail (the rule says so): the missing records break it too
+    (
+        {"rule": "between", "column": "age", "min": 0, "max": 90, "missing": "fail"},
+        "age between 0 and 90",
+        "r0 r5 r6",
+    ),
+    (
+        {"rule": "in_set", "column": "marital", "values": ["never", "married"], "missing": "fail"},
+        "marital in ['never', 'married']",
+        "r4",
+    ),
+    (
+        {"rule": "compare", "column_a": "inc", "op": ">=", "column_b": "wage", "missing": "fail"},
+        "inc >= wage",
+        "r1 r2 r3 r5",
+    ),
+    (
+        {"rule": "compare", "column_a": "inc", "op": "!=", "column_b": "wage", "missing": "fail"},
+        "inc != wage",
+        "r2 r3 r4",
+    ),
 ]
 
 
@@ -137,18 +157,23 @@ def test_compare_nullable_integers():
         }
     )
     (rule,) = rules({"rule": "compare", "column_a": "a", "op": "==", "column_b": "b"})
-    assert rule.violations(df).tolist() == [False, True, True, True]
+    assert rule.violations(df).tolist() == [False, False, False, True]
+    (strict,) = rules(
+        {"rule": "compare", "column_a": "a", "op": "==", "column_b": "b", "missing": "fail"}
+    )
+    assert strict.violations(df).tolist() == [False, True, True, True]
 
 
 def test_expectation_descriptions():
     exps = [r.expectation() for r in rules(*(h[0] for h in HAND))]
     assert [e.kind for e in exps] == ["between"] * 3 + ["in_set"] * 4 + ["not_null"] * 2 + [
         "true"
-    ] * 3
-    assert exps[0].kwargs == {"min_value": 0, "max_value": 90} and exps[0].missing_breaks
+    ] * 3 + ["between", "in_set", "true", "true"]
+    assert exps[0].kwargs == {"min_value": 0, "max_value": 90} and not exps[0].missing_breaks
     assert exps[5].when == [("sex", "==", "m"), ("age", "in", [14, 91, 12])]
-    assert exps[3].kwargs == {"value_set": ["never"]} and exps[3].missing_breaks
-    assert not exps[7].missing_breaks and exps[7].derived is None
+    assert exps[3].kwargs == {"value_set": ["never"]} and not exps[3].missing_breaks
+    assert not exps[7].missing_breaks and exps[7].derived is None  # GX not_null counts them
+    assert exps[12].missing_breaks and exps[13].missing_breaks  # missing: fail
     assert exps[9].column is None and exps[9].derived is not None
 
 
@@ -191,6 +216,9 @@ MANY = [
     },
     {"rule": "compare", "column_a": "age", "op": ">", "column_b": "hh", "when": "emp == 1"},
     {"rule": "compare", "column_a": "inc", "op": "!=", "column_b": "wage"},
+    {"rule": "between", "column": "inc", "min": 0, "missing": "fail"},
+    {"rule": "in_set", "column": "sex", "values": ["f", "m"], "missing": "fail"},
+    {"rule": "compare", "column_a": "inc", "op": ">=", "column_b": "wage", "missing": "fail"},
     {"rule": "in_set", "column": "emp", "values": [0, 1, 2, 3]},  # holds
 ]
 
@@ -260,19 +288,19 @@ def test_check_edits_names_rules_and_counts(hand):
     err = ei.value
     assert isinstance(err, RuntimeError)
     assert str(err) == (
-        "PRB output breaks edit rules: edits[0] age between 0 and 90 (3 records); "
-        "edits[1] age >= 15 (5 records); edits[2] marital in ['never'] when age < 15 (3 records); "
+        "PRB output breaks edit rules: edits[0] age between 0 and 90 (2 records); "
+        "edits[1] age >= 15 (4 records); edits[2] marital in ['never'] when age < 15 (3 records); "
         f"edits[3] sex not null (2 records): {DEFAULT_HINT}"
     )
     t = err.table
     assert t["rule"].tolist() == [0, 1, 2, 3]
     assert t["column"].tolist() == ["age", "age", "marital", "sex"]
-    assert t["count"].tolist() == [3, 5, 3, 2]
+    assert t["count"].tolist() == [2, 4, 3, 2]
     assert t["label"][2] == "edit[2] marital in ['never'] when age < 15"
     # up to five example row labels, in file order
     assert t["examples"].tolist() == [
-        ["r0", "r5", "r6"],
-        ["r0", "r1", "r2", "r6", "r7"],
+        ["r0", "r5"],
+        ["r0", "r1", "r2", "r7"],
         ["r1", "r2", "r7"],
         ["r3", "r7"],
     ]
@@ -283,7 +311,7 @@ def test_check_edits_names_rules_and_counts(hand):
     assert (
         rows.groupby("rule").size().to_dict()
         == failure_counts(hand, rs)
-        == {0: 3, 1: 5, 2: 3, 3: 2}
+        == {0: 2, 1: 4, 2: 3, 3: 2}
     )
     assert rows.loc[rows.rule == 3, "row"].tolist() == ["r3", "r7"]
 

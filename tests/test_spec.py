@@ -138,10 +138,11 @@ def test_non_positive_and_missing_weights():
     df = frame()
     df.loc[0, "w"] = 0.0
     df.loc[1, "w"] = -2.0
-    assert "design.weight: 2 records have a weight that is not positive" in problems(BASE, df)
+    msg = problems(BASE, df)
+    assert "design.weight: column 'w' has values that are not > 0 (rows 1, 2 " in msg
     df = frame()
     df.loc[3, "p"] = np.nan
-    assert "column 'p' has 1 missing values" in problems(BASE, df)
+    assert "column 'p' is missing in rows 4;" in problems(BASE, df)
 
 
 def test_sensitive_unlisted_category_and_empty_file():

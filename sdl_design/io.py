@@ -1,0 +1,270 @@
+"""Reading the input file as the spec declares it: types, missing codes, duplicated columns.
+
+A CSV is read as text (every cell a string, nothing guessed as missing), then typed by the spec:
+- numeric columns (the weight, replicate weights, study variables, keys and sensitive variables
+  with bins, top-coded columns, the swap's matching and MASSC's substrata variables) are
+  converted; a value that is not a number is an error naming the column and its first rows;
+- categorical columns (keys and sensitive variables without bins, identifiers, other.keep/drop)
+  stay text: a category "NA" stays "NA", a county "0001" stays "0001";
+- every other column is numeric when all its values are numbers written without leading zeros,
+  else text.
+The declared missing codes (`variables.missing`) become missing values (NaN) first; an empty
+cell of a numeric column is missing too. A Parquet file keeps its own types; its declared
+missing codes become NaN and a declared-numeric column stored as text is converted as above.
+Duplicated column names (a CSV header naming a column twice, which pandas would publish as
+`income.1`; duplicated Parquet fields) are an error. No statistics here.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from sdl_design.spec import SpecError
+
+if TYPE_CHECKING:
+    from sdl_design.spec import ReleaseSpec
+
+_LEADING_ZERO = re.compile(r"^[+-]?0\d")
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def frame_digest(df: pd.DataFrame) -> str:
+    """Content hash of a frame (column names, dtypes and values), as flows.publish.sha256_frame."""
+    h = hashlib.sha256()
+    h.update(json.dumps([[c, str(t)] for c, t in df.dtypes.items()]).encode())
+    h.update(pd.util.hash_pandas_object(df, index=False).to_numpy().tobytes())
+    return h.hexdigest()
+
+
+def rows_text(mask: np.ndarray | pd.Series, values: pd.Series | None = None, n: int = 5) -> str:
+    """'rows 3, 17 (values 'abc', 'x')': the first n records where mask holds, numbered from 1
+    in file order (CSV line = row + 1), never by identifier (messages reach logs)."""
+    pos = np.flatnonzero(np.asarray(mask, dtype=bool))
+    more = f", ... ({len(pos)} in all)" if len(pos) > n else ""
+    text = "rows " + ", ".join(str(int(i) + 1) for i in pos[:n]) + more
+    if values is not None:
+        vals = values.iloc[pos[:n]].tolist()
+        text += " (values " + ", ".join(repr(v) for v in vals) + ")"
+    return text
+
+
+def numeric_columns(spec: ReleaseSpec, columns: list[str]) -> dict[str, str]:
+    """Columns the spec needs as numbers -> the field that says so."""
+    d, v, s = spec.design, spec.variables, spec.stages
+    out: dict[str, str] = {d.weight: "design.weight"}
+    for c in spec.replicate_columns(pd.DataFrame(columns=columns)):
+        out.setdefault(c, "design.replicate_weights")
+    for i, c in enumerate(v.study):
+        out.setdefault(c, f"variables.study[{i}]")
+    for i, k in enumerate(v.keys):
+        if k.bins is not None:
+            out.setdefault(k.name, f"variables.keys[{i}].bins")
+    for i, k in enumerate(v.sensitive):
+        if k.bins is not None:
+            out.setdefault(k.name, f"variables.sensitive[{i}].bins")
+    for c in s.topcode.columns:
+        out.setdefault(c, f"stages.topcode.{c}")
+    if s.swap:
+        for i, c in enumerate(s.swap.matching):
+            out.setdefault(c, f"stages.swap.matching[{i}]")
+    if s.massc and s.massc.substrata:
+        for i, c in enumerate(s.massc.substrata.variables):
+            out.setdefault(c, f"stages.massc.substrata.variables[{i}]")
+    if s.prb:
+        for c, bins in s.prb.partition.items():
+            if bins is not None:
+                out.setdefault(c, f"stages.prb.partition.{c}")
+    return {c: f for c, f in out.items() if c in columns}
+
+
+def text_columns(spec: ReleaseSpec) -> set[str]:
+    """Columns the spec declares categorical: read as text, never turned into numbers."""
+    v = spec.variables
+    out = {k.name for k in v.keys if k.bins is None}
+    out |= {s.name for s in v.sensitive if s.bins is None}
+    out |= set(v.direct_identifiers) | set(v.other.keep) | set(v.other.drop)
+    return out
+
+
+def _duplicates(names: list[str], path: Path) -> None:
+    dup = sorted(c for c, k in Counter(names).items() if k > 1)
+    if dup:
+        raise SpecError(
+            [
+                f"release.input: {path.name} names the columns {dup} more than once; every "
+                "column must have one name (rename or remove the duplicates: a second copy "
+                "would bypass the treatment of the first)"
+            ]
+        )
+
+
+def _csv_header(path: Path) -> list[str]:
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        return next(csv.reader(f), [])
+
+
+def _missing_mask(s: pd.Series, codes: list[Any]) -> pd.Series:
+    """Where s holds one of the declared missing codes (as text, or as the same number)."""
+    text = {str(c) for c in codes}
+    hit = s.isin(codes) if not _is_text(s) else s.isin(text)
+    nums = [float(c) for c in codes if _number(c) is not None]
+    if nums:
+        x = pd.to_numeric(s, errors="coerce") if _is_text(s) else s
+        if pd.api.types.is_numeric_dtype(x) and not pd.api.types.is_bool_dtype(x):
+            hit |= x.isin(nums)
+    return hit.fillna(False).astype(bool)
+
+
+def _is_text(s: pd.Series) -> bool:
+    return pd.api.types.is_string_dtype(s) or s.dtype == object
+
+
+def _number(v: Any) -> float | None:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _parse_numbers(s: pd.Series) -> pd.Series | None:
+    """Fast path (Arrow's parser): the text column as int64 (no blank) or float64 (blank cells
+    NaN); None when a value is anything but a plain number (then the pandas path says which)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        t = pc.utf8_trim_whitespace(pa.array(s.array, type=pa.string()))
+        t = pc.if_else(pc.equal(t, ""), pa.scalar(None, pa.string()), t)
+        if t.null_count == 0:
+            try:
+                return pd.Series(pc.cast(t, pa.int64()).to_numpy(), index=s.index, name=s.name)
+            except pa.ArrowInvalid:
+                pass
+        x = pc.cast(t, pa.float64())
+        if pc.any(pc.is_nan(x)).as_py():  # a written 'nan' is not a declared missing code
+            return None
+        return pd.Series(x.to_numpy(zero_copy_only=False), index=s.index, name=s.name)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
+        return None
+
+
+def _to_numeric(s: pd.Series, name: str, field: str, problems: list[str]) -> pd.Series:
+    """A text (or object) column as numbers; blank cells are missing; anything else that is not
+    a number is a problem naming the column and its first rows."""
+    if not _is_text(s):
+        return s
+    fast = _parse_numbers(s)
+    if fast is not None:
+        return fast
+    t = s.str.strip() if pd.api.types.is_string_dtype(s) else s
+    blank = t.isna() | (t == "")
+    x = pd.to_numeric(t.where(~blank), errors="coerce")
+    bad = x.isna() & ~blank
+    if bad.any():
+        problems.append(
+            f"{field}: column '{name}' has values that are not numeric: {rows_text(bad, s)}; "
+            "correct them, or declare them as missing codes under variables.missing"
+        )
+    return x
+
+
+def _infer(s: pd.Series) -> pd.Series:
+    """A text column of an undeclared role: numbers when every non-blank value is a number
+    written without leading zeros ('0001' keeps the column text), else the text as read."""
+    t = s.str.strip()
+    blank = t.isna() | (t == "")
+    if blank.all() or t[~blank].str.match(_LEADING_ZERO).any():
+        return s
+    x = _parse_numbers(s)
+    if x is None:
+        x = pd.to_numeric(t.where(~blank), errors="coerce")
+        if (x.isna() & ~blank).any():
+            return s
+    return x
+
+
+def type_input(df: pd.DataFrame, spec: ReleaseSpec, text: bool) -> pd.DataFrame:
+    """The frame typed by the spec (see the module docstring); text: df was read as text (CSV).
+    Raises SpecError listing every column that does not fit."""
+    problems: list[str] = []
+    cols = [str(c) for c in df.columns]
+    missing = spec.variables.missing
+    absent = [c for c in missing if c not in df.columns]
+    if absent:
+        problems.append(
+            f"variables.missing: columns {absent} are not in the input file; fix the names"
+        )
+    out = {}
+    numeric = numeric_columns(spec, cols)
+    categorical = text_columns(spec)
+    for c in df.columns:
+        s = df[c]
+        codes = missing.get(c)
+        if codes:
+            s = s.where(~_missing_mask(s, codes))
+        if c in numeric:
+            s = _to_numeric(s, c, numeric[c], problems)
+        elif text and c not in categorical:
+            s = _infer(s)
+        out[c] = s
+    if problems:
+        raise SpecError(problems)
+    changed = any(out[c] is not df[c] for c in df.columns)
+    return pd.DataFrame(out, index=df.index) if changed else df
+
+
+def read_input(spec: ReleaseSpec) -> tuple[pd.DataFrame, str]:
+    """The input file as the spec declares it, and its digest (sha256 of the file; of the frame
+    for the embedded default survey when release.input is null). Raises SpecError."""
+    path = spec.release.input
+    if path is None:
+        from sdl_design.synth import make_survey
+
+        df = make_survey(seed=spec.release.seed)
+        return type_input(df, spec, text=False), frame_digest(df)
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(
+            [f"release.input: no file at {path}; give the path of a .parquet or .csv file"]
+        )
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        _duplicates(list(pq.read_schema(path).names), path)
+        df = pd.read_parquet(path)
+        text = False
+    elif suffix == ".csv":
+        import pyarrow as pa
+        import pyarrow.csv as pcsv
+
+        header = _csv_header(path)
+        _duplicates(header, path)
+        every_text = pcsv.ConvertOptions(
+            column_types=dict.fromkeys(header, pa.string()),
+            strings_can_be_null=False,
+            quoted_strings_can_be_null=False,
+            null_values=[],
+        )
+        df = pcsv.read_csv(path, convert_options=every_text).to_pandas()
+        text = True
+    else:
+        raise SpecError([f"release.input: {path.name} is neither .parquet nor .csv; convert it"])
+    return type_input(df, spec, text), file_digest(path)
