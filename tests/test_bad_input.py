@@ -327,6 +327,7 @@ def test_release_with_missing_key_and_study_variable(survey):
         "prb",
         "massc",
         "topcode",
+        "pseudo_design",
         "final",
         "assess",
     ]
