@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from flows.public_docs import codebook
@@ -33,7 +34,55 @@ def write_public_files(puf: pd.DataFrame, public: Path, notes: str) -> dict[str,
 
     public.mkdir()
     puf.to_parquet(public / "puf.parquet", index=False)
-    puf.to_csv(public / "puf.csv", index=False, lineterminator="\n")
+    write_csv(puf, public / "puf.csv")
     codebook(puf).to_csv(public / "codebook.csv", index=False, lineterminator="\n")
     (public / "README.md").write_text(notes)
     return {f"public/{f.name}": sha256_file(f) for f in sorted(public.iterdir())}
+
+
+def _polars_ready(df: pd.DataFrame) -> pd.DataFrame | None:
+    """The frame with every column polars writes exactly as pandas.to_csv does (booleans as
+    True/False, empty strings as nothing, floats below 1e-4 in Python's repr), or None when a
+    column has a type polars would write differently (dates, mixed objects): pandas then."""
+    out = {}
+    for c in df.columns:
+        s = df[c]
+        if pd.api.types.is_bool_dtype(s):
+            out[c] = s.map({True: "True", False: "False"}).astype("string")
+        elif pd.api.types.is_float_dtype(s):
+            v = s.to_numpy(dtype=float, na_value=np.nan)
+            tiny = np.isfinite(v) & (v != 0) & (np.abs(v) < 1e-4)
+            if tiny.any():  # polars writes 1e-05 as 0.00001; pandas uses repr
+                out[c] = pd.Series(
+                    [repr(float(x)) if x == x else None for x in v], index=s.index, dtype="string"
+                )
+            else:
+                out[c] = s
+        elif pd.api.types.is_integer_dtype(s):
+            out[c] = s
+        elif isinstance(s.dtype, pd.CategoricalDtype) or pd.api.types.is_string_dtype(s):
+            if isinstance(s.dtype, pd.CategoricalDtype):
+                s = s.astype("string")
+            if s.dtype == object and pd.api.types.infer_dtype(s, skipna=True) not in (
+                "string",
+                "empty",
+            ):
+                return None  # mixed objects: pandas decides how each is written
+            out[c] = s.astype("string").replace("", pd.NA)
+        else:
+            return None
+    return pd.DataFrame(out, index=df.index)
+
+
+def write_csv(df: pd.DataFrame, path: Path) -> None:
+    """Write df as CSV through polars (seconds at 1M records, where pandas.to_csv takes over a
+    minute), byte for byte what `df.to_csv(index=False, lineterminator="\\n")` writes."""
+    import polars as pl
+
+    ready = _polars_ready(df)
+    if ready is None:
+        df.to_csv(path, index=False, lineterminator="\n")
+        return
+    pl.from_pandas(ready.reset_index(drop=True), nan_to_null=True).write_csv(
+        path, line_terminator="\n", include_header=True
+    )
