@@ -746,12 +746,14 @@ class AssessStage:
         from sdl_design.stage import StageResult
 
         spec = self.spec
-        released = df.drop(columns=[c for c in ctx.unpublished() if c in df.columns])
+        drop = [c for r in ctx.previous for c in r.drop_public]
+        released = df[spec.published_columns(list(df.columns), ctx.masked_design, drop)]
         a = assess(ctx.original, released, spec)
         m = dict(a.metrics)
         keys = spec.variables.keys
         m["unique_share_published"] = float((risk_strata(released, keys) == "U").mean())
         m["epsilon_published"] = _epsilon_published(a.domain_estimates)
+        m.update(_psu_leak(released, ctx.original, spec))
         worst = a.worst(20)
         return StageResult(
             name=self.name,
@@ -812,6 +814,21 @@ def _worst_terms(coefs: pd.DataFrame, n: int = 3) -> str:
         f"original (overlap {r.ci_overlap:.2f})"
         for r in t.itertuples()
     )
+
+
+def _psu_leak(released: pd.DataFrame, original: pd.DataFrame, spec: ReleaseSpec) -> dict:
+    """{'psu_recoverable': share of the original PSUs the published replicate weights' zero
+    patterns give away (sdl_design.leaks.psu_recoverable)}; empty without replicates or PSUs."""
+    from sdl_design.leaks import psu_recoverable
+
+    d = spec.design
+    reps = spec.replicate_columns(released)
+    if not reps or not d.psu or d.psu not in original.columns:
+        return {}
+    psu = original[d.psu].astype(str)
+    if d.strata and d.strata in original.columns:
+        psu = original[d.strata].astype(str) + "/" + psu
+    return {"psu_recoverable": psu_recoverable(released, psu, reps)}
 
 
 def assessment_gates(
@@ -888,6 +905,16 @@ def assessment_gates(
                 "risk: share of original sample uniques re-identified",
                 m.get("reid_share", 0.0),
                 upper=g.xi,
+            )
+        )
+    if "psu_recoverable" in m:
+        out.append(
+            gate(
+                "risk: share of original PSUs given away by replicate-weight zero patterns",
+                m["psu_recoverable"],
+                upper=g.max_psu_recoverable,
+                explain="records sharing a set of zero replicate weights are one original PSU: "
+                "publish replicate weights built for masked PSUs (stages.swap), not the originals",
             )
         )
     if g.max_unique_share is not None:
