@@ -9,6 +9,8 @@ import numpy as np
 import pandas as pd
 
 from flows.public_docs import codebook
+from sdl_design.leaks import drop_unused_levels, shuffle_rows
+from sdl_design.rng import release_seed, stage_rng
 from sdl_design.spec import ReleaseSpec
 
 
@@ -22,10 +24,52 @@ def forbidden_columns(
 def public_frame(
     df: pd.DataFrame, spec: ReleaseSpec, masked_design: bool, drop: Sequence[str] = ()
 ) -> pd.DataFrame:
-    """The columns that may be published: none of forbidden_columns, no internal '__' column."""
-    gone = set(forbidden_columns(spec, masked_design, drop))
-    keep = [c for c in df.columns if c not in gone and not str(c).startswith("__")]
-    return df[keep].reset_index(drop=True)
+    """The public file's frame: only the columns the spec classifies as publishable
+    (ReleaseSpec.published_columns), categorical levels no record has dropped, and the records
+    in an order drawn from the release's Generator (stream "publish-order" of release.seed and
+    release.year), never the confidential file's order."""
+    keep = spec.published_columns(list(df.columns), masked_design, drop)
+    rng = stage_rng(release_seed(spec.release.seed, spec.release.year), "publish-order")
+    return shuffle_rows(drop_unused_levels(df[keep]), rng)
+
+
+# text cells a spreadsheet would run as a formula (OWASP "CSV injection")
+FORMULA_PREFIXES = ("=", "+", "-", "@", "\t", "\r")
+# one line for the public README (flows/public_docs.py): what neutralize_formulas does
+CSV_FORMULA_NOTE = (
+    "In `puf.csv` and `codebook.csv` a text value that begins with =, +, -, @, a tab or a "
+    "carriage return is written with a single quote (') in front, so that a spreadsheet shows "
+    "it instead of running it as a formula; numbers are written as numbers, and `puf.parquet` "
+    "keeps every value exactly as it is."
+)
+
+
+def _neutralize(values: pd.Series) -> pd.Series:
+    text = values.astype("string")
+    hit = text.str.startswith(FORMULA_PREFIXES).fillna(False).to_numpy(bool)
+    if values.dtype == object and hit.any():  # a number in a mixed column stays a number
+        hit &= values.map(lambda x: isinstance(x, str)).to_numpy(bool)
+    return values.mask(hit, "'" + text) if hit.any() else values
+
+
+def neutralize_formulas(df: pd.DataFrame) -> pd.DataFrame:
+    """The frame with every formula-leading text cell (FORMULA_PREFIXES) prefixed by a single
+    quote, for the CSV files; numeric columns are left as they are (-3 stays a number)."""
+    out = None
+    for c in df.columns:
+        s = df[c]
+        if isinstance(s.dtype, pd.CategoricalDtype):
+            cats = pd.Series(s.cat.categories.astype(str))
+            new = _neutralize(cats)
+            if not new.equals(cats):
+                out = df.copy() if out is None else out
+                out[c] = s.cat.rename_categories(list(new))
+        elif pd.api.types.is_string_dtype(s) or s.dtype == object:
+            new = _neutralize(s)
+            if new is not s:
+                out = df.copy() if out is None else out
+                out[c] = new
+    return df if out is None else out
 
 
 def write_public_files(puf: pd.DataFrame, public: Path, notes: str) -> dict[str, str]:
@@ -34,8 +78,10 @@ def write_public_files(puf: pd.DataFrame, public: Path, notes: str) -> dict[str,
 
     public.mkdir()
     puf.to_parquet(public / "puf.parquet", index=False)
-    write_csv(puf, public / "puf.csv")
-    codebook(puf).to_csv(public / "codebook.csv", index=False, lineterminator="\n")
+    write_csv(neutralize_formulas(puf), public / "puf.csv")
+    neutralize_formulas(codebook(puf)).to_csv(
+        public / "codebook.csv", index=False, lineterminator="\n"
+    )
     (public / "README.md").write_text(notes)
     return {f"public/{f.name}": sha256_file(f) for f in sorted(public.iterdir())}
 

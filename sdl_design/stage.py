@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 import pandas as pd
 
-from sdl_design.rng import stage_rng
+from sdl_design.rng import release_seed, stage_rng
 
 if TYPE_CHECKING:
     from sdl_design.design import SurveyDesign
@@ -101,7 +101,8 @@ class StageContext:
 
     @property
     def seed(self) -> int:
-        return int(self.spec.release.seed)
+        """The release's entropy: release.seed and release.year (sdl_design.rng.release_seed)."""
+        return release_seed(self.spec.release.seed, self.spec.release.year)
 
     @cached_property
     def design(self) -> SurveyDesign:
