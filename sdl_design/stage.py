@@ -166,11 +166,14 @@ def build_stages(spec: ReleaseSpec) -> list[Stage]:
 def run_stages(spec: ReleaseSpec, original: pd.DataFrame) -> list[StageResult]:
     """Every enabled stage in order on the original file, without orchestration (no Prefect, no
     replications): what the release flow does between edit validation and the gates."""
+    from sdl_design.blas import single_blas_thread
+
     ctx = StageContext(original, spec)
     results: list[StageResult] = []
     df = original
     for stage in build_stages(spec):
-        result = stage.run(df, ctx.for_stage(stage.name, results))
+        with single_blas_thread():  # the same bits whatever the CPU count
+            result = stage.run(df, ctx.for_stage(stage.name, results))
         results.append(result)
         df = result.data
     return results
