@@ -149,8 +149,10 @@ def test_edit_failure_publishes_nothing(tmp_path):
         release_flow(spec_path=str(path), approve="tester")
     msg = str(ei.value)
     assert "marital in ['never_married'] when age < 15: 3 records fail" in msg
+    # row positions, never a person id: the message reaches Prefect's logs (issue 15 item 8)
+    assert f"(e.g. row {[int(k) for k in kids]})" in msg
     for pid in df.loc[kids, "person_id"]:
-        assert pid in msg
+        assert pid not in msg
     out = folder(path)
     assert not (out / "public").exists()
     manifest = json.loads((out / "internal" / "manifest.json").read_text())
