@@ -113,9 +113,7 @@ def missed_replicates(spec: ReleaseSpec, columns: list[str]) -> list[str]:
     shapes = {_digit_mask(c) for c in matched}
     never = set(spec.variables.other.drop) | set(spec.variables.direct_identifiers)
     return [
-        c
-        for c in columns
-        if c not in matched and c not in never and _digit_mask(str(c)) in shapes
+        c for c in columns if c not in matched and c not in never and _digit_mask(str(c)) in shapes
     ]
 
 
