@@ -753,7 +753,9 @@ class AssessStage:
         keys = spec.variables.keys
         m["unique_share_published"] = float((risk_strata(released, keys) == "U").mean())
         m["epsilon_published"] = _epsilon_published(a.domain_estimates)
-        m.update(_psu_leak(released, ctx.original, spec))
+        if ctx.masked_design or not spec.design.publish_design_labels:
+            # (original labels published on purpose: the zero patterns tell nothing more)
+            m.update(_psu_leak(released, ctx.original, spec))
         worst = a.worst(20)
         return StageResult(
             name=self.name,
