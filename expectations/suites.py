@@ -148,6 +148,8 @@ def _edit_checks(
 
 def validate_edits(df: pd.DataFrame, rules: Sequence, id_column: str | None = None) -> pd.DataFrame:
     """Results table of the edit rules on df (examples are id_column values, else row numbers).
+    The release flow gives no id_column: its results reach Prefect's logs and artifacts, where
+    a record's identifier must never go (only `puf validate` on the terminal shows ids).
 
     GX gives each rule's verdict and count; the rule's own pandas violations() must agree (a
     RuntimeError if not) and supply the example records.

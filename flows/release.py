@@ -20,7 +20,7 @@ from flows.progress import PROGRESS
 from flows.public_docs import variance_notes
 from flows.public_files import public_frame
 from sdl_design.spec import ReleaseSpec, load_spec
-from sdl_design.stage import StageContext, StageResult, build_stages, public_design
+from sdl_design.stage import StageContext, StageResult, build_stages, design_columns, public_design
 from sdl_design.stages import RELEASE_STAGES
 from tasks.core import edits_task, gates_task, load_task
 from tasks.stage import replicate_stage, run_stage
@@ -198,8 +198,8 @@ def release_flow(
         t0 = time.perf_counter()
         masked = any(o.masks_design for o in outputs)
         drop = [c for o in outputs for c in o.drop_public]
-        puf = public_frame(df, spec, masked, drop)
         pdesign = public_design(spec, outputs)  # the spec's, or a stage's pseudo design
+        puf = public_frame(df, spec, masked, drop, design_columns(pdesign, list(df.columns)))
         replicate_cols = (
             pdesign.replicate_weights.resolve(list(puf.columns))
             if pdesign.replicate_weights

@@ -807,8 +807,9 @@ class AssessStage:
         from sdl_design.stage import StageResult
 
         spec = self.spec
-        released = df.drop(columns=[c for c in ctx.unpublished() if c in df.columns])
-        a = assess(ctx.original, released, spec, design_released=ctx.public_design())
+        released = df[ctx.published(list(df.columns))]
+        pdesign = ctx.public_design()
+        a = assess(ctx.original, released, spec, design_released=pdesign)
         a.params.update(column_record(spec, ctx, list(released.columns)))
         m = dict(a.metrics)
         keys = spec.variables.keys
@@ -817,6 +818,9 @@ class AssessStage:
         m["unique_share_published"] = float((risk_strata(released, keys) == "U").mean())
         m |= published_delta(ctx.original, released, spec)
         m["epsilon_published"] = _epsilon_published(a.domain_estimates)
+        if ctx.masked_design or not spec.design.publish_design_labels:
+            # (original labels published on purpose: the zero patterns tell nothing more)
+            m.update(_psu_leak(released, ctx.original, spec, pdesign))
         worst = a.worst(20)
         return StageResult(
             name=self.name,
@@ -918,6 +922,26 @@ def _worst_terms(coefs: pd.DataFrame, n: int = 3) -> str:
     )
 
 
+def _psu_leak(
+    released: pd.DataFrame, original: pd.DataFrame, spec: ReleaseSpec, public: Any
+) -> dict:
+    """{'psu_recoverable': share of the original PSUs the published replicate weights' zero
+    patterns give away (sdl_design.leaks.psu_recoverable)}; empty without replicates or PSUs.
+    public: the design section of the published file (its replicate columns)."""
+    from sdl_design.leaks import psu_recoverable
+
+    d = spec.design
+    reps = (
+        public.replicate_weights.resolve(list(released.columns)) if public.replicate_weights else []
+    )
+    if not reps or not d.psu or d.psu not in original.columns:
+        return {}
+    psu = original[d.psu].astype(str)
+    if d.strata and d.strata in original.columns:
+        psu = original[d.strata].astype(str) + "/" + psu
+    return {"psu_recoverable": psu_recoverable(released, psu, reps)}
+
+
 def assessment_gates(
     m: Mapping[str, float],
     spec: ReleaseSpec,
@@ -1000,6 +1024,16 @@ def assessment_gates(
                 "risk: delta (MASSC) of the published file against the original keys",
                 m["delta_published"],
                 upper=g.delta_max,
+            )
+        )
+    if "psu_recoverable" in m:
+        out.append(
+            gate(
+                "risk: share of original PSUs given away by replicate-weight zero patterns",
+                m["psu_recoverable"],
+                upper=g.max_psu_recoverable,
+                explain="records sharing a set of zero replicate weights are one original PSU: "
+                "publish replicate weights built for masked PSUs (stages.swap), not the originals",
             )
         )
     if g.max_unique_share is not None:

@@ -444,6 +444,8 @@ class GatesSection(_Strict):
     xi: float | None = Field(default=None, gt=1 / 3, lt=0.5)
     se_ratio: tuple[float, float] | None = None
     max_unique_share: float | None = Field(default=None, gt=0.0, le=1.0)
+    # share of original PSUs that records' sets of zero replicate weights give away
+    max_psu_recoverable: float = Field(default=0.5, ge=0.0, le=1.0)
     utility: UtilityGates = UtilityGates()
 
     @field_validator("se_ratio")
@@ -552,6 +554,55 @@ class ReleaseSpec(_Strict):
             gone |= {d.strata, d.psu}
         return sorted(c for c in gone if c)
 
+    def classification(self, columns: Sequence[str]) -> dict[str, str]:
+        """Each column of the data the spec classifies -> its class: key, study, sensitive,
+        weight, strata, psu, segment, household, replicate, identifier, keep or drop
+        (issue 13 item 3). A column missing from the result is unclassified."""
+        d, v = self.design, self.variables
+        out: dict[str, str] = {}
+        for c in v.other.keep:
+            out[c] = "keep"
+        for c in self.replicate_columns(pd.DataFrame(columns=list(columns))):
+            out[c] = "replicate"
+        for f in ("weight", "strata", "psu", "segment", "household"):
+            if getattr(d, f):
+                out[getattr(d, f)] = f
+        for c in v.study:
+            out[c] = "study"
+        for s in v.sensitive:
+            out[s.name] = "sensitive"
+        for c in v.key_names:
+            out[c] = "key"
+        for c in v.other.drop:
+            out[c] = "drop"
+        for c in v.direct_identifiers:
+            out[c] = "identifier"
+        present = set(map(str, columns))
+        return {c: k for c, k in out.items() if c in present}
+
+    def published_columns(
+        self,
+        columns: Sequence[str],
+        masked_design: bool,
+        drop: Sequence[str] = (),
+        design_columns: Sequence[str] = (),
+    ) -> list[str]:
+        """The columns a public file carries, in data order: keys, study, sensitive, other.keep,
+        the weight and replicate weights, strata/PSU when masked or published by the spec, and
+        the design_columns a stage built for the public file (pseudo strata, PSUs, replicates);
+        never an unclassified, unpublished or internal '__' column."""
+        cls = self.classification(columns)
+        gone = set(self.unpublished_columns(masked_design, drop)) - set(design_columns)
+        ok = {"key", "study", "sensitive", "keep", "weight", "replicate", "strata", "psu"}
+        built = set(design_columns)
+        return [
+            c
+            for c in columns
+            if (cls.get(str(c)) in ok or c in built)
+            and c not in gone
+            and not str(c).startswith("__")
+        ]
+
     def replicate_columns(self, df: pd.DataFrame) -> list[str]:
         rw = self.design.replicate_weights
         return rw.resolve(list(df.columns)) if rw else []
@@ -616,8 +667,17 @@ class ReleaseSpec(_Strict):
                     f"{_rows(miss)}; score the missing values as a category of their own "
                     "(add `nan: <score>` to its sensitivity map)"
                 )
+        problems += self.column_problems(df)
         if problems:
             raise SpecError(problems)
+
+    def column_problems(self, df: pd.DataFrame) -> list[str]:
+        """Leaks the columns would open (issue 13 item 3, issue 15 items 5-7): unclassified
+        columns, replicate weights the pattern misses, a published column that determines a
+        dropped design label, a published column tied by an edit rule to a PRB-treated one."""
+        from sdl_design.leaks import column_problems
+
+        return column_problems(self, df)
 
     def _value_problems(self, df: pd.DataFrame) -> list[str]:
         """Values the release cannot use, one message per column and kind: weights and replicate

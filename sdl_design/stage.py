@@ -10,6 +10,7 @@ replications of its treatment (MASSC) also has `replicate(df, ctx, indices)` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 import pandas as pd
 
-from sdl_design.rng import stage_rng
+from sdl_design.rng import release_seed, stage_rng
 
 if TYPE_CHECKING:
     from sdl_design.design import SurveyDesign
@@ -103,9 +104,16 @@ class StageContext:
         """The design section a user reads the working frame with (see public_design)."""
         return public_design(self.spec, self.previous)
 
+    def published(self, columns: Sequence[str]) -> list[str]:
+        """The columns the public file will carry, given the stages run so far."""
+        drop = [c for r in self.previous for c in r.drop_public]
+        built = design_columns(self.public_design(), columns)
+        return self.spec.published_columns(columns, self.masked_design, drop, built)
+
     @property
     def seed(self) -> int:
-        return int(self.spec.release.seed)
+        """The release's entropy: release.seed and release.year (sdl_design.rng.release_seed)."""
+        return release_seed(self.spec.release.seed, self.spec.release.year)
 
     @cached_property
     def design(self) -> SurveyDesign:
@@ -129,6 +137,12 @@ class StageContext:
         state = {k: v for k, v in self.__dict__.items() if k != "design"}
         state["previous"] = []
         return state
+
+
+def design_columns(design: Any, columns: Sequence[str]) -> list[str]:
+    """A design section's strata, PSU and replicate weight columns present in columns."""
+    reps = design.replicate_weights.resolve(list(columns)) if design.replicate_weights else []
+    return [c for c in (design.strata, design.psu, *reps) if c and c in set(columns)]
 
 
 def public_design(spec: ReleaseSpec, results: list[StageResult]) -> Any:
@@ -194,11 +208,14 @@ def build_stages(spec: ReleaseSpec) -> list[Stage]:
 def run_stages(spec: ReleaseSpec, original: pd.DataFrame) -> list[StageResult]:
     """Every enabled stage in order on the original file, without orchestration (no Prefect, no
     replications): what the release flow does between edit validation and the gates."""
+    from sdl_design.blas import single_blas_thread
+
     ctx = StageContext(original, spec)
     results: list[StageResult] = []
     df = original
     for stage in build_stages(spec):
-        result = stage.run(df, ctx.for_stage(stage.name, results))
+        with single_blas_thread():  # the same bits whatever the CPU count
+            result = stage.run(df, ctx.for_stage(stage.name, results))
         results.append(result)
         df = result.data
     return results

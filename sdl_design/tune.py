@@ -44,6 +44,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from sdl_design.blas import single_blas_thread
 from sdl_design.plots import figures_off
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import Gate, StageContext, StageResult, build_stages
@@ -479,7 +480,10 @@ def run_pipeline(
     passthrough = []
     for i in range(start, len(stages)):
         st = stages[i]
-        r = st.run(df.copy() if i == start and start > 0 else df, ctx0.for_stage(st.name, results))
+        with single_blas_thread():  # the release's bits (sdl_design.blas)
+            r = st.run(
+                df.copy() if i == start and start > 0 else df, ctx0.for_stage(st.name, results)
+            )
         if r.data is df and not (r.gates or r.drop_public or r.masks_design):
             passthrough.append(st.name)
         results.append(r)

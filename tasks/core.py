@@ -25,8 +25,9 @@ def load_task(spec: ReleaseSpec) -> tuple[pd.DataFrame, str]:
 
 @task(name="edit-validation", cache_policy=NO_CACHE)
 def edits_task(df: pd.DataFrame, spec: ReleaseSpec) -> pd.DataFrame:
-    ids = spec.variables.direct_identifiers
-    return validate_edits(df, spec.edits, ids[0] if ids else None)
+    # examples are row positions, never a direct identifier: the results reach Prefect's logs
+    # (GateFailed) and artifacts (issue 15 item 8)
+    return validate_edits(df, spec.edits)
 
 
 @task(name="gates", cache_policy=NO_CACHE)

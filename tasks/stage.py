@@ -8,16 +8,19 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from sdl_design.blas import single_blas_thread
 from sdl_design.stage import Stage, StageContext, StageResult
 
 
 @task(name="stage", cache_policy=NO_CACHE, task_run_name="{stage.name}")
 def run_stage(stage: Stage, df: pd.DataFrame, ctx: StageContext) -> StageResult:
-    """stage.run(df, ctx) as a Prefect task."""
-    return stage.run(df, ctx)
+    """stage.run(df, ctx) as a Prefect task, on one BLAS thread (byte-identical on any CPU count)."""
+    with single_blas_thread():
+        return stage.run(df, ctx)
 
 
 @task(name="replications", cache_policy=NO_CACHE, task_run_name="{stage.name}-replications")
 def replicate_stage(stage: Any, df: pd.DataFrame, ctx: StageContext, indices: list[int]) -> Any:
     """stage.replicate(df, ctx, indices) as a Prefect task (one chunk of replications)."""
-    return stage.replicate(df, ctx, indices)
+    with single_blas_thread():
+        return stage.replicate(df, ctx, indices)

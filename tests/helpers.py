@@ -115,7 +115,7 @@ def county_key_spec():
     data = yaml.safe_load(DEFAULT_SPEC.read_text())
     data["variables"]["keys"].append("county")
     data["stages"]["prb"]["variables"].insert(5, "county")
-    data["variables"]["other"] = {}
+    data["variables"]["other"] = {"keep": ["education", "pregnant"]}
     sens = {s["name"]: s for s in data["variables"]["sensitive"]}  # the earlier, higher scores
     sens["hypertension"]["sensitivity"] = {1: 0.7, 0: 0.0}
     sens["income"]["sensitivity"] = dict(

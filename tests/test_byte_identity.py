@@ -3,10 +3,11 @@ hashes. They were recorded before the stage-protocol refactor (commit 95ef319) a
 kept them; issue 11 changed the public file on purpose (PRB cells on the published coding within
 the declared domains; MASSC composed against the original on the sampling-error scale; the
 default spec's utility domains, county not published and its sensitivity scores), and the
-hashes below are those of that change. Issue 13 rewrote the public README and codebook (the
-methods that ran with their parameters, variance recipes, labels and top-code flags); puf.csv
-and puf.parquet kept their hashes. A change that alters the public file on purpose updates
-them and says why in its commit."""
+hashes below are those of that change, then of issue 13's public README and codebook (the
+methods that ran with their parameters, variance recipes, labels and top-code flags) and issue
+15's leaks (release year in the seed derivation, records shuffled, formula cells quoted, one BLAS
+thread per stage: the same on any CPU count). A change that alters the public file on purpose
+updates them and says why in its commit."""
 
 import hashlib
 

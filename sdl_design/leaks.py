@@ -1,0 +1,209 @@
+"""What the columns and rows of a public file could give away besides their values (issue 15
+items 5-8, issue 13 item 3): unclassified columns, a published column that determines a dropped
+design label, a column tied by an edit rule to a post-randomized one but left untouched,
+replicate weights a pattern misses, replicate zero patterns that name the original PSU, the
+confidential file's record order and unused categorical levels."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+if TYPE_CHECKING:
+    from sdl_design.spec import ReleaseSpec
+
+# a published column determines a dropped label when at least this share of the records in
+# its repeated values is predicted by the modal label of their value (H(label | column) ~ 0) ...
+DETERMINING_PURITY = 0.95
+# ... and the repeated values hold at least this share of the records (a column of distinct
+# values, such as an income, identifies each record trivially and is no relabel of a label)
+DETERMINING_COVERAGE = 0.5
+
+
+def label_purity(column: pd.Series, label: pd.Series) -> tuple[float, float]:
+    """(purity, coverage) of `label` given `column`: among the records whose column value occurs
+    at least twice, the share whose label is the modal label of their value; and the share of
+    records in such repeated values. Purity 1 with full coverage: a relabel of the label."""
+    c, _ = pd.factorize(column, use_na_sentinel=False)
+    lab, _ = pd.factorize(label, use_na_sentinel=False)
+    if len(c) == 0:
+        return 0.0, 0.0
+    repeated = np.bincount(c)[c] >= 2
+    if not repeated.any():
+        return 0.0, 0.0
+    n_lab = int(lab.max()) + 1
+    pair, counts = np.unique(
+        c[repeated].astype(np.int64) * n_lab + lab[repeated], return_counts=True
+    )
+    best = np.zeros(int(c.max()) + 1, dtype=np.int64)
+    np.maximum.at(best, pair // n_lab, counts)
+    return float(best.sum() / repeated.sum()), float(repeated.mean())
+
+
+def _dropped_labels(spec: ReleaseSpec, df: pd.DataFrame) -> dict[str, pd.Series]:
+    """The original design labels the public file does not carry as they are: strata and PSU
+    (PSU within stratum) unless the spec publishes them unmasked, segment and household."""
+    d = spec.design
+    swap = spec.stages.active("swap") is not None
+    out: dict[str, pd.Series] = {}
+    if d.strata and d.strata in df.columns and (swap or not d.publish_design_labels):
+        out[f"design.strata '{d.strata}'"] = df[d.strata]
+    if d.psu and d.psu in df.columns and (swap or not d.publish_design_labels):
+        psu = df[d.psu].astype(str)
+        if d.strata and d.strata in df.columns:
+            psu = df[d.strata].astype(str) + "\x1f" + psu
+        out[f"design.psu '{d.psu}'"] = psu
+    for f in ("segment", "household"):
+        c = getattr(d, f)
+        if c and c in df.columns:
+            out[f"design.{f} '{c}'"] = df[c]
+    return out
+
+
+def determining_columns(spec: ReleaseSpec, df: pd.DataFrame) -> list[tuple[str, str, float]]:
+    """(column, label, purity) for each published non-design column that determines a dropped
+    design label (label_purity >= DETERMINING_PURITY with coverage >= DETERMINING_COVERAGE)."""
+    cls = spec.classification(list(df.columns))
+    published = [c for c, k in cls.items() if k in ("key", "study", "sensitive", "keep")]
+    out = []
+    for label, values in _dropped_labels(spec, df).items():
+        if values.nunique(dropna=False) < 2:
+            continue
+        for c in published:
+            purity, coverage = label_purity(df[c], values)
+            if purity >= DETERMINING_PURITY and coverage >= DETERMINING_COVERAGE:
+                out.append((c, label, purity))
+    return out
+
+
+def untreated_edit_ties(spec: ReleaseSpec) -> list[tuple[int, str, list[str]]]:
+    """(rule index, column, treated columns) for each published column that an edit rule ties to
+    a column PRB post-randomizes while PRB leaves it as it is (not in stages.prb.variables).
+    MASSC substitution moves every column tied to a key with it; PRB moves only its set C."""
+    prb = spec.stages.active("prb")
+    if prb is None:
+        return []
+    treated = set(prb.variables)
+    cls = spec.classification(spec.columns_named())
+    published = {c for c, k in cls.items() if k in ("key", "study", "sensitive", "keep")}
+    out = []
+    for i, rule in enumerate(spec.edits):
+        cols = list(dict.fromkeys(rule.columns()))
+        hit = [c for c in cols if c in treated]
+        if hit:
+            out += [(i, c, hit) for c in cols if c not in treated and c in published]
+    return out
+
+
+def _digit_mask(name: str) -> str:
+    return re.sub(r"\d+", "#", name)
+
+
+def missed_replicates(spec: ReleaseSpec, columns: list[str]) -> list[str]:
+    """Columns named like the replicate weights the pattern matches (same name with the digits
+    masked: rw_### for rw_001) that the pattern does not match: published untouched they would
+    undo the masking for their PSU."""
+    rw = spec.design.replicate_weights
+    if rw is None or not isinstance(rw.columns, str):
+        return []
+    matched = set(rw.resolve(columns))
+    shapes = {_digit_mask(c) for c in matched}
+    never = set(spec.variables.other.drop) | set(spec.variables.direct_identifiers)
+    return [
+        c for c in columns if c not in matched and c not in never and _digit_mask(str(c)) in shapes
+    ]
+
+
+def column_problems(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
+    """Every column leak of the data under the spec, each 'field: what and the fix'."""
+    from sdl_design.spec import _short
+
+    problems: list[str] = []
+    columns = [str(c) for c in df.columns]
+    missed = missed_replicates(spec, columns)
+    if missed:
+        problems.append(
+            f"design.replicate_weights.columns: pattern '{spec.design.replicate_weights.columns}' "
+            f"misses {len(missed)} columns named like the replicate weights it matches "
+            f"({_short(missed)}); published untouched they undo the masking for their PSU: widen "
+            "the pattern (or list every replicate column), or add them to variables.other.drop"
+        )
+    cls = spec.classification(columns)
+    unclassified = [c for c in columns if c not in cls and c not in missed]
+    if unclassified:
+        problems.append(
+            f"variables: {len(unclassified)} columns are not classified ({_short(unclassified)}); "
+            "name each as a key, study or sensitive variable, a design column or a direct "
+            "identifier, or add it to variables.other.keep (published as it is) or "
+            "variables.other.drop (never published)"
+        )
+    for c, label, purity in determining_columns(spec, df):
+        problems.append(
+            f"variables: published column '{c}' determines the dropped {label} "
+            f"({purity:.1%} of records' labels follow from its value); it would publish the "
+            f"label it stands for: move '{c}' to variables.other.drop"
+        )
+    for i, c, hit in untreated_edit_ties(spec):
+        problems.append(
+            f"edits[{i}]: published column '{c}' is tied to {hit}, which PRB post-randomizes, but "
+            f"PRB leaves '{c}' as it is (records would break the rule, and show the original "
+            f"values): add '{c}' to stages.prb.variables, or to variables.other.drop"
+        )
+    return problems
+
+
+# ---------------------------------------------------------------- the public file's rows
+
+
+def shuffle_rows(df: pd.DataFrame, rng: np.random.Generator) -> pd.DataFrame:
+    """The records in a random order (no trace of the confidential file's order), index reset."""
+    return df.iloc[rng.permutation(len(df))].reset_index(drop=True)
+
+
+def drop_unused_levels(df: pd.DataFrame) -> pd.DataFrame:
+    """Categorical columns without the levels no record has (a level with no record is a value
+    of the confidential file, e.g. a category suppressed by the treatment)."""
+    cats = [c for c in df.columns if isinstance(df[c].dtype, pd.CategoricalDtype)]
+    if not cats:
+        return df
+    out = df.copy()
+    for c in cats:
+        out[c] = out[c].cat.remove_unused_categories()
+    return out
+
+
+def psu_recoverable(
+    released: pd.DataFrame,
+    original_psu: pd.Series,
+    replicate_columns: list[str],
+    purity: float = 0.9,
+    coverage: float = 0.5,
+) -> float:
+    """Share of the original PSUs (among those with released records) that the released
+    replicate weights give away: a PSU is recoverable when some group of released records
+    sharing one nonempty set of zero replicates is at least `purity` that PSU and holds at
+    least `coverage` of the PSU's released records. `original_psu` is aligned on released's
+    index (the original PSU of each released record)."""
+    if not replicate_columns or len(released) == 0:
+        return 0.0
+    zero = released[replicate_columns].to_numpy(dtype=float) == 0
+    has_zero = zero.any(axis=1)
+    psu, _ = pd.factorize(original_psu.reindex(released.index), use_na_sentinel=False)
+    n_psu = int(psu.max()) + 1
+    if not has_zero.any():
+        return 0.0
+    packed = np.ascontiguousarray(np.packbits(zero[has_zero], axis=1))
+    rows = packed.view(np.dtype((np.void, packed.shape[1]))).ravel()
+    pattern = np.unique(rows, return_inverse=True)[1].ravel()
+    p = psu[has_zero]
+    n_pat = int(pattern.max()) + 1
+    cell = pattern.astype(np.int64) * n_psu + p
+    pair, counts = np.unique(cell, return_counts=True)
+    g, q = pair // n_psu, pair % n_psu
+    size_g = np.bincount(pattern, minlength=n_pat)[g]
+    size_q = np.bincount(psu, minlength=n_psu)[q]
+    hit = (counts >= purity * size_g) & (counts >= coverage * size_q)
+    return float(len(np.unique(q[hit])) / len(np.unique(psu)))
