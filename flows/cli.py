@@ -60,6 +60,7 @@ def _run(
 ) -> int:
     from expectations.suites import GateFailed
     from flows.release import ReleaseRejected, run_release
+    from flows.txn import PublishError, RegistryError, ReleaseLocked
     from sdl_design.edits import EditFailure
     from sdl_design.spec import SpecError, load_spec
 
@@ -68,12 +69,15 @@ def _run(
         manifest = run_release(
             spec_path, approve=approve, year=year, runner=runner, dask_address=address
         )
-    except SpecError as e:
+    except (SpecError, ReleaseLocked) as e:
         print(f"puf: {e}", file=sys.stderr)
         return 2
     except (GateFailed, ReleaseRejected, EditFailure) as e:
         print(f"puf: {e}", file=sys.stderr)
         return 1
+    except (RegistryError, PublishError) as e:  # nothing reported published
+        print(f"puf: {e}; the release is not published", file=sys.stderr)
+        return 3
     _print_release(manifest, Path(spec.release.output_dir))
     return 0
 
