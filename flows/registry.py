@@ -564,7 +564,7 @@ def commit_attempt(attempt_id: str, url: str | None = None, output_dir: str | Pa
                 releases.c.release_id != rid,
                 releases.c.replaced_by.is_(None),
             )
-            .values(replaced_by=rid, updated=now)
+            .values(replaced_by=rid)
         )
         conn.execute(releases.update().where(releases.c.release_id == rid).values(replaced_by=None))
         conn.execute(
@@ -618,8 +618,8 @@ def _frame(conn: Connection, query) -> pd.DataFrame:
 
 
 def list_releases(url: str | None = None, survey: str | None = None) -> pd.DataFrame:
-    """One row per release (newest year first): id, name, year, status, reason, approver,
-    timestamps and gate counts."""
+    """One row per release (newest year first): id, name, year, status, replaced_by (a newer
+    published release of the year), reason, approver, timestamps and gate counts."""
     eng = get_engine(url)
     r, g = releases, gates
     counts = (
@@ -637,6 +637,7 @@ def list_releases(url: str | None = None, survey: str | None = None) -> pd.DataF
             r.c.name,
             r.c.year,
             r.c.status,
+            r.c.replaced_by,
             r.c.reason,
             r.c.approver,
             r.c.created,
