@@ -88,9 +88,11 @@ def _registry(args: argparse.Namespace) -> str | None:
 
 def _known_errors() -> dict[type[BaseException], int]:
     """Errors that say what is wrong in words (no traceback) and the exit code of each:
-    2 the spec or data is not usable for a method, 1 an edit, gate or approval failed."""
+    2 the spec or data is not usable for a method or the release is locked, 1 an edit, gate or
+    approval failed, 3 the registry or output folder failed (nothing reported published)."""
     from expectations.suites import GateFailed
     from flows.release import ReleaseRejected
+    from flows.txn import PublishError, RegistryError, ReleaseLocked
     from sdl_design.calibration import CalibrationError
     from sdl_design.design import DesignError
     from sdl_design.edits import EditFailure
@@ -102,8 +104,9 @@ def _known_errors() -> dict[type[BaseException], int]:
 
     unusable = (SpecError, DesignError, PrbError, MasscError, RiskInputError, CalibrationError)
     return {
-        **{e: 2 for e in (*unusable, FormulaError)},
+        **{e: 2 for e in (*unusable, FormulaError, ReleaseLocked)},
         **{e: 1 for e in (GateFailed, ReleaseRejected, EditFailure)},
+        **{e: 3 for e in (RegistryError, PublishError)},  # nothing reported published
     }
 
 
@@ -139,7 +142,9 @@ def _guarded(fn: Callable[[], int]) -> int:
         return fn()
     except tuple(known) as e:
         code = next(c for t, c in known.items() if isinstance(e, t))
-        print(f"puf: {e}", file=sys.stderr)
+        print(
+            f"puf: {e}" + ("; the release is not published" if code == 3 else ""), file=sys.stderr
+        )
         return code
 
 

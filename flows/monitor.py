@@ -109,7 +109,10 @@ def pick_releases(rel: pd.DataFrame) -> pd.DataFrame:
     recorded (a rejected release is monitored too: that is where drift shows first)."""
     if rel.empty:
         return rel
-    r = rel.assign(_pub=(rel["status"] == "published").astype(int))
+    current = rel["status"].eq("published")
+    if "replaced_by" in rel.columns:  # a newer published release of the year replaced it
+        current &= rel["replaced_by"].isna()
+    r = rel.assign(_pub=current.astype(int))
     r = r.sort_values(["name", "year", "_pub", "updated"], ascending=[True, True, False, False])
     return r.drop_duplicates(["name", "year"]).drop(columns="_pub").reset_index(drop=True)
 

@@ -1,12 +1,11 @@
-"""Release folder: internal manifest and tables, the public files (flows.public_files); atomic publish."""
+"""A release's files: the internal record (manifest, tables, report) and the public files
+(flows.public_files), written into an attempt's staging folder (flows.txn publishes it)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import platform
-import shutil
-import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from importlib import metadata
@@ -82,47 +81,42 @@ def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
 
 
-def write_release(
-    spec: ReleaseSpec,
+def write_record(
+    internal: Path,
+    manifest: Manifest,
+    tables: dict[str, pd.DataFrame],
+    report_writer: Callable[[Manifest, Path], Any],
+) -> None:
+    """Write a release's internal record into `internal`: each 'stage/table' frame as CSV,
+    manifest.json, report.html (report_writer(manifest, path))."""
+    internal.mkdir(parents=True, exist_ok=True)
+    for key, frame in tables.items():
+        path = internal / f"{key}.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        frame.to_csv(path, index=False, lineterminator="\n")
+    write_json(internal / "manifest.json", manifest.to_json())
+    report_writer(manifest, internal / "report.html")
+
+
+def write_stage(
+    staged: Path,
     manifest: Manifest,
     tables: dict[str, pd.DataFrame],
     report_writer: Callable[[Manifest, Path], Any],
     puf: pd.DataFrame | None = None,
     notes: str | None = None,
-) -> Path:
-    """Write the release folder atomically: build it under a temporary name, then rename.
-
-    With puf=None only internal/ is written (a rejected or failed release: nothing public).
-    `tables` maps 'stage/table' -> frame; report_writer(manifest, path) writes internal/report.html.
-    """
-    final = release_dir(spec)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        internal = tmp / "internal"
-        internal.mkdir(parents=True)
-        outputs: dict[str, str] = {}
-        if puf is not None:
-            outputs = write_public_files(puf, tmp / "public", notes or "")
-        for key, frame in tables.items():
-            path = internal / f"{key}.csv"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            frame.to_csv(path, index=False, lineterminator="\n")
-        manifest.hashes.outputs = outputs
-        write_json(internal / "manifest.json", manifest.to_json())
-        report_writer(manifest, internal / "report.html")
-        # swap into place: the old folder (a re-run) is removed only after the new one is in
-        backup = None
-        if final.exists():
-            backup = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-            final.rename(backup)
-        tmp.rename(final)
-        if backup is not None:
-            shutil.rmtree(backup, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    fault: Callable[[str], None] | None = None,
+) -> None:
+    """Write a whole release into a staging folder: public/ (when puf is given; its hashes go
+    into the manifest) and internal/ (write_record). The staged tree is what the release folder
+    becomes when the attempt publishes (flows.txn)."""
+    outputs: dict[str, str] = {}
+    if puf is not None:
+        outputs = write_public_files(puf, staged / "public", notes or "")
+    if fault is not None:
+        fault("staging")
+    manifest.hashes.outputs = outputs
+    write_record(staged / "internal", manifest, tables, report_writer)
 
 
 def now() -> str:

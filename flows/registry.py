@@ -28,6 +28,18 @@ if TYPE_CHECKING:
     from sdl_design.stage import StageResult
 
 ENV_URL = "PUF_REGISTRY_URL"
+# an attempt's states: running -> awaiting_approval -> publishing (intent) -> published (commit);
+# or rejected / failed (nothing published), rolled_back (an intent undone at recovery)
+ATTEMPT_STATES = (
+    "running",
+    "awaiting_approval",
+    "publishing",
+    "published",
+    "rejected",
+    "failed",
+    "rolled_back",
+)
+OPEN_STATES = ("running", "awaiting_approval", "publishing")
 BUSY_TIMEOUT_MS = 60_000
 
 # ---------------------------------------------------------------- schema (current version)
@@ -66,6 +78,7 @@ releases = sa.Table(
     metadata,
     *_release_columns(),
     sa.Column("manifest", sa.Text),  # the whole manifest.json (migration 2)
+    sa.Column("replaced_by", sa.String(200)),  # a newer published release of the year (3)
 )
 
 metrics = sa.Table(
@@ -103,6 +116,25 @@ gates = sa.Table(
     sa.PrimaryKeyConstraint("release_id", "seq"),
 )
 
+attempts = sa.Table(  # migration 3: one row per run of a release (publishing as a transaction)
+    "attempts",
+    metadata,
+    sa.Column("attempt_id", sa.String(64), primary_key=True),
+    sa.Column("release_id", sa.String(200), nullable=False),
+    sa.Column("name", sa.String(200), nullable=False),
+    sa.Column("year", sa.Integer, nullable=False),
+    sa.Column("state", sa.String(20), nullable=False),
+    sa.Column("reason", sa.Text),
+    sa.Column("pid", sa.Integer),
+    sa.Column("host", sa.String(200)),
+    sa.Column("folder", sa.Text),  # the attempt's staging folder
+    sa.Column("output_hashes", sa.Text),  # JSON, the staged public files
+    sa.Column("payload", sa.Text),  # JSON {manifest, se_ratios}: what the commit records
+    sa.Column("started", sa.String(40), nullable=False),
+    sa.Column("updated", sa.String(40), nullable=False),
+    sa.CheckConstraint(f"state IN {ATTEMPT_STATES}", name="ck_attempts_state"),
+)
+
 release_events = sa.Table(  # migration 2: every status a release went through (audit trail)
     "release_events",
     metadata,
@@ -133,9 +165,16 @@ def _m2(conn: Connection) -> None:
     conn.execute(sa.text("CREATE INDEX ix_events_release ON release_events (release_id)"))
 
 
+def _m3(conn: Connection) -> None:
+    attempts.create(conn)
+    conn.execute(sa.text("CREATE INDEX ix_attempts_name_year ON attempts (name, year)"))
+    conn.execute(sa.text("ALTER TABLE releases ADD COLUMN replaced_by VARCHAR(200)"))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "releases, metrics, se_ratios, gates", _m1),
     (2, "releases.manifest, release_events audit trail, indexes", _m2),
+    (3, "attempts (intent and commit of a publication), releases.replaced_by", _m3),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -328,21 +367,11 @@ def se_ratio_tables(results: Sequence[StageResult]) -> dict[str, pd.DataFrame]:
     return {r.name: r.tables[r.se_ratio_table] for r in results if r.se_ratio_table}
 
 
-def record_release(
-    manifest: Manifest | dict,
-    se_ratios: dict[str, pd.DataFrame] | None = None,
-    url: str | None = None,
-    output_dir: str | Path | None = None,
-) -> str:
-    """Insert or update (by release_id) a release, its metrics, gates and SE ratios; one
-    transaction. Every call also appends the status to the release's audit trail, so a release
-    that fails after being drafted keeps its history. A dict manifest is validated as a
-    Manifest first (pydantic.ValidationError, a ValueError, names what is wrong). Returns the
-    release_id."""
-    m = manifest if isinstance(manifest, Manifest) else Manifest.model_validate(manifest)
+def _release_rows(
+    m: Manifest, se_ratios: dict[str, pd.DataFrame] | None, now: str
+) -> tuple[dict, list[dict], list[dict], list[dict]]:
     rel = m.release
     rid = rel.release_id
-    now = _now()
     row = {
         "release_id": rid,
         "name": rel.name,
@@ -378,36 +407,206 @@ def record_release(
         t.insert(0, "source", str(source))
         t.insert(0, "release_id", rid)
         se_rows += _rows(t)
+    return row, metric_rows, gate_rows, se_rows
 
-    eng = get_engine(url, output_dir)
-    if eng.dialect.name == "postgresql":
+
+def _write_release(
+    conn: Connection, m: Manifest, se_ratios: dict[str, pd.DataFrame] | None, now: str
+) -> bool:
+    """Upsert a release and its metrics, gates and SE ratios inside conn's transaction. A release
+    recorded as published is changed only by a published record (a failed or rejected rerun of
+    the same release never flips it). Returns whether the release row was written."""
+    row, metric_rows, gate_rows, se_rows = _release_rows(m, se_ratios, now)
+    rid = row["release_id"]
+    if conn.dialect.name == "postgresql":
         from sqlalchemy.dialects.postgresql import insert
     else:
         from sqlalchemy.dialects.sqlite import insert
+    # upsert first: it locks the release row, so concurrent writers of one release serialize
+    ins = insert(releases).values(**row)
+    keep = {k: ins.excluded[k] for k in row if k not in ("release_id", "created")}
+    if m.status != "published":
+        ins = ins.on_conflict_do_update(
+            index_elements=["release_id"], set_=keep, where=releases.c.status != "published"
+        )
+    else:
+        ins = ins.on_conflict_do_update(index_elements=["release_id"], set_=keep)
+    conn.execute(ins)
+    status = conn.execute(
+        sa.select(releases.c.status).where(releases.c.release_id == rid)
+    ).scalar_one()
+    if status != m.status:  # a published release kept: its record stays as it is
+        return False
+    conn.execute(
+        release_events.insert().values(
+            release_id=rid, status=m.status, reason=row["reason"], at=now
+        )
+    )
+    for table, rows, replace in (
+        (metrics, metric_rows, True),
+        (gates, gate_rows, True),
+        (se_table, se_rows, bool(se_ratios)),
+    ):
+        if replace:
+            sources = {r["source"] for r in rows} if table is se_table else None
+            q = table.delete().where(table.c.release_id == rid)
+            if sources:
+                q = q.where(table.c.source.in_(sources))
+            conn.execute(q)
+        if rows:
+            conn.execute(table.insert(), rows)
+    return True
+
+
+def record_release(
+    manifest: Manifest | dict,
+    se_ratios: dict[str, pd.DataFrame] | None = None,
+    url: str | None = None,
+    output_dir: str | Path | None = None,
+) -> str:
+    """Insert or update (by release_id) a release, its metrics, gates and SE ratios; one
+    transaction. Every call also appends the status to the release's audit trail, so a release
+    that fails after being drafted keeps its history. A release recorded as published is left
+    as it is by a record that is not published. A dict manifest is validated as a Manifest first
+    (pydantic.ValidationError, a ValueError, names what is wrong). Returns the release_id."""
+    m = manifest if isinstance(manifest, Manifest) else Manifest.model_validate(manifest)
+    eng = get_engine(url, output_dir)
     with eng.begin() as conn:
-        # upsert first: it locks the release row, so concurrent writers of one release serialize
-        ins = insert(releases).values(**row)
-        keep = {k: ins.excluded[k] for k in row if k not in ("release_id", "created")}
-        conn.execute(ins.on_conflict_do_update(index_elements=["release_id"], set_=keep))
+        _write_release(conn, m, se_ratios, _now())
+    return m.release.release_id
+
+
+# ---------------------------------------------------------------- attempts (publishing)
+
+
+def _se_payload(se_ratios: dict[str, pd.DataFrame] | None) -> dict[str, list[dict]]:
+    return {k: _rows(v) for k, v in (se_ratios or {}).items() if v is not None and len(v)}
+
+
+def open_attempt(
+    attempt_id: str,
+    manifest: Manifest,
+    folder: str | Path,
+    url: str | None = None,
+    output_dir: str | Path | None = None,
+) -> None:
+    """Record a new attempt (state running) of a release."""
+    import socket
+
+    now = _now()
+    rel = manifest.release
+    with get_engine(url, output_dir).begin() as conn:
         conn.execute(
-            release_events.insert().values(
-                release_id=rid, status=m.status, reason=row["reason"], at=now
+            attempts.insert().values(
+                attempt_id=attempt_id,
+                release_id=rel.release_id,
+                name=rel.name,
+                year=rel.year,
+                state="running",
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                folder=str(folder),
+                started=now,
+                updated=now,
             )
         )
-        for table, rows, replace in (
-            (metrics, metric_rows, True),
-            (gates, gate_rows, True),
-            (se_table, se_rows, bool(se_ratios)),
-        ):
-            if replace:
-                sources = {r["source"] for r in rows} if table is se_table else None
-                q = table.delete().where(table.c.release_id == rid)
-                if sources:
-                    q = q.where(table.c.source.in_(sources))
-                conn.execute(q)
-            if rows:
-                conn.execute(table.insert(), rows)
+
+
+def set_attempt(
+    attempt_id: str,
+    state: str,
+    reason: str | None = None,
+    manifest: Manifest | None = None,
+    se_ratios: dict[str, pd.DataFrame] | None = None,
+    url: str | None = None,
+    output_dir: str | Path | None = None,
+) -> None:
+    """Move an attempt to a state; with a manifest, also record the release (a published release
+    is never flipped by an attempt that is not published). State publishing is the intent: its
+    payload (manifest and SE ratios) is what a recovery commits when the files were moved."""
+    if state not in ATTEMPT_STATES:
+        raise ValueError(f"attempt state must be one of {ATTEMPT_STATES}, not {state!r}")
+    now = _now()
+    values: dict[str, Any] = {"state": state, "reason": reason, "updated": now}
+    if manifest is not None:
+        values["release_id"] = manifest.release.release_id
+        values["output_hashes"] = _json(manifest.hashes.outputs)
+    if state == "publishing" and manifest is not None:
+        values["payload"] = _json(
+            {"manifest": manifest.to_json(), "se_ratios": _se_payload(se_ratios)}
+        )
+    with get_engine(url, output_dir).begin() as conn:
+        conn.execute(attempts.update().where(attempts.c.attempt_id == attempt_id).values(values))
+        if manifest is not None and state != "publishing":
+            _write_release(conn, manifest, se_ratios, now)
+
+
+def commit_attempt(attempt_id: str, url: str | None = None, output_dir: str | Path | None = None):
+    """The commit of a publication, one transaction: the release of the attempt's intent payload
+    recorded as published, every other published release of its name and year marked
+    replaced_by it, the attempt published. Returns the release_id."""
+    now = _now()
+    with get_engine(url, output_dir).begin() as conn:
+        payload = conn.execute(
+            sa.select(attempts.c.payload).where(attempts.c.attempt_id == attempt_id)
+        ).scalar_one()
+        data = json.loads(payload)
+        m = Manifest.model_validate(data["manifest"])
+        se = {k: pd.DataFrame(v) for k, v in data["se_ratios"].items()}
+        rid = m.release.release_id
+        _write_release(conn, m, se or None, now)
+        conn.execute(
+            releases.update()
+            .where(
+                releases.c.name == m.release.name,
+                releases.c.year == m.release.year,
+                releases.c.status == "published",
+                releases.c.release_id != rid,
+                releases.c.replaced_by.is_(None),
+            )
+            .values(replaced_by=rid)
+        )
+        conn.execute(releases.update().where(releases.c.release_id == rid).values(replaced_by=None))
+        conn.execute(
+            attempts.update()
+            .where(attempts.c.attempt_id == attempt_id)
+            .values(state="published", reason=None, updated=now)
+        )
     return rid
+
+
+def read_attempts(
+    name: str,
+    year: int,
+    states: Sequence[str] | None = None,
+    url: str | None = None,
+    output_dir: str | Path | None = None,
+) -> pd.DataFrame:
+    """The attempts of a release name and year (oldest first), optionally only in `states`."""
+    q = sa.select(attempts).where(attempts.c.name == name, attempts.c.year == year)
+    if states:
+        q = q.where(attempts.c.state.in_(list(states)))
+    with get_engine(url, output_dir).connect() as conn:
+        return _frame(conn, q.order_by(attempts.c.started, attempts.c.attempt_id))
+
+
+def current_release(
+    name: str, year: int, url: str | None = None, output_dir: str | Path | None = None
+) -> dict | None:
+    """The published release of a name and year that no newer one replaced (None: none)."""
+    q = sa.select(releases).where(
+        releases.c.name == name,
+        releases.c.year == year,
+        releases.c.status == "published",
+        releases.c.replaced_by.is_(None),
+    )
+    with get_engine(url, output_dir).connect() as conn:
+        rows = conn.execute(q.order_by(releases.c.updated.desc())).mappings().all()
+    if not rows:
+        return None
+    out = {k: v for k, v in rows[0].items() if k != "manifest"}
+    out["output_hashes"] = json.loads(out["output_hashes"] or "{}")
+    return out
 
 
 # ---------------------------------------------------------------- reading
@@ -419,8 +618,8 @@ def _frame(conn: Connection, query) -> pd.DataFrame:
 
 
 def list_releases(url: str | None = None, survey: str | None = None) -> pd.DataFrame:
-    """One row per release (newest year first): id, name, year, status, reason, approver,
-    timestamps and gate counts."""
+    """One row per release (newest year first): id, name, year, status, replaced_by (a newer
+    published release of the year), reason, approver, timestamps and gate counts."""
     eng = get_engine(url)
     r, g = releases, gates
     counts = (
@@ -438,6 +637,7 @@ def list_releases(url: str | None = None, survey: str | None = None) -> pd.DataF
             r.c.name,
             r.c.year,
             r.c.status,
+            r.c.replaced_by,
             r.c.reason,
             r.c.approver,
             r.c.created,

@@ -6,12 +6,14 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import pandas as pd
 from prefect import flow
 from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
 from prefect.utilities.annotations import quote, unmapped
+from pydantic import Field, field_validator
 
 from expectations.suites import GateFailed
 from flows import publish as pub
@@ -19,17 +21,35 @@ from flows.manifest import Manifest
 from flows.progress import PROGRESS
 from flows.public_docs import variance_notes
 from flows.public_files import public_frame
+from flows.server_guard import install as _guard_prefect_server
+from flows.txn import PublishError, RegistryError, ReleaseLocked, Transaction, fault
 from sdl_design.spec import ReleaseSpec, load_spec
 from sdl_design.stage import StageContext, StageResult, build_stages, design_columns, public_design
 from sdl_design.stages import RELEASE_STAGES
 from tasks.core import edits_task, gates_task, load_task
 from tasks.stage import replicate_stage, run_stage
 
+_guard_prefect_server()  # Prefect's temporary server dies with this process (kill -9 too)
+
 
 class ReleaseApproval(RunInput):
-    approved: bool
-    approver: str
-    comment: str = ""
+    """The board's decision on a staged release: who decides (required, not blank) and what."""
+
+    decision: Literal["approved", "rejected"] = Field(
+        description="approved publishes the staged files; rejected keeps the published release"
+    )
+    approver: str = Field(
+        pattern=r"\S", max_length=200, description="who decides (name or id); required"
+    )
+    comment: str = Field(default="", description="optional")
+
+    @field_validator("approver")
+    @classmethod
+    def _strip(cls, v: str) -> str:
+        v = v.strip()
+        if not v:
+            raise ValueError("approver is required")
+        return v
 
 
 class ReleaseRejected(RuntimeError):
@@ -97,47 +117,59 @@ def _report_writer(outputs: list[StageResult], spec: ReleaseSpec):
     return write
 
 
-def _record(manifest: Manifest, outputs: list[StageResult], spec: ReleaseSpec) -> None:
-    """Record the release in the registry; a registry failure never undoes a written release."""
-    from flows.registry import record_release, se_ratio_tables
+def _se_ratios(outputs: list[StageResult]) -> dict[str, pd.DataFrame]:
+    from flows.registry import se_ratio_tables
 
-    ratios = se_ratio_tables(outputs)
-    try:
-        record_release(
-            manifest, ratios, url=spec.release.registry, output_dir=spec.release.output_dir
-        )
-    except Exception as e:  # noqa: BLE001 - reported, the release folder stands
-        print(
-            f"[puf] WARNING: the registry could not record {manifest.release.release_id}: {e}",
-            file=sys.stderr,
-        )
+    return se_ratio_tables(outputs)
 
 
-def _finish(
+def _close(
+    txn: Transaction,
     spec: ReleaseSpec,
     manifest: Manifest,
     outputs: list[StageResult],
     gates: pd.DataFrame | None,
     status: str,
     reason: str | None,
-    puf: pd.DataFrame | None = None,
-    notes: str | None = None,
-) -> Path:
+) -> None:
+    """End an attempt that does not publish: its record (no public files) in its folder, the
+    registry told; the published release, its files and its registry row untouched."""
     manifest.status = status
     manifest.reason = reason
     if gates is not None:
         manifest.set_gates(gates)
-    folder = pub.write_release(
-        spec, manifest, _tables(outputs, gates), _report_writer(outputs, spec), puf, notes
-    )
-    _record(manifest, outputs, spec)
+    record = txn.staged / "internal"
+    try:
+        pub.write_record(record, manifest, _tables(outputs, gates), _report_writer(outputs, spec))
+    except OSError as e:
+        print(
+            f"[puf] WARNING: could not write the attempt's record in {record}: {e}", file=sys.stderr
+        )
+    txn.close(status, reason, manifest, _se_ratios(outputs))
+    _post(manifest)
+
+
+def _post(manifest: Manifest, **kw) -> list[str]:
     from flows.report import post_artifacts
 
-    post_artifacts(manifest)
-    return folder
+    return post_artifacts(manifest, **kw)
 
 
-@flow(name="puf-release", log_prints=True)
+def _run_name() -> str:
+    """The flow run's name: "<survey> <year>" (read from the spec the run was given)."""
+    import yaml
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters or {}
+    try:
+        rel = yaml.safe_load(Path(params["spec_path"]).read_text())["release"]
+        year = params.get("year") or _scheduled_year() or rel["year"]
+        return f"{rel['name']} {year}"
+    except Exception:  # noqa: BLE001 - a name is never worth a failed run
+        return "puf-release"
+
+
+@flow(name="puf-release", log_prints=True, flow_run_name=_run_name)
 def release_flow(
     spec_path: str,
     approve: str | None = None,
@@ -146,12 +178,27 @@ def release_flow(
     dask_address: str | None = None,
     approval_poll_s: int = 10,
 ) -> Manifest:
-    """Run one release of the spec; returns the manifest. Raises on a failed edit, gate or approval."""
+    """Run one release of the spec; returns the manifest. Raises on a failed edit, gate or approval
+    (the published release stays as it was), ReleaseLocked when another run holds the name and
+    year, RegistryError or PublishError when the release cannot be recorded or moved."""
     spec = load_spec(spec_path)
     if year is None:
         year = _scheduled_year()
     if year is not None:
         spec.release.year = int(year)
+    with Transaction.begin(spec) as txn:
+        return _release(spec, spec_path, txn, approve, runner, dask_address, approval_poll_s)
+
+
+def _release(
+    spec: ReleaseSpec,
+    spec_path: str,
+    txn: Transaction,
+    approve: str | None,
+    runner: str,
+    dask_address: str | None,
+    approval_poll_s: int,
+) -> Manifest:
     stages = build_stages(spec)
     total = len(stages) + 5
     step = 1
@@ -162,6 +209,7 @@ def release_flow(
     manifest = _new_manifest(spec, _spec_hash(spec_path), input_hash)
     _lap(manifest, "load", t0)
     manifest.counts.n_input = len(original)
+    txn.open(manifest)
     outputs: list[StageResult] = []
     try:
         step += 1
@@ -172,7 +220,7 @@ def release_flow(
         _progress(step, total, "edit validation", t0)
         if not edits["passed"].all():
             err = GateFailed("edit validation failed on the input file", edits)
-            _finish(spec, manifest, outputs, edits, "rejected", str(err))
+            _close(txn, spec, manifest, outputs, edits, "rejected", str(err))
             raise err
 
         df = original
@@ -210,44 +258,51 @@ def release_flow(
         gates = gates_task(quote(puf), quote(spec), gate_rows, replicate_cols, masked)
         _lap(manifest, "gates", t0)
         _progress(step, total, "gates", t0)
+        manifest.set_gates(gates)
         if not gates["passed"].all():
             err = GateFailed("release gates failed; nothing was published", gates)
-            _finish(spec, manifest, outputs, gates, "rejected", str(err))  # reason: failed checks
+            _close(txn, spec, manifest, outputs, gates, "rejected", str(err))
             raise err
         manifest.status = "gated"
 
+        # the whole release, staged before the approval: the board sees what would go out
+        notes = variance_notes(spec, outputs, puf)
+        tables = _tables(outputs, gates)
+        writer = _report_writer(outputs, spec)
+        staged = txn.stage(
+            lambda folder: pub.write_stage(folder, manifest, tables, writer, puf, notes, fault)
+        )
+        ratios = _se_ratios(outputs)
+        txn.awaiting_approval(manifest, ratios)
+        keys = _post(manifest, staged=staged, results=outputs)
+
         step += 1
         t0 = _progress(step, total, "approval")
-        decision = _approval(spec, approve, approval_poll_s)
+        decision = _approval(spec, approve, approval_poll_s, staged, keys)
         _progress(step, total, "approval", t0)
         manifest.approval = manifest.approval.model_copy(update=decision)
         if decision["decision"] != "approved":
-            _finish(
-                spec,
-                manifest,
-                outputs,
-                gates,
-                "rejected",
-                f"rejected by {decision['approver']}: {decision['comment']}",
-            )
-            raise ReleaseRejected(
-                f"release rejected by {decision['approver']}: {decision['comment']}"
-            )
+            reason = f"rejected by {decision['approver']}: {decision['comment']}"
+            _close(txn, spec, manifest, outputs, gates, "rejected", reason)
+            raise ReleaseRejected(f"release {reason}")
 
         step += 1
         t0 = _progress(step, total, "publish")
-        notes = variance_notes(spec, outputs, puf)
-        folder = _finish(spec, manifest, outputs, gates, "published", None, puf, notes)
+        manifest.status = "published"
+        manifest.reason = None
+        pub.write_record(staged / "internal", manifest, {}, writer)  # with the decision
+        folder = txn.publish(manifest, ratios)
+        _post(manifest)
         _progress(step, total, "publish", t0)
         PROGRESS.say(f"published {manifest.release.release_id} to {folder}")
         return manifest
-    except (GateFailed, ReleaseRejected):
+    except (GateFailed, ReleaseRejected, RegistryError, PublishError, ReleaseLocked):
         raise
     except BaseException as e:
-        if manifest.status not in ("rejected", "failed", "published"):
+        if txn.state in ("running", "awaiting_approval"):
             try:
-                _finish(spec, manifest, outputs, None, "failed", f"{type(e).__name__}: {e}")
-            except Exception:  # keep the original error visible
+                _close(txn, spec, manifest, outputs, None, "failed", f"{type(e).__name__}: {e}")
+            except Exception:  # noqa: BLE001 - keep the original error visible
                 pass
         raise
 
@@ -300,7 +355,9 @@ def _scheduled_year() -> int | None:
     return int(start.year) if start is not None else None
 
 
-def _approval(spec: ReleaseSpec, approve: str | None, poll_s: int) -> dict:
+def _approval(
+    spec: ReleaseSpec, approve: str | None, poll_s: int, staged: Path, keys: list[str]
+) -> dict:
     if not spec.approval.required:
         return {
             "approver": None,
@@ -315,22 +372,21 @@ def _approval(spec: ReleaseSpec, approve: str | None, poll_s: int) -> dict:
             "comment": "approved on the command line",
             "at": pub.now(),
         }
+    rel = spec.release
+    evidence = ", ".join(f"`{k}`" for k in keys)
+    description = (
+        f"Approve the public-use file {rel.name} {rel.year}? The whole release is staged in "
+        f"{staged} (public/ as it would be published, internal/report.html). The evidence is in "
+        f"this run's artifacts: {evidence}. Decision approved publishes exactly the staged "
+        "files; rejected keeps the published release as it is. Approver is required."
+    )
     d = pause_flow_run(
-        wait_for_input=ReleaseApproval.with_initial_data(
-            description=f"Approve the public-use file {spec.release.name} {spec.release.year}?",
-            approved=False,
-            approver="",
-        ),
+        wait_for_input=ReleaseApproval.with_initial_data(description=description),
         timeout=spec.approval.timeout_s,
         poll_interval=poll_s,
-        key=f"approval-{spec.release.name}-{spec.release.year}",
+        key=f"approval-{rel.name}-{rel.year}",
     )
-    return {
-        "approver": d.approver,
-        "decision": "approved" if d.approved else "rejected",
-        "comment": d.comment,
-        "at": pub.now(),
-    }
+    return {"approver": d.approver, "decision": d.decision, "comment": d.comment, "at": pub.now()}
 
 
 def run_release(
@@ -343,6 +399,16 @@ def run_release(
     """Run the release flow; runner and dask_address choose where replications run."""
     if runner not in ("thread", "dask"):
         raise ValueError(f"runner must be 'thread' or 'dask', not {runner!r}")
+    # lock, registry and output folder checked, leftovers recovered before Prefect starts: a
+    # second run or a broken registry fails at once, with one line (the flow re-enters the lock)
+    spec = load_spec(spec_path)
+    if year is not None:
+        spec.release.year = int(year)
+    with Transaction.begin(spec):
+        return _call_flow(spec_path, approve, year, runner, dask_address)
+
+
+def _call_flow(spec_path, approve, year, runner, dask_address) -> Manifest:  # noqa: ANN001
     return release_flow(
         spec_path=str(spec_path),
         approve=approve,

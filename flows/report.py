@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from flows.html import artifact_key, img, table, value
+from flows.html import artifact_key, img, png_b64, table, value
 from flows.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -526,8 +526,18 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def post_artifacts(manifest: Manifest) -> list[str]:
-    """Markdown summary, gates table and metrics table artifacts for the current run; returns keys."""
+def post_artifacts(
+    manifest: Manifest,
+    staged: Path | None = None,
+    results: Sequence[StageResult] = (),
+    max_rows: int = 50,
+    max_figures: int = 6,
+) -> list[str]:
+    """Markdown summary, gates table and metrics table artifacts for the current run; returns keys.
+
+    With the staged release folder (before the approval) also: `-report`, the staged report's
+    location with the assessment's figures (embedded PNG), and `-assessment`, the assessment
+    tables (worst estimates first, at most max_rows rows each) of the result with a section."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     m = manifest
@@ -561,4 +571,45 @@ def post_artifacts(manifest: Manifest) -> list[str]:
         table=[{"metric": k, "value": _plain(v)} for k, v in m.metrics.items()],
         description="release metrics",
     )
+    if staged is None:
+        return keys
+    staged = Path(staged)
+    report = staged / "internal" / "report.html"
+    public = staged / "public"
+    files = sorted(p.name for p in public.iterdir()) if public.is_dir() else []
+    rmd = [
+        f"# {rel.name} {rel.year}: the staged release",
+        "",
+        f"- report: [{report.name}]({report.resolve().as_uri()}) (`{report}`)",
+        f"- public files as they would be published: {', '.join(files) or 'none'} (`{public}`)",
+        f"- gates: {n - n_fail} of {n} passed (artifact `{keys[1]}`)",
+        f"- records in / out: {m.counts.n_input} / {m.counts.n_output}",
+    ]
+    shown = [r for r in results if r.section]
+    for r in shown:
+        rmd += ["", f"## {r.section}", ""] + [f"- {n}" for n in r.notes]
+        for name, png in list(r.figures.items())[:max_figures]:
+            rmd += ["", f"![{r.name}/{name}](data:image/png;base64,{png_b64(png)})"]
+    keys.append(f"{base}-report")
+    create_markdown_artifact(
+        key=keys[-1], markdown="\n".join(rmd), description="staged report and assessment figures"
+    )
+    rows: list[dict] = []
+    for r in shown:
+        for tname in r.report_tables or list(r.tables):
+            t = r.tables.get(tname)
+            if t is None or not len(t):
+                continue
+            for rec in t.head(max_rows).to_dict(orient="records"):
+                rows.append(
+                    {"table": f"{r.name}/{tname}", **{k: _plain(v) for k, v in rec.items()}}
+                )
+    if rows:
+        cols = list(dict.fromkeys(k for row in rows for k in row))
+        keys.append(f"{base}-assessment")
+        create_table_artifact(
+            key=keys[-1],
+            table=[{c: row.get(c) for c in cols} for row in rows],
+            description="assessment of the staged public file against the original",
+        )
     return keys

@@ -43,6 +43,15 @@ def folder(path):
     return path.parent / data["release"]["name"] / str(data["release"]["year"])
 
 
+def last_record(path):
+    """The internal record of the newest attempt (where an unpublished release's record is)."""
+    from flows.txn import attempt_record, latest_attempt
+
+    data = yaml.safe_load(path.read_text())
+    rel = data["release"]
+    return attempt_record(latest_attempt(path.parent, rel["name"], rel["year"]))
+
+
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
     path = small_spec(tmp_path_factory.mktemp("rel"))
@@ -157,8 +166,8 @@ def test_edit_failure_publishes_nothing(tmp_path):
     for pid in df.loc[kids, "person_id"]:
         assert pid not in msg
     out = folder(path)
-    assert not (out / "public").exists()
-    manifest = json.loads((out / "internal" / "manifest.json").read_text())
+    assert not out.exists()
+    manifest = json.loads((last_record(path) / "manifest.json").read_text())
     assert manifest["status"] == "rejected" and manifest["hashes"]["outputs"] == {}
 
 
@@ -171,8 +180,8 @@ def test_failed_gate_publishes_nothing(tmp_path):
     with pytest.raises(GateFailed, match="sample uniques"):
         release_flow(spec_path=str(path), approve="tester")
     out = folder(path)
-    assert not (out / "public").exists()
-    manifest = json.loads((out / "internal" / "manifest.json").read_text())
+    assert not out.exists()
+    manifest = json.loads((last_record(path) / "manifest.json").read_text())
     assert manifest["status"] == "rejected"
     failed = [g for g in manifest["gates"] if not g["passed"]]
     assert failed and all(g["value"] > 0.001 for g in failed)
@@ -196,14 +205,14 @@ def test_single_year_age_perturbed_is_refused_by_the_utility_gates(tmp_path):
         release_flow(spec_path=str(path), approve="tester")
     msg = str(ei.value)
     out = folder(path)
-    assert not (out / "public").exists()
-    manifest = json.loads((out / "internal" / "manifest.json").read_text())
+    assert not out.exists()
+    manifest = json.loads((last_record(path) / "manifest.json").read_text())
     assert manifest["status"] == "rejected" and manifest["hashes"]["outputs"] == {}
     failed = {g["name"] for g in manifest["gates"] if not g["passed"]}
     assert {n for n in failed if n.startswith("utility: ")}, failed
     assert "worst estimates: " in msg
     # the worst estimate named is the worst of the assessment table written to internal/
-    worst = pd.read_csv(out / "internal" / "assess" / "worst_estimates.csv").iloc[0]
+    worst = pd.read_csv(last_record(path) / "assess" / "worst_estimates.csv").iloc[0]
     assert f"{worst['variable']} in {worst['domain']} = {worst['level']}" in msg
 
 
@@ -252,16 +261,18 @@ def test_approval_pause_and_resume(tmp_path, approved):
             break
         time.sleep(0.5)
     assert run_id is not None, box
-    resume_flow_run(run_id, run_input={"approved": approved, "approver": "board", "comment": "ok"})
+    decision = "approved" if approved else "rejected"
+    resume_flow_run(run_id, run_input={"decision": decision, "approver": "board", "comment": "ok"})
     th.join(120)
     out = folder(path)
-    manifest = json.loads((out / "internal" / "manifest.json").read_text())
+    record = out / "internal" if approved else last_record(path)
+    manifest = json.loads((record / "manifest.json").read_text())
     assert manifest["approval"]["approver"] == "board"
     if approved:
         assert box["manifest"].status == "published" and (out / "public" / "puf.parquet").is_file()
     else:
         assert isinstance(box["error"], ReleaseRejected)
-        assert manifest["status"] == "rejected" and not (out / "public").exists()
+        assert manifest["status"] == "rejected" and not out.exists()
 
 
 def test_cli_exit_codes(tmp_path, capsys):
