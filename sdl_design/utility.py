@@ -226,6 +226,23 @@ def domain_mean_se(
     return pd.concat(out, ignore_index=True)
 
 
+def original_domain_se(
+    original: pd.DataFrame, design: dict, chars: Characteristics
+) -> pd.DataFrame:
+    """domain_mean_se of the original file in its design (design: weight, strata, psu and,
+    optionally, replicate_weights, method, rho): the original side of se_ratio_table."""
+    return domain_mean_se(
+        original,
+        chars,
+        weight=design["weight"],
+        strata=design["strata"],
+        psu=design["psu"],
+        replicate_weights=design.get("replicate_weights") or (),
+        method=design.get("method"),
+        rho=design.get("rho"),
+    )
+
+
 def se_ratio_table(
     original: pd.DataFrame,
     masked: pd.DataFrame,
@@ -235,20 +252,15 @@ def se_ratio_table(
     method: str | None = None,
     rho: float | None = None,
     chars_masked: Characteristics | None = None,
+    original_se: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
     """One row per characteristic: se_original, se_masked, ratio, deff (original, Taylor) and,
     with replicate weights, se_original_rep, se_masked_rep, ratio_rep. Characteristics with a
-    zero original SE (constants in a domain) are left out."""
+    zero original SE (constants in a domain) are left out. original_se: original_domain_se of
+    the same original, design and chars when already computed (e.g. for several maskings)."""
     d = design
     kw = {"weight": d["weight"], "strata": d["strata"], "psu": d["psu"]}
-    o = domain_mean_se(
-        original,
-        chars,
-        **kw,
-        replicate_weights=d.get("replicate_weights") or (),
-        method=d.get("method"),
-        rho=d.get("rho"),
-    )
+    o = original_domain_se(original, design, chars) if original_se is None else original_se
     m = domain_mean_se(
         masked,
         chars_masked or chars,
