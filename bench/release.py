@@ -160,6 +160,11 @@ class _Recorder:
             "end": _status_kb("VmRSS") / 2**20,
             "bytes": self.touch.get(name, 0),
         }
+        r = self.rows[name]
+        print(
+            f"[bench] {name}: {r['time']:.1f} s, cpu {r['cpu']:.1f} s, peak {r['peak']:.2f} GB",
+            flush=True,
+        )
 
     # ------------------------------------------------------------ bytes each step must touch
     def _read_columns(self, stage: str, df) -> list[str]:
@@ -219,6 +224,26 @@ def _install(rec: _Recorder) -> None:
     fr._progress, fr._lap, fr._finish, fr.run_stage = _progress, _lap, _finish, _run_stage
 
 
+def _table(rec: _Recorder, bw: float) -> None:
+    """Peak and one line per step (time, CPU, floor, ratio, memory)."""
+    if not rec.rows:
+        return
+    peak = max(r["peak"] for r in rec.rows.values())
+    print(f"peak memory: {peak:.2f} GB (target 4 GB)")
+    print(
+        f"  {'step':<10} {'time s':>8} {'cpu s':>7} {'floor s':>8} {'x floor':>8} "
+        f"{'peak GB':>8} {'start GB':>9} {'end GB':>7}"
+    )
+    for name, r in rec.rows.items():
+        floor = r["bytes"] / (bw * 1e9)
+        ratio = f"{r['time'] / floor:8.1f}" if floor > 0 else f"{'-':>8}"
+        print(
+            f"  {name:<10} {r['time']:8.2f} {r['cpu']:7.2f} {floor:8.3f} {ratio} "
+            f"{r['peak']:8.2f} {r['start']:9.2f} {r['end']:7.2f}",
+            flush=True,
+        )
+
+
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
     import pandas as pd
@@ -244,35 +269,26 @@ def main() -> None:
     rec.touch["edits"] = int(frame[list(rule_cols)].memory_usage(index=False).sum())
     del frame
 
+    print(f"records: {n:,}; generate + write input: {t_gen:.1f} s; output {work}", flush=True)
+    print(f"machine: memory bandwidth {bw:.1f} GB/s (numpy copy), GEMM {gf:.1f} GFLOP/s")
     cwd = os.getcwd()
     os.chdir(work)
+    t0 = time.perf_counter()
     try:
-        t0 = time.perf_counter()
         manifest = run_release(str(spec_path), approve="bench")
-        t_run = time.perf_counter() - t0
+    except BaseException:
+        _table(rec, bw)  # the steps that ran, then the error
+        raise
     finally:
         os.chdir(cwd)
+    t_run = time.perf_counter() - t0
     if rec.sampler is not None:
         rec.sampler.stop()
     if "gates" in rec.rows and "publish" in rec.touch:
         rec.touch["gates"] = rec.touch["publish"] // 2  # the public frame, read once
         rec.rows["gates"]["bytes"] = rec.touch["gates"]
-    peak = max(r["peak"] for r in rec.rows.values())
-    print(f"records: {n:,}; generate + write input: {t_gen:.1f} s; output {work}")
-    print(f"machine: memory bandwidth {bw:.1f} GB/s (numpy copy), GEMM {gf:.1f} GFLOP/s")
     print(f"release flow: {t_run:.1f} s (target 60 s); status {manifest.status}")
-    print(f"peak memory: {peak:.2f} GB (target 4 GB)")
-    print(
-        f"  {'step':<10} {'time s':>8} {'cpu s':>7} {'floor s':>8} {'x floor':>8} "
-        f"{'peak GB':>8} {'start GB':>9} {'end GB':>7}"
-    )
-    for name, r in rec.rows.items():
-        floor = r["bytes"] / (bw * 1e9)
-        ratio = f"{r['time'] / floor:8.1f}" if floor > 0 else f"{'-':>8}"
-        print(
-            f"  {name:<10} {r['time']:8.2f} {r['cpu']:7.2f} {floor:8.3f} {ratio} "
-            f"{r['peak']:8.2f} {r['start']:9.2f} {r['end']:7.2f}"
-        )
+    _table(rec, bw)
     other = t_run - sum(r["time"] for r in rec.rows.values())
     print(f"  {'(other)':<10} {other:8.2f}   flow set-up, approval, bench bookkeeping")
     print(f"output records: {manifest.counts.n_output:,}")
