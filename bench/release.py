@@ -161,10 +161,10 @@ class _Recorder:
             "bytes": self.touch.get(name, 0),
         }
         r = self.rows[name]
-        print(
-            f"[bench] {name}: {r['time']:.1f} s, cpu {r['cpu']:.1f} s, peak {r['peak']:.2f} GB",
-            flush=True,
+        sys.__stderr__.write(  # not print: the flow's log_prints would swallow it
+            f"[bench] {name}: {r['time']:.1f} s, cpu {r['cpu']:.1f} s, peak {r['peak']:.2f} GB\n"
         )
+        sys.__stderr__.flush()
 
     # ------------------------------------------------------------ bytes each step must touch
     def _read_columns(self, stage: str, df) -> list[str]:
