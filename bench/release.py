@@ -1,7 +1,23 @@
-"""Whole release flow on a large default survey: wall time per stage and peak memory.
+"""Whole release flow on a large default survey: wall time, peak memory and a floor per stage.
 
-Target (DESIGN.md): 1,000,000 records with replicate weights in under 5 minutes on 2 cores,
-memory under 8 GB.  Usage: python bench/release.py [n_persons]
+Targets (issue 14): 1,000,000 records with 70 replicate weights in <= 60 s on 2 cores, peak
+memory <= 4 GB; every stage within 3x of its floor. Usage: python bench/release.py [n_persons]
+(run it with PYTHONPATH set to the checkout so that the checkout's packages are imported).
+
+Per stage (one flow step: load, edits, each release stage with its replications, gates,
+publish with the registry and report):
+- time: wall time of the step (the bench's own bookkeeping subtracted); cpu: CPU seconds of
+  the process in the step (all threads; steadier than wall time on a shared machine);
+- peak: the process's peak resident set during the step (VmHWM of /proc/self/status, reset at
+  the start of every step by writing 5 to /proc/self/clear_refs), and RSS at its end;
+- floor: bytes the step must touch / the machine's measured memory bandwidth (a numpy copy of
+  a 512 MB array, bytes read + written per second). Bytes a stage must touch: every column it
+  changes or adds, read and written once (2 x), plus once each unchanged column it must read
+  (the weight and the keys; the columns its spec section names; the replicate weights for the
+  stages that report replicate SEs). load: the Parquet file read and the frame written; edits:
+  the columns the edit rules name; gates: the public frame; publish: the public frame read
+  twice and the files written. A step's floor ignores its own replications (MASSC): a lower
+  bound, so the printed ratio time / floor is conservative.
 """
 
 from __future__ import annotations
@@ -10,33 +26,272 @@ import os
 import resource
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("MPLBACKEND", "Agg")
 
+SE_STAGES = {"swap", "prb", "massc", "final", "assess"}  # stages that compute replicate SEs
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+def _cpu() -> float:
+    """CPU seconds of the process so far (all threads): less sensitive to a loaded machine."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False when not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class _RssSampler:
+    """Peak RSS by sampling /proc/self/statm every 5 ms (used when VmHWM cannot be reset)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._t = threading.Thread(target=self._loop, daemon=True)
+        self._t.start()
+
+    def _loop(self) -> None:
+        with open("/proc/self/statm") as f:
+            while not self._stop.wait(0.005):
+                f.seek(0)
+                self.peak = max(self.peak, int(f.read().split()[1]) * self._page // 1024)
+
+    def reset(self) -> None:
+        self.peak = _status_kb("VmRSS")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def bandwidth_gbs(mb: int = 512, repeat: int = 5) -> float:
+    """Memory bandwidth (GB/s, read + write) of a numpy copy of an mb-megabyte array."""
+    a = np.ones(mb * 2**20 // 8)
+    b = np.empty_like(a)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.nbytes / best / 1e9
+
+
+def gemm_gflops(n: int = 2000, repeat: int = 3) -> float:
+    """Measured float64 GEMM rate (GFLOP/s) on this machine's BLAS."""
+    a = np.random.default_rng(0).random((n, n))
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def _same(a, b) -> bool:
+    """Columns a and b hold the same values (identity first: no comparison for shared data)."""
+    import pandas as pd
+
+    if a is b:
+        return True
+    va, vb = getattr(a, "values", a), getattr(b, "values", b)
+    if va is vb:
+        return True
+    if len(a) != len(b):
+        return False
+    if isinstance(va, np.ndarray) and isinstance(vb, np.ndarray):
+        if np.shares_memory(va, vb) and va.__array_interface__ == vb.__array_interface__:
+            return True
+    return bool(pd.Series(a).reset_index(drop=True).equals(pd.Series(b).reset_index(drop=True)))
+
+
+class _Recorder:
+    """Hooks on the flow's step boundaries (flows.release._progress, _lap, _finish, run_stage)."""
+
+    def __init__(self, spec) -> None:
+        self.spec = spec
+        self.rows: dict[str, dict] = {}
+        self.overhead = 0.0  # bench bookkeeping inside the current step (subtracted)
+        self.touch: dict[str, int] = {}
+        self.use_hwm = _reset_peak()
+        self.sampler = None if self.use_hwm else _RssSampler()
+        self.start_rss = 0
+
+    def start(self) -> None:
+        self.overhead = 0.0
+        if self.use_hwm:
+            _reset_peak()
+        else:
+            self.sampler.reset()
+        self.start_rss = _status_kb("VmRSS")
+        self.start_cpu = _cpu()
+
+    def peak_kb(self) -> int:
+        return _status_kb("VmHWM") if self.use_hwm else self.sampler.peak
+
+    def end(self, name: str, seconds: float) -> None:
+        self.rows[name] = {
+            "time": max(seconds - self.overhead, 0.0),
+            "cpu": max(_cpu() - self.start_cpu - self.overhead, 0.0),
+            "peak": self.peak_kb() / 2**20,
+            "start": self.start_rss / 2**20,
+            "end": _status_kb("VmRSS") / 2**20,
+            "bytes": self.touch.get(name, 0),
+        }
+        r = self.rows[name]
+        sys.__stderr__.write(  # not print: the flow's log_prints would swallow it
+            f"[bench] {name}: {r['time']:.1f} s, cpu {r['cpu']:.1f} s, peak {r['peak']:.2f} GB\n"
+        )
+        sys.__stderr__.flush()
+
+    # ------------------------------------------------------------ bytes each step must touch
+    def _read_columns(self, stage: str, df) -> list[str]:
+        spec = self.spec
+        cols = {spec.design.weight, *spec.variables.key_names}
+        section = getattr(spec.stages, stage, None)
+        text = str(section.model_dump()) if section is not None else ""
+        cols |= {c for c in df.columns if f"'{c}'" in text}
+        if stage in SE_STAGES:
+            cols |= set(spec.replicate_columns(df))
+        return [c for c in cols if c in df.columns]
+
+    def stage_bytes(self, stage: str, before, after) -> int:
+        t0 = time.perf_counter()
+        changed = 0
+        for c in after.columns:
+            if c not in before.columns or not _same(before[c], after[c]):
+                changed += 2 * int(after[c].memory_usage(index=False, deep=False))
+        read = [c for c in self._read_columns(stage, before) if c in after.columns]
+        unchanged = [c for c in read if _same(before[c], after[c])]
+        n = sum(int(before[c].memory_usage(index=False, deep=False)) for c in unchanged)
+        self.overhead += time.perf_counter() - t0
+        return changed + n
+
+
+def _install(rec: _Recorder) -> None:
+    import flows.release as fr
+
+    progress, lap, finish, run_stage = fr._progress, fr._lap, fr._finish, fr.run_stage
+
+    def _progress(step, total, name, t0=None):
+        if t0 is None and name not in ("approval", "publish"):
+            rec.start()
+        return progress(step, total, name, t0)
+
+    def _lap(manifest, name, t0):
+        lap(manifest, name, t0)
+        rec.end(name, time.perf_counter() - t0)
+
+    def _finish(spec, manifest, outputs, gates, status, reason, puf=None, notes=None):
+        rec.start()
+        t0 = time.perf_counter()
+        folder = finish(spec, manifest, outputs, gates, status, reason, puf, notes)
+        if puf is not None:
+            public = Path(folder) / "public"
+            written = sum(f.stat().st_size for f in public.iterdir())
+            rec.touch["publish"] = 2 * int(puf.memory_usage(index=False).sum()) + written
+        rec.end("publish", time.perf_counter() - t0)
+        return folder
+
+    def _run_stage(stage, df, ctx):
+        out = run_stage(stage, df, ctx)
+        s, before = stage.unquote(), df.unquote()
+        rec.touch[s.name] = rec.stage_bytes(s.name, before, out.data)
+        return out
+
+    fr._progress, fr._lap, fr._finish, fr.run_stage = _progress, _lap, _finish, _run_stage
+
+
+def _table(rec: _Recorder, bw: float) -> None:
+    """Peak and one line per step (time, CPU, floor, ratio, memory)."""
+    if not rec.rows:
+        return
+    peak = max(r["peak"] for r in rec.rows.values())
+    print(f"peak memory: {peak:.2f} GB (target 4 GB)")
+    print(
+        f"  {'step':<10} {'time s':>8} {'cpu s':>7} {'floor s':>8} {'x floor':>8} "
+        f"{'peak GB':>8} {'start GB':>9} {'end GB':>7}"
+    )
+    for name, r in rec.rows.items():
+        floor = r["bytes"] / (bw * 1e9)
+        ratio = f"{r['time'] / floor:8.1f}" if floor > 0 else f"{'-':>8}"
+        print(
+            f"  {name:<10} {r['time']:8.2f} {r['cpu']:7.2f} {floor:8.3f} {ratio} "
+            f"{r['peak']:8.2f} {r['start']:9.2f} {r['end']:7.2f}",
+            flush=True,
+        )
+
 
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
+    import pandas as pd
+
     from flows.cli import write_demo_spec
     from flows.release import run_release
+    from sdl_design.spec import load_spec
 
+    bw, gf = bandwidth_gbs(), gemm_gflops()
     work = Path(tempfile.mkdtemp(prefix="puf_bench_"))
     t0 = time.perf_counter()
-    spec = write_demo_spec(work, n_persons=n)
+    spec_path = write_demo_spec(work, n_persons=n)
     t_gen = time.perf_counter() - t0
+    spec = load_spec(str(spec_path))
+    rec = _Recorder(spec)
+    _install(rec)
+    # bytes of the steps outside the stages
+    src = work / "input" / "default_survey.parquet"
+    frame = pd.read_parquet(src)
+    frame_bytes = int(frame.memory_usage(index=False).sum())
+    rule_cols = {c for r in spec.edits for c in r.columns() if c in frame.columns}
+    rec.touch["load"] = src.stat().st_size + frame_bytes
+    rec.touch["edits"] = int(frame[list(rule_cols)].memory_usage(index=False).sum())
+    del frame
+
+    print(f"records: {n:,}; generate + write input: {t_gen:.1f} s; output {work}", flush=True)
+    print(f"machine: memory bandwidth {bw:.1f} GB/s (numpy copy), GEMM {gf:.1f} GFLOP/s")
+    cwd = os.getcwd()
+    os.chdir(work)
     t0 = time.perf_counter()
-    manifest = run_release(str(spec), approve="bench")
+    try:
+        manifest = run_release(str(spec_path), approve="bench")
+    except BaseException:
+        _table(rec, bw)  # the steps that ran, then the error
+        raise
+    finally:
+        os.chdir(cwd)
     t_run = time.perf_counter() - t0
-    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
-    print(f"records: {n:,}; generate + write input: {t_gen:.1f} s")
-    print(f"release flow: {t_run:.1f} s (target 300 s); status {manifest['status']}")
-    print(f"peak memory: {peak_gb:.2f} GB (target 8 GB)")
-    for stage, sec in manifest.get("timings_s", {}).items():
-        print(f"  {stage:<10} {sec:7.1f} s")
-    print(f"output records: {manifest['counts']['n_output']:,}; folder {work}")
+    if rec.sampler is not None:
+        rec.sampler.stop()
+    if "gates" in rec.rows and "publish" in rec.touch:
+        rec.touch["gates"] = rec.touch["publish"] // 2  # the public frame, read once
+        rec.rows["gates"]["bytes"] = rec.touch["gates"]
+    print(f"release flow: {t_run:.1f} s (target 60 s); status {manifest.status}")
+    _table(rec, bw)
+    other = t_run - sum(r["time"] for r in rec.rows.values())
+    print(f"  {'(other)':<10} {other:8.2f}   flow set-up, approval, bench bookkeeping")
+    print(f"output records: {manifest.counts.n_output:,}")
 
 
 if __name__ == "__main__":

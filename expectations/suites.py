@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from sdl_design.edits import OPS, Clause, EditRule, Expectation
 from sdl_design.spec import ReleaseSpec
 
 RESULT_COLUMNS = ["name", "passed", "value", "threshold", "detail"]
@@ -92,58 +91,13 @@ def _run(df: pd.DataFrame, checks: list[tuple[str, Any]], suite: str, index_col:
     return out
 
 
-# ---------------------------------------------------------------- edit rules
-
-# Expectation.kind (sdl_design.edits) -> GX column expectation and its fixed arguments
-_EXPECT = {
-    "between": ("ExpectColumnValuesToBeBetween", {}),
-    "in_set": ("ExpectColumnValuesToBeInSet", {}),
-    "not_null": ("ExpectColumnValuesToNotBeNull", {}),
-    "true": ("ExpectColumnValuesToBeInSet", {"value_set": [True]}),
-}
-
-
 def _col(name: str):
     from great_expectations.expectations.row_conditions import Column
 
     return Column(name)
 
 
-def _row_condition(clauses: Sequence[Clause]):
-    """GX row condition of parsed 'when' clauses (None when there are none)."""
-    cond = None
-    for col, op, value in clauses:
-        gc = _col(col)
-        if op == "in":
-            c = gc.is_in(value)
-        elif op == "not in":
-            c = gc.is_not_in(value)
-        elif op == "is null":
-            c = gc.is_null()
-        elif op == "not null":
-            c = gc.is_not_null()
-        else:
-            c = OPS[op](gc, value)
-        cond = c if cond is None else cond & c
-    return cond
-
-
-def _edit_checks(
-    df: pd.DataFrame, rules: Sequence[EditRule]
-) -> tuple[pd.DataFrame, list[Expectation], list[tuple[str, Any]]]:
-    """(df with the rules' derived columns, each rule's Expectation, (label, GX expectation))."""
-    _, gxe, _ = _gx()
-    exps = [rule.expectation() for rule in rules]
-    derived = {f"__edit_{i}": e.derived(df) for i, e in enumerate(exps) if e.derived is not None}
-    checks = []
-    for i, (rule, e) in enumerate(zip(rules, exps, strict=True)):
-        name, fixed = _EXPECT[e.kind]
-        kw = {**e.kwargs, **fixed}
-        if e.when:
-            kw["row_condition"] = _row_condition(e.when)
-        column = e.column if e.derived is None else f"__edit_{i}"
-        checks.append((rule.label(i), getattr(gxe, name)(column=column, **kw)))
-    return (df.assign(**derived) if derived else df), exps, checks
+# ---------------------------------------------------------------- edit rules
 
 
 def validate_edits(df: pd.DataFrame, rules: Sequence, id_column: str | None = None) -> pd.DataFrame:
@@ -151,38 +105,46 @@ def validate_edits(df: pd.DataFrame, rules: Sequence, id_column: str | None = No
     The release flow gives no id_column: its results reach Prefect's logs and artifacts, where
     a record's identifier must never go (only `puf validate` on the terminal shows ids).
 
-    GX gives each rule's verdict and count; the rule's own pandas violations() must agree (a
-    RuntimeError if not) and supply the example records.
+    Each rule evaluates itself once in pandas (sdl_design.edits: violations(), the one edit-rule
+    implementation); GX gives each rule's verdict from a one-row table of the failing counts
+    (one column per rule, expected 0), so the data are read once, not again by GX. A rule that
+    cannot be evaluated (e.g. a column not in the data) fails with the reason.
     """
     if not rules:
         return pd.DataFrame(columns=RESULT_COLUMNS)
     idx = id_column if id_column and id_column in df.columns else _ROW
-    base = df if idx != _ROW else df.assign(**{_ROW: np.arange(len(df))})
-    frame, exps, checks = _edit_checks(base, rules)
+    ids = df[idx].to_numpy() if idx != _ROW else None
+    counts, details = [], []
+    for rule in rules:
+        try:
+            bad = np.asarray(rule.violations(df).to_numpy(), dtype=bool)
+        except Exception as e:  # noqa: BLE001 - reported as the rule's result
+            counts.append(float("nan"))
+            details.append(f"could not be evaluated: {type(e).__name__}: {e}")
+            continue
+        n = int(bad.sum())
+        examples = (ids[bad][:5] if ids is not None else np.flatnonzero(bad)[:5]).tolist()
+        counts.append(float(n))
+        details.append(
+            "holds" if n == 0 else f"{n} records fail (e.g. {idx.strip('_')} {examples})"
+        )
+    _, gxe, _ = _gx()
+    labels = [rule.label(i) for i, rule in enumerate(rules)]
+    table = pd.DataFrame({f"rule_{i}": [c] for i, c in enumerate(counts)}).assign(**{_ROW: [0]})
+    checks = [
+        (label, gxe.ExpectColumnValuesToBeInSet(column=f"rule_{i}", value_set=[0.0]))
+        for i, label in enumerate(labels)
+    ]
     rows = []
-    results = _run(frame, checks, "edits", idx)
-    for rule, e, r in zip(rules, exps, results, strict=True):
-        n = r["unexpected_count"]
-        passed = r["success"]
-        if r["error"]:
-            detail = f"could not be evaluated: {r['error']}"
-        else:
-            if e.missing_breaks:  # GX skips missing values and counts them apart
-                n += r["missing_count"]
-                passed = passed and r["missing_count"] == 0
-            bad = rule.violations(base).to_numpy()
-            if int(bad.sum()) != n or passed == bool(bad.any()):
-                raise RuntimeError(
-                    f"{r['label']}: GX counts {n} failing records, the rule itself "
-                    f"{int(bad.sum())}; the suite and sdl_design.edits disagree"
-                )
-            examples = base[idx].to_numpy()[bad][:5].tolist()
-            detail = "holds" if passed else f"{n} records fail (e.g. {idx.strip('_')} {examples})"
+    for r, n, detail in zip(_run(table, checks, "edits", _ROW), counts, details, strict=True):
+        evaluated = not np.isnan(n)
+        if evaluated and r["success"] != (n == 0):
+            raise RuntimeError(f"{r['label']}: GX and the failing count {n:g} disagree")
         rows.append(
             {
                 "name": r["label"],
-                "passed": passed,
-                "value": float(n),
+                "passed": bool(r["success"]) and evaluated,
+                "value": n if evaluated else 0.0,
                 "threshold": "0 failing records",
                 "detail": detail,
             }

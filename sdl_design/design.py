@@ -227,13 +227,19 @@ class SurveyDesign:
         F' (PSU totals), a G x R x k product instead of n x R x k. None otherwise (e.g. after
         replicate recalibration), and the full product W' y is used."""
         if self._F_cache is None:
-            ratio = self.W / self.w[:, None]
             first = np.zeros(self.n_psu, dtype=np.int64)
             first[self.g[::-1]] = np.arange(self.n)[::-1]  # first record of each PSU
-            F = ratio[first]
-            dev = ratio - F[self.g]
-            np.abs(dev, out=dev)
-            ok = dev.max(initial=0.0) <= 1e-13 * max(float(F.max(initial=0.0)), 1.0)
+            F = self.W[first] / self.w[first, None]
+            tol = 1e-13 * max(float(F.max(initial=0.0)), 1.0)
+            ok = True
+            step = max(1, (1 << 21) // max(self.n, 1))  # ~16 MB blocks of replicates
+            for a in range(0, self.W.shape[1], step):  # stops at the first block that differs
+                dev = self.W[:, a : a + step] / self.w[:, None]
+                dev -= F[self.g, a : a + step]
+                np.abs(dev, out=dev)
+                if dev.max(initial=0.0) > tol:
+                    ok = False
+                    break
             self._F_cache = (F if ok else None,)
         return self._F_cache[0]
 

@@ -328,7 +328,7 @@ def post_randomize(
         go = dest != cell[order]
         moved, src = order[go], order[rep[go]]  # a record of the destination cell, same block
 
-    data = df.copy()
+    data = df.copy(deep=False)  # copy-on-write: new arrays for C only
     if len(moved):
         for c in variables:  # all of C from one record: cell values and carried values together
             col = data[c].to_numpy(copy=True)

@@ -498,6 +498,7 @@ def swap_segments(
     rho: float | None = None,
     characteristics: pd.DataFrame | None = None,
     n_candidates: int = 64,
+    original_se: pd.DataFrame | None = None,
 ) -> SwapResult:
     """Mask PSUs by swapping segments (Method 2b or the 2a baseline); rebuild replicate weights.
 
@@ -506,7 +507,9 @@ def swap_segments(
     `.data` has the rows and index of df with the design's strata and PSU columns holding
     relabelled pseudo labels and, when the design has replicate weights (or replicate_method is
     given), replicate weights rebuilt for the pseudo design. characteristics: frame from
-    `sdl_design.utility.broad_characteristics` (default: built from df).
+    `sdl_design.utility.broad_characteristics` (default: built from df); original_se: the
+    original side of the SE table (utility.original_domain_se of df, design, characteristics)
+    when already computed, e.g. for the baseline method.
     """
     from sdl_design.utility import broad_characteristics, se_ratio_table
 
@@ -525,7 +528,14 @@ def swap_segments(
     if characteristics is None:
         characteristics = broad_characteristics(df, design=dc)
     se = se_ratio_table(
-        df, data, dc, new_rw or dc["replicate_weights"], characteristics, rep_method, rep_rho
+        df,
+        data,
+        dc,
+        new_rw or dc["replicate_weights"],
+        characteristics,
+        rep_method,
+        rep_rho,
+        original_se=original_se,
     )
     se["matching"] = se["variable"].isin(list(matching)) & (se["domain"] == "all")
     settings = {
@@ -568,7 +578,7 @@ def _masked(
 ) -> tuple[pd.DataFrame, list[str], list[str]]:
     """df with pseudo strata and PSUs and, given a replicate method, replicate weights of the
     pseudo design; the new replicate columns and the notes."""
-    data = df.copy()
+    data = df.copy(deep=False)  # copy-on-write: new arrays for strata, PSU
     data[dc["strata"]] = new_h
     data[dc["psu"]] = new_p
     if rep_method is None:
@@ -683,13 +693,18 @@ class SwapStage:
     def run(self, df: pd.DataFrame, ctx: Any) -> Any:
         from sdl_design.design import SurveyDesign
         from sdl_design.stage import StageResult
-        from sdl_design.utility import broad_characteristics, se_ratio_metrics
+        from sdl_design.utility import (
+            broad_characteristics,
+            original_domain_se,
+            se_ratio_metrics,
+        )
 
         st, spec = self.section, self.spec
         design = SurveyDesign.from_spec(df, spec.design)
+        dc = design_columns(design)
         exclude = [c for c in (*spec.variables.direct_identifiers, spec.design.household) if c]
         chars = broad_characteristics(
-            df, design=design_columns(design), exclude=exclude, domains=spec.variables.keys[:2]
+            df, design=dc, exclude=exclude, domains=spec.variables.keys[:2]
         )
         kw = dict(
             max_share=st.max_share,
@@ -698,6 +713,7 @@ class SwapStage:
             replicate_method=st.replicate_method,
             rho=st.rho,
             characteristics=chars,
+            original_se=original_domain_se(df, dc, chars),  # once for both methods
         )
         res = swap_segments(
             df, design, st.matching, st.rate, method=st.method, seed=ctx.rng("swap"), **kw

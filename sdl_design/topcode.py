@@ -301,7 +301,7 @@ def topcode_frame(
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Apply a rule per column (thresholds from the input values); the coded frame and one
     table of every column's thresholds (first column 'column')."""
-    out = df.copy()
+    out = df.copy(deep=False)  # copy-on-write: new arrays only for coded columns
     tables = []
     for col, rule in rules.items():
         if not isinstance(rule, TopcodeRule):

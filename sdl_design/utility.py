@@ -247,6 +247,23 @@ def domain_mean_se(
     return pd.concat(out, ignore_index=True)
 
 
+def original_domain_se(
+    original: pd.DataFrame, design: dict, chars: Characteristics
+) -> pd.DataFrame:
+    """domain_mean_se of the original file in its design (design: weight, strata, psu and,
+    optionally, replicate_weights, method, rho): the original side of se_ratio_table."""
+    return domain_mean_se(
+        original,
+        chars,
+        weight=design["weight"],
+        strata=design["strata"],
+        psu=design["psu"],
+        replicate_weights=design.get("replicate_weights") or (),
+        method=design.get("method"),
+        rho=design.get("rho"),
+    )
+
+
 def se_ratio_table(
     original: pd.DataFrame,
     masked: pd.DataFrame,
@@ -257,23 +274,17 @@ def se_ratio_table(
     rho: float | None = None,
     chars_masked: Characteristics | None = None,
     masked_design: dict | None = None,
+    original_se: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
     """One row per characteristic: se_original, se_masked, ratio, deff (original, Taylor) and,
     with replicate weights, se_original_rep, se_masked_rep, ratio_rep. Characteristics with a
     zero original SE (constants in a domain) are left out. masked_design: the masked file's
-    own design columns (a pseudo design in new columns), default those of design."""
-    d = design
-    kw = {"weight": d["weight"], "strata": d["strata"], "psu": d["psu"]}
+    own design columns (a pseudo design in new columns), default those of design. original_se:
+    original_domain_se of the same original, design and chars when already computed (e.g. for
+    several maskings)."""
     md = masked_design or design
     kw_m = {"weight": md["weight"], "strata": md["strata"], "psu": md["psu"]}
-    o = domain_mean_se(
-        original,
-        chars,
-        **kw,
-        replicate_weights=d.get("replicate_weights") or (),
-        method=d.get("method"),
-        rho=d.get("rho"),
-    )
+    o = original_domain_se(original, design, chars) if original_se is None else original_se
     m = domain_mean_se(
         masked,
         chars_masked or chars,

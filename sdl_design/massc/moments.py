@@ -207,7 +207,14 @@ def z_moments(
     p = parts if parts is not None else ZParts.of(b0, tilde, zvars)
     th, V, S2v, S2z = [], [], [], []
     sel = None if substituted is None else np.asarray(substituted, dtype=bool)
+    cells = {}  # per domain, once for every study variable: records in a category, their bin
+    if sel is not None:
+        for d, cats in zvars.domains.items():
+            ds = np.where(sel, p.d1[d], p.d0[d])
+            ok = ds >= 0
+            cells[d] = (ok, h_codes[ok] * len(cats) + ds[ok], n_h * len(cats))
     for y in zvars.study:
+        wys = None if sel is None else w * np.where(sel, p.y1[y], p.y0[y])  # w z*, once per y
         for d, cats in zvars.domains.items():
             nc = len(cats)
             if base is None:
@@ -216,10 +223,11 @@ def z_moments(
                 s1, s2 = _moments(h_codes, n_h, w * p.y1[y], p.d1[d], w * p.y0[y], p.d0[d], nc)
                 V.append(s1)
                 S2v.append(_s2(s1, s2, N))
-            if sel is not None:
-                ys = np.where(sel, p.y1[y], p.y0[y])
-                ds = np.where(sel, p.d1[d], p.d0[d])
-                a1, a2 = _moments(h_codes, n_h, w * ys, ds, None, None, nc)
+            if sel is not None:  # sums and sums of squares of w z* per stratum x category
+                ok, ia, m = cells[d]
+                a = wys[ok]
+                a1 = np.bincount(ia, weights=a, minlength=m).reshape(n_h, nc)
+                a2 = np.bincount(ia, weights=a**2, minlength=m).reshape(n_h, nc)
                 S2z.append(_s2(a1, a2, N))
     return ZMoments(
         labels=zvars.labels,

@@ -3,7 +3,9 @@ and the replicate weights to the original file's controls; delta and epsilon; re
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,18 +41,49 @@ class MasscStage:
     def __init__(self, spec: Any):
         self.spec = spec
         self.replications = int(spec.stages.massc.replications)
+        # the release run's plan and rates, shared by the replication chunks of this process
+        # (the run is deterministic given the seed: computed once, not once per chunk)
+        self._lock = threading.Lock()
+        self._main: tuple | None = None  # (df, _main(...))
+        self._prepared: tuple | None = None  # (df, ReplicationPlan)
+
+    def __getstate__(self) -> dict:  # ship the spec, not the cached plan (Dask runner)
+        return {"spec": self.spec, "replications": self.replications}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["spec"])
 
     @classmethod
     def from_spec(cls, spec: Any) -> MasscStage | None:
         return None if spec.stages.active("massc") is None else cls(spec)
 
+    def _main_of(self, df: pd.DataFrame, ctx: Any) -> tuple:
+        with self._lock:
+            if self._main is not None and self._main[0] is df:
+                return self._main[1]
+            main = _main(df, self.spec, ctx.seed, ctx.original, ctx.design)
+            if self.replications > 0:  # kept until combine() for the replications
+                self._main = (df, main)
+            return main
+
     def run(self, df: pd.DataFrame, ctx: Any) -> StageResult:
-        return massc_result(df, self.spec, ctx.seed, ctx.original, ctx.design)
+        main = self._main_of(df, ctx)
+        return massc_result(df, self.spec, ctx.seed, ctx.original, ctx.design, main=main)
 
     def replicate(self, df: pd.DataFrame, ctx: Any, indices: Sequence[int]) -> np.ndarray:
-        return massc_replications(df, self.spec, ctx.seed, ctx.original, indices, ctx.design)
+        main = self._main_of(df, ctx)
+        with self._lock:
+            if self._prepared is None or self._prepared[0] is not df:
+                plan = replication_plan(df, self.spec, ctx.original, main)
+                self._prepared = (df, plan)
+            prepared = self._prepared[1]
+        return massc_replications(
+            df, self.spec, ctx.seed, ctx.original, indices, ctx.design, prepared=prepared
+        )
 
     def combine(self, result: StageResult, replications: list, ctx: Any) -> StageResult:
+        with self._lock:  # the cached plan is not needed after the replications
+            self._main = self._prepared = None
         return massc_epsilon(result, replications, self.spec)
 
 
@@ -159,14 +192,17 @@ def massc_result(
     seed: int,
     original: pd.DataFrame,
     design: SurveyDesign | None = None,
+    main: tuple | None = None,
 ) -> StageResult:
     """MASSC on df (spec.stages.massc) composed against the original file (its records matched
     to df's by index label): strata, costs, delta and epsilon on the original keys and values,
     optimal rates within the loss budgets (original sampling variances by default, from
     `design`, the original SurveyDesign), substitution within the declared-domain cells,
     subsampling, calibration of the weight and of each replicate weight to the original file's
-    totals (controls and declared domains)."""
-    cfg, plan, tr, dm, revisions = _main(df, spec, seed, original, design)
+    totals (controls and declared domains). main: the result of _main when already computed."""
+    if main is None:
+        main = _main(df, spec, seed, original, design)
+    cfg, plan, tr, dm, revisions = main
     b0 = original_rows(df, original)
     check_edits(
         tr.b1,
@@ -381,21 +417,39 @@ def _top_profiles(df: pd.DataFrame, keys, dm, n: int = 50) -> pd.DataFrame:
     return pd.concat([top.reset_index(drop=True).drop(columns="profile"), kf], axis=1)
 
 
-def massc_replications(
+@dataclass
+class ReplicationPlan:
+    """What every replication shares: the release run's config, plan and rates, the declared
+    domains its weight could be calibrated to, and the columns a replication reads (of df and
+    of the original file), so that a replication copies those and not whole frames."""
+
+    cfg: MasscConfig
+    plan: Any  # MasscPlan
+    phi: np.ndarray
+    domains: list
+    df: pd.DataFrame  # df's columns a replication needs
+    original: pd.DataFrame  # the original file's columns its calibration needs
+
+
+def _replication_columns(spec, cfg: MasscConfig, domains: list) -> tuple[list[str], list[str]]:
+    """Columns of df and of the original file that one replication reads (treatment,
+    calibration of the weight to the controls and declared domains, study totals)."""
+    cal = spec.stages.massc.calibration
+    on_orig = [cfg.weight, *(k.name for k in cal.controls)]
+    on_orig += [k.name for dom in domains for k in dom]
+    on_df = [*on_orig, *cfg.substitute_columns, *cfg.study, *(k.name for k in cfg.keys)]
+    on_df += list(cfg.nest or ())
+    return list(dict.fromkeys(on_df)), list(dict.fromkeys(on_orig))
+
+
+def replication_plan(
     df: pd.DataFrame,
     spec,
-    seed: int,
     original: pd.DataFrame,
-    chunk: Sequence[int],
-    design: SurveyDesign | None = None,
-) -> np.ndarray:
-    """Estimates of every study total (rows: replications in chunk) from independent
-    replications of the whole treatment (substitution, subsampling, calibration of the weight)
-    at the rates of the release run; replication r draws from replication_seed(seed, r).
-
-    spec: a ReleaseSpec or its spec.model_dump(mode="json") (pass the dict under the Dask
-    runner: prefect-dask walks pydantic parameters and fails on the field named 'keys')."""
-    cfg, plan, tr, _, _ = _main(df, spec, seed, original, design)
+    main: tuple,
+) -> ReplicationPlan:
+    """The shared part of the replications, from the release run's _main result."""
+    cfg, plan, tr, _, _ = main
     domains = _domain_specs(spec) if spec.stages.massc.calibration.domain_margins else []
     if domains:  # the declared domains the release run's weight could be calibrated to
         _, tables, _ = _calibrate(df, spec, cfg, tr, original, replicates=False)
@@ -403,11 +457,36 @@ def massc_replications(
         domains = [
             d for d in domains if not st[" x ".join(k.name for k in d)].startswith("dropped")
         ]
+    on_df, on_orig = _replication_columns(spec, cfg, domains)
+    return ReplicationPlan(cfg, plan, tr.phi.rates, domains, df[on_df], original[on_orig])
+
+
+def massc_replications(
+    df: pd.DataFrame,
+    spec,
+    seed: int,
+    original: pd.DataFrame,
+    chunk: Sequence[int],
+    design: SurveyDesign | None = None,
+    prepared: ReplicationPlan | None = None,
+) -> np.ndarray:
+    """Estimates of every study total (rows: replications in chunk) from independent
+    replications of the whole treatment (substitution, subsampling, calibration of the weight)
+    at the rates of the release run; replication r draws from replication_seed(seed, r).
+    prepared: the shared ReplicationPlan (computed here when None).
+
+    spec: a ReleaseSpec or its spec.model_dump(mode="json") (pass the dict under the Dask
+    runner: prefect-dask walks pydantic parameters and fails on the field named 'keys')."""
+    if prepared is None:
+        prepared = replication_plan(df, spec, original, _main(df, spec, seed, original, design))
+    cfg, plan, sub, orig = prepared.cfg, prepared.plan, prepared.df, prepared.original
     out = np.empty((len(chunk), len(plan.zvars.labels)))
     for i, r in enumerate(chunk):
         rng = np.random.default_rng(replication_seed(seed, r))
-        rep = massc_treat(df, plan, cfg, rng, phi=tr.phi.rates)
-        data, _, _ = _calibrate(df, spec, cfg, rep, original, replicates=False, domains=domains)
+        rep = massc_treat(sub, plan, cfg, rng, phi=prepared.phi)
+        data, _, _ = _calibrate(
+            sub, spec, cfg, rep, orig, replicates=False, domains=prepared.domains
+        )
         out[i] = plan.zvars.totals(data, data[cfg.weight].to_numpy(dtype=float))
     return out
 

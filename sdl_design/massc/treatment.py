@@ -553,7 +553,7 @@ def calibrate_treated(
     domains: weights and replicates are only divided by phi. Returns the frame, report tables,
     metrics."""
     base = b2[weight].to_numpy(dtype=float) * factor
-    out = b2.copy()
+    out = b2.copy(deep=False)  # copy-on-write: new arrays for the weights only
     tables: dict[str, pd.DataFrame] = {}
     reps = list(replicate_columns)
     orig_reps = reps if original_replicates is None else list(original_replicates)
