@@ -33,6 +33,14 @@ METHOD_NAME = {
     "bootstrap": "bootstrap",
 }
 
+# what flows.public_files.neutralize_formulas does, said in the public README
+CSV_FORMULA_NOTE = (
+    "In `puf.csv` and `codebook.csv` a text value that begins with =, +, -, @, a tab or a "
+    "carriage return is written with a single quote (') in front, so that a spreadsheet shows "
+    "it instead of running it as a formula; numbers are written as numbers, and `puf.parquet` "
+    "keeps every value exactly as it is."
+)
+
 
 class PublicReadme(str):
     """The README text; `.codebook_notes` holds what the codebook adds per variable
@@ -324,7 +332,9 @@ def variance_notes(
         "",
         f"{len(puf):,} records, {puf.shape[1]} variables. Files: `puf.parquet` and `puf.csv` (the "
         "same records), `codebook.csv` (one row per variable: label, type, values, missing codes, "
-        "what was done to it, top-code flag) and this README.",
+        "what was done to it, top-code flag) and this README. The records are in a random order.",
+        "",
+        CSV_FORMULA_NOTE,
         "",
         "## What was done to each variable",
         "",

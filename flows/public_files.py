@@ -40,13 +40,6 @@ def public_frame(
 
 # text cells a spreadsheet would run as a formula (OWASP "CSV injection")
 FORMULA_PREFIXES = ("=", "+", "-", "@", "\t", "\r")
-# one line for the public README (flows/public_docs.py): what neutralize_formulas does
-CSV_FORMULA_NOTE = (
-    "In `puf.csv` and `codebook.csv` a text value that begins with =, +, -, @, a tab or a "
-    "carriage return is written with a single quote (') in front, so that a spreadsheet shows "
-    "it instead of running it as a formula; numbers are written as numbers, and `puf.parquet` "
-    "keeps every value exactly as it is."
-)
 
 
 def _neutralize(values: pd.Series) -> pd.Series:

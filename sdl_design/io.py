@@ -4,10 +4,10 @@ A CSV is read as text (every cell a string, nothing guessed as missing), then ty
 - numeric columns (the weight, replicate weights, study variables, keys and sensitive variables
   with bins, top-coded columns, the swap's matching and MASSC's substrata variables) are
   converted; a value that is not a number is an error naming the column and its first rows;
-- categorical columns (keys and sensitive variables without bins, identifiers, other.keep/drop)
-  stay text: a category "NA" stays "NA", a county "0001" stays "0001";
-- every other column is numeric when all its values are numbers written without leading zeros,
-  else text.
+- categorical columns (keys and sensitive variables without bins, identifiers) stay text: a
+  category "NA" stays "NA";
+- every other column (other.keep/drop among them) is numeric when all its values are numbers
+  written without leading zeros, else text: a county "0001" stays "0001", a 0/1 flag is a number.
 The declared missing codes (`variables.missing`) become missing values (NaN) first; an empty
 cell of a numeric column is missing too. A Parquet file keeps its own types; its declared
 missing codes become NaN and a declared-numeric column stored as text is converted as above.
@@ -99,7 +99,7 @@ def text_columns(spec: ReleaseSpec) -> set[str]:
     v = spec.variables
     out = {k.name for k in v.keys if k.bins is None}
     out |= {s.name for s in v.sensitive if s.bins is None}
-    out |= set(v.direct_identifiers) | set(v.other.keep) | set(v.other.drop)
+    out |= set(v.direct_identifiers)
     return out
 
 

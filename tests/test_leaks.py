@@ -19,8 +19,8 @@ import pytest
 import yaml
 from helpers import DEFAULT_SPEC, ROOT
 
+from flows.public_docs import CSV_FORMULA_NOTE
 from flows.public_files import (
-    CSV_FORMULA_NOTE,
     FORMULA_PREFIXES,
     public_frame,
     write_csv,
@@ -293,7 +293,7 @@ def test_formula_cells_neutralized_in_csv_only(survey, tmp_path):
                 assert not v.startswith(FORMULA_PREFIXES), (c, v)
     with open(pub / "codebook.csv", newline="") as f:
         book = {r["variable"]: r for r in csv.DictReader(f)}
-    assert book["race"]["categories"] == "'" + "; ".join(sorted(set(race)))
+    assert book["race"]["values"] == "'" + "; ".join(sorted(set(race)))
     assert float(book["bmi"]["min"]) < 0
     back = pd.read_parquet(pub / "puf.parquet")
     assert set(back["race"]) == set(race) and set(back["marital"]) == set(marital)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from flows.cli import default_spec_text
-from flows.public_docs import codebook, replicate_scales, variance_notes
+from flows.public_docs import CSV_FORMULA_NOTE, codebook, replicate_scales, variance_notes
 from flows.public_files import public_frame
 from sdl_design.design import SurveyDesign
 from sdl_design.prb import expected_transitions, post_randomize, transition_matrix
@@ -137,6 +137,7 @@ def test_readme_describes_what_ran(demo):
     spec, results, puf, readme = demo
     for section in ("PRB, paper 002", "MASSC, paper 000", "paper 003", "paper 004"):
         assert section in readme
+    assert CSV_FORMULA_NOTE in readme  # what the quoted cells of puf.csv are
     # the PRB diagonal printed for sex is the transitions table's
     tr = next(r for r in results if r.name == "prb").tables["transitions"]
     p = tr[(tr["variable"] == "sex") & (tr["original"] == "female") & (tr["published"] == "female")]

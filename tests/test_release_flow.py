@@ -99,8 +99,9 @@ def test_published_release(published):
     edits = [n for n in gates if n.startswith("output: edit[")]
     assert len(edits) == len(spec.edits) and all(gates[n] == 0 for n in edits)
     assessed = [n for n in gates if n.startswith(("utility: ", "risk: "))]
-    # overlap x2, share, model; SE ratio x2; epsilon; re-id; PSUs given away by replicates
-    assert len(assessed) == 4 + 2 + 1 + 1 + 1
+    # overlap x2, share, model; SE ratio x2; epsilon; re-id; PSUs given away by replicates;
+    # delta of the published file against the original keys
+    assert len(assessed) == 4 + 2 + 1 + 1 + 1 + 1
     psu_gate = "risk: share of original PSUs given away by replicate-weight zero patterns"
     assert gates[psu_gate] <= spec.gates.max_psu_recoverable == 0.5
     assert len(gates) == len(assessed) + 2 + len(spec.edits) + 5  # prb + massc, output checks
