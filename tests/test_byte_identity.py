@@ -18,10 +18,10 @@ from flows.cli import main as puf
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_server")]
 
 RECORDED = {
-    "README.md": "7723fd0d80d650ffe542cdbe869fd35add1451aa9430269a705b9516945e60af",
-    "codebook.csv": "33cbfb7d06f1480fea2b7a48d53d5c03f2831bcc1fbe8f535dca8522bab3ea1b",
-    "puf.csv": "80ef57dfe9db37d3b2710961ed7c4832c733d267e4a37fc7a67e6da8f47fb0af",
-    "puf.parquet": "3d0f2ead3f072001ffdc4ea833bb956405208013ce010744a0ebb2e0be4e1156",
+    "README.md": "523f66ad3b249b607c9b7d5b4e3d2ded6faf6595bdf8c0f99174e954ef8adbed",
+    "codebook.csv": "f15b45b779abe10dd2328cf478b1f4cc45b2925da4ab2ca2dd00d743cc5abbe8",
+    "puf.csv": "89d7ed662d34c64581f091e244e53390dd942f606b5874f73352f5389d6c88f7",
+    "puf.parquet": "a60921562697688614e46694ce7aacabc8d24fc78eb9cbcf4470683d7aa5fa72",
 }
 
 
