@@ -742,8 +742,13 @@ def column_record(spec: ReleaseSpec, ctx: Any, published: list[str]) -> dict[str
     of the input that is not published, with why (for the report and the public README)."""
     d, v = spec.design, spec.variables
     reps = set(spec.replicate_columns(ctx.original))
+    pub = ctx.public_design()  # a stage's pseudo design names its own columns
+    pub_reps = pub.replicate_weights.resolve(list(published)) if pub.replicate_weights else []
     role_of: dict[str, str] = {}
     for role, cols in (
+        ("replicate weight", pub_reps),
+        ("stratum", [pub.strata]),
+        ("PSU", [pub.psu]),
         ("direct identifier", v.direct_identifiers),
         ("replicate weight", sorted(reps)),
         ("weight", [d.weight]),
@@ -768,6 +773,7 @@ def column_record(spec: ReleaseSpec, ctx: Any, published: list[str]) -> dict[str
         "household": "household identifier",
         "stratum": "original design label (published only when masked or design.publish_design_labels)",
         "PSU": "original design label (published only when masked or design.publish_design_labels)",
+        "replicate weight": "original replicate weight, replaced by those of the public design",
     }
     keep = set(published)
     dropped = {}

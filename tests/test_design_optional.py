@@ -183,6 +183,10 @@ def test_weights_only_spec_runs_and_publishes_a_pseudo_design():
     )
     assert "1 strata, 1500 PSUs" in a.params["design_original"]
     assert 0.7 < a.metrics["se_ratio_median"] < 1.4
+    # what leaves: the stage-built columns are published under their design roles
+    roles = a.params["published_columns"]
+    assert roles["replicate weight"] == list(pub["replicate_weights"])
+    assert roles["stratum"] == [pub["strata"]] and roles["PSU"] == [pub["psu"]]
 
 
 def test_swap_without_segment_is_a_spec_error():
