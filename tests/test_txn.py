@@ -411,3 +411,58 @@ def test_board_decides_on_the_staged_release(tmp_path):
     assert m.status == "published" and m.approval.approver == "board"
     assert disk_hashes(final) == staged_hashes == m.hashes.outputs
     assert reg.current_release(name, year, url)["approver"] == "board"
+
+
+_SERVER_CHILD = """
+import sys, time
+if sys.argv[1] == "guarded":
+    from flows.server_guard import install
+    assert install()
+from prefect.server.api.server import SubprocessASGIServer
+s = SubprocessASGIServer()
+s.start(timeout=120)
+print(s.server_process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a dead child nobody reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+@pytest.mark.flow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_temporary_server_dies_with_a_killed_parent(tmp_path):
+    """kill -9 of the process that started Prefect's temporary server: under the guard
+    (flows.server_guard, installed by the release flow) the server is gone within seconds;
+    without it (the control) it lives on, re-parented, as issue 15 found."""
+    import signal
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    left: dict[str, bool] = {}
+    for mode in ("guarded", "control"):
+        env["PREFECT_HOME"] = str(tmp_path / mode)
+        p = subprocess.Popen(
+            [sys.executable, "-c", _SERVER_CHILD, mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            cwd=root,
+            text=True,
+        )
+        server = int(p.stdout.readline())
+        assert _alive(server)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        t0 = time.monotonic()
+        while _alive(server) and time.monotonic() - t0 < 5:
+            time.sleep(0.2)
+        left[mode] = _alive(server)
+        if left[mode]:
+            os.kill(server, signal.SIGKILL)
+    assert left == {"guarded": False, "control": True}
