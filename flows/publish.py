@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 from collections.abc import Callable
@@ -16,6 +15,8 @@ import numpy as np
 import pandas as pd
 
 from flows.public_files import write_public_files
+from sdl_design.io import file_digest as sha256_file  # noqa: F401 - one hash, used by flows
+from sdl_design.io import frame_digest as sha256_frame  # noqa: F401
 from sdl_design.spec import ReleaseSpec
 
 if TYPE_CHECKING:
@@ -31,22 +32,6 @@ VERSIONED = [
     "great-expectations",
     "svy",
 ]
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def sha256_frame(df: pd.DataFrame) -> str:
-    """Content hash of a frame (column names, dtypes and values)."""
-    h = hashlib.sha256()
-    h.update(json.dumps([[c, str(t)] for c, t in df.dtypes.items()]).encode())
-    h.update(pd.util.hash_pandas_object(df, index=False).to_numpy().tobytes())
-    return h.hexdigest()
 
 
 def versions() -> dict[str, str]:

@@ -46,7 +46,7 @@ def file_digest(path: Path) -> str:
 
 
 def frame_digest(df: pd.DataFrame) -> str:
-    """Content hash of a frame (column names, dtypes and values), as flows.publish.sha256_frame."""
+    """Content hash of a frame (column names, dtypes and values)."""
     h = hashlib.sha256()
     h.update(json.dumps([[c, str(t)] for c, t in df.dtypes.items()]).encode())
     h.update(pd.util.hash_pandas_object(df, index=False).to_numpy().tobytes())
