@@ -277,9 +277,16 @@ def test_declared_missing_codes_and_blank_cells(tmp_path, survey):
 
 
 def test_normalised_weights_declared(tmp_path, survey):
-    _read(
-        tmp_path, rescale(survey), "parquet", lambda s: s["design"].update(weights_normalised=True)
+    """Weights summing to n are refused unless declared; declared, the data pass unchanged."""
+    from sdl_design.spec import SpecError
+
+    df = rescale(survey)
+    with pytest.raises(SpecError, match="design.weight: the weights of 'wt' sum to"):
+        _read(tmp_path / "plain", df, "parquet")
+    _, out, _ = _read(
+        tmp_path / "declared", df, "parquet", lambda s: s["design"].update(weights_normalised=True)
     )
+    assert out["wt"].sum() == pytest.approx(len(df), rel=1e-12)
 
 
 def test_missing_is_its_own_key_category_not_out_of_range():
