@@ -10,6 +10,8 @@ QUIET = {
     "PREFECT_LOGGING_LEVEL": "WARNING",
     "GX_ANALYTICS_ENABLED": "false",
     "MPLBACKEND": "Agg",
+    # Prefect's temporary server gets 20 s to start by default: too short on a loaded 2-core box
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
 }
 
 

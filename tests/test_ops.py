@@ -148,3 +148,15 @@ def test_release_errors_survive_pickling():
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is type(err) and str(back) == str(err)
     assert pickle.loads(pickle.dumps(SpecError(["a: b"]))).problems == ["a: b"]
+
+
+def test_quiet_env_gives_the_temporary_server_time_to_start(monkeypatch):
+    """The setting is Prefect's own (its settings model reads it), not a name it ignores."""
+    from prefect.settings.models.server.ephemeral import ServerEphemeralSettings
+
+    from flows.env import quiet_env
+
+    monkeypatch.delenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", raising=False)
+    assert ServerEphemeralSettings().startup_timeout_seconds == 20
+    quiet_env()
+    assert ServerEphemeralSettings().startup_timeout_seconds == 120
