@@ -123,3 +123,50 @@ def county_key_spec():
     )
     data.pop("utility", None)
     return parse_spec(data)
+
+
+def paused_run():
+    """The paused flow run on the test server (the first), or None."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    with get_client(sync_client=True) as c:
+        runs = c.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED]))
+            )
+        )
+    return runs[0] if runs else None
+
+
+def run_until_paused(spec_path, wait_s: float = 300.0):
+    """Start release_flow(spec_path) without an approver in a thread and wait for its pause:
+    (thread, box, paused run or None); box gets 'manifest' or 'error' when the flow ends."""
+    import threading
+    import time
+
+    from flows.release import release_flow
+
+    box: dict = {}
+
+    def run():
+        try:
+            box["manifest"] = release_flow(spec_path=str(spec_path), approval_poll_s=1)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            box["error"] = e
+
+    th = threading.Thread(target=run)
+    th.start()
+    fr = None
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < wait_s:
+        fr = paused_run()
+        if fr or not th.is_alive():
+            break
+        time.sleep(0.5)
+    return th, box, fr

@@ -2,14 +2,12 @@
 
 import base64
 import json
-import threading
-import time
 
 import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from helpers import PNG, SECTIONS, STAGE_TABLES, Parsed
+from helpers import PNG, SECTIONS, STAGE_TABLES, Parsed, run_until_paused
 
 from expectations.suites import GateFailed
 from flows.cli import main as puf
@@ -217,24 +215,6 @@ def test_single_year_age_perturbed_is_refused_by_the_utility_gates(tmp_path):
     assert f"{worst['variable']} in {worst['domain']} = {worst['level']}" in msg
 
 
-def _paused_run_id():
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
-
-    with get_client(sync_client=True) as c:
-        runs = c.read_flow_runs(
-            flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED]))
-            )
-        )
-    return runs[0].id if runs else None
-
-
 @pytest.mark.parametrize("approved", [True, False])
 def test_approval_pause_and_resume(tmp_path, approved):
     from prefect.flow_runs import resume_flow_run
@@ -245,22 +225,8 @@ def test_approval_pause_and_resume(tmp_path, approved):
     path = small_spec(
         tmp_path, **untreated, **{"gates.xi": None, "design.publish_design_labels": True}
     )
-    box = {}
-
-    def run():
-        try:
-            box["manifest"] = release_flow(spec_path=str(path), approval_poll_s=1)
-        except Exception as e:  # noqa: BLE001 - the test inspects it
-            box["error"] = e
-
-    th = threading.Thread(target=run)
-    th.start()
-    run_id = None
-    for _ in range(240):
-        run_id = _paused_run_id()
-        if run_id or not th.is_alive():
-            break
-        time.sleep(0.5)
+    th, box, fr = run_until_paused(path, wait_s=120)
+    run_id = fr.id if fr else None
     assert run_id is not None, box
     decision = "approved" if approved else "rejected"
     resume_flow_run(run_id, run_input={"decision": decision, "approver": "board", "comment": "ok"})

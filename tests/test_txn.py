@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import paused_run, run_until_paused
 
 from flows import registry as reg
 from flows import txn
@@ -331,24 +332,6 @@ def test_failed_and_crashed_reruns_keep_the_published_release(tmp_path, monkeypa
     assert json.loads((rejected / "manifest.json").read_text())["status"] == "rejected"
 
 
-def _paused_run():
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
-
-    with get_client(sync_client=True) as c:
-        runs = c.read_flow_runs(
-            flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED]))
-            )
-        )
-    return runs[0] if runs else None
-
-
 @pytest.mark.flow
 @pytest.mark.usefixtures("prefect_server")
 def test_board_decides_on_the_staged_release(tmp_path):
@@ -358,26 +341,9 @@ def test_board_decides_on_the_staged_release(tmp_path):
     from prefect.artifacts import Artifact
     from prefect.flow_runs import resume_flow_run
 
-    from flows.release import release_flow
-
     path = fast_spec(tmp_path)
     url, final, root, name, year = layout(path)
-    box: dict = {}
-
-    def run():
-        try:
-            box["manifest"] = release_flow(spec_path=str(path), approval_poll_s=1)
-        except Exception as e:  # noqa: BLE001 - the test inspects it
-            box["error"] = e
-
-    th = threading.Thread(target=run)
-    th.start()
-    fr = None
-    for _ in range(600):
-        fr = _paused_run()
-        if fr or not th.is_alive():
-            break
-        time.sleep(0.5)
+    th, box, fr = run_until_paused(path)
     assert fr is not None, box
     assert fr.name == f"{name} {year}"
     # the evidence, before any decision
@@ -404,7 +370,7 @@ def test_board_decides_on_the_staged_release(tmp_path):
     ):
         with pytest.raises(RuntimeError, match="Cannot resume"):
             resume_flow_run(fr.id, run_input=bad)
-        assert _paused_run() is not None and not final.exists()
+        assert paused_run() is not None and not final.exists()
     resume_flow_run(fr.id, run_input={"decision": "approved", "approver": " board "})
     th.join(300)
     m = box["manifest"]
