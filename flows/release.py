@@ -200,7 +200,7 @@ def _release(
     approval_poll_s: int,
 ) -> Manifest:
     stages = build_stages(spec)
-    total = len(stages) + 5
+    total = len(stages) + 6
     step = 1
     _progress(step, total, "load")
     t0 = time.perf_counter()
@@ -266,6 +266,8 @@ def _release(
         manifest.status = "gated"
 
         # the whole release, staged before the approval: the board sees what would go out
+        step += 1
+        t0 = _progress(step, total, "files")
         notes = variance_notes(spec, outputs, puf)
         tables = _tables(outputs, gates)
         writer = _report_writer(outputs, spec)
@@ -275,6 +277,8 @@ def _release(
         ratios = _se_ratios(outputs)
         txn.awaiting_approval(manifest, ratios)
         keys = _post(manifest, staged=staged, results=outputs)
+        _lap(manifest, "files", t0)
+        _progress(step, total, "files", t0)
 
         step += 1
         t0 = _progress(step, total, "approval")
@@ -293,6 +297,7 @@ def _release(
         pub.write_record(staged / "internal", manifest, {}, writer)  # with the decision
         folder = txn.publish(manifest, ratios)
         _post(manifest)
+        _lap(manifest, "publish", t0)
         _progress(step, total, "publish", t0)
         PROGRESS.say(f"published {manifest.release.release_id} to {folder}")
         return manifest
