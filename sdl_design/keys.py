@@ -46,3 +46,29 @@ def key_frame(df: pd.DataFrame, keys: Sequence[KeySpec | str]) -> pd.DataFrame:
             c = c.astype(object).where(c.notna(), MISSING)
         cols[k.name] = c
     return pd.DataFrame(cols, index=df.index)
+
+
+def key_levels(s: pd.Series, key: KeySpec | str) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, levels): each record's recoded label as levels[codes], levels distinct (object,
+    MISSING for a missing value); the recode runs on the distinct raw values only, so this is
+    key_frame(df, [key]) without a string per record."""
+    key = KeySpec(name=key) if isinstance(key, str) else key
+    raw, uniq = pd.factorize(s, use_na_sentinel=False)
+    rec = key_frame(pd.DataFrame({key.name: pd.Series(uniq, dtype=object)}), [key])[key.name]
+    rc, levels = pd.factorize(rec, use_na_sentinel=False)
+    return rc.astype(np.int64)[raw], np.asarray(levels, dtype=object)
+
+
+def key_categorical(s: pd.Series, key: KeySpec | str) -> pd.Series:
+    """key_frame(df, [key]) as a categorical column whose categories are the labels in sorted
+    order (what a sorted factorization of the labels gives); object labels when they do not
+    sort (mixed types)."""
+    codes, levels = key_levels(s, key)
+    try:
+        order = np.argsort(levels, kind="stable")
+    except TypeError:
+        return pd.Series(levels[codes], index=s.index, name=s.name)
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    cat = pd.Categorical.from_codes(rank[codes], categories=pd.Index(levels[order], dtype=object))
+    return pd.Series(cat, index=s.index, name=s.name)

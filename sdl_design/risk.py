@@ -23,7 +23,7 @@ import scipy.linalg
 import scipy.sparse as sp
 import scipy.sparse.linalg
 
-from sdl_design.keys import coarsen, key_frame
+from sdl_design.keys import coarsen, key_levels
 from sdl_design.spec import KeySpec, SensitiveSpec, category_label
 
 STRATA = ("U", "D", "T", "O")
@@ -66,11 +66,8 @@ def _key_codes(df: pd.DataFrame, keys: Sequence[KeyLike]) -> tuple[list[np.ndarr
     _check_frame(df, [k.name for k in specs], "keys")
     codes, sizes = [], []
     for k in specs:
-        raw, uniq = pd.factorize(df[k.name], use_na_sentinel=False)
-        # recode the distinct values only: same result as key_frame(df, [k]) on every record
-        rec = key_frame(pd.DataFrame({k.name: pd.Series(uniq)}), [k])[k.name]
-        rc, levels = pd.factorize(rec, use_na_sentinel=False)
-        codes.append(rc.astype(np.int64)[raw])
+        c, levels = key_levels(df[k.name], k)
+        codes.append(c)
         sizes.append(len(levels))
     return codes, sizes
 

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.design import SurveyDesign
-from sdl_design.keys import key_frame
+from sdl_design.keys import key_frame, key_levels
 from sdl_design.massc.common import KeyLike, MasscError, _key_specs
 from sdl_design.spec import KeySpec
 
@@ -28,12 +28,14 @@ class StudyVariables:
 
     def _dom_codes(self, df: pd.DataFrame) -> dict[str, np.ndarray]:
         out = {}
-        kf = key_frame(df, [k for k in self.keys if k.name in self.domains])
+        by_name = {k.name: k for k in self.keys}
         for d, cats in self.domains.items():
             if d == "":
                 out[d] = np.zeros(len(df), dtype=np.int64)
-            else:
-                out[d] = pd.Categorical(kf[d].astype(str), categories=cats).codes.astype(np.int64)
+            else:  # the category of each record's label as text (-1: not a domain category)
+                codes, levels = key_levels(df[d], by_name[d])
+                pos = pd.Index(cats).get_indexer([str(v) for v in levels]).astype(np.int64)
+                out[d] = pos[codes]
         return out
 
     def _y(self, df: pd.DataFrame) -> dict[str, np.ndarray]:
@@ -50,6 +52,12 @@ class StudyVariables:
     def totals(self, df: pd.DataFrame, weight: np.ndarray) -> np.ndarray:
         """Weighted totals of every z (in the order of labels)."""
         ys, ds = self.frame_parts(df)
+        return self.totals_of(ys, ds, weight)
+
+    def totals_of(
+        self, ys: dict[str, np.ndarray], ds: dict[str, np.ndarray], weight: np.ndarray
+    ) -> np.ndarray:
+        """totals() from the study values and domain codes of the records (frame_parts)."""
         out = []
         for y in self.study:
             for d, cats in self.domains.items():
@@ -184,6 +192,16 @@ class ZParts:
         y0, d0 = zvars.frame_parts(b0)
         y1, d1 = zvars.frame_parts(tilde)
         return cls(y0, d0, y1, d1)
+
+    def treated(
+        self, substituted: np.ndarray, rows: np.ndarray
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """frame_parts of B(1)'s records `rows` (B(1): the substituted records take their
+        partner's values), without the frame."""
+        sel = np.asarray(substituted, dtype=bool)[rows]
+        ys = {y: np.where(sel, self.y1[y][rows], self.y0[y][rows]) for y in self.y0}
+        ds = {d: np.where(sel, self.d1[d][rows], self.d0[d][rows]) for d in self.d0}
+        return ys, ds
 
 
 def z_moments(

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.design import SurveyDesign
-from sdl_design.keys import key_frame
+from sdl_design.keys import key_categorical, key_frame
 from sdl_design.massc.common import KeyLike, MasscError, _codes, _combine, _key_specs
 from sdl_design.massc.donors import Donors, find_donors, substitute
 from sdl_design.massc.measures import DeltaMeasures, delta_measures
@@ -422,8 +422,9 @@ def _coarsened(df: pd.DataFrame, controls: Sequence[KeyLike]) -> tuple[pd.DataFr
     recoded = [k for k in specs if k.bins is not None or k.map is not None]
     if not recoded:
         return df, [k.name for k in specs]
-    kf = key_frame(df, recoded)
-    return df.assign(**{k.name: kf[k.name] for k in recoded}), [k.name for k in specs]
+    return df.assign(**{k.name: key_categorical(df[k.name], k) for k in recoded}), [
+        k.name for k in specs
+    ]
 
 
 def margin_name(domain: Sequence[KeyLike]) -> str:
@@ -439,7 +440,7 @@ def domain_margins(
     min_records: int = 30,
     replicates: Sequence[str] = (),
     original_replicates: Sequence[str] = (),
-) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], pd.DataFrame]:
+) -> tuple[dict[str, tuple[pd.Categorical, pd.Categorical]], pd.DataFrame]:
     """Cell labels of each declared domain (a crossing; keys in their published coding) on the
     retained records b2 and on the original file, ready as calibration margins.
 
@@ -451,7 +452,7 @@ def domain_margins(
     domain: cells, cells kept, original weight share pooled, status."""
     from sdl_design.calibration import CalibrationError
 
-    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    out: dict[str, tuple[pd.Categorical, pd.Categorical]] = {}
     rows = []
     n2 = len(b2)
     w_o = original[weight].to_numpy(dtype=float)
@@ -501,7 +502,14 @@ def domain_margins(
                 big = int(np.flatnonzero(ok)[np.argmax(n_b[ok])])
                 target[pooled] = big
                 status = f"{int(pooled.sum())} cells merged into {names[big]}"
-        out[margin_name(dom)] = (names[target[cb]], names[target[co]])
+        # categorical labels (a string per record would cost more than the calibration):
+        # categories in sorted order, as a sorted factorization of the labels gives them
+        nc, uniq = pd.factorize(names, sort=True)
+        cats = pd.Index(uniq, dtype=object)
+        out[margin_name(dom)] = (
+            pd.Categorical.from_codes(nc[target[cb]], categories=cats),
+            pd.Categorical.from_codes(nc[target[co]], categories=cats),
+        )
         share = float(t_o[pooled].sum() / t_o.sum()) if t_o.sum() > 0 else 0.0
         rows.append(_margin_row(dom, n_c, int(ok.sum()), share, status))
     table = pd.DataFrame(rows, columns=["domain", "cells", "cells_kept", "pooled_share", "status"])
@@ -516,10 +524,17 @@ def _same_replicates(
     b2: pd.DataFrame, original: pd.DataFrame, reps: Sequence[str], orig_reps: Sequence[str]
 ) -> bool:
     """The replicate weights of b2 are the original file's for the same records."""
-    if not reps or not b2.index.isin(original.index).all():
+    if not reps or not original.index.is_unique:
         return False
-    a = b2[list(reps)].to_numpy(dtype=float)
-    return bool(np.array_equal(a, original.loc[b2.index, list(orig_reps)].to_numpy(dtype=float)))
+    pos = original.index.get_indexer(b2.index)
+    if (pos < 0).any():
+        return False
+    for a, b in zip(reps, orig_reps, strict=True):  # a column at a time, out at the first change
+        if not np.array_equal(
+            b2[a].to_numpy(dtype=float), original[b].to_numpy(dtype=float)[pos], equal_nan=False
+        ):
+            return False
+    return True
 
 
 def _cell_sums(cell: np.ndarray, W: np.ndarray, n_c: int) -> np.ndarray:
