@@ -9,7 +9,6 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from sdl_design.keys import key_frame
 from sdl_design.massc.common import KeyLike, _key_specs
 from sdl_design.massc.moments import ZMoments
 from sdl_design.risk import genmassc_scores, profile_codes
@@ -53,11 +52,9 @@ def delta_measures(
     n = len(b0)
     d1 = np.asarray(substituted, dtype=bool)
     d2 = np.asarray(retained, dtype=bool)
-    both = pd.concat(
-        [key_frame(b0, specs).astype(str), key_frame(treated, specs).astype(str)],
-        ignore_index=True,
-    )
-    codes = profile_codes(both, [k.name for k in specs]).to_numpy()
+    names = [k.name for k in specs]
+    both = pd.concat([b0[names], treated[names]], ignore_index=True)
+    codes = profile_codes(both, specs).to_numpy()  # recoded once per distinct value
     p0, p2 = codes[:n], codes[n:]
     cnt2 = np.bincount(p2[d2], minlength=int(codes.max()) + 1)
     app = cnt2[p0]

@@ -411,9 +411,9 @@ def _top_profiles(df: pd.DataFrame, keys, dm, n: int = 50) -> pd.DataFrame:
     top = dm.profiles.sort_values(["delta_p", "N_p"], ascending=[False, False]).head(n)
     from sdl_design.risk import profile_codes
 
-    codes = profile_codes(key_frame(df, keys).astype(str), [k.name for k in keys]).to_numpy()
+    codes = profile_codes(df, keys).to_numpy()  # recoded once per distinct value
     first = pd.Series(np.arange(len(df))).groupby(codes).first()
-    kf = key_frame(df, keys).iloc[first.loc[top["profile"]].to_numpy()].reset_index(drop=True)
+    kf = key_frame(df.iloc[first.loc[top["profile"]].to_numpy()], keys).reset_index(drop=True)
     return pd.concat([top.reset_index(drop=True).drop(columns="profile"), kf], axis=1)
 
 
