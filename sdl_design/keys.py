@@ -72,3 +72,33 @@ def key_categorical(s: pd.Series, key: KeySpec | str) -> pd.Series:
     rank[order] = np.arange(len(order))
     cat = pd.Categorical.from_codes(rank[codes], categories=pd.Index(levels[order], dtype=object))
     return pd.Series(cat, index=s.index, name=s.name)
+
+
+def shared_categories(
+    frames: Sequence[pd.DataFrame], columns: Sequence[str] | None = None
+) -> list[pd.DataFrame]:
+    """The text columns (of `columns`, default all of the first frame's) as categoricals with the
+    same sorted categories in every frame that has them: a categorical factorizes, groups and
+    concatenates through its codes, while Arrow-backed text factorizes string by string. Values,
+    and so every count, label and sorted order, are unchanged; shallow copies, inputs untouched.
+    A column of mixed types stays as it is."""
+    out = [f.copy(deep=False) for f in frames]
+    for c in list(frames[0].columns if columns is None else columns):
+        have = [f for f in out if c in f.columns]
+        dt = have[0][c].dtype if have else None
+        if (
+            dt is None
+            or isinstance(dt, pd.CategoricalDtype)
+            or not pd.api.types.is_string_dtype(dt)
+        ):
+            continue
+        fact = [(f, pd.factorize(f[c])) for f in have]
+        vals = pd.unique(np.concatenate([np.asarray(u, dtype=object) for _, (_, u) in fact]))
+        try:
+            cats = pd.Index(sorted(vals), dtype=object)
+        except TypeError:  # mixed types: leave the column as it is
+            continue
+        for f, (codes, uniq) in fact:  # codes through the few distinct values (-1: missing)
+            pos = np.append(cats.get_indexer(np.asarray(uniq, dtype=object)), -1)
+            f[c] = pd.Categorical.from_codes(pos[codes], categories=cats)
+    return out

@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import scipy.sparse as sp
 from scipy.optimize import brentq
 
-from sdl_design.keys import coarsen
+from sdl_design.keys import coarsen, shared_categories
 from sdl_design.spec import KeySpec
 from sdl_design.utility import tvd, weighted_distribution
 
@@ -523,30 +524,22 @@ def count_changes(
     """Tables 1/4: raw (t) and weighted (f) counts per category before and after.
 
     design: the spec's design section; with replicate weights, the SEs of the weighted counts
-    (one SurveyDesign per frame) are added as se and se_star.
+    (one SurveyDesign per frame, one pass over its replicate weights for every category of
+    every variable) are added as se and se_star.
     """
-    se = None
-    if design is not None and design.replicate_weights is not None:
-        from sdl_design.design import SurveyDesign
-
-        designs = {
-            id(f): SurveyDesign.from_spec(f.assign(_one=1.0), design) for f in (before, after)
-        }
-        if all(d.replicate_weights for d in designs.values()):
-
-            def se(frame: pd.DataFrame, v: str) -> pd.Series:
-                return designs[id(frame)].total("_one", by=v)["se"].droplevel("variable")
-
+    per = {}
+    for name, frame in (("", before), ("_star", after)):
+        per[name] = _category_counts(frame, variables, weight, design)
     rows = []
     for v in variables:
-        t0 = before.groupby(v, observed=True).size()
-        t1 = after.groupby(v, observed=True).size()
-        f0 = before.groupby(v, observed=True)[weight].sum()
-        f1 = after.groupby(v, observed=True)[weight].sum()
-        parts = {"t": t0, "t_star": t1, "f": f0, "f_star": f1}
-        if se is not None:
-            parts["se"] = se(before, v)
-            parts["se_star"] = se(after, v)
+        parts = {}
+        for name in ("", "_star"):
+            g, se = per[name][v]
+            parts["t" + name] = g["size"]
+            parts[("f" + name)] = g["sum"]
+            if se is not None:
+                parts["se" + name] = se
+        parts = {k: parts[k] for k in ("t", "t_star", "f", "f_star", "se", "se_star") if k in parts}
         tab = pd.concat(parts, axis=1).fillna(0)
         tab.index = pd.MultiIndex.from_product([[v], tab.index.astype(str)])
         rows.append(tab)
@@ -554,6 +547,42 @@ def count_changes(
     out.index.names = ["variable", "category"]
     out["delta_t"] = (out["t_star"] - out["t"]).abs() / out["t"].where(out["t"] > 0)
     out["delta_f"] = (out["f_star"] - out["f"]).abs() / out["f"].where(out["f"] > 0)
+    return out
+
+
+def _category_counts(
+    frame: pd.DataFrame, variables: Sequence[str], weight: str, design: Any
+) -> dict[str, tuple[pd.DataFrame, pd.Series | None]]:
+    """Per variable: record count and weighted count per category (missing left out), and the
+    replicate SE of the weighted count when the design has replicate weights."""
+    out: dict[str, tuple[pd.DataFrame, pd.Series | None]] = {}
+    codes = {}
+    for v in variables:
+        g = frame.groupby(v, observed=True)[weight].agg(["size", "sum"])
+        codes[v] = pd.Index(g.index).get_indexer(frame[v])  # -1: missing
+        out[v] = (g, None)
+    if design is None or design.replicate_weights is None:
+        return out
+    from sdl_design.design import SurveyDesign
+
+    d = SurveyDesign.from_spec(frame, design)
+    if not d.replicate_weights:
+        return out
+    # indicators of every category of every variable, as one sparse n x L matrix
+    offsets = np.cumsum([0] + [len(out[v][0]) for v in variables])
+    cols, rows = [], []
+    for v, off in zip(variables, offsets[:-1], strict=False):
+        ok = np.flatnonzero(codes[v] >= 0)
+        rows.append(ok)
+        cols.append(codes[v][ok] + off)
+    r, c = np.concatenate(rows), np.concatenate(cols)
+    Z = sp.csr_matrix((np.ones(len(r)), (r, c)), shape=(len(frame), int(offsets[-1])))
+    theta = np.asarray(Z.T @ d.w).ravel()
+    dev = d.replicate_totals(Z) - theta[None, :]  # R x L
+    se = np.sqrt(d.rscales @ (dev * dev))
+    for v, a, b in zip(variables, offsets[:-1], offsets[1:], strict=True):
+        g = out[v][0]
+        out[v] = (g, pd.Series(se[a:b], index=g.index))
     return out
 
 
@@ -645,12 +674,19 @@ def tvd_table(
     weight: str,
 ) -> pd.DataFrame:
     """Table 6: TVD of weighted joint distributions, original vs each perturbed file."""
+    used = list(dict.fromkeys(c for cols in combos for c in cols))
+    keep = list(dict.fromkeys([*used, weight]))
+    names = list(perturbed)
+    # every column factorized once, not once per combination and file
+    original, *frames = shared_categories(
+        [original[keep], *(perturbed[k][keep] for k in names)], used
+    )
     rows = []
     for cols in combos:
         cols = list(cols)
         p0 = weighted_distribution(original, cols, weight)
         row = {"variables": ", ".join(cols), "cells": len(p0)}
-        for name, d in perturbed.items():
+        for name, d in zip(names, frames, strict=True):
             row[name] = tvd(p0, weighted_distribution(d, cols, weight))
         rows.append(row)
     return pd.DataFrame(rows)

@@ -13,7 +13,7 @@ import pandas as pd
 
 from sdl_design.design import SurveyDesign
 from sdl_design.edits import check_edits
-from sdl_design.keys import key_frame
+from sdl_design.keys import key_frame, shared_categories
 from sdl_design.massc import (
     MasscConfig,
     calibrate_treated,
@@ -458,31 +458,8 @@ def replication_plan(
             d for d in domains if not st[" x ".join(k.name for k in d)].startswith("dropped")
         ]
     on_df, on_orig = _replication_columns(spec, cfg, domains)
-    sub, orig = _shared_categories(df[on_df], original[on_orig])
+    sub, orig = shared_categories([df[on_df], original[on_orig]])
     return ReplicationPlan(cfg, plan, tr.phi.rates, domains, sub, orig)
-
-
-def _shared_categories(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Text columns of a and b as categoricals with the same sorted categories: every
-    replication factorizes them, and a categorical factorizes from its codes (the values, and
-    so every count and label, are unchanged)."""
-    a, b = a.copy(deep=False), b.copy(deep=False)
-    for c in a.columns:
-        s = a[c]
-        if not (
-            pd.api.types.is_string_dtype(s.dtype) and not isinstance(s.dtype, pd.CategoricalDtype)
-        ):
-            continue
-        both = [(a, pd.factorize(s))] + ([(b, pd.factorize(b[c]))] if c in b.columns else [])
-        vals = pd.unique(np.concatenate([np.asarray(u, dtype=object) for _, (_, u) in both]))
-        try:
-            cats = pd.Index(sorted(vals), dtype=object)
-        except TypeError:  # mixed types: leave the column as it is
-            continue
-        for frame, (codes, uniq) in both:  # codes through the few distinct values
-            pos = np.append(cats.get_indexer(np.asarray(uniq, dtype=object)), -1)
-            frame[c] = pd.Categorical.from_codes(pos[codes], categories=cats)
-    return a, b
 
 
 def massc_replications(
