@@ -456,8 +456,7 @@ def domain_margins(
     rows = []
     n2 = len(b2)
     w_o = original[weight].to_numpy(dtype=float)
-    W_b = b2[list(replicates)].to_numpy(dtype=float) if replicates else None
-    W_o = original[list(original_replicates)].to_numpy(dtype=float) if replicates else None
+    cells = []
     for dom in domains:
         specs = _key_specs(dom)
         cols = [k.name for k in specs]
@@ -469,13 +468,21 @@ def domain_margins(
             )
         both = pd.concat([b2[cols], original[cols]], ignore_index=True)
         cell = domain_cells(both, specs)
-        n_c = int(cell.max()) + 1 if len(cell) else 0
+        cells.append((both, cell, int(cell.max()) + 1 if len(cell) else 0))
+    if replicates:  # replicate totals of every cell of every domain: one pass per file
+        sizes = [n_c for _, _, n_c in cells]
+        A_all = _cell_sums([cell[:n2] for _, cell, _ in cells], sizes, b2, list(replicates))
+        B_all = _cell_sums(
+            [cell[n2:] for _, cell, _ in cells], sizes, original, list(original_replicates)
+        )
+    for i, (dom, (both, cell, n_c)) in enumerate(zip(domains, cells, strict=True)):
+        specs = _key_specs(dom)
         cb, co = cell[:n2], cell[n2:]
         n_b = np.bincount(cb, minlength=n_c)
         t_o = np.bincount(co, weights=w_o, minlength=n_c)
         ok = (n_b >= min_records) & (t_o > 0)
-        if W_b is not None:
-            A, B = _cell_sums(cb, W_b, n_c), _cell_sums(co, W_o, n_c)
+        if replicates:
+            A, B = A_all[i], B_all[i]
             ok &= ((A > 0) == (B > 0)).all(axis=1)
         first = np.full(n_c, len(cell), dtype=np.int64)
         np.minimum.at(first, cell, np.arange(len(cell)))
@@ -492,7 +499,7 @@ def domain_margins(
         if pooled.any():
             label_p = n_c  # the pooled cell
             fine = n_b[pooled].sum() >= min_records and t_o[pooled].sum() > 0
-            if W_b is not None:
+            if replicates:
                 fine &= bool(((A[pooled].sum(0) > 0) == (B[pooled].sum(0) > 0)).all())
             if fine:
                 names = np.append(names, "(pooled)")
@@ -537,12 +544,23 @@ def _same_replicates(
     return True
 
 
-def _cell_sums(cell: np.ndarray, W: np.ndarray, n_c: int) -> np.ndarray:
-    """Column sums of W within each cell: (n_c, R)."""
+def _cell_sums(
+    cells: Sequence[np.ndarray], sizes: Sequence[int], frame: pd.DataFrame, columns: list[str]
+) -> list[np.ndarray]:
+    """Sums of each column within each cell, for several cellings of the records at once:
+    [(n_c, R) per celling]; the columns read a block at a time (no n x R copy)."""
     import scipy.sparse as sp
 
-    S = sp.csr_matrix((np.ones(len(cell)), (cell, np.arange(len(cell)))), shape=(n_c, len(cell)))
-    return np.asarray(S @ W)
+    n = len(frame)
+    off = np.cumsum([0, *sizes])
+    rows = np.concatenate([c + o for c, o in zip(cells, off[:-1], strict=True)]) if cells else []
+    recs = np.tile(np.arange(n), len(cells))
+    S = sp.csr_matrix((np.ones(len(rows)), (rows, recs)), shape=(int(off[-1]), n))
+    total = np.empty((int(off[-1]), len(columns)))
+    for a in range(0, len(columns), 16):
+        block = frame[columns[a : a + 16]].to_numpy(dtype=float)
+        total[:, a : a + 16] = np.asarray(S @ block)
+    return [total[off[i] : off[i + 1]] for i in range(len(cells))]
 
 
 def calibrate_treated(
