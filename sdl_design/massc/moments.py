@@ -59,11 +59,12 @@ class StudyVariables:
     ) -> np.ndarray:
         """totals() from the study values and domain codes of the records (frame_parts)."""
         out = []
+        cells = {d: (c >= 0, c[c >= 0]) for d, c in ds.items()}  # once per domain
         for y in self.study:
+            wy = ys[y] * weight  # once per study variable
             for d, cats in self.domains.items():
-                c = ds[d]
-                ok = c >= 0
-                out.append(np.bincount(c[ok], weights=(ys[y] * weight)[ok], minlength=len(cats)))
+                ok, c = cells[d]
+                out.append(np.bincount(c, weights=wy[ok], minlength=len(cats)))
         return np.concatenate(out) if out else np.zeros(0)
 
     def sampling_variance(self, df: pd.DataFrame, design: SurveyDesign) -> np.ndarray:

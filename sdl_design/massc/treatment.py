@@ -35,7 +35,7 @@ def select(groups: np.ndarray, pi: np.ndarray, rng: np.random.Generator) -> np.n
         raise MasscError("rates must lie in [0, 1]")
     n = len(pi)
     g = pd.factorize(groups)[0]
-    order = np.lexsort((rng.random(n), g))
+    order = _group_order(g, rng.random(n))
     gs, ps = g[order], pi[order]
     c = np.cumsum(ps)
     head = np.r_[True, gs[1:] != gs[:-1]]
@@ -46,6 +46,15 @@ def select(groups: np.ndarray, pi: np.ndarray, rng: np.random.Generator) -> np.n
     out = np.zeros(n, dtype=bool)
     out[order] = hit
     return out
+
+
+def _group_order(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """np.lexsort((u, g)) in two stable passes (u, then the group codes in the narrowest
+    integer type, which numpy sorts by radix): the same permutation, ties included."""
+    by_u = np.argsort(u, kind="stable")
+    top = int(g.max()) if len(g) else 0
+    dt = np.int16 if top < 2**15 else np.int32 if top < 2**31 else np.int64
+    return by_u[np.argsort(g[by_u].astype(dt), kind="stable")]
 
 
 # ---------------------------------------------------------------- the whole treatment
