@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import resource
+import subprocess
 import sys
 import tempfile
 import threading
@@ -234,30 +235,56 @@ def _table(rec: _Recorder, bw: float) -> None:
         )
 
 
+def _frame_bytes(src: Path, columns: list[str]) -> tuple[int, int]:
+    """Bytes of the input frame in memory, and of its `columns`, measured in a child process
+    (reading the frame here would leave its pages in this process's heap and raise every
+    step's peak)."""
+    import json
+
+    code = (
+        "import json, sys, pandas as pd\n"
+        "f = pd.read_parquet(sys.argv[1]); cols = [c for c in json.loads(sys.argv[2]) if c in f]\n"
+        "print(int(f.memory_usage(index=False).sum()), "
+        "int(f[cols].memory_usage(index=False).sum()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(src), json.dumps(columns)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return int(out[0]), int(out[1])
+
+
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
-    import pandas as pd
 
-    from flows.cli import write_demo_spec
     from flows.release import run_release
     from sdl_design.spec import load_spec
 
     bw, gf = bandwidth_gbs(), gemm_gflops()
     work = Path(tempfile.mkdtemp(prefix="puf_bench_"))
     t0 = time.perf_counter()
-    spec_path = write_demo_spec(work, n_persons=n)
+    code = "import sys; from pathlib import Path; from flows.cli import write_demo_spec; "
+    code += "print(write_demo_spec(Path(sys.argv[1]), n_persons=int(sys.argv[2])))"
+    spec_path = Path(  # generated in a child process: its memory is not this process's
+        subprocess.run(
+            [sys.executable, "-c", code, str(work), str(n)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     t_gen = time.perf_counter() - t0
     spec = load_spec(str(spec_path))
     rec = _Recorder(spec)
     _install(rec)
     # bytes of the steps outside the stages
     src = work / "input" / "default_survey.parquet"
-    frame = pd.read_parquet(src)
-    frame_bytes = int(frame.memory_usage(index=False).sum())
-    rule_cols = {c for r in spec.edits for c in r.columns() if c in frame.columns}
+    rule_cols = sorted({c for r in spec.edits for c in r.columns()})
+    frame_bytes, rule_bytes = _frame_bytes(src, rule_cols)  # in a child: no memory kept here
     rec.touch["load"] = src.stat().st_size + frame_bytes
-    rec.touch["edits"] = int(frame[list(rule_cols)].memory_usage(index=False).sum())
-    del frame
+    rec.touch["edits"] = rule_bytes
 
     print(f"records: {n:,}; generate + write input: {t_gen:.1f} s; output {work}", flush=True)
     print(f"machine: memory bandwidth {bw:.1f} GB/s (numpy copy), GEMM {gf:.1f} GFLOP/s")

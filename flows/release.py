@@ -17,6 +17,7 @@ from pydantic import Field, field_validator
 
 from expectations.suites import GateFailed
 from flows import publish as pub
+from flows.env import return_freed_memory
 from flows.manifest import Manifest
 from flows.progress import PROGRESS
 from flows.public_docs import variance_notes
@@ -57,8 +58,10 @@ class ReleaseRejected(RuntimeError):
 
 
 def _lap(manifest: Manifest, name: str, t0: float) -> None:
-    """Record a step's wall time in the manifest (internal only)."""
+    """Record a step's wall time in the manifest (internal only); the step's freed memory goes
+    back to the system before the next step."""
     manifest.timings_s[name] = round(time.perf_counter() - t0, 3)
+    return_freed_memory()
 
 
 def _progress(step: int, total: int, name: str, t0: float | None = None) -> float:

@@ -563,11 +563,14 @@ def calibrate_replicates(
     bounds: tuple[float, float] | None = None,
     policy: str = "widen",
     chunk: int = 16,
+    factor: np.ndarray | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Each replicate weight calibrated to its own controls (a list aligned with replicate_cols,
     or a dict keyed by column). An infeasible replicate is widened (bounds divided/multiplied
     by 1.25 until it calibrates) or raked, per policy; the report says which and with which
-    bounds. Zero replicate weights stay zero. Returns (replicate weights, report)."""
+    bounds. Zero replicate weights stay zero. factor: each record's replicate weights are
+    multiplied by it first (read a chunk at a time: no second copy of all of them). Returns
+    (replicate weights, report)."""
     if method not in METHODS:
         raise CalibrationError(f"method '{method}' unknown; use one of {METHODS}")
     if policy not in ("widen", "rake"):
@@ -596,6 +599,8 @@ def calibrate_replicates(
     for start in range(0, len(reps), chunk):
         cols = reps[start : start + chunk]
         W = df[cols].to_numpy(dtype=float)
+        if factor is not None:
+            W = W * np.asarray(factor, dtype=float)[:, None]
         if not np.all(np.isfinite(W)):
             raise CalibrationError(f"replicate weights {cols} have missing or infinite values")
         Wp = d.aggregate(W)
@@ -623,7 +628,8 @@ def calibrate_replicates(
                 }
             )
             out[c] = W[:, i] * d.expand(g)
-    return pd.DataFrame(out, index=df.index), pd.DataFrame(rows)
+    # copy=False: one array per replicate as computed, not a second consolidated copy
+    return pd.DataFrame(out, index=df.index, copy=False), pd.DataFrame(rows)
 
 
 def _union_totals(per: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

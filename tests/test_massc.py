@@ -444,10 +444,10 @@ def test_replicate_targets_are_the_original_replicate_totals(monkeypatch):
         seen["totals"] = totals
         return df[weight]
 
-    def calibrate_replicates(df, cols, per_rep, method, bounds, policy):
+    def calibrate_replicates(df, cols, per_rep, method, bounds, policy, factor=None):
         seen["per_rep"] = per_rep
-        seen["rep_in"] = df[cols].copy()
-        return df[cols], pd.DataFrame({"replicate": cols, "action": "none"})
+        seen["rep_in"] = df[cols].mul(1.0 if factor is None else factor, axis=0)
+        return seen["rep_in"], pd.DataFrame({"replicate": cols, "action": "none"})
 
     fake = types.ModuleType("sdl_design.calibration")
     fake.control_totals, fake.calibrate = control_totals, calibrate

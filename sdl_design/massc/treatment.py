@@ -595,7 +595,7 @@ def calibrate_treated(
     domains: weights and replicates are only divided by phi. Returns the frame, report tables,
     metrics."""
     base = b2[weight].to_numpy(dtype=float) * factor
-    out = b2.copy(deep=False)  # copy-on-write: new arrays for the weights only
+    new: dict[str, np.ndarray] = {}  # the new weight columns, put in a frame once at the end
     tables: dict[str, pd.DataFrame] = {}
     reps = list(replicate_columns)
     orig_reps = reps if original_replicates is None else list(original_replicates)
@@ -622,9 +622,9 @@ def calibrate_treated(
         tables["calibration_domains"] = dom_table
     if not controls and not margins:
         w_cal = base
-        out[weight] = base
+        new[weight] = base
         for c in reps:
-            out[c] = b2[c].to_numpy(dtype=float) * factor
+            new[c] = b2[c].to_numpy(dtype=float) * factor
     else:
         from sdl_design.calibration import (
             CalibrationInfeasible,
@@ -650,11 +650,13 @@ def calibrate_treated(
                     step = "a replicate weight"
                     rcols = cols if rep_margins else names
                     per_rep = control_totals(orig, orig_reps, rcols)
-                    rep_in = work[rcols].assign(
-                        **{c: b2[c].to_numpy(dtype=float) * factor for c in reps}
+                    rep_in = pd.DataFrame(  # views, no copies: the replicates times factor
+                        {**{c: work[c] for c in rcols}, **{c: b2[c] for c in reps}},
+                        index=b2.index,
+                        copy=False,
                     )
                     cal, report = calibrate_replicates(
-                        rep_in, reps, per_rep, method, bounds, policy
+                        rep_in, reps, per_rep, method, bounds, policy, factor=factor
                     )
                 break
             except CalibrationInfeasible:
@@ -667,10 +669,11 @@ def calibrate_treated(
                     f"dropped: calibration of {step} infeasible with it"
                 )
         w_cal = np.asarray(w_cal, dtype=float)
-        out[weight] = w_cal
+        new[weight] = w_cal
         if reps:
             for c in reps:
-                out[c] = np.asarray(cal[c], dtype=float)
+                new[c] = np.asarray(cal[c], dtype=float)
+            del cal
             tables["replicate_calibration"] = pd.DataFrame(report)
         if len(domains):
             tables["calibration_domains"] = dom_table
@@ -702,6 +705,11 @@ def calibrate_treated(
             "weight_factor_max": float(final.max()),
             "weight_sum_ratio": float(w_cal.sum() / original[weight].sum()),
         }
+    )
+    # b2's columns with the new weights in their places; copy=False keeps every array as it is
+    # (setting 70 replicate columns one by one would copy each)
+    out = pd.DataFrame(
+        {c: new[c] if c in new else b2[c] for c in b2.columns}, index=b2.index, copy=False
     )
     return out, tables, metrics
 
