@@ -113,31 +113,6 @@ def study_variables(
     return StudyVariables(ys, domains, specs)
 
 
-def _moments(
-    h: np.ndarray,
-    n_h: int,
-    a: np.ndarray,
-    da: np.ndarray,
-    b: np.ndarray | None,
-    db: np.ndarray | None,
-    n_c: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per stratum x category sums and sums of squares of u = a 1{da = c} - b 1{db = c}."""
-    m = n_h * n_c
-    oka = da >= 0
-    ia = h[oka] * n_c + da[oka]
-    s1 = np.bincount(ia, weights=a[oka], minlength=m)
-    s2 = np.bincount(ia, weights=a[oka] ** 2, minlength=m)
-    if b is not None:
-        okb = db >= 0
-        ib = h[okb] * n_c + db[okb]
-        s1 -= np.bincount(ib, weights=b[okb], minlength=m)
-        s2 += np.bincount(ib, weights=b[okb] ** 2, minlength=m)
-        same = okb & (da == db)
-        s2 -= 2 * np.bincount(h[same] * n_c + db[same], weights=(a * b)[same], minlength=m)
-    return s1.reshape(n_h, n_c), s2.reshape(n_h, n_c)
-
-
 def _s2(s1: np.ndarray, s2: np.ndarray, nh: np.ndarray) -> np.ndarray:
     """S^2 = (sum u^2 - N ubar^2) / (N - 1) per stratum (rows)."""
     nn = nh[:, None].astype(float)
@@ -232,14 +207,39 @@ def z_moments(
             ds = np.where(sel, p.d1[d], p.d0[d])
             ok = ds >= 0
             cells[d] = (ok, h_codes[ok] * len(cats) + ds[ok], n_h * len(cats))
-    for y in zvars.study:
-        wys = None if sel is None else w * np.where(sel, p.y1[y], p.y0[y])  # w z*, once per y
+    bins = {}  # per domain, once for every study variable: the (stratum, category) bins
+    if base is None:
         for d, cats in zvars.domains.items():
             nc = len(cats)
-            if base is None:
-                t1, _ = _moments(h_codes, n_h, w * p.y0[y], p.d0[d], None, None, nc)
-                th.append(t1.sum(0))
-                s1, s2 = _moments(h_codes, n_h, w * p.y1[y], p.d1[d], w * p.y0[y], p.d0[d], nc)
+            d0, d1 = p.d0[d], p.d1[d]
+            ok0, ok1 = d0 >= 0, d1 >= 0
+            same = ok0 & (d1 == d0)
+            bins[d] = (
+                ok0,
+                h_codes[ok0] * nc + d0[ok0],
+                ok1,
+                h_codes[ok1] * nc + d1[ok1],
+                same,
+                h_codes[same] * nc + d0[same],
+                n_h * nc,
+            )
+    for y in zvars.study:
+        wys = None if sel is None else w * np.where(sel, p.y1[y], p.y0[y])  # w z*, once per y
+        a0 = w * p.y0[y] if base is None else None
+        a1 = w * p.y1[y] if base is None else None
+        for d, cats in zvars.domains.items():
+            nc = len(cats)
+            if base is None:  # sums and sums of squares of u = a1 1{d1 = c} - a0 1{d0 = c}
+                ok0, i0, ok1, i1, same, isame, m = bins[d]
+                b0 = a0[ok0]
+                t1 = np.bincount(i0, weights=b0, minlength=m)
+                th.append(t1.reshape(n_h, nc).sum(0))
+                b1 = a1[ok1]
+                s1 = np.bincount(i1, weights=b1, minlength=m) - t1
+                s2 = np.bincount(i1, weights=b1**2, minlength=m)
+                s2 += np.bincount(i0, weights=b0**2, minlength=m)
+                s2 -= 2 * np.bincount(isame, weights=(a1 * a0)[same], minlength=m)
+                s1, s2 = s1.reshape(n_h, nc), s2.reshape(n_h, nc)
                 V.append(s1)
                 S2v.append(_s2(s1, s2, N))
             if sel is not None:  # sums and sums of squares of w z* per stratum x category
