@@ -559,7 +559,8 @@ def _category_counts(
     codes = {}
     for v in variables:
         g = frame.groupby(v, observed=True)[weight].agg(["size", "sum"])
-        codes[v] = pd.Index(g.index).get_indexer(frame[v])  # -1: missing
+        # the groups' order: sorted observed values, missing left out (-1)
+        codes[v] = pd.factorize(frame[v], sort=True)[0]
         out[v] = (g, None)
     if design is None or design.replicate_weights is None:
         return out
@@ -746,8 +747,10 @@ class PrbStage:
         base = post_randomize(
             df, cfg.variables, cfg.xi, weight, method=other, theta=res.theta, **kw
         )
+        # the set C's text columns factorized once for the TVD and count tables of the 3 files
+        c_df, c_res, c_base = shared_categories([df, res.data, base.data], cfg.variables)
         tv = tvd_table(
-            df, {cfg.method: res.data, other: base.data}, default_combos(cfg.variables[:5]), weight
+            c_df, {cfg.method: c_res, other: c_base}, default_combos(cfg.variables[:5]), weight
         )
         max_risk = float(risk["risk"].max()) if len(risk) else 0.0
         n_changed = int(res.changed.sum())
@@ -785,7 +788,8 @@ class PrbStage:
                 vline=xi,
                 vlabel=f"xi = {xi:g}",
             )
-        counts = count_changes(df, res.data, cfg.variables, weight, spec.design)
+        counts = count_changes(c_df, c_res, cfg.variables, weight, spec.design)
+        del c_df, c_res, c_base
         return StageResult(
             name=self.name,
             data=res.data,
