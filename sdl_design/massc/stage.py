@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -452,7 +452,9 @@ def replication_plan(
     cfg, plan, tr, _, _ = main
     domains = _domain_specs(spec) if spec.stages.massc.calibration.domain_margins else []
     if domains:  # the declared domains the release run's weight could be calibrated to
-        _, tables, _ = _calibrate(df, spec, cfg, tr, original, replicates=False)
+        cols, _ = _replication_columns(spec, cfg, domains)
+        narrow = replace(tr, b1=tr.b1[cols])  # the columns the weight's calibration reads
+        _, tables, _ = _calibrate(df, spec, cfg, narrow, original, replicates=False)
         st = tables["calibration_domains"].set_index("domain")["status"]
         domains = [
             d for d in domains if not st[" x ".join(k.name for k in d)].startswith("dropped")
