@@ -16,7 +16,7 @@ matrix is built once and shared by the full weight and all replicate weights.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -564,13 +564,15 @@ def calibrate_replicates(
     policy: str = "widen",
     chunk: int = 16,
     factor: np.ndarray | None = None,
+    values: Callable[[list[str]], np.ndarray] | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Each replicate weight calibrated to its own controls (a list aligned with replicate_cols,
     or a dict keyed by column). An infeasible replicate is widened (bounds divided/multiplied
     by 1.25 until it calibrates) or raked, per policy; the report says which and with which
     bounds. Zero replicate weights stay zero. factor: each record's replicate weights are
-    multiplied by it first (read a chunk at a time: no second copy of all of them). Returns
-    (replicate weights, report)."""
+    multiplied by it first (read a chunk at a time: no second copy of all of them). values:
+    reads replicate columns of df's records ((records, columns) array; default df[columns]), so
+    that df may hold only the controls. Returns (replicate weights, report)."""
     if method not in METHODS:
         raise CalibrationError(f"method '{method}' unknown; use one of {METHODS}")
     if policy not in ("widen", "rake"):
@@ -585,9 +587,11 @@ def calibrate_replicates(
         raise CalibrationError(
             f"{len(per)} sets of replicate totals for {len(reps)} replicate columns"
         )
-    missing = [c for c in reps if c not in df.columns]
+    missing = [c for c in reps if c not in df.columns] if values is None else []
     if missing:
         raise CalibrationError(f"replicate columns {missing[:5]} are not in the data")
+    if values is None:
+        values = lambda cols: df[cols].to_numpy(dtype=float)  # noqa: E731
     if not reps:
         return pd.DataFrame(index=df.index), pd.DataFrame(
             columns=["replicate", "status", "lower", "upper", "g_min", "g_max"]
@@ -598,7 +602,7 @@ def calibrate_replicates(
     warm: dict = {}  # Newton starts from the previous replicate's multipliers
     for start in range(0, len(reps), chunk):
         cols = reps[start : start + chunk]
-        W = df[cols].to_numpy(dtype=float)
+        W = values(cols)
         if factor is not None:
             W = W * np.asarray(factor, dtype=float)[:, None]
         if not np.all(np.isfinite(W)):

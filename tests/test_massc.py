@@ -444,9 +444,11 @@ def test_replicate_targets_are_the_original_replicate_totals(monkeypatch):
         seen["totals"] = totals
         return df[weight]
 
-    def calibrate_replicates(df, cols, per_rep, method, bounds, policy, factor=None):
+    def calibrate_replicates(df, cols, per_rep, method, bounds, policy, factor=None, values=None):
         seen["per_rep"] = per_rep
-        seen["rep_in"] = df[cols].mul(1.0 if factor is None else factor, axis=0)
+        W = df[cols].to_numpy() if values is None else values(cols)
+        W = W * (1.0 if factor is None else np.asarray(factor)[:, None])
+        seen["rep_in"] = pd.DataFrame(W, columns=cols, index=df.index)
         return seen["rep_in"], pd.DataFrame({"replicate": cols, "action": "none"})
 
     fake = types.ModuleType("sdl_design.calibration")

@@ -170,7 +170,11 @@ def _calibrate(df, spec, cfg, tr, original, replicates: bool, domains=None):
     cal = spec.stages.massc.calibration
     if domains is None:
         domains = _domain_specs(spec) if cal.domain_margins else []
-    b2 = tr.b1.loc[tr.retained]
+    reps = spec.replicate_columns(df) if replicates else []
+    # the retained records without their replicate weights: those are read from b1 a block
+    # at a time and replaced by the calibrated ones (no copy of 70 columns of 1M records)
+    drop = set(reps)
+    b2 = tr.b1.loc[tr.retained, [c for c in tr.b1.columns if c not in drop]]
     return calibrate_treated(
         b2,
         cfg.weight,
@@ -179,10 +183,11 @@ def _calibrate(df, spec, cfg, tr, original, replicates: bool, domains=None):
         cal.controls,
         cal.method,
         cal.bounds,
-        spec.replicate_columns(df) if replicates else (),
+        reps,
         cal.infeasible_policy,
         domains,
         cal.domain_min_records,
+        replicate_source=tr.b1 if reps else None,
     )
 
 

@@ -449,6 +449,7 @@ def domain_margins(
     min_records: int = 30,
     replicates: Sequence[str] = (),
     original_replicates: Sequence[str] = (),
+    b2_replicates: RecordColumns | None = None,
 ) -> tuple[dict[str, tuple[pd.Categorical, pd.Categorical]], pd.DataFrame]:
     """Cell labels of each declared domain (a crossing; keys in their published coding) on the
     retained records b2 and on the original file, ready as calibration margins.
@@ -480,9 +481,13 @@ def domain_margins(
         cells.append((both, cell, int(cell.max()) + 1 if len(cell) else 0))
     if replicates:  # replicate totals of every cell of every domain: one pass per file
         sizes = [n_c for _, _, n_c in cells]
-        A_all = _cell_sums([cell[:n2] for _, cell, _ in cells], sizes, b2, list(replicates))
+        reader = b2_replicates if b2_replicates is not None else RecordColumns(b2, b2.index)
+        A_all = _cell_sums([cell[:n2] for _, cell, _ in cells], sizes, reader, list(replicates))
         B_all = _cell_sums(
-            [cell[n2:] for _, cell, _ in cells], sizes, original, list(original_replicates)
+            [cell[n2:] for _, cell, _ in cells],
+            sizes,
+            RecordColumns(original, original.index),
+            list(original_replicates),
         )
     for i, (dom, (both, cell, n_c)) in enumerate(zip(domains, cells, strict=True)):
         specs = _key_specs(dom)
@@ -536,10 +541,30 @@ def _margin_row(dom, n_c: int, kept: int, share: float, status: str) -> tuple:
     return (" x ".join(k.name for k in _key_specs(dom)), n_c, kept, share, status)
 
 
+class RecordColumns:
+    """Numeric columns of `source` at the records `index` (labels), read a block of columns at a
+    time: the replicate weights of the retained records without a copy of all of them."""
+
+    def __init__(self, source: pd.DataFrame, index: pd.Index):
+        self.source, self.index = source, index
+        same = source.index.equals(index)
+        self.pos = None if same else source.index.get_indexer(index)
+        if self.pos is not None and (self.pos < 0).any():
+            raise MasscError("the replicate source lacks some records; give the treated file")
+
+    def __contains__(self, column: str) -> bool:
+        return column in self.source.columns
+
+    def values(self, columns: Sequence[str]) -> np.ndarray:
+        """(records, columns) float array."""
+        a = self.source[list(columns)].to_numpy(dtype=float)
+        return a if self.pos is None else a[self.pos]
+
+
 def _same_replicates(
-    b2: pd.DataFrame, original: pd.DataFrame, reps: Sequence[str], orig_reps: Sequence[str]
+    b2: RecordColumns, original: pd.DataFrame, reps: Sequence[str], orig_reps: Sequence[str]
 ) -> bool:
-    """The replicate weights of b2 are the original file's for the same records."""
+    """The replicate weights of b2's records are the original file's for the same records."""
     if not reps or not original.index.is_unique:
         return False
     pos = original.index.get_indexer(b2.index)
@@ -547,28 +572,27 @@ def _same_replicates(
         return False
     for a, b in zip(reps, orig_reps, strict=True):  # a column at a time, out at the first change
         if not np.array_equal(
-            b2[a].to_numpy(dtype=float), original[b].to_numpy(dtype=float)[pos], equal_nan=False
+            b2.values([a])[:, 0], original[b].to_numpy(dtype=float)[pos], equal_nan=False
         ):
             return False
     return True
 
 
 def _cell_sums(
-    cells: Sequence[np.ndarray], sizes: Sequence[int], frame: pd.DataFrame, columns: list[str]
+    cells: Sequence[np.ndarray], sizes: Sequence[int], frame: RecordColumns, columns: list[str]
 ) -> list[np.ndarray]:
     """Sums of each column within each cell, for several cellings of the records at once:
     [(n_c, R) per celling]; the columns read a block at a time (no n x R copy)."""
     import scipy.sparse as sp
 
-    n = len(frame)
+    n = len(frame.index)
     off = np.cumsum([0, *sizes])
     rows = np.concatenate([c + o for c, o in zip(cells, off[:-1], strict=True)]) if cells else []
     recs = np.tile(np.arange(n), len(cells))
     S = sp.csr_matrix((np.ones(len(rows)), (rows, recs)), shape=(int(off[-1]), n))
     total = np.empty((int(off[-1]), len(columns)))
     for a in range(0, len(columns), 16):
-        block = frame[columns[a : a + 16]].to_numpy(dtype=float)
-        total[:, a : a + 16] = np.asarray(S @ block)
+        total[:, a : a + 16] = np.asarray(S @ frame.values(columns[a : a + 16]))
     return [total[off[i] : off[i + 1]] for i in range(len(cells))]
 
 
@@ -585,6 +609,7 @@ def calibrate_treated(
     domains: Sequence[Sequence[KeyLike]] = (),
     min_records: int = 30,
     original_replicates: Sequence[str] | None = None,
+    replicate_source: pd.DataFrame | None = None,
 ) -> tuple[pd.DataFrame, dict[str, pd.DataFrame], dict[str, float]]:
     """Step IV: weights w/phi of the retained records calibrated to the original file's totals
     of the controls and of the declared domains (domain_margins; a domain that makes the
@@ -592,12 +617,15 @@ def calibrate_treated(
     divided by phi and recalibrated to the original file's totals in the same replicate
     (replicate r of b2 to T_r(original), original_replicates[r], default the same column
     names), so the replicate SEs of the controls equal the original's. No controls and no
-    domains: weights and replicates are only divided by phi. Returns the frame, report tables,
+    domains: weights and replicates are only divided by phi. replicate_source: a frame holding
+    b2's records (by index label) with the replicate weights, which b2 may then lack (the
+    replicates are read from it a block at a time). Returns the frame, report tables,
     metrics."""
     base = b2[weight].to_numpy(dtype=float) * factor
     new: dict[str, np.ndarray] = {}  # the new weight columns, put in a frame once at the end
     tables: dict[str, pd.DataFrame] = {}
     reps = list(replicate_columns)
+    rep_b2 = RecordColumns(b2 if replicate_source is None else replicate_source, b2.index)
     orig_reps = reps if original_replicates is None else list(original_replicates)
     if len(orig_reps) != len(reps) or any(c not in original.columns for c in orig_reps):
         raise MasscError(
@@ -607,7 +635,10 @@ def calibrate_treated(
         )
     # domain margins go to the replicates only when they are the original design's (no
     # earlier stage rebuilt them): rebuilt replicates (a masked design) delete other PSUs
-    rep_margins = _same_replicates(b2, original, reps, orig_reps)
+    absent = [c for c in reps if c not in rep_b2]
+    if absent:
+        raise MasscError(f"replicate columns {absent[:5]} are not in the treated file")
+    rep_margins = _same_replicates(rep_b2, original, reps, orig_reps)
     margins, dom_table = domain_margins(
         b2,
         original,
@@ -616,6 +647,7 @@ def calibrate_treated(
         min_records,
         reps if rep_margins else (),
         orig_reps if rep_margins else (),
+        rep_b2,
     )
     metrics: dict[str, float] = {}
     if len(domains):
@@ -624,7 +656,7 @@ def calibrate_treated(
         w_cal = base
         new[weight] = base
         for c in reps:
-            new[c] = b2[c].to_numpy(dtype=float) * factor
+            new[c] = rep_b2.values([c])[:, 0] * factor
     else:
         from sdl_design.calibration import (
             CalibrationInfeasible,
@@ -650,13 +682,15 @@ def calibrate_treated(
                     step = "a replicate weight"
                     rcols = cols if rep_margins else names
                     per_rep = control_totals(orig, orig_reps, rcols)
-                    rep_in = pd.DataFrame(  # views, no copies: the replicates times factor
-                        {**{c: work[c] for c in rcols}, **{c: b2[c] for c in reps}},
-                        index=b2.index,
-                        copy=False,
-                    )
                     cal, report = calibrate_replicates(
-                        rep_in, reps, per_rep, method, bounds, policy, factor=factor
+                        work[rcols],
+                        reps,
+                        per_rep,
+                        method,
+                        bounds,
+                        policy,
+                        factor=factor,
+                        values=rep_b2.values,
                     )
                 break
             except CalibrationInfeasible:
@@ -708,8 +742,13 @@ def calibrate_treated(
     )
     # b2's columns with the new weights in their places; copy=False keeps every array as it is
     # (setting 70 replicate columns one by one would copy each)
+    order = list(b2.columns)  # the replicates in their places of the source frame
+    if any(c not in b2.columns for c in reps):
+        keep = set(order) | set(reps)
+        order = [c for c in rep_b2.source.columns if c in keep]
+        order += [c for c in b2.columns if c not in rep_b2]
     out = pd.DataFrame(
-        {c: new[c] if c in new else b2[c] for c in b2.columns}, index=b2.index, copy=False
+        {c: new[c] if c in new else b2[c] for c in order}, index=b2.index, copy=False
     )
     return out, tables, metrics
 
