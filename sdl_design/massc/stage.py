@@ -442,8 +442,9 @@ def _replication_columns(spec, cfg: MasscConfig, domains: list) -> tuple[list[st
     cal = spec.stages.massc.calibration
     on_orig = [cfg.weight, *(k.name for k in cal.controls)]
     on_orig += [k.name for dom in domains for k in dom]
-    on_df = [*on_orig, *cfg.substitute_columns, *cfg.study, *(k.name for k in cfg.keys)]
-    on_df += list(cfg.nest or ())
+    # the study totals come from the plan's cached parts: a replication substitutes and reads
+    # only the calibration's columns (and the PSUs of a nested selection)
+    on_df = [*on_orig, *(cfg.nest or ())]
     return list(dict.fromkeys(on_df)), list(dict.fromkeys(on_orig))
 
 
@@ -466,6 +467,8 @@ def replication_plan(
         ]
     on_df, on_orig = _replication_columns(spec, cfg, domains)
     sub, orig = shared_categories([df[on_df], original[on_orig]])
+    used = set(on_df)  # the substituted columns a replication's calibration reads
+    cfg = replace(cfg, substitute_columns=[c for c in cfg.substitute_columns if c in used])
     return ReplicationPlan(cfg, plan, tr.phi.rates, domains, sub, orig)
 
 
