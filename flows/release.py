@@ -25,10 +25,17 @@ from flows.public_files import public_frame
 from flows.server_guard import install as _guard_prefect_server
 from flows.txn import PublishError, RegistryError, ReleaseLocked, Transaction, fault
 from sdl_design.spec import ReleaseSpec, load_spec
-from sdl_design.stage import StageContext, StageResult, build_stages, design_columns, public_design
+from sdl_design.stage import (
+    SharedInput,
+    StageContext,
+    StageResult,
+    build_stages,
+    design_columns,
+    public_design,
+)
 from sdl_design.stages import RELEASE_STAGES
 from tasks.core import edits_task, gates_task, load_task
-from tasks.stage import replicate_stage, run_stage
+from tasks.stage import prepare_replications, replicate_stage, run_stage
 
 _guard_prefect_server()  # Prefect's temporary server dies with this process (kill -9 too)
 
@@ -235,7 +242,9 @@ def _release(
             ctx = base_ctx.for_stage(stage.name, outputs)
             out = run_stage(quote(stage), quote(df), quote(ctx))
             if stage.replications > 0:
-                reps = _replications(stage, df, ctx, runner, dask_address)
+                shared = prepare_replications(stage, df, ctx)
+                reps = _replications(stage, shared, runner, dask_address)
+                del shared
                 out = stage.combine(out, reps, ctx)
             outputs.append(out)
             _absorb(manifest, out)
@@ -333,9 +342,10 @@ def _task_runner(runner: str, dask_address: str | None):
     raise ValueError(f"runner must be 'thread' or 'dask', not {runner!r}")
 
 
-def _replications(stage, df: pd.DataFrame, ctx: StageContext, runner: str, address: str | None):
+def _replications(stage, shared: SharedInput, runner: str, address: str | None):
     """A stage's replications through the run's task runner (threads or Dask), one chunk per
-    worker; each replication's seed depends only on its index."""
+    worker, each given the stage's shared input (its plan, not the frames); each replication's
+    seed depends only on its index."""
     import numpy as np
 
     chunks = [c.tolist() for c in np.array_split(np.arange(stage.replications), 2) if len(c)]
@@ -345,8 +355,7 @@ def _replications(stage, df: pd.DataFrame, ctx: StageContext, runner: str, addre
             replicate_stage,
             parameters={
                 "stage": unmapped(stage),
-                "df": unmapped(df),
-                "ctx": unmapped(ctx),
+                "shared": unmapped(shared),
                 "indices": chunks,
             },
         )

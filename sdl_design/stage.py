@@ -4,7 +4,8 @@ In the spirit of scikit-learn estimators and R survey's "design in, design out":
 small object made by `from_spec(spec)` (None when its section is absent or `enabled: false`),
 and `run(df, ctx)` treats the working frame with the context (the original file, its
 SurveyDesign, the stage's Generator, the spec) and returns a StageResult. A stage that needs
-replications of its treatment (MASSC) also has `replicate(df, ctx, indices)` and
+replications of its treatment (MASSC) also has `prepare_replications(df, ctx)` (what every
+replication shares, computed once: a plan, not the frames), `replicate(shared, indices)` and
 `combine(result, replications, ctx)`; the flow calls them when `replications > 0`.
 """
 
@@ -183,13 +184,26 @@ class Stage(Protocol):
     def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult: ...
 
 
+class SharedInput:
+    """What every replication chunk of a stage reads, prepared once by the stage: opaque to the
+    orchestrator, which hands it as it is to a thread or pickles it once to a Dask worker (a
+    plan with the few columns the replications read, never the working frame or the context
+    with the original file)."""
+
+    def __init__(self, payload: Any):
+        self.payload = payload
+
+
 class BaseStage:
     """Defaults of the protocol: no replications."""
 
     name: ClassVar[str] = ""
     replications: int = 0
 
-    def replicate(self, df: pd.DataFrame, ctx: StageContext, indices: list[int]) -> list[Any]:
+    def prepare_replications(self, df: pd.DataFrame, ctx: StageContext) -> SharedInput:
+        raise NotImplementedError(f"stage {self.name} has no replications")
+
+    def replicate(self, shared: SharedInput, indices: list[int]) -> list[Any]:
         raise NotImplementedError(f"stage {self.name} has no replications")
 
     def combine(

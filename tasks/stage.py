@@ -9,7 +9,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from sdl_design.blas import single_blas_thread
-from sdl_design.stage import Stage, StageContext, StageResult
+from sdl_design.stage import SharedInput, Stage, StageContext, StageResult
 
 
 @task(name="stage", cache_policy=NO_CACHE, task_run_name="{stage.name}")
@@ -19,8 +19,15 @@ def run_stage(stage: Stage, df: pd.DataFrame, ctx: StageContext) -> StageResult:
         return stage.run(df, ctx)
 
 
-@task(name="replications", cache_policy=NO_CACHE, task_run_name="{stage.name}-replications")
-def replicate_stage(stage: Any, df: pd.DataFrame, ctx: StageContext, indices: list[int]) -> Any:
-    """stage.replicate(df, ctx, indices) as a Prefect task (one chunk of replications)."""
+def prepare_replications(stage: Any, df: pd.DataFrame, ctx: StageContext) -> SharedInput:
+    """stage.prepare_replications(df, ctx) on one BLAS thread, as run_stage runs the stage (the
+    plan's rates must be the run's bits); in the flow process, not a task: its result stays here."""
     with single_blas_thread():
-        return stage.replicate(df, ctx, indices)
+        return stage.prepare_replications(df, ctx)
+
+
+@task(name="replications", cache_policy=NO_CACHE, task_run_name="{stage.name}-replications")
+def replicate_stage(stage: Any, shared: SharedInput, indices: list[int]) -> Any:
+    """stage.replicate(shared, indices) as a Prefect task (one chunk of replications)."""
+    with single_blas_thread():
+        return stage.replicate(shared, indices)

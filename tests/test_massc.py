@@ -405,6 +405,7 @@ def test_replications_same_in_chunks_as_direct(survey, request):
     from sdl_design.blas import single_blas_thread
     from sdl_design.massc.stage import MasscStage, massc_replications
     from sdl_design.stage import StageContext
+    from tasks.stage import prepare_replications
 
     spec, df = survey
     spec = spec.model_copy(deep=True)
@@ -414,7 +415,8 @@ def test_replications_same_in_chunks_as_direct(survey, request):
 
     @flow
     def reps() -> list:
-        return _replications(stage, df, StageContext(df, spec, "massc"), "thread", None)
+        shared = prepare_replications(stage, df, StageContext(df, spec, "massc"))
+        return _replications(stage, shared, "thread", None)
 
     chunks = reps()
     assert [len(c) for c in chunks] == [2, 1]

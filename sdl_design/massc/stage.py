@@ -29,7 +29,7 @@ from sdl_design.massc.treatment import meet_delta, original_rows
 from sdl_design.plots import histogram
 from sdl_design.rng import stage_rng
 from sdl_design.spec import KeySpec
-from sdl_design.stage import StageResult, gate
+from sdl_design.stage import SharedInput, StageResult, gate
 
 
 class MasscStage:
@@ -44,8 +44,7 @@ class MasscStage:
         # the release run's plan and rates, shared by the replication chunks of this process
         # (the run is deterministic given the seed: computed once, not once per chunk)
         self._lock = threading.Lock()
-        self._main: tuple | None = None  # (df, _main(...))
-        self._prepared: tuple | None = None  # (df, ReplicationPlan)
+        self._main: tuple | None = None  # (df, _main(...)), kept from run() to the plan
 
     def __getstate__(self) -> dict:  # ship the spec, not the cached plan (Dask runner)
         return {"spec": self.spec, "replications": self.replications}
@@ -70,20 +69,25 @@ class MasscStage:
         main = self._main_of(df, ctx)
         return massc_result(df, self.spec, ctx.seed, ctx.original, ctx.design, main=main)
 
-    def replicate(self, df: pd.DataFrame, ctx: Any, indices: Sequence[int]) -> np.ndarray:
+    def prepare_replications(self, df: pd.DataFrame, ctx: Any) -> SharedInput:
+        """The release run's seed and ReplicationPlan (rates, donors, cached study values, the
+        calibration's columns of df and of the original file), without the treated frames."""
         main = self._main_of(df, ctx)
-        with self._lock:
-            if self._prepared is None or self._prepared[0] is not df:
-                plan = replication_plan(df, self.spec, ctx.original, main)
-                self._prepared = (df, plan)
-            prepared = self._prepared[1]
+        with self._lock:  # the release run's frames are not needed any more
+            self._main = None
+        prepared = replication_plan(df, self.spec, ctx.original, main)
+        prepared.plan = replace(prepared.plan, tilde=None)  # not read by a replication
+        return SharedInput((ctx.seed, prepared))
+
+    def replicate(self, shared: SharedInput, indices: Sequence[int]) -> np.ndarray:
+        seed, prepared = shared.payload
         return massc_replications(
-            df, self.spec, ctx.seed, ctx.original, indices, ctx.design, prepared=prepared
+            prepared.df, self.spec, seed, prepared.original, indices, prepared=prepared
         )
 
     def combine(self, result: StageResult, replications: list, ctx: Any) -> StageResult:
-        with self._lock:  # the cached plan is not needed after the replications
-            self._main = self._prepared = None
+        with self._lock:
+            self._main = None
         return massc_epsilon(result, replications, self.spec)
 
 
