@@ -565,8 +565,19 @@ def _with_replicates(df: pd.DataFrame) -> pd.DataFrame:
     """Append JKn replicate weights rw_001..rw_R (one per PSU) after wt."""
     from sdl_design.design import SurveyDesign
 
-    rw = SurveyDesign(df, weight="wt", strata="stratum", psu="psu").with_replicates("jkn")
-    rw = pd.DataFrame(np.asarray(rw, dtype=np.float64), index=df.index)
-    rw.columns = [f"rw_{i + 1:03d}" for i in range(rw.shape[1])]
+    d = SurveyDesign(df, weight="wt", strata="stratum", psu="psu")
+    if (d.n_h < 2).any():  # the error with_replicates gives
+        return d.with_replicates("jkn")
+    # with_replicates("jkn") a column at a time (the same products w * factor), without its
+    # n x R factor matrix and copies: 5,000,000 records fit in memory
+    h_of_psu = d.psu_h
+    scale = d.n_h / (d.n_h - 1.0)
+    rw = {}
+    for r in range(d.n_psu):
+        hh = h_of_psu[r]
+        f = np.where(d.h == hh, scale[hh], 1.0)
+        f[d.g == r] = 0.0
+        rw[f"rw_{r + 1:03d}"] = d.w * f
     at = df.columns.get_loc("wt") + 1
-    return pd.concat([df.iloc[:, :at], rw, df.iloc[:, at:]], axis=1)
+    cols = {c: df[c] for c in df.columns[:at]} | rw | {c: df[c] for c in df.columns[at:]}
+    return pd.DataFrame(cols, index=df.index, copy=False)
