@@ -1,8 +1,9 @@
 """Whole release flow on a large default survey: wall time, peak memory and a floor per stage.
 
 Targets (issue 14): 1,000,000 records with 70 replicate weights in <= 60 s on 2 cores, peak
-memory <= 4 GB; every stage within 3x of its floor. Usage: python bench/release.py [n_persons]
-(run it with PYTHONPATH set to the checkout so that the checkout's packages are imported).
+memory <= 4 GB; every stage within 3x of its floor. Usage: python bench/release.py [n_persons
+[folder]] (folder: the output folder of an earlier run with the same n_persons, whose input is
+used again; run it with PYTHONPATH set to the checkout so that its packages are imported).
 
 Per stage (one flow step: load, edits, each release stage with its replications, gates,
 files: the public files and the report staged for approval; publish: the staged release moved
@@ -241,11 +242,15 @@ def _frame_bytes(src: Path, columns: list[str]) -> tuple[int, int]:
     step's peak)."""
     import json
 
-    code = (
-        "import json, sys, pandas as pd\n"
-        "f = pd.read_parquet(sys.argv[1]); cols = [c for c in json.loads(sys.argv[2]) if c in f]\n"
-        "print(int(f.memory_usage(index=False).sum()), "
-        "int(f[cols].memory_usage(index=False).sum()))"
+    code = (  # fixed-width columns from the schema, text columns read (they are few)
+        "import json, sys, pyarrow as pa, pyarrow.parquet as pq\n"
+        "pf = pq.ParquetFile(sys.argv[1]); n = pf.metadata.num_rows; sch = pf.schema_arrow\n"
+        "text = [f.name for f in sch if not pa.types.is_primitive(f.type)]\n"
+        "t = pq.read_table(sys.argv[1], columns=text) if text else None\n"
+        "size = {f.name: n * f.type.bit_width // 8 for f in sch if f.name not in text}\n"
+        "size |= {c: t.column(c).nbytes for c in text}\n"
+        "cols = [c for c in json.loads(sys.argv[2]) if c in size]\n"
+        "print(sum(size.values()), sum(size[c] for c in cols))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, str(src), json.dumps(columns)],
@@ -258,6 +263,7 @@ def _frame_bytes(src: Path, columns: list[str]) -> tuple[int, int]:
 
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
+    reuse = Path(sys.argv[2]) if len(sys.argv) > 2 else None  # a folder of an earlier bench
 
     from flows.release import run_release
     from sdl_design.spec import load_spec
@@ -267,20 +273,29 @@ def main() -> None:
     t0 = time.perf_counter()
     code = "import sys; from pathlib import Path; from flows.cli import write_demo_spec; "
     code += "print(write_demo_spec(Path(sys.argv[1]), n_persons=int(sys.argv[2])))"
-    spec_path = Path(  # generated in a child process: its memory is not this process's
-        subprocess.run(
-            [sys.executable, "-c", code, str(work), str(n)],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    )
+    if reuse is not None:  # its input of n records, generated before; a fresh output folder
+        import yaml
+
+        data = yaml.safe_load((reuse / "default_spec.yaml").read_text())
+        data["release"]["input"] = str((reuse / data["release"]["input"]).resolve())
+        spec_path = work / "default_spec.yaml"
+        spec_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    else:
+        spec_path = Path(  # generated in a child process: its memory is not this process's
+            subprocess.run(
+                [sys.executable, "-c", code, str(work), str(n)],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+        )
     t_gen = time.perf_counter() - t0
     spec = load_spec(str(spec_path))
     rec = _Recorder(spec)
     _install(rec)
     # bytes of the steps outside the stages
-    src = work / "input" / "default_survey.parquet"
+    src = Path(spec.release.input)
+    src = src if src.is_absolute() else work / src
     rule_cols = sorted({c for r in spec.edits for c in r.columns()})
     frame_bytes, rule_bytes = _frame_bytes(src, rule_cols)  # in a child: no memory kept here
     rec.touch["load"] = src.stat().st_size + frame_bytes
