@@ -2,8 +2,9 @@
 
 Targets (issue 14): 1,000,000 records with 70 replicate weights in <= 60 s on 2 cores, peak
 memory <= 4 GB; every stage within 3x of its floor. Usage: python bench/release.py [n_persons
-[folder]] (folder: the output folder of an earlier run with the same n_persons, whose input is
-used again; run it with PYTHONPATH set to the checkout so that its packages are imported).
+[folder|- [key=value ...]]] (folder: the output folder of an earlier run with the same
+n_persons, whose input is used again; key=value: spec overrides, e.g. stages.prb=null; run it
+with PYTHONPATH set to the checkout so that its packages are imported).
 
 Per stage (one flow step: load, edits, each release stage with its replications, gates,
 files: the public files and the report staged for approval; publish: the staged release moved
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -263,7 +265,8 @@ def _frame_bytes(src: Path, columns: list[str]) -> tuple[int, int]:
 
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
-    reuse = Path(sys.argv[2]) if len(sys.argv) > 2 else None  # a folder of an earlier bench
+    reuse = Path(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] != "-" else None
+    overrides = sys.argv[3:]  # dotted.key=yaml value, e.g. stages.prb=null
 
     from flows.release import run_release
     from sdl_design.spec import load_spec
@@ -274,8 +277,6 @@ def main() -> None:
     code = "import sys; from pathlib import Path; from flows.cli import write_demo_spec; "
     code += "print(write_demo_spec(Path(sys.argv[1]), n_persons=int(sys.argv[2])))"
     if reuse is not None:  # its input of n records, generated before; a fresh output folder
-        import yaml
-
         data = yaml.safe_load((reuse / "default_spec.yaml").read_text())
         data["release"]["input"] = str((reuse / data["release"]["input"]).resolve())
         spec_path = work / "default_spec.yaml"
@@ -290,6 +291,16 @@ def main() -> None:
             ).stdout.strip()
         )
     t_gen = time.perf_counter() - t0
+    if overrides:  # the spec changed as asked (printed with the results)
+        data = yaml.safe_load(spec_path.read_text())
+        for item in overrides:
+            key, _, value = item.partition("=")
+            *path, last = key.split(".")
+            node = data
+            for k in path:
+                node = node[k]
+            node[last] = yaml.safe_load(value)
+        spec_path.write_text(yaml.safe_dump(data, sort_keys=False))
     spec = load_spec(str(spec_path))
     rec = _Recorder(spec)
     _install(rec)
@@ -302,6 +313,8 @@ def main() -> None:
     rec.touch["edits"] = rule_bytes
 
     print(f"records: {n:,}; generate + write input: {t_gen:.1f} s; output {work}", flush=True)
+    if overrides:
+        print(f"spec overrides: {' '.join(overrides)}", flush=True)
     print(f"machine: memory bandwidth {bw:.1f} GB/s (numpy copy), GEMM {gf:.1f} GFLOP/s")
     cwd = os.getcwd()
     os.chdir(work)
