@@ -9,7 +9,7 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from sdl_design.massc.common import KeyLike, _key_specs
+from sdl_design.massc.common import KeyLike, _key_specs, _sens_specs
 from sdl_design.massc.moments import ZMoments
 from sdl_design.risk import genmassc_scores, profile_codes
 
@@ -62,7 +62,8 @@ def delta_measures(
     r0 = genmassc_scores(b0, specs, sensitive).to_numpy()
     r2 = np.zeros(n)
     if d2.any():
-        r2[d2] = genmassc_scores(treated[d2], specs, sensitive).to_numpy()
+        read = [*names, *(v.name for v in _sens_specs(sensitive) if v.name not in names)]
+        r2[d2] = genmassc_scores(treated.loc[d2, read], specs, sensitive).to_numpy()
     r = {"original": r0, "treated": r2, "max": np.maximum(r0, r2)}[risk_basis]
     delta_k = (~d1) * d2 * r  # eq. 3
     rows = []
