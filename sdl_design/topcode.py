@@ -185,7 +185,7 @@ def topcode(
 def _topcode(
     df: pd.DataFrame,
     column: str,
-    wts: tuple[np.ndarray, bool] | None,
+    wts: Weights | None,
     weight: str | None,
     upper: Bound | Mapping[str, Any] | None,
     lower: Bound | Mapping[str, Any] | None,
@@ -198,8 +198,8 @@ def _topcode(
     if ub is None and lb is None:
         raise ValueError(f"topcode '{column}': give upper, lower or both")
     s = df[column]
-    x, w, ok = _values(df, column, weight, wts)
-    grp = _grouped(df, by, x, w, ok)
+    x, w, ok, wx = _values(df, column, weight, wts)
+    grp = _grouped(df, by, x, w, ok, None if wts is None else wts[2])
     bounds = [(side, b) for side, b in (("upper", ub), ("lower", lb)) if b is not None]
     thr = {side: _thresholds(grp, b, side) for side, b in bounds}
     if "upper" in thr and "lower" in thr:
@@ -209,7 +209,7 @@ def _topcode(
     flag = np.zeros(len(grp.xv), np.int8)
     rows = [_code_side(grp, side, b, thr[side], new, flag) for side, b in bounds]
     if grp.gv is None:  # one group: one pass (no BLAS: the same sum on any thread count)
-        tot_before = np.array([float(np.einsum("i,i->", grp.wv, grp.xv))])
+        tot_before = np.array([wx if ok is None else float(np.einsum("i,i->", grp.wv, grp.xv))])
         tot_after = tot_before + sum(r["coded_total_after"] - r["coded_total_before"] for r in rows)
         tot_after = np.asarray(tot_after, dtype=float)
     else:
@@ -256,33 +256,43 @@ def _check_columns(df: pd.DataFrame, column: str, by: list[str], weight: str | N
             )
 
 
-def _weights(df: pd.DataFrame, weight: str | None) -> tuple[np.ndarray, bool] | None:
-    """The weights as floats (NaN for missing) and whether all are finite and > 0 (None: no
-    weight column), read once for every coded column."""
+Weights = tuple[np.ndarray, bool, float]
+
+
+def _weights(df: pd.DataFrame, weight: str | None) -> Weights | None:
+    """The weights as floats (NaN for missing), whether all are finite and > 0, and their sum
+    (None: no weight column), read once for every coded column."""
     if not weight:
         return None
     s = df[weight]
     if not pd.api.types.is_numeric_dtype(s):
         s = pd.to_numeric(s, errors="coerce")
     w = s.to_numpy(dtype=float, na_value=np.nan)
-    return w, bool(len(w) == 0 or (w.min() > 0 and w.max() < np.inf))  # NaN: min is NaN
+    total = float(w.sum())
+    # NaN: min is NaN; inf: the sum is (a finite overflow only sends it to the full check)
+    return w, bool(len(w) == 0 or (w.min() > 0 and np.isfinite(total))), total
 
 
 def _values(
-    df: pd.DataFrame, column: str, weight: str | None, wts: tuple[np.ndarray, bool] | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The column as floats (NaN for missing), the weights (checked > 0 where x is present) and
-    the mask of present values (None when none is missing)."""
+    df: pd.DataFrame, column: str, weight: str | None, wts: Weights | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float]:
+    """The column as floats (NaN for missing), the weights (checked > 0 where x is present),
+    the mask of present values (None when none is missing) and sum(w x) (when none is)."""
     s = df[column]
     if not (pd.api.types.is_numeric_dtype(s) and not pd.api.types.is_bool_dtype(s)):
         raise ValueError(
             f"topcode '{column}': the column is not numeric ({s.dtype}); only numbers can be top-coded"
         )
     x = s.to_numpy(dtype=float, na_value=np.nan)
-    ok = ~np.isnan(x) if len(x) and np.isnan(x.min()) else None  # min is NaN if any is
+    w = np.ones(len(x)) if wts is None else wts[0]
+    wx = float(np.einsum("i,i->", w, x))  # one pass, no BLAS; NaN when a value is missing
+    ok = None
+    if not np.isfinite(wx):
+        ok = ~np.isnan(x)
+        ok = None if ok.all() else ok
     if wts is None:
-        return x, np.ones(len(x)), ok
-    w, all_good = wts
+        return x, w, ok, wx
+    all_good = wts[1]
     if not all_good:
         bad = ~(np.isfinite(w) & (w > 0))
         if ok is not None:
@@ -292,7 +302,7 @@ def _values(
                 f"topcode '{column}': {int(bad.sum())} records have a weight '{weight}' that is "
                 "missing or not positive; every weight must be > 0"
             )
-    return x, w, ok
+    return x, w, ok, wx
 
 
 @dataclass
@@ -323,13 +333,20 @@ class _Groups:
 
 
 def _grouped(
-    df: pd.DataFrame, by: list[str], x: np.ndarray, w: np.ndarray, ok: np.ndarray | None
+    df: pd.DataFrame,
+    by: list[str],
+    x: np.ndarray,
+    w: np.ndarray,
+    ok: np.ndarray | None,
+    w_total: float | None = None,
 ) -> _Groups:
-    """Group codes of the records (gv None without `by`) and the non-missing values."""
+    """Group codes of the records (gv None without `by`) and the non-missing values; w_total:
+    sum of w when already known and no value is missing."""
     xv, wv = (x, w) if ok is None else (x[ok], w[ok])
     if not by:
+        w_g = wv.sum() if w_total is None or ok is not None else w_total
         return _Groups(
-            xv, wv, None, 1, np.array([len(xv)]), np.array([wv.sum()]), pd.DataFrame(index=[0])
+            xv, wv, None, 1, np.array([len(xv)]), np.array([w_g]), pd.DataFrame(index=[0])
         )
     g_all = df.groupby(by, sort=True, dropna=False, observed=True).ngroup().to_numpy(np.int64)
     n_groups = int(g_all.max()) + 1 if len(g_all) else 0
@@ -423,7 +440,7 @@ def topcode_frame(
     table of every column's thresholds (first column 'column')."""
     out = df.copy(deep=False)  # copy-on-write: new arrays only for coded columns
     tables = []
-    wts: tuple[np.ndarray, bool] | None = None  # the weights, read once for every column
+    wts: Weights | None = None  # the weights, read once for every column
     for col, rule in rules.items():
         if not isinstance(rule, TopcodeRule):
             try:
