@@ -238,7 +238,10 @@ def _candidate_lists(
 
     Near neighbours in a feature space where the criterion is small for near segments, found
     with a k-d tree on the leading principal components (O(n log n)); the criterion itself is
-    then evaluated exactly on them. Same PSU never; scope restricts the strata.
+    then evaluated exactly on them. Same PSU never; scope restricts the strata. The k valid
+    partners are the first valid ones among the kq nearest; a first query of k + max(16, k/4)
+    nearest (the k-NN cost grows with k) finds them for most segments, the others are
+    queried again with kq (the nearer neighbours come first in both: the same lists).
     """
     n = len(feat)
     f = feat - feat.mean(axis=0)
@@ -256,16 +259,24 @@ def _candidate_lists(
         kq = min(m, 2 * k + 1 if scope != "cross_stratum" else 4 * k + 1)
         if kq < 2:
             continue
-        _, idx = cKDTree(f[members]).query(f[members], k=kq)
-        idx = members[np.asarray(idx).reshape(m, kq)]
-        me = members[:, None]
-        valid = seg_psu[idx] != seg_psu[me]
-        if scope == "cross_stratum":
-            valid &= seg_stratum[idx] != seg_stratum[me]
-        order = np.argsort(~valid, axis=1, kind="stable")[:, :k]
-        take = np.take_along_axis(idx, order, axis=1)
-        ok = np.take_along_axis(valid, order, axis=1)
-        out[members, : take.shape[1]] = np.where(ok, take, -1)
+        tree = cKDTree(f[members])
+        rows = members  # segments whose k partners are not found yet
+        k1 = min(kq, k + max(16, k // 4))
+        for kk in (k1, kq) if k1 < kq else (kq,):
+            _, idx = tree.query(f[rows], k=kk)
+            idx = members[np.asarray(idx).reshape(len(rows), kk)]
+            me = rows[:, None]
+            valid = seg_psu[idx] != seg_psu[me]
+            if scope == "cross_stratum":
+                valid &= seg_stratum[idx] != seg_stratum[me]
+            done = np.ones(len(rows), bool) if kk == kq else valid.sum(axis=1) >= k
+            order = np.argsort(~valid[done], axis=1, kind="stable")[:, :k]
+            take = np.take_along_axis(idx[done], order, axis=1)
+            ok = np.take_along_axis(valid[done], order, axis=1)
+            out[rows[done], : take.shape[1]] = np.where(ok, take, -1)
+            rows = rows[~done]
+            if not len(rows):
+                break
     return out
 
 

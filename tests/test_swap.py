@@ -456,3 +456,36 @@ def test_se_table_with_known_scales_equals_derived(small_survey):
     derived = se_ratio_table(small_survey, res.data, dc, rw, chars, "jkn")
     assert "ratio_rep" in derived.columns
     pd.testing.assert_frame_equal(res.se_ratios.drop(columns="matching"), derived)
+
+
+@pytest.mark.parametrize("scope", ["any", "same_stratum", "cross_stratum"])
+def test_candidate_lists_equal_brute_force_neighbours(scope):
+    """The k partners of each segment are the first valid ones among its 2k+1 (4k+1 across
+    strata) nearest in the projected feature space, by brute force over all distances; the
+    short first query and the second one for the segments it leaves short give those lists."""
+    from sdl_design.swap import _candidate_lists
+
+    df = toy_survey(n_strata=6, n_h=(2, 3), segs=40, per=2, q=3, seed=8)
+    agg = segment_aggregates(df, "w", "st", "psu", "seg", COLS)
+    rng = np.random.default_rng(1)  # features clustered by PSU: many same-PSU neighbours
+    psu_effect = 3 * rng.normal(size=(len(agg.psu_stratum), 3))
+    feat = psu_effect[agg.seg_psu] + agg.score / agg.score.std(axis=0)
+    k, n_dims = 20, 2
+    got = _candidate_lists(feat, agg.seg_psu, agg.seg_stratum, scope, k, n_dims=n_dims)
+    f = feat - feat.mean(axis=0)
+    f = f @ np.linalg.svd(f, full_matrices=False)[2][:n_dims].T
+    psu, stratum = agg.seg_psu, agg.seg_stratum
+    kq = 4 * k + 1 if scope == "cross_stratum" else 2 * k + 1
+    short = 0
+    for a in range(len(f)):
+        pool = (
+            np.flatnonzero(stratum == stratum[a]) if scope == "same_stratum" else np.arange(len(f))
+        )
+        near = pool[np.argsort(((f[pool] - f[a]) ** 2).sum(axis=1), kind="stable")][:kq]
+        ok = psu[near] != psu[a]
+        if scope == "cross_stratum":
+            ok &= stratum[near] != stratum[a]
+        want = near[ok][:k]
+        short += ok[: k + 16].sum() < k  # needs the second query
+        assert list(got[a, : len(want)]) == list(want) and (got[a, len(want) :] == -1).all()
+    assert short > 0
