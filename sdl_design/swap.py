@@ -85,9 +85,7 @@ def segment_aggregates(
         raise ValueError(f"design.weight: column '{weight}' has weights that are not positive")
     x = _matrix(df, matching, "stages.swap.matching")
     h_code, h_lab = pd.factorize(df[strata], sort=True)
-    p_code, p_uniq = pd.factorize(
-        pd.MultiIndex.from_arrays([h_code, df[psu].to_numpy()]), sort=True
-    )
+    p_code, psu_stratum, psu_labels = _psu_codes(h_code, df[psu].to_numpy())
     s_code, s_lab = pd.factorize(df[segment], sort=True)
     n_seg = len(s_lab)
     seg_psu = np.full(n_seg, -1)
@@ -97,7 +95,6 @@ def segment_aggregates(
             f"design.segment: segments of '{segment}' span several PSUs; segment labels must "
             "be nested in PSUs (make them unique across PSUs)"
         )
-    psu_stratum = np.asarray(p_uniq.get_level_values(0), dtype=np.int64)
     n_h = np.bincount(psu_stratum, minlength=len(h_lab))
     if np.any(n_h < 2):
         raise ValueError(
@@ -121,7 +118,10 @@ def segment_aggregates(
     mean = np.zeros_like(score)
     _rowsum(mean, s_code, wo * x0)
     mean = np.where(seg_w > 0, mean / np.where(seg_w > 0, seg_w, 1.0), xbar)
-    const = (np.nanmax(x, axis=0) - np.nanmin(x, axis=0)) == 0
+    if obs.all():  # no missing value: plain max/min (nanmax/nanmin are several times slower)
+        const = (x.max(axis=0) - x.min(axis=0)) == 0
+    else:
+        const = (np.nanmax(x, axis=0) - np.nanmin(x, axis=0)) == 0
     if const.any():
         bad = [c for c, k in zip(matching, const, strict=True) if k]
         raise ValueError(f"stages.swap.matching: {bad} are constant; remove them")
@@ -130,12 +130,28 @@ def segment_aggregates(
         segment_labels=np.asarray(s_lab),
         seg_psu=seg_psu,
         psu_stratum=psu_stratum,
-        psu_labels=np.asarray(p_uniq.get_level_values(1)),
+        psu_labels=psu_labels,
         strata_labels=np.asarray(h_lab),
         score=score,
         mean=mean,
         record_segment=s_code,
     )
+
+
+def _psu_codes(h_code: np.ndarray, psu: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """PSU index of every record, numbered in (stratum, PSU label) order, with each PSU's
+    stratum index and label: one integer key h * (PSU labels) + label code, factorized."""
+    l_code, l_lab = pd.factorize(psu, sort=True)
+    if (l_code < 0).any() or (h_code < 0).any():  # missing labels: the pairs themselves
+        p_code, p_uniq = pd.factorize(pd.MultiIndex.from_arrays([h_code, psu]), sort=True)
+        return (
+            p_code,
+            np.asarray(p_uniq.get_level_values(0), dtype=np.int64),
+            np.asarray(p_uniq.get_level_values(1)),
+        )
+    m = max(len(l_lab), 1)
+    p_code, key = pd.factorize(h_code.astype(np.int64) * m + l_code, sort=True)
+    return p_code, key // m, np.asarray(l_lab)[key % m]
 
 
 def _rowsum(out: np.ndarray, code: np.ndarray, vals: np.ndarray) -> None:
@@ -186,14 +202,14 @@ class VarianceState:
         """
         a = np.asarray(a)[..., None]
         pa, pb = self.seg_psu[a], self.seg_psu[b]
-        ha, hb = self.psu_stratum[pa], self.psu_stratum[pb]
         e = self.score[a] - self.score[b]
-        dev_a = self.t[pa] - self.tbar[ha]
-        dev_b = self.t[pb] - self.tbar[hb]
-        ca, cb = self.c[ha][..., None], self.c[hb][..., None]
+        dev = self.t - self.tbar[self.psu_stratum]  # t_hi - tbar_h of every PSU (small)
+        dev_a, dev_b = dev[pa], dev[pb]
+        c = self.c[self.psu_stratum][:, None]  # c_h of every PSU
+        ca, cb = c[pa], c[pb]
         cross = 2.0 * e * (cb * dev_b - ca * dev_a + e)
         same = 2.0 * ca * e * (dev_b - dev_a + e)
-        return np.where((ha == hb)[..., None], same, cross)
+        return np.where((self.psu_stratum[pa] == self.psu_stratum[pb])[..., None], same, cross)
 
     def apply(self, a: int, b: int) -> np.ndarray:
         """Swap segments a and b; returns the change of the variances (O(q))."""
@@ -225,7 +241,10 @@ def _candidate_lists(
 
     Near neighbours in a feature space where the criterion is small for near segments, found
     with a k-d tree on the leading principal components (O(n log n)); the criterion itself is
-    then evaluated exactly on them. Same PSU never; scope restricts the strata.
+    then evaluated exactly on them. Same PSU never; scope restricts the strata. The k valid
+    partners are the first valid ones among the kq nearest; a first query of k + max(16, k/4)
+    nearest (the k-NN cost grows with k) finds them for most segments, the others are
+    queried again with kq (the nearer neighbours come first in both: the same lists).
     """
     n = len(feat)
     f = feat - feat.mean(axis=0)
@@ -243,16 +262,24 @@ def _candidate_lists(
         kq = min(m, 2 * k + 1 if scope != "cross_stratum" else 4 * k + 1)
         if kq < 2:
             continue
-        _, idx = cKDTree(f[members]).query(f[members], k=kq)
-        idx = members[np.asarray(idx).reshape(m, kq)]
-        me = members[:, None]
-        valid = seg_psu[idx] != seg_psu[me]
-        if scope == "cross_stratum":
-            valid &= seg_stratum[idx] != seg_stratum[me]
-        order = np.argsort(~valid, axis=1, kind="stable")[:, :k]
-        take = np.take_along_axis(idx, order, axis=1)
-        ok = np.take_along_axis(valid, order, axis=1)
-        out[members, : take.shape[1]] = np.where(ok, take, -1)
+        tree = cKDTree(f[members])
+        rows = members  # segments whose k partners are not found yet
+        k1 = min(kq, k + max(16, k // 4))
+        for kk in (k1, kq) if k1 < kq else (kq,):
+            _, idx = tree.query(f[rows], k=kk)
+            idx = members[np.asarray(idx).reshape(len(rows), kk)]
+            me = rows[:, None]
+            valid = seg_psu[idx] != seg_psu[me]
+            if scope == "cross_stratum":
+                valid &= seg_stratum[idx] != seg_stratum[me]
+            done = np.ones(len(rows), bool) if kk == kq else valid.sum(axis=1) >= k
+            order = np.argsort(~valid[done], axis=1, kind="stable")[:, :k]
+            take = np.take_along_axis(idx[done], order, axis=1)
+            ok = np.take_along_axis(valid[done], order, axis=1)
+            out[rows[done], : take.shape[1]] = np.where(ok, take, -1)
+            rows = rows[~done]
+            if not len(rows):
+                break
     return out
 
 
@@ -336,8 +363,8 @@ def _initial_criterion(crit: Criterion, cands: np.ndarray) -> np.ndarray:
     """Step 1: each segment's smallest D*_1 over its candidate partners (inf without any)."""
     n = len(cands)
     d1 = np.full(n, np.inf)
-    for s in range(0, n, 2048):
-        cc = cands[s : s + 2048]
+    for s in range(0, n, 256):  # blocks of 256 segments: the temporaries stay in cache
+        cc = cands[s : s + 256]
         val = crit(np.arange(s, s + len(cc)), np.where(cc >= 0, cc, 0))
         val[cc < 0] = np.inf
         d1[s : s + len(cc)] = val.min(axis=1)
@@ -443,6 +470,15 @@ def pseudo_labels(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Pseudo-stratum and pseudo-PSU label of every record: strata numbered 1..H and PSUs 1..n_h
     within stratum, both in random order, so the labels reveal nothing of the originals."""
+    stratum_of_psu, label_of_psu = _psu_pseudo_labels(agg, rng)
+    rec_psu = seg_psu[agg.record_segment]
+    return stratum_of_psu[rec_psu], label_of_psu[rec_psu]
+
+
+def _psu_pseudo_labels(
+    agg: SegmentAggregates, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pseudo-stratum and pseudo-PSU label of every PSU (see pseudo_labels)."""
     H = len(agg.strata_labels)
     stratum_label = rng.permutation(H) + 1
     psu_label = (
@@ -451,8 +487,7 @@ def pseudo_labels(
         )
         + 1
     )
-    rec_psu = seg_psu[agg.record_segment]
-    return stratum_label[agg.psu_stratum[rec_psu]], psu_label[rec_psu]
+    return stratum_label[agg.psu_stratum], psu_label
 
 
 # ---------------------------------------------------------------- the public entry point
@@ -520,10 +555,11 @@ def swap_segments(
         raise ValueError("design.segment: the swap needs a segment column (SSU) in the design")
     agg = segment_aggregates(df, dc["weight"], dc["strata"], dc["psu"], dc["segment"], matching)
     plan = plan_swaps(agg, rate, rng, method, max_share, cumulative, scope, n_candidates)
-    new_h, new_p = pseudo_labels(agg, plan.state.seg_psu, rng)
+    psu_h, psu_p = _psu_pseudo_labels(agg, rng)
+    rec_psu = plan.state.seg_psu[agg.record_segment]  # PSU of every record after the swaps
     rep_method = replicate_method or dc["method"]
     rep_rho = rho if rho is not None else dc["rho"]
-    data, new_rw, notes = _masked(df, dc, new_h, new_p, rep_method, rep_rho)
+    data, new_rw, rscales, notes = _masked(df, dc, rec_psu, psu_h, psu_p, rep_method, rep_rho)
 
     if characteristics is None:
         characteristics = broad_characteristics(df, design=dc)
@@ -536,6 +572,7 @@ def swap_segments(
         rep_method,
         rep_rho,
         original_se=original_se,
+        masked_rscales=rscales,  # known from the rebuild: not derived again from the weights
     )
     se["matching"] = se["variable"].isin(list(matching)) & (se["domain"] == "all")
     settings = {
@@ -571,20 +608,24 @@ def _check_rates(rate: float, max_share: float) -> None:
 def _masked(
     df: pd.DataFrame,
     dc: dict[str, Any],
-    new_h: np.ndarray,
-    new_p: np.ndarray,
+    rec_psu: np.ndarray,
+    psu_h: np.ndarray,
+    psu_p: np.ndarray,
     rep_method: str | None,
     rep_rho: float | None,
-) -> tuple[pd.DataFrame, list[str], list[str]]:
-    """df with pseudo strata and PSUs and, given a replicate method, replicate weights of the
-    pseudo design; the new replicate columns and the notes."""
+) -> tuple[pd.DataFrame, list[str], np.ndarray | None, list[str]]:
+    """df with pseudo strata and PSUs (psu_h, psu_p: the labels of each PSU, rec_psu: the PSU
+    of each record) and, given a replicate method, replicate weights of the pseudo design; the
+    new replicate columns, their scale factors and the notes."""
     data = df.copy(deep=False)  # copy-on-write: new arrays for strata, PSU
-    data[dc["strata"]] = new_h
-    data[dc["psu"]] = new_p
+    data[dc["strata"]] = psu_h[rec_psu]
+    data[dc["psu"]] = psu_p[rec_psu]
     if rep_method is None:
-        return data, [], []
-    data, new_rw, note = _rebuild_replicates(data, dc, rep_method, rep_rho)
-    return data, new_rw, [note]
+        return data, [], None, []
+    data, new_rw, rscales, note = _rebuild_replicates(
+        data, dc, rec_psu, psu_h, psu_p, rep_method, rep_rho
+    )
+    return data, new_rw, rscales, [note]
 
 
 def _pairs_frame(
@@ -636,13 +677,33 @@ def _plan_counts(agg: SegmentAggregates, plan: SwapPlan) -> dict[str, Any]:
 
 
 def _rebuild_replicates(
-    data: pd.DataFrame, dc: dict[str, Any], method: str, rho: float | None
-) -> tuple[pd.DataFrame, list[str], str]:
-    """Replicate weights of the pseudo design replace the original ones."""
+    data: pd.DataFrame,
+    dc: dict[str, Any],
+    rec_psu: np.ndarray,
+    psu_h: np.ndarray,
+    psu_p: np.ndarray,
+    method: str,
+    rho: float | None,
+) -> tuple[pd.DataFrame, list[str], np.ndarray, str]:
+    """Replicate weights of the pseudo design replace the original ones (with their scale
+    factors).
+
+    The replicate factors are constant within PSUs for every method SurveyDesign builds, so
+    they are built once on a design of one unit-weight record per PSU (F, PSUs x R) and each
+    record gets w times its PSU's row: the values of with_replicates on the full file, without
+    its records x PSUs factor matrix.
+    """
     from sdl_design.design import SurveyDesign
 
-    masked = SurveyDesign(data, weight=dc["weight"], strata=dc["strata"], psu=dc["psu"])
-    reps = pd.DataFrame(masked.with_replicates(method, rho=rho), index=data.index)
+    h, p, wc = dc["strata"], dc["psu"], dc["weight"]
+    one_per_psu = pd.DataFrame({h: psu_h, p: psu_p, wc: np.ones(len(psu_h))})
+    f = SurveyDesign(one_per_psu, weight=wc, strata=h, psu=p).with_replicates(method, rho=rho)
+    w = data[wc].to_numpy(dtype=float)
+    # replicates x records, C order (pandas' block layout: the frame keeps it without a copy
+    # and W = its transpose is the Fortran array SurveyDesign multiplies with)
+    wt = np.take(np.ascontiguousarray(f.to_numpy().T), rec_psu, axis=1)
+    wt *= w
+    reps = pd.DataFrame(wt.T, index=data.index, columns=f.columns, copy=False)
     old = list(dc["replicate_weights"])
     if len(old) == reps.shape[1]:
         reps = reps.set_axis(old, axis=1)
@@ -660,7 +721,7 @@ def _rebuild_replicates(
     keep = [c for c in cols if c not in set(old)]
     at = len([c for c in cols[:at] if c not in set(old)])
     data = pd.concat([data[keep[:at]], reps, data[keep[at:]]], axis=1)
-    return data, list(reps.columns), note
+    return data, list(reps.columns), np.asarray(f.attrs["rscales"], dtype=float), note
 
 
 # ---------------------------------------------------------------- report figure (Figure 2)

@@ -58,16 +58,43 @@ def weighted_percentile(x: Sequence[float], w: Sequence[float] | None, p: float)
     x = np.asarray(x, dtype=float)
     w = np.ones_like(x) if w is None else np.asarray(w, dtype=float)
     ok = ~np.isnan(x)
-    order = np.argsort(x[ok], kind="stable")
-    t = _thresholds(
-        x[ok][order],
-        w[ok][order],
-        np.zeros(int(ok.sum()), np.int64),
-        1,
-        Bound(percentile=p),
-        "lower",
-    )
-    return float(t[0])
+    grp = _Groups(x[ok], w[ok], None, 1, np.array([int(ok.sum())]), np.zeros(1), pd.DataFrame())
+    return float(_thresholds(grp, Bound(percentile=p), "lower")[0])
+
+
+def _seqsum(v: np.ndarray) -> float:
+    """Sum in index order, one addition after the other (the rounding of np.bincount)."""
+    return float(np.cumsum(v)[-1]) if len(v) else 0.0
+
+
+def _percentile_one(xv: np.ndarray, wv: np.ndarray, q: float) -> float | None:
+    """Q_w(100 q) of one group without a full sort: only the records on the percentile's side
+    of a partition point are sorted (the top ones for q >= 1/2, the bottom ones otherwise).
+
+    The value is that of the prefix rule over the fully sorted group (the first position
+    whose cumulative weight reaches q times the total; ties in any order give the same value).
+    None when that part is over half the group, or when a cumulative weight lies within the
+    rounding of the summation order of q times the total: the full sort then decides.
+    """
+    n = len(xv)
+    total = float(wv.sum())
+    tol = 8.0 * n * np.finfo(float).eps * total  # bound on the summation-order rounding
+    top = q >= 0.5
+    m = int(np.ceil(2.0 * (1.0 - q if top else q) * n)) + 16
+    while 2 * m <= n:
+        part = np.argpartition(xv, n - m if top else m - 1)
+        idx = part[n - m :] if top else part[:m]
+        inside = float(wv[idx].sum())
+        base = total - inside if top else 0.0  # weight below the part
+        if (base < q * total - tol) if top else (inside > q * total + tol):
+            order = idx[np.argsort(xv[idx], kind="stable")]
+            cw = base + np.cumsum(wv[order])
+            i = min(int(np.count_nonzero(cw < q * total)), m - 1)
+            if abs(cw[i] - q * total) <= tol or (i > 0 and q * total - cw[i - 1] <= tol):
+                return None
+            return float(xv[order[i]])
+        m *= 2
+    return None
 
 
 def _bound(b: Bound | Mapping[str, Any] | None, column: str, side: str) -> Bound | None:
@@ -83,7 +110,31 @@ def _bound(b: Bound | Mapping[str, Any] | None, column: str, side: str) -> Bound
         raise ValueError(f"topcode '{column}' {side}: {msgs}") from None
 
 
-def _thresholds(
+def _thresholds(grp: _Groups, bound: Bound, side: str) -> np.ndarray:
+    """Per-group thresholds (NaN for an empty group). A fixed value needs no sort; one group
+    selects by partition (min_count) or partition and a partial sort (percentile); groups
+    sort once by (group, value)."""
+    has = grp.n_g > 0
+    out = np.full(grp.n_groups, np.nan)
+    if bound.value is not None:
+        out[has] = float(bound.value)
+        return out
+    if grp.gv is None and has[0]:
+        n = len(grp.xv)
+        if bound.min_count is not None:
+            k = int(bound.min_count)
+            i = max(n - k, 0) if side == "upper" else min(k - 1, n - 1)
+            out[0] = np.partition(grp.xv, i)[i]
+            return out
+        t = _percentile_one(grp.xv, grp.wv, float(bound.percentile) / 100.0)
+        if t is not None:
+            out[0] = t
+            return out
+    xs, ws, gs = grp.sorted()
+    return _sorted_thresholds(xs, ws, gs, grp.n_groups, bound, side)
+
+
+def _sorted_thresholds(
     xs: np.ndarray, ws: np.ndarray, gs: np.ndarray, n_groups: int, bound: Bound, side: str
 ) -> np.ndarray:
     """Per-group thresholds; xs, ws, gs sorted by (group, value). NaN for an empty group."""
@@ -92,9 +143,6 @@ def _thresholds(
     ends = starts + n_g
     out = np.full(n_groups, np.nan)
     has = n_g > 0
-    if bound.value is not None:
-        out[has] = float(bound.value)
-        return out
     if bound.min_count is not None:
         k = int(bound.min_count)
         idx = (
@@ -131,39 +179,66 @@ def topcode(
     """
     by = list(by or [])
     _check_columns(df, column, by, weight)
+    return _topcode(df, column, _weights(df, weight), weight, upper, lower, by)
+
+
+def _topcode(
+    df: pd.DataFrame,
+    column: str,
+    wts: Weights | None,
+    weight: str | None,
+    upper: Bound | Mapping[str, Any] | None,
+    lower: Bound | Mapping[str, Any] | None,
+    by: list[str],
+    label: bool = False,
+) -> TopcodeResult:
+    """topcode with the weights already read (_weights), columns already checked; label: the
+    table's first column 'column' holds the column's name (topcode_frame's table)."""
     ub, lb = _bound(upper, column, "upper"), _bound(lower, column, "lower")
     if ub is None and lb is None:
         raise ValueError(f"topcode '{column}': give upper, lower or both")
     s = df[column]
-    x, w = _values(df, column, weight)
-    ok = ~np.isnan(x)
-    grp = _grouped(df, by, x, w, ok)
+    x, w, ok, wx = _values(df, column, weight, wts)
+    grp = _grouped(df, by, x, w, ok, None if wts is None else wts[2])
     bounds = [(side, b) for side, b in (("upper", ub), ("lower", lb)) if b is not None]
-    thr = {side: _thresholds(grp.xs, grp.ws, grp.gs, grp.n_groups, b, side) for side, b in bounds}
+    thr = {side: _thresholds(grp, b, side) for side, b in bounds}
     if "upper" in thr and "lower" in thr:
         _check_apart(thr["upper"], thr["lower"], grp.keys, by, column)
 
     new = grp.xv.copy()
     flag = np.zeros(len(grp.xv), np.int8)
     rows = [_code_side(grp, side, b, thr[side], new, flag) for side, b in bounds]
-    tot_before = np.bincount(grp.gv, weights=grp.wv * grp.xv, minlength=grp.n_groups)
-    tot_after = np.bincount(grp.gv, weights=grp.wv * new, minlength=grp.n_groups)
-    table = []
+    if grp.gv is None:  # one group: one pass (no BLAS: the same sum on any thread count)
+        tot_before = np.array([wx if ok is None else float(np.einsum("i,i->", grp.wv, grp.xv))])
+        tot_after = tot_before + sum(r["coded_total_after"] - r["coded_total_before"] for r in rows)
+        tot_after = np.asarray(tot_after, dtype=float)
+    else:
+        tot_before = np.bincount(grp.gv, weights=grp.wv * grp.xv, minlength=grp.n_groups)
+        tot_after = np.bincount(grp.gv, weights=grp.wv * new, minlength=grp.n_groups)
     for r in rows:
         r["total_before"] = tot_before
         r["total_after"] = tot_after
-        table.append(pd.concat([grp.keys, r], axis=1) if by else r)
-    table = pd.concat(table, ignore_index=True)[by + TABLE_COLUMNS]
+    if by:
+        parts = [pd.concat([grp.keys, pd.DataFrame(r)], axis=1) for r in rows]
+        table = pd.concat(parts, ignore_index=True)[by + TABLE_COLUMNS]
+        if label:
+            table.insert(0, "column", column)
+    else:  # one row per side, built at once (small frames cost more in pandas than in numpy)
+        first = {"column": [column] * len(rows)} if label else {}
+        table = pd.DataFrame(first | {c: [_item(r[c]) for r in rows] for c in TABLE_COLUMNS})
 
-    out = x.copy()
-    out[ok] = new
-    values = pd.Series(out, index=df.index, name=column)
-    if pd.api.types.is_integer_dtype(s) and ok.all() and np.all(out == np.round(out)):
+    if ok is None:
+        out, fl = new, flag
+    else:
+        out = x.copy()
+        out[ok] = new
+        fl = np.zeros(len(x), np.int8)
+        fl[ok] = flag
+    values = pd.Series(out, index=df.index, name=column, copy=False)
+    if pd.api.types.is_integer_dtype(s) and ok is None and np.all(out == np.round(out)):
         values = values.astype(s.dtype)
-    fl = np.zeros(len(x), np.int8)
-    fl[ok] = flag
     return TopcodeResult(
-        values=values, table=table, coded=pd.Series(fl, index=df.index, name=column)
+        values=values, table=table, coded=pd.Series(fl, index=df.index, name=column, copy=False)
     )
 
 
@@ -181,69 +256,111 @@ def _check_columns(df: pd.DataFrame, column: str, by: list[str], weight: str | N
             )
 
 
-def _values(df: pd.DataFrame, column: str, weight: str | None) -> tuple[np.ndarray, np.ndarray]:
-    """The column as floats (NaN for missing) and the weights (checked > 0 where x is present)."""
+Weights = tuple[np.ndarray, bool, float]
+
+
+def _weights(df: pd.DataFrame, weight: str | None) -> Weights | None:
+    """The weights as floats (NaN for missing), whether all are finite and > 0, and their sum
+    (None: no weight column), read once for every coded column."""
+    if not weight:
+        return None
+    s = df[weight]
+    if not pd.api.types.is_numeric_dtype(s):
+        s = pd.to_numeric(s, errors="coerce")
+    w = s.to_numpy(dtype=float, na_value=np.nan)
+    total = float(w.sum())
+    # NaN: min is NaN; inf: the sum is (a finite overflow only sends it to the full check)
+    return w, bool(len(w) == 0 or (w.min() > 0 and np.isfinite(total))), total
+
+
+def _values(
+    df: pd.DataFrame, column: str, weight: str | None, wts: Weights | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float]:
+    """The column as floats (NaN for missing), the weights (checked > 0 where x is present),
+    the mask of present values (None when none is missing) and sum(w x) (when none is)."""
     s = df[column]
     if not (pd.api.types.is_numeric_dtype(s) and not pd.api.types.is_bool_dtype(s)):
         raise ValueError(
             f"topcode '{column}': the column is not numeric ({s.dtype}); only numbers can be top-coded"
         )
     x = s.to_numpy(dtype=float, na_value=np.nan)
-    if not weight:
-        return x, np.ones(len(x))
-    w = pd.to_numeric(df[weight], errors="coerce").to_numpy(dtype=float, na_value=np.nan)
-    bad = ~np.isnan(x) & ~(np.isfinite(w) & (w > 0))
-    if bad.any():
-        raise ValueError(
-            f"topcode '{column}': {int(bad.sum())} records have a weight '{weight}' that is "
-            "missing or not positive; every weight must be > 0"
-        )
-    return x, w
+    w = np.ones(len(x)) if wts is None else wts[0]
+    wx = float(np.einsum("i,i->", w, x))  # one pass, no BLAS; NaN when a value is missing
+    ok = None
+    if not np.isfinite(wx):
+        ok = ~np.isnan(x)
+        ok = None if ok.all() else ok
+    if wts is None:
+        return x, w, ok, wx
+    all_good = wts[1]
+    if not all_good:
+        bad = ~(np.isfinite(w) & (w > 0))
+        if ok is not None:
+            bad &= ok
+        if bad.any():
+            raise ValueError(
+                f"topcode '{column}': {int(bad.sum())} records have a weight '{weight}' that is "
+                "missing or not positive; every weight must be > 0"
+            )
+    return x, w, ok, wx
 
 
 @dataclass
 class _Groups:
-    """The non-missing values with their weights and group codes, as given (xv, wv, gv) and
-    sorted by (group, value) (xs, ws, gs); per group: records, weight and the `by` values."""
+    """The non-missing values with their weights and group codes (gv None: one group); per
+    group: records, weight and the `by` values. `sorted` sorts by (group, value) once."""
 
     xv: np.ndarray
     wv: np.ndarray
-    gv: np.ndarray
-    xs: np.ndarray
-    ws: np.ndarray
-    gs: np.ndarray
+    gv: np.ndarray | None
     n_groups: int
     n_g: np.ndarray
     w_g: np.ndarray
     keys: pd.DataFrame
+    _sorted: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def sorted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """xs, ws, gs: values, weights and group codes sorted by (group, value), stable."""
+        if self._sorted is None:
+            if self.gv is None:
+                order = np.argsort(self.xv, kind="stable")
+                gs = np.zeros(len(order), np.int64)
+            else:
+                order = np.lexsort((self.xv, self.gv))
+                gs = self.gv[order]
+            self._sorted = (self.xv[order], self.wv[order], gs)
+        return self._sorted
 
 
 def _grouped(
-    df: pd.DataFrame, by: list[str], x: np.ndarray, w: np.ndarray, ok: np.ndarray
+    df: pd.DataFrame,
+    by: list[str],
+    x: np.ndarray,
+    w: np.ndarray,
+    ok: np.ndarray | None,
+    w_total: float | None = None,
 ) -> _Groups:
-    """Group codes of the records (one group without `by`) and the sorted non-missing values."""
-    if by:
-        g_all = df.groupby(by, sort=True, dropna=False, observed=True).ngroup().to_numpy(np.int64)
-        n_groups = int(g_all.max()) + 1 if len(g_all) else 0
-        first = np.unique(g_all, return_index=True)[1]
-        keys = df[by].iloc[first].reset_index(drop=True)
-    else:
-        g_all = np.zeros(len(x), np.int64)
-        n_groups = 1
-        keys = pd.DataFrame(index=[0])
-    xv, wv, gv = x[ok], w[ok], g_all[ok]
-    order = np.lexsort((xv, gv))
+    """Group codes of the records (gv None without `by`) and the non-missing values; w_total:
+    sum of w when already known and no value is missing."""
+    xv, wv = (x, w) if ok is None else (x[ok], w[ok])
+    if not by:
+        w_g = wv.sum() if w_total is None or ok is not None else w_total
+        return _Groups(
+            xv, wv, None, 1, np.array([len(xv)]), np.array([w_g]), pd.DataFrame(index=[0])
+        )
+    g_all = df.groupby(by, sort=True, dropna=False, observed=True).ngroup().to_numpy(np.int64)
+    n_groups = int(g_all.max()) + 1 if len(g_all) else 0
+    first = np.unique(g_all, return_index=True)[1]
+    keys = df[by].iloc[first].reset_index(drop=True)
+    gv = g_all if ok is None else g_all[ok]
     return _Groups(
-        xv=xv,
-        wv=wv,
-        gv=gv,
-        xs=xv[order],
-        ws=wv[order],
-        gs=gv[order],
-        n_groups=n_groups,
-        n_g=np.bincount(gv, minlength=n_groups),
-        w_g=np.bincount(gv, weights=wv, minlength=n_groups),
-        keys=keys,
+        xv,
+        wv,
+        gv,
+        n_groups,
+        np.bincount(gv, minlength=n_groups),
+        np.bincount(gv, weights=wv, minlength=n_groups),
+        keys,
     )
 
 
@@ -263,20 +380,35 @@ def _check_apart(
 
 def _code_side(
     grp: _Groups, side: str, b: Bound, t: np.ndarray, new: np.ndarray, flag: np.ndarray
-) -> pd.DataFrame:
+) -> dict[str, Any]:
     """Code one side with thresholds t per group: writes the replacements into new and +1/-1
-    into flag (records at or beyond t), returns that side's table rows (one per group)."""
+    into flag (records at or beyond t), returns that side's table columns (one row per group).
+    Sums run in record order (np.bincount's rounding), over the coded records only for one
+    group."""
     xv, wv, gv, n_groups = grp.xv, grp.wv, grp.gv, grp.n_groups
-    coded = (xv >= t[gv]) if side == "upper" else (xv <= t[gv])  # NaN threshold: False
-    wc = np.bincount(gv, weights=wv * coded, minlength=n_groups)
-    sc = np.bincount(gv, weights=wv * xv * coded, minlength=n_groups)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        rep = sc / wc if b.replace == "mean" else t.copy()  # mean: total-preserving
-    new[coded] = rep[gv[coded]]
-    flag[coded] = 1 if side == "upper" else -1
-    after = np.bincount(gv, weights=wv * new * coded, minlength=n_groups)
+    if gv is None:  # one group: the few coded records by index
+        hit = np.flatnonzero(xv >= t[0] if side == "upper" else xv <= t[0])  # NaN t: none
+        wh = wv[hit]
+        wc = np.array([_seqsum(wh)])
+        sc = np.array([_seqsum(wh * xv[hit])])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rep = sc / wc if b.replace == "mean" else t.copy()  # mean: total-preserving
+        new[hit] = rep[0]
+        flag[hit] = 1 if side == "upper" else -1
+        after = np.array([_seqsum(wh * new[hit])])
+        n_coded = np.array([len(hit)], np.int64)
+    else:
+        coded = (xv >= t[gv]) if side == "upper" else (xv <= t[gv])  # NaN threshold: False
+        wc = np.bincount(gv, weights=wv * coded, minlength=n_groups)
+        sc = np.bincount(gv, weights=wv * xv * coded, minlength=n_groups)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rep = sc / wc if b.replace == "mean" else t.copy()  # mean: total-preserving
+        new[coded] = rep[gv[coded]]
+        flag[coded] = 1 if side == "upper" else -1
+        after = np.bincount(gv, weights=wv * new * coded, minlength=n_groups)
+        n_coded = np.bincount(gv, weights=coded, minlength=n_groups).astype(np.int64)
     rule = next(k for k in ("percentile", "value", "min_count") if getattr(b, k) is not None)
-    return pd.DataFrame(
+    return dict(
         {
             "side": side,
             "rule": rule,
@@ -285,13 +417,18 @@ def _code_side(
             "threshold": t,
             "replacement": np.where(wc > 0, rep, np.nan),
             "n": grp.n_g,
-            "n_coded": np.bincount(gv, weights=coded, minlength=n_groups).astype(np.int64),
+            "n_coded": n_coded,
             "weight_coded": wc,
             "share_coded": np.divide(wc, grp.w_g, out=np.zeros(n_groups), where=grp.w_g > 0),
             "coded_total_before": sc,
             "coded_total_after": after,
         }
     )
+
+
+def _item(v: Any) -> Any:
+    """The one value of a one-group table column (a scalar or a length-1 array)."""
+    return v[0] if isinstance(v, np.ndarray) else v
 
 
 def topcode_frame(
@@ -303,6 +440,7 @@ def topcode_frame(
     table of every column's thresholds (first column 'column')."""
     out = df.copy(deep=False)  # copy-on-write: new arrays only for coded columns
     tables = []
+    wts: Weights | None = None  # the weights, read once for every column
     for col, rule in rules.items():
         if not isinstance(rule, TopcodeRule):
             try:
@@ -311,9 +449,14 @@ def topcode_frame(
                 raise ValueError(
                     f"topcode '{col}': {'; '.join(err['msg'] for err in e.errors())}"
                 ) from None
-        res = topcode(df, col, weight, upper=rule.upper, lower=rule.lower, by=rule.by)
+        _check_columns(df, col, list(rule.by), weight)
+        if wts is None:
+            wts = _weights(df, weight)
+        res = _topcode(df, col, wts, weight, rule.upper, rule.lower, list(rule.by), label=True)
         out[col] = res.values
-        tables.append(res.table.assign(column=col))
+        tables.append(res.table)
+    if len(tables) == 1:
+        return out, tables[0]
     table = (
         pd.concat(tables, ignore_index=True)
         if tables

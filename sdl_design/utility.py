@@ -200,9 +200,11 @@ def domain_mean_se(
     replicate_weights: Sequence[str] = (),
     method: str | None = None,
     rho: float | None = None,
+    rscales: Sequence[float] | None = None,
 ) -> pd.DataFrame:
     """Estimate, Taylor SE, Taylor deff and (with replicate weights) replicate SE of every
-    characteristic: overall means/proportions and domain means (SurveyDesign.mean)."""
+    characteristic: overall means/proportions and domain means (SurveyDesign.mean). rscales:
+    the replicate scale factors when known (SurveyDesign derives them otherwise)."""
     from sdl_design.design import SurveyDesign
 
     frame = pd.concat([df, chars.extra], axis=1)
@@ -217,7 +219,14 @@ def domain_mean_se(
         frame = pd.concat([frame, pd.DataFrame({**filled, **seen}, index=frame.index)], axis=1)
     rw = list(replicate_weights) if (replicate_weights and method) else None
     design = SurveyDesign(
-        frame, weight=weight, strata=strata, psu=psu, replicate_weights=rw, method=method, rho=rho
+        frame,
+        weight=weight,
+        strata=strata,
+        psu=psu,
+        replicate_weights=rw,
+        method=method,
+        rho=rho,
+        rscales=rscales if rw else None,
     )
 
     def means(cols: list[str], by: str | None, variance: str) -> pd.DataFrame:
@@ -275,13 +284,14 @@ def se_ratio_table(
     chars_masked: Characteristics | None = None,
     masked_design: dict | None = None,
     original_se: pd.DataFrame | None = None,
+    masked_rscales: Sequence[float] | None = None,
 ) -> pd.DataFrame:
     """One row per characteristic: se_original, se_masked, ratio, deff (original, Taylor) and,
     with replicate weights, se_original_rep, se_masked_rep, ratio_rep. Characteristics with a
     zero original SE (constants in a domain) are left out. masked_design: the masked file's
     own design columns (a pseudo design in new columns), default those of design. original_se:
     original_domain_se of the same original, design and chars when already computed (e.g. for
-    several maskings)."""
+    several maskings); masked_rscales: the scale factors of masked_replicates when known."""
     md = masked_design or design
     kw_m = {"weight": md["weight"], "strata": md["strata"], "psu": md["psu"]}
     o = original_domain_se(original, design, chars) if original_se is None else original_se
@@ -292,6 +302,7 @@ def se_ratio_table(
         replicate_weights=masked_replicates,
         method=method,
         rho=rho,
+        rscales=masked_rscales,
     )
     key = ["variable", "domain", "kind"]
     t = o.merge(m, on=key, how="inner", suffixes=("_o", "_m"), sort=False)

@@ -401,3 +401,91 @@ def test_swap_task_stage_output(small_survey):
     assert "segment" in out.drop_public
     again = run_stage(SwapStage, survey, spec, 20261122)
     pd.testing.assert_frame_equal(out.data, again.data)
+
+
+@pytest.mark.parametrize("labels", ["int", "str"])
+def test_psu_codes_match_multiindex_factorize(labels):
+    """The integer-key PSU numbering equals pandas' factorize of (stratum, PSU) pairs."""
+    from sdl_design.swap import _psu_codes
+
+    rng = np.random.default_rng(4)
+    h = rng.integers(0, 7, 5000)
+    p = rng.integers(1, 5, 5000) * 10
+    psu = p if labels == "int" else np.array([f"p{v}" for v in p], dtype=object)
+    code, stratum, lab = _psu_codes(h, psu)
+    want, uniq = pd.factorize(pd.MultiIndex.from_arrays([h, psu]), sort=True)
+    np.testing.assert_array_equal(code, want)
+    np.testing.assert_array_equal(stratum, uniq.get_level_values(0))
+    np.testing.assert_array_equal(lab, np.asarray(uniq.get_level_values(1)))
+
+
+@pytest.mark.parametrize("method", ["jkn", "jk1", "brr", "fay"])
+def test_rebuilt_replicates_equal_with_replicates_on_the_full_file(method):
+    """The replicate weights built from one record per PSU are those SurveyDesign.with_replicates
+    gives on the whole masked file, to the bit, with the same scale factors."""
+    from sdl_design.design import SurveyDesign
+    from sdl_design.swap import _masked, _psu_pseudo_labels
+
+    df = toy_survey(n_strata=6, n_h=(2,) if method in ("brr", "fay") else (2, 3), seed=5)
+    agg = segment_aggregates(df, "w", "st", "psu", "seg", COLS)
+    plan = plan_swaps(agg, rate=0.3, rng=np.random.default_rng(2))
+    psu_h, psu_p = _psu_pseudo_labels(agg, np.random.default_rng(3))
+    rec_psu = plan.state.seg_psu[agg.record_segment]
+    dc = {"weight": "w", "strata": "st", "psu": "psu", "replicate_weights": []}
+    rho = 0.3 if method == "fay" else None
+    data, rw, rscales, _ = _masked(df, dc, rec_psu, psu_h, psu_p, method, rho)
+    full = SurveyDesign(data, weight="w", strata="st", psu="psu").with_replicates(method, rho=rho)
+    assert rw == list(full.columns)
+    np.testing.assert_array_equal(data[rw].to_numpy(), full.to_numpy())
+    np.testing.assert_array_equal(rscales, full.attrs["rscales"])
+    # and the records' pseudo labels are their PSU's
+    np.testing.assert_array_equal(data["st"].to_numpy(), psu_h[rec_psu])
+
+
+def test_se_table_with_known_scales_equals_derived(small_survey):
+    """swap_segments hands the rebuilt replicates' scale factors to the SE table; the table is
+    the one SurveyDesign gives when it derives them from the replicate weights."""
+    from sdl_design.swap import design_columns, swap_segments
+    from sdl_design.utility import broad_characteristics, se_ratio_table
+
+    d = _design(small_survey)
+    dc = design_columns(d)
+    chars = broad_characteristics(small_survey, design=dc, exclude=EXCLUDE)
+    res = swap_segments(small_survey, d, MATCHING, 0.25, seed=2, characteristics=chars)
+    rw = [c for c in res.data.columns if c.startswith("rw_")]
+    derived = se_ratio_table(small_survey, res.data, dc, rw, chars, "jkn")
+    assert "ratio_rep" in derived.columns
+    pd.testing.assert_frame_equal(res.se_ratios.drop(columns="matching"), derived)
+
+
+@pytest.mark.parametrize("scope", ["any", "same_stratum", "cross_stratum"])
+def test_candidate_lists_equal_brute_force_neighbours(scope):
+    """The k partners of each segment are the first valid ones among its 2k+1 (4k+1 across
+    strata) nearest in the projected feature space, by brute force over all distances; the
+    short first query and the second one for the segments it leaves short give those lists."""
+    from sdl_design.swap import _candidate_lists
+
+    df = toy_survey(n_strata=6, n_h=(2, 3), segs=40, per=2, q=3, seed=8)
+    agg = segment_aggregates(df, "w", "st", "psu", "seg", COLS)
+    rng = np.random.default_rng(1)  # features clustered by PSU: many same-PSU neighbours
+    psu_effect = 3 * rng.normal(size=(len(agg.psu_stratum), 3))
+    feat = psu_effect[agg.seg_psu] + agg.score / agg.score.std(axis=0)
+    k, n_dims = 20, 2
+    got = _candidate_lists(feat, agg.seg_psu, agg.seg_stratum, scope, k, n_dims=n_dims)
+    f = feat - feat.mean(axis=0)
+    f = f @ np.linalg.svd(f, full_matrices=False)[2][:n_dims].T
+    psu, stratum = agg.seg_psu, agg.seg_stratum
+    kq = 4 * k + 1 if scope == "cross_stratum" else 2 * k + 1
+    short = 0
+    for a in range(len(f)):
+        pool = (
+            np.flatnonzero(stratum == stratum[a]) if scope == "same_stratum" else np.arange(len(f))
+        )
+        near = pool[np.argsort(((f[pool] - f[a]) ** 2).sum(axis=1), kind="stable")][:kq]
+        ok = psu[near] != psu[a]
+        if scope == "cross_stratum":
+            ok &= stratum[near] != stratum[a]
+        want = near[ok][:k]
+        short += ok[: k + 16].sum() < k  # needs the second query
+        assert list(got[a, : len(want)]) == list(want) and (got[a, len(want) :] == -1).all()
+    assert short > 0

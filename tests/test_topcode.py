@@ -212,3 +212,51 @@ def test_topcode_task_on_default_spec():
     assert (out.data["income"].to_numpy()[~coded] == df["income"].to_numpy()[~coded]).all()
     assert out.data["income"].max() < df["income"].max()
     pd.testing.assert_frame_equal(df, before)  # the input frame is not modified
+
+
+@pytest.mark.parametrize("p", [0.1, 1, 5, 30, 70, 95, 99, 99.9])
+@pytest.mark.parametrize("col", ["x", "k"])
+def test_partial_sort_percentile_equals_numpy_on_large_groups(col, p):
+    """One group: the percentile from a partition and a partial sort is numpy's weighted
+    inverted-CDF percentile (ties, heavy weights), and the part it sorts is small."""
+    from sdl_design.topcode import _percentile_one
+
+    df = _frame(20000, seed=13)
+    w = df["w"].to_numpy() * np.where(np.arange(len(df)) % 97 == 0, 50.0, 1.0)  # heavy records
+    x = df[col].to_numpy(float)
+    want = np.percentile(x, p, weights=w, method="inverted_cdf")
+    assert weighted_percentile(x, w, p) == want
+    res = topcode(df.assign(w=w), col, "w", upper={"percentile": p})
+    assert res.table.iloc[0]["threshold"] == want
+    if col == "x" and p not in (30, 70):  # continuous values: no cumulative weight on the edge
+        assert _percentile_one(x, w, p / 100) == want
+
+
+def test_percentile_on_a_cumulative_weight_edge_is_the_full_sorts():
+    """Equal weights and q * W a cumulative weight: F(v) = q exactly, the smallest such v
+    (the full sort decides, as the partial one cannot tell it from rounding)."""
+    from sdl_design.topcode import _percentile_one
+
+    x = np.random.default_rng(2).permutation(np.arange(1000.0))
+    assert _percentile_one(x, np.ones(1000), 0.995) is None  # F(994) = 0.995 exactly
+    assert weighted_percentile(x, None, 99.5) == 994.0
+    assert weighted_percentile(x, None, 0.5) == 4.0
+    assert weighted_percentile(x, None, 99.55) == 995.0
+
+
+def test_one_group_totals_and_weights_check():
+    df = _frame(5000, seed=17)
+    x, w = df["x"].to_numpy(), df["w"].to_numpy()
+    res = topcode(df, "x", "w", upper={"value": 60000.0}, lower={"value": 5000.0})
+    out = res.values.to_numpy()
+    assert (out == np.clip(x, 5000.0, 60000.0)).all()
+    for row in res.table.itertuples():
+        assert np.isclose(row.total_before, (w * x).sum(), rtol=1e-12)
+        assert np.isclose(row.total_after, (w * out).sum(), rtol=1e-12)
+        assert np.isclose(row.share_coded, row.weight_coded / w.sum(), rtol=1e-12)
+    for bad in (np.inf, np.nan, 0.0):
+        df.loc[7, "w"] = bad
+        with pytest.raises(ValueError, match="1 records have a weight 'w'"):
+            topcode(df, "x", "w", upper={"value": 60000.0})
+    df.loc[7, "x"] = np.nan  # a bad weight where the value is missing is not used
+    assert topcode(df, "x", "w", upper={"value": 60000.0}).values.isna().sum() == 1
