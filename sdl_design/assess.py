@@ -306,15 +306,8 @@ def domain_estimates_of(
     se_mean[(npsu <= 1) | tiny] = 0.0
     out = {"n": cnt, "mean": R, "se_mean": se_mean, "total": Ty, "se_total": np.sqrt(var[:, 1])}
     if replicates and design.replicate_weights:
-        Z = sp.csr_matrix(
-            (
-                np.concatenate([st.Y0, st.M], axis=1).ravel(),
-                (codes[:, None] * kk + np.arange(kk)[None, :]).ravel(),
-                np.arange(0, n * kk + 1, kk),
-            ),
-            shape=(n, L * kk),
-        )
-        t = design.replicate_totals(Z).reshape(-1, L, 2, k)
+        Y2 = np.concatenate([st.Y0, st.M], axis=1)
+        t = design.replicate_cell_totals(Y2, codes, L).reshape(-1, L, 2, k)
         with np.errstate(divide="ignore", invalid="ignore"):
             dm = (t[:, :, 0] / t[:, :, 1] - R[None]).reshape(len(t), -1)
         dt = (t[:, :, 0] - Ty[None]).reshape(len(t), -1)

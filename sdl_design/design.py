@@ -202,6 +202,7 @@ class SurveyDesign:
                 )
             self.rscales = self._scales(rscales)
         self._F_cache: tuple[np.ndarray | None] | None = None
+        self._groups_cache: tuple[tuple[np.ndarray, int, np.ndarray] | None] | None = None
 
     @classmethod
     def from_spec(cls, df: pd.DataFrame, design: Any, replicates: bool = True) -> SurveyDesign:
@@ -242,6 +243,40 @@ class SurveyDesign:
                     break
             self._F_cache = (F if ok else None,)
         return self._F_cache[0]
+
+    @property
+    def _factor_groups(self) -> tuple[np.ndarray, int, np.ndarray] | None:
+        """(codes, G, F): the records in G groups whose replicate factors W_i / w_i are equal,
+        F (G x R) the factors of each group; None when the groups are not few (more than n/4)
+        or the replicate factors are constant within PSUs (then _F serves). Recalibrated
+        replicates (MASSC) have factors constant within PSU x calibration profile: replicate
+        totals are then F' (group totals of w y), G x R x k instead of n x R x k."""
+        if self._groups_cache is None:
+            self._groups_cache = (None if self._F is not None else self._find_groups(),)
+        return self._groups_cache[0]
+
+    def _find_groups(self) -> tuple[np.ndarray, int, np.ndarray] | None:
+        R = self.W.shape[1]
+        v = np.random.default_rng(0).uniform(1.0, 2.0, R)  # a fixed projection of the factors
+        step = max(1, (1 << 21) // max(self.n, 1))
+        h = np.zeros(self.n)
+        for a in range(0, R, step):
+            h += (self.W[:, a : a + step] / self.w[:, None]) @ v[a : a + step]
+        codes, uniq = pd.factorize(np.round(h, 9))  # candidates: equal projections
+        G = len(uniq)
+        if G > self.n // 4:
+            return None
+        first = np.zeros(G, dtype=np.int64)
+        first[codes[::-1]] = np.arange(self.n)[::-1]
+        F = self.W[first] / self.w[first, None]
+        tol = 1e-12 * max(float(F.max(initial=0.0)), 1.0)
+        for a in range(0, R, step):  # every record's factors equal its group's
+            dev = self.W[:, a : a + step] / self.w[:, None]
+            dev -= F[codes, a : a + step]
+            np.abs(dev, out=dev)
+            if dev.max(initial=0.0) > tol:
+                return None
+        return codes.astype(np.int64), G, F
 
     # ------------------------------------------------------------ replicate scale factors
     def _scales(self, rscales: Sequence[float] | None) -> np.ndarray:
@@ -331,11 +366,62 @@ class SurveyDesign:
                     (self.w[self._P.indices], self._P.indices, self._P.indptr), shape=self._P.shape
                 )
                 return np.asarray((sp.csr_matrix(Pw @ z).T @ self._F).T)
+            fg = self._factor_groups
+            if fg is not None:  # group totals of w z, then F'
+                codes, G, F = fg
+                Gw = sp.csr_matrix((self.w, (codes, np.arange(self.n))), shape=(G, self.n))
+                return np.asarray((sp.csr_matrix(Gw @ z).T @ F).T)
             return np.asarray((z.T @ self.W).T)
         z = np.asarray(z, dtype=float).reshape(self.n, -1)
         if self._F is not None:
             return self._F.T @ np.asarray(self._P @ (self.w[:, None] * z))
+        fg = self._factor_groups
+        if fg is not None:
+            codes, G, F = fg
+            Gw = sp.csr_matrix((self.w, (codes, np.arange(self.n))), shape=(G, self.n))
+            return F.T @ np.asarray(Gw @ z)
         return self.W.T @ z
+
+    def replicate_cell_totals(self, y: np.ndarray, codes: np.ndarray, L: int) -> np.ndarray:
+        """Totals of the columns of y (n x k) within each cell (codes 0..L-1; -1: no cell)
+        under every replicate weight: R x L x k. replicate_totals of the n x (L k) matrix of
+        y in its cell's columns, without the sparse product: through the PSU totals and F when
+        the factors are constant within PSUs, else one dense product W_c' y_c per cell over
+        its records (read a block at a time)."""
+        if not self.replicate_weights:
+            raise DesignError("replicate_cell_totals needs replicate weights in the design")
+        y = np.asarray(y, dtype=float).reshape(self.n, -1)
+        k, R = y.shape[1], self.W.shape[1]
+        codes = np.asarray(codes, dtype=np.int64)
+        out = np.zeros((R, L, k))
+        if self._F is not None:  # PSU x cell totals of w y, then F'
+            ok = codes >= 0
+            pc = self.g[ok] * L + codes[ok]
+            wy = self.w[ok, None] * y[ok]
+            t = np.stack(
+                [np.bincount(pc, weights=wy[:, j], minlength=self.n_psu * L) for j in range(k)],
+                axis=-1,
+            ).reshape(self.n_psu, L * k)
+            return (self._F.T @ t).reshape(R, L, k)
+        fg = self._factor_groups
+        if fg is not None:  # group x cell totals of w y, then F'
+            gc, G, F = fg
+            ok = codes >= 0
+            pc = gc[ok] * L + codes[ok]
+            wy = self.w[ok, None] * y[ok]
+            t = np.stack(
+                [np.bincount(pc, weights=wy[:, j], minlength=G * L) for j in range(k)], axis=-1
+            ).reshape(G, L * k)
+            return (F.T @ t).reshape(R, L, k)
+        order = np.argsort(codes, kind="stable")
+        bounds = np.searchsorted(codes[order], np.arange(L + 1))
+        block = max(1, (1 << 22) // max(R, 1))  # ~32 MB of replicate weights at a time
+        for c in range(L):
+            rows = order[bounds[c] : bounds[c + 1]]
+            for a in range(0, len(rows), block):
+                r = rows[a : a + block]
+                out[:, c, :] += self.W[r].T @ y[r]
+        return out
 
     def _check_psus(self) -> None:
         if (self.n_h < 2).any():
@@ -494,6 +580,17 @@ class SurveyDesign:
                 xr = self._F.T @ np.bincount(gm, wm, self.n_psu)[:, None]
             else:
                 xr = self._F.T @ np.asarray(Pw @ xm)
+        elif (fg := self._factor_groups) is not None:  # the same through factor groups
+            codes, G, F = fg
+            gm = codes if rows is None else codes[rows]
+            Gw = sp.csc_matrix((wm, (gm, np.arange(len(wm)))), shape=(G, len(wm)))
+            theta_r = F.T @ np.asarray(Gw @ ym)  # R x k
+            if x is None:
+                xr = None
+            elif xm is None:
+                xr = F.T @ np.bincount(gm, wm, G)[:, None]
+            else:
+                xr = F.T @ np.asarray(Gw @ xm)
         else:
             Wr = self.W if rows is None else np.asfortranarray(self.W[rows])
             theta_r = Wr.T @ ym  # R x k: one matrix product for all variables

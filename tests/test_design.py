@@ -427,3 +427,59 @@ def test_sorted_fast_path_equals_block_path():
     bad = d.assign(y=d["y"].where(d.index != 7))
     with pytest.raises(DesignError, match=r"\['y'\] have missing values"):
         SurveyDesign(bad, "w", "h", "p").mean(["b", "y"], variance="taylor")
+
+
+@pytest.mark.parametrize("constant_in_psu", [True, False])
+def test_replicate_cell_totals_equal_brute_force(constant_in_psu):
+    """Totals of y within each cell under every replicate weight equal W_c' y_c summed record
+    by record (numpy on the cell's rows), through the PSU factors F when the replicate factors
+    are constant within PSUs and through the per-cell products when they are not (replicates
+    recalibrated); records of no cell (-1) count nowhere."""
+    from sdl_design.synth import make_survey
+
+    df = make_survey(4000, seed=4)
+    reps = [c for c in df.columns if c.startswith("rw_")]
+    rng = np.random.default_rng(1)
+    if not constant_in_psu:
+        df = df.assign(**{c: df[c] * rng.uniform(0.9, 1.1, len(df)) for c in reps})
+    d = SurveyDesign(df, "wt", "stratum", "psu", replicate_weights=reps, method="jkn")
+    assert (d._F is not None) == constant_in_psu
+    L, k = 5, 3
+    codes = rng.integers(-1, L, len(df))
+    y = rng.normal(size=(len(df), k))
+    W = df[reps].to_numpy()
+    brute = np.stack([W[codes == c].T @ y[codes == c] for c in range(L)], axis=1)  # R x L x k
+    got = d.replicate_cell_totals(y, codes, L)
+    np.testing.assert_allclose(got, brute, rtol=1e-12, atol=1e-9 * np.abs(brute).max())
+
+
+def test_factor_groups_recalibrated_replicates_match_the_full_product():
+    """Replicates recalibrated by a profile (each replicate times a factor per sex, as a
+    replicate calibration does) are constant within PSU x profile: the design finds those
+    groups, and replicate totals, cell totals and replicate SEs of means through them equal
+    the full products W' y (numpy, record by record) to 1e-12."""
+    from sdl_design.synth import make_survey
+
+    df = make_survey(4000, seed=6)
+    reps = [c for c in df.columns if c.startswith("rw_")]
+    rng = np.random.default_rng(2)
+    female = (df["sex"] == "female").to_numpy()
+    g = rng.uniform(0.8, 1.2, size=(2, len(reps)))  # calibration factor per profile, replicate
+    df = df.assign(**{c: df[c] * g[female.astype(int), j] for j, c in enumerate(reps)})
+    d = SurveyDesign(df, "wt", "stratum", "psu", replicate_weights=reps, method="jkn")
+    assert d._F is None
+    codes, G, F = d._factor_groups
+    assert G <= 2 * d.n_psu
+    W, w = df[reps].to_numpy(), df["wt"].to_numpy()
+    y = df[["income", "bmi"]].fillna(0).to_numpy()
+    np.testing.assert_allclose(d.replicate_totals(y), W.T @ y, rtol=1e-12)
+    cells = rng.integers(0, 4, len(df))
+    brute = np.stack([W[cells == c].T @ y[cells == c] for c in range(4)], axis=1)
+    np.testing.assert_allclose(d.replicate_cell_totals(y, cells, 4), brute, rtol=1e-12)
+    # replicate SE of the mean of bmi, by hand: sqrt(sum_r c_r (ybar_r - ybar)^2)
+    se = d.mean("bmi", variance="replicate")["se"].iloc[0]
+    b = df["bmi"].to_numpy()
+    ok = ~np.isnan(b)
+    est = (w[ok] @ b[ok]) / w[ok].sum()
+    est_r = (W[ok].T @ b[ok]) / W[ok].sum(axis=0)
+    assert se == pytest.approx(np.sqrt(d.rscales @ (est_r - est) ** 2), rel=1e-12)
