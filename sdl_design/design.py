@@ -245,6 +245,14 @@ class SurveyDesign:
         return self._F_cache[0]
 
     @property
+    def _factors(self) -> tuple[np.ndarray, int, np.ndarray] | None:
+        """(codes, G, F): groups of records with equal replicate factors and F (G x R): the
+        PSUs and _F when the factors are constant within PSUs, else _factor_groups."""
+        if self._F is not None:
+            return self.g, self.n_psu, self._F
+        return self._factor_groups
+
+    @property
     def _factor_groups(self) -> tuple[np.ndarray, int, np.ndarray] | None:
         """(codes, G, F): the records in G groups whose replicate factors W_i / w_i are equal,
         F (G x R) the factors of each group; None when the groups are not few (more than n/4)
@@ -359,25 +367,17 @@ class SurveyDesign:
         F' (PSU totals of w z) when the replicate factors are constant within PSUs, else W' z."""
         if not self.replicate_weights:
             raise DesignError("replicate_totals needs replicate weights in the design")
+        fac = self._factors
         if sp.issparse(z):
             z = sp.csr_matrix(z)
-            if self._F is not None:  # PSU totals of w z: the PSU indicator matrix with data w
-                Pw = sp.csr_matrix(
-                    (self.w[self._P.indices], self._P.indices, self._P.indptr), shape=self._P.shape
-                )
-                return np.asarray((sp.csr_matrix(Pw @ z).T @ self._F).T)
-            fg = self._factor_groups
-            if fg is not None:  # group totals of w z, then F'
-                codes, G, F = fg
+            if fac is not None:  # group totals of w z (the indicator matrix with data w), F'
+                codes, G, F = fac
                 Gw = sp.csr_matrix((self.w, (codes, np.arange(self.n))), shape=(G, self.n))
                 return np.asarray((sp.csr_matrix(Gw @ z).T @ F).T)
             return np.asarray((z.T @ self.W).T)
         z = np.asarray(z, dtype=float).reshape(self.n, -1)
-        if self._F is not None:
-            return self._F.T @ np.asarray(self._P @ (self.w[:, None] * z))
-        fg = self._factor_groups
-        if fg is not None:
-            codes, G, F = fg
+        if fac is not None:
+            codes, G, F = fac
             Gw = sp.csr_matrix((self.w, (codes, np.arange(self.n))), shape=(G, self.n))
             return F.T @ np.asarray(Gw @ z)
         return self.W.T @ z
@@ -394,18 +394,9 @@ class SurveyDesign:
         k, R = y.shape[1], self.W.shape[1]
         codes = np.asarray(codes, dtype=np.int64)
         out = np.zeros((R, L, k))
-        if self._F is not None:  # PSU x cell totals of w y, then F'
-            ok = codes >= 0
-            pc = self.g[ok] * L + codes[ok]
-            wy = self.w[ok, None] * y[ok]
-            t = np.stack(
-                [np.bincount(pc, weights=wy[:, j], minlength=self.n_psu * L) for j in range(k)],
-                axis=-1,
-            ).reshape(self.n_psu, L * k)
-            return (self._F.T @ t).reshape(R, L, k)
-        fg = self._factor_groups
-        if fg is not None:  # group x cell totals of w y, then F'
-            gc, G, F = fg
+        fac = self._factors
+        if fac is not None:  # (PSU or factor group) x cell totals of w y, then F'
+            gc, G, F = fac
             ok = codes >= 0
             pc = gc[ok] * L + codes[ok]
             wy = self.w[ok, None] * y[ok]
@@ -570,18 +561,8 @@ class SurveyDesign:
         X = 1.0 if x is None else (wm.sum() if xm is None else wm @ xm)
         with np.errstate(divide="ignore", invalid="ignore"):
             est = Y / X
-        if self._F is not None:  # PSU totals of w y (and w x), then F' (PSU totals)
-            gm = self.g if rows is None else self.g[rows]
-            Pw = sp.csc_matrix((wm, (gm, np.arange(len(wm)))), shape=(self.n_psu, len(wm)))
-            theta_r = self._F.T @ np.asarray(Pw @ ym)  # R x k
-            if x is None:
-                xr = None
-            elif xm is None:
-                xr = self._F.T @ np.bincount(gm, wm, self.n_psu)[:, None]
-            else:
-                xr = self._F.T @ np.asarray(Pw @ xm)
-        elif (fg := self._factor_groups) is not None:  # the same through factor groups
-            codes, G, F = fg
+        if (fac := self._factors) is not None:  # group (PSU) totals of w y and w x, then F'
+            codes, G, F = fac
             gm = codes if rows is None else codes[rows]
             Gw = sp.csc_matrix((wm, (gm, np.arange(len(wm)))), shape=(G, len(wm)))
             theta_r = F.T @ np.asarray(Gw @ ym)  # R x k
