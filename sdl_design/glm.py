@@ -174,8 +174,19 @@ def _binomial_deviance(y: np.ndarray, mu: np.ndarray, w: np.ndarray) -> np.ndarr
 
 
 def _gram(X: np.ndarray | sp.spmatrix, v: np.ndarray) -> np.ndarray:
+    """X' diag(v) X; a sparse X with few columns goes densely a block of rows at a time (a
+    p x p result: no scaled copy of X, no sparse product's temporaries)."""
     if sp.issparse(X):
-        return np.asarray((X.T @ (sp.diags(v) @ X)).toarray())
+        m, p = X.shape
+        if p > 512:
+            return np.asarray((X.T @ (sp.diags(v) @ X)).toarray())
+        X = sp.csr_matrix(X)
+        G = np.zeros((p, p))
+        step = max(1, (1 << 21) // max(p, 1))  # ~16 MB of dense rows at a time
+        for a in range(0, m, step):
+            Xa = X[a : a + step].toarray()
+            G += Xa.T @ (Xa * v[a : a + step, None])
+        return G
     return X.T @ (X * v[:, None])
 
 
