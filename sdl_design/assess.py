@@ -28,7 +28,14 @@ import pandas as pd
 import scipy.sparse as sp
 from scipy.stats import norm
 
-from sdl_design.design import DesignError, SurveyDesign, resolve_replicates
+from sdl_design.design import (
+    DesignError,
+    SurveyDesign,
+    dense_codes,
+    group_indicator,
+    pair_replicate_totals,
+    resolve_replicates,
+)
 from sdl_design.glm import (
     GLMFit,
     design_matrix,
@@ -183,17 +190,6 @@ def _domain_list(domains: Sequence[DomainArg] | None, keys: list[str]) -> list[t
     return out
 
 
-def _dense_codes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """np.unique(x, return_inverse=True) for integers >= 0: by counting when their range is
-    small (no sort), else by sorting."""
-    top = int(x.max(initial=0)) + 1
-    if top > 4 * len(x) + 100_000:
-        u, inv = np.unique(x, return_inverse=True)
-        return u, inv.ravel()
-    present = np.bincount(x, minlength=top) > 0
-    return np.flatnonzero(present), (np.cumsum(present) - 1)[x]
-
-
 def _cells(
     coded: Sequence[Coding], sizes: Sequence[int]
 ) -> tuple[list[np.ndarray], list[str], int]:
@@ -205,7 +201,7 @@ def _cells(
     for var in coded:
         m = len(var.categories)
         codes = [c * m + v for c, v in zip(codes, var.codes, strict=True)]
-    uniq, inv = _dense_codes(np.concatenate(codes))
+    uniq, inv = dense_codes(np.concatenate(codes))
     bounds = np.cumsum([0, *sizes])
     out = [inv[bounds[f] : bounds[f + 1]].astype(np.int64) for f in range(len(sizes))]
     rest, parts = uniq.copy(), []
@@ -260,30 +256,69 @@ def _study_columns(frames: Sequence[pd.DataFrame], study: Sequence[str]) -> list
     return out
 
 
+@dataclass
+class _Pairs:
+    """One file's records summed by pair of (PSU, factor group) and profile of the domain
+    variables: every domain's cells are unions of profiles, so each domain's sums come from
+    these pairs instead of the records."""
+
+    psu: np.ndarray  # PSU of each pair
+    grp: np.ndarray | None  # factor group of each pair (row of the design's F); None: none
+    prof: np.ndarray  # profile of each pair
+    S: np.ndarray  # pairs x 4k: sums of w y, w m, m and |w y|
+    prof_rec: np.ndarray  # profile of each record
+
+
+def _file_pairs(design: SurveyDesign, st: _Study, prof_rec: np.ndarray, n_prof: int) -> _Pairs:
+    """The pair sums of one file (one pass over its records)."""
+    k = st.Y0.shape[1]
+    fac = design.factor_groups
+    # factor groups refined by PSU (a group normally lies in one PSU; the PSU is kept exact)
+    key = design.g if fac is None else fac[0] * design.n_psu + design.g
+    grp_u, grp_rec = dense_codes(key)
+    pair, of = dense_codes(grp_rec * n_prof + prof_rec)
+    A = group_indicator(of, len(pair))  # pairs x records
+    w = design.w[:, None]
+    wY = w * st.Y0
+    S = np.empty((len(pair), 4 * k))
+    S[:, :k] = A @ wY
+    S[:, k : 2 * k] = A @ (w * st.M)
+    S[:, 2 * k : 3 * k] = A @ st.M
+    S[:, 3 * k :] = A @ np.abs(wY, out=wY)
+    g = grp_u[pair // n_prof]
+    return _Pairs(
+        psu=g if fac is None else g % design.n_psu,
+        grp=None if fac is None else g // design.n_psu,
+        prof=pair % n_prof,
+        S=S,
+        prof_rec=prof_rec,
+    )
+
+
 def domain_estimates_of(
-    design: SurveyDesign, st: _Study, codes: np.ndarray, L: int, replicates: bool
+    design: SurveyDesign,
+    st: _Study,
+    pairs: _Pairs,
+    cell_of_prof: np.ndarray,
+    L: int,
+    replicates: bool,
 ) -> dict[str, np.ndarray]:
     """Means (ratios to the non-missing weight: domain estimation over the non-missing records)
-    and totals of every study variable in every cell, arrays L x k, with Taylor SEs and (when
-    replicates and the design has them) replicate SEs.
+    and totals of every study variable in every cell (cell_of_prof: each profile's cell),
+    arrays L x k, with Taylor SEs and (when replicates and the design has them) replicate SEs.
 
-    One pass: the PSU x cell sums of w y, w m and m (counted, not sorted); the PSU totals of
-    the linearized scores, z = w d m (y - R_d) / X_d for means and w d m y for totals,
-    follow from them and go to the design's with-replacement kernel as one sparse PSUs x
-    (cells x 2 x variables) matrix. A mean whose cell has non-missing records in one PSU only
-    has Taylor SE 0 (set exactly, not left at rounding level)."""
-    n, k = st.Y0.shape
-    w = design.w
-    wY, wM = w[:, None] * st.Y0, w[:, None] * st.M
-    pair, of = _dense_codes(design.g * L + codes)  # (PSU, cell) pairs; the pair of each record
+    From the file's pair sums: the PSU x cell sums of w y, w m and m (counted, not sorted);
+    the PSU totals of the linearized scores, z = w d m (y - R_d) / X_d for means and w d m y
+    for totals, follow from them and go to the design's with-replacement kernel as one sparse
+    PSUs x (cells x 2 x variables) matrix; replicate totals are F' (factor group x cell sums).
+    A mean whose cell has non-missing records in one PSU only has Taylor SE 0 (set exactly,
+    not left at rounding level)."""
+    k = st.Y0.shape[1]
+    cell = cell_of_prof[pairs.prof]
+    pair, of = dense_codes(pairs.psu * L + cell)  # (PSU, cell) pairs; the pair of each pair
     pg, pc = pair // L, pair % L
-    P = len(pair)
-    idx = (of[:, None] * k + np.arange(k)[None, :]).ravel()
-
-    def pair_sums(a: np.ndarray) -> np.ndarray:
-        return np.bincount(idx, weights=a.ravel(), minlength=P * k).reshape(P, k)
-
-    Sy, Sm, Sn, Sa = (pair_sums(a) for a in (wY, wM, st.M, np.abs(wY)))
+    T = group_indicator(of, len(pair)) @ pairs.S
+    Sy, Sm, Sn, Sa = (T[:, j * k : (j + 1) * k] for j in range(4))
     Cp = sp.csr_matrix((np.ones(len(pc)), (pc, np.arange(len(pc)))), shape=(L, len(pc)))
     Ty, Tm, cnt, Ta = (np.asarray(Cp @ a) for a in (Sy, Sm, Sn, Sa))
     npsu = np.asarray(Cp @ (Sn > 0).astype(float))
@@ -306,14 +341,41 @@ def domain_estimates_of(
     se_mean[(npsu <= 1) | tiny] = 0.0
     out = {"n": cnt, "mean": R, "se_mean": se_mean, "total": Ty, "se_total": np.sqrt(var[:, 1])}
     if replicates and design.replicate_weights:
-        Y2 = np.concatenate([st.Y0, st.M], axis=1)
-        t = design.replicate_cell_totals(Y2, codes, L).reshape(-1, L, 2, k)
+        fac = design.factor_groups
+        if fac is not None:
+            t = pair_replicate_totals(fac[2], pairs.grp, cell, pairs.S[:, :kk], L)
+        else:  # factors not constant on groups: W_c' y_c over the records of each cell
+            Y2 = np.concatenate([st.Y0, st.M], axis=1)
+            t = design.replicate_cell_totals(Y2, cell_of_prof[pairs.prof_rec], L)
+        t = t.reshape(-1, L, 2, k)
         with np.errstate(divide="ignore", invalid="ignore"):
             dm = (t[:, :, 0] / t[:, :, 1] - R[None]).reshape(len(t), -1)
         dt = (t[:, :, 0] - Ty[None]).reshape(len(t), -1)
         out["se_rep_mean"] = np.sqrt(design.rscales @ (dm * dm)).reshape(L, k)
         out["se_rep_total"] = np.sqrt(design.rscales @ (dt * dt)).reshape(L, k)
     return out
+
+
+def _profiles(
+    coding: Mapping[str, Coding], sizes: Sequence[int]
+) -> tuple[list[np.ndarray], list[int], dict[str, Coding]]:
+    """Each file's records coded by their profile on the coded variables (dense, per file), the
+    number of profiles of each file, and each variable's Coding of the profiles (its code at
+    each profile of each file)."""
+    prof_rec, firsts = [], []
+    for f, n in enumerate(sizes):
+        prof = np.zeros(n, dtype=np.int64)
+        for c in coding.values():
+            prof = dense_codes(prof * len(c.categories) + c.codes[f])[1]
+        first = np.zeros(int(prof.max(initial=-1)) + 1, dtype=np.int64)
+        first[prof[::-1]] = np.arange(n)[::-1]
+        prof_rec.append(prof)
+        firsts.append(first)
+    at = {
+        v: Coding([c.codes[f][firsts[f]] for f in range(len(sizes))], c.categories)
+        for v, c in coding.items()
+    }
+    return prof_rec, [len(x) for x in firsts], at
 
 
 def _compare(
@@ -617,11 +679,15 @@ def assess(
     names, kinds = studies[0].names, studies[0].kinds
     k = len(names)
     parts: dict[str, list] = {}
+    prof_rec, n_prof, at = _profiles(coding, [len(f) for f in frames])
+    pairs = [
+        _file_pairs(d, st, p, m) for d, st, p, m in zip(des, studies, prof_rec, n_prof, strict=True)
+    ]
     for g in groupings:
-        codes, labels, L = _cells([coding[v] for v in g], [len(f) for f in frames])
+        codes, labels, L = _cells([at[v] for v in g], n_prof)
         res = [
-            domain_estimates_of(d, st, c, L, has_rep)
-            for d, st, c in zip(des, studies, codes, strict=True)
+            domain_estimates_of(d, st, pr, c, L, has_rep)
+            for d, st, pr, c in zip(des, studies, pairs, codes, strict=True)
         ]
         for stat in ("mean", "total"):
             block = {

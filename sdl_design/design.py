@@ -27,6 +27,43 @@ def resolve_replicates(columns: Sequence[str], given: str | Sequence[str]) -> li
     return list(given)
 
 
+def dense_codes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(x, return_inverse=True) for integers >= 0: by counting when their range is
+    small (no sort), else by sorting."""
+    top = int(x.max(initial=0)) + 1
+    if top > 4 * len(x) + 100_000:
+        u, inv = np.unique(x, return_inverse=True)
+        return u, inv.ravel()
+    present = np.bincount(x, minlength=top) > 0
+    return np.flatnonzero(present), (np.cumsum(present) - 1)[x]
+
+
+def group_indicator(of: np.ndarray, P: int) -> sp.csc_matrix:
+    """The P x n indicator of records' groups (record i in group of[i]) as CSC: one entry per
+    column, built without a sort. `indicator @ a` sums the rows of a (n x k) by group in
+    record order (the same sums, bit for bit, as np.bincount by column)."""
+    n = len(of)
+    return sp.csc_matrix((np.ones(n), of, np.arange(n + 1)), shape=(P, n))
+
+
+def pair_replicate_totals(
+    F: np.ndarray, grp: np.ndarray, cell: np.ndarray, S: np.ndarray, L: int
+) -> np.ndarray:
+    """Replicate totals by cell (R x L x k) from the sums S (P x k) of w y over pairs of a
+    factor group (grp: its row of F, G x R) and a cell (0..L-1): sum_p F[grp_p, r] S_p over
+    the pairs of each cell, one matrix product per cell."""
+    R, k = F.shape[1], S.shape[1]
+    out = np.zeros((R, L, k))
+    order = None if (np.diff(cell) >= 0).all() else np.argsort(cell, kind="stable")
+    if order is not None:
+        grp, cell, S = grp[order], cell[order], S[order]
+    bounds = np.searchsorted(cell, np.arange(L + 1))
+    for c in np.flatnonzero(np.diff(bounds)):
+        a, b = bounds[c], bounds[c + 1]
+        out[:, c, :] = F[grp[a:b]].T @ S[a:b]
+    return out
+
+
 class _Columns:
     """Study variables read a block at a time (variables x records), checked for missing values."""
 
@@ -245,6 +282,13 @@ class SurveyDesign:
         return self._F_cache[0]
 
     @property
+    def factor_groups(self) -> tuple[np.ndarray, int, np.ndarray] | None:
+        """(codes, G, F): records in G groups of equal replicate factors W_i / w_i (the PSUs
+        when the factors are constant within PSUs), F (G x R) each group's factors; None when
+        the factors are not constant on few groups or there are no replicate weights."""
+        return self._factors if self.replicate_weights else None
+
+    @property
     def _factors(self) -> tuple[np.ndarray, int, np.ndarray] | None:
         """(codes, G, F): groups of records with equal replicate factors and F (G x R): the
         PSUs and _F when the factors are constant within PSUs, else _factor_groups."""
@@ -306,7 +350,8 @@ class SurveyDesign:
             return np.full(R, 1.0 / R)
         # jkn: the stratum of the PSU deleted in replicate r gives (n_h - 1)/n_h (no strata:
         # one stratum; no psu: each record is a PSU)
-        psu_sum = np.asarray(self._P @ self.W)  # PSUs x R
+        # PSUs x R, a column at a time (W is column-major: no row-major copy of it)
+        psu_sum = np.column_stack([self._P @ self.W[:, r] for r in range(self.W.shape[1])])
         zero = psu_sum == 0
         ok = zero.any(axis=0)
         if not ok.all():
@@ -393,17 +438,17 @@ class SurveyDesign:
         y = np.asarray(y, dtype=float).reshape(self.n, -1)
         k, R = y.shape[1], self.W.shape[1]
         codes = np.asarray(codes, dtype=np.int64)
-        out = np.zeros((R, L, k))
         fac = self._factors
-        if fac is not None:  # (PSU or factor group) x cell totals of w y, then F'
+        if fac is not None:  # totals of w y by (group, cell) pair that holds records, then F'
             gc, G, F = fac
+            w = self.w
             ok = codes >= 0
-            pc = gc[ok] * L + codes[ok]
-            wy = self.w[ok, None] * y[ok]
-            t = np.stack(
-                [np.bincount(pc, weights=wy[:, j], minlength=G * L) for j in range(k)], axis=-1
-            ).reshape(G, L * k)
-            return (F.T @ t).reshape(R, L, k)
+            if not ok.all():
+                gc, codes, y, w = gc[ok], codes[ok], y[ok], w[ok]
+            pair, of = dense_codes(codes * G + gc)  # cell-major: a cell's pairs are contiguous
+            S = group_indicator(of, len(pair)) @ (w[:, None] * y)  # pairs x k
+            return pair_replicate_totals(F, pair % G, pair // G, S, L)
+        out = np.zeros((R, L, k))
         order = np.argsort(codes, kind="stable")
         bounds = np.searchsorted(codes[order], np.arange(L + 1))
         block = max(1, (1 << 22) // max(R, 1))  # ~32 MB of replicate weights at a time
