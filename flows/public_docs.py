@@ -259,15 +259,42 @@ def _num_list(x: np.ndarray) -> str:
 # ---------------------------------------------------------------- codebook
 
 
+def _numeric_stats(puf: pd.DataFrame) -> dict[str, tuple[int, int, float, float]]:
+    """(missing, distinct non-missing values, min, max) of every numeric column, all columns in
+    one polars pass (its threads, no GIL): pandas hashes one column at a time."""
+    import polars as pl
+
+    num = [c for c in puf.columns if pd.api.types.is_numeric_dtype(puf[c])]
+    if not num or len(puf) == 0:
+        return {c: (int(puf[c].isna().sum()), 0, float("nan"), float("nan")) for c in num}
+    frame = pl.from_pandas(puf[num].reset_index(drop=True), nan_to_null=True)
+    cols = [pl.col(c) for c in frame.columns]
+    out = frame.select(
+        *(c.null_count().alias(f"m{j}") for j, c in enumerate(cols)),
+        *(c.drop_nulls().n_unique().alias(f"u{j}") for j, c in enumerate(cols)),
+        *(c.min().cast(pl.Float64).alias(f"lo{j}") for j, c in enumerate(cols)),
+        *(c.max().cast(pl.Float64).alias(f"hi{j}") for j, c in enumerate(cols)),
+    ).row(0, named=True)
+    return {
+        c: (int(out[f"m{j}"]), int(out[f"u{j}"]), out[f"lo{j}"], out[f"hi{j}"])
+        for j, c in enumerate(num)
+    }
+
+
 def codebook(puf: pd.DataFrame, notes: dict[str, dict[str, Any]] | None = None) -> pd.DataFrame:
     """One row per published variable: label, type, values/labels, missing codes, what was done
     to it and its top-code flag (threshold, records coded)."""
     notes = notes or {}
     rows = []
+    stats = _numeric_stats(puf)
     for c in puf.columns:
         s = puf[c]
-        num = pd.api.types.is_numeric_dtype(s)
-        vals = pd.unique(s.dropna())
+        num = c in stats
+        if num:
+            n_missing, n_distinct, lo, hi = stats[c]
+        else:
+            vals = pd.unique(s.dropna())
+            n_missing, n_distinct, lo, hi = int(s.isna().sum()), len(vals), None, None
         info = notes.get(c, {})
         rows.append(
             {
@@ -275,12 +302,12 @@ def codebook(puf: pd.DataFrame, notes: dict[str, dict[str, Any]] | None = None) 
                 "label": info.get("label", ""),
                 "type": "numeric" if num else "categorical",
                 "dtype": str(s.dtype),
-                "n_missing": int(s.isna().sum()),
+                "n_missing": n_missing,
                 "missing_codes": info.get("missing_codes", ""),
-                "n_distinct": int(len(vals)),
-                "min": float(s.min()) if num and len(vals) else None,
-                "max": float(s.max()) if num and len(vals) else None,
-                "values": "" if num or len(vals) > 60 else "; ".join(sorted(map(str, vals))),
+                "n_distinct": n_distinct,
+                "min": lo if n_distinct else None,
+                "max": hi if n_distinct else None,
+                "values": "" if num or n_distinct > 60 else "; ".join(sorted(map(str, vals))),
                 "treatment": info.get("treatment", ""),
                 "topcoded": info.get("topcoded", ""),
             }
