@@ -44,6 +44,7 @@ from sdl_design.glm import (
     parse_formula,
     svyglm,
     term_levels,
+    weighted_gram,
 )
 from sdl_design.keys import coarsen
 from sdl_design.spec import KeySpec, ReleaseSpec
@@ -416,14 +417,17 @@ def pmse_ratio(
     Snoke et al. and used by synthpop, (k - 1)(1 - c)^2 c / N, which is meant for synthetic data
     drawn from a model of the original and reads 1 / (1 - c) (2 for halves) at this null."""
     N, nb = len(a) + len(b), len(b)
-    rows = np.arange(N)
-    blocks = [sp.csr_matrix(np.ones((N, 1)))]
+    # X as CSR with one stored entry per row and block (a dummy block's entry is its level's
+    # column, an explicit 0 at the reference level): built column by column, no stacking
+    data, index, p = [np.ones(N)], [np.zeros(N, dtype=np.int64)], 1
     for v in categorical:
         s = pd.concat([a[v], b[v]], ignore_index=True)
         codes = pd.factorize(s, sort=True, use_na_sentinel=False)[0]
         m = int(codes.max(initial=0)) + 1
         if m > 1:  # treatment dummies against the first level
-            blocks.append(sp.csr_matrix((np.ones(N), (rows, codes)), shape=(N, m))[:, 1:])
+            data.append((codes > 0).astype(float))
+            index.append(p + np.maximum(codes - 1, 0))
+            p += m - 1
     for v in numeric:
         x = pd.to_numeric(pd.concat([a[v], b[v]], ignore_index=True), errors="coerce")
         x = x.to_numpy(dtype=float)
@@ -431,13 +435,24 @@ def pmse_ratio(
         if miss.all():
             continue
         mu, sd = x[~miss].mean(), x[~miss].std()
-        blocks.append(sp.csr_matrix(((np.where(miss, mu, x) - mu) / (sd or 1.0))[:, None]))
+        data.append((np.where(miss, mu, x) - mu) / (sd or 1.0))
+        index.append(np.full(N, p))
+        p += 1
         if miss.any():
-            blocks.append(sp.csr_matrix(miss[:, None].astype(float)))
-    X = sp.hstack(blocks, format="csr")
+            data.append(miss.astype(float))
+            index.append(np.full(N, p))
+            p += 1
+    c = len(data)
+    X = sp.csr_matrix(
+        (np.column_stack(data).ravel(), np.column_stack(index).ravel(), np.arange(0, N * c + 1, c)),
+        shape=(N, p),
+    )
+    del data, index
     y = np.r_[np.zeros(len(a)), np.ones(nb)]
-    keep = independent_columns((X.T @ X).toarray())
-    beta, p, converged, _ = irls(X[:, keep], y, np.ones(N), "binomial", max_iter=50)
+    keep = independent_columns(weighted_gram(X, np.ones(N)))
+    if len(keep) < X.shape[1]:
+        X = X[:, keep]
+    beta, p, converged, _ = irls(X, y, np.ones(N), "binomial", max_iter=50)
     c = nb / N
     pmse = float(np.mean((p - c) ** 2))
     k = len(keep)

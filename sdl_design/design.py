@@ -46,6 +46,14 @@ def group_indicator(of: np.ndarray, P: int) -> sp.csc_matrix:
     return sp.csc_matrix((np.ones(n), of, np.arange(n + 1)), shape=(P, n))
 
 
+def sparse_times(A: sp.spmatrix | sp.sparray, y: np.ndarray) -> np.ndarray:
+    """A @ y for a sparse A and a dense y; a column-major y (a frame's columns) is read a column
+    at a time, where scipy would first copy the whole of it to row-major."""
+    if y.ndim == 2 and y.shape[1] > 1 and not y.flags.c_contiguous and y.flags.f_contiguous:
+        return np.column_stack([A @ y[:, j] for j in range(y.shape[1])])
+    return np.asarray(A @ y)
+
+
 def pair_replicate_totals(
     F: np.ndarray, grp: np.ndarray, cell: np.ndarray, S: np.ndarray, L: int
 ) -> np.ndarray:
@@ -269,17 +277,21 @@ class SurveyDesign:
             first[self.g[::-1]] = np.arange(self.n)[::-1]  # first record of each PSU
             F = self.W[first] / self.w[first, None]
             tol = 1e-13 * max(float(F.max(initial=0.0)), 1.0)
-            ok = True
-            step = max(1, (1 << 21) // max(self.n, 1))  # ~16 MB blocks of replicates
-            for a in range(0, self.W.shape[1], step):  # stops at the first block that differs
-                dev = self.W[:, a : a + step] / self.w[:, None]
-                dev -= F[self.g, a : a + step]
-                np.abs(dev, out=dev)
-                if dev.max(initial=0.0) > tol:
-                    ok = False
-                    break
-            self._F_cache = (F if ok else None,)
+            self._F_cache = (F if self._factors_equal(self.g, F, tol) else None,)
         return self._F_cache[0]
+
+    def _factors_equal(self, codes: np.ndarray, F: np.ndarray, tol: float) -> bool:
+        """Whether every record's replicate factors W_i / w_i equal its group's row of F (to
+        tol): a replicate at a time (a column of W is contiguous; one gather from a short row
+        of F), stopping at the first replicate that differs."""
+        Ft = np.ascontiguousarray(F.T)
+        dev = np.empty(self.n)
+        for r in range(self.W.shape[1]):
+            np.divide(self.W[:, r], self.w, out=dev)
+            dev -= Ft[r].take(codes)
+            if max(float(dev.max(initial=0.0)), -float(dev.min(initial=0.0))) > tol:
+                return False
+        return True
 
     @property
     def factor_groups(self) -> tuple[np.ndarray, int, np.ndarray] | None:
@@ -310,25 +322,19 @@ class SurveyDesign:
     def _find_groups(self) -> tuple[np.ndarray, int, np.ndarray] | None:
         R = self.W.shape[1]
         v = np.random.default_rng(0).uniform(1.0, 2.0, R)  # a fixed projection of the factors
-        step = max(1, (1 << 21) // max(self.n, 1))
-        h = np.zeros(self.n)
-        for a in range(0, R, step):
-            h += (self.W[:, a : a + step] / self.w[:, None]) @ v[a : a + step]
+        h = (self.W @ v) / self.w  # (W_i / w_i) . v
         codes, uniq = pd.factorize(np.round(h, 9))  # candidates: equal projections
         G = len(uniq)
         if G > self.n // 4:
             return None
+        codes = codes.astype(np.int64)
         first = np.zeros(G, dtype=np.int64)
         first[codes[::-1]] = np.arange(self.n)[::-1]
         F = self.W[first] / self.w[first, None]
         tol = 1e-12 * max(float(F.max(initial=0.0)), 1.0)
-        for a in range(0, R, step):  # every record's factors equal its group's
-            dev = self.W[:, a : a + step] / self.w[:, None]
-            dev -= F[codes, a : a + step]
-            np.abs(dev, out=dev)
-            if dev.max(initial=0.0) > tol:
-                return None
-        return codes.astype(np.int64), G, F
+        if not self._factors_equal(codes, F, tol):  # every record's factors equal its group's
+            return None
+        return codes, G, F
 
     # ------------------------------------------------------------ replicate scale factors
     def _scales(self, rscales: Sequence[float] | None) -> np.ndarray:
@@ -350,8 +356,8 @@ class SurveyDesign:
             return np.full(R, 1.0 / R)
         # jkn: the stratum of the PSU deleted in replicate r gives (n_h - 1)/n_h (no strata:
         # one stratum; no psu: each record is a PSU)
-        # PSUs x R, a column at a time (W is column-major: no row-major copy of it)
-        psu_sum = np.column_stack([self._P @ self.W[:, r] for r in range(self.W.shape[1])])
+        # PSUs x R
+        psu_sum = sparse_times(self._P, self.W)
         zero = psu_sum == 0
         ok = zero.any(axis=0)
         if not ok.all():
@@ -390,7 +396,7 @@ class SurveyDesign:
         its domain) costs its nonzeros, not n x k."""
         if sp.issparse(z):
             return self._psu_variance(sp.csr_matrix(self._P @ sp.csr_matrix(z)))
-        return self._psu_variance(np.asarray(self._P @ z))
+        return self._psu_variance(sparse_times(self._P, np.asarray(z)))
 
     def psu_variance(self, zt: np.ndarray | sp.spmatrix | sp.sparray) -> np.ndarray:
         """Variance of totals from their PSU totals zt (PSUs x k, dense or scipy sparse; row j
@@ -402,7 +408,7 @@ class SurveyDesign:
         sum_i (z_hi - zbar_h)(z_hi - zbar_h)' over PSU totals z_hi (svyrecvar's one-stage
         with-replacement kernel; the B of a GLM sandwich A^-1 B A^-1)."""
         self._check_psus()
-        zt = np.asarray(self._P @ np.asarray(z, dtype=float).reshape(self.n, -1))
+        zt = sparse_times(self._P, np.asarray(z, dtype=float).reshape(self.n, -1))
         dev = zt - (np.asarray(self._S @ zt) / self.n_h[:, None])[self.psu_h]
         f = (self.n_h / (self.n_h - 1.0))[self.psu_h]
         return (dev * f[:, None]).T @ dev
@@ -424,7 +430,7 @@ class SurveyDesign:
         if fac is not None:
             codes, G, F = fac
             Gw = sp.csr_matrix((self.w, (codes, np.arange(self.n))), shape=(G, self.n))
-            return F.T @ np.asarray(Gw @ z)
+            return F.T @ sparse_times(Gw, z)
         return self.W.T @ z
 
     def replicate_cell_totals(self, y: np.ndarray, codes: np.ndarray, L: int) -> np.ndarray:
@@ -610,13 +616,13 @@ class SurveyDesign:
             codes, G, F = fac
             gm = codes if rows is None else codes[rows]
             Gw = sp.csc_matrix((wm, (gm, np.arange(len(wm)))), shape=(G, len(wm)))
-            theta_r = F.T @ np.asarray(Gw @ ym)  # R x k
+            theta_r = F.T @ sparse_times(Gw, ym)  # R x k
             if x is None:
                 xr = None
             elif xm is None:
                 xr = F.T @ np.bincount(gm, wm, G)[:, None]
             else:
-                xr = F.T @ np.asarray(Gw @ xm)
+                xr = F.T @ sparse_times(Gw, xm)
         else:
             Wr = self.W if rows is None else np.asfortranarray(self.W[rows])
             theta_r = Wr.T @ ym  # R x k: one matrix product for all variables

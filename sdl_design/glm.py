@@ -173,7 +173,7 @@ def _binomial_deviance(y: np.ndarray, mu: np.ndarray, w: np.ndarray) -> np.ndarr
     return -2.0 * (w * ll).sum(axis=0)
 
 
-def _gram(X: np.ndarray | sp.spmatrix, v: np.ndarray) -> np.ndarray:
+def weighted_gram(X: np.ndarray | sp.spmatrix, v: np.ndarray) -> np.ndarray:
     """X' diag(v) X; a sparse X with few columns goes densely a block of rows at a time (a
     p x p result: no scaled copy of X, no sparse product's temporaries)."""
     if sp.issparse(X):
@@ -204,7 +204,7 @@ def irls(
     from start (default 0), halved while the deviance rises, until its relative change
     |dev - dev_old| / (|dev| + 0.1) is below tol (R's glm criterion)."""
     if family == "gaussian":
-        beta = np.linalg.solve(_gram(X, w), X.T @ (w * y))
+        beta = np.linalg.solve(weighted_gram(X, w), X.T @ (w * y))
         return beta, X @ beta, True, 1
     if family != "binomial":
         raise ValueError(f"family must be one of {FAMILIES}, not {family!r}")
@@ -212,7 +212,7 @@ def irls(
     mu = _logistic(X @ beta)
     dev = float(_binomial_deviance(y, mu, w))
     for it in range(1, max_iter + 1):
-        step = np.linalg.solve(_gram(X, w * mu * (1.0 - mu)), X.T @ (w * (y - mu)))
+        step = np.linalg.solve(weighted_gram(X, w * mu * (1.0 - mu)), X.T @ (w * (y - mu)))
         t = 1.0
         for _ in range(30):
             b_new = beta + t * step
@@ -343,13 +343,13 @@ def svyglm(
     U, inv = distinct_rows(np.column_stack([X[rows], y[rows]]))
     G = sp.csr_matrix((np.ones(len(rows)), (rows, inv)), shape=(len(w), len(U)))
     wg = G.T @ w
-    keep = independent_columns(_gram(U[:, :p], wg))
+    keep = independent_columns(weighted_gram(U[:, :p], wg))
     Xg, yg = U[:, keep], U[:, p]
     beta, _, converged, _ = irls(Xg, yg, wg, family)
     Xk = X[:, keep]
     mu = _logistic(Xk @ beta) if family == "binomial" else Xk @ beta
     v = mu * (1.0 - mu) if family == "binomial" else np.ones_like(mu)
-    A_inv = np.linalg.inv(_gram(Xk, w * v))
+    A_inv = np.linalg.inv(weighted_gram(Xk, w * v))
     V = A_inv @ design.taylor_covariance(Xk * (w * (y - mu))[:, None]) @ A_inv
     coef = np.full(p, np.nan)
     coef[keep] = beta
