@@ -77,17 +77,23 @@ def write_public_files(puf: pd.DataFrame, public: Path, notes: str) -> dict[str,
     from flows.publish import sha256_file
 
     public.mkdir()
+
     # the CSV (float formatting, one core for a minute at 1M records in pandas, seconds in
     # polars, which leaves the GIL) is written while the Parquet file and codebook are made
+    def csv_file(path: Path) -> str:
+        write_csv(neutralize_formulas(puf), path)
+        return sha256_file(path)
+
     with ThreadPoolExecutor(1) as pool:
-        csv = pool.submit(write_csv, neutralize_formulas(puf), public / "puf.csv")
+        csv = pool.submit(csv_file, public / "puf.csv")
         puf.to_parquet(public / "puf.parquet", index=False)
         neutralize_formulas(codebook(puf, getattr(notes, "codebook_notes", None))).to_csv(
             public / "codebook.csv", index=False, lineterminator="\n"
         )
         (public / "README.md").write_text(notes)
-        csv.result()
-    return {f"public/{f.name}": sha256_file(f) for f in sorted(public.iterdir())}
+        digests = {f.name: sha256_file(f) for f in public.iterdir() if f.name != "puf.csv"}
+        digests["puf.csv"] = csv.result()
+    return {f"public/{name}": digests[name] for name in sorted(digests)}
 
 
 def _polars_ready(df: pd.DataFrame) -> pd.DataFrame | None:
@@ -129,7 +135,10 @@ def write_csv(df: pd.DataFrame, path: Path) -> None:
     minute), byte for byte what `df.to_csv(index=False, lineterminator="\\n")` writes."""
     import polars as pl
 
-    ready = _polars_ready(df)
+    names = [str(c) for c in df.columns]
+    plain = names == list(df.columns) and len(set(names)) == len(names)  # polars needs these
+    # (one column: pandas quotes an empty text as "" so that the line is not empty)
+    ready = _polars_ready(df) if plain and len(df.columns) > 1 else None
     if ready is None:
         df.to_csv(path, index=False, lineterminator="\n")
         return

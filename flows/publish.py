@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from flows.public_files import write_public_files
+from flows.public_files import write_csv, write_public_files
 from sdl_design.io import file_digest as sha256_file  # noqa: F401 - one hash, used by flows
 from sdl_design.io import frame_digest as sha256_frame  # noqa: F401
 from sdl_design.spec import ReleaseSpec
@@ -78,7 +78,7 @@ def write_record(
     for key, frame in tables.items():
         path = internal / f"{key}.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
-        frame.to_csv(path, index=False, lineterminator="\n")
+        write_csv(frame, path)  # what frame.to_csv(path, index=False) writes, through polars
     write_json(internal / "manifest.json", manifest.to_json())
     report_writer(manifest, internal / "report.html")
 
