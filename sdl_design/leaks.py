@@ -27,17 +27,27 @@ def label_purity(column: pd.Series, label: pd.Series) -> tuple[float, float]:
     """(purity, coverage) of `label` given `column`: among the records whose column value occurs
     at least twice, the share whose label is the modal label of their value; and the share of
     records in such repeated values. Purity 1 with full coverage: a relabel of the label."""
-    c, _ = pd.factorize(column, use_na_sentinel=False)
-    lab, _ = pd.factorize(label, use_na_sentinel=False)
+    c = pd.factorize(column, use_na_sentinel=False)[0]
+    return _purity(c, pd.factorize(label, use_na_sentinel=False)[0])
+
+
+def _purity(c: np.ndarray, lab: np.ndarray) -> tuple[float, float]:
+    """label_purity on codes 0.. of the column (c) and of the label (lab)."""
     if len(c) == 0:
         return 0.0, 0.0
     repeated = np.bincount(c)[c] >= 2
     if not repeated.any():
         return 0.0, 0.0
     n_lab = int(lab.max()) + 1
-    pair, counts = np.unique(
-        c[repeated].astype(np.int64) * n_lab + lab[repeated], return_counts=True
-    )
+    key = c[repeated].astype(np.int64) * n_lab + lab[repeated]
+    # (value, label) pairs: counted directly when their range is small, else hashed
+    if int(key.max()) < 4 * len(key) + 100_000:
+        counts = np.bincount(key)
+        pair = np.flatnonzero(counts)
+        counts = counts[pair]
+    else:
+        codes, pair = pd.factorize(key)
+        counts = np.bincount(codes)
     best = np.zeros(int(c.max()) + 1, dtype=np.int64)
     np.maximum.at(best, pair // n_lab, counts)
     return float(best.sum() / repeated.sum()), float(repeated.mean())
@@ -52,10 +62,11 @@ def _dropped_labels(spec: ReleaseSpec, df: pd.DataFrame) -> dict[str, pd.Series]
     if d.strata and d.strata in df.columns and (swap or not d.publish_design_labels):
         out[f"design.strata '{d.strata}'"] = df[d.strata]
     if d.psu and d.psu in df.columns and (swap or not d.publish_design_labels):
-        psu = df[d.psu].astype(str)
-        if d.strata and d.strata in df.columns:
-            psu = df[d.strata].astype(str) + "\x1f" + psu
-        out[f"design.psu '{d.psu}'"] = psu
+        psu = pd.factorize(df[d.psu], use_na_sentinel=False)[0].astype(np.int64)
+        if d.strata and d.strata in df.columns:  # PSU within stratum
+            h = pd.factorize(df[d.strata], use_na_sentinel=False)[0]
+            psu = pd.factorize(h * (int(psu.max(initial=0)) + 1) + psu)[0]
+        out[f"design.psu '{d.psu}'"] = pd.Series(psu, index=df.index)
     for f in ("segment", "household"):
         c = getattr(d, f)
         if c and c in df.columns:
@@ -69,11 +80,13 @@ def determining_columns(spec: ReleaseSpec, df: pd.DataFrame) -> list[tuple[str, 
     cls = spec.classification(list(df.columns))
     published = [c for c, k in cls.items() if k in ("key", "study", "sensitive", "keep")]
     out = []
+    codes = {c: pd.factorize(df[c], use_na_sentinel=False)[0] for c in published}
     for label, values in _dropped_labels(spec, df).items():
-        if values.nunique(dropna=False) < 2:
+        lab = pd.factorize(values, use_na_sentinel=False)[0]
+        if lab.max(initial=0) < 1:  # one label: nothing to determine
             continue
         for c in published:
-            purity, coverage = label_purity(df[c], values)
+            purity, coverage = _purity(codes[c], lab)
             if purity >= DETERMINING_PURITY and coverage >= DETERMINING_COVERAGE:
                 out.append((c, label, purity))
     return out
