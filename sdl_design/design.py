@@ -72,6 +72,19 @@ def pair_replicate_totals(
     return out
 
 
+def _fortran_columns(df: pd.DataFrame, cols: Sequence[str]) -> np.ndarray:
+    """df[cols] as a column-major float matrix: a view of the frame's block when the columns
+    are one float block, else filled a column at a time (no row-major copy on the way)."""
+    sub = df[list(cols)]
+    blocks = getattr(getattr(sub, "_mgr", None), "blocks", None)
+    if blocks is not None and len(blocks) == 1 and all(d == np.float64 for d in sub.dtypes):
+        return np.asfortranarray(sub.to_numpy(dtype=float))
+    out = np.empty((len(df), len(cols)), order="F")
+    for j, c in enumerate(cols):
+        out[:, j] = df[c].to_numpy(dtype=float)
+    return out
+
+
 class _Columns:
     """Study variables read a block at a time (variables x records), checked for missing values."""
 
@@ -237,7 +250,7 @@ class SurveyDesign:
             if method == "fay" and rho is None:
                 raise DesignError("design.replicate_weights.rho: Fay's method needs rho (e.g. 0.3)")
             # Fortran order: W' y runs as one fast GEMM (C-order W' is ~20x slower in OpenBLAS)
-            self.W = np.asfortranarray(df[self.replicate_weights].to_numpy(dtype=float))
+            self.W = _fortran_columns(df, self.replicate_weights)
             bad = ~(self.W >= 0).all(axis=0)
             if bad.any():
                 cols = [c for c, b in zip(self.replicate_weights, bad, strict=True) if b][:5]
