@@ -645,6 +645,40 @@ class SurveyDesign:
                 theta_r = theta_r / xr
         return est, self._replicate_se(est, theta_r)
 
+    def _replicate_by(
+        self, ym: np.ndarray, xm: np.ndarray | str | None, codes: np.ndarray, L: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Estimates and replicate SEs (L x k) in every domain (codes 0..L-1; -1: none) at once,
+        for replicate factors constant on groups: the (group, domain) sums of w y (and w x),
+        then F' by domain (pair_replicate_totals); _replicate of each domain's records."""
+        gc, G, F = self._factors
+        w = self.w
+        ok = codes >= 0
+        if not ok.all():
+            gc, codes, w = gc[ok], codes[ok], w[ok]
+            ym = ym[ok]
+            xm = xm[ok] if isinstance(xm, np.ndarray) else xm
+        pair, of = dense_codes(codes.astype(np.int64) * G + gc)
+        A = group_indicator(of, len(pair))
+        cell, grp = pair // G, pair % G
+        Cp = sp.csr_matrix((np.ones(len(pair)), (cell, np.arange(len(pair)))), shape=(L, len(pair)))
+        S = sparse_times(A, w[:, None] * ym)  # pairs x k
+        Y = np.asarray(Cp @ S)  # L x k
+        theta_r = pair_replicate_totals(F, grp, cell, S, L)  # R x L x k
+        if xm is None:  # totals
+            est = Y
+        else:
+            if isinstance(xm, np.ndarray):  # ratios: one denominator column per variable
+                Sx = sparse_times(A, w[:, None] * xm)
+            else:  # means: the weight
+                Sx = (A @ w)[:, None]
+            X, xr = np.asarray(Cp @ Sx), pair_replicate_totals(F, grp, cell, Sx, L)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                est = Y / X
+                theta_r = theta_r / xr
+        d = theta_r - est[None]
+        return est, np.sqrt(np.einsum("r,rlk->lk", self.rscales, d * d))
+
     def _estimate(
         self,
         y: _Columns,
@@ -660,11 +694,16 @@ class SurveyDesign:
         vkind = self._variance_kind(variance)
         levels, codes = self._domains(by)
         frames = []
+        by_level = None
         if vkind == "replicate":
             ym, xm = y.full(), (x.full() if isinstance(x, _Columns) else x)
+            if codes is not None and self._factors is not None:  # every domain in one pass
+                by_level = self._replicate_by(ym, xm, codes, len(levels))
         for j, level in enumerate(levels):  # loop over domains only, never over variables
             if vkind == "taylor":
                 est, se, deff = self._taylor(y, x, None if codes is None else codes == j)
+            elif by_level is not None:
+                est, se, deff = by_level[0][j], by_level[1][j], None
             else:
                 rows = None if codes is None else np.flatnonzero(codes == j)
                 est, se = self._replicate(ym, xm, rows)
