@@ -260,6 +260,7 @@ class SurveyDesign:
                 )
             self.rscales = self._scales(rscales)
         self._F_cache: tuple[np.ndarray | None] | None = None
+        self._columns_cache: tuple[tuple, _Columns] | None = None
         self._groups_cache: tuple[tuple[np.ndarray, int, np.ndarray] | None] | None = None
 
     @classmethod
@@ -391,10 +392,15 @@ class SurveyDesign:
 
     # ------------------------------------------------------------ data
     def _matrix(self, cols: Sequence[str]) -> _Columns:
+        """The study columns as a matrix; the last one asked for is kept (estimates of the same
+        variables by several domains and variances read the frame once)."""
         missing = [c for c in cols if c not in self.df.columns]
         if missing:
             raise DesignError(f"columns {missing} are not in the data")
-        return _Columns(self.df, cols)
+        key = tuple(cols)
+        if self._columns_cache is None or self._columns_cache[0] != key:
+            self._columns_cache = (key, _Columns(self.df, cols))
+        return self._columns_cache[1]
 
     def _domains(self, by: str | None) -> tuple[list, np.ndarray | None]:
         if by is None:
