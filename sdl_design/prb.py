@@ -331,10 +331,10 @@ def post_randomize(
 
     data = df.copy(deep=False)  # copy-on-write: new arrays for C only
     if len(moved):
+        take = np.arange(n)
+        take[moved] = src
         for c in variables:  # all of C from one record: cell values and carried values together
-            col = data[c].to_numpy(copy=True)
-            col[moved] = col[src]
-            data[c] = pd.Series(col, index=data.index, dtype=df[c].dtype)
+            data[c] = pd.Series(df[c].array.take(take), index=data.index, name=c)
     blk = pd.Series(pd.array(np.where(block >= 0, block, 0), dtype="Int64"), index=df.index)
     blk[block < 0] = pd.NA
     first = pd.Series(np.arange(n)).groupby(cell).first().to_numpy()
