@@ -418,15 +418,16 @@ def pmse_ratio(
     drawn from a model of the original and reads 1 / (1 - c) (2 for halves) at this null."""
     N, nb = len(a) + len(b), len(b)
     # X as CSR with one stored entry per row and block (a dummy block's entry is its level's
-    # column, an explicit 0 at the reference level): built column by column, no stacking
-    data, index, p = [np.ones(N)], [np.zeros(N, dtype=np.int64)], 1
+    # column, an explicit 0 at the reference level): (value, column) of each block first, then
+    # written straight into the row-major arrays CSR keeps (no stacking copies)
+    blocks: list[tuple[Any, Any]] = [(1.0, 0)]  # the intercept
+    p = 1
     for v in categorical:
         s = pd.concat([a[v], b[v]], ignore_index=True)
         codes = pd.factorize(s, sort=True, use_na_sentinel=False)[0]
         m = int(codes.max(initial=0)) + 1
         if m > 1:  # treatment dummies against the first level
-            data.append((codes > 0).astype(float))
-            index.append(p + np.maximum(codes - 1, 0))
+            blocks.append((codes > 0, p + np.maximum(codes - 1, 0)))
             p += m - 1
     for v in numeric:
         x = pd.to_numeric(pd.concat([a[v], b[v]], ignore_index=True), errors="coerce")
@@ -435,16 +436,18 @@ def pmse_ratio(
         if miss.all():
             continue
         mu, sd = x[~miss].mean(), x[~miss].std()
-        data.append((np.where(miss, mu, x) - mu) / (sd or 1.0))
-        index.append(np.full(N, p))
+        blocks.append(((np.where(miss, mu, x) - mu) / (sd or 1.0), p))
         p += 1
         if miss.any():
-            data.append(miss.astype(float))
-            index.append(np.full(N, p))
+            blocks.append((miss, p))
             p += 1
-    c = len(data)
+    c = len(blocks)
+    data, index = np.empty((N, c)), np.empty((N, c), dtype=np.int32)
+    for j, (value, col) in enumerate(blocks):
+        data[:, j], index[:, j] = value, col
+    del blocks
     X = sp.csr_matrix(
-        (np.column_stack(data).ravel(), np.column_stack(index).ravel(), np.arange(0, N * c + 1, c)),
+        (data.reshape(-1), index.reshape(-1), np.arange(0, N * c + 1, c, dtype=np.int64)),
         shape=(N, p),
     )
     del data, index
@@ -743,6 +746,8 @@ def assess(
     coefs = _fit_models(
         original, released, des, _model_specs(models), keys, variance, has_rep, level
     )
+    described = [_describe(d) for d in des]
+    del des, pairs, studies  # the designs' replicate matrices are not needed past here
 
     # ------------------------------------------------ metrics
     rel = est[est["reliable"]]
@@ -795,8 +800,8 @@ def assess(
         "level": level,
         "domains": [list(g) for g in groupings[1:]],
         "models": [{"formula": t, "family": f} for t, f in _model_specs(models)],
-        "design_original": _describe(des[0]),
-        "design_released": _describe(des[1]),
+        "design_original": described[0],
+        "design_released": described[1],
     }
     return Assessment(est, coefs, metrics, params)
 

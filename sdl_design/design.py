@@ -251,7 +251,7 @@ class SurveyDesign:
                 raise DesignError("design.replicate_weights.rho: Fay's method needs rho (e.g. 0.3)")
             # Fortran order: W' y runs as one fast GEMM (C-order W' is ~20x slower in OpenBLAS)
             self.W = _fortran_columns(df, self.replicate_weights)
-            bad = ~(self.W >= 0).all(axis=0)
+            bad = ~(self.W.min(axis=0, initial=np.inf) >= 0)  # negative or missing weights
             if bad.any():
                 cols = [c for c, b in zip(self.replicate_weights, bad, strict=True) if b][:5]
                 raise DesignError(

@@ -355,25 +355,24 @@ class FinalStage:
         d = spec.design
         v = spec.variables
         exclude = [*v.direct_identifiers, *v.other.drop, *([d.household] if d.household else [])]
-        released = SurveyDesign.from_spec(df, ctx.public_design())
+        # the released file's design (validated here); only its columns are kept, so that its
+        # replicate matrix is gone before the SE table builds its own
+        pub = design_columns(SurveyDesign.from_spec(df, ctx.public_design()))
         doms = spec.variables.keys[:2]
         chars = broad_characteristics(
             original, design=design_columns(ctx.design), exclude=exclude, domains=doms
         )
-        chars_released = broad_characteristics(
-            df, design=design_columns(released), exclude=exclude, domains=doms
-        )
-        method = released.method
+        chars_released = broad_characteristics(df, design=pub, exclude=exclude, domains=doms)
         out = se_ratio_table(
             original,
             df,
             design_columns(ctx.design),
-            released.replicate_weights,
+            pub["replicate_weights"],
             chars,
-            method,
-            released.rho,
+            pub["method"],
+            pub["rho"],
             chars_masked=chars_released,
-            masked_design=design_columns(released),
+            masked_design=pub,
         )
         metrics = se_ratio_metrics(out)
         keys = spec.variables.keys
