@@ -582,18 +582,19 @@ def _cell_sums(
     cells: Sequence[np.ndarray], sizes: Sequence[int], frame: RecordColumns, columns: list[str]
 ) -> list[np.ndarray]:
     """Sums of each column within each cell, for several cellings of the records at once:
-    [(n_c, R) per celling]; the columns read a block at a time (no n x R copy)."""
-    import scipy.sparse as sp
+    [(n_c, R) per celling]; the columns read a block at a time (no n x R copy), each celling's
+    indicator built once without a sort."""
+    from sdl_design.design import group_indicator, sparse_times
 
-    n = len(frame.index)
-    off = np.cumsum([0, *sizes])
-    rows = np.concatenate([c + o for c, o in zip(cells, off[:-1], strict=True)]) if cells else []
-    recs = np.tile(np.arange(n), len(cells))
-    S = sp.csr_matrix((np.ones(len(rows)), (rows, recs)), shape=(int(off[-1]), n))
-    total = np.empty((int(off[-1]), len(columns)))
+    ind = [
+        group_indicator(np.asarray(c, dtype=np.int64), m) for c, m in zip(cells, sizes, strict=True)
+    ]
+    total = [np.empty((m, len(columns))) for m in sizes]
     for a in range(0, len(columns), 16):
-        total[:, a : a + 16] = np.asarray(S @ frame.values(columns[a : a + 16]))
-    return [total[off[i] : off[i + 1]] for i in range(len(cells))]
+        V = frame.values(columns[a : a + 16])
+        for A, t in zip(ind, total, strict=True):
+            t[:, a : a + 16] = sparse_times(A, V)
+    return total
 
 
 def calibrate_treated(
