@@ -6,6 +6,14 @@ memory <= 4 GB; every stage within 3x of its floor. Usage: python bench/release.
 n_persons, whose input is used again; key=value: spec overrides, e.g. stages.prb=null; run it
 with PYTHONPATH set to the checkout so that its packages are imported).
 
+Five million records: the demo spec's keys leave a file that size with 2 singleton/doubleton
+key cells, fewer than PRB's m0 = 5 (PRB then refuses: it cannot bound the risk), and without
+PRB the gates reject the release (every sample unique re-identified). An intruder who also
+knows education gives PRB its cells:
+  python bench/release.py 5000000 - \
+    'variables.keys=[{name: age, bins: [0, 18, 25, 35, 45, 55, 65, 75, 91]}, sex, race,
+    marital, region, education]' 'variables.other.keep=[pregnant]'
+
 Per stage (one flow step: load, edits, each release stage with its replications, gates,
 files: the public files and the report staged for approval; publish: the staged release moved
 into place with the registry row):
@@ -167,7 +175,7 @@ class _Recorder:
         }
         r = self.rows[name]
         sys.__stderr__.write(  # not print: the flow's log_prints would swallow it
-            f"[bench] {name}: {r['time']:.1f} s, cpu {r['cpu']:.1f} s, peak {r['peak']:.2f} GB\n"
+            f"[bench] {name}: {r['time']:.1f} s, cpu {r['cpu']:.1f} s, peak {r['peak']:.2f} GiB\n"
         )
         sys.__stderr__.flush()
 
@@ -223,10 +231,10 @@ def _table(rec: _Recorder, bw: float) -> None:
     if not rec.rows:
         return
     peak = max(r["peak"] for r in rec.rows.values())
-    print(f"peak memory: {peak:.2f} GB (target 4 GB)")
+    print(f"peak memory: {peak:.2f} GiB = {peak * 2**30 / 1e9:.2f} GB (target 4 GB)")
     print(
         f"  {'step':<10} {'time s':>8} {'cpu s':>7} {'floor s':>8} {'x floor':>8} "
-        f"{'peak GB':>8} {'start GB':>9} {'end GB':>7}"
+        f"{'peak GiB':>8} {'start GiB':>9} {'end GiB':>7}"
     )
     for name, r in rec.rows.items():
         floor = r["bytes"] / (bw * 1e9)

@@ -478,7 +478,10 @@ def domain_margins(
             )
         both = pd.concat([b2[cols], original[cols]], ignore_index=True)
         cell = domain_cells(both, specs)
-        cells.append((both, cell, int(cell.max()) + 1 if len(cell) else 0))
+        n_c = int(cell.max()) + 1 if len(cell) else 0
+        first = np.zeros(n_c, dtype=np.int64)  # the first record of each cell
+        first[cell[::-1]] = np.arange(len(cell))[::-1]
+        cells.append((both.iloc[first], cell, n_c))  # a record per cell kept, for its label
     if replicates:  # replicate totals of every cell of every domain: one pass per file
         sizes = [n_c for _, _, n_c in cells]
         reader = b2_replicates if b2_replicates is not None else RecordColumns(b2, b2.index)
@@ -489,7 +492,7 @@ def domain_margins(
             RecordColumns(original, original.index),
             list(original_replicates),
         )
-    for i, (dom, (both, cell, n_c)) in enumerate(zip(domains, cells, strict=True)):
+    for i, (dom, (at_first, cell, n_c)) in enumerate(zip(domains, cells, strict=True)):
         specs = _key_specs(dom)
         cb, co = cell[:n2], cell[n2:]
         n_b = np.bincount(cb, minlength=n_c)
@@ -498,9 +501,7 @@ def domain_margins(
         if replicates:
             A, B = A_all[i], B_all[i]
             ok &= ((A > 0) == (B > 0)).all(axis=1)
-        first = np.full(n_c, len(cell), dtype=np.int64)
-        np.minimum.at(first, cell, np.arange(len(cell)))
-        kf = key_frame(both.iloc[first], specs).astype(str)
+        kf = key_frame(at_first, specs).astype(str)
         names = kf.iloc[:, 0].to_numpy(dtype=object)
         for c in kf.columns[1:]:
             names = names + " | " + kf[c].to_numpy(dtype=object)
