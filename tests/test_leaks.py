@@ -59,6 +59,17 @@ def test_csv_writer_is_byte_identical_to_pandas(tmp_path):
     assert (tmp_path / "c.csv").read_bytes() == nodate.to_csv(
         index=False, lineterminator="\n"
     ).encode("utf-8")
+    # the internal tables go through it too: one text column (pandas quotes an empty text),
+    # names that are not text, an empty frame
+    for frame in (
+        pd.DataFrame({"block": ["", "a", ""]}),
+        pd.DataFrame({0: [1.5, 2.0], "x": ["", "b"]}),
+        pd.DataFrame({"a": pd.Series([], dtype=float), "b": pd.Series([], dtype=object)}),
+    ):
+        write_csv(frame, tmp_path / "t.csv")
+        assert (tmp_path / "t.csv").read_bytes() == frame.to_csv(
+            index=False, lineterminator="\n"
+        ).encode("utf-8")
 
 
 # ---------------------------------------------------------------- shared data
