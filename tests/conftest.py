@@ -1,5 +1,7 @@
 import os
+import sqlite3
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="prefect_home_"))
 os.environ.pop("PREFECT_API_URL", None)  # never hit a developer's real server
@@ -11,15 +13,113 @@ from flows.env import quiet_env  # noqa: E402
 quiet_env()
 
 
+_EARLY: dict = {}  # the session's server, started in a thread at collection (see below)
+
+
+def _start_server() -> tuple:
+    """Start Prefect's temporary server on a fresh SQLite database, as prefect_test_harness
+    does: (server, database URL, a copy of the migrated database). Runs in a thread while
+    the unit tests run."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
+    from prefect.testing.utilities import _find_available_port
+
+    folder = Path(tempfile.mkdtemp(prefix="prefect_db_"))
+    db = f"sqlite+aiosqlite:///{folder / 'prefect-test.db'}"
+    with temporary_settings(updates={PREFECT_SERVER_DATABASE_CONNECTION_URL: db}):
+        server = SubprocessASGIServer(port=_find_available_port())
+        server.start(timeout=120)
+    # the database just migrated, before any run: a copy for servers the tests start themselves
+    template = folder / "migrated.db"
+    src, dst = sqlite3.connect(folder / "prefect-test.db"), sqlite3.connect(template)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+    return server, db, template
+
+
+def _start_server_early() -> None:
+    """Begin starting the session's server now, in a thread: its ~13 s of start-up (a
+    subprocess importing Prefect's server and migrating its database) overlap the tests that
+    run before the first flow test."""
+    if "future" not in _EARLY:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="prefect-server-start")
+        _EARLY["future"] = pool.submit(_start_server)
+        pool.shutdown(wait=False)
+
+
+async def _drain(log_worker, events_worker) -> None:
+    """Logs and events reach the server before it stops (prefect_test_harness's drain)."""
+    import inspect
+
+    try:
+        result = log_worker.instance().drain()
+        if inspect.isawaitable(result):
+            await result
+    except RuntimeError:  # the worker never started
+        pass
+    result = events_worker.drain_all()
+    if inspect.isawaitable(result):
+        await result
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
-    """One temporary Prefect server for the flow tests of a session; heartbeats off."""
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
+    """One temporary Prefect server for the flow tests of a session; heartbeats off.
+    prefect_test_harness's steps, with the server started early (_start_server_early)."""
+    from contextlib import ExitStack
 
-    with prefect_test_harness(server_startup_timeout=120):
-        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            yield
+    import prefect.context
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.server.database.dependencies import temporary_database_interface
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        PREFECT_SERVER_DATABASE_CONNECTION_URL,
+        temporary_settings,
+    )
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    _start_server_early()  # no-op when collection started it
+    server, db, _ = _EARLY["future"].result()
+    with ExitStack() as stack:
+        stack.enter_context(temporary_database_interface())
+        stack.enter_context(
+            temporary_settings(updates={PREFECT_SERVER_DATABASE_CONNECTION_URL: db})
+        )
+        prior = SubprocessASGIServer._instances.get(None)
+        SubprocessASGIServer._instances[None] = server  # flows find it, start no other
+        stack.enter_context(
+            temporary_settings(
+                updates={PREFECT_API_URL: server.api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
+            )
+        )
+        stack.enter_context(
+            prefect.context._temporary_global_settings_context(
+                prefect.context.get_settings_context()
+            )
+        )
+        yield
+        run_coro_as_sync(_drain(APILogWorker, EventsWorker))  # as prefect_test_harness
+        server.stop()
+        if prior is not None:
+            SubprocessASGIServer._instances[None] = prior
+        else:
+            SubprocessASGIServer._instances.pop(None, None)
+
+
+@pytest.fixture(scope="session")
+def migrated_prefect_db(prefect_server) -> Path:
+    """A copy of the session server's database taken when it had started: Prefect's schema
+    migrated, no runs. A temporary server started on a copy of it (PREFECT_HOME/prefect.db)
+    skips the ~7 s of migrations of a new database."""
+    return _EARLY["future"].result()[2]
 
 
 def run_stage(stage_cls, df, spec, seed=None, original=None):
@@ -44,3 +144,37 @@ def pytest_collection_modifyitems(config, items):
     ]
     if unmarked:
         raise pytest.UsageError(f"tests using prefect_server without @pytest.mark.flow: {unmarked}")
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: every worker sorts alike
+        items.sort(key=_run_order)
+
+
+# Under pytest-xdist (addopts: -n 2 --dist loadfile: a module's tests, and its module-scoped
+# fixtures, on one worker) the modules go out in the order of their first test here: the
+# longest tests first, then flow tests, then the short unit tests that fill the end, so the
+# workers finish together. Seconds on the 2-core machine (--durations, one process); only the
+# order depends on this list, never a result.
+LONGEST = (
+    "test_txn.py::test_kill_9_at_each_publish_point_keeps_one_consistent_release",  # 38
+    "test_tune.py::test_tune_demo_beats_the_spec_within_risk_and_reproduces",  # 32
+    "test_release_flow.py::test_real_releases_in_registry_and_monitor",  # 23
+    "test_txn.py::test_temporary_server_dies_with_a_killed_parent",  # 21
+    "test_release_flow.py::test_single_year_age_perturbed_is_refused_by_the_utility_gates",
+    "test_tune.py::test_puf_tune_flow_outputs_artifacts_and_a_spec_that_reproduces",  # 18
+    "test_release_flow.py::test_dask_runner_matches_thread_pool",  # 15
+    "test_txn.py::test_two_runs_started_together_one_publishes",  # 14
+)
+
+
+def _run_order(item: pytest.Item) -> tuple[int, int]:
+    """The longest tests (LONGEST, in its order), then the other flow tests, then the rest."""
+    name = item.nodeid.rsplit("/", 1)[-1]
+    if name in LONGEST:
+        return 0, LONGEST.index(name)
+    return (1 if item.get_closest_marker("flow") else 2), 0
+
+
+def pytest_collection_finish(session):
+    """Start the session's server early when a selected test needs it (after -m and -k
+    deselection: never for the unit layer, -m "not flow")."""
+    if any("prefect_server" in getattr(i, "fixturenames", ()) for i in session.items):
+        _start_server_early()

@@ -219,6 +219,7 @@ def test_duplicated_parquet_column(tmp_path, capsys, survey):
     assert not list(tmp_path.rglob("public"))
 
 
+@pytest.mark.flow  # a subprocess
 def test_subprocess_exit_2_without_traceback(tmp_path, survey):
     """The real command line: the same refusal, no Prefect traceback before it."""
     spec = _dup_csv(tmp_path, survey)

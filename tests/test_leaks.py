@@ -384,6 +384,7 @@ def _demo_stages(threads: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.flow  # two subprocesses
 def test_demo_identical_with_one_or_two_blas_threads():
     """Issue 15 item 12: the 3,000-person demo's public frame has one hash whatever the BLAS
     thread count (before the fix one thread moved every weight by ~1e-8 relative). The same
