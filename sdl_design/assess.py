@@ -944,13 +944,14 @@ def published_delta(
         sensitive = {"__identity": {1: 1.0}}
     pos = released.index.get_indexer(original.index)
     kept = pos >= 0
-    treated = original.copy()
+    treated = original.copy(deep=False)  # the columns below are replaced, not written into
     cols = names + [c for c in _sensitive_names(sensitive) if c in released.columns]
-    rel = released.iloc[pos[kept]]
+    # each record's published value when it is published, else its original one: one take
+    # from the two columns end to end (no object copy per record)
+    take = np.where(kept, pos, len(released) + np.arange(len(original)))
     for c in cols:
-        vals = treated[c].to_numpy(dtype=object, copy=True)
-        vals[kept] = rel[c].astype(object).to_numpy()
-        treated[c] = pd.Series(vals, index=treated.index).infer_objects()
+        both = pd.concat([released[c], original[c]], ignore_index=True)
+        treated[c] = pd.Series(both.array.take(take), index=treated.index, name=c)
     if isinstance(sensitive, dict):
         original = original.assign(__identity=1)
         treated = treated.assign(__identity=1)
