@@ -370,8 +370,7 @@ class SurveyDesign:
             return np.full(R, 1.0 / R)
         # jkn: the stratum of the PSU deleted in replicate r gives (n_h - 1)/n_h (no strata:
         # one stratum; no psu: each record is a PSU)
-        # PSUs x R
-        psu_sum = sparse_times(self._P, self.W)
+        psu_sum = sparse_times(self._P, self.W)  # PSUs x R
         zero = psu_sum == 0
         ok = zero.any(axis=0)
         if not ok.all():
