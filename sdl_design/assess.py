@@ -32,6 +32,7 @@ from sdl_design.design import (
     DesignError,
     SurveyDesign,
     dense_codes,
+    first_of,
     group_indicator,
     pair_replicate_totals,
     resolve_replicates,
@@ -368,8 +369,7 @@ def _profiles(
         prof = np.zeros(n, dtype=np.int64)
         for c in coding.values():
             prof = dense_codes(prof * len(c.categories) + c.codes[f])[1]
-        first = np.zeros(int(prof.max(initial=-1)) + 1, dtype=np.int64)
-        first[prof[::-1]] = np.arange(n)[::-1]
+        first = first_of(prof, int(prof.max(initial=-1)) + 1)
         prof_rec.append(prof)
         firsts.append(first)
     at = {

@@ -38,6 +38,13 @@ def dense_codes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero(present), (np.cumsum(present) - 1)[x]
 
 
+def first_of(codes: np.ndarray, m: int) -> np.ndarray:
+    """The index of the first record of each code 0..m-1 (every code present)."""
+    first = np.zeros(m, dtype=np.int64)
+    first[codes[::-1]] = np.arange(len(codes))[::-1]
+    return first
+
+
 def group_indicator(of: np.ndarray, P: int) -> sp.csc_matrix:
     """The P x n indicator of records' groups (record i in group of[i]) as CSC: one entry per
     column, built without a sort. `indicator @ a` sums the rows of a (n x k) by group in
@@ -287,8 +294,7 @@ class SurveyDesign:
         F' (PSU totals), a G x R x k product instead of n x R x k. None otherwise (e.g. after
         replicate recalibration), and the full product W' y is used."""
         if self._F_cache is None:
-            first = np.zeros(self.n_psu, dtype=np.int64)
-            first[self.g[::-1]] = np.arange(self.n)[::-1]  # first record of each PSU
+            first = first_of(self.g, self.n_psu)  # first record of each PSU
             F = self.W[first] / self.w[first, None]
             tol = 1e-13 * max(float(F.max(initial=0.0)), 1.0)
             self._F_cache = (F if self._factors_equal(self.g, F, tol) else None,)
@@ -342,8 +348,7 @@ class SurveyDesign:
         if G > self.n // 4:
             return None
         codes = codes.astype(np.int64)
-        first = np.zeros(G, dtype=np.int64)
-        first[codes[::-1]] = np.arange(self.n)[::-1]
+        first = first_of(codes, G)
         F = self.W[first] / self.w[first, None]
         tol = 1e-12 * max(float(F.max(initial=0.0)), 1.0)
         if not self._factors_equal(codes, F, tol):  # every record's factors equal its group's

@@ -19,6 +19,8 @@ import pandas as pd
 import scipy.sparse as sp
 from scipy.linalg import solve_triangular
 
+from sdl_design.design import first_of
+
 if TYPE_CHECKING:
     from sdl_design.design import SurveyDesign
 
@@ -153,9 +155,7 @@ def distinct_rows(A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     for j in range(A.shape[1]):
         c, u = pd.factorize(A[:, j])
         g = pd.factorize(g * len(u) + c)[0]
-    m = int(g.max(initial=-1)) + 1
-    first = np.zeros(m, dtype=np.int64)
-    first[g[::-1]] = np.arange(len(g))[::-1]
+    first = first_of(g, int(g.max(initial=-1)) + 1)
     return A[first], g
 
 

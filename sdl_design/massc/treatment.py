@@ -10,7 +10,7 @@ from typing import Literal
 import numpy as np
 import pandas as pd
 
-from sdl_design.design import SurveyDesign
+from sdl_design.design import SurveyDesign, first_of
 from sdl_design.keys import key_categorical, key_frame
 from sdl_design.massc.common import KeyLike, MasscError, _codes, _combine, _key_specs
 from sdl_design.massc.donors import Donors, find_donors, substitute
@@ -479,8 +479,7 @@ def domain_margins(
         both = pd.concat([b2[cols], original[cols]], ignore_index=True)
         cell = domain_cells(both, specs)
         n_c = int(cell.max()) + 1 if len(cell) else 0
-        first = np.zeros(n_c, dtype=np.int64)  # the first record of each cell
-        first[cell[::-1]] = np.arange(len(cell))[::-1]
+        first = first_of(cell, n_c)
         cells.append((both.iloc[first], cell, n_c))  # a record per cell kept, for its label
     if replicates:  # replicate totals of every cell of every domain: one pass per file
         sizes = [n_c for _, _, n_c in cells]
