@@ -1022,9 +1022,11 @@ def _psu_leak(
     )
     if not reps or not d.psu or d.psu not in original.columns:
         return {}
-    psu = original[d.psu].astype(str)
-    if d.strata and d.strata in original.columns:
-        psu = original[d.strata].astype(str) + "/" + psu
+    psu = pd.factorize(original[d.psu], use_na_sentinel=False)[0].astype(np.int64)
+    if d.strata and d.strata in original.columns:  # PSU labels are unique within strata
+        h = pd.factorize(original[d.strata], use_na_sentinel=False)[0]
+        psu = h * (int(psu.max(initial=0)) + 1) + psu
+    psu = pd.Series(psu, index=original.index)
     return {"psu_recoverable": psu_recoverable(released, psu, reps)}
 
 

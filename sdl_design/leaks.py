@@ -188,6 +188,25 @@ def drop_unused_levels(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def zero_patterns(df: pd.DataFrame, columns: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Codes 0..m-1 of the distinct sets of zero columns among the records with at least one
+    zero, and which records have one: the columns read one at a time into 64-bit words, the
+    words hashed (pd.factorize), never an n x R float copy or a sort of the rows."""
+    n = len(df)
+    words = []
+    for a in range(0, len(columns), 64):
+        word = np.zeros(n, dtype=np.uint64)
+        for j, c in enumerate(columns[a : a + 64]):
+            word |= (df[c].to_numpy(dtype=float) == 0).astype(np.uint64) << np.uint64(j)
+        words.append(word)
+    has_zero = np.logical_or.reduce([w != 0 for w in words])
+    code = np.zeros(int(has_zero.sum()), dtype=np.int64)
+    for w in words:  # codes of (pattern so far, next word) pairs, renumbered densely
+        w_codes, w_levels = pd.factorize(w[has_zero])
+        code = pd.factorize(code * len(w_levels) + w_codes)[0]
+    return code, has_zero
+
+
 def psu_recoverable(
     released: pd.DataFrame,
     original_psu: pd.Series,
@@ -202,15 +221,11 @@ def psu_recoverable(
     index (the original PSU of each released record)."""
     if not replicate_columns or len(released) == 0:
         return 0.0
-    zero = released[replicate_columns].to_numpy(dtype=float) == 0
-    has_zero = zero.any(axis=1)
+    pattern, has_zero = zero_patterns(released, replicate_columns)
     psu, _ = pd.factorize(original_psu.reindex(released.index), use_na_sentinel=False)
     n_psu = int(psu.max()) + 1
     if not has_zero.any():
         return 0.0
-    packed = np.ascontiguousarray(np.packbits(zero[has_zero], axis=1))
-    rows = packed.view(np.dtype((np.void, packed.shape[1]))).ravel()
-    pattern = np.unique(rows, return_inverse=True)[1].ravel()
     p = psu[has_zero]
     n_pat = int(pattern.max()) + 1
     cell = pattern.astype(np.int64) * n_psu + p

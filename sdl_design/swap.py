@@ -266,7 +266,7 @@ def _candidate_lists(
         rows = members  # segments whose k partners are not found yet
         k1 = min(kq, k + max(16, k // 4))
         for kk in (k1, kq) if k1 < kq else (kq,):
-            _, idx = tree.query(f[rows], k=kk)
+            _, idx = tree.query(f[rows], k=kk, workers=-1)  # rows split over the cores
             idx = members[np.asarray(idx).reshape(len(rows), kk)]
             me = rows[:, None]
             valid = seg_psu[idx] != seg_psu[me]

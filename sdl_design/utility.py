@@ -99,6 +99,24 @@ def deff_class_summary(
     return out
 
 
+def _text_codes(codes: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, labels) with labels that print the same merged: the records' text labels
+    labels[codes] as codes into distinct labels."""
+    merged, distinct = pd.factorize(labels)
+    return merged[codes], np.asarray(distinct, dtype=object)
+
+
+def _sorted_categorical(codes: np.ndarray, labels: np.ndarray, index: pd.Index) -> pd.Series:
+    """labels[codes] as a categorical whose categories are the labels present, sorted (the
+    order a sorted factorization of the text gives)."""
+    present = np.flatnonzero(np.bincount(codes, minlength=len(labels)))
+    order = present[np.argsort(labels[present], kind="stable")]
+    rank = np.full(len(labels), -1, dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    cats = pd.Index(labels[order], dtype=object)
+    return pd.Series(pd.Categorical.from_codes(rank[codes], categories=cats), index=index)
+
+
 @dataclass
 class Characteristics:
     """A broad set of characteristics for SE checks: means of numeric/binary variables,
@@ -128,38 +146,49 @@ def broad_characteristics(
     domains: columns of df, or KeySpecs (e.g. the spec's keys) whose bins or map coarsen them
     (none by default); a domain variable with more than max_categories categories is left out.
     """
-    from sdl_design.keys import key_frame
+    from sdl_design.keys import key_levels
+    from sdl_design.spec import KeySpec
 
     skip = set(exclude)
     if design:
         skip |= {design.get(k) for k in ("weight", "strata", "psu", "segment")}
         skip |= set(design.get("replicate_weights") or [])
-    numeric, categorical = [], []
+    numeric, categorical = [], {}
     for c in df.columns:
         if c in skip:
             continue
         s = df[c]
-        if s.isna().all() or s.nunique(dropna=True) < 2:
-            continue
         if pd.api.types.is_bool_dtype(s) or pd.api.types.is_numeric_dtype(s):
-            numeric.append(c)
-        elif s.nunique(dropna=True) <= max_categories:
-            categorical.append(c)
+            x = s.to_numpy(dtype=float, na_value=np.nan)  # two distinct values: min < max
+            if not np.isnan(x).all() and np.nanmin(x) < np.nanmax(x):
+                numeric.append(c)
+            continue
+        codes, uniq = pd.factorize(s)  # missing: -1
+        if 2 <= len(uniq) <= max_categories:
+            categorical[c] = (codes, uniq)
     extra: dict[str, pd.Series] = {}
     kinds = dict.fromkeys(numeric, "mean")
-    for c in categorical:
-        for v in sorted(df[c].dropna().unique(), key=str):
-            name = f"{c}={v}"
-            extra[name] = (df[c] == v).astype(float)
+    for c, (codes, uniq) in categorical.items():
+        for i in sorted(range(len(uniq)), key=lambda i: str(uniq[i])):
+            name = f"{c}={uniq[i]}"
+            extra[name] = pd.Series((codes == i).astype(float), index=df.index)
             kinds[name] = "proportion"
-    dom = key_frame(df, list(domains)).astype(str)
-    dom = dom[[c for c in dom.columns if dom[c].nunique() <= max_categories]]
-    names = [f"_dom_{c}" for c in dom.columns]
-    for name, c in zip(names, dom.columns, strict=True):
-        extra[name] = dom[c]
-    if cross and len(names) >= 2:
-        a, b = dom.columns[:2]
-        extra[f"_dom_{a}:{b}"] = dom[a] + ":" + dom[b]
+    names = []
+    dom_codes = {}
+    for k in domains:  # each record's recoded label as text, held as codes into sorted labels
+        k = KeySpec(name=k) if isinstance(k, str) else k
+        codes, levels = key_levels(df[k.name], k)
+        labels = np.array([str(v) for v in levels], dtype=object)
+        if len(np.unique(labels)) <= max_categories:
+            dom_codes[k.name] = _text_codes(codes, labels)
+    for name, (codes, labels) in dom_codes.items():
+        extra[f"_dom_{name}"] = _sorted_categorical(codes, labels, df.index)
+        names.append(f"_dom_{name}")
+    if cross and len(dom_codes) >= 2:
+        (a, (ca, la)), (b, (cb, lb)) = list(dom_codes.items())[:2]
+        pair = ca * len(lb) + cb
+        labels = (la[:, None] + ":" + lb[None, :]).ravel()
+        extra[f"_dom_{a}:{b}"] = _sorted_categorical(*_text_codes(pair, labels), df.index)
         names.append(f"_dom_{a}:{b}")
     return Characteristics(
         extra=pd.DataFrame(extra, index=df.index),

@@ -26,7 +26,7 @@ from flows.public_files import (
     write_csv,
     write_public_files,
 )
-from sdl_design.leaks import label_purity, psu_recoverable
+from sdl_design.leaks import label_purity, psu_recoverable, zero_patterns
 from sdl_design.spec import SpecError, parse_spec
 from sdl_design.stage import StageContext
 from sdl_design.synth import make_survey
@@ -329,6 +329,23 @@ def test_psu_recoverable_hand_example():
     assert psu_recoverable(rel, psu, list(rel.columns)) == pytest.approx(2 / 4)
     assert psu_recoverable(rel, psu, list(rel.columns), coverage=0.6) == pytest.approx(1 / 4)
     assert psu_recoverable(rel.assign(r1=1.0), psu, ["r1"]) == 0.0
+
+
+def test_zero_patterns_match_a_sort_of_the_rows():
+    """Two 64-bit words (130 columns): records share a code exactly when their zero sets are
+    equal (np.unique over the boolean rows), and records without a zero get none."""
+    rng = np.random.default_rng(5)
+    n, R = 3000, 130
+    base = rng.random((40, R)) < 0.03  # 40 zero sets, some empty, shared by many records
+    zero = base[rng.integers(0, 40, n)]
+    zero[rng.integers(0, n, 30), rng.integers(0, R, 30)] = True  # and a few of their own
+    df = pd.DataFrame(np.where(zero, 0.0, 1.5), columns=[f"r{j}" for j in range(R)])
+    code, has_zero = zero_patterns(df, list(df.columns))
+    assert np.array_equal(has_zero, zero.any(axis=1))
+    inv = np.unique(zero[has_zero], axis=0, return_inverse=True)[1].ravel()
+    assert code.max() + 1 == inv.max() + 1
+    pairs = np.unique(np.c_[code, inv], axis=0)  # a one-to-one map between the two codings
+    assert len(pairs) == inv.max() + 1
 
 
 def test_psu_gate_fails_when_original_replicates_are_published(survey):
