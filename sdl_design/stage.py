@@ -90,6 +90,9 @@ class StageContext:
     ):
         self.original, self.spec, self.stage = original, spec, stage
         self.previous: list[StageResult] = list(previous or [])  # results of the earlier stages
+        # what several stages compute from the original file alone (e.g. its SE table), kept
+        # for the release: every stage's context shares this dict
+        self.shared: dict = {}
 
     @property
     def masked_design(self) -> bool:
@@ -130,13 +133,14 @@ class StageContext:
     def for_stage(self, name: str, previous: list[StageResult] | None = None) -> StageContext:
         """The same context for another stage (shares the cached original design)."""
         ctx = StageContext(self.original, self.spec, name, previous)
+        ctx.shared = self.shared
         if "design" in self.__dict__:
             ctx.__dict__["design"] = self.__dict__["design"]
         return ctx
 
     def __getstate__(self) -> dict:  # ship without the cached design and earlier results
         state = {k: v for k, v in self.__dict__.items() if k != "design"}
-        state["previous"] = []
+        state["previous"], state["shared"] = [], {}
         return state
 
 

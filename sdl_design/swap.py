@@ -756,17 +756,25 @@ class SwapStage:
         from sdl_design.stage import StageResult
         from sdl_design.utility import (
             broad_characteristics,
+            original_characteristics,
             original_domain_se,
+            se_exclude,
             se_ratio_metrics,
         )
 
         st, spec = self.section, self.spec
-        design = SurveyDesign.from_spec(df, spec.design)
-        dc = design_columns(design)
-        exclude = [c for c in (*spec.variables.direct_identifiers, spec.design.household) if c]
-        chars = broad_characteristics(
-            df, design=dc, exclude=exclude, domains=spec.variables.keys[:2]
-        )
+        if df is ctx.original:  # the original's SE table, kept for later stages
+            design = ctx.design
+            chars, original_se = original_characteristics(ctx, se_exclude(spec))
+        else:
+            design = SurveyDesign.from_spec(df, spec.design)
+            chars = broad_characteristics(
+                df,
+                design=design_columns(design),
+                exclude=se_exclude(spec),
+                domains=spec.variables.keys[:2],
+            )
+            original_se = original_domain_se(df, design_columns(design), chars)
         kw = dict(
             max_share=st.max_share,
             cumulative=st.cumulative,
@@ -774,7 +782,7 @@ class SwapStage:
             replicate_method=st.replicate_method,
             rho=st.rho,
             characteristics=chars,
-            original_se=original_domain_se(df, dc, chars),  # once for both methods
+            original_se=original_se,  # once for both methods
         )
         res = swap_segments(
             df, design, st.matching, st.rate, method=st.method, seed=ctx.rng("swap"), **kw

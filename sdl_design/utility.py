@@ -302,6 +302,32 @@ def original_domain_se(
     )
 
 
+def original_characteristics(
+    ctx: Any, exclude: Sequence[str]
+) -> tuple[Characteristics, pd.DataFrame]:
+    """The broad characteristics of the original file (its design columns and `exclude` left
+    out; domains: the first two keys) and their original_domain_se in the original design
+    (ctx.design), computed once per release (ctx.shared): the original side of every stage's
+    SE table. A stage that leaves out more variables gets them dropped by se_ratio_table's
+    match with its masked side, so the smallest exclude serves them all."""
+    from sdl_design.swap import design_columns
+
+    key = ("original_se", tuple(sorted(set(exclude))))
+    if key not in ctx.shared:
+        dc = design_columns(ctx.design)
+        chars = broad_characteristics(
+            ctx.original, design=dc, exclude=exclude, domains=ctx.spec.variables.keys[:2]
+        )
+        ctx.shared[key] = (chars, original_domain_se(ctx.original, dc, chars))
+    return ctx.shared[key]
+
+
+def se_exclude(spec: Any) -> list[str]:
+    """Variables no SE table characterizes: direct identifiers and the household label."""
+    d, v = spec.design, spec.variables
+    return [c for c in (*v.direct_identifiers, d.household) if c]
+
+
 def se_ratio_table(
     original: pd.DataFrame,
     masked: pd.DataFrame,
@@ -381,16 +407,14 @@ class FinalStage:
         from sdl_design.swap import design_columns
 
         spec, original = self.spec, ctx.original
-        d = spec.design
-        v = spec.variables
-        exclude = [*v.direct_identifiers, *v.other.drop, *([d.household] if d.household else [])]
+        exclude = [*se_exclude(spec), *spec.variables.other.drop]
         # the released file's design (validated here); only its columns are kept, so that its
         # replicate matrix is gone before the SE table builds its own
         pub = design_columns(SurveyDesign.from_spec(df, ctx.public_design()))
         doms = spec.variables.keys[:2]
-        chars = broad_characteristics(
-            original, design=design_columns(ctx.design), exclude=exclude, domains=doms
-        )
+        # the original side as the swap computed it (other.drop's variables, not released,
+        # fall out of the match with the released side)
+        chars, original_se = original_characteristics(ctx, se_exclude(spec))
         chars_released = broad_characteristics(df, design=pub, exclude=exclude, domains=doms)
         out = se_ratio_table(
             original,
@@ -402,15 +426,17 @@ class FinalStage:
             pub["rho"],
             chars_masked=chars_released,
             masked_design=pub,
+            original_se=original_se,
         )
         metrics = se_ratio_metrics(out)
         keys = spec.variables.keys
         before = (risk_strata(original, keys) == "U").mean()
         after = (risk_strata(df, keys) == "U").mean()
         common = df.index.intersection(original.index)
-        changed = (key_frame(df.loc[common], keys) != key_frame(original.loc[common], keys)).any(
-            axis=1
-        )
+        names = [k if isinstance(k, str) else k.name for k in keys]  # only the keys are taken
+        changed = (
+            key_frame(df.loc[common, names], keys) != key_frame(original.loc[common, names], keys)
+        ).any(axis=1)
         metrics.update(
             {
                 "n_characteristics": float(len(out)),

@@ -50,3 +50,55 @@ def test_domains_from_keys():
     assert not t.index.get_level_values("domain").str.startswith("parish").any()
     chars = broad_characteristics(df, domains=keys, max_categories=50, cross=False)
     assert chars.domains == ["_dom_years", "_dom_gender", "_dom_parish"]
+
+
+def test_final_stage_reads_the_original_se_table_the_swap_computed(monkeypatch):
+    """The original side of the SE tables is computed once per release (ctx.shared): the final
+    stage reuses the swap's, and its table equals the one it computes alone with its own
+    characteristics (pregnant dropped from the public file: its rows fall out of the match)."""
+    import yaml
+    from helpers import DEFAULT_SPEC
+
+    import sdl_design.utility as utility
+    from sdl_design.spec import parse_spec
+    from sdl_design.stage import StageContext
+    from sdl_design.swap import SwapStage, design_columns
+    from sdl_design.synth import make_survey
+    from sdl_design.utility import FinalStage, se_ratio_table
+
+    data = yaml.safe_load(DEFAULT_SPEC.read_text())
+    data["variables"]["other"] = {"keep": ["education"], "drop": ["county", "pregnant"]}
+    data["stages"]["prb"]["variables"].remove("pregnant")
+    spec = parse_spec(data)
+    df = make_survey(3000, seed=2)
+    calls = []
+    real = utility.original_domain_se
+    monkeypatch.setattr(
+        utility, "original_domain_se", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    ctx = StageContext(df, spec)
+    swap = SwapStage.from_spec(spec).run(df, ctx.for_stage("swap"))
+    masked = swap.data.drop(columns=["pregnant"])
+    out = FinalStage.from_spec(spec).run(masked, ctx.for_stage("final", [swap]))
+    assert len(calls) == 1  # the swap's, reused by the final stage
+    # alone: the final stage's own characteristics (pregnant left out) on both sides
+    from sdl_design.design import SurveyDesign
+
+    exclude = ["person_id", "name", "household", "county", "pregnant"]
+    doms = spec.variables.keys[:2]
+    pub = design_columns(
+        SurveyDesign.from_spec(masked, ctx.for_stage("final", [swap]).public_design())
+    )
+    alone = se_ratio_table(
+        df,
+        masked,
+        design_columns(ctx.design),
+        pub["replicate_weights"],
+        broad_characteristics(df, design=design_columns(ctx.design), exclude=exclude, domains=doms),
+        pub["method"],
+        pub["rho"],
+        chars_masked=broad_characteristics(masked, design=pub, exclude=exclude, domains=doms),
+        masked_design=pub,
+    )
+    assert not alone["characteristic"].str.startswith("pregnant").any()
+    pd.testing.assert_frame_equal(out.tables["se_ratios"], alone, check_exact=False, rtol=1e-12)
