@@ -214,8 +214,9 @@ def type_input(df: pd.DataFrame, spec: ReleaseSpec, text: bool) -> pd.DataFrame:
     out = {}
     numeric = numeric_columns(spec, cols)
     categorical = text_columns(spec)
+    changed = False
     for c in df.columns:
-        s = df[c]
+        s = s0 = df[c]  # (df[c] is a new Series at every access: compare with this one)
         codes = missing.get(c)
         if codes:
             s = s.where(~_missing_mask(s, codes))
@@ -224,9 +225,10 @@ def type_input(df: pd.DataFrame, spec: ReleaseSpec, text: bool) -> pd.DataFrame:
         elif text and c not in categorical:
             s = _infer(s)
         out[c] = s
+        changed |= s is not s0
     if problems:
         raise SpecError(problems)
-    changed = any(out[c] is not df[c] for c in df.columns)
+    # an unchanged frame is returned as it is (rebuilding it copied every column: 2 s at 1M)
     return pd.DataFrame(out, index=df.index) if changed else df
 
 

@@ -350,3 +350,19 @@ def test_release_with_missing_key_and_study_variable(survey):
     # every cell with observed released records has an estimate
     assert np.isfinite(bmi.loc[bmi["n_released"] > 0, "estimate_released"]).all()
     assert (assess["level"].astype(str).str.contains("missing")).any()  # race: its own level
+
+
+def test_typing_leaves_a_typed_frame_alone_and_changes_only_what_it_must(survey):
+    """A frame whose columns already fit the spec comes back as it is (no copy of 1M records x
+    90 columns); a declared missing code is made missing in its column and nowhere else."""
+    from sdl_design.io import type_input
+
+    spec = parse_spec(yaml.safe_load(DEFAULT_SPEC.read_text()))
+    assert type_input(survey, spec, text=False) is survey
+    data = yaml.safe_load(DEFAULT_SPEC.read_text())
+    data["variables"]["missing"] = {"bmi": [-9]}
+    df = set_rows(survey, "bmi", [3, 7], -9.0)
+    typed = type_input(df, parse_spec(data), text=False)
+    assert typed is not df and typed["bmi"].isna().sum() == df["bmi"].isna().sum() + 2
+    assert np.isnan(typed["bmi"].to_numpy()[[3, 7]]).all()
+    pd.testing.assert_frame_equal(typed.drop(columns="bmi"), df.drop(columns="bmi"))
