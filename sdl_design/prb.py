@@ -668,6 +668,17 @@ def default_combos(variables: Sequence[str], extra: Sequence[str] = ()) -> list[
     return [*combinations(v, 2), *combinations(v, 3)]
 
 
+def _shared_codes(columns: Sequence[pd.Series]) -> tuple[list[np.ndarray], int]:
+    """The values of several files' versions of a column as codes into one set of levels
+    (-1: missing), and the number of levels."""
+    codes, levels = pd.factorize(pd.concat(list(columns), ignore_index=True))
+    out, at = [], 0
+    for c in columns:
+        out.append(codes[at : at + len(c)].astype(np.int64))
+        at += len(c)
+    return out, max(len(levels), 1)
+
+
 def tvd_table(
     original: pd.DataFrame,
     perturbed: Mapping[str, pd.DataFrame],
@@ -678,17 +689,37 @@ def tvd_table(
     used = list(dict.fromkeys(c for cols in combos for c in cols))
     keep = list(dict.fromkeys([*used, weight]))
     names = list(perturbed)
-    # every column factorized once, not once per combination and file
-    original, *frames = shared_categories(
-        [original[keep], *(perturbed[k][keep] for k in names)], used
-    )
+    files = [original[keep], *(perturbed[k][keep] for k in names)]
+    # every column coded once, the same codes in every file (-1: missing, left out as groupby
+    # leaves it out); a joint distribution is then one bincount per combination and file
+    coded = {c: _shared_codes([f[c] for f in files]) for c in used}
+    w = [f[weight].to_numpy(dtype=float) for f in files]
     rows = []
     for cols in combos:
         cols = list(cols)
-        p0 = weighted_distribution(original, cols, weight)
-        row = {"variables": ", ".join(cols), "cells": len(p0)}
-        for name, d in zip(names, frames, strict=True):
-            row[name] = tvd(p0, weighted_distribution(d, cols, weight))
+        size = int(np.prod([coded[c][1] for c in cols], dtype=float))
+        if size > 50_000_000:  # too many cells to count densely: the groupby
+            p0 = weighted_distribution(files[0], cols, weight)
+            row = {"variables": ", ".join(cols), "cells": len(p0)}
+            for name, d in zip(names, files[1:], strict=True):
+                row[name] = tvd(p0, weighted_distribution(d, cols, weight))
+            rows.append(row)
+            continue
+        dist = []
+        for j in range(len(files)):
+            cell = np.zeros(len(w[j]), dtype=np.int64)
+            ok = np.ones(len(w[j]), dtype=bool)
+            for c in cols:
+                codes, m = coded[c][0][j], coded[c][1]
+                cell = cell * m + codes
+                ok &= codes >= 0
+            p = np.bincount(cell[ok], weights=w[j][ok], minlength=size)
+            if j == 0:
+                n_cells = int((np.bincount(cell[ok], minlength=size) > 0).sum())
+            dist.append(p / p.sum())
+        row = {"variables": ", ".join(cols), "cells": n_cells}
+        for name, p in zip(names, dist[1:], strict=True):
+            row[name] = 0.5 * float(np.abs(dist[0] - p).sum())
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -99,6 +99,24 @@ def test_prb_beats_nzy_on_weighted_distributions(survey):
     assert tab["prb"].mean() < 0.9 * tab["nzy"].mean()
 
 
+def test_tvd_table_equals_the_groupby_distributions(survey):
+    """Table 6 from shared codes and bincounts equals TVD of pandas groupby distributions
+    (weighted_distribution), cell counts included, with missing values left out."""
+    from sdl_design.utility import tvd, weighted_distribution
+
+    prb = post_randomize(survey, C, 0.395, "wt", PART, seed=7, method="prb").data
+    prb = prb.assign(education=prb["education"].mask(prb.index % 11 == 0))  # some missing
+    combos = default_combos(["race", "marital", "region", "education"], ["diabetes"])
+    tab = tvd_table(survey, {"prb": prb}, combos, "wt").set_index("variables")
+    for cols in combos:
+        p0 = weighted_distribution(survey, list(cols), "wt")
+        row = tab.loc[", ".join(cols)]
+        assert row["cells"] == len(p0)
+        assert row["prb"] == pytest.approx(
+            tvd(p0, weighted_distribution(prb, list(cols), "wt")), abs=1e-14
+        )
+
+
 def test_same_seed_identical(survey):
     a = post_randomize(survey, C, 0.395, "wt", PART, seed=9).data
     b = post_randomize(survey, C, 0.395, "wt", PART, seed=9).data
