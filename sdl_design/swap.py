@@ -756,24 +756,23 @@ class SwapStage:
         from sdl_design.stage import StageResult
         from sdl_design.utility import (
             broad_characteristics,
-            original_characteristics,
             original_domain_se,
+            original_se_table,
             se_exclude,
             se_ratio_metrics,
         )
 
         st, spec = self.section, self.spec
+        design = ctx.design if df is ctx.original else SurveyDesign.from_spec(df, spec.design)
+        chars = broad_characteristics(
+            df,
+            design=design_columns(design),
+            exclude=se_exclude(spec),
+            domains=spec.variables.keys[:2],
+        )
         if df is ctx.original:  # the original's SE table, kept for later stages
-            design = ctx.design
-            chars, original_se = original_characteristics(ctx, se_exclude(spec))
+            original_se = original_se_table(ctx, se_exclude(spec), chars)
         else:
-            design = SurveyDesign.from_spec(df, spec.design)
-            chars = broad_characteristics(
-                df,
-                design=design_columns(design),
-                exclude=se_exclude(spec),
-                domains=spec.variables.keys[:2],
-            )
             original_se = original_domain_se(df, design_columns(design), chars)
         kw = dict(
             max_share=st.max_share,

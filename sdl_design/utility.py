@@ -302,23 +302,25 @@ def original_domain_se(
     )
 
 
-def original_characteristics(
-    ctx: Any, exclude: Sequence[str]
-) -> tuple[Characteristics, pd.DataFrame]:
-    """The broad characteristics of the original file (its design columns and `exclude` left
-    out; domains: the first two keys) and their original_domain_se in the original design
-    (ctx.design), computed once per release (ctx.shared): the original side of every stage's
-    SE table. A stage that leaves out more variables gets them dropped by se_ratio_table's
-    match with its masked side, so the smallest exclude serves them all."""
+def original_se_table(
+    ctx: Any, exclude: Sequence[str], chars: Characteristics | None = None
+) -> pd.DataFrame:
+    """original_domain_se of the original file in its design (ctx.design) for its broad
+    characteristics (its design columns and `exclude` left out; domains: the first two keys;
+    chars: those characteristics when already built), computed once per release and kept in
+    ctx.shared (the table only, not the characteristics' indicator columns): the original side
+    of every stage's SE table. A stage that leaves out more variables gets them dropped by
+    se_ratio_table's match with its masked side, so the smallest exclude serves them all."""
     from sdl_design.swap import design_columns
 
     key = ("original_se", tuple(sorted(set(exclude))))
     if key not in ctx.shared:
         dc = design_columns(ctx.design)
-        chars = broad_characteristics(
-            ctx.original, design=dc, exclude=exclude, domains=ctx.spec.variables.keys[:2]
-        )
-        ctx.shared[key] = (chars, original_domain_se(ctx.original, dc, chars))
+        if chars is None:
+            chars = broad_characteristics(
+                ctx.original, design=dc, exclude=exclude, domains=ctx.spec.variables.keys[:2]
+            )
+        ctx.shared[key] = original_domain_se(ctx.original, dc, chars)
     return ctx.shared[key]
 
 
@@ -414,14 +416,14 @@ class FinalStage:
         doms = spec.variables.keys[:2]
         # the original side as the swap computed it (other.drop's variables, not released,
         # fall out of the match with the released side)
-        chars, original_se = original_characteristics(ctx, se_exclude(spec))
+        original_se = original_se_table(ctx, se_exclude(spec))
         chars_released = broad_characteristics(df, design=pub, exclude=exclude, domains=doms)
         out = se_ratio_table(
             original,
             df,
             design_columns(ctx.design),
             pub["replicate_weights"],
-            chars,
+            chars_released,
             pub["method"],
             pub["rho"],
             chars_masked=chars_released,
