@@ -79,9 +79,37 @@ def pair_replicate_totals(
     return out
 
 
+def _block_rows(df: pd.DataFrame, cols: Sequence[str]) -> np.ndarray | None:
+    """The columns as a read-only (records x columns) Fortran view of the frame's own float
+    block when they lie in it side by side in this order (replicate weights as read from a
+    file), else None: no copy of n x R values."""
+    mgr = getattr(df, "_mgr", None)
+    if mgr is None or not len(cols) or not df.columns.is_unique:
+        return None
+    try:
+        locs = df.columns.get_indexer(list(cols))
+        blkno, blkloc = mgr.blknos[locs], mgr.blklocs[locs]
+    except (AttributeError, TypeError, IndexError):
+        return None
+    if (locs < 0).any() or (blkno != blkno[0]).any() or (np.diff(blkloc) != 1).any():
+        return None
+    values = mgr.blocks[int(blkno[0])].values
+    if not isinstance(values, np.ndarray) or values.dtype != np.float64 or values.ndim != 2:
+        return None
+    rows = values[int(blkloc[0]) : int(blkloc[-1]) + 1]  # columns x records, C order
+    if not rows.flags.c_contiguous:
+        return None
+    out = rows.T
+    out.flags.writeable = False
+    return out
+
+
 def _fortran_columns(df: pd.DataFrame, cols: Sequence[str]) -> np.ndarray:
     """df[cols] as a column-major float matrix: a view of the frame's block when the columns
     are one float block, else filled a column at a time (no row-major copy on the way)."""
+    view = _block_rows(df, cols)
+    if view is not None:
+        return view
     sub = df[list(cols)]
     blocks = getattr(getattr(sub, "_mgr", None), "blocks", None)
     if blocks is not None and len(blocks) == 1 and all(d == np.float64 for d in sub.dtypes):

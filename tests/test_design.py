@@ -526,3 +526,24 @@ def test_replicate_se_by_domain_equals_numpy_per_domain(recalibrated):
             rows = got.xs(lev, level="race")
             np.testing.assert_allclose(rows["estimate"].to_numpy(), est, rtol=1e-12)
             np.testing.assert_allclose(rows["se"].to_numpy(), se, rtol=1e-10)
+
+
+def test_replicate_weights_side_by_side_in_a_block_are_read_in_place():
+    """Replicate columns that sit side by side in the frame's float block are W without a
+    copy (a read-only view, equal to the values); shuffled, interleaved or split columns are
+    copied, with the same values."""
+    from sdl_design.design import _block_rows, _fortran_columns
+
+    rng = np.random.default_rng(3)
+    df = pd.DataFrame(rng.random((50, 8)), columns=[f"c{j}" for j in range(8)])
+    df["s"], df["i"] = "x", 1
+    W = _fortran_columns(df, ["c2", "c3", "c4"])
+    assert W.flags.f_contiguous and not W.flags.writeable
+    assert np.shares_memory(W, df._mgr.blocks[0].values)
+    assert np.array_equal(W, df[["c2", "c3", "c4"]].to_numpy())
+    for cols in (["c4", "c3"], ["c2", "c4"], ["c2", "i"]):
+        assert _block_rows(df, cols) is None
+        V = _fortran_columns(df, cols)
+        assert V.flags.f_contiguous and np.array_equal(V, df[cols].to_numpy(dtype=float))
+    split = df.assign(c3=0.5)  # a replaced column leaves the block
+    assert np.array_equal(_fortran_columns(split, ["c2", "c3", "c4"])[:, 1], np.full(50, 0.5))
