@@ -38,6 +38,17 @@ def dense_codes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero(present), (np.cumsum(present) - 1)[x]
 
 
+def sorted_codes(x: pd.Series | np.ndarray) -> np.ndarray:
+    """pd.factorize(x, sort=True)[0] as int64: by counting (dense_codes) for numpy integers,
+    their range shifted to start at 0; by pandas for anything else (strings, categoricals)."""
+    v = x if isinstance(x, np.ndarray) else x.array
+    if isinstance(v, np.ndarray | pd.arrays.NumpyExtensionArray):
+        v = np.asarray(v)
+        if v.dtype.kind in "iu" and len(v) and int(v.max()) - (lo := int(v.min())) < 2**62:
+            return dense_codes(v.astype(np.int64) - lo)[1].astype(np.int64, copy=False)
+    return pd.factorize(x, sort=True)[0].astype(np.int64, copy=False)
+
+
 def first_of(codes: np.ndarray, m: int) -> np.ndarray:
     """The index of the first record of each code 0..m-1 (every code present)."""
     first = np.zeros(m, dtype=np.int64)
@@ -228,19 +239,18 @@ class SurveyDesign:
                 raise DesignError(
                     f"design: column '{c}' has missing values; every record needs one"
                 )
-        self.h = pd.factorize(df[strata], sort=True)[0] if strata else np.zeros(n, dtype=np.int64)
-        psu_vals = df[psu].to_numpy() if psu else np.arange(n)
-        p = pd.factorize(psu_vals, sort=True)[0].astype(np.int64)
+        self.h = sorted_codes(df[strata]) if strata else np.zeros(n, dtype=np.int64)
+        p = sorted_codes(df[psu]) if psu else np.arange(n, dtype=np.int64)
         m = int(p.max()) + 1 if n else 1
-        g, uniq = pd.factorize(self.h.astype(np.int64) * m + p, sort=True)  # PSU within stratum
+        uniq, g = dense_codes(self.h * m + p)  # PSU within stratum
         self.g = g.astype(np.int64)
         self.psu_h = (uniq // m).astype(np.int64)
         self.n_psu = len(self.psu_h)
         self.n_h = np.bincount(self.psu_h).astype(float)
         # records in PSU order (None when the file is already sorted by stratum and PSU)
         self._psu_order = None if (np.diff(g) >= 0).all() else np.argsort(g, kind="stable")
-        # sparse aggregation: records -> PSUs -> strata
-        self._P = sp.csr_matrix((np.ones(n), (self.g, np.arange(n))), shape=(self.n_psu, n))
+        # sparse aggregation: (records -> PSUs: _P, built when first asked for) PSUs -> strata
+        self._P_cache: sp.csr_matrix | None = None
         self._S = sp.csr_matrix(
             (np.ones(self.n_psu), (self.psu_h, np.arange(self.n_psu))),
             shape=(len(self.n_h), self.n_psu),
@@ -286,6 +296,16 @@ class SurveyDesign:
             method=rs.method if rw else None,
             rho=rs.rho if rw else None,
         )
+
+    @property
+    def _P(self) -> sp.csr_matrix:
+        """The PSUs x records indicator (PSU totals of record scores: _P @ z)."""
+        if self._P_cache is None:
+            n = self.n
+            self._P_cache = sp.csr_matrix(
+                (np.ones(n), (self.g, np.arange(n))), shape=(self.n_psu, n)
+            )
+        return self._P_cache
 
     @property
     def _F(self) -> np.ndarray | None:
@@ -571,7 +591,7 @@ class SurveyDesign:
 
         step = max(1, min(k, (1 << 17) // max(nd, 1)))  # ~1 MB blocks (measured best)
         if idx is None and xc is None and 50 * len(starts) <= nd:
-            redo = self._taylor_sorted(y, x, starts, psu_ids, psu_w, step, est, X, zt, ss)
+            redo = self._taylor_sorted(y, x, starts, psu_ids, psu_w, est, X, zt, ss)
             for a in np.flatnonzero(redo):  # columns where the one-pass sums cancel: centred path
                 run(int(a), int(a) + 1)
         else:
@@ -590,7 +610,6 @@ class SurveyDesign:
         starts: np.ndarray,
         psu_ids: np.ndarray,
         psu_w: np.ndarray,
-        step: int,
         est: np.ndarray,
         X: np.ndarray,
         zt: np.ndarray,
@@ -605,9 +624,12 @@ class SurveyDesign:
         for j, (a, b) in enumerate(zip(starts, ends, strict=True)):
             t[j] = yT[:, a:b] @ w[a:b]
         s2 = np.empty(y.k)
-        for a in range(0, y.k, step):
-            B = yT[a : a + step]
-            s2[a : a + step] = (B * B) @ w
+        rows = max(1, min(y.k, (1 << 18) // max(len(w), 1)))  # ~2 MB of squares at a time
+        sq = np.empty((rows, len(w)))  # one buffer: a new one per block costs page faults
+        for a in range(0, y.k, rows):
+            B = yT[a : a + rows]
+            np.multiply(B, B, out=sq[: len(B)])
+            s2[a : a + len(B)] = sq[: len(B)] @ w
         y._checked(s2[:, None], y.names)  # a missing value anywhere makes its sums NaN
         Y = t.sum(axis=0)
         mean = Y / Wd
