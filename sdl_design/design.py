@@ -72,6 +72,26 @@ def sparse_times(A: sp.spmatrix | sp.sparray, y: np.ndarray) -> np.ndarray:
     return np.asarray(A @ y)
 
 
+def psu_sums(
+    yT: np.ndarray, w: np.ndarray, starts: np.ndarray, squares: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """(t, s2) for variables yT (k x n) of records sorted by PSU (PSU j's records start at
+    starts[j]): t (PSUs x k) the PSU totals of w y, one GEMV per PSU; s2 (k) the sums of w y^2
+    (NaN when not squares), a few variables squared at a time into one buffer."""
+    k, n = yT.shape
+    t, s2 = np.empty((len(starts), k)), np.full(k, np.nan)
+    for j, (a, b) in enumerate(zip(starts.tolist(), [*starts[1:].tolist(), n], strict=True)):
+        t[j] = yT[:, a:b] @ w[a:b]
+    if squares:
+        rows = max(1, min(k, (1 << 18) // max(n, 1)))  # ~2 MB of squares at a time
+        sq = np.empty((rows, n))  # one buffer: a new one per block costs page faults
+        for a in range(0, k, rows):
+            B = yT[a : a + rows]
+            np.multiply(B, B, out=sq[: len(B)])
+            s2[a : a + len(B)] = sq[: len(B)] @ w
+    return t, s2
+
+
 def pair_replicate_totals(
     F: np.ndarray, grp: np.ndarray, cell: np.ndarray, S: np.ndarray, L: int
 ) -> np.ndarray:
@@ -306,6 +326,16 @@ class SurveyDesign:
                 (np.ones(n), (self.g, np.arange(n))), shape=(self.n_psu, n)
             )
         return self._P_cache
+
+    @property
+    def _sorted_psu_starts(self) -> np.ndarray | None:
+        """The first record of each PSU when the file is sorted by PSU and PSUs hold 50
+        records on average (then PSU totals are one GEMV per PSU), else None."""
+        if self._psu_order is not None:
+            return None
+        g = self.g
+        starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+        return starts if 50 * len(starts) <= self.n else None
 
     @property
     def _F(self) -> np.ndarray | None:
@@ -618,18 +648,8 @@ class SurveyDesign:
         """Totals or means of a file sorted by PSU: PSU totals by one GEMV per PSU and
         sum w y^2 by blocks (two passes over y, no centred copy); fills est, X, zt, ss and
         returns the columns whose one-pass sums lose more than 6 digits (to redo centred)."""
-        yT, w, Wd = y.data.T, self.w, self.w.sum()
-        ends = np.r_[starts[1:], len(w)]
-        t = np.empty((len(starts), y.k))
-        for j, (a, b) in enumerate(zip(starts, ends, strict=True)):
-            t[j] = yT[:, a:b] @ w[a:b]
-        s2 = np.empty(y.k)
-        rows = max(1, min(y.k, (1 << 18) // max(len(w), 1)))  # ~2 MB of squares at a time
-        sq = np.empty((rows, len(w)))  # one buffer: a new one per block costs page faults
-        for a in range(0, y.k, rows):
-            B = yT[a : a + rows]
-            np.multiply(B, B, out=sq[: len(B)])
-            s2[a : a + len(B)] = sq[: len(B)] @ w
+        w, Wd = self.w, self.w.sum()
+        t, s2 = psu_sums(y.data.T, w, starts)
         y._checked(s2[:, None], y.names)  # a missing value anywhere makes its sums NaN
         Y = t.sum(axis=0)
         mean = Y / Wd
@@ -653,15 +673,22 @@ class SurveyDesign:
         xm = None  # a ratio's denominator columns (None for totals and means)
         if isinstance(x, np.ndarray):
             xm = x if rows is None else x[rows]
-        Y = wm @ ym
+        fac = self._factors
+        t = None  # PSU totals of w y (PSUs x k) when the file is sorted by PSU
+        if fac is not None and rows is None and fac[0] is self.g and ym.flags.f_contiguous:
+            starts = self._sorted_psu_starts
+            t = None if starts is None else psu_sums(ym.T, wm, starts, squares=False)[0]
+        Y = wm @ ym if t is None else t.sum(axis=0)
         X = 1.0 if x is None else (wm.sum() if xm is None else wm @ xm)
         with np.errstate(divide="ignore", invalid="ignore"):
             est = Y / X
-        if (fac := self._factors) is not None:  # group (PSU) totals of w y and w x, then F'
+        if fac is not None:  # group (PSU) totals of w y and w x, then F'
             codes, G, F = fac
             gm = codes if rows is None else codes[rows]
-            Gw = sp.csc_matrix((wm, (gm, np.arange(len(wm)))), shape=(G, len(wm)))
-            theta_r = F.T @ sparse_times(Gw, ym)  # R x k
+            Gw = None
+            if t is None or xm is not None:
+                Gw = sp.csc_matrix((wm, (gm, np.arange(len(wm)))), shape=(G, len(wm)))
+            theta_r = F.T @ (sparse_times(Gw, ym) if t is None else t)  # R x k
             if x is None:
                 xr = None
             elif xm is None:
@@ -727,8 +754,9 @@ class SurveyDesign:
         levels, codes = self._domains(by)
         frames = []
         by_level = None
-        if vkind == "replicate":
-            ym, xm = y.full(), (x.full() if isinstance(x, _Columns) else x)
+        if vkind == "replicate":  # without domains, missing values are found from the sums
+            ym = y.data if codes is None else y.full()
+            xm = (x.data if codes is None else x.full()) if isinstance(x, _Columns) else x
             if codes is not None and self._factors is not None:  # every domain in one pass
                 by_level = self._replicate_by(ym, xm, codes, len(levels))
         for j, level in enumerate(levels):  # loop over domains only, never over variables
@@ -740,6 +768,10 @@ class SurveyDesign:
                 rows = None if codes is None else np.flatnonzero(codes == j)
                 est, se = self._replicate(ym, xm, rows)
                 deff = None
+                if rows is None and np.isnan(est).any():  # a missing value makes its sum NaN
+                    y.full()  # raises naming the columns
+                    if isinstance(x, _Columns):
+                        x.full()
             out = pd.DataFrame({"estimate": est, "se": se}, index=pd.Index(index, name="variable"))
             if deff is not None:
                 out["deff"] = deff
