@@ -772,9 +772,8 @@ class SurveyDesign:
                     y.full()  # raises naming the columns
                     if isinstance(x, _Columns):
                         x.full()
-            out = pd.DataFrame({"estimate": est, "se": se}, index=pd.Index(index, name="variable"))
-            if deff is not None:
-                out["deff"] = deff
+            cols = {"estimate": est, "se": se} | ({} if deff is None else {"deff": deff})
+            out = pd.DataFrame(cols, index=pd.Index(index, name="variable"))
             if by is not None:
                 out[by] = level
                 out = out.set_index(by, append=True)
