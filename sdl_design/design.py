@@ -38,6 +38,17 @@ def dense_codes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero(present), (np.cumsum(present) - 1)[x]
 
 
+def sorted_codes(x: pd.Series | np.ndarray) -> np.ndarray:
+    """pd.factorize(x, sort=True)[0] as int64: by counting (dense_codes) for numpy integers,
+    their range shifted to start at 0; by pandas for anything else (strings, categoricals)."""
+    v = x if isinstance(x, np.ndarray) else x.array
+    if isinstance(v, np.ndarray | pd.arrays.NumpyExtensionArray):
+        v = np.asarray(v)
+        if v.dtype.kind in "iu" and len(v) and int(v.max()) - (lo := int(v.min())) < 2**62:
+            return dense_codes(v.astype(np.int64) - lo)[1].astype(np.int64, copy=False)
+    return pd.factorize(x, sort=True)[0].astype(np.int64, copy=False)
+
+
 def first_of(codes: np.ndarray, m: int) -> np.ndarray:
     """The index of the first record of each code 0..m-1 (every code present)."""
     first = np.zeros(m, dtype=np.int64)
@@ -59,6 +70,26 @@ def sparse_times(A: sp.spmatrix | sp.sparray, y: np.ndarray) -> np.ndarray:
     if y.ndim == 2 and y.shape[1] > 1 and not y.flags.c_contiguous and y.flags.f_contiguous:
         return np.column_stack([A @ y[:, j] for j in range(y.shape[1])])
     return np.asarray(A @ y)
+
+
+def psu_sums(
+    yT: np.ndarray, w: np.ndarray, starts: np.ndarray, squares: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """(t, s2) for variables yT (k x n) of records sorted by PSU (PSU j's records start at
+    starts[j]): t (PSUs x k) the PSU totals of w y, one GEMV per PSU; s2 (k) the sums of w y^2
+    (NaN when not squares), a few variables squared at a time into one buffer."""
+    k, n = yT.shape
+    t, s2 = np.empty((len(starts), k)), np.full(k, np.nan)
+    for j, (a, b) in enumerate(zip(starts.tolist(), [*starts[1:].tolist(), n], strict=True)):
+        t[j] = yT[:, a:b] @ w[a:b]
+    if squares:
+        rows = max(1, min(k, (1 << 18) // max(n, 1)))  # ~2 MB of squares at a time
+        sq = np.empty((rows, n))  # one buffer: a new one per block costs page faults
+        for a in range(0, k, rows):
+            B = yT[a : a + rows]
+            np.multiply(B, B, out=sq[: len(B)])
+            s2[a : a + len(B)] = sq[: len(B)] @ w
+    return t, s2
 
 
 def pair_replicate_totals(
@@ -256,19 +287,18 @@ class SurveyDesign:
                 raise DesignError(
                     f"design: column '{c}' has missing values; every record needs one"
                 )
-        self.h = pd.factorize(df[strata], sort=True)[0] if strata else np.zeros(n, dtype=np.int64)
-        psu_vals = df[psu].to_numpy() if psu else np.arange(n)
-        p = pd.factorize(psu_vals, sort=True)[0].astype(np.int64)
+        self.h = sorted_codes(df[strata]) if strata else np.zeros(n, dtype=np.int64)
+        p = sorted_codes(df[psu]) if psu else np.arange(n, dtype=np.int64)
         m = int(p.max()) + 1 if n else 1
-        g, uniq = pd.factorize(self.h.astype(np.int64) * m + p, sort=True)  # PSU within stratum
+        uniq, g = dense_codes(self.h * m + p)  # PSU within stratum
         self.g = g.astype(np.int64)
         self.psu_h = (uniq // m).astype(np.int64)
         self.n_psu = len(self.psu_h)
         self.n_h = np.bincount(self.psu_h).astype(float)
         # records in PSU order (None when the file is already sorted by stratum and PSU)
         self._psu_order = None if (np.diff(g) >= 0).all() else np.argsort(g, kind="stable")
-        # sparse aggregation: records -> PSUs -> strata
-        self._P = sp.csr_matrix((np.ones(n), (self.g, np.arange(n))), shape=(self.n_psu, n))
+        # sparse aggregation: (records -> PSUs: _P, built when first asked for) PSUs -> strata
+        self._P_cache: sp.csr_matrix | None = None
         self._S = sp.csr_matrix(
             (np.ones(self.n_psu), (self.psu_h, np.arange(self.n_psu))),
             shape=(len(self.n_h), self.n_psu),
@@ -314,6 +344,26 @@ class SurveyDesign:
             method=rs.method if rw else None,
             rho=rs.rho if rw else None,
         )
+
+    @property
+    def _P(self) -> sp.csr_matrix:
+        """The PSUs x records indicator (PSU totals of record scores: _P @ z)."""
+        if self._P_cache is None:
+            n = self.n
+            self._P_cache = sp.csr_matrix(
+                (np.ones(n), (self.g, np.arange(n))), shape=(self.n_psu, n)
+            )
+        return self._P_cache
+
+    @property
+    def _sorted_psu_starts(self) -> np.ndarray | None:
+        """The first record of each PSU when the file is sorted by PSU and PSUs hold 50
+        records on average (then PSU totals are one GEMV per PSU), else None."""
+        if self._psu_order is not None:
+            return None
+        g = self.g
+        starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+        return starts if 50 * len(starts) <= self.n else None
 
     @property
     def _F(self) -> np.ndarray | None:
@@ -599,7 +649,7 @@ class SurveyDesign:
 
         step = max(1, min(k, (1 << 17) // max(nd, 1)))  # ~1 MB blocks (measured best)
         if idx is None and xc is None and 50 * len(starts) <= nd:
-            redo = self._taylor_sorted(y, x, starts, psu_ids, psu_w, step, est, X, zt, ss)
+            redo = self._taylor_sorted(y, x, starts, psu_ids, psu_w, est, X, zt, ss)
             for a in np.flatnonzero(redo):  # columns where the one-pass sums cancel: centred path
                 run(int(a), int(a) + 1)
         else:
@@ -618,7 +668,6 @@ class SurveyDesign:
         starts: np.ndarray,
         psu_ids: np.ndarray,
         psu_w: np.ndarray,
-        step: int,
         est: np.ndarray,
         X: np.ndarray,
         zt: np.ndarray,
@@ -627,15 +676,8 @@ class SurveyDesign:
         """Totals or means of a file sorted by PSU: PSU totals by one GEMV per PSU and
         sum w y^2 by blocks (two passes over y, no centred copy); fills est, X, zt, ss and
         returns the columns whose one-pass sums lose more than 6 digits (to redo centred)."""
-        yT, w, Wd = y.data.T, self.w, self.w.sum()
-        ends = np.r_[starts[1:], len(w)]
-        t = np.empty((len(starts), y.k))
-        for j, (a, b) in enumerate(zip(starts, ends, strict=True)):
-            t[j] = yT[:, a:b] @ w[a:b]
-        s2 = np.empty(y.k)
-        for a in range(0, y.k, step):
-            B = yT[a : a + step]
-            s2[a : a + step] = (B * B) @ w
+        w, Wd = self.w, self.w.sum()
+        t, s2 = psu_sums(y.data.T, w, starts)
         y._checked(s2[:, None], y.names)  # a missing value anywhere makes its sums NaN
         Y = t.sum(axis=0)
         mean = Y / Wd
@@ -659,15 +701,22 @@ class SurveyDesign:
         xm = None  # a ratio's denominator columns (None for totals and means)
         if isinstance(x, np.ndarray):
             xm = x if rows is None else x[rows]
-        Y = wm @ ym
+        fac = self._factors
+        t = None  # PSU totals of w y (PSUs x k) when the file is sorted by PSU
+        if fac is not None and rows is None and fac[0] is self.g and ym.flags.f_contiguous:
+            starts = self._sorted_psu_starts
+            t = None if starts is None else psu_sums(ym.T, wm, starts, squares=False)[0]
+        Y = wm @ ym if t is None else t.sum(axis=0)
         X = 1.0 if x is None else (wm.sum() if xm is None else wm @ xm)
         with np.errstate(divide="ignore", invalid="ignore"):
             est = Y / X
-        if (fac := self._factors) is not None:  # group (PSU) totals of w y and w x, then F'
+        if fac is not None:  # group (PSU) totals of w y and w x, then F'
             codes, G, F = fac
             gm = codes if rows is None else codes[rows]
-            Gw = sp.csc_matrix((wm, (gm, np.arange(len(wm)))), shape=(G, len(wm)))
-            theta_r = F.T @ sparse_times(Gw, ym)  # R x k
+            Gw = None
+            if t is None or xm is not None:
+                Gw = sp.csc_matrix((wm, (gm, np.arange(len(wm)))), shape=(G, len(wm)))
+            theta_r = F.T @ (sparse_times(Gw, ym) if t is None else t)  # R x k
             if x is None:
                 xr = None
             elif xm is None:
@@ -733,8 +782,9 @@ class SurveyDesign:
         levels, codes = self._domains(by)
         frames = []
         by_level = None
-        if vkind == "replicate":
-            ym, xm = y.full(), (x.full() if isinstance(x, _Columns) else x)
+        if vkind == "replicate":  # without domains, missing values are found from the sums
+            ym = y.data if codes is None else y.full()
+            xm = (x.data if codes is None else x.full()) if isinstance(x, _Columns) else x
             if codes is not None and self._factors is not None:  # every domain in one pass
                 by_level = self._replicate_by(ym, xm, codes, len(levels))
         for j, level in enumerate(levels):  # loop over domains only, never over variables
@@ -746,9 +796,12 @@ class SurveyDesign:
                 rows = None if codes is None else np.flatnonzero(codes == j)
                 est, se = self._replicate(ym, xm, rows)
                 deff = None
-            out = pd.DataFrame({"estimate": est, "se": se}, index=pd.Index(index, name="variable"))
-            if deff is not None:
-                out["deff"] = deff
+                if rows is None and np.isnan(est).any():  # a missing value makes its sum NaN
+                    y.full()  # raises naming the columns
+                    if isinstance(x, _Columns):
+                        x.full()
+            cols = {"estimate": est, "se": se} | ({} if deff is None else {"deff": deff})
+            out = pd.DataFrame(cols, index=pd.Index(index, name="variable"))
             if by is not None:
                 out[by] = level
                 out = out.set_index(by, append=True)

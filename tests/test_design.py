@@ -429,6 +429,60 @@ def test_sorted_fast_path_equals_block_path():
         SurveyDesign(bad, "w", "h", "p").mean(["b", "y"], variance="taylor")
 
 
+def test_replicate_sorted_file_path_by_hand(monkeypatch):
+    """Replicate estimates and SEs of a file sorted by PSU (PSU totals of w y by one GEMV per
+    PSU) equal plain numpy on the replicate weights, W' y, and the shuffled file's (sparse PSU
+    sums); a missing value in a study variable is refused on that path too."""
+    import sdl_design.design as design
+
+    calls = []
+    gemv = design.psu_sums
+    monkeypatch.setattr(design, "psu_sums", lambda *a, **k: calls.append(1) or gemv(*a, **k))
+    rng = np.random.default_rng(5)
+    p = np.repeat(np.arange(12), rng.integers(60, 120, 12))
+    d = pd.DataFrame({"h": p // 3, "p": p % 3, "w": rng.uniform(1, 4, len(p))})
+    d["y"] = rng.normal(size=len(p)) + rng.normal(size=12)[p]
+    d["x"] = rng.uniform(1, 2, len(p))
+    d["b"] = (rng.random(len(p)) < 0.3).astype(float)
+    reps = SurveyDesign(d, "w", "h", "p").with_replicates("bootstrap", seed=3, n_replicates=30)
+    full = pd.concat([d, reps], axis=1)
+    rw = list(reps)
+    fast = SurveyDesign(full, "w", "h", "p", replicate_weights=rw, method="bootstrap")
+    slow = SurveyDesign(
+        full.sample(frac=1.0, random_state=2),
+        "w",
+        "h",
+        "p",
+        replicate_weights=rw,
+        method="bootstrap",
+    )
+    assert fast._sorted_psu_starts is not None and slow._sorted_psu_starts is None
+    W, w, sc = reps.to_numpy(), d["w"].to_numpy(), reps.attrs["rscales"]
+    Y, x = d[["y", "x", "b"]].to_numpy(), d["x"].to_numpy()
+    cases = {
+        "total": (w @ Y, W.T @ Y),
+        "mean": (w @ Y / w.sum(), W.T @ Y / W.sum(axis=0)[:, None]),
+        "ratio": (w @ Y[:, ::2] / (w @ x), W.T @ Y[:, ::2] / (W.T @ x)[:, None]),  # y/x, b/x
+    }
+    for est, (th, th_r) in cases.items():
+        n_calls = len(calls)
+        if est == "ratio":
+            got, ref = (s.ratio(["y", "b"], "x", variance="replicate") for s in (fast, slow))
+        else:
+            got, ref = (
+                getattr(s, est)(["y", "x", "b"], variance="replicate") for s in (fast, slow)
+            )
+        assert len(calls) == n_calls + 1  # the sorted file took the GEMV path, the shuffled not
+        np.testing.assert_allclose(got["estimate"], th, rtol=1e-12)
+        np.testing.assert_allclose(got["se"], np.sqrt(sc @ (th_r - th) ** 2), rtol=1e-10)
+        np.testing.assert_allclose(got.to_numpy(), ref.to_numpy(), rtol=1e-12)
+    bad = full.assign(y=full["y"].where(full.index != 7))
+    with pytest.raises(DesignError, match=r"\['y'\] have missing values"):
+        SurveyDesign(bad, "w", "h", "p", replicate_weights=rw, method="bootstrap").mean(
+            ["b", "y"], variance="replicate"
+        )
+
+
 @pytest.mark.parametrize("constant_in_psu", [True, False])
 def test_replicate_cell_totals_equal_brute_force(constant_in_psu):
     """Totals of y within each cell under every replicate weight equal W_c' y_c summed record
