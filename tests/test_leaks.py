@@ -55,10 +55,11 @@ def test_csv_writer_is_byte_identical_to_pandas(tmp_path):
     df.to_csv(tmp_path / "b.csv", index=False, lineterminator="\n")
     assert (tmp_path / "a.csv").read_bytes() == (tmp_path / "b.csv").read_bytes()
     nodate = df.drop(columns="d")
+    expect = nodate.to_csv(index=False, lineterminator="\n").encode("utf-8")
     write_csv(nodate, tmp_path / "c.csv")  # the polars path itself
-    assert (tmp_path / "c.csv").read_bytes() == nodate.to_csv(
-        index=False, lineterminator="\n"
-    ).encode("utf-8")
+    assert (tmp_path / "c.csv").read_bytes() == expect
+    write_csv(nodate, tmp_path / "c.csv", rows=7)  # in chunks of 7 records
+    assert (tmp_path / "c.csv").read_bytes() == expect
     # the internal tables go through it too: one text column (pandas quotes an empty text),
     # names that are not text, an empty frame
     for frame in (
