@@ -157,7 +157,12 @@ class _Columns:
     def __init__(self, data: pd.DataFrame | np.ndarray, names: Sequence):
         self.names, self.k = list(names), len(names)
         # records x variables; for a frame of one float dtype this is a view, not a copy
-        self.data = data if isinstance(data, np.ndarray) else data[self.names].to_numpy(float)
+        # (a read-only view when the columns lie side by side in the frame's float block)
+        if isinstance(data, np.ndarray):
+            self.data = data
+        else:
+            view = _block_rows(data, self.names)
+            self.data = view if view is not None else data[self.names].to_numpy(float)
 
     def _checked(self, m: np.ndarray, names: list) -> np.ndarray:
         bad = np.isnan(m).any(axis=1)
