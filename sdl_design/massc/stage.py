@@ -25,7 +25,7 @@ from sdl_design.massc import (
     rates_table,
     replication_seed,
 )
-from sdl_design.massc.treatment import meet_delta, original_rows
+from sdl_design.massc.treatment import OriginalMargins, meet_delta, original_rows
 from sdl_design.plots import histogram
 from sdl_design.rng import stage_rng
 from sdl_design.spec import KeySpec
@@ -168,9 +168,9 @@ def _main(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame, design=None
     return cfg, plan, tr, dm, revisions
 
 
-def _calibrate(df, spec, cfg, tr, original, replicates: bool, domains=None):
+def _calibrate(df, spec, cfg, tr, original, replicates: bool, domains=None, margins=None):
     """Step IV for treatment tr (domains: the declared domains to calibrate to, default all
-    of them when calibration.domain_margins)."""
+    of them when calibration.domain_margins; margins: the original's OriginalMargins)."""
     cal = spec.stages.massc.calibration
     if domains is None:
         domains = _domain_specs(spec) if cal.domain_margins else []
@@ -192,6 +192,7 @@ def _calibrate(df, spec, cfg, tr, original, replicates: bool, domains=None):
         domains,
         cal.domain_min_records,
         replicate_source=tr.b1 if reps else None,
+        original_margins=margins,
     )
 
 
@@ -438,6 +439,7 @@ class ReplicationPlan:
     domains: list
     df: pd.DataFrame  # df's columns a replication needs
     original: pd.DataFrame  # the original file's columns its calibration needs
+    margins: OriginalMargins | None = None  # the original's side of every calibration
 
 
 def _replication_columns(spec, cfg: MasscConfig, domains: list) -> tuple[list[str], list[str]]:
@@ -473,7 +475,8 @@ def replication_plan(
     sub, orig = shared_categories([df[on_df], original[on_orig]])
     used = set(on_df)  # the substituted columns a replication's calibration reads
     cfg = replace(cfg, substitute_columns=[c for c in cfg.substitute_columns if c in used])
-    return ReplicationPlan(cfg, plan, tr.phi.rates, domains, sub, orig)
+    margins = OriginalMargins(orig, cfg.weight, domains, spec.stages.massc.calibration.controls)
+    return ReplicationPlan(cfg, plan, tr.phi.rates, domains, sub, orig, margins)
 
 
 def massc_replications(
@@ -498,9 +501,16 @@ def massc_replications(
     out = np.empty((len(chunk), len(plan.zvars.labels)))
     for i, r in enumerate(chunk):
         rng = np.random.default_rng(replication_seed(seed, r))
-        rep = massc_treat(sub, plan, cfg, rng, phi=prepared.phi)
+        rep = massc_treat(sub, plan, cfg, rng, phi=prepared.phi, moments=False)
         data, _, _ = _calibrate(
-            sub, spec, cfg, rep, orig, replicates=False, domains=prepared.domains
+            sub,
+            spec,
+            cfg,
+            rep,
+            orig,
+            replicates=False,
+            domains=prepared.domains,
+            margins=prepared.margins,
         )
         ys, ds = plan.parts.treated(rep.substituted, np.flatnonzero(rep.retained))
         out[i] = plan.zvars.totals_of(ys, ds, data[cfg.weight].to_numpy(dtype=float))
