@@ -59,12 +59,14 @@ class StudyVariables:
     ) -> np.ndarray:
         """totals() from the study values and domain codes of the records (frame_parts)."""
         out = []
-        cells = {d: (c >= 0, c[c >= 0]) for d, c in ds.items()}  # once per domain
+        # once per domain: records outside the categories (-1) in a bin of their own, dropped
+        # (each total still sums its records in record order, without a copy of them per y)
+        bins = {d: np.where(c >= 0, c, len(self.domains[d])) for d, c in ds.items()}
         for y in self.study:
             wy = ys[y] * weight  # once per study variable
             for d, cats in self.domains.items():
-                ok, c = cells[d]
-                out.append(np.bincount(c, weights=wy[ok], minlength=len(cats)))
+                m = len(cats)
+                out.append(np.bincount(bins[d], weights=wy, minlength=m + 1)[:m])
         return np.concatenate(out) if out else np.zeros(0)
 
     def sampling_variance(self, df: pd.DataFrame, design: SurveyDesign) -> np.ndarray:
@@ -174,9 +176,9 @@ class ZParts:
     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """frame_parts of B(1)'s records `rows` (B(1): the substituted records take their
         partner's values), without the frame."""
-        sel = np.asarray(substituted, dtype=bool)[rows]
-        ys = {y: np.where(sel, self.y1[y][rows], self.y0[y][rows]) for y in self.y0}
-        ds = {d: np.where(sel, self.d1[d][rows], self.d0[d][rows]) for d in self.d0}
+        sel = np.asarray(substituted, dtype=bool)
+        ys = {y: np.where(sel, self.y1[y], self.y0[y])[rows] for y in self.y0}
+        ds = {d: np.where(sel, self.d1[d], self.d0[d])[rows] for d in self.d0}
         return ys, ds
 
 
