@@ -244,7 +244,8 @@ def _design(df: pd.DataFrame, totals: Mapping[str, Any]) -> _Design:
                 )
             margins[col] = cats
             labels += [(col, c) for c in cats]
-            codes.append(code)
+            # in the narrowest integer type (a margin's codes per record, kept to the end)
+            codes.append(code.astype(np.min_scalar_type(max(len(cats) - 1, 0))))
             sizes.append(len(cats))
         else:
             if not pd.api.types.is_numeric_dtype(s):
@@ -265,7 +266,10 @@ def _design(df: pd.DataFrame, totals: Mapping[str, Any]) -> _Design:
         first, inverse = _unique_first_inverse(key)
     else:
         _, first, inverse = np.unique(
-            np.column_stack(codes), axis=0, return_index=True, return_inverse=True
+            np.column_stack([c.astype(np.intp) for c in codes]),
+            axis=0,
+            return_index=True,
+            return_inverse=True,
         )
     K = len(first)
     offsets = np.cumsum([0, *sizes[:-1]])

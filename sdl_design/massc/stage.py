@@ -512,8 +512,10 @@ def massc_replications(
             domains=prepared.domains,
             margins=prepared.margins,
         )
-        ys, ds = plan.parts.treated(rep.substituted, np.flatnonzero(rep.retained))
-        out[i] = plan.zvars.totals_of(ys, ds, data[cfg.weight].to_numpy(dtype=float))
+        w = data[cfg.weight].to_numpy(dtype=float)
+        substituted, rows = rep.substituted, np.flatnonzero(rep.retained)
+        del data, rep  # the treated frames: only the weights are read from here on
+        out[i] = plan.parts.treated_totals(plan.zvars, substituted, rows, w)
     return out
 
 

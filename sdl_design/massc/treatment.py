@@ -623,7 +623,7 @@ def _domain_cells_both(
     order = np.argsort(key)  # distinct keys: the cells by first appearance in b2, original
     cells, key = pc[order], key[order]
     n_c = len(cells)
-    perm = np.full(m, -1, dtype=np.int64)
+    perm = np.full(m, -1, dtype=np.int32 if n_c < 2**31 else np.int64)  # narrow cell codes
     perm[cells] = np.arange(n_c)
     in_b = key < n2
     at_first = pd.concat(
