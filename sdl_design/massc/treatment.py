@@ -519,10 +519,6 @@ class OriginalMargins:
                 continue
             first = np.full(m, n, dtype=np.int64)
             first[code[::-1]] = np.arange(n)[::-1]
-            reps = None
-            if self.replicates:
-                frame = RecordColumns(original, original.index)
-                reps = _cell_sums([code], [m], frame, self.replicates)[0]
             self.domains[margin_name(dom)] = _DomainCoding(
                 [k.name for k in specs],
                 values,
@@ -532,9 +528,17 @@ class OriginalMargins:
                 first,
                 np.bincount(code, minlength=m),
                 np.bincount(code, weights=w, minlength=m),
-                reps,
+                None,
                 self.replicates,
             )
+        if self.replicates and self.domains:  # replicate totals: one pass over the columns
+            coded = list(self.domains.values())
+            frame = RecordColumns(original, original.index)
+            sums = _cell_sums(
+                [c.code for c in coded], [len(c.count) for c in coded], frame, self.replicates
+            )
+            for c, t in zip(coded, sums, strict=True):
+                c.reps = t
 
     def usable(self, original: pd.DataFrame, weight: str) -> bool:
         """Computed from this original file (the same object) and weight."""
