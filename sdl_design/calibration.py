@@ -27,6 +27,7 @@ import scipy.linalg.lapack
 import scipy.sparse
 from scipy.optimize import linprog
 
+from sdl_design.design import sparse_times
 from sdl_design.keys import MISSING, key_frame
 from sdl_design.spec import KeySpec
 
@@ -198,6 +199,22 @@ def _margin_codes(s: pd.Series) -> tuple[np.ndarray, list]:
     return code, [MISSING if pd.isna(c) else c for c in cats]
 
 
+def _unique_first_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(key, return_index=True, return_inverse=True)[1:] of non-negative integer
+    codes: by a count over the codes when their range is at most a few times the records (no
+    sort), else by np.unique itself."""
+    n = len(key)
+    top = int(key.max()) + 1 if n else 0
+    if not n or top > max(4 * n, 1 << 16):
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        return first, inverse
+    present = np.bincount(key, minlength=top) > 0
+    rank = np.cumsum(present) - 1  # index of each present code among the sorted distinct ones
+    at = np.full(top, n, dtype=np.intp)
+    at[key[::-1]] = np.arange(n, dtype=np.intp)[::-1]  # first record of each code
+    return at[present], rank[key]
+
+
 def _design(df: pd.DataFrame, totals: Mapping[str, Any]) -> _Design:
     """One column of X per category of each margin and one per numeric total."""
     if not totals:
@@ -227,7 +244,8 @@ def _design(df: pd.DataFrame, totals: Mapping[str, Any]) -> _Design:
                 )
             margins[col] = cats
             labels += [(col, c) for c in cats]
-            codes.append(code)
+            # in the narrowest integer type (a margin's codes per record, kept to the end)
+            codes.append(code.astype(np.min_scalar_type(max(len(cats) - 1, 0))))
             sizes.append(len(cats))
         else:
             if not pd.api.types.is_numeric_dtype(s):
@@ -245,10 +263,13 @@ def _design(df: pd.DataFrame, totals: Mapping[str, Any]) -> _Design:
         key = np.zeros(n, dtype=np.int64)
         for code, m in zip(codes, sizes, strict=True):
             key = key * m + code
-        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        first, inverse = _unique_first_inverse(key)
     else:
         _, first, inverse = np.unique(
-            np.column_stack(codes), axis=0, return_index=True, return_inverse=True
+            np.column_stack([c.astype(np.intp) for c in codes]),
+            axis=0,
+            return_index=True,
+            return_inverse=True,
         )
     K = len(first)
     offsets = np.cumsum([0, *sizes[:-1]])
@@ -524,8 +545,7 @@ def control_totals(
     missing = [c for c in wcols if c not in df.columns]
     if missing:
         raise CalibrationError(f"weight columns {missing[:5]} are not in the data")
-    W = df[wcols].to_numpy(dtype=float)
-    if not np.all(np.isfinite(W)):
+    if not all(np.isfinite(df[c].to_numpy(dtype=float)).all() for c in wcols):
         raise CalibrationError(f"weights {wcols[:5]} have missing or infinite values")
     specs = [KeySpec(name=c) if isinstance(c, str) else c for c in controls]
     missing = [k.name for k in specs if k.name not in df.columns]
@@ -533,6 +553,7 @@ def control_totals(
         raise CalibrationError(f"control columns {missing} are not in the data")
     kf = key_frame(df, specs)
     out: list[dict[str, Any]] = [{} for _ in wcols]
+    parts = []  # per control: its values (numeric total) or its category indicator and labels
     for k in specs:
         s = kf[k.name]
         if k.bins is None and k.map is None and pd.api.types.is_numeric_dtype(s):
@@ -541,17 +562,28 @@ def control_totals(
                     f"control column '{k.name}' has missing values; a numeric total needs every "
                     "value (give it bins, or impute)"
                 )
-            v = s.to_numpy(dtype=float) @ W
-            for i in range(len(wcols)):
-                out[i][k.name] = float(v[i])
+            parts.append((k.name, s.to_numpy(dtype=float), None))
         else:
             code, cats = _margin_codes(s)
             S = scipy.sparse.csr_matrix(
                 (np.ones(len(code)), (code, np.arange(len(code)))), shape=(len(cats), len(code))
             )
-            sums = np.asarray(S @ W)  # (categories, weights)
-            for i in range(len(wcols)):
-                out[i][k.name] = {c: float(v) for c, v in zip(cats, sums[:, i], strict=True)}
+            parts.append((k.name, S, cats))
+    # the weights a block of columns at a time (no copy of all replicates); every sum in
+    # record order, as one product over all of them gives it. A numeric total (a BLAS product,
+    # whose summation may depend on the shape) reads them all at once.
+    block = len(wcols) if any(cats is None for _, _, cats in parts) else 16
+    for a in range(0, len(wcols), block):
+        W = df[wcols[a : a + block]].to_numpy(dtype=float)
+        for name, x, cats in parts:
+            if cats is None:
+                v = x @ W
+                for i in range(W.shape[1]):
+                    out[a + i][name] = float(v[i])
+            else:
+                sums = sparse_times(x, W)  # (categories, weights)
+                for i in range(W.shape[1]):
+                    out[a + i][name] = {c: float(v) for c, v in zip(cats, sums[:, i], strict=True)}
     return out if many else out[0]
 
 

@@ -1017,3 +1017,75 @@ def test_minimal_treatment_only_when_delta_allows():
     assert any("treat the strata of negligible risk" in n for n in out.notes)
     spec.gates.delta_max = None
     assert massc_result(df, spec, 3, df).metrics["n_delta_revisions"] == 0
+
+
+@pytest.mark.parametrize("shift", ["none", "new_value", "dtype"])
+def test_original_margins_give_the_calibration_from_both_files(shift):
+    """calibrate_treated with OriginalMargins (the original's cells, totals and control totals
+    computed once) returns the weights, replicate weights, tables and metrics of the
+    calibration that codes both files, bit for bit: with cells pooled, merged and missing from
+    either file, and when b2 holds a value the original lacks or a column of another dtype
+    (then that domain is coded from both files). Each margin's original totals are
+    control_totals of the original's labels, to the last bit."""
+    from sdl_design.calibration import control_totals
+    from sdl_design.massc import OriginalMargins, calibrate_treated
+    from sdl_design.massc.treatment import (
+        _domain_cells_both,
+        _domain_margins,
+        domain_cells,
+        margin_name,
+    )
+
+    rng = np.random.default_rng(5)
+    n = 600
+    original = pd.DataFrame(
+        {
+            "age": rng.integers(0, 90, n),
+            "sex": rng.choice(["f", "m"], n),
+            "reg": rng.choice(["n", "s", "e", "w", "x"], n, p=[0.4, 0.3, 0.2, 0.07, 0.03]),
+            "w": rng.uniform(1, 3, n) * 10.0 ** rng.integers(0, 3, n),
+        },
+        index=rng.permutation(n) + 1000,
+    )
+    reps = [f"r{i}" for i in range(4)]
+    for r in reps:  # a JK-like replicate: zero for a quarter of the records
+        original[r] = original["w"] * (rng.random(n) > 0.25) * 4 / 3
+    b2 = original.iloc[rng.permutation(n)[:350]].copy()
+    b2.loc[b2.index[:40], "reg"] = "n"  # substituted records
+    if shift == "new_value":
+        b2.loc[b2.index[0], "reg"] = "z"
+    if shift == "dtype":
+        b2["age"] = b2["age"].astype(float)
+    age = KeySpec(name="age", bins=[0, 18, 35, 50, 65, 91])
+    domains = [["reg"], [age, "sex"], ["sex", "reg"]]
+    controls = ["sex"]
+    factor = rng.uniform(1.0, 1.5, len(b2))
+    cache = OriginalMargins(original, "w", domains, controls, reps)
+    coded = [c.treated_codes(b2, original) is not None for c in cache.domains.values()]
+    assert len(coded) == 3 and all(coded) == (shift == "none") and any(coded)
+    w = original["w"].to_numpy()
+    for dom in domains:  # cells numbered as domain_cells numbers them on both files stacked
+        specs = [KeySpec(name=k) if isinstance(k, str) else k for k in dom]
+        cols = [k.name for k in specs]
+        both = domain_cells(pd.concat([b2[cols], original[cols]], ignore_index=True), specs)
+        dc = _domain_cells_both(b2, original, specs, w, cache.domains[margin_name(dom)])
+        assert np.array_equal(dc.cb, both[: len(b2)]) and np.array_equal(dc.co(), both[len(b2) :])
+        assert dc.t_o.tobytes() == np.bincount(both[len(b2) :], weights=w).tobytes()
+    statuses = set()
+    for min_records in (5, 25, 60):  # nothing, some, many cells pooled
+        args = (b2, "w", factor, original, controls, "linear", None, reps, "widen", domains)
+        out0, tab0, met0 = calibrate_treated(*args, min_records)
+        out1, tab1, met1 = calibrate_treated(*args, min_records, original_margins=cache)
+        assert list(out0.columns) == list(out1.columns)
+        for c in out0.columns:
+            assert np.array_equal(out0[c].to_numpy(), out1[c].to_numpy()), c
+        assert list(tab0) == list(tab1)
+        for k in tab0:
+            pd.testing.assert_frame_equal(tab0[k], tab1[k], check_exact=True)
+        assert met0 == met1
+        statuses |= set(tab0["calibration_domains"]["status"])
+        margins, _ = _domain_margins(b2, original, domains, "w", min_records, cache=cache)
+        for v in margins.values():
+            want = control_totals(original.assign(lab=v.original()), "w", ["lab"])["lab"]
+            assert v.totals(original["w"].to_numpy()) == want
+    assert "kept" in statuses and any("pooled" in s or "merged" in s for s in statuses)

@@ -58,13 +58,23 @@ class StudyVariables:
         self, ys: dict[str, np.ndarray], ds: dict[str, np.ndarray], weight: np.ndarray
     ) -> np.ndarray:
         """totals() from the study values and domain codes of the records (frame_parts)."""
+        return self._totals(lambda y: ys[y], lambda d: ds[d], weight)
+
+    def _totals(self, y_of, d_of, weight: np.ndarray) -> np.ndarray:
+        """totals_of with the values of study variable y from y_of(y) and the domain codes of
+        domain d from d_of(d), made one at a time."""
         out = []
-        cells = {d: (c >= 0, c[c >= 0]) for d, c in ds.items()}  # once per domain
+        # once per domain: records outside the categories (-1) in a bin of their own, dropped
+        # (each total still sums its records in record order, without a copy of them per y)
+        bins = {}
+        for d, cats in self.domains.items():
+            c = d_of(d)
+            bins[d] = np.where(c >= 0, c, len(cats))
         for y in self.study:
-            wy = ys[y] * weight  # once per study variable
+            wy = y_of(y) * weight  # once per study variable
             for d, cats in self.domains.items():
-                ok, c = cells[d]
-                out.append(np.bincount(c, weights=wy[ok], minlength=len(cats)))
+                m = len(cats)
+                out.append(np.bincount(bins[d], weights=wy, minlength=m + 1)[:m])
         return np.concatenate(out) if out else np.zeros(0)
 
     def sampling_variance(self, df: pd.DataFrame, design: SurveyDesign) -> np.ndarray:
@@ -174,10 +184,22 @@ class ZParts:
     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """frame_parts of B(1)'s records `rows` (B(1): the substituted records take their
         partner's values), without the frame."""
-        sel = np.asarray(substituted, dtype=bool)[rows]
-        ys = {y: np.where(sel, self.y1[y][rows], self.y0[y][rows]) for y in self.y0}
-        ds = {d: np.where(sel, self.d1[d][rows], self.d0[d][rows]) for d in self.d0}
+        sel = np.asarray(substituted, dtype=bool)
+        ys = {y: np.where(sel, self.y1[y], self.y0[y])[rows] for y in self.y0}
+        ds = {d: np.where(sel, self.d1[d], self.d0[d])[rows] for d in self.d0}
         return ys, ds
+
+    def treated_totals(
+        self, zvars: StudyVariables, substituted: np.ndarray, rows: np.ndarray, w: np.ndarray
+    ) -> np.ndarray:
+        """zvars.totals_of(*self.treated(substituted, rows), w), the same bits, with the values
+        of one study variable at a time (w: the weights of the records `rows`)."""
+        sel = np.asarray(substituted, dtype=bool)
+        return zvars._totals(
+            lambda y: np.where(sel, self.y1[y], self.y0[y])[rows],
+            lambda d: np.where(sel, self.d1[d], self.d0[d])[rows],
+            w,
+        )
 
 
 def z_moments(

@@ -25,7 +25,7 @@ from sdl_design.massc import (
     rates_table,
     replication_seed,
 )
-from sdl_design.massc.treatment import meet_delta, original_rows
+from sdl_design.massc.treatment import OriginalMargins, meet_delta, original_rows
 from sdl_design.plots import histogram
 from sdl_design.rng import stage_rng
 from sdl_design.spec import KeySpec
@@ -44,7 +44,8 @@ class MasscStage:
         # the release run's plan and rates, shared by the replication chunks of this process
         # (the run is deterministic given the seed: computed once, not once per chunk)
         self._lock = threading.Lock()
-        self._main: tuple | None = None  # (df, _main(...)), kept from run() to the plan
+        # (df, _main(...), OriginalMargins or None), kept from run() to the plan
+        self._main: tuple | None = None
 
     def __getstate__(self) -> dict:  # ship the spec, not the cached plan (Dask runner)
         return {"spec": self.spec, "replications": self.replications}
@@ -62,20 +63,35 @@ class MasscStage:
                 return self._main[1]
             main = _main(df, self.spec, ctx.seed, ctx.original, ctx.design)
             if self.replications > 0:  # kept until combine() for the replications
-                self._main = (df, main)
+                self._main = (df, main, None)
             return main
+
+    def _margins_of(self, df: pd.DataFrame, ctx: Any) -> OriginalMargins | None:
+        """The original's side of the release run's two calibrations (its result and the
+        replication plan), computed once when the run is kept for replications."""
+        with self._lock:
+            if self._main is None or self._main[0] is not df:
+                return None
+            if self._main[2] is None:
+                margins = _release_margins(df, self.spec, ctx.original, self._main[1][0])
+                self._main = (df, self._main[1], margins)
+            return self._main[2]
 
     def run(self, df: pd.DataFrame, ctx: Any) -> StageResult:
         main = self._main_of(df, ctx)
-        return massc_result(df, self.spec, ctx.seed, ctx.original, ctx.design, main=main)
+        margins = self._margins_of(df, ctx)
+        return massc_result(
+            df, self.spec, ctx.seed, ctx.original, ctx.design, main=main, margins=margins
+        )
 
     def prepare_replications(self, df: pd.DataFrame, ctx: Any) -> SharedInput:
         """The release run's seed and ReplicationPlan (rates, donors, cached study values, the
         calibration's columns of df and of the original file), without the treated frames."""
         main = self._main_of(df, ctx)
+        margins = self._margins_of(df, ctx)
         with self._lock:  # the release run's frames are not needed any more
             self._main = None
-        prepared = replication_plan(df, self.spec, ctx.original, main)
+        prepared = replication_plan(df, self.spec, ctx.original, main, margins)
         prepared.plan = replace(prepared.plan, tilde=None)  # not read by a replication
         return SharedInput((ctx.seed, prepared))
 
@@ -168,9 +184,28 @@ def _main(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame, design=None
     return cfg, plan, tr, dm, revisions
 
 
-def _calibrate(df, spec, cfg, tr, original, replicates: bool, domains=None):
+def _release_margins(df, spec, original: pd.DataFrame, cfg) -> OriginalMargins | None:
+    """OriginalMargins of the release run's calibrations: the declared domains, the controls
+    and the original's replicate weights; None when the original lacks what they read (the
+    calibration then reports it, as it did)."""
+    cal = spec.stages.massc.calibration
+    domains = _domain_specs(spec) if cal.domain_margins else []
+    reps = spec.replicate_columns(df)
+    try:  # any error is raised again, where it was, by the calibration without the cache
+        return OriginalMargins(
+            original,
+            cfg.weight,
+            domains,
+            cal.controls,
+            reps if all(c in original.columns for c in reps) else (),
+        )
+    except Exception:
+        return None
+
+
+def _calibrate(df, spec, cfg, tr, original, replicates: bool, domains=None, margins=None):
     """Step IV for treatment tr (domains: the declared domains to calibrate to, default all
-    of them when calibration.domain_margins)."""
+    of them when calibration.domain_margins; margins: the original's OriginalMargins)."""
     cal = spec.stages.massc.calibration
     if domains is None:
         domains = _domain_specs(spec) if cal.domain_margins else []
@@ -192,6 +227,7 @@ def _calibrate(df, spec, cfg, tr, original, replicates: bool, domains=None):
         domains,
         cal.domain_min_records,
         replicate_source=tr.b1 if reps else None,
+        original_margins=margins,
     )
 
 
@@ -202,13 +238,15 @@ def massc_result(
     original: pd.DataFrame,
     design: SurveyDesign | None = None,
     main: tuple | None = None,
+    margins: OriginalMargins | None = None,
 ) -> StageResult:
     """MASSC on df (spec.stages.massc) composed against the original file (its records matched
     to df's by index label): strata, costs, delta and epsilon on the original keys and values,
     optimal rates within the loss budgets (original sampling variances by default, from
     `design`, the original SurveyDesign), substitution within the declared-domain cells,
     subsampling, calibration of the weight and of each replicate weight to the original file's
-    totals (controls and declared domains). main: the result of _main when already computed."""
+    totals (controls and declared domains). main: the result of _main when already computed;
+    margins: the original's side of the calibration (_release_margins), when computed."""
     if main is None:
         main = _main(df, spec, seed, original, design)
     cfg, plan, tr, dm, revisions = main
@@ -220,7 +258,9 @@ def massc_result(
         "add the variables these rules tie to the keys to the substituted (key-related) columns, or restrict donors",
     )
     cal = spec.stages.massc.calibration
-    data, cal_tables, cal_metrics = _calibrate(df, spec, cfg, tr, original, replicates=True)
+    data, cal_tables, cal_metrics = _calibrate(
+        df, spec, cfg, tr, original, replicates=True, margins=margins
+    )
     # retained records keep their index: later stages and the final metrics match records by it
     if dm is None:
         dm = delta_measures(
@@ -438,6 +478,7 @@ class ReplicationPlan:
     domains: list
     df: pd.DataFrame  # df's columns a replication needs
     original: pd.DataFrame  # the original file's columns its calibration needs
+    margins: OriginalMargins | None = None  # the original's side of every calibration
 
 
 def _replication_columns(spec, cfg: MasscConfig, domains: list) -> tuple[list[str], list[str]]:
@@ -457,14 +498,18 @@ def replication_plan(
     spec,
     original: pd.DataFrame,
     main: tuple,
+    margins: OriginalMargins | None = None,
 ) -> ReplicationPlan:
-    """The shared part of the replications, from the release run's _main result."""
+    """The shared part of the replications, from the release run's _main result (margins: the
+    original's side of the release run's calibration, _release_margins)."""
     cfg, plan, tr, _, _ = main
     domains = _domain_specs(spec) if spec.stages.massc.calibration.domain_margins else []
     if domains:  # the declared domains the release run's weight could be calibrated to
         cols, _ = _replication_columns(spec, cfg, domains)
         narrow = replace(tr, b1=tr.b1[cols])  # the columns the weight's calibration reads
-        _, tables, _ = _calibrate(df, spec, cfg, narrow, original, replicates=False)
+        _, tables, _ = _calibrate(
+            df, spec, cfg, narrow, original, replicates=False, margins=margins
+        )
         st = tables["calibration_domains"].set_index("domain")["status"]
         domains = [
             d for d in domains if not st[" x ".join(k.name for k in d)].startswith("dropped")
@@ -473,7 +518,8 @@ def replication_plan(
     sub, orig = shared_categories([df[on_df], original[on_orig]])
     used = set(on_df)  # the substituted columns a replication's calibration reads
     cfg = replace(cfg, substitute_columns=[c for c in cfg.substitute_columns if c in used])
-    return ReplicationPlan(cfg, plan, tr.phi.rates, domains, sub, orig)
+    margins = OriginalMargins(orig, cfg.weight, domains, spec.stages.massc.calibration.controls)
+    return ReplicationPlan(cfg, plan, tr.phi.rates, domains, sub, orig, margins)
 
 
 def massc_replications(
@@ -498,12 +544,21 @@ def massc_replications(
     out = np.empty((len(chunk), len(plan.zvars.labels)))
     for i, r in enumerate(chunk):
         rng = np.random.default_rng(replication_seed(seed, r))
-        rep = massc_treat(sub, plan, cfg, rng, phi=prepared.phi)
+        rep = massc_treat(sub, plan, cfg, rng, phi=prepared.phi, moments=False)
         data, _, _ = _calibrate(
-            sub, spec, cfg, rep, orig, replicates=False, domains=prepared.domains
+            sub,
+            spec,
+            cfg,
+            rep,
+            orig,
+            replicates=False,
+            domains=prepared.domains,
+            margins=prepared.margins,
         )
-        ys, ds = plan.parts.treated(rep.substituted, np.flatnonzero(rep.retained))
-        out[i] = plan.zvars.totals_of(ys, ds, data[cfg.weight].to_numpy(dtype=float))
+        w = data[cfg.weight].to_numpy(dtype=float)
+        substituted, rows = rep.substituted, np.flatnonzero(rep.retained)
+        del data, rep  # the treated frames: only the weights are read from here on
+        out[i] = plan.parts.treated_totals(plan.zvars, substituted, rows, w)
     return out
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.design import SurveyDesign, first_of
-from sdl_design.keys import key_categorical, key_frame
+from sdl_design.keys import key_categorical, key_frame, key_levels
 from sdl_design.massc.common import KeyLike, MasscError, _codes, _combine, _key_specs
 from sdl_design.massc.donors import Donors, find_donors, substitute
 from sdl_design.massc.measures import DeltaMeasures, delta_measures
@@ -51,10 +51,30 @@ def select(groups: np.ndarray, pi: np.ndarray, rng: np.random.Generator) -> np.n
 def _group_order(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     """np.lexsort((u, g)) in two stable passes (u, then the group codes in the narrowest
     integer type, which numpy sorts by radix): the same permutation, ties included."""
-    by_u = np.argsort(u, kind="stable")
+    by_u = _stable_argsort(u)
     top = int(g.max()) if len(g) else 0
     dt = np.int16 if top < 2**15 else np.int32 if top < 2**31 else np.int64
     return by_u[np.argsort(g[by_u].astype(dt), kind="stable")]
+
+
+def _stable_argsort(u: np.ndarray) -> np.ndarray:
+    """np.argsort(u, kind="stable") by the faster unstable sort: the indices of each run of
+    equal values (rare for uniform draws) are then put back in ascending order, as a stable
+    sort leaves them; the stable sort itself for NaN or many ties."""
+    order = np.argsort(u)
+    if not len(u):
+        return order
+    su = u[order]
+    if np.isnan(su[-1]):
+        return np.argsort(u, kind="stable")
+    idx = np.flatnonzero(su[1:] == su[:-1])  # su[i] == su[i + 1]
+    if len(idx) > 1000:
+        return np.argsort(u, kind="stable")
+    if len(idx):
+        brk = idx[1:] != idx[:-1] + 1
+        for a, b in zip(idx[np.r_[True, brk]], idx[np.r_[brk, True]] + 2, strict=True):
+            order[a:b] = np.sort(order[a:b])
+    return order
 
 
 # ---------------------------------------------------------------- the whole treatment
@@ -150,7 +170,7 @@ class MasscTreatment:
     b1: pd.DataFrame  # all records after substitution
     phi: Rates
     factor: np.ndarray  # 1/phi_h per record
-    moments: ZMoments  # with S2 of z*
+    moments: ZMoments | None  # with S2 of z* (None: not computed, massc_treat moments=False)
 
 
 def _cfg_check(
@@ -319,17 +339,27 @@ def massc_treat(
     cfg: MasscConfig,
     rng: np.random.Generator,
     phi: np.ndarray | None = None,
+    moments: bool = True,
 ) -> MasscTreatment:
-    """Steps II-III: substitution at psi_h, optimal phi (eq. 10, unless given), subsampling."""
+    """Steps II-III: substitution at psi_h, optimal phi (eq. 10, unless given), subsampling.
+    moments=False (phi given): without the moments of z* (treatment.moments None, the rates'
+    constraint NaN), which only eq. 10 and the loss report read; the same records and b1."""
+    if not moments and phi is None:
+        raise MasscError("moments=False needs the rates phi: eq. 10 reads the moments")
     groups = _groups(df, plan, cfg)
     sel = select(groups, plan.psi.rates[plan.h], rng)
     d1 = sel & (plan.donors.donor >= 0)
     b1 = substitute(df, plan.donors.donor, d1, cfg.substitute_columns)
-    mom = z_moments(
-        df, None, plan.strata, cfg.weight, plan.zvars, d1, parts=plan.parts, base=plan.moments
-    )
+    mom = None
+    if moments:
+        mom = z_moments(
+            df, None, plan.strata, cfg.weight, plan.zvars, d1, parts=plan.parts, base=plan.moments
+        )
     if phi is None:
         rates = optimal_phi(mom, cfg.beta, cfg.phi_min, cfg.phi_max, plan.cost)
+    elif mom is None:
+        phi = np.asarray(phi, dtype=float)
+        rates = Rates(phi, float("nan"), float("nan"), cfg.beta, -1, "given")
     else:
         phi = np.asarray(phi, dtype=float)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -441,6 +471,219 @@ def margin_name(domain: Sequence[KeyLike]) -> str:
     return "domain: " + " x ".join(k.name for k in _key_specs(domain))
 
 
+class OriginalMargins:
+    """The original file's side of calibrate_treated, computed once for the calibrations of
+    several treated files to the same original (the release run, the replications): the
+    control totals and, per declared domain, each record's cell as a mixed-radix code of its
+    columns' recoded levels, with the first record, count, weight total and replicate totals
+    of each cell. A treated file then codes only its own records; cells, totals and labels are
+    those domain_margins and control_totals compute from both files, bit for bit (a domain
+    whose treated columns differ in dtype or hold a value the original lacks is coded from both
+    files as before)."""
+
+    def __init__(
+        self,
+        original: pd.DataFrame,
+        weight: str,
+        domains: Sequence[Sequence[KeyLike]] = (),
+        controls: Sequence[KeyLike] = (),
+        replicates: Sequence[str] = (),
+        max_cells: int = 2**22,
+    ):
+        from sdl_design.calibration import control_totals
+
+        self.original, self.weight = original, weight
+        self.replicates = list(replicates)
+        self.control_specs = _key_specs(controls)
+        orig, names = _coarsened(original, controls)
+        self.controls: dict = control_totals(orig, weight, names)  # also checks the weight
+        w = original[weight].to_numpy(dtype=float)
+        n = len(original)
+        self.domains: dict[str, _DomainCoding] = {}
+        for dom in domains:
+            specs = _key_specs(dom)
+            if not specs or any(k.name not in original.columns for k in specs):
+                continue
+            values, levels, radix = [], [], []
+            code = np.zeros(n, dtype=np.int64)
+            for k in specs:
+                raw, uniq = pd.factorize(original[k.name], use_na_sentinel=False)
+                vals = pd.Series(uniq)
+                lv, lev = key_levels(vals, k)
+                values.append(vals)
+                levels.append(lv)
+                radix.append(len(lev))
+                code = code * len(lev) + lv[raw]
+            m = int(np.prod(radix, dtype=float))
+            if m > max_cells:
+                continue
+            first = np.full(m, n, dtype=np.int64)
+            first[code[::-1]] = np.arange(n)[::-1]
+            self.domains[margin_name(dom)] = _DomainCoding(
+                [k.name for k in specs],
+                values,
+                levels,
+                radix,
+                code,
+                first,
+                np.bincount(code, minlength=m),
+                np.bincount(code, weights=w, minlength=m),
+                None,
+                self.replicates,
+            )
+        if self.replicates and self.domains:  # replicate totals: one pass over the columns
+            coded = list(self.domains.values())
+            frame = RecordColumns(original, original.index)
+            sums = _cell_sums(
+                [c.code for c in coded], [len(c.count) for c in coded], frame, self.replicates
+            )
+            for c, t in zip(coded, sums, strict=True):
+                c.reps = t
+
+    def usable(self, original: pd.DataFrame, weight: str) -> bool:
+        """Computed from this original file (the same object) and weight."""
+        return original is self.original and weight == self.weight
+
+
+@dataclass
+class _DomainCoding:
+    """One declared domain on the original file (OriginalMargins)."""
+
+    columns: list[str]
+    values: list[pd.Series]  # per column: the distinct raw values, in the file's dtype
+    levels: list[np.ndarray]  # per column: the recoded level of each distinct value
+    radix: list[int]  # per column: the number of levels
+    code: np.ndarray  # cell of each record: mixed-radix code of its levels
+    first: np.ndarray  # first record of each code (n: none)
+    count: np.ndarray  # records of each code
+    total: np.ndarray  # weight total of each code (summed in record order)
+    reps: np.ndarray | None  # replicate totals of each code (codes x replicates)
+    rep_names: list[str]  # the original's replicate columns of reps
+
+    def treated_codes(self, b2: pd.DataFrame, original: pd.DataFrame) -> np.ndarray | None:
+        """The codes of b2's records, or None when a column's dtype differs from the
+        original's or b2 holds a value the original lacks."""
+        code = np.zeros(len(b2), dtype=np.int64)
+        for c, vals, lv, r in zip(self.columns, self.values, self.levels, self.radix, strict=True):
+            if b2[c].dtype != original[c].dtype:
+                return None
+            raw, uniq = pd.factorize(b2[c], use_na_sentinel=False)
+            both = pd.concat([vals, pd.Series(uniq)], ignore_index=True)
+            at = pd.factorize(both, use_na_sentinel=False)[0][len(vals) :]
+            if (at >= len(vals)).any():
+                return None
+            code = code * r + lv[at][raw]
+        return code
+
+
+@dataclass
+class _DomainCells:
+    """The cells of one declared domain over b2 and the original file, numbered by first
+    appearance in b2 then in the original (as domain_cells of the two files stacked)."""
+
+    at_first: pd.DataFrame  # the first record of each cell (its label)
+    cb: np.ndarray  # cell of each record of b2
+    n_c: int
+    t_o: np.ndarray  # original weight total of each cell
+    in_o: np.ndarray  # the original has records of the cell
+    co: object  # () -> cell of each original record
+    t_rep: object  # (original replicate columns) -> cells x replicates totals
+
+
+def _domain_cells_both(
+    b2: pd.DataFrame,
+    original: pd.DataFrame,
+    specs: list[KeySpec],
+    w_o: np.ndarray,
+    coding: _DomainCoding | None,
+) -> _DomainCells:
+    """_DomainCells from the cached original side when it applies, else from both files."""
+    cols = [k.name for k in specs]
+    n2 = len(b2)
+    code_b = coding.treated_codes(b2, original) if coding is not None and n2 else None
+    if code_b is None:
+        both = pd.concat([b2[cols], original[cols]], ignore_index=True)
+        cell = domain_cells(both, specs)
+        n_c = int(cell.max()) + 1 if len(cell) else 0
+        first = first_of(cell, n_c)
+        co = cell[n2:]
+        return _DomainCells(
+            both.iloc[first],
+            cell[:n2],
+            n_c,
+            np.bincount(co, weights=w_o, minlength=n_c),
+            np.bincount(co, minlength=n_c) > 0,
+            lambda: co,
+            lambda reps: _cell_sums(
+                [co], [n_c], RecordColumns(original, original.index), list(reps)
+            )[0],
+        )
+    m = len(coding.count)
+    n_b = np.bincount(code_b, minlength=m)
+    first_b = np.full(m, n2, dtype=np.int64)
+    first_b[code_b[::-1]] = np.arange(n2)[::-1]
+    pc = np.flatnonzero((n_b > 0) | (coding.count > 0))
+    key = np.where(n_b[pc] > 0, first_b[pc], n2 + coding.first[pc])
+    order = np.argsort(key)  # distinct keys: the cells by first appearance in b2, original
+    cells, key = pc[order], key[order]
+    n_c = len(cells)
+    perm = np.full(m, -1, dtype=np.int32 if n_c < 2**31 else np.int64)  # narrow cell codes
+    perm[cells] = np.arange(n_c)
+    in_b = key < n2
+    at_first = pd.concat(
+        [b2[cols].iloc[key[in_b]], original[cols].iloc[key[~in_b] - n2]], ignore_index=True
+    )
+
+    def t_rep(reps: Sequence[str]) -> np.ndarray:
+        if coding.reps is not None and list(reps) == coding.rep_names:
+            return coding.reps[cells]
+        frame = RecordColumns(original, original.index)
+        return _cell_sums([perm[coding.code]], [n_c], frame, list(reps))[0]
+
+    return _DomainCells(
+        at_first,
+        perm[code_b],
+        n_c,
+        coding.total[cells],
+        coding.count[cells] > 0,
+        lambda: perm[coding.code],
+        t_rep,
+    )
+
+
+@dataclass
+class _Margin:
+    """A declared domain's calibration margin: labels of b2's records, and of the original's
+    records and their weight totals on demand."""
+
+    b2: pd.Categorical
+    cats: pd.Index
+    codes_o: object  # () -> label code of each original record
+    single: bool  # every label is one cell
+    t_o: np.ndarray  # original weight total of each cell
+    in_o: np.ndarray  # the original has records of the cell
+    lab: np.ndarray  # label code of each cell
+
+    def original(self) -> pd.Categorical:
+        """The labels of the original file's records."""
+        return pd.Categorical.from_codes(self.codes_o(), categories=self.cats)
+
+    def totals(self, w_o: np.ndarray) -> dict:
+        """{label: original weight total} of the labels the original has, in label order:
+        control_totals of the original's labels (sums in record order, bit for bit)."""
+        k = len(self.cats)
+        if self.single:  # a label is one cell: its total is the cell's
+            t = np.zeros(k)
+            t[self.lab] = self.t_o
+            has = np.zeros(k, dtype=bool)
+            has[self.lab] = self.in_o
+        else:
+            c = self.codes_o()
+            t = np.bincount(c, weights=w_o, minlength=k)
+            has = np.bincount(c, minlength=k) > 0
+        return {self.cats[j]: float(t[j]) for j in np.flatnonzero(has)}
+
+
 def domain_margins(
     b2: pd.DataFrame,
     original: pd.DataFrame,
@@ -460,12 +703,31 @@ def domain_margins(
     merged into the largest kept cell when it fails those conditions. A domain without a kept
     cell is dropped. Returns {column: (labels on b2, labels on the original)} and a table per
     domain: cells, cells kept, original weight share pooled, status."""
+    margins, table = _domain_margins(
+        b2, original, domains, weight, min_records, replicates, original_replicates, b2_replicates
+    )
+    return {m: (v.b2, v.original()) for m, v in margins.items()}, table
+
+
+def _domain_margins(
+    b2: pd.DataFrame,
+    original: pd.DataFrame,
+    domains: Sequence[Sequence[KeyLike]],
+    weight: str,
+    min_records: int = 30,
+    replicates: Sequence[str] = (),
+    original_replicates: Sequence[str] = (),
+    b2_replicates: RecordColumns | None = None,
+    cache: OriginalMargins | None = None,
+) -> tuple[dict[str, _Margin], pd.DataFrame]:
+    """domain_margins with the original's labels and totals on demand (cache: the original's
+    side computed before, when it is this original's and weight's)."""
     from sdl_design.calibration import CalibrationError
 
-    out: dict[str, tuple[pd.Categorical, pd.Categorical]] = {}
+    out: dict[str, _Margin] = {}
     rows = []
-    n2 = len(b2)
     w_o = original[weight].to_numpy(dtype=float)
+    coded = cache.domains if cache is not None and cache.usable(original, weight) else {}
     cells = []
     for dom in domains:
         specs = _key_specs(dom)
@@ -476,31 +738,21 @@ def domain_margins(
                 f"declared domain {cols}: columns {missing} are not in both files; fix "
                 "utility.domains or set calibration.domain_margins: false"
             )
-        both = pd.concat([b2[cols], original[cols]], ignore_index=True)
-        cell = domain_cells(both, specs)
-        n_c = int(cell.max()) + 1 if len(cell) else 0
-        first = first_of(cell, n_c)
-        cells.append((both.iloc[first], cell, n_c))  # a record per cell kept, for its label
+        cells.append(_domain_cells_both(b2, original, specs, w_o, coded.get(margin_name(dom))))
     if replicates:  # replicate totals of every cell of every domain: one pass per file
-        sizes = [n_c for _, _, n_c in cells]
+        sizes = [c.n_c for c in cells]
         reader = b2_replicates if b2_replicates is not None else RecordColumns(b2, b2.index)
-        A_all = _cell_sums([cell[:n2] for _, cell, _ in cells], sizes, reader, list(replicates))
-        B_all = _cell_sums(
-            [cell[n2:] for _, cell, _ in cells],
-            sizes,
-            RecordColumns(original, original.index),
-            list(original_replicates),
-        )
-    for i, (dom, (at_first, cell, n_c)) in enumerate(zip(domains, cells, strict=True)):
+        A_all = _cell_sums([c.cb for c in cells], sizes, reader, list(replicates))
+        B_all = [c.t_rep(original_replicates) for c in cells]
+    for i, (dom, dc) in enumerate(zip(domains, cells, strict=True)):
         specs = _key_specs(dom)
-        cb, co = cell[:n2], cell[n2:]
+        cb, n_c, t_o = dc.cb, dc.n_c, dc.t_o
         n_b = np.bincount(cb, minlength=n_c)
-        t_o = np.bincount(co, weights=w_o, minlength=n_c)
         ok = (n_b >= min_records) & (t_o > 0)
         if replicates:
             A, B = A_all[i], B_all[i]
             ok &= ((A > 0) == (B > 0)).all(axis=1)
-        kf = key_frame(at_first, specs).astype(str)
+        kf = key_frame(dc.at_first, specs).astype(str)
         names = kf.iloc[:, 0].to_numpy(dtype=object)
         for c in kf.columns[1:]:
             names = names + " | " + kf[c].to_numpy(dtype=object)
@@ -527,9 +779,15 @@ def domain_margins(
         # categories in sorted order, as a sorted factorization of the labels gives them
         nc, uniq = pd.factorize(names, sort=True)
         cats = pd.Index(uniq, dtype=object)
-        out[margin_name(dom)] = (
-            pd.Categorical.from_codes(nc[target[cb]], categories=cats),
-            pd.Categorical.from_codes(nc[target[co]], categories=cats),
+        lab = nc[target]  # label of each cell
+        out[margin_name(dom)] = _Margin(
+            pd.Categorical.from_codes(lab[cb], categories=cats),
+            cats,
+            lambda lab=lab, co=dc.co: lab[co()],
+            len(np.unique(lab)) == n_c,
+            t_o,
+            dc.in_o,
+            lab,
         )
         share = float(t_o[pooled].sum() / t_o.sum()) if t_o.sum() > 0 else 0.0
         rows.append(_margin_row(dom, n_c, int(ok.sum()), share, status))
@@ -611,6 +869,7 @@ def calibrate_treated(
     min_records: int = 30,
     original_replicates: Sequence[str] | None = None,
     replicate_source: pd.DataFrame | None = None,
+    original_margins: OriginalMargins | None = None,
 ) -> tuple[pd.DataFrame, dict[str, pd.DataFrame], dict[str, float]]:
     """Step IV: weights w/phi of the retained records calibrated to the original file's totals
     of the controls and of the declared domains (domain_margins; a domain that makes the
@@ -620,8 +879,9 @@ def calibrate_treated(
     names), so the replicate SEs of the controls equal the original's. No controls and no
     domains: weights and replicates are only divided by phi. replicate_source: a frame holding
     b2's records (by index label) with the replicate weights, which b2 may then lack (the
-    replicates are read from it a block at a time). Returns the frame, report tables,
-    metrics."""
+    replicates are read from it a block at a time). original_margins: the original's side
+    computed before (OriginalMargins of this original and weight; the same results). Returns
+    the frame, report tables, metrics."""
     base = b2[weight].to_numpy(dtype=float) * factor
     new: dict[str, np.ndarray] = {}  # the new weight columns, put in a frame once at the end
     tables: dict[str, pd.DataFrame] = {}
@@ -640,7 +900,7 @@ def calibrate_treated(
     if absent:
         raise MasscError(f"replicate columns {absent[:5]} are not in the treated file")
     rep_margins = _same_replicates(rep_b2, original, reps, orig_reps)
-    margins, dom_table = domain_margins(
+    margins, dom_table = _domain_margins(
         b2,
         original,
         domains,
@@ -649,6 +909,7 @@ def calibrate_treated(
         reps if rep_margins else (),
         orig_reps if rep_margins else (),
         rep_b2,
+        original_margins,
     )
     metrics: dict[str, float] = {}
     if len(domains):
@@ -667,13 +928,22 @@ def calibrate_treated(
         )
 
         work, names = _coarsened(b2, controls)
-        orig, _ = _coarsened(original, controls)
-        work = work.assign(**{weight: base}, **{m: v[0] for m, v in margins.items()})
-        orig = orig.assign(**{m: v[1] for m, v in margins.items()})
+        work = work.assign(**{weight: base}, **{m: v.b2 for m, v in margins.items()})
+        orig = None  # the original with its margin labels, for the replicates' totals
+        if (
+            original_margins is not None
+            and original_margins.usable(original, weight)
+            and original_margins.control_specs == _key_specs(controls)
+        ):
+            ctrl = original_margins.controls
+        else:
+            ctrl = control_totals(_coarsened(original, controls)[0], weight, names)
+        w_o = original[weight].to_numpy(dtype=float)
+        margin_totals = {m: v.totals(w_o) for m, v in margins.items()}
         kept = list(margins)
         while True:  # the same controls for the weight and every replicate
             cols = names + kept
-            totals = control_totals(orig, weight, cols)
+            totals = {**ctrl, **{m: margin_totals[m] for m in kept}}
             step = "the weight"
             try:
                 w_cal = calibrate(
@@ -682,6 +952,10 @@ def calibrate_treated(
                 if reps:
                     step = "a replicate weight"
                     rcols = cols if rep_margins else names
+                    if orig is None:
+                        orig = _coarsened(original, controls)[0].assign(
+                            **{m: v.original() for m, v in margins.items()}
+                        )
                     per_rep = control_totals(orig, orig_reps, rcols)
                     cal, report = calibrate_replicates(
                         work[rcols],
