@@ -260,6 +260,9 @@ def _release(
         drop = [c for o in outputs for c in o.drop_public]
         pdesign = public_design(spec, outputs)  # the spec's, or a stage's pseudo design
         puf = public_frame(df, spec, masked, drop, design_columns(pdesign, list(df.columns)))
+        # the working and original frames are not read past here: freed before the public
+        # files are written (at 1M records, 1.5 GB of the files step's peak)
+        df = original = base_ctx = ctx = None
         replicate_cols = (
             pdesign.replicate_weights.resolve(list(puf.columns))
             if pdesign.replicate_weights
