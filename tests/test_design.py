@@ -601,3 +601,41 @@ def test_replicate_weights_side_by_side_in_a_block_are_read_in_place():
         assert V.flags.f_contiguous and np.array_equal(V, df[cols].to_numpy(dtype=float))
     split = df.assign(c3=0.5)  # a replaced column leaves the block
     assert np.array_equal(_fortran_columns(split, ["c2", "c3", "c4"])[:, 1], np.full(50, 0.5))
+
+
+def test_factor_groups_survive_factors_with_equal_projections():
+    """Records whose replicate factors differ from their group's but project to the same value
+    on one of the design's two fixed projections (f2 = f1 + t (v_b e_a - v_a e_b)) are told
+    apart: the groups are found, and replicate means equal W'y / W'1 by hand."""
+    rng = np.random.default_rng(8)
+    n, R, P = 2000, 8, 10
+    psu = rng.integers(0, P, n)
+    f = rng.uniform(0.5, 1.5, (P, R))  # a factor row per PSU (constant within PSU)
+    fac = f[psu]
+    v = np.random.default_rng(0).uniform(1.0, 2.0, (R, 2))[:, 0]  # _find_groups' first
+    odd = np.flatnonzero(psu == 0)[:5]
+    fac[odd] = f[0] + 0.2 * (v[3] * np.eye(R)[1] - v[1] * np.eye(R)[3])  # same projection
+    w = rng.uniform(1.0, 3.0, n)
+    y = rng.normal(10.0, 2.0, n)
+    rw = [f"r{j}" for j in range(R)]
+    df = pd.DataFrame({"w": w, "psu": psu, "y": y}).join(pd.DataFrame(w[:, None] * fac, columns=rw))
+    d = SurveyDesign(df, "w", None, "psu", replicate_weights=rw, method="bootstrap")
+    groups = d.factor_groups
+    assert groups is not None and groups[1] == P + 1
+    W = df[rw].to_numpy()
+    theta_r = (W.T @ y) / W.sum(axis=0)
+    se = np.sqrt(np.sum((theta_r - np.average(y, weights=w)) ** 2) / R)
+    got = d.mean("y", variance="replicate")
+    assert got["se"].iloc[0] == pytest.approx(se, rel=1e-12)
+
+
+def test_take_rows_is_the_row_gather():
+    from sdl_design.design import take_rows
+
+    rng = np.random.default_rng(2)
+    W = np.asfortranarray(rng.random((500, 7)))
+    rows = rng.integers(0, 500, 120)
+    out = take_rows(W, rows)
+    assert out.flags.f_contiguous and np.array_equal(out, W[rows])
+    C = np.ascontiguousarray(W)
+    assert np.array_equal(take_rows(C, rows), C[rows])
