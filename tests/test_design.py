@@ -639,3 +639,32 @@ def test_take_rows_is_the_row_gather():
     assert out.flags.f_contiguous and np.array_equal(out, W[rows])
     C = np.ascontiguousarray(W)
     assert np.array_equal(take_rows(C, rows), C[rows])
+
+
+def test_factor_groups_regroup_factors_that_match_both_projections():
+    """Factors that differ by a vector orthogonal to both fixed projections land in one
+    candidate group; the records that differ from their group's first record are grouped
+    again by their factors (exactly: up to one group each), and replicate means equal
+    W'y / W'1 by hand."""
+    rng = np.random.default_rng(9)
+    n, R, P = 2000, 8, 10
+    psu = rng.integers(0, P, n)
+    f = rng.uniform(0.5, 1.5, (P, R))
+    fac = f[psu]
+    V = np.random.default_rng(0).uniform(1.0, 2.0, (R, 2))  # _find_groups' projections
+    delta = np.linalg.svd(V.T)[2][-1]  # orthogonal to both
+    odd = np.flatnonzero(psu == 0)[-5:]  # not the PSU's first record
+    fac[odd] = f[0] + 0.2 * delta / np.abs(delta).max()
+    w = rng.uniform(1.0, 3.0, n)
+    y = rng.normal(10.0, 2.0, n)
+    rw = [f"r{j}" for j in range(R)]
+    df = pd.DataFrame({"w": w, "psu": psu, "y": y}).join(pd.DataFrame(w[:, None] * fac, columns=rw))
+    d = SurveyDesign(df, "w", None, "psu", replicate_weights=rw, method="bootstrap")
+    h = np.round((d.W @ V) / d.w[:, None], 9)
+    assert (h[odd] == h[np.flatnonzero(psu == 0)[0]]).all()  # the projections do collide
+    groups = d.factor_groups
+    assert groups is not None and P < groups[1] <= P + 5
+    W = df[rw].to_numpy()
+    theta_r = (W.T @ y) / W.sum(axis=0)
+    se = np.sqrt(np.sum((theta_r - np.average(y, weights=w)) ** 2) / R)
+    assert d.mean("y", variance="replicate")["se"].iloc[0] == pytest.approx(se, rel=1e-12)
