@@ -27,7 +27,7 @@ import scipy.linalg.lapack
 import scipy.sparse
 from scipy.optimize import linprog
 
-from sdl_design.design import sparse_times
+from sdl_design.design import first_of, sparse_times
 from sdl_design.keys import MISSING, key_frame
 from sdl_design.spec import KeySpec
 
@@ -210,9 +210,7 @@ def _unique_first_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return first, inverse
     present = np.bincount(key, minlength=top) > 0
     rank = np.cumsum(present) - 1  # index of each present code among the sorted distinct ones
-    at = np.full(top, n, dtype=np.intp)
-    at[key[::-1]] = np.arange(n, dtype=np.intp)[::-1]  # first record of each code
-    return at[present], rank[key]
+    return first_of(key, top, absent=n)[present], rank[key]
 
 
 def _design(df: pd.DataFrame, totals: Mapping[str, Any]) -> _Design:

@@ -49,9 +49,9 @@ def sorted_codes(x: pd.Series | np.ndarray) -> np.ndarray:
     return pd.factorize(x, sort=True)[0].astype(np.int64, copy=False)
 
 
-def first_of(codes: np.ndarray, m: int) -> np.ndarray:
-    """The index of the first record of each code 0..m-1 (every code present)."""
-    first = np.zeros(m, dtype=np.int64)
+def first_of(codes: np.ndarray, m: int, absent: int = 0) -> np.ndarray:
+    """The index of the first record of each code 0..m-1 (`absent` for a code no record has)."""
+    first = np.full(m, absent, dtype=np.int64)
     first[codes[::-1]] = np.arange(len(codes))[::-1]
     return first
 

@@ -517,8 +517,7 @@ class OriginalMargins:
             m = int(np.prod(radix, dtype=float))
             if m > max_cells:
                 continue
-            first = np.full(m, n, dtype=np.int64)
-            first[code[::-1]] = np.arange(n)[::-1]
+            first = first_of(code, m, absent=n)
             self.domains[margin_name(dom)] = _DomainCoding(
                 [k.name for k in specs],
                 values,
@@ -620,8 +619,7 @@ def _domain_cells_both(
         )
     m = len(coding.count)
     n_b = np.bincount(code_b, minlength=m)
-    first_b = np.full(m, n2, dtype=np.int64)
-    first_b[code_b[::-1]] = np.arange(n2)[::-1]
+    first_b = first_of(code_b, m, absent=n2)
     pc = np.flatnonzero((n_b > 0) | (coding.count > 0))
     key = np.where(n_b[pc] > 0, first_b[pc], n2 + coding.first[pc])
     order = np.argsort(key)  # distinct keys: the cells by first appearance in b2, original
