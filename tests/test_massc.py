@@ -1089,3 +1089,25 @@ def test_original_margins_give_the_calibration_from_both_files(shift):
             want = control_totals(original.assign(lab=v.original()), "w", ["lab"])["lab"]
             assert v.totals(original["w"].to_numpy()) == want
     assert "kept" in statuses and any("pooled" in s or "merged" in s for s in statuses)
+
+
+def test_z_moments_in_one_call_equal_the_two_step_moments_over_several_domains():
+    """z_moments with the substitution indicators and no earlier moments (one call) equals
+    the moments without them followed by S2 of z* given those (two calls), on two domains of
+    two study variables: the z* sums of one domain never leak into the next."""
+    tilde = substitute(TABLE, DONOR, np.ones(10, dtype=bool), KEYS)
+    strata = massc_strata(TABLE, KEYS, NU)
+    zv = StudyVariables(
+        ["binge", "_count"],
+        {"gender": ["M", "F"], "age": ["1", "2", "3"]},
+        [KeySpec(name="gender"), KeySpec(name="age")],
+    )
+    one = z_moments(TABLE, tilde, strata, "w", zv, substituted=SUBSTITUTED)
+    base = z_moments(TABLE, tilde, strata, "w", zv)
+    two = z_moments(TABLE, tilde, strata, "w", zv, substituted=SUBSTITUTED, base=base)
+    np.testing.assert_allclose(one.theta, base.theta, rtol=1e-14)
+    np.testing.assert_allclose(one.S2_nu, base.S2_nu, rtol=1e-14, atol=1e-14)
+    np.testing.assert_allclose(one.S2_zstar, two.S2_zstar, rtol=1e-14, atol=1e-14)
+    # theta of binge among men is the weighted count of male binge drinkers (brute force)
+    men = (TABLE["gender"] == "M").to_numpy()
+    assert one.theta[0] == pytest.approx(float((TABLE["binge"] * TABLE["w"])[men].sum()))

@@ -266,10 +266,10 @@ def z_moments(
                 S2v.append(_s2(s1, s2, N))
             if sel is not None:  # sums and sums of squares of w z* per stratum x category
                 ok, ia, m = cells[d]
-                a = wys[ok]
-                a1 = np.bincount(ia, weights=a, minlength=m).reshape(n_h, nc)
-                a2 = np.bincount(ia, weights=a**2, minlength=m).reshape(n_h, nc)
-                S2z.append(_s2(a1, a2, N))
+                a = wys[ok]  # (its sums must not take the name a1: the next domain reads it)
+                z1 = np.bincount(ia, weights=a, minlength=m).reshape(n_h, nc)
+                z2 = np.bincount(ia, weights=a**2, minlength=m).reshape(n_h, nc)
+                S2z.append(_s2(z1, z2, N))
     return ZMoments(
         labels=zvars.labels,
         strata=[str(s) for s in h_labels],
