@@ -27,7 +27,7 @@ import scipy.linalg.lapack
 import scipy.sparse
 from scipy.optimize import linprog
 
-from sdl_design.design import first_of, sparse_times
+from sdl_design.design import dense_codes, first_of, sparse_times
 from sdl_design.keys import MISSING, key_frame
 from sdl_design.spec import KeySpec
 
@@ -201,16 +201,9 @@ def _margin_codes(s: pd.Series) -> tuple[np.ndarray, list]:
 
 def _unique_first_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """np.unique(key, return_index=True, return_inverse=True)[1:] of non-negative integer
-    codes: by a count over the codes when their range is at most a few times the records (no
-    sort), else by np.unique itself."""
-    n = len(key)
-    top = int(key.max()) + 1 if n else 0
-    if not n or top > max(4 * n, 1 << 16):
-        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-        return first, inverse
-    present = np.bincount(key, minlength=top) > 0
-    rank = np.cumsum(present) - 1  # index of each present code among the sorted distinct ones
-    return first_of(key, top, absent=n)[present], rank[key]
+    codes (design.dense_codes: by a count when their range is small, no sort)."""
+    _, inverse = dense_codes(key)
+    return first_of(inverse, int(inverse.max(initial=-1)) + 1), inverse
 
 
 def _design(df: pd.DataFrame, totals: Mapping[str, Any]) -> _Design:
