@@ -66,6 +66,11 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _sys() -> float:
+    """CPU seconds the kernel spent for the process so far (page faults, mostly)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+
+
 def _reset_peak() -> bool:
     """Reset VmHWM to the current RSS (Linux >= 4.0); False when not allowed."""
     try:
@@ -160,6 +165,7 @@ class _Recorder:
             self.sampler.reset()
         self.start_rss = _status_kb("VmRSS")
         self.start_cpu = _cpu()
+        self.start_sys = _sys()
 
     def peak_kb(self) -> int:
         return _status_kb("VmHWM") if self.use_hwm else self.sampler.peak
@@ -168,6 +174,7 @@ class _Recorder:
         self.rows[name] = {
             "time": max(seconds - self.overhead, 0.0),
             "cpu": max(_cpu() - self.start_cpu - self.overhead, 0.0),
+            "sys": _sys() - self.start_sys,
             "peak": self.peak_kb() / 2**20,
             "start": self.start_rss / 2**20,
             "end": _status_kb("VmRSS") / 2**20,
@@ -233,14 +240,14 @@ def _table(rec: _Recorder, bw: float) -> None:
     peak = max(r["peak"] for r in rec.rows.values())
     print(f"peak memory: {peak:.2f} GiB = {peak * 2**30 / 1e9:.2f} GB (target 4 GB)")
     print(
-        f"  {'step':<10} {'time s':>8} {'cpu s':>7} {'floor s':>8} {'x floor':>8} "
+        f"  {'step':<10} {'time s':>8} {'cpu s':>7} {'sys s':>6} {'floor s':>8} {'x floor':>8} "
         f"{'peak GiB':>8} {'start GiB':>9} {'end GiB':>7}"
     )
     for name, r in rec.rows.items():
         floor = r["bytes"] / (bw * 1e9)
         ratio = f"{r['time'] / floor:8.1f}" if floor > 0 else f"{'-':>8}"
         print(
-            f"  {name:<10} {r['time']:8.2f} {r['cpu']:7.2f} {floor:8.3f} {ratio} "
+            f"  {name:<10} {r['time']:8.2f} {r['cpu']:7.2f} {r['sys']:6.2f} {floor:8.3f} {ratio} "
             f"{r['peak']:8.2f} {r['start']:9.2f} {r['end']:7.2f}",
             flush=True,
         )

@@ -620,7 +620,8 @@ def calibrate_replicates(
             columns=["replicate", "status", "lower", "upper", "g_min", "g_max"]
         )
     d = _design(df, _union_totals(per))  # one X for all replicates
-    out: dict[str, np.ndarray] = {}
+    # replicates x records: the frame's one float block, so designs read it in place
+    out = np.empty((len(reps), len(df)))
     rows = []
     warm: dict = {}  # Newton starts from the previous replicate's multipliers
     for start in range(0, len(reps), chunk):
@@ -654,9 +655,8 @@ def calibrate_replicates(
                     "g_max": float(g[nz].max()) if nz.any() else np.nan,
                 }
             )
-            out[c] = W[:, i] * d.expand(g)
-    # copy=False: one array per replicate as computed, not a second consolidated copy
-    return pd.DataFrame(out, index=df.index, copy=False), pd.DataFrame(rows)
+            np.multiply(W[:, i], d.expand(g), out=out[start + i])
+    return pd.DataFrame(out.T, index=df.index, columns=reps, copy=False), pd.DataFrame(rows)
 
 
 def _union_totals(per: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -912,11 +912,14 @@ def calibrate_treated(
     metrics: dict[str, float] = {}
     if len(domains):
         tables["calibration_domains"] = dom_table
+    rep_block = None  # the new replicate weights, replicates x records (one float block)
     if not controls and not margins:
         w_cal = base
         new[weight] = base
-        for c in reps:
-            new[c] = rep_b2.values([c])[:, 0] * factor
+        if reps:
+            rep_block = np.empty((len(reps), len(b2)))
+            for j, c in enumerate(reps):
+                np.multiply(rep_b2.values([c])[:, 0], factor, out=rep_block[j])
     else:
         from sdl_design.calibration import (
             CalibrationInfeasible,
@@ -978,8 +981,7 @@ def calibrate_treated(
         w_cal = np.asarray(w_cal, dtype=float)
         new[weight] = w_cal
         if reps:
-            for c in reps:
-                new[c] = np.asarray(cal[c], dtype=float)
+            rep_block = np.ascontiguousarray(cal[reps].to_numpy(dtype=float).T)  # a view
             del cal
             tables["replicate_calibration"] = pd.DataFrame(report)
         if len(domains):
@@ -1016,13 +1018,19 @@ def calibrate_treated(
     # b2's columns with the new weights in their places; copy=False keeps every array as it is
     # (setting 70 replicate columns one by one would copy each)
     order = list(b2.columns)  # the replicates in their places of the source frame
+    rep_set = set(reps) if rep_block is not None else set()
     if any(c not in b2.columns for c in reps):
         keep = set(order) | set(reps)
         order = [c for c in rep_b2.source.columns if c in keep]
         order += [c for c in b2.columns if c not in rep_b2]
     out = pd.DataFrame(
-        {c: new[c] if c in new else b2[c] for c in order}, index=b2.index, copy=False
+        {c: new[c] if c in new else b2[c] for c in order if c not in rep_set},
+        index=b2.index,
+        copy=False,
     )
+    if rep_block is not None:  # one block, put in the replicates' places without a copy
+        rep_frame = pd.DataFrame(rep_block.T, index=b2.index, columns=reps, copy=False)
+        out = pd.concat([out, rep_frame], axis=1)[order]
     return out, tables, metrics
 
 
