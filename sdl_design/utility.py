@@ -236,17 +236,30 @@ def domain_mean_se(
     the replicate scale factors when known (SurveyDesign derives them otherwise)."""
     from sdl_design.design import SurveyDesign
 
-    frame = pd.concat([df, chars.extra], axis=1)
     calls = [(None, chars.overall)] + [(d, chars.domain_vars) for d in chars.domains]
+    used = list(dict.fromkeys(c for _, cols in calls for c in cols))
+    # the characteristics as one float block (variables x records): every design.mean below
+    # reads its columns in place instead of gathering mixed-dtype columns on each call
+    Y = np.empty((len(used), len(df)))
+    for i, c in enumerate(used):
+        col = chars.extra[c] if c in chars.extra else df[c]
+        Y[i] = col.to_numpy(dtype=float, na_value=np.nan)
     # a variable with missing values: its mean over the records that have it (the ratio of
     # sum w y 1{y observed} to sum w 1{y observed}, linearized), the other records a domain
-    used = list(dict.fromkeys(c for _, cols in calls for c in cols))
-    na = [c for c in used if frame[c].isna().any()]
-    if na:
-        filled = {f"__y0:{c}": frame[c].fillna(0).astype(float) for c in na}
-        seen = {f"__nn:{c}": frame[c].notna().astype(float) for c in na}
-        frame = pd.concat([frame, pd.DataFrame({**filled, **seen}, index=frame.index)], axis=1)
+    missing = np.isnan(Y).any(axis=1)
+    na = [c for c, m in zip(used, missing, strict=True) if m]
     rw = list(replicate_weights) if (replicate_weights and method) else None
+    need = [c for c in dict.fromkeys([weight, strata, psu, *(rw or [])]) if c in df.columns]
+    parts = [df[need], chars.extra[chars.domains]]
+    parts.append(pd.DataFrame(Y.T, index=df.index, columns=used, copy=False))
+    if na:
+        at = np.flatnonzero(missing)
+        seen = ~np.isnan(Y[at])
+        filled = np.where(seen, Y[at], 0.0)
+        names = [f"__y0:{c}" for c in na] + [f"__nn:{c}" for c in na]
+        both = np.concatenate([filled, seen.astype(float)])
+        parts.append(pd.DataFrame(both.T, index=df.index, columns=names, copy=False))
+    frame = pd.concat(parts, axis=1)
     design = SurveyDesign(
         frame,
         weight=weight,

@@ -102,3 +102,58 @@ def test_final_stage_reads_the_original_se_table_the_swap_computed(monkeypatch):
     )
     assert not alone["characteristic"].str.startswith("pregnant").any()
     pd.testing.assert_frame_equal(out.tables["se_ratios"], alone, check_exact=False, rtol=1e-12)
+
+
+def test_domain_mean_se_equals_each_estimate_computed_alone():
+    """Every row of domain_mean_se (read from one float block of the characteristics) equals
+    the design's estimate of that variable alone: means of numeric and binary columns, shares of
+    categories, domain means, and the mean of a variable with missing values over the records
+    that have it (sum w y / sum w over them, in closed form; its SE from the ratio of the
+    zero-filled variable to the observed indicator)."""
+    from sdl_design.design import SurveyDesign
+
+    df = frame(n=600, seed=4)
+    rng = np.random.default_rng(5)
+    df["z"] = rng.integers(0, 2, len(df)).astype(bool)
+    df["v"] = np.where(rng.uniform(size=len(df)) < 0.2, np.nan, rng.gamma(2.0, size=len(df)))
+    design = {"weight": "w", "strata": "st", "psu": "psu"}
+    chars = broad_characteristics(df, design=design, exclude=["parish"], domains=["gender"])
+    for rw in (False, True):
+        data, reps, method = df, [], None
+        if rw:
+            r = SurveyDesign(df, "w", strata="st", psu="psu").with_replicates("jkn")
+            data, reps, method = pd.concat([df, r], axis=1), list(r.columns), "jkn"
+        t = domain_mean_se(
+            data, chars, "w", "st", "psu", replicate_weights=reps, method=method
+        ).set_index(["variable", "domain"])
+        ref = SurveyDesign(df, "w", strata="st", psu="psu")
+        if rw:
+            rd = SurveyDesign(data, "w", "st", "psu", replicate_weights=reps, method="jkn")
+            for v in ("years", "y", "z"):
+                m = rd.mean(v, variance="replicate").iloc[0]
+                np.testing.assert_allclose(t.loc[(v, "all"), "se_rep"], m["se"], rtol=1e-12)
+        for v in ("years", "y", "z"):
+            m = ref.mean(v, variance="taylor").iloc[0]
+            np.testing.assert_allclose(
+                t.loc[(v, "all"), ["estimate", "se", "deff"]].to_numpy(float),
+                m[["estimate", "se", "deff"]].to_numpy(float),
+                rtol=1e-12,
+            )
+        g = df["gender"].to_numpy()
+        for level in ("f", "m"):
+            share = df["w"][g == level].sum() / df["w"].sum()
+            np.testing.assert_allclose(t.loc[(f"gender={level}", "all"), "estimate"], share)
+            dm = ref.mean("y", by="gender", variance="taylor").xs(level, level="gender")
+            np.testing.assert_allclose(
+                t.loc[("y", f"gender={level}"), ["estimate", "se"]].to_numpy(float),
+                dm[["estimate", "se"]].iloc[0].to_numpy(float),
+                rtol=1e-12,
+            )
+        seen = df["v"].notna().to_numpy()
+        w, v = df["w"].to_numpy(), df["v"].to_numpy()
+        np.testing.assert_allclose(
+            t.loc[("v", "all"), "estimate"], (w[seen] * v[seen]).sum() / w[seen].sum()
+        )
+        both = df.assign(y0=np.where(seen, v, 0.0), nn=seen.astype(float))
+        r = SurveyDesign(both, "w", strata="st", psu="psu").ratio("y0", "nn").iloc[0]
+        np.testing.assert_allclose(t.loc[("v", "all"), "se"], r["se"])
