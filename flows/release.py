@@ -17,7 +17,7 @@ from pydantic import Field, field_validator
 
 from expectations.suites import GateFailed
 from flows import publish as pub
-from flows.env import return_freed_memory
+from flows.env import preload, return_freed_memory
 from flows.manifest import Manifest
 from flows.progress import PROGRESS
 from flows.public_docs import variance_notes
@@ -210,6 +210,9 @@ def _release(
     approval_poll_s: int,
 ) -> Manifest:
     stages = build_stages(spec)
+    import pyarrow.parquet  # noqa: F401 - the reader's modules, before the preload thread starts
+
+    preload()  # Great Expectations and matplotlib, while the input is read
     total = len(stages) + 6
     step = 1
     _progress(step, total, "load")

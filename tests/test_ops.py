@@ -187,3 +187,27 @@ print(before - rss())
     )
     freed = int(out.stdout.split()[-1])
     assert freed > 150e6, freed  # of the 200 MB freed in holes
+
+
+def test_preload_imports_in_its_thread_and_leaves_a_failure_to_the_step(tmp_path, monkeypatch):
+    """The modules are imported by the preload thread (a module records the thread that ran
+    it); one that fails there raises again, with its own error, where a step imports it."""
+    import importlib
+    import sys
+
+    from flows.env import preload
+
+    (tmp_path / "puf_preload_ok.py").write_text(
+        "import threading\nTHREAD = threading.current_thread().name\n"
+    )
+    (tmp_path / "puf_preload_bad.py").write_text("raise RuntimeError('broken module')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("puf_preload_ok", "puf_preload_bad"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    t = preload(("puf_preload_bad", "puf_preload_ok"))
+    t.join(30)
+    assert not t.is_alive()
+    assert importlib.import_module("puf_preload_ok").THREAD == "puf-preload"
+    with pytest.raises(RuntimeError, match="broken module"):
+        importlib.import_module("puf_preload_bad")
+    sys.modules.pop("puf_preload_ok", None)
