@@ -594,8 +594,9 @@ def calibrate_replicates(
     by 1.25 until it calibrates) or raked, per policy; the report says which and with which
     bounds. Zero replicate weights stay zero. factor: each record's replicate weights are
     multiplied by it first (read a chunk at a time: no second copy of all of them). values:
-    reads replicate columns of df's records ((records, columns) array; default df[columns]), so
-    that df may hold only the controls. Returns (replicate weights, report)."""
+    reads replicate columns of df's records ((records, columns) array, read before the next
+    call: it may be a buffer the caller fills again; default df[columns]), so that df may hold
+    only the controls. Returns (replicate weights, report)."""
     if method not in METHODS:
         raise CalibrationError(f"method '{method}' unknown; use one of {METHODS}")
     if policy not in ("widen", "rake"):
@@ -624,11 +625,15 @@ def calibrate_replicates(
     out = np.empty((len(reps), len(df)))
     rows = []
     warm: dict = {}  # Newton starts from the previous replicate's multipliers
+    f = None if factor is None else np.asarray(factor, dtype=float)[:, None]
+    scaled = None  # one buffer for every chunk's W * factor (a new one per chunk: page faults)
     for start in range(0, len(reps), chunk):
         cols = reps[start : start + chunk]
         W = values(cols)
-        if factor is not None:
-            W = W * np.asarray(factor, dtype=float)[:, None]
+        if f is not None:
+            if scaled is None:
+                scaled = np.empty((len(W), min(chunk, len(reps))), order="F")
+            W = np.multiply(W, f, out=scaled[:, : len(cols)])  # W may be the caller's buffer
         if not np.all(np.isfinite(W)):
             raise CalibrationError(f"replicate weights {cols} have missing or infinite values")
         Wp = d.aggregate(W)

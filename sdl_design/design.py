@@ -122,7 +122,7 @@ def take_rows(W: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def _block_rows(df: pd.DataFrame, cols: Sequence[str]) -> np.ndarray | None:
+def block_view(df: pd.DataFrame, cols: Sequence[str]) -> np.ndarray | None:
     """The columns as a read-only (records x columns) Fortran view of the frame's own float
     block when they lie in it side by side in this order (replicate weights as read from a
     file), else None: no copy of n x R values."""
@@ -150,7 +150,7 @@ def _block_rows(df: pd.DataFrame, cols: Sequence[str]) -> np.ndarray | None:
 def _fortran_columns(df: pd.DataFrame, cols: Sequence[str]) -> np.ndarray:
     """df[cols] as a column-major float matrix: a view of the frame's block when the columns
     are one float block, else filled a column at a time (no row-major copy on the way)."""
-    view = _block_rows(df, cols)
+    view = block_view(df, cols)
     if view is not None:
         return view
     sub = df[list(cols)]
@@ -173,7 +173,7 @@ class _Columns:
         if isinstance(data, np.ndarray):
             self.data = data
         else:
-            view = _block_rows(data, self.names)
+            view = block_view(data, self.names)
             self.data = view if view is not None else data[self.names].to_numpy(float)
 
     def _checked(self, m: np.ndarray, names: list) -> np.ndarray:

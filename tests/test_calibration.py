@@ -307,7 +307,7 @@ def test_replicates_come_back_as_one_block_in_their_places(controls):
     """The recalibrated replicate weights are one float block of the returned frame, in the
     source frame's column order, so a design reads them in place (no 70-column copy per
     design at 1M records); the values equal each replicate calibrated alone."""
-    from sdl_design.design import SurveyDesign, _block_rows
+    from sdl_design.design import SurveyDesign, block_view
     from sdl_design.massc import calibrate_treated
 
     original, reps, _ = _jkn(_design_sample(seed=11))
@@ -315,7 +315,7 @@ def test_replicates_come_back_as_one_block_in_their_places(controls):
     f = np.random.default_rng(3).uniform(0.8, 1.25, len(original))
     T = control_totals(original, "w", ["sex"])
     cal, _ = calibrate_replicates(original, reps, [T] * len(reps), "raking", factor=f)
-    assert _block_rows(cal, reps) is not None and list(cal.columns) == reps
+    assert block_view(cal, reps) is not None and list(cal.columns) == reps
     alone = calibrate_replicates(original[["sex", reps[1]]], [reps[1]], [T], "raking", factor=f)[0]
     # (alone: Newton starts cold, not from the previous replicate's multipliers)
     np.testing.assert_allclose(cal[reps[1]].to_numpy(), alone[reps[1]].to_numpy(), rtol=1e-10)
@@ -323,7 +323,7 @@ def test_replicates_come_back_as_one_block_in_their_places(controls):
         original, "w", f, original, controls, "raking", None, reps, "widen"
     )
     assert list(out.columns) == list(original.columns)
-    assert _block_rows(out, reps) is not None
+    assert block_view(out, reps) is not None
     d = SurveyDesign(out, "w", strata="stratum", psu="psu", replicate_weights=reps, method="jkn")
     assert np.shares_memory(d.W, out[reps[0]].to_numpy())  # read in place
     if not controls:  # divided by phi only

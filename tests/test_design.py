@@ -586,7 +586,7 @@ def test_replicate_weights_side_by_side_in_a_block_are_read_in_place():
     """Replicate columns that sit side by side in the frame's float block are W without a
     copy (a read-only view, equal to the values); shuffled, interleaved or split columns are
     copied, with the same values."""
-    from sdl_design.design import _block_rows, _fortran_columns
+    from sdl_design.design import _fortran_columns, block_view
 
     rng = np.random.default_rng(3)
     df = pd.DataFrame(rng.random((50, 8)), columns=[f"c{j}" for j in range(8)])
@@ -596,7 +596,7 @@ def test_replicate_weights_side_by_side_in_a_block_are_read_in_place():
     assert np.shares_memory(W, df._mgr.blocks[0].values)
     assert np.array_equal(W, df[["c2", "c3", "c4"]].to_numpy())
     for cols in (["c4", "c3"], ["c2", "c4"], ["c2", "i"]):
-        assert _block_rows(df, cols) is None
+        assert block_view(df, cols) is None
         V = _fortran_columns(df, cols)
         assert V.flags.f_contiguous and np.array_equal(V, df[cols].to_numpy(dtype=float))
     split = df.assign(c3=0.5)  # a replaced column leaves the block

@@ -1111,3 +1111,27 @@ def test_z_moments_in_one_call_equal_the_two_step_moments_over_several_domains()
     # theta of binge among men is the weighted count of male binge drinkers (brute force)
     men = (TABLE["gender"] == "M").to_numpy()
     assert one.theta[0] == pytest.approx(float((TABLE["binge"] * TABLE["w"])[men].sum()))
+
+
+def test_record_columns_read_into_a_reused_buffer():
+    """RecordColumns.values equals df[columns] at the records (labels, in their order) whether
+    the columns are one float block (gathered a column at a time) or not, with or without the
+    caller's buffer, which it fills and returns; without records left out, the block is read
+    in place."""
+    from sdl_design.massc.treatment import RecordColumns
+
+    rng = np.random.default_rng(12)
+    block = pd.DataFrame(rng.uniform(size=(50, 5)), columns=list("abcde"), index=range(100, 150))
+    block.insert(0, "k", np.arange(50))  # an int column before the float block
+    mixed = block.assign(c=block["c"].astype(np.float32))  # c in its own block
+    labels = pd.Index(rng.permutation(block.index.to_numpy())[:30])
+    for src in (block, mixed):
+        rc = RecordColumns(src, labels)
+        for cols in (["b", "c", "d"], ["e"], ["d", "b"]):
+            expect = src.loc[labels, cols].to_numpy(dtype=float)
+            np.testing.assert_array_equal(rc.values(cols), expect)
+            buf = np.full((30, len(cols)), np.nan, order="F")
+            assert rc.values(cols, out=buf) is buf
+            np.testing.assert_array_equal(buf, expect)
+    whole = RecordColumns(block, block.index).values(["a", "b", "c"])
+    assert np.shares_memory(whole, block["a"].to_numpy()) and not whole.flags.writeable
