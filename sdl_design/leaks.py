@@ -81,11 +81,23 @@ def determining_columns(spec: ReleaseSpec, df: pd.DataFrame) -> list[tuple[str, 
     published = [c for c, k in cls.items() if k in ("key", "study", "sensitive", "keep")]
     out = []
     codes = {c: pd.factorize(df[c], use_na_sentinel=False)[0] for c in published}
+    # per column: records in repeated values and the number of repeated values. Each repeated
+    # value's modal label holds at most the largest label's records, so purity <= values x
+    # largest label / records: a bound that rules out most (column, household) pairs uncounted
+    repeats = {}
+    for c, k in codes.items():
+        n_v = np.bincount(k) if len(k) else np.zeros(0, dtype=np.int64)
+        rep = n_v >= 2
+        repeats[c] = (int(n_v[rep].sum()), int(rep.sum()))
     for label, values in _dropped_labels(spec, df).items():
         lab = pd.factorize(values, use_na_sentinel=False)[0]
         if lab.max(initial=0) < 1:  # one label: nothing to determine
             continue
+        largest = int(np.bincount(lab).max())
         for c in published:
+            n_rep, n_values = repeats[c]
+            if n_rep == 0 or n_values * largest < DETERMINING_PURITY * n_rep:
+                continue  # purity below the threshold (or no repeated values: purity 0)
             purity, coverage = _purity(codes[c], lab)
             if purity >= DETERMINING_PURITY and coverage >= DETERMINING_COVERAGE:
                 out.append((c, label, purity))

@@ -179,6 +179,46 @@ def test_column_determining_a_dropped_label_is_an_error(survey):
     spec_with(**{"variables.other.drop": ["county", "prob"]}).check_data(survey.assign(prob=copy))
 
 
+def test_determining_columns_equal_every_pair_counted(survey):
+    """The purity bound that skips (column, label) pairs changes nothing: the determining
+    columns equal label_purity over every published column and dropped label, on a file with a
+    relabelled stratum copy, a relabelled household copy, a constant and a mostly constant
+    column (its purity that of the modal label, near the threshold)."""
+    from sdl_design.leaks import (
+        DETERMINING_COVERAGE,
+        DETERMINING_PURITY,
+        _dropped_labels,
+        determining_columns,
+    )
+
+    rng = np.random.default_rng(21)
+    hh = survey["household"]
+    df = survey.assign(
+        prob=survey["stratum"].map(lambda h: f"s{h}x"),
+        hhcopy=hh.map({h: f"h{i}" for i, h in enumerate(hh.unique())}),
+        const=1,
+        mostly=np.where(rng.random(len(survey)) < 0.97, 0, rng.integers(1, 5, len(survey))),
+    )
+    spec = spec_with(
+        **{"variables.other.keep": ["education", "pregnant", "prob", "hhcopy", "const", "mostly"]}
+    )
+    cls = spec.classification(list(df.columns))
+    published = [c for c, k in cls.items() if k in ("key", "study", "sensitive", "keep")]
+    expect = []
+    for label, values in _dropped_labels(spec, df).items():
+        if values.nunique(dropna=False) < 2:
+            continue
+        for c in published:
+            purity, coverage = label_purity(df[c], values)
+            if purity >= DETERMINING_PURITY and coverage >= DETERMINING_COVERAGE:
+                expect.append((c, label, purity))
+    got = determining_columns(spec, df)
+    assert [(c, lab) for c, lab, _ in got] == [(c, lab) for c, lab, _ in expect]
+    np.testing.assert_allclose([p for *_, p in got], [p for *_, p in expect])
+    assert ("prob", "design.strata 'stratum'") in [(c, lab) for c, lab, _ in got]
+    assert any(c == "hhcopy" for c, *_ in got)
+
+
 def test_column_tied_to_a_prb_key_must_move_with_it(survey):
     """relationship husband/wife => marital married: with marital post-randomized, an untouched
     relationship would publish husbands who are not married."""
