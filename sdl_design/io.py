@@ -22,6 +22,7 @@ import hashlib
 import json
 import re
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -251,8 +252,12 @@ def read_input(spec: ReleaseSpec) -> tuple[pd.DataFrame, str]:
         import pyarrow.parquet as pq
 
         _duplicates(list(pq.read_schema(path).names), path)
-        df = pd.read_parquet(path)
-        text = False
+        # the digest in a second thread while the file is parsed (hashlib and pyarrow leave
+        # the interpreter free): 0.4 s of a 600 MB file no longer after the read
+        with ThreadPoolExecutor(1, thread_name_prefix="puf-digest") as pool:
+            digest = pool.submit(file_digest, path)
+            df = pd.read_parquet(path)
+        return type_input(df, spec, False), digest.result()
     elif suffix == ".csv":
         import pyarrow as pa
         import pyarrow.csv as pcsv
@@ -266,7 +271,5 @@ def read_input(spec: ReleaseSpec) -> tuple[pd.DataFrame, str]:
             null_values=[],
         )
         df = pcsv.read_csv(path, convert_options=every_text).to_pandas()
-        text = True
-    else:
-        raise SpecError([f"release.input: {path.name} is neither .parquet nor .csv; convert it"])
-    return type_input(df, spec, text), file_digest(path)
+        return type_input(df, spec, True), file_digest(path)
+    raise SpecError([f"release.input: {path.name} is neither .parquet nor .csv; convert it"])
