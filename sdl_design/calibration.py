@@ -145,9 +145,11 @@ class _Design:
         """Profile sums of weights (n,) or (n, R) when solving on profiles; else w itself."""
         if not self.on_profiles:
             return w
-        n, K = len(self.inverse), self.Xc.shape[0]
-        S = scipy.sparse.csr_matrix((np.ones(n), (self.inverse, np.arange(n))), shape=(K, n))
-        return np.asarray(S @ w)
+        K = self.Xc.shape[0]  # sums in record order, as the indicator matrix's product adds
+        if w.ndim == 1:
+            return np.bincount(self.inverse, weights=w, minlength=K)
+        cols = [np.bincount(self.inverse, weights=w[:, j], minlength=K) for j in range(w.shape[1])]
+        return np.column_stack(cols) if cols else np.zeros((K, 0))
 
     def expand(self, g: np.ndarray) -> np.ndarray:
         return g[self.inverse] if self.on_profiles else g
