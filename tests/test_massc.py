@@ -1135,3 +1135,24 @@ def test_record_columns_read_into_a_reused_buffer():
             np.testing.assert_array_equal(buf, expect)
     whole = RecordColumns(block, block.index).values(["a", "b", "c"])
     assert np.shares_memory(whole, block["a"].to_numpy()) and not whole.flags.writeable
+
+
+def test_cell_sums_of_several_cellings_at_once():
+    """_cell_sums (one stacked indicator for every celling) gives each celling's cell sums of
+    each column: equal to a pandas groupby, and bit for bit to one indicator per celling; a
+    cell no record falls in sums to 0."""
+    from sdl_design.design import group_indicator
+    from sdl_design.massc.treatment import RecordColumns, _cell_sums
+
+    rng = np.random.default_rng(13)
+    df = pd.DataFrame(rng.uniform(size=(500, 20)), columns=[f"r{i}" for i in range(20)])
+    sizes = [3, 7, 40]
+    cells = [rng.integers(0, m - 1, len(df)) for m in sizes]  # the last cell of each empty
+    got = _cell_sums(cells, sizes, RecordColumns(df, df.index), list(df.columns))
+    assert [g.shape for g in got] == [(m, 20) for m in sizes]
+    for c, m, g in zip(cells, sizes, got, strict=True):
+        by = df.groupby(c).sum().reindex(range(m), fill_value=0.0).to_numpy()
+        np.testing.assert_allclose(g, by, rtol=1e-13)
+        np.testing.assert_array_equal(g, group_indicator(c, m) @ df.to_numpy())
+        assert (g[m - 1] == 0).all()
+    assert _cell_sums([], [], RecordColumns(df, df.index), list(df.columns)) == []

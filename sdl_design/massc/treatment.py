@@ -854,18 +854,28 @@ def _cell_sums(
 ) -> list[np.ndarray]:
     """Sums of each column within each cell, for several cellings of the records at once:
     [(n_c, R) per celling]; the columns read a block at a time (no n x R copy), each celling's
-    indicator built once without a sort."""
-    from sdl_design.design import group_indicator, sparse_times
+    indicator stacked into one (a record's cell in every celling: each column read once, the
+    sums of each cell in record order, bit for bit those of one indicator per celling)."""
+    import scipy.sparse as sp
 
-    ind = [
-        group_indicator(np.asarray(c, dtype=np.int64), m) for c, m in zip(cells, sizes, strict=True)
-    ]
-    total = [np.empty((m, len(columns))) for m in sizes]
+    from sdl_design.design import sparse_times
+
+    if not len(cells):
+        return []
+    at = np.r_[0, np.cumsum(np.asarray(sizes, dtype=np.int64))]  # each celling's first row
+    n, C = len(cells[0]), len(cells)
+    rows = np.empty((n, C), dtype=np.int64)
+    for k, c in enumerate(cells):
+        rows[:, k] = np.asarray(c, dtype=np.int64) + at[k]
+    A = sp.csc_matrix(
+        (np.ones(n * C), rows.ravel(), np.arange(0, n * C + 1, C)),
+        shape=(int(at[-1]), n),
+    )
+    del rows
+    total = np.empty((int(at[-1]), len(columns)))
     for a in range(0, len(columns), 16):
-        V = frame.values(columns[a : a + 16])
-        for A, t in zip(ind, total, strict=True):
-            t[:, a : a + 16] = sparse_times(A, V)
-    return total
+        total[:, a : a + 16] = sparse_times(A, frame.values(columns[a : a + 16]))
+    return [total[at[k] : at[k + 1]] for k in range(C)]
 
 
 def calibrate_treated(
