@@ -14,11 +14,16 @@ knows education gives PRB its cells:
     'variables.keys=[{name: age, bins: [0, 18, 25, 35, 45, 55, 65, 75, 91]}, sex, race,
     marital, region, education]' 'variables.other.keep=[pregnant]'
 
+The flow is timed against a running Prefect API, as a deployment runs it: Prefect's temporary
+server is started before the timer and its start time printed beside (PUF_BENCH_COLD=1 times
+it inside the flow instead).
+
 Per stage (one flow step: load, edits, each release stage with its replications, gates,
 files: the public files and the report staged for approval; publish: the staged release moved
 into place with the registry row):
 - time: wall time of the step (the bench's own bookkeeping subtracted); cpu: CPU seconds of
-  the process in the step (all threads; steadier than wall time on a shared machine);
+  the process in the step (all threads; steadier than wall time on a shared machine); sys: the
+  part of it the kernel spent (page faults on fresh memory, mostly);
 - peak: the process's peak resident set during the step (VmHWM of /proc/self/status, reset at
   the start of every step by writing 5 to /proc/self/clear_refs), and RSS at its end;
 - floor: bytes the step must touch / the machine's measured memory bandwidth (a numpy copy of
