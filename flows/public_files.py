@@ -127,7 +127,7 @@ def _polars_ready(df: pd.DataFrame) -> pd.DataFrame | None:
             out[c] = s.astype("string").replace("", pd.NA)
         else:
             return None
-    return pd.DataFrame(out, index=df.index)
+    return pd.DataFrame(out, index=df.index, copy=False)  # the columns as they are, no copy
 
 
 def write_csv(df: pd.DataFrame, path: Path, rows: int = 100_000) -> None:
