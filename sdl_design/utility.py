@@ -253,11 +253,10 @@ def domain_mean_se(
     parts = [df[need], chars.extra[chars.domains]]
     parts.append(pd.DataFrame(Y.T, index=df.index, columns=used, copy=False))
     if na:
-        at = np.flatnonzero(missing)
-        seen = ~np.isnan(Y[at])
-        filled = np.where(seen, Y[at], 0.0)
+        Ym = Y[missing]  # the variables with missing values, gathered once
+        seen = ~np.isnan(Ym)
         names = [f"__y0:{c}" for c in na] + [f"__nn:{c}" for c in na]
-        both = np.concatenate([filled, seen.astype(float)])
+        both = np.concatenate([np.where(seen, Ym, 0.0), seen.astype(float)])
         parts.append(pd.DataFrame(both.T, index=df.index, columns=names, copy=False))
     frame = pd.concat(parts, axis=1)
     design = SurveyDesign(
