@@ -112,22 +112,26 @@ def validate_edits(df: pd.DataFrame, rules: Sequence, id_column: str | None = No
     """
     if not rules:
         return pd.DataFrame(columns=RESULT_COLUMNS)
+    from sdl_design.edits import rule_failures
+
     idx = id_column if id_column and id_column in df.columns else _ROW
-    ids = df[idx].to_numpy() if idx != _ROW else None
+    ids = df[idx].to_numpy() if idx != _ROW else np.arange(len(df))
+    return edit_verdicts(rules, rule_failures(df, rules, ids), idx.strip("_"))
+
+
+def edit_verdicts(rules: Sequence, failures: list, what: str = "row") -> pd.DataFrame:
+    """The results table of edit rules from their failures (sdl_design.edits.rule_failures
+    of the file, or its partitions' combined): GX gives each rule's verdict from a one-row
+    table of the failing counts; what: the name of the examples' ids (row or a column)."""
     counts, details = [], []
-    for rule in rules:
-        try:
-            bad = np.asarray(rule.violations(df).to_numpy(), dtype=bool)
-        except Exception as e:  # noqa: BLE001 - reported as the rule's result
+    for f in failures:
+        if isinstance(f, str):  # the rule could not be evaluated: the reason
             counts.append(float("nan"))
-            details.append(f"could not be evaluated: {type(e).__name__}: {e}")
+            details.append(f)
             continue
-        n = int(bad.sum())
-        examples = (ids[bad][:5] if ids is not None else np.flatnonzero(bad)[:5]).tolist()
+        n, examples = f
         counts.append(float(n))
-        details.append(
-            "holds" if n == 0 else f"{n} records fail (e.g. {idx.strip('_')} {examples})"
-        )
+        details.append("holds" if n == 0 else f"{n} records fail (e.g. {what} {examples})")
     _, gxe, _ = _gx()
     labels = [rule.label(i) for i, rule in enumerate(rules)]
     table = pd.DataFrame({f"rule_{i}": [c] for i, c in enumerate(counts)}).assign(**{_ROW: [0]})

@@ -211,6 +211,32 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return _guarded(go)
 
 
+def cmd_scan(args: argparse.Namespace) -> int:
+    """The input by partition: edit rules, risk strata and SEs, nothing treated."""
+    from flows.scan import run_scan
+
+    def go() -> int:
+        out = run_scan(args.spec, args.runner, args.dask_address, args.partitions, args.out)
+        strata = ", ".join(f"{r.stratum} {r.records}" for r in out["risk_strata"].itertuples())
+        se = out["se"]
+        print(
+            f"scanned {args.spec}: {out['records']} records in {out['partitions']} partitions, "
+            f"{out['seconds']:.1f} s"
+        )
+        print(f"  risk strata : {strata} records ({len(out['profiles'])} key profiles)")
+        print(
+            f"  SEs         : {len(se)} estimates of {se['variable'].nunique()} variables in "
+            f"{se['domain'].nunique()} domains (Taylor"
+            + (" and replicate)" if "se_rep" in se.columns else ")")
+        )
+        for r in out["edits"].itertuples():
+            print(f"  [{'ok' if r.passed else 'FAIL'}] {r.name}: {r.detail}")
+        print(f"  tables      : {out['folder']}")
+        return 0 if out["edits"]["passed"].all() else 1
+
+    return _guarded(go)
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from flows.tune import run_tune
 
@@ -326,6 +352,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     v.add_argument("spec")
     v.set_defaults(func=cmd_validate)
+
+    sc = sub.add_parser(
+        "scan",
+        help="read the input a partition at a time (on Dask with --runner dask): edit rules, "
+        "risk strata and the SEs of the study variables, nothing treated",
+    )
+    sc.add_argument("spec")
+    sc.add_argument(
+        "--partitions", type=int, default=None, help="about this many (default: one per row group)"
+    )
+    sc.add_argument(
+        "--out", default=None, help="folder for the tables (default: beside the release)"
+    )
+    runner_opts(sc)
+    sc.set_defaults(func=cmd_scan)
 
     t = sub.add_parser(
         "tune",

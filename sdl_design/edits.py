@@ -388,6 +388,36 @@ def failure_counts(df: pd.DataFrame, rules: Sequence[_Edit]) -> dict[int, int]:
     return {i: int(m.sum()) for i, m in edit_masks(df, rules).items() if m.any()}
 
 
+def rule_failures(
+    df: pd.DataFrame, rules: Sequence, ids: np.ndarray | None = None, examples: int = 5
+) -> list:
+    """Per rule: (failing records, the ids of the first `examples` of them; ids: one per
+    record, default the index labels), or the reason it cannot be evaluated (text)."""
+    out: list = []
+    ids = df.index.to_numpy() if ids is None else np.asarray(ids)
+    for rule in rules:
+        try:
+            bad = np.asarray(rule.violations(df).to_numpy(), dtype=bool)
+        except Exception as e:  # noqa: BLE001 - reported as the rule's result
+            out.append(f"could not be evaluated: {type(e).__name__}: {e}")
+            continue
+        out.append((int(bad.sum()), ids[bad][:examples].tolist()))
+    return out
+
+
+def combine_rule_failures(partials: Sequence[list], examples: int = 5) -> list:
+    """rule_failures of the whole input from its partitions' (in partition order)."""
+    out = []
+    for per_rule in zip(*partials, strict=True):
+        text = next((p for p in per_rule if isinstance(p, str)), None)
+        if text is not None:
+            out.append(text)
+            continue
+        n = sum(p[0] for p in per_rule)
+        out.append((n, [e for p in per_rule for e in p[1]][:examples]))
+    return out
+
+
 FAILURE_COLUMNS = ["rule", "label", "column", "count", "examples"]
 DEFAULT_HINT = (
     "treat the variables each rule ties together as one: add them to the PRB set C, or to the "

@@ -1,0 +1,563 @@
+"""Partitioned statistics: the pieces of a release that decompose over records, as map and
+reduce functions on the partitions of a Parquet input (its row groups), so a file larger than
+one process's memory is read a partition at a time, in one process or on Dask workers
+(flows/scan.py runs them; only small aggregates come back to the driver).
+
+- plan_partitions / read_partition: row groups in file order; every record keeps its global
+  row number; columns are typed as read_input types them.
+- Key-profile counts (risk strata U/D/T/O, paper 000 section 2.3): the distinct recoded key
+  profiles with their counts and first record, numbered in first-appearance order as
+  risk.profile_codes numbers them; profile_sizes gives each record its cell count.
+- Edit-rule failures: each rule's failing count and first failing rows (sdl_design.edits).
+- Domain means with Taylor SE, deff and replicate SE: pass 1 sums w y, w and the replicate
+  totals by cell (one sort of a partition's records by cell, one product per cell); pass 2
+  the PSU totals of the linearized scores w (y - R n) / X centred on pass 1's estimates; the
+  variances come from SurveyDesign's own kernel on a one-row-per-PSU design.
+Every variable is a ratio of sum w y 1{y observed} to sum w 1{y observed} (a missing value
+takes its record out of that variable's mean, as utility.domain_mean_se does).
+Reductions add partials in partition order: a plan's results do not depend on where or in
+which order its partitions ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from sdl_design.blas import single_blas_thread
+from sdl_design.design import SurveyDesign, dense_codes, first_of, group_indicator
+from sdl_design.edits import combine_rule_failures, rule_failures
+from sdl_design.keys import key_levels
+from sdl_design.risk import STRATA, _combine
+from sdl_design.spec import KeySpec
+
+if TYPE_CHECKING:
+    from sdl_design.spec import ReleaseSpec
+
+
+class PartitionError(ValueError):
+    """A partitioned input or request that cannot be read; the message names the fix."""
+
+
+# ---------------------------------------------------------------- partitions
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Row groups of one Parquet file holding the records start..stop-1 of the input."""
+
+    path: str
+    row_groups: tuple[int, ...]
+    start: int
+    stop: int
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(path.glob("*.parquet"))
+        if not files:
+            raise PartitionError(f"release.input: no .parquet file in the folder {path}")
+        return files
+    if not path.is_file() or path.suffix.lower() != ".parquet":
+        raise PartitionError(
+            f"release.input: {path} is not a Parquet file or a folder of them; the partitioned "
+            "path reads Parquet row groups (convert a CSV with pyarrow or pandas first)"
+        )
+    return [path]
+
+
+def input_columns(path: str | Path) -> list[str]:
+    """The input's column names (every file of a folder must have the same ones)."""
+    import pyarrow.parquet as pq
+
+    files = _files(Path(path))
+    names = list(pq.read_schema(files[0]).names)
+    for f in files[1:]:
+        other = list(pq.read_schema(f).names)
+        if other != names:
+            raise PartitionError(
+                f"release.input: {f.name} has columns {other[:6]}..., {files[0].name} has "
+                f"{names[:6]}...; every file of the folder needs the same columns"
+            )
+    return names
+
+
+def plan_partitions(path: str | Path, n: int | None = None) -> list[Partition]:
+    """The input (a Parquet file, or a folder of them read in name order) as about n
+    partitions of consecutive row groups with about equal record counts (n None: one per row
+    group). A row group is never split and a partition never spans two files."""
+    import pyarrow.parquet as pq
+
+    files = _files(Path(path))
+    input_columns(path)
+    units = []  # (file, row group, rows)
+    for f in files:
+        md = pq.ParquetFile(f).metadata
+        units += [(str(f), i, md.row_group(i).num_rows) for i in range(md.num_row_groups)]
+    units = [u for u in units if u[2] > 0]
+    if not units:
+        raise PartitionError(f"release.input: {path} holds no records")
+    total = sum(u[2] for u in units)
+    n = len(units) if n is None else max(1, min(int(n), len(units)))
+    parts: list[Partition] = []
+    start, groups, rows = 0, [], 0
+    for j, (f, i, r) in enumerate(units):
+        groups.append(i)
+        rows += r
+        nxt = units[j + 1][0] if j + 1 < len(units) else None
+        # close at the next multiple of total / n records, at a file's end, or at the input's
+        if nxt != f or (start + rows) * n >= total * (len(parts) + 1):
+            parts.append(Partition(f, tuple(groups), start, start + rows))
+            start, groups, rows = start + rows, [], 0
+    return parts
+
+
+def read_partition(
+    part: Partition, columns: Sequence[str] | None, spec: ReleaseSpec | None = None
+) -> pd.DataFrame:
+    """The partition's records (index: global row numbers), typed as read_input types a
+    Parquet file when a spec is given (its declared missing codes read along)."""
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(part.path)
+    cols = None if columns is None else list(dict.fromkeys(columns))
+    if spec is not None and cols is not None:
+        have = set(pf.schema_arrow.names)
+        cols += [c for c in spec.variables.missing if c in have and c not in cols]
+    df = pf.read_row_groups(list(part.row_groups), columns=cols).to_pandas()
+    df.index = pd.RangeIndex(part.start, part.stop)
+    if spec is None:
+        return df
+    from sdl_design.io import type_input
+
+    return type_input(df, spec, text=False)
+
+
+# ---------------------------------------------------------------- key profiles
+
+
+def _specs(keys: Sequence[KeySpec | str]) -> list[KeySpec]:
+    return [KeySpec(name=k) if isinstance(k, str) else k for k in keys]
+
+
+def profile_counts(df: pd.DataFrame, keys: Sequence[KeySpec | str]) -> pd.DataFrame:
+    """The distinct recoded key profiles of df (one row each, in first-appearance order): the
+    keys' labels, `count` (records) and `first` (index label of the first record)."""
+    specs = _specs(keys)
+    per = [key_levels(df[k.name], k) for k in specs]
+    g = _combine([c for c, _ in per], [len(lv) for _, lv in per])  # first-appearance codes
+    G = int(g.max()) + 1 if len(g) else 0
+    first = first_of(g, G)
+    out = {k.name: lv[c[first]] for k, (c, lv) in zip(specs, per, strict=True)}
+    out["count"] = np.bincount(g, minlength=G).astype(np.int64)
+    out["first"] = df.index.to_numpy()[first].astype(np.int64)
+    return pd.DataFrame(out)
+
+
+def combine_profiles(partials: Sequence[pd.DataFrame]) -> pd.DataFrame:
+    """profile_counts of the whole input from those of its partitions: counts added, profiles
+    in first-appearance order (by their first record)."""
+    t = pd.concat(list(partials), ignore_index=True)
+    keys = [c for c in t.columns if c not in ("count", "first")]
+    out = t.groupby(keys, sort=False, dropna=False).agg(
+        count=("count", "sum"), first=("first", "min")
+    )
+    return out.reset_index().sort_values("first", kind="stable").reset_index(drop=True)
+
+
+def strata_counts(profiles: pd.DataFrame) -> pd.Series:
+    """Records in each risk stratum U/D/T/O (cells of 1, 2, 3, 4+ records)."""
+    n = profiles["count"].to_numpy()
+    s = np.minimum(n, 4) - 1
+    return pd.Series(np.bincount(s, weights=n, minlength=4).astype(np.int64), index=list(STRATA))
+
+
+def profile_sizes(
+    df: pd.DataFrame, keys: Sequence[KeySpec | str], profiles: pd.DataFrame
+) -> np.ndarray:
+    """Each record's cell count in the whole input (profiles: combine_profiles)."""
+    specs = _specs(keys)
+    names = [k.name for k in specs]
+    labels = {}
+    for k in specs:
+        c, lv = key_levels(df[k.name], k)
+        labels[k.name] = pd.Series(lv[c], dtype=object)
+    m = pd.DataFrame(labels).merge(
+        profiles[names + ["count"]], on=names, how="left", sort=False, validate="many_to_one"
+    )
+    if m["count"].isna().any():
+        raise PartitionError("profiles: a record's key profile is not in the table given")
+    return m["count"].to_numpy(dtype=np.int64)
+
+
+# ---------------------------------------------------------------- domain means and their SEs
+
+
+@dataclass(frozen=True)
+class MeansRequest:
+    """Means of `variables` overall and in each domain (a tuple of columns whose labels are
+    crossed: 'a:b'), under the design columns; keys: recodes of domain columns that are keys
+    (their published labels, as broad_characteristics labels them)."""
+
+    variables: tuple[str, ...]
+    domains: tuple[tuple[str, ...], ...]
+    weight: str
+    strata: str | None
+    psu: str
+    replicate_weights: tuple[str, ...] = ()
+    method: str | None = None
+    rho: float | None = None
+    keys: tuple[KeySpec, ...] = field(default=())
+
+    @property
+    def columns(self) -> list[str]:
+        """The columns pass 1 reads (pass 2: all but the replicate weights)."""
+        dom = [c for d in self.domains for c in d]
+        design = [c for c in (self.weight, self.strata, self.psu) if c]
+        return list(dict.fromkeys([*design, *self.variables, *dom, *self.replicate_weights]))
+
+    def labels(self, df: pd.DataFrame, column: str) -> np.ndarray:
+        """Each record's label of a domain column (object; None where missing)."""
+        key = next((k for k in self.keys if k.name == column), None)
+        if key is not None:
+            c, lv = key_levels(df[column], key)
+            return np.array([str(v) for v in lv], dtype=object)[c]
+        s = df[column]
+        return np.where(s.isna().to_numpy(), None, s.astype(str).to_numpy(dtype=object))
+
+    def domain_labels(self, df: pd.DataFrame) -> list[np.ndarray]:
+        """Per domain: each record's label (crossings joined by ':'; None: in no level)."""
+        cache = {c: self.labels(df, c) for d in self.domains for c in d}
+        out = []
+        for d in self.domains:
+            lab = cache[d[0]]
+            for c in d[1:]:
+                other = cache[c]
+                miss = pd.isna(lab) | pd.isna(other)
+                lab = np.where(miss, None, lab.astype(str) + ":" + other.astype(str))
+            out.append(lab)
+        return out
+
+
+def _observed(df: pd.DataFrame, req: MeansRequest) -> tuple[np.ndarray, np.ndarray]:
+    """(y0, nn): the variables with missing values as 0, and the 1{observed} indicators."""
+    Y = np.column_stack(
+        [df[c].to_numpy(dtype=float, na_value=np.nan) for c in req.variables]
+    ).reshape(len(df), -1)
+    seen = ~np.isnan(Y)
+    return np.where(seen, Y, 0.0), seen.astype(float)
+
+
+def _psu_keys(df: pd.DataFrame, req: MeansRequest) -> tuple[np.ndarray, pd.DataFrame]:
+    """Each record's PSU code within the partition and the PSUs' (stratum, psu) labels."""
+    p = df[req.psu].to_numpy()
+    h = df[req.strata].to_numpy() if req.strata else np.zeros(len(df), dtype=np.int64)
+    if pd.isna(p).any() or pd.isna(h).any():
+        raise PartitionError("design: a record has no stratum or PSU; every record needs both")
+    hc, hu = pd.factorize(h)
+    pc, pu = pd.factorize(p)
+    code, pair = pd.factorize(hc.astype(np.int64) * len(pu) + pc)
+    keys = pd.DataFrame({"stratum": hu[pair // len(pu)], "psu": pu[pair % len(pu)]})
+    return code.astype(np.int64), keys
+
+
+@dataclass
+class MeansPass1:
+    """Sums of one partition (or of several, combined): PSUs, and per domain its levels with
+    records n, sum w, sum w nn (X), sum w y0 (Y) and the replicate totals XR, YR (R x L x k)."""
+
+    psus: pd.DataFrame  # stratum, psu: one row per PSU
+    psu_w: np.ndarray  # P: sum of w
+    psu_W: np.ndarray  # P x R: sums of the replicate weights
+    levels: list[np.ndarray]
+    n: list[np.ndarray]
+    Wd: list[np.ndarray]
+    X: list[np.ndarray]
+    Y: list[np.ndarray]
+    XR: list[np.ndarray]
+    YR: list[np.ndarray]
+
+
+def means_pass1(df: pd.DataFrame, req: MeansRequest) -> MeansPass1:
+    """Pass 1 of domain means on one partition: the sums above, by the levels it holds."""
+    w = df[req.weight].to_numpy(dtype=float)
+    if not (w > 0).all():
+        raise PartitionError(f"design.weight: column '{req.weight}' has weights <= 0 or missing")
+    y0, nn = _observed(df, req)
+    k = y0.shape[1]
+    R = len(req.replicate_weights)
+    W = (
+        np.column_stack([df[c].to_numpy(dtype=float) for c in req.replicate_weights])
+        if R
+        else np.zeros((len(df), 0))
+    )
+    g, psus = _psu_keys(df, req)
+    P = len(psus)
+    psu_w = np.bincount(g, w, P)
+    psu_W = group_indicator(g, P) @ W if R else np.zeros((P, 0))
+    labels = req.domain_labels(df)
+    # cells: the crossing of every domain's label (a domain's level is a union of cells)
+    per = [pd.factorize(lab, use_na_sentinel=True) for lab in labels]
+    codes = [c.astype(np.int64) + 1 for c, _ in per]  # 0: no level (missing label)
+    cell = _combine(codes, [len(u) + 1 for _, u in per]) if per else np.zeros(len(df), np.int64)
+    C = int(cell.max()) + 1 if len(cell) else 0
+    first = first_of(cell, C)
+    wy, wn = w[:, None] * y0, w[:, None] * nn
+    n_c = np.bincount(cell, minlength=C).astype(float)
+    W_c = np.bincount(cell, w, C)
+    X_c = group_indicator(cell, C) @ wn
+    Y_c = group_indicator(cell, C) @ wy
+    XR_c, YR_c = np.zeros((C, R, k)), np.zeros((C, R, k))
+    if R:  # one sort by cell, then one product per cell: W_c' [y0 nn]
+        order = np.argsort(cell, kind="stable")
+        bounds = np.searchsorted(cell[order], np.arange(C + 1))
+        Ws, Ys = np.asfortranarray(W[order]), np.hstack([y0, nn])[order]
+        for c in range(C):
+            a, b = bounds[c], bounds[c + 1]
+            t = Ws[a:b].T @ Ys[a:b]  # R x 2k
+            YR_c[c], XR_c[c] = t[:, :k], t[:, k:]
+    out = MeansPass1(psus, psu_w, psu_W, [], [], [], [], [], [], [])
+    every = [(np.array(["all"], dtype=object), None)] + [
+        (u, cd) for (_, u), cd in zip(per, codes, strict=True)
+    ]
+    for u, cd in every:
+        lv = np.zeros(C, np.int64) if cd is None else cd[first] - 1  # each cell's level
+        L = len(u)
+        on = lv >= 0
+        lvs = lv[on]
+        out.levels.append(np.asarray(u, dtype=object))
+        out.n.append(np.bincount(lvs, n_c[on], L))
+        out.Wd.append(np.bincount(lvs, W_c[on], L))
+        out.X.append(_sum_by(lvs, X_c[on], L))
+        out.Y.append(_sum_by(lvs, Y_c[on], L))
+        out.XR.append(_sum_by(lvs, XR_c[on], L).transpose(1, 0, 2))
+        out.YR.append(_sum_by(lvs, YR_c[on], L).transpose(1, 0, 2))
+    return out
+
+
+def _sum_by(codes: np.ndarray, a: np.ndarray, L: int) -> np.ndarray:
+    """Sums of the rows of a (m x ...) by codes 0..L-1, added in row order."""
+    out = np.zeros((L, *a.shape[1:]))
+    np.add.at(out, codes, a)
+    return out
+
+
+def combine_pass1(partials: Sequence[MeansPass1]) -> MeansPass1:
+    """MeansPass1 of the whole input: PSUs sorted by (stratum, psu), levels sorted, partials
+    added in partition order."""
+    psus = (
+        pd.concat([p.psus for p in partials], ignore_index=True)
+        .drop_duplicates()
+        .sort_values(["stratum", "psu"], kind="stable")
+        .reset_index(drop=True)
+    )
+    index = pd.MultiIndex.from_frame(psus)
+    R = partials[0].psu_W.shape[1]
+    psu_w, psu_W = np.zeros(len(psus)), np.zeros((len(psus), R))
+    for p in partials:
+        at = index.get_indexer(pd.MultiIndex.from_frame(p.psus))
+        psu_w[at] += p.psu_w
+        psu_W[at] += p.psu_W
+    out = MeansPass1(psus, psu_w, psu_W, [], [], [], [], [], [], [])
+    for d in range(len(partials[0].levels)):
+        lv = np.array(sorted({str(v) for p in partials for v in p.levels[d]}), dtype=object)
+        L = len(lv)
+        sums = {a: None for a in ("n", "Wd", "X", "Y", "XR", "YR")}
+        for p in partials:
+            at = np.searchsorted(lv, np.asarray([str(v) for v in p.levels[d]], dtype=object))
+            for a in sums:
+                v = getattr(p, a)[d]
+                axis = 1 if a in ("XR", "YR") else 0
+                if sums[a] is None:
+                    shape = list(v.shape)
+                    shape[axis] = L
+                    sums[a] = np.zeros(shape)
+                if axis:
+                    sums[a][:, at] += v
+                else:
+                    sums[a][at] += v
+        out.levels.append(lv)
+        for a, v in sums.items():
+            getattr(out, a).append(v)
+    return out
+
+
+def ratios(pass1: MeansPass1) -> list[np.ndarray]:
+    """Per domain: the estimates R = Y / X (L x k) that pass 2 centres on."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return [Y / X for Y, X in zip(pass1.Y, pass1.X, strict=True)]
+
+
+@dataclass
+class MeansPass2:
+    """PSU x level totals of w (y0 - R nn) by domain (PSU labels, level, k sums) and the sums
+    of w (y0 - R nn)^2 by level (L x k)."""
+
+    psus: list[pd.DataFrame]
+    level: list[np.ndarray]
+    zt: list[np.ndarray]
+    ss: list[np.ndarray]
+
+
+def means_pass2(
+    df: pd.DataFrame, req: MeansRequest, levels: list[np.ndarray], R: list[np.ndarray]
+) -> MeansPass2:
+    """Pass 2 on one partition: the centred PSU totals (levels, R: of the whole input)."""
+    w = df[req.weight].to_numpy(dtype=float)
+    y0, nn = _observed(df, req)
+    g, psus = _psu_keys(df, req)
+    out = MeansPass2([], [], [], [])
+    labels = [np.full(len(df), "all", dtype=object)] + req.domain_labels(df)
+    for lab, lv, Rd in zip(labels, levels, R, strict=True):
+        L = len(lv)
+        on = ~pd.isna(lab)
+        code = np.full(len(df), -1, dtype=np.int64)
+        code[on] = np.searchsorted(lv, lab[on].astype(str).astype(object))
+        rows = np.flatnonzero(on)
+        cd = code[rows]
+        c = y0[rows] - Rd[cd] * nn[rows]  # y - R n (eq. of the ratio's linearization)
+        wc = w[rows, None] * c
+        pair, of = dense_codes(g[rows] * L + cd)
+        out.psus.append(psus.iloc[pair // L].reset_index(drop=True))
+        out.level.append(pair % L)
+        out.zt.append(group_indicator(of, len(pair)) @ wc)
+        out.ss.append(_sum_by(cd, wc * c, L))
+    return out
+
+
+def domain_means(req: MeansRequest, pass1: MeansPass1, pass2: Sequence[MeansPass2]) -> pd.DataFrame:
+    """The table of estimates, Taylor SE, deff (Kish's with-replacement deff, as
+    SurveyDesign.mean) and replicate SE of every variable overall and in every domain level,
+    from the combined pass 1 and the partitions' pass 2 (in partition order)."""
+    R = len(req.replicate_weights)
+    rep = {f"__r{j}": pass1.psu_W[:, j] for j in range(R)}
+    frame = pd.DataFrame(
+        {"__w": pass1.psu_w, **rep, "__h": pass1.psus["stratum"], "__p": pass1.psus["psu"]}
+    )
+    design = SurveyDesign(
+        frame,
+        weight="__w",
+        strata="__h",
+        psu="__p",
+        replicate_weights=list(rep) or None,
+        method=req.method if R else None,
+        rho=req.rho if R else None,
+    )
+    index = pd.MultiIndex.from_frame(pass1.psus)
+    est_all = ratios(pass1)
+    rows = []
+    names = ["all"] + [":".join(d) for d in req.domains]
+    k = len(req.variables)
+    for d, name in enumerate(names):
+        lv, L = pass1.levels[d], len(pass1.levels[d])
+        zt, ss = np.zeros((len(index), L, k)), np.zeros((L, k))
+        for p in pass2:
+            at = index.get_indexer(pd.MultiIndex.from_frame(p.psus[d]))
+            np.add.at(zt, (at, p.level[d]), p.zt[d])
+            ss += p.ss[d]
+        X, est = pass1.X[d], est_all[d]
+        z = np.empty_like(zt)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            z[design.g] = zt / X[None]
+            var = design.psu_variance(z.reshape(len(index), L * k)).reshape(L, k)
+            nd, Wd = pass1.n[d][:, None], pass1.Wd[d][:, None]
+            srs = Wd * ss / ((nd - 1.0) * np.square(X))
+            deff = np.where(nd > 1, var / srs, np.nan)
+            theta_r = pass1.YR[d] / pass1.XR[d]  # R x L x k
+        out = {
+            "domain": name,
+            "level": np.repeat(lv, k),
+            "variable": np.tile(np.asarray(req.variables, dtype=object), L),
+            "n": np.repeat(pass1.n[d], k).astype(np.int64),
+            "estimate": est.ravel(),
+            "se": np.sqrt(var).ravel(),
+            "deff": deff.ravel(),
+        }
+        if R:
+            dev = theta_r - est[None]
+            out["se_rep"] = np.sqrt(np.einsum("r,rlk->lk", design.rscales, dev * dev)).ravel()
+        rows.append(pd.DataFrame(out))
+    return pd.concat(rows, ignore_index=True)
+
+
+def means_request(spec: ReleaseSpec, columns: Sequence[str]) -> MeansRequest:
+    """The SE request of a spec: its study variables, overall and in its utility domains (keys
+    in their published coding), under its design (replicate weights when it has them)."""
+    d, v = spec.design, spec.variables
+    if not d.psu:
+        raise PartitionError(
+            "design.psu: the partitioned SEs sum by PSU; give the PSU column (a file without "
+            "clusters: a record id column as the PSU)"
+        )
+    rw = d.replicate_weights
+    reps = []
+    if rw is not None:
+        from sdl_design.design import resolve_replicates
+
+        reps = resolve_replicates(list(columns), rw.columns)
+    return MeansRequest(
+        variables=tuple(v.study),
+        domains=tuple(tuple(x) for x in spec.utility.domain_list(v.key_names)),
+        weight=d.weight,
+        strata=d.strata,
+        psu=d.psu,
+        replicate_weights=tuple(reps),
+        method=rw.method if reps else None,
+        rho=rw.rho if reps else None,
+        keys=tuple(v.keys),
+    )
+
+
+def scan_columns(spec: ReleaseSpec, req: MeansRequest) -> list[str]:
+    """The columns pass 1 of a scan reads: keys, the edit rules' columns, the request's."""
+    keys = spec.variables.key_names
+    edits = [c for r in spec.edits for c in r.columns()]
+    return list(dict.fromkeys([*keys, *edits, *req.columns]))
+
+
+@dataclass
+class ScanPartial:
+    """What pass 1 of a scan returns for one partition: small aggregates only."""
+
+    records: int
+    profiles: pd.DataFrame
+    edits: list
+    means: MeansPass1
+
+
+def scan_pass1(part: Partition, spec: ReleaseSpec, req: MeansRequest) -> ScanPartial:
+    """Pass 1 of a scan on one partition (read here: a worker reads its own partition). One
+    BLAS thread: the sums are the same whichever process or thread count runs it."""
+    df = read_partition(part, scan_columns(spec, req), spec)
+    with single_blas_thread():
+        return ScanPartial(
+            records=len(df),
+            profiles=profile_counts(df, spec.variables.keys),
+            edits=rule_failures(df, spec.edits),
+            means=means_pass1(df, req),
+        )
+
+
+def scan_pass2(
+    part: Partition, spec: ReleaseSpec, req: MeansRequest, levels: list, R: list
+) -> MeansPass2:
+    """Pass 2 of a scan on one partition (reads the design and study columns again)."""
+    cols = [c for c in req.columns if c not in set(req.replicate_weights)]
+    df = read_partition(part, cols, spec)
+    with single_blas_thread():
+        return means_pass2(df, req, levels, R)
+
+
+def combine_scan(partials: Sequence[ScanPartial]) -> dict[str, Any]:
+    """The whole input's records, profiles, edit failures and pass 1 sums."""
+    return {
+        "records": sum(p.records for p in partials),
+        "profiles": combine_profiles([p.profiles for p in partials]),
+        "edits": combine_rule_failures([p.edits for p in partials]),
+        "means": combine_pass1([p.means for p in partials]),
+    }

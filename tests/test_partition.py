@@ -1,0 +1,245 @@
+"""The partitioned path (sdl_design.partition, `puf scan`): the input read by row groups gives
+the whole file's numbers: key-profile counts and risk strata exactly as the risk stage's, edit
+failures as validate_edits', and domain means with Taylor SE, deff and replicate SE equal to
+SurveyDesign's on the whole file (1e-12)."""
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from flows.cli import main as puf
+from flows.cli import write_demo_spec
+from sdl_design import partition as P
+from sdl_design.design import SurveyDesign
+from sdl_design.edits import rule_failures
+from sdl_design.io import read_input
+from sdl_design.risk import cell_sizes, profile_codes, risk_strata
+from sdl_design.spec import load_spec
+
+N = 3000
+GROUP = 450  # records per row group: 7 row groups, PSUs cut at their edges
+
+
+@pytest.fixture(scope="module")
+def survey(tmp_path_factory):
+    """The default survey (3,000 persons) with missing bmi values and records that break
+    edit rules 0 (age <= 90) and 3 (hh_size <= 20), in row groups of 450 records."""
+    folder = tmp_path_factory.mktemp("partition")
+    path = write_demo_spec(folder, n_persons=N)
+    spec = load_spec(path)
+    src = spec.release.input
+    df = pd.read_parquet(src)
+    df.loc[df.index % 37 == 0, "bmi"] = np.nan
+    df.loc[[5, 1200, 2999], "age"] = 95
+    df.loc[[17], "hh_size"] = 25
+    pq.write_table(pa.Table.from_pandas(df, preserve_index=False), src, row_group_size=GROUP)
+    whole, _ = read_input(spec)
+    return path, spec, whole
+
+
+def scan(spec, parts, req=None):
+    """Both passes by partition, in process: the combined pass 1 and the SE table."""
+    req = req or P.means_request(spec, P.input_columns(spec.release.input))
+    agg = P.combine_scan([P.scan_pass1(p, spec, req) for p in parts])
+    levels, R = agg["means"].levels, P.ratios(agg["means"])
+    second = [P.scan_pass2(p, spec, req, levels, R) for p in parts]
+    return agg, P.domain_means(req, agg["means"], second)
+
+
+def test_plan_partitions_cover_the_file_in_order(survey):
+    _, spec, _ = survey
+    groups = -(-N // GROUP)
+    for n in (None, 1, 2, 3, groups, 50):
+        parts = P.plan_partitions(spec.release.input, n)
+        assert len(parts) == (groups if n is None else min(n, groups))
+        assert parts[0].start == 0 and parts[-1].stop == N
+        assert all(a.stop == b.start for a, b in zip(parts, parts[1:], strict=False))
+        flat = [g for p in parts for g in p.row_groups]
+        assert flat == list(range(groups))  # every row group once, in file order
+        for p in parts:  # a partition holds exactly its row groups' records
+            assert p.stop - p.start == sum(min(GROUP, N - g * GROUP) for g in p.row_groups)
+
+
+def test_plan_of_a_folder_never_spans_files_and_refuses_other_columns(tmp_path, survey):
+    _, spec, whole = survey
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    whole.iloc[:1000].to_parquet(folder / "a.parquet", index=False)
+    whole.iloc[1000:].to_parquet(folder / "b.parquet", index=False)
+    parts = P.plan_partitions(folder, 1)
+    assert [(p.start, p.stop) for p in parts] == [(0, 1000), (1000, N)]
+    df = P.read_partition(parts[1], ["age", "wt"])
+    assert df.index[0] == 1000 and df["wt"].tolist() == whole["wt"].iloc[1000:].tolist()
+    whole.iloc[:10, :5].to_parquet(folder / "c.parquet", index=False)
+    with pytest.raises(P.PartitionError, match="same columns"):
+        P.plan_partitions(folder)
+    (tmp_path / "x.csv").write_text("a\n1\n")
+    with pytest.raises(P.PartitionError, match="Parquet"):
+        P.plan_partitions(tmp_path / "x.csv")
+
+
+def test_profile_counts_by_partition_are_the_risk_stage_counts(survey):
+    _, spec, whole = survey
+    keys = spec.variables.keys
+    parts = P.plan_partitions(spec.release.input)
+    frames = [P.read_partition(p, None, spec) for p in parts]
+    table = P.combine_profiles([P.profile_counts(f, keys) for f in frames])
+    # the whole file's profiles, numbered in first-appearance order by the risk module
+    codes = profile_codes(whole, keys).to_numpy()
+    assert table["count"].tolist() == np.bincount(codes).tolist()
+    assert table["first"].tolist() == [int(np.argmax(codes == g)) for g in range(codes.max() + 1)]
+    sizes = np.concatenate([P.profile_sizes(f, keys, table) for f in frames])
+    assert np.array_equal(sizes, cell_sizes(whole, keys).to_numpy())
+    strata = risk_strata(whole, keys).value_counts()
+    assert P.strata_counts(table).to_dict() == {s: int(strata.get(s, 0)) for s in "UDTO"}
+
+
+def test_edit_failures_by_partition_are_the_whole_files(survey):
+    _, spec, whole = survey
+    parts = P.plan_partitions(spec.release.input, 3)
+    frames = [P.read_partition(p, None, spec) for p in parts]
+    rules = spec.edits
+    combined = P.combine_rule_failures([rule_failures(f, rules) for f in frames])
+    assert combined == rule_failures(whole, rules, np.arange(N))
+    assert combined[0] == (3, [5, 1200, 2999])  # the ages set to 95, across partitions
+    assert combined[3] == (1, [17])
+    assert combined[1] == (0, [])  # income >= 0 holds everywhere
+    # a rule that cannot be evaluated says why, in every partition's combination
+    bad = rules[0].model_copy(update={"column": "no_such_column"})
+    out = P.combine_rule_failures([rule_failures(f, [bad]) for f in frames])
+    assert isinstance(out[0], str) and "no_such_column" in out[0]
+
+
+def _reference(whole, req):
+    """estimate, se, deff, se_rep of every variable/domain/level by SurveyDesign on the whole
+    file: each variable a ratio of sum w y 1{observed} to sum w 1{observed}."""
+    frame = whole[[req.weight, req.strata, req.psu, *req.replicate_weights]].copy()
+    for v in req.variables:
+        x = whole[v].to_numpy(float, na_value=np.nan)
+        frame[f"__y0:{v}"] = np.where(np.isnan(x), 0.0, x)
+        frame[f"__nn:{v}"] = (~np.isnan(x)).astype(float)
+    for d, lab in zip(req.domains, req.domain_labels(whole), strict=True):
+        frame["_dom_" + ":".join(d)] = pd.Series(lab, index=whole.index, dtype=object)
+    design = SurveyDesign(
+        frame,
+        weight=req.weight,
+        strata=req.strata,
+        psu=req.psu,
+        replicate_weights=list(req.replicate_weights) or None,
+        method=req.method,
+        rho=req.rho,
+    )
+    num = [f"__y0:{v}" for v in req.variables]
+    den = [f"__nn:{v}" for v in req.variables]
+    out = []
+    for name in ["all"] + [":".join(d) for d in req.domains]:
+        by = None if name == "all" else f"_dom_{name}"
+        t = design.ratio(num, den, by=by, variance="taylor").reset_index()
+        if req.replicate_weights:
+            t["se_rep"] = design.ratio(num, den, by=by, variance="replicate")["se"].to_numpy()
+        t["domain"] = name
+        t["level"] = "all" if by is None else t[by].astype(str)
+        t["variable"] = t["variable"].str.removeprefix("__y0:").str.split("/__nn:").str[0]
+        out.append(t.drop(columns=[by] if by else []))
+    return pd.concat(out, ignore_index=True)
+
+
+def _agree(table, ref, columns, tol=1e-12):
+    m = table.merge(ref, on=["domain", "level", "variable"], suffixes=("", "_ref"))
+    assert len(m) == len(table) == len(ref)
+    for c in columns:
+        a, b = m[c].to_numpy(), m[f"{c}_ref"].to_numpy()
+        assert np.array_equal(np.isnan(a), np.isnan(b)), c
+        ok = ~np.isnan(b)
+        assert np.all(np.abs(a[ok] - b[ok]) <= tol * np.abs(b[ok])), (c, np.abs(a - b).max())
+
+
+def test_domain_means_by_partition_equal_survey_design_on_the_whole_file(survey):
+    _, spec, whole = survey
+    parts = P.plan_partitions(spec.release.input)
+    agg, table = scan(spec, parts)
+    req = P.means_request(spec, list(whole.columns))
+    assert req.method == "jkn" and len(req.replicate_weights) == 70 and "bmi" in req.variables
+    assert whole["bmi"].isna().sum() == len(range(0, N, 37))
+    _agree(table, _reference(whole, req), ["estimate", "se", "deff", "se_rep"])
+    # the record counts by level are the whole file's
+    sex = table[(table.domain == "sex") & (table.variable == "income")]
+    assert dict(zip(sex.level, sex.n, strict=True)) == whole["sex"].value_counts().to_dict()
+    assert agg["records"] == N
+
+
+def test_taylor_only_design_and_any_partitioning_give_the_same_numbers(survey, tmp_path):
+    path, _, whole = survey
+    data = yaml.safe_load(path.read_text())
+    data["design"].pop("replicate_weights")
+    data["release"]["input"] = str(path.parent / data["release"]["input"])
+    other = tmp_path / "taylor.yaml"
+    other.write_text(yaml.safe_dump(data))
+    spec = load_spec(other)
+    _, one = scan(spec, P.plan_partitions(spec.release.input, 1))
+    _, seven = scan(spec, P.plan_partitions(spec.release.input, 7))
+    assert "se_rep" not in one.columns
+    req = P.means_request(spec, list(whole.columns))
+    _agree(one, _reference(whole, req), ["estimate", "se", "deff"])
+    _agree(seven, one, ["estimate", "se", "deff"], tol=1e-13)
+    assert seven["n"].tolist() == one["n"].tolist()
+
+
+def test_means_request_without_psu_names_the_field(survey):
+    _, spec, whole = survey
+    bad = spec.model_copy(update={"design": spec.design.model_copy(update={"psu": None})})
+    with pytest.raises(P.PartitionError, match="design.psu"):
+        P.means_request(bad, list(whole.columns))
+
+
+def test_puf_scan_writes_its_tables_whole(survey, tmp_path, capsys):
+    path, spec, whole = survey
+    out = tmp_path / "scan"
+    assert puf(["scan", str(path), "--partitions", "3", "--out", str(out)]) == 1  # 2 rules fail
+    text = capsys.readouterr().out
+    assert f"{N} records in 3 partitions" in text
+    assert "[FAIL] edit[0] age between 0 and 90: 3 records fail (e.g. row [5, 1200, 2999])" in text
+    assert sorted(p.name for p in out.iterdir()) == [
+        "edits.csv",
+        "profiles.csv",
+        "risk_strata.csv",
+        "se.csv",
+    ]
+    strata = pd.read_csv(out / "risk_strata.csv").set_index("stratum")["records"]
+    assert strata.sum() == N
+    assert strata.to_dict() == risk_strata(whole, spec.variables.keys).value_counts().to_dict()
+    se = pd.read_csv(out / "se.csv", keep_default_na=False, na_values=[""])
+    _, table = scan(spec, P.plan_partitions(spec.release.input, 3))
+    assert np.allclose(se["se_rep"], table["se_rep"], rtol=1e-15, atol=0, equal_nan=True)
+    # a spec naming a column the input lacks: refused before any work, nothing written
+    data = yaml.safe_load(path.read_text())
+    data["variables"]["study"].append("no_such_column")
+    bad = path.parent / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    assert puf(["scan", str(bad), "--out", str(tmp_path / "none")]) == 2
+    assert "no_such_column" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.flow
+def test_scan_on_a_local_dask_cluster_is_byte_identical_to_in_process(survey, tmp_path):
+    path, _, _ = survey
+    for runner in ("thread", "dask"):
+        puf(
+            [
+                "scan",
+                str(path),
+                "--partitions",
+                "4",
+                "--out",
+                str(tmp_path / runner),
+                "--runner",
+                runner,
+            ]
+        )
+    for name in ("se", "edits", "risk_strata", "profiles"):
+        a = (tmp_path / "thread" / f"{name}.csv").read_bytes()
+        assert a == (tmp_path / "dask" / f"{name}.csv").read_bytes(), name
