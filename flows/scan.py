@@ -114,10 +114,12 @@ def run_scan(
     t0 = time.perf_counter()
     with _mapper(runner, dask_address, workers) as run_map:
         first = run_map(part.scan_pass1, parts, spec, req, what="pass 1")
+        t1 = time.perf_counter()
         agg = part.combine_scan(first)
         levels, ratios = agg["means"].levels, part.ratios(agg["means"])
+        t2 = time.perf_counter()
         second = run_map(part.scan_pass2, parts, spec, req, levels, ratios, what="pass 2")
-    t_map = time.perf_counter() - t0
+    t3 = time.perf_counter()
     se = part.domain_means(req, agg["means"], second)
     edits = edit_verdicts(spec.edits, agg["edits"], "row")
     strata = part.strata_counts(agg["profiles"]).rename_axis("stratum").reset_index(name="records")
@@ -133,7 +135,9 @@ def run_scan(
         "records": agg["records"],
         "partitions": len(parts),
         "seconds": time.perf_counter() - t0,
-        "map_seconds": t_map,
+        "pass1_seconds": t1 - t0,
+        "combine_seconds": t2 - t1,
+        "pass2_seconds": t3 - t2,
         "folder": str(folder),
         **tables,
     }

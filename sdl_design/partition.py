@@ -30,7 +30,15 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.blas import single_blas_thread
-from sdl_design.design import SurveyDesign, dense_codes, first_of, group_indicator
+from sdl_design.design import (
+    SurveyDesign,
+    block_view,
+    dense_codes,
+    first_of,
+    group_indicator,
+    sparse_times,
+    take_rows,
+)
 from sdl_design.edits import combine_rule_failures, rule_failures
 from sdl_design.keys import key_levels
 from sdl_design.risk import STRATA, _combine
@@ -221,26 +229,32 @@ class MeansRequest:
         design = [c for c in (self.weight, self.strata, self.psu) if c]
         return list(dict.fromkeys([*design, *self.variables, *dom, *self.replicate_weights]))
 
-    def labels(self, df: pd.DataFrame, column: str) -> np.ndarray:
-        """Each record's label of a domain column (object; None where missing)."""
+    def codes(self, df: pd.DataFrame, column: str) -> tuple[np.ndarray, np.ndarray]:
+        """(codes, labels) of a domain column: each record's label as labels[codes] (text;
+        code -1 where missing), a key's as its published coding (key_levels)."""
         key = next((k for k in self.keys if k.name == column), None)
         if key is not None:
             c, lv = key_levels(df[column], key)
-            return np.array([str(v) for v in lv], dtype=object)[c]
-        s = df[column]
-        return np.where(s.isna().to_numpy(), None, s.astype(str).to_numpy(dtype=object))
+        else:
+            c, lv = pd.factorize(df[column], use_na_sentinel=True)
+        return c.astype(np.int64), np.array([str(v) for v in lv], dtype=object)
 
-    def domain_labels(self, df: pd.DataFrame) -> list[np.ndarray]:
-        """Per domain: each record's label (crossings joined by ':'; None: in no level)."""
-        cache = {c: self.labels(df, c) for d in self.domains for c in d}
+    def domain_codes(self, df: pd.DataFrame) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per domain: (codes, labels) of the records' levels, crossings' labels joined by
+        ':' (code -1: the record is in no level); only the labels present are listed."""
+        cache = {c: self.codes(df, c) for d in self.domains for c in d}
         out = []
         for d in self.domains:
-            lab = cache[d[0]]
+            code, lab = cache[d[0]]
             for c in d[1:]:
-                other = cache[c]
-                miss = pd.isna(lab) | pd.isna(other)
-                lab = np.where(miss, None, lab.astype(str) + ":" + other.astype(str))
-            out.append(lab)
+                oc, ol = cache[c]
+                pair = np.where((code < 0) | (oc < 0), -1, code * len(ol) + oc)
+                lab = (lab[:, None] + ":" + ol[None, :]).ravel()
+                code = pair
+            present, dense = dense_codes(np.where(code < 0, len(lab), code))
+            keep = present < len(lab)  # the last code is "no level" when some record has it
+            code = np.where(code < 0, -1, dense)
+            out.append((code, lab[present[keep]]))
         return out
 
 
@@ -291,19 +305,18 @@ def means_pass1(df: pd.DataFrame, req: MeansRequest) -> MeansPass1:
     y0, nn = _observed(df, req)
     k = y0.shape[1]
     R = len(req.replicate_weights)
-    W = (
-        np.column_stack([df[c].to_numpy(dtype=float) for c in req.replicate_weights])
-        if R
-        else np.zeros((len(df), 0))
-    )
+    W = block_view(df, req.replicate_weights) if R else np.zeros((len(df), 0))
+    if W is None:  # records x replicates, column-major, filled a column at a time
+        W = np.empty((len(df), R), order="F")
+        for j, c in enumerate(req.replicate_weights):
+            W[:, j] = df[c].to_numpy(dtype=float)
     g, psus = _psu_keys(df, req)
     P = len(psus)
     psu_w = np.bincount(g, w, P)
-    psu_W = group_indicator(g, P) @ W if R else np.zeros((P, 0))
-    labels = req.domain_labels(df)
-    # cells: the crossing of every domain's label (a domain's level is a union of cells)
-    per = [pd.factorize(lab, use_na_sentinel=True) for lab in labels]
-    codes = [c.astype(np.int64) + 1 for c, _ in per]  # 0: no level (missing label)
+    psu_W = sparse_times(group_indicator(g, P), W) if R else np.zeros((P, 0))
+    per = req.domain_codes(df)
+    # cells: the crossing of every domain's level (a domain's level is a union of cells)
+    codes = [c + 1 for c, _ in per]  # 0: no level
     cell = _combine(codes, [len(u) + 1 for _, u in per]) if per else np.zeros(len(df), np.int64)
     C = int(cell.max()) + 1 if len(cell) else 0
     first = first_of(cell, C)
@@ -316,7 +329,7 @@ def means_pass1(df: pd.DataFrame, req: MeansRequest) -> MeansPass1:
     if R:  # one sort by cell, then one product per cell: W_c' [y0 nn]
         order = np.argsort(cell, kind="stable")
         bounds = np.searchsorted(cell[order], np.arange(C + 1))
-        Ws, Ys = np.asfortranarray(W[order]), np.hstack([y0, nn])[order]
+        Ws, Ys = take_rows(W, order), np.hstack([y0, nn])[order]
         for c in range(C):
             a, b = bounds[c], bounds[c + 1]
             t = Ws[a:b].T @ Ys[a:b]  # R x 2k
@@ -412,12 +425,14 @@ def means_pass2(
     y0, nn = _observed(df, req)
     g, psus = _psu_keys(df, req)
     out = MeansPass2([], [], [], [])
-    labels = [np.full(len(df), "all", dtype=object)] + req.domain_labels(df)
-    for lab, lv, Rd in zip(labels, levels, R, strict=True):
+    every = [(np.zeros(len(df), np.int64), np.array(["all"], dtype=object))]
+    for (local, lab), lv, Rd in zip(every + req.domain_codes(df), levels, R, strict=True):
         L = len(lv)
-        on = ~pd.isna(lab)
-        code = np.full(len(df), -1, dtype=np.int64)
-        code[on] = np.searchsorted(lv, lab[on].astype(str).astype(object))
+        at = np.searchsorted(lv, lab)  # the partition's levels among the whole input's
+        if len(lab) and (at.max() >= L or (lv[at] != lab).any()):
+            raise PartitionError("levels: a partition has a domain level pass 1 did not see")
+        on = local >= 0
+        code = np.where(on, at[local], -1) if len(lab) else local
         rows = np.flatnonzero(on)
         cd = code[rows]
         c = y0[rows] - Rd[cd] * nn[rows]  # y - R n (eq. of the ratio's linearization)

@@ -121,8 +121,9 @@ def _reference(whole, req):
         x = whole[v].to_numpy(float, na_value=np.nan)
         frame[f"__y0:{v}"] = np.where(np.isnan(x), 0.0, x)
         frame[f"__nn:{v}"] = (~np.isnan(x)).astype(float)
-    for d, lab in zip(req.domains, req.domain_labels(whole), strict=True):
-        frame["_dom_" + ":".join(d)] = pd.Series(lab, index=whole.index, dtype=object)
+    for d, (code, lab) in zip(req.domains, req.domain_codes(whole), strict=True):
+        labels = np.where(code >= 0, lab[np.maximum(code, 0)], None)
+        frame["_dom_" + ":".join(d)] = pd.Series(labels, index=whole.index, dtype=object)
     design = SurveyDesign(
         frame,
         weight=req.weight,

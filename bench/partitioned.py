@@ -1,0 +1,156 @@
+"""The partitioned path (`puf scan`) on a large default survey: time and per-worker memory on
+a local Dask cluster of 2 single-threaded workers, against the same scan in one process (one
+partition in memory at a time) and, up to 2M records, the same SE table from the whole file in
+memory (read_input and SurveyDesign).
+
+Usage: python bench/partitioned.py SPEC [row_group_records] (SPEC: a spec whose release.input
+is a Parquet file, e.g. the default_spec.yaml that bench/release.py leaves in its output
+folder; the input is copied once into row groups of row_group_records, default 250,000, beside
+the bench's output). Run it with PYTHONPATH set to the checkout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+def _maxrss_gib() -> float:
+    """This process's peak resident set (VmHWM), GiB."""
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kb / 2**20
+
+
+def _child(code: str, *args: str) -> tuple[float, float, str]:
+    """Run code in a fresh interpreter: (wall seconds, its peak RSS in GiB, its stdout)."""
+    peak = "next(int(x.split()[1]) for x in open('/proc/self/status') if x.startswith('VmHWM:'))"
+    wrapped = f"import sys\n{code}\nprint('PEAK', {peak} / 2**20)\n"
+    t0 = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-c", wrapped, *args], capture_output=True, text=True, check=True
+    ).stdout
+    wall = time.perf_counter() - t0
+    peak = float(next(line for line in out.splitlines() if line.startswith("PEAK")).split()[1])
+    return wall, peak, out
+
+
+IN_PROCESS = """
+from flows.scan import run_scan
+out = run_scan(sys.argv[1], "thread", out=sys.argv[2])
+print('SCAN', out['seconds'], out['partitions'])
+"""
+
+WHOLE = """
+import time, numpy as np, pandas as pd
+from sdl_design import partition as P
+from sdl_design.design import SurveyDesign
+from sdl_design.io import read_input
+from sdl_design.spec import load_spec
+spec = load_spec(sys.argv[1])
+t0 = time.perf_counter()
+df, _ = read_input(spec)
+req = P.means_request(spec, list(df.columns))
+frame = df[[req.weight, req.strata, req.psu, *req.replicate_weights]].copy()
+for v in req.variables:
+    x = df[v].to_numpy(float, na_value=np.nan)
+    frame["__y0:" + v] = np.where(np.isnan(x), 0.0, x)
+    frame["__nn:" + v] = (~np.isnan(x)).astype(float)
+for d, (code, lab) in zip(req.domains, req.domain_codes(df)):
+    labels = np.where(code >= 0, lab[np.maximum(code, 0)], None)
+    frame["_dom_" + ":".join(d)] = pd.Series(labels, index=df.index, dtype=object)
+del df
+design = SurveyDesign(frame, req.weight, req.strata, req.psu,
+                      replicate_weights=list(req.replicate_weights) or None,
+                      method=req.method, rho=req.rho)
+num = ["__y0:" + v for v in req.variables]
+den = ["__nn:" + v for v in req.variables]
+for name in [None] + [":".join(d) for d in req.domains]:
+    by = None if name is None else "_dom_" + name
+    design.ratio(num, den, by=by, variance="taylor")
+    if req.replicate_weights:
+        design.ratio(num, den, by=by, variance="replicate")
+print('WHOLE', time.perf_counter() - t0)
+"""
+
+
+COPY = """
+from pathlib import Path
+import pyarrow.parquet as pq, yaml
+spec_path, work, rows = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+data = yaml.safe_load(spec_path.read_text())
+src = Path(data["release"]["input"])
+src = src if src.is_absolute() else spec_path.parent / src
+pf = pq.ParquetFile(src)
+with pq.ParquetWriter(work / "input.parquet", pf.schema_arrow) as w:
+    for batch in pf.iter_batches(batch_size=rows):
+        w.write_batch(batch, row_group_size=rows)
+data["release"]["input"] = str(work / "input.parquet")
+data["release"]["output_dir"] = str(work)
+(work / "spec.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+"""  # the spec's input rewritten in row groups of `rows` records, and a spec reading it
+
+
+def main() -> None:
+    spec_path = Path(sys.argv[1]).resolve()
+    rows = int(sys.argv[2]) if len(sys.argv) > 2 else 250_000
+    work = Path(tempfile.mkdtemp(prefix="puf_bench_scan_"))
+    t0 = time.perf_counter()
+    _child(COPY, str(spec_path), str(work), str(rows))  # its memory is not this process's
+    spec = work / "spec.yaml"
+    import pyarrow.parquet as pq
+
+    md = pq.ParquetFile(work / "input.parquet").metadata
+    n = md.num_rows
+    print(
+        f"records: {n:,} in {md.num_row_groups} row groups of {rows:,}; "
+        f"copy {time.perf_counter() - t0:.1f} s; output {work}",
+        flush=True,
+    )
+
+    from distributed import Client, LocalCluster
+
+    from flows.scan import run_scan
+
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        start = client.run(_maxrss_gib)
+        out = run_scan(str(spec), "dask", cluster.scheduler_address, out=str(work / "dask"))
+        peaks = client.run(_maxrss_gib)
+    print(
+        f"Dask, 2 workers x 1 thread: {out['seconds']:.1f} s ({out['partitions']} partitions: "
+        f"pass 1 {out['pass1_seconds']:.1f} s, combine {out['combine_seconds']:.2f} s, "
+        f"pass 2 {out['pass2_seconds']:.1f} s); "
+        f"per-worker peak RSS "
+        + ", ".join(f"{v:.2f} GiB" for v in peaks.values())
+        + f" (at start {max(start.values()):.2f} GiB); driver peak {_maxrss_gib():.2f} GiB"
+    )
+    wall, peak, text = _child(IN_PROCESS, str(spec), str(work / "thread"))
+    secs = float(next(ln for ln in text.splitlines() if ln.startswith("SCAN")).split()[1])
+    print(f"one process, a partition at a time: {secs:.1f} s; peak RSS {peak:.2f} GiB")
+    same = all(
+        (work / "dask" / f).read_bytes() == (work / "thread" / f).read_bytes()
+        for f in ("se.csv", "edits.csv", "risk_strata.csv", "profiles.csv")
+    )
+    print(f"tables of the two runs byte-identical: {same}")
+    if n <= 2_000_000:
+        wall, peak, text = _child(WHOLE, str(spec))
+        secs = float(next(ln for ln in text.splitlines() if ln.startswith("WHOLE")).split()[1])
+        print(
+            f"whole file in memory (read_input + SurveyDesign, same SEs): {secs:.1f} s; "
+            f"peak RSS {peak:.2f} GiB"
+        )
+
+
+if __name__ == "__main__":
+    main()
