@@ -224,6 +224,13 @@ def cmd_scan(args: argparse.Namespace) -> int:
             f"{out['seconds']:.1f} s"
         )
         print(f"  risk strata : {strata} records ({len(out['profiles'])} key profiles)")
+        risk = dict(zip(out["risk"]["metric"], out["risk"]["value"], strict=True))
+        if "tau1" in risk:
+            print(f"  log-linear  : tau1 {risk['tau1']:.2f}, tau2 {risk['tau2']:.2f}")
+        if "mean_score" in risk:
+            print(
+                f"  GenMASSC    : mean score {risk['mean_score']:.4f}, max {risk['max_score']:.4f}"
+            )
         print(
             f"  SEs         : {len(se)} estimates of {se['variable'].nunique()} variables in "
             f"{se['domain'].nunique()} domains (Taylor"

@@ -1,5 +1,6 @@
 """`puf scan`: the input read a partition at a time, in this process or on Dask workers: its
-records, edit rules, key-profile risk strata (U/D/T/O) and the SEs of the study variables
+records, edit rules, key-profile risk (strata U/D/T/O, GenMASSC scores, log-linear tau1 and
+tau2: the risk stage's metrics) and the SEs of the study variables
 overall and in the utility domains (Taylor and replicate), without the whole file in one
 process's memory. Orchestration only: the map and reduce functions are sdl_design.partition's;
 workers read their own partitions and send back small aggregates, which are combined here in
@@ -8,6 +9,7 @@ partition order (the results do not depend on which worker ran what, or when).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -53,8 +55,13 @@ def _mapper(runner: str, dask_address: str | None, workers: int) -> Iterator[Map
     if dask_address:
         client = Client(dask_address)
     else:
+        logging.getLogger("distributed").setLevel(logging.WARNING)  # no start-up chatter
         cluster = LocalCluster(
-            n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None
+            n_workers=workers,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            silence_logs=logging.WARNING,
         )
         client = Client(cluster)
     try:
@@ -89,8 +96,8 @@ def run_scan(
     out: str | Path | None = None,
     workers: int = 2,
 ) -> dict[str, Any]:
-    """Scan the spec's Parquet input by partition; writes se.csv, edits.csv, risk_strata.csv
-    and profiles.csv to out (whole or not at all) and returns them with the timings."""
+    """Scan the spec's Parquet input by partition; writes se.csv, edits.csv, risk_strata.csv,
+    risk.csv and profiles.csv to out (whole or not at all) and returns them with the timings."""
     from expectations.suites import edit_verdicts
 
     spec = load_spec(spec_path)
@@ -123,10 +130,12 @@ def run_scan(
     se = part.domain_means(req, agg["means"], second)
     edits = edit_verdicts(spec.edits, agg["edits"], "row")
     strata = part.strata_counts(agg["profiles"]).rename_axis("stratum").reset_index(name="records")
+    risk = part.scan_risk(spec, agg["profiles"])
     tables = {
         "se": se,
         "edits": edits,
         "risk_strata": strata,
+        "risk": pd.DataFrame({"metric": list(risk), "value": list(risk.values())}),
         "profiles": agg["profiles"],
     }
     folder = Path(out) if out else scan_folder(spec)

@@ -41,8 +41,18 @@ from sdl_design.design import (
 )
 from sdl_design.edits import combine_rule_failures, rule_failures
 from sdl_design.keys import key_levels
-from sdl_design.risk import STRATA, _combine
-from sdl_design.spec import KeySpec
+from sdl_design.risk import (
+    STRATA,
+    _combine,
+    _distance_matrix,
+    _label,
+    _sensitive_codes,
+    fit_table,
+    interaction_pairs,
+    table_cells,
+    unique_risk,
+)
+from sdl_design.spec import KeySpec, SensitiveSpec
 
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec
@@ -153,9 +163,19 @@ def _specs(keys: Sequence[KeySpec | str]) -> list[KeySpec]:
     return [KeySpec(name=k) if isinstance(k, str) else k for k in keys]
 
 
-def profile_counts(df: pd.DataFrame, keys: Sequence[KeySpec | str]) -> pd.DataFrame:
+SENS = "__s:"  # prefix of a profile table's columns of sensitive-category counts
+
+
+def profile_counts(
+    df: pd.DataFrame,
+    keys: Sequence[KeySpec | str],
+    weight: str | None = None,
+    sensitive: Sequence[SensitiveSpec] = (),
+) -> pd.DataFrame:
     """The distinct recoded key profiles of df (one row each, in first-appearance order): the
-    keys' labels, `count` (records) and `first` (index label of the first record)."""
+    keys' labels, `count` (records), `first` (index label of the first record), with a weight
+    `wsum` (sum of weights) and, per sensitive variable and category, the records'
+    count (columns '__s:<name>=<category>')."""
     specs = _specs(keys)
     per = [key_levels(df[k.name], k) for k in specs]
     g = _combine([c for c, _ in per], [len(lv) for _, lv in per])  # first-appearance codes
@@ -164,18 +184,93 @@ def profile_counts(df: pd.DataFrame, keys: Sequence[KeySpec | str]) -> pd.DataFr
     out = {k.name: lv[c[first]] for k, (c, lv) in zip(specs, per, strict=True)}
     out["count"] = np.bincount(g, minlength=G).astype(np.int64)
     out["first"] = df.index.to_numpy()[first].astype(np.int64)
+    if weight is not None:
+        out["wsum"] = np.bincount(g, df[weight].to_numpy(dtype=float), G)
+    for s in sensitive:
+        c, cats = _sensitive_codes(df, s)  # every category must have a score (RiskInputError)
+        q = len(cats)
+        counts = np.bincount(g * q + c, minlength=G * q).reshape(G, q)
+        for j, cat in enumerate(cats):
+            out[f"{SENS}{s.name}={cat}"] = counts[:, j].astype(np.int64)
     return pd.DataFrame(out)
 
 
+def _profile_keys(t: pd.DataFrame) -> list[str]:
+    return [c for c in t.columns if c not in ("count", "first", "wsum") and not c.startswith(SENS)]
+
+
 def combine_profiles(partials: Sequence[pd.DataFrame]) -> pd.DataFrame:
-    """profile_counts of the whole input from those of its partitions: counts added, profiles
-    in first-appearance order (by their first record)."""
+    """profile_counts of the whole input from those of its partitions: counts and sums added
+    (in partition order), profiles in first-appearance order (by their first record)."""
     t = pd.concat(list(partials), ignore_index=True)
-    keys = [c for c in t.columns if c not in ("count", "first")]
-    out = t.groupby(keys, sort=False, dropna=False).agg(
-        count=("count", "sum"), first=("first", "min")
-    )
-    return out.reset_index().sort_values("first", kind="stable").reset_index(drop=True)
+    keys = _profile_keys(t)
+    sums = [c for c in t.columns if c not in keys and c != "first"]
+    for c in sums:
+        if c.startswith(SENS):
+            t[c] = t[c].fillna(0).astype(np.int64)  # a category absent from a partition
+    agg = {c: (c, "sum") for c in sums} | {"first": ("first", "min")}
+    out = t.groupby(keys, sort=False, dropna=False).agg(**agg)
+    out = out.reset_index().sort_values("first", kind="stable").reset_index(drop=True)
+    return out[keys + ["count", "first"] + [c for c in sums if c != "count"]]
+
+
+def profile_risk(
+    profiles: pd.DataFrame,
+    keys: Sequence[KeySpec | str],
+    sensitive: Sequence[SensitiveSpec] = (),
+    loglinear: bool = True,
+    interactions: bool | Sequence[tuple[str, str]] = False,
+) -> dict[str, float]:
+    """risk_profile's metrics (uniques, doubles, triples; GenMASSC scores, paper 000 eq. 1-2;
+    pseudo-ML log-linear tau1, tau2, paper 001 eq. 4 and 7) from the whole input's profile
+    table (combine_profiles, with wsum when loglinear), without the records."""
+    names = [k.name for k in _specs(keys)]
+    m = profiles["count"].to_numpy()
+    n = int(m.sum())
+    counts = np.bincount(np.minimum(m, 4), weights=m, minlength=5)
+    out = {
+        "n_records": float(n),
+        "n_profiles": float(len(m)),
+        "n_unique": float(counts[1]),
+        "unique_share": float(counts[1] / n),
+        "n_double": float(counts[2]),
+        "n_triple": float(counts[3]),
+        "n_other": float(counts[4]),
+    }
+    if sensitive:
+        r = np.zeros(len(m))
+        pair_norm = np.where(m >= 2, 2.0 * m * (m - 1.0), np.inf)
+        for s in sensitive:
+            cols = [c for c in profiles.columns if c.startswith(f"{SENS}{s.name}=")]
+            cats = [c.removeprefix(f"{SENS}{s.name}=") for c in cols]
+            nc = profiles[cols].to_numpy(dtype=float)
+            table = {_label(k): float(v) for k, v in s.sensitivity.items()}
+            lam = _distance_matrix(s.name, cats, None)
+            eta = np.einsum("gi,ij,gj->g", nc, lam, nc) / pair_norm  # eq. 1
+            zeta = nc @ np.array([table[c] for c in cats]) / m  # mean sensitivity
+            r = np.maximum(r, (1.0 - eta) * zeta)  # eq. 2
+        out.update(
+            mean_score=float((m * r).sum() / n),
+            max_score=float(r.max()),
+            n_score_1=float(m[r >= 1.0 - 1e-12].sum()),
+        )
+    if loglinear:
+        # each key's levels in first-appearance order (profiles are), as risk._key_codes has them
+        per = [pd.factorize(profiles[k], use_na_sentinel=False) for k in names]
+        sizes = [len(u) for _, u in per]
+        pairs = interaction_pairs(names, interactions)
+        cell = table_cells([c.astype(np.int64) for c, _ in per], sizes)
+        k_all = int(np.prod(np.array(sizes, dtype=float)))
+        f = np.bincount(cell, weights=m, minlength=k_all).astype(np.int64)
+        y = np.bincount(cell, weights=profiles["wsum"].to_numpy(), minlength=k_all)
+        _, lam_cell, _ = fit_table(f, y, sizes, pairs, None)
+        unique = m == 1
+        w = np.where(unique, profiles["wsum"].to_numpy(), 1.0)  # a unique's sum is its weight
+        p1, e_inv = unique_risk(lam_cell[cell], w, None, unique)
+        out.update(tau1=float(np.nansum(p1)), tau2=float(np.nansum(e_inv)))
+        out["tau1_share"] = out["tau1"] / n
+        out["tau2_share"] = out["tau2"] / n
+    return out
 
 
 def strata_counts(profiles: pd.DataFrame) -> pd.Series:
@@ -529,10 +624,12 @@ def means_request(spec: ReleaseSpec, columns: Sequence[str]) -> MeansRequest:
 
 
 def scan_columns(spec: ReleaseSpec, req: MeansRequest) -> list[str]:
-    """The columns pass 1 of a scan reads: keys, the edit rules' columns, the request's."""
+    """The columns pass 1 of a scan reads: keys, sensitive variables, the edit rules' columns,
+    the request's."""
     keys = spec.variables.key_names
+    sensitive = [x.name for x in spec.variables.sensitive]
     edits = [c for r in spec.edits for c in r.columns()]
-    return list(dict.fromkeys([*keys, *edits, *req.columns]))
+    return list(dict.fromkeys([*keys, *sensitive, *edits, *req.columns]))
 
 
 @dataclass
@@ -552,7 +649,9 @@ def scan_pass1(part: Partition, spec: ReleaseSpec, req: MeansRequest) -> ScanPar
     with single_blas_thread():
         return ScanPartial(
             records=len(df),
-            profiles=profile_counts(df, spec.variables.keys),
+            profiles=profile_counts(
+                df, spec.variables.keys, spec.design.weight, spec.variables.sensitive
+            ),
             edits=rule_failures(df, spec.edits),
             means=means_pass1(df, req),
         )
@@ -566,6 +665,20 @@ def scan_pass2(
     df = read_partition(part, cols, spec)
     with single_blas_thread():
         return means_pass2(df, req, levels, R)
+
+
+def scan_risk(spec: ReleaseSpec, profiles: pd.DataFrame) -> dict[str, float]:
+    """The risk stage's metrics of the whole input from its profile table (the spec's risk
+    section: log-linear model and interactions; GenMASSC scores over its sensitive variables)."""
+    section = spec.stages.risk
+    v = spec.variables
+    return profile_risk(
+        profiles,
+        v.keys,
+        v.sensitive,
+        loglinear=section.loglinear,
+        interactions=section.interactions or False,
+    )
 
 
 def combine_scan(partials: Sequence[ScanPartial]) -> dict[str, Any]:

@@ -393,6 +393,70 @@ class LoglinearRisk:
         )
 
 
+def interaction_pairs(
+    names: Sequence[str], interactions: bool | Sequence[tuple[str, str]] | None
+) -> list[tuple[int, int]]:
+    """The log-linear model's two-way terms as pairs of key positions: all pairs (True), none
+    (False or None), or the listed pairs of key names."""
+    if interactions is True:
+        return list(combinations(range(len(names)), 2))
+    if interactions is False or interactions is None:
+        return []
+    pos = {nm: i for i, nm in enumerate(names)}
+    pairs = []
+    for p in interactions:
+        if len(p) != 2 or p[0] not in pos or p[1] not in pos or p[0] == p[1]:
+            raise RiskInputError(
+                f"interactions: {p!r} is not a pair of two different keys from {list(names)}"
+            )
+        pairs.append(tuple(sorted((pos[p[0]], pos[p[1]]))))
+    return sorted(set(pairs))
+
+
+def table_cells(codes: Sequence[np.ndarray], sizes: Sequence[int]) -> np.ndarray:
+    """Each record's cell in the full table of key cells (mixed radix, the last key fastest)."""
+    strides = np.cumprod([1, *sizes[::-1]])[:-1][::-1].astype(np.int64)
+    cell = np.zeros(len(codes[0]), dtype=np.int64)
+    for c, s in zip(codes, strides, strict=True):
+        cell += c * s
+    return cell
+
+
+def fit_table(
+    f: np.ndarray,
+    y: np.ndarray | None,
+    sizes: Sequence[int],
+    pairs: Sequence[tuple[int, int]],
+    pi: float | None,
+) -> tuple[PoissonFit, np.ndarray, str]:
+    """(fit, lambda of every cell, method) of the full key table: pseudo-ML to the weighted
+    counts y (eq. 7) when given, else ML to the counts f with offset log(pi) (eq. 3)."""
+    k_all = int(np.prod(np.array(sizes, dtype=float)))
+    full = np.arange(k_all, dtype=np.int64)
+    strides = np.cumprod([1, *sizes[::-1]])[:-1][::-1].astype(np.int64)
+    cell_codes = [(full // s) % L for s, L in zip(strides, sizes, strict=True)]
+    if y is not None:
+        fit = fit_poisson_loglinear(y, cell_codes, sizes, pairs)
+        return fit, fit.mu, "pseudo-ML"
+    fit = fit_poisson_loglinear(f.astype(float), cell_codes, sizes, pairs, np.log(pi))
+    return fit, fit.mu / pi, "ML"  # lambda_hat = mu_hat / pi (eq. 3)
+
+
+def unique_risk(
+    lam: np.ndarray, w: np.ndarray | None, pi: float | None, unique: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """P(F=1|f=1) and E(1/F|f=1) of records with their cell's lambda (NaN unless unique):
+    pi_hat = 1/w with weights (eq. 7), else the known pi."""
+    if w is not None:
+        one_minus_pi = np.clip(1.0 - 1.0 / w, 0.0, None)  # pi_hat = f/F_hat = 1/w for uniques
+    else:
+        one_minus_pi = np.full(len(lam), 1.0 - pi)
+    nu = lam * one_minus_pi  # F | f=1 ~ 1 + Poisson(lambda (1 - pi)), eq. 2
+    p1 = np.exp(-nu)  # eq. 4 (the paper's sign typo corrected)
+    e_inv = np.where(nu > 1e-12, -np.expm1(-nu) / np.where(nu > 1e-12, nu, 1.0), 1.0 - nu / 2)
+    return np.where(unique, p1, np.nan), np.where(unique, e_inv, np.nan)
+
+
 def loglinear_risk(
     df: pd.DataFrame,
     keys: Sequence[KeyLike],
@@ -413,7 +477,6 @@ def loglinear_risk(
     specs = _key_specs(keys)
     codes, sizes = _codes if _codes is not None else _key_codes(df, specs)
     names = [k.name for k in specs]
-    n = len(df)
     if weight is not None:
         if pi is not None:
             raise RiskInputError("pi: give either weight (pseudo-ML) or pi (ML), not both")
@@ -430,51 +493,20 @@ def loglinear_risk(
         if not 0.0 < pi <= 1.0:
             raise RiskInputError(f"pi: the sampling fraction must lie in (0, 1], got {pi}")
         w = None
-    if interactions is True:
-        pairs = list(combinations(range(len(names)), 2))
-    elif interactions is False or interactions is None:
-        pairs = []
-    else:
-        pos = {nm: i for i, nm in enumerate(names)}
-        pairs = []
-        for p in interactions:
-            if len(p) != 2 or p[0] not in pos or p[1] not in pos or p[0] == p[1]:
-                raise RiskInputError(
-                    f"interactions: {p!r} is not a pair of two different keys from {names}"
-                )
-            pairs.append(tuple(sorted((pos[p[0]], pos[p[1]]))))
-        pairs = sorted(set(pairs))
+    pairs = interaction_pairs(names, interactions)
     k_all = int(np.prod(np.array(sizes, dtype=float)))
     if k_all > max_cells:
         raise RiskInputError(
             f"keys: the full table of key cells has {k_all:,} cells (levels {dict(zip(names, sizes, strict=True))}),"
             f" more than max_cells={max_cells:,}; coarsen keys (bins or map) or drop a key"
         )
-    strides = np.cumprod([1, *sizes[::-1]])[:-1][::-1].astype(np.int64)
-    cell = np.zeros(n, dtype=np.int64)
-    for c, s in zip(codes, strides, strict=True):
-        cell += c * s
-    full = np.arange(k_all, dtype=np.int64)
-    cell_codes = [(full // s) % L for s, L in zip(strides, sizes, strict=True)]
+    cell = table_cells(codes, sizes)
     f = np.bincount(cell, minlength=k_all)
-    if w is not None:
-        y = np.bincount(cell, weights=w, minlength=k_all)  # F_hat_k, eq. 7
-        fit = fit_poisson_loglinear(y, cell_codes, sizes, pairs)
-        lam_cell = fit.mu
-        one_minus_pi = np.clip(1.0 - 1.0 / w, 0.0, None)  # pi_hat = f/F_hat = 1/w for uniques
-        method = "pseudo-ML"
-    else:
-        fit = fit_poisson_loglinear(f.astype(float), cell_codes, sizes, pairs, np.log(pi))
-        lam_cell = fit.mu / pi  # lambda_hat = mu_hat / pi (eq. 3)
-        one_minus_pi = np.full(n, 1.0 - pi)
-        method = "ML"
+    y = None if w is None else np.bincount(cell, weights=w, minlength=k_all)  # F_hat_k, eq. 7
+    fit, lam_cell, method = fit_table(f, y, sizes, pairs, pi)
     unique = f[cell] == 1
     lam = lam_cell[cell]
-    nu = lam * one_minus_pi  # F | f=1 ~ 1 + Poisson(lambda (1 - pi)), eq. 2
-    p1 = np.exp(-nu)  # eq. 4 (the paper's sign typo corrected)
-    e_inv = np.where(nu > 1e-12, -np.expm1(-nu) / np.where(nu > 1e-12, nu, 1.0), 1.0 - nu / 2)
-    p1 = np.where(unique, p1, np.nan)
-    e_inv = np.where(unique, e_inv, np.nan)
+    p1, e_inv = unique_risk(lam, w, pi, unique)
     return LoglinearRisk(
         tau1=float(np.nansum(p1)),
         tau2=float(np.nansum(e_inv)),

@@ -16,7 +16,7 @@ from sdl_design import partition as P
 from sdl_design.design import SurveyDesign
 from sdl_design.edits import rule_failures
 from sdl_design.io import read_input
-from sdl_design.risk import cell_sizes, profile_codes, risk_strata
+from sdl_design.risk import cell_sizes, profile_codes, risk_profile, risk_strata
 from sdl_design.spec import load_spec
 
 N = 3000
@@ -95,6 +95,39 @@ def test_profile_counts_by_partition_are_the_risk_stage_counts(survey):
     assert np.array_equal(sizes, cell_sizes(whole, keys).to_numpy())
     strata = risk_strata(whole, keys).value_counts()
     assert P.strata_counts(table).to_dict() == {s: int(strata.get(s, 0)) for s in "UDTO"}
+
+
+@pytest.mark.parametrize("interactions", [False, True])
+def test_risk_metrics_by_partition_are_the_risk_stages(survey, interactions):
+    """Uniques, GenMASSC scores (paper 000 eq. 1-2) and the pseudo-ML log-linear tau1, tau2
+    (paper 001 eq. 4, 7) from the partitions' profile tables equal risk_profile on the whole
+    file: counts exactly, the rest to 1e-12."""
+    _, spec, whole = survey
+    v, wt = spec.variables, spec.design.weight
+    parts = P.plan_partitions(spec.release.input, 4)
+    frames = [P.read_partition(p, None, spec) for p in parts]
+    # weights in (1, 2]: a sampling fraction near 1/2 leaves population uniques to find
+    top = whole[wt].max()
+    whole = whole.assign(**{wt: 1.0 + whole[wt] / top})
+    frames = [f.assign(**{wt: 1.0 + f[wt] / top}) for f in frames]
+    table = P.combine_profiles(
+        [P.profile_counts(f, v.keys, spec.design.weight, v.sensitive) for f in frames]
+    )
+    got = P.profile_risk(table, v.keys, v.sensitive, interactions=interactions)
+    want = risk_profile(
+        whole, v.keys, v.sensitive, weight=spec.design.weight, interactions=interactions
+    ).metrics
+    assert set(got) == set(want)
+    assert want["n_unique"] > 100 and want["tau1"] > 1  # the checks below have work to do
+    for name in ("n_records", "n_profiles", "n_unique", "n_double", "n_triple", "n_other"):
+        assert got[name] == want[name], name
+    assert got["n_score_1"] == want["n_score_1"]
+    for name in ("mean_score", "max_score", "tau1", "tau2", "unique_share", "tau1_share"):
+        assert abs(got[name] - want[name]) <= 1e-12 * abs(want[name]), name
+    # sensitive-category counts add up to each profile's records
+    sens = [c for c in table.columns if c.startswith(P.SENS + "diabetes=")]
+    assert (table[sens].sum(axis=1) == table["count"]).all()
+    assert np.isclose(table["wsum"].sum(), whole[wt].sum(), rtol=1e-13)
 
 
 def test_edit_failures_by_partition_are_the_whole_files(survey):
@@ -206,6 +239,7 @@ def test_puf_scan_writes_its_tables_whole(survey, tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == [
         "edits.csv",
         "profiles.csv",
+        "risk.csv",
         "risk_strata.csv",
         "se.csv",
     ]
