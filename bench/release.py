@@ -183,7 +183,7 @@ class _Recorder:
             "peak": self.peak_kb() / 2**20,
             "start": self.start_rss / 2**20,
             "end": _status_kb("VmRSS") / 2**20,
-            "bytes": self.touch.get(name, 0),
+            "bytes": sum(self.touch.get(n, 0) for n in name.split(" + ")),
         }
         r = self.rows[name]
         sys.__stderr__.write(  # not print: the flow's log_prints would swallow it
@@ -235,7 +235,13 @@ def _install(rec: _Recorder) -> None:
         rec.touch[s.name] = rec.stage_bytes(s.name, before, out.data)
         return out
 
-    fr._progress, fr._lap, fr.run_stage = _progress, _lap, _run_stage
+    lap_many = fr._lap_many
+
+    def _lap_many(manifest, seconds, t0):  # stages run at once: one row for them together
+        lap_many(manifest, seconds, t0)
+        rec.end(" + ".join(seconds), time.perf_counter() - t0)
+
+    fr._progress, fr._lap, fr._lap_many, fr.run_stage = _progress, _lap, _lap_many, _run_stage
 
 
 def _table(rec: _Recorder, bw: float) -> None:

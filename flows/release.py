@@ -30,8 +30,10 @@ from sdl_design.stage import (
     StageContext,
     StageResult,
     build_stages,
+    changed_release,
     design_columns,
     public_design,
+    reads_only,
 )
 from sdl_design.stages import RELEASE_STAGES
 from tasks.core import edits_task, gates_task, load_task
@@ -238,7 +240,14 @@ def _release(
 
         df = original
         base_ctx = StageContext(original, spec)
-        for stage in stages:
+        for batch in _batches(stages):
+            if len(batch) > 1:  # stages that only measure the frame: at once, in threads
+                for out in _measure_at_once(batch, df, base_ctx, outputs, step, total, manifest):
+                    outputs.append(out)
+                    _absorb(manifest, out)
+                step += len(batch)
+                continue
+            stage = batch[0]
             step += 1
             _progress(step, total, stage.name)
             t0 = time.perf_counter()
@@ -328,6 +337,66 @@ def _release(
             except Exception:  # noqa: BLE001 - keep the original error visible
                 pass
         raise
+
+
+def _batches(stages: list) -> list[list]:
+    """The stages in release order, consecutive stages that only measure the frame together
+    (sdl_design.stage.reads_only); every other stage alone."""
+    out: list[list] = []
+    for s in stages:
+        if out and reads_only(s) and reads_only(out[-1][-1]):
+            out[-1].append(s)
+        else:
+            out.append([s])
+    return out
+
+
+def _measure_at_once(
+    batch: list,
+    df: pd.DataFrame,
+    base_ctx: StageContext,
+    outputs: list[StageResult],
+    step: int,
+    total: int,
+    manifest: Manifest,
+) -> list[StageResult]:
+    """Stages that only measure the frame, run at once in threads (each sees the results of
+    the stages before the batch, as it would in order: none of the batch changes them); the
+    results in stage order. A stage that changed the release anyway is an error, not a guess."""
+    import contextvars
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(stage, ctx) -> tuple[StageResult, float]:
+        t0 = time.perf_counter()
+        out = run_stage(quote(stage), quote(df), quote(ctx))
+        return out, time.perf_counter() - t0
+
+    names = " + ".join(s.name for s in batch)
+    t0 = _progress(step + 1, total, names)
+    with ThreadPoolExecutor(len(batch), thread_name_prefix="puf-stage") as pool:
+        futures = [
+            pool.submit(contextvars.copy_context().run, one, s, base_ctx.for_stage(s.name, outputs))
+            for s in batch
+        ]
+        done = [f.result() for f in futures]
+    for stage, (out, _) in zip(batch, done, strict=True):
+        changed = changed_release(out, df)
+        if changed:
+            raise RuntimeError(
+                f"stage {stage.name} says it only measures the frame (reads_only) but changed "
+                f"{', '.join(changed)}; set reads_only = False on it"
+            )
+        out.data = None
+    _lap_many(manifest, {s.name: sec for s, (_, sec) in zip(batch, done, strict=True)}, t0)
+    _progress(step + len(batch), total, names, t0)
+    return [out for out, _ in done]
+
+
+def _lap_many(manifest: Manifest, seconds: dict[str, float], t0: float) -> None:
+    """_lap of steps that ran at once (t0: their common start): each one's own wall time."""
+    for name, sec in seconds.items():
+        manifest.timings_s[name] = round(sec, 3)
+    return_freed_memory()
 
 
 def _task_runner(runner: str, dask_address: str | None):

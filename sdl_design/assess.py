@@ -878,6 +878,7 @@ class AssessStage:
 
     name = "assess"
     replications = 0
+    reads_only = True  # measures the frame: the flow may run it beside its neighbours
 
     def __init__(self, spec: ReleaseSpec):
         self.spec = spec

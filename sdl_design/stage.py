@@ -6,7 +6,9 @@ and `run(df, ctx)` treats the working frame with the context (the original file,
 SurveyDesign, the stage's Generator, the spec) and returns a StageResult. A stage that needs
 replications of its treatment (MASSC) also has `prepare_replications(df, ctx)` (what every
 replication shares, computed once: a plan, not the frames), `replicate(shared, indices)` and
-`combine(result, replications, ctx)`; the flow calls them when `replications > 0`.
+`combine(result, replications, ctx)`; the flow calls them when `replications > 0`. A stage
+that only measures the working frame (it returns it as it is and adds no column to drop, no
+design) says so with `reads_only = True`: the flow may run consecutive such stages at once.
 """
 
 from __future__ import annotations
@@ -181,6 +183,8 @@ class Stage(Protocol):
 
     name: ClassVar[str]
     replications: int
+    # optional: True when run() returns df as it is and no drop_public, masks_design or
+    # public design (an assessment): the flow may run it at once with its neighbours
 
     @classmethod
     def from_spec(cls, spec: ReleaseSpec) -> Stage | None: ...
@@ -203,6 +207,7 @@ class BaseStage:
 
     name: ClassVar[str] = ""
     replications: int = 0
+    reads_only: ClassVar[bool] = False
 
     def prepare_replications(self, df: pd.DataFrame, ctx: StageContext) -> SharedInput:
         raise NotImplementedError(f"stage {self.name} has no replications")
@@ -237,3 +242,21 @@ def run_stages(spec: ReleaseSpec, original: pd.DataFrame) -> list[StageResult]:
         results.append(result)
         df = result.data
     return results
+
+
+def reads_only(stage: Any) -> bool:
+    """Whether a stage only measures the working frame (its `reads_only`, default False)."""
+    return bool(getattr(stage, "reads_only", False)) and not stage.replications
+
+
+def changed_release(result: StageResult, df: pd.DataFrame) -> list[str]:
+    """What a result of a stage run on df changes of the release (empty for a stage that only
+    measured it): its frame, columns to drop, a masked or public design."""
+    out = []
+    if result.data is not df:
+        out.append("the working frame")
+    if result.drop_public:
+        out.append(f"columns to drop {result.drop_public}")
+    if result.masks_design or (result.params or {}).get("public_design"):
+        out.append("the public design")
+    return out

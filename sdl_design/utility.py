@@ -405,6 +405,7 @@ class FinalStage:
 
     name = "final"
     replications = 0
+    reads_only = True  # measures the frame: the flow may run it beside its neighbours
 
     def __init__(self, spec: Any):
         self.spec = spec
