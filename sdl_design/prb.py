@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
@@ -775,11 +776,25 @@ class PrbStage:
             "add the variables these rules tie to the set C or partition on them",
         )
         other = "nzy" if cfg.method == "prb" else "prb"
-        base = post_randomize(
-            df, cfg.variables, cfg.xi, weight, method=other, theta=res.theta, **kw
-        )
-        # the set C's text columns factorized once for the TVD and count tables of the 3 files
-        c_df, c_res, c_base = shared_categories([df, res.data, base.data], cfg.variables)
+        # Tables 1/4 of the input and PRB output need not wait for the baseline: counted in a
+        # thread while it runs, with the categories of those two files; used when the baseline
+        # adds no category (it moves records between the input's cells), else counted again
+        c_two = shared_categories([df, res.data], cfg.variables)
+        with ThreadPoolExecutor(1, thread_name_prefix="puf-prb-counts") as pool:
+            early = pool.submit(count_changes, *c_two, cfg.variables, weight, spec.design)
+            base = post_randomize(
+                df, cfg.variables, cfg.xi, weight, method=other, theta=res.theta, **kw
+            )
+            # the set C's text columns factorized once for the TVD tables of the 3 files
+            c_df, c_res, c_base = shared_categories([df, res.data, base.data], cfg.variables)
+            counts = early.result()
+        if any(
+            a[c].dtype != b[c].dtype
+            for a, b in zip(c_two, (c_df, c_res), strict=True)
+            for c in cfg.variables
+            if c in a.columns
+        ):
+            counts = count_changes(c_df, c_res, cfg.variables, weight, spec.design)
         tv = tvd_table(
             c_df, {cfg.method: c_res, other: c_base}, default_combos(cfg.variables[:5]), weight
         )
@@ -819,8 +834,7 @@ class PrbStage:
                 vline=xi,
                 vlabel=f"xi = {xi:g}",
             )
-        counts = count_changes(c_df, c_res, cfg.variables, weight, spec.design)
-        del c_df, c_res, c_base
+        del c_df, c_res, c_base, c_two
         return StageResult(
             name=self.name,
             data=res.data,
