@@ -91,12 +91,16 @@ def write_stage(
     puf: pd.DataFrame | None = None,
     notes: str | None = None,
     fault: Callable[[str], None] | None = None,
+    prepared: Callable[[Path], dict[str, str]] | None = None,
 ) -> None:
-    """Write a whole release into a staging folder: public/ (when puf is given; its hashes go
+    """Write a whole release into a staging folder: public/ (when puf is given, or moved there
+    by prepared(public), which returns the digests of files written before; their hashes go
     into the manifest) and internal/ (write_record). The staged tree is what the release folder
     becomes when the attempt publishes (flows.txn)."""
     outputs: dict[str, str] = {}
-    if puf is not None:
+    if prepared is not None:
+        outputs = prepared(staged / "public")
+    elif puf is not None:
         outputs = write_public_files(puf, staged / "public", notes or "")
     if fault is not None:
         fault("staging")

@@ -21,7 +21,7 @@ from flows.env import preload, return_freed_memory
 from flows.manifest import Manifest
 from flows.progress import PROGRESS
 from flows.public_docs import variance_notes
-from flows.public_files import public_frame
+from flows.public_files import public_frame, write_public_files
 from flows.server_guard import install as _guard_prefect_server
 from flows.txn import PublishError, RegistryError, ReleaseLocked, Transaction, fault
 from sdl_design.spec import ReleaseSpec, load_spec
@@ -281,8 +281,13 @@ def _release(
             else []
         )
         manifest.counts.n_output = len(puf)
+        # the public files are written (into the attempt's folder, not the release's) while
+        # the gates run; they are staged when every gate passes and deleted when one fails
+        notes = variance_notes(spec, outputs, puf)
+        txn.prepare_public(lambda folder: write_public_files(puf, folder, notes))
         gate_rows = [g.as_dict() for o in outputs for g in o.gates]
         gates = gates_task(quote(puf), quote(spec), gate_rows, replicate_cols, masked)
+        fault("gates")  # recovery tests: the public files may be half written here
         _lap(manifest, "gates", t0)
         _progress(step, total, "gates", t0)
         manifest.set_gates(gates)
@@ -295,11 +300,12 @@ def _release(
         # the whole release, staged before the approval: the board sees what would go out
         step += 1
         t0 = _progress(step, total, "files")
-        notes = variance_notes(spec, outputs, puf)
         tables = _tables(outputs, gates)
         writer = _report_writer(outputs, spec)
         staged = txn.stage(
-            lambda folder: pub.write_stage(folder, manifest, tables, writer, puf, notes, fault)
+            lambda folder: pub.write_stage(
+                folder, manifest, tables, writer, fault=fault, prepared=txn.prepared_public
+            )
         )
         ratios = _se_ratios(outputs)
         txn.awaiting_approval(manifest, ratios)

@@ -33,6 +33,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -172,6 +173,9 @@ def exchange(a: Path, b: Path) -> None:
     aside.rename(b)
 
 
+PREPARED = "public.prepared"  # an attempt's public files written while its gates run
+
+
 def _rmtree(path: Path) -> None:
     if path.is_symlink() or path.is_file():
         path.unlink()
@@ -267,6 +271,8 @@ class Transaction:
         self.id = f"{stamp}-{uuid.uuid4().hex[:6]}"
         self.folder = self.root / "attempts" / self.id
         self.staged = self.folder / "staged"
+        self.prepared = self.folder / PREPARED  # public files written while the gates run
+        self._writer: Future | None = None
         self.state = "new"
         self.release_id: str | None = None
 
@@ -351,6 +357,39 @@ class Transaction:
 
     # -- staging
 
+    def prepare_public(self, write: Callable[[Path], dict[str, str]]) -> None:
+        """Start writing the public files in a thread, into the attempt's own folder (never the
+        release's): write(folder) creates folder and returns the files' digests. `stage` moves
+        them into the staging folder; `close` and recovery delete them."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        _rmtree(self.prepared)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="puf-public-files")
+        self._writer = pool.submit(write, self.prepared)
+        pool.shutdown(wait=False)
+
+    def prepared_public(self, public: Path) -> dict[str, str]:
+        """The public files `prepare_public` wrote (waiting for them), moved to public; their
+        digests. An error of the writer is raised here."""
+        if self._writer is None:
+            raise RuntimeError("no public files were prepared for this attempt")
+        try:
+            digests = self._writer.result()
+        finally:
+            self._writer = None
+        self.prepared.rename(public)
+        return digests
+
+    def _discard_prepared(self) -> None:
+        """Wait for a writer of prepared public files, then delete what it wrote."""
+        if self._writer is not None:
+            try:
+                self._writer.result()
+            except BaseException:  # noqa: BLE001 - the files are deleted either way
+                pass
+            self._writer = None
+        _rmtree(self.prepared)
+
     def stage(self, write: Callable[[Path], Any]) -> Path:
         """Write the release into the staging folder: write(staged) writes public/ and
         internal/ under it. Returns the staged folder."""
@@ -381,6 +420,7 @@ class Transaction:
     ) -> None:
         """End an attempt that does not publish (rejected or failed): staged public files
         deleted, the record stripped, the state recorded (the published release untouched)."""
+        self._discard_prepared()
         _rmtree(self.staged / "public")
         rec = attempt_record(self.folder)
         if rec.exists():
@@ -500,6 +540,7 @@ class Transaction:
                 )
                 done.append(f"{aid}: rolled back (its files were not in place)")
             elif state in ("running", "awaiting_approval"):
+                _rmtree(folder / PREPARED)
                 _rmtree(staged / "public")
                 strip_record(staged / "internal")
                 reason = f"interrupted while {state.replace('_', ' ')}; recovered {now()}"
@@ -514,7 +555,9 @@ class Transaction:
                     output_dir=self.output_dir,
                 )
                 done.append(f"{aid}: failed ({reason})")
-            elif (staged / "public").exists():  # closed, but its strip was interrupted
+            elif (staged / "public").exists() or (folder / PREPARED).exists():
+                # closed, but its strip was interrupted
+                _rmtree(folder / PREPARED)
                 _rmtree(staged / "public")
                 strip_record(staged / "internal")
                 done.append(f"{aid}: staged public files removed")

@@ -180,6 +180,8 @@ def test_failed_gate_publishes_nothing(tmp_path):
         release_flow(spec_path=str(path), approve="tester")
     out = folder(path)
     assert not out.exists()
+    # the public files written while the gates ran are deleted with the rejected attempt
+    assert not list(last_record(path).parent.parent.rglob("puf.*"))
     manifest = json.loads((last_record(path) / "manifest.json").read_text())
     assert manifest["status"] == "rejected"
     failed = [g for g in manifest["gates"] if not g["passed"]]

@@ -24,6 +24,7 @@ from flows.publish import sha256_file
 ROOT = Path(__file__).resolve().parents[1]
 N = 3000
 STATE_AFTER_RECOVERY = {
+    "gates": "failed",  # killed while its public files were written beside the gates
     "staging": "failed",  # never finished: failed
     "before_publish": "rolled_back",  # an intent without its files: rolled back
     "after_publish_before_commit": "published",  # files in place, no commit: committed
@@ -80,6 +81,7 @@ def assert_no_leftovers(path: Path, seed: int) -> None:
     assert not [p.name for p in parent.iterdir() if p.name.startswith(".")]
     for folder in (root / "attempts").iterdir():
         assert not (folder / "staged" / "public").exists(), folder
+        assert not (folder / txn.PREPARED).exists(), folder  # written while the gates ran
         for f in folder.rglob("*"):
             assert not any(str(f).endswith(t) for t in txn.CONFIDENTIAL_TABLES), f
             if f.is_file():
@@ -206,7 +208,7 @@ def _cli(spec: Path, env: dict[str, str], *args: str) -> subprocess.Popen:
 @pytest.mark.usefixtures("prefect_server")
 def test_kill_9_at_each_publish_point_keeps_one_consistent_release(tmp_path):
     """A published release (copied to one folder per fault point), then a rerun with another
-    top-coding percentile killed (SIGKILL) at each point of publishing, the four in parallel.
+    top-coding percentile killed (SIGKILL) at each point of publishing, the five in parallel.
     After each kill public/ is whole (all old or all new files); after the next run's recovery
     the registry's current release is the one on disk and nothing confidential is left."""
     import shutil
@@ -223,6 +225,7 @@ def test_kill_9_at_each_publish_point_keeps_one_consistent_release(tmp_path):
     assert disk_hashes(final) == old == reg.current_release(name, year, url)["output_hashes"]
     reg.dispose_engines()
     expected = {  # point: the files on disk after the kill, and after recovery, are the new ones
+        "gates": False,
         "staging": False,
         "before_publish": False,
         "after_publish_before_commit": True,
