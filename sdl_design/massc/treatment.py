@@ -4,6 +4,7 @@ substitution and subsampling (Steps II-III, phi), calibration (Step IV), replica
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -290,16 +291,24 @@ def massc_plan(
         )
     has = donors.donor >= 0
     need = list(dict.fromkeys([*cfg.substitute_columns, *cfg.study]))
-    tilde = substitute(
-        df[need], np.where(has, donors.donor, np.arange(len(df))), has, cfg.substitute_columns
-    )
     zvars = study_variables(b0, cfg.keys, cfg.study, cfg.max_levels, cfg.min_records)
-    parts = ZParts.of(df, tilde, zvars)
-    mom = z_moments(df, None, strata, cfg.weight, zvars, parts=parts)
-    truth = zvars.totals(original, original[cfg.weight].to_numpy(dtype=float))
     if design is None:
         design = SurveyDesign(original, cfg.weight, cfg.strata_col, cfg.psu_col)
-    var = zvars.sampling_variance(original, design)
+
+    def original_side() -> tuple[np.ndarray, np.ndarray]:  # theta_z and V_z of the original
+        w0 = original[cfg.weight].to_numpy(dtype=float)
+        return zvars.totals(original, w0), zvars.sampling_variance(original, design)
+
+    # the original's totals and variances (numpy: the interpreter is left free) in a thread
+    # while the substitution and the moments of the treated file are computed
+    with ThreadPoolExecutor(1, thread_name_prefix="puf-massc-original") as pool:
+        side = pool.submit(original_side)
+        tilde = substitute(
+            df[need], np.where(has, donors.donor, np.arange(len(df))), has, cfg.substitute_columns
+        )
+        parts = ZParts.of(df, tilde, zvars)
+        mom = z_moments(df, None, strata, cfg.weight, zvars, parts=parts)
+        truth, var = side.result()
     mom.denom = var if cfg.loss_scale == "sampling" else truth**2
     cost, _ = disclosure_cost(b0, h, len(labels), cfg)
     psi = optimal_psi(mom, cfg.alpha, cfg.psi_max, cfg.psi_min, cost)
