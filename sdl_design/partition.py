@@ -47,6 +47,7 @@ from sdl_design.risk import (
     _distance_matrix,
     _label,
     _sensitive_codes,
+    cell_metrics,
     fit_table,
     interaction_pairs,
     table_cells,
@@ -227,16 +228,7 @@ def profile_risk(
     names = [k.name for k in _specs(keys)]
     m = profiles["count"].to_numpy()
     n = int(m.sum())
-    counts = np.bincount(np.minimum(m, 4), weights=m, minlength=5)
-    out = {
-        "n_records": float(n),
-        "n_profiles": float(len(m)),
-        "n_unique": float(counts[1]),
-        "unique_share": float(counts[1] / n),
-        "n_double": float(counts[2]),
-        "n_triple": float(counts[3]),
-        "n_other": float(counts[4]),
-    }
+    out = cell_metrics(n, len(m), np.bincount(np.minimum(m, 4), weights=m, minlength=5))
     if sensitive:
         r = np.zeros(len(m))
         pair_norm = np.where(m >= 2, 2.0 * m * (m - 1.0), np.inf)

@@ -560,6 +560,20 @@ def risk_summary(records: pd.DataFrame) -> dict[str, pd.DataFrame]:
     }
 
 
+def cell_metrics(n: int, n_profiles: int, counts: np.ndarray) -> dict[str, float]:
+    """risk_profile's count metrics: records, profiles, and the records in cells of 1, 2, 3
+    and 4 or more records (counts[1], ..., counts[4])."""
+    return {
+        "n_records": float(n),
+        "n_profiles": float(n_profiles),
+        "n_unique": float(counts[1]),
+        "unique_share": float(counts[1] / n),
+        "n_double": float(counts[2]),
+        "n_triple": float(counts[3]),
+        "n_other": float(counts[4]),
+    }
+
+
 @dataclass
 class RiskProfile:
     """Risk of one file: the record table (internal only), summaries and global measures."""
@@ -600,16 +614,7 @@ def risk_profile(
         records["e_inv_f"] = ll.e_inv_f
     tabs = risk_summary(records)
     n = len(df)
-    counts = np.bincount(np.minimum(m, 4), minlength=5)
-    metrics = {
-        "n_records": float(n),
-        "n_profiles": float(g.max() + 1),
-        "n_unique": float(counts[1]),
-        "unique_share": float(counts[1] / n),
-        "n_double": float(counts[2]),
-        "n_triple": float(counts[3]),
-        "n_other": float(counts[4]),
-    }
+    metrics = cell_metrics(n, int(g.max()) + 1, np.bincount(np.minimum(m, 4), minlength=5))
     if has_sens:
         r = records["risk_score"].to_numpy()
         metrics.update(
