@@ -220,7 +220,7 @@ def cmd_scan(args: argparse.Namespace) -> int:
         strata = ", ".join(f"{r.stratum} {r.records}" for r in out["risk_strata"].itertuples())
         se = out["se"]
         print(
-            f"scanned {args.spec}: {out['records']} records in {out['partitions']} partitions, "
+            f"scanned {args.spec}: {out['records']} records in {out['partitions']} partition(s), "
             f"{out['seconds']:.1f} s"
         )
         print(f"  risk strata : {strata} records ({len(out['profiles'])} key profiles)")

@@ -234,7 +234,7 @@ def test_puf_scan_writes_its_tables_whole(survey, tmp_path, capsys):
     out = tmp_path / "scan"
     assert puf(["scan", str(path), "--partitions", "3", "--out", str(out)]) == 1  # 2 rules fail
     text = capsys.readouterr().out
-    assert f"{N} records in 3 partitions" in text
+    assert f"{N} records in 3 partition(s)" in text
     assert "[FAIL] edit[0] age between 0 and 90: 3 records fail (e.g. row [5, 1200, 2999])" in text
     assert sorted(p.name for p in out.iterdir()) == [
         "edits.csv",
@@ -257,6 +257,9 @@ def test_puf_scan_writes_its_tables_whole(survey, tmp_path, capsys):
     assert puf(["scan", str(bad), "--out", str(tmp_path / "none")]) == 2
     assert "no_such_column" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
+    # more partitions asked for than row groups: said, with the fix
+    assert puf(["scan", str(path), "--partitions", "50", "--out", str(out)]) == 1
+    assert "not 50: the input has 7 row group(s)" in capsys.readouterr().err
 
 
 @pytest.mark.flow
