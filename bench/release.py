@@ -163,6 +163,7 @@ class _Recorder:
         self.start_rss = 0
 
     def start(self) -> None:
+        self.t_start = time.perf_counter()
         self.overhead = 0.0
         if self.use_hwm:
             _reset_peak()
@@ -237,9 +238,9 @@ def _install(rec: _Recorder) -> None:
 
     lap_many = fr._lap_many
 
-    def _lap_many(manifest, seconds, t0):  # stages run at once: one row for them together
-        lap_many(manifest, seconds, t0)
-        rec.end(" + ".join(seconds), time.perf_counter() - t0)
+    def _lap_many(manifest, seconds):  # stages run at once: one row for them together
+        lap_many(manifest, seconds)
+        rec.end(" + ".join(seconds), time.perf_counter() - rec.t_start)
 
     fr._progress, fr._lap, fr._lap_many, fr.run_stage = _progress, _lap, _lap_many, _run_stage
 

@@ -393,13 +393,13 @@ def _measure_at_once(
                 f"{', '.join(changed)}; set reads_only = False on it"
             )
         out.data = None
-    _lap_many(manifest, {s.name: sec for s, (_, sec) in zip(batch, done, strict=True)}, t0)
+    _lap_many(manifest, {s.name: sec for s, (_, sec) in zip(batch, done, strict=True)})
     _progress(step + len(batch), total, names, t0)
     return [out for out, _ in done]
 
 
-def _lap_many(manifest: Manifest, seconds: dict[str, float], t0: float) -> None:
-    """_lap of steps that ran at once (t0: their common start): each one's own wall time."""
+def _lap_many(manifest: Manifest, seconds: dict[str, float]) -> None:
+    """_lap of steps that ran at once: each one's own wall time."""
     for name, sec in seconds.items():
         manifest.timings_s[name] = round(sec, 3)
     return_freed_memory()
