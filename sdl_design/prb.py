@@ -777,8 +777,8 @@ class PrbStage:
         )
         other = "nzy" if cfg.method == "prb" else "prb"
         # Tables 1/4 of the input and PRB output need not wait for the baseline: counted in a
-        # thread while it runs, with the categories of those two files; used when the baseline
-        # adds no category (it moves records between the input's cells), else counted again
+        # thread while it runs, with those two files' categories (they count the categories
+        # records have, so the baseline's would change nothing)
         c_two = shared_categories([df, res.data], cfg.variables)
         with ThreadPoolExecutor(1, thread_name_prefix="puf-prb-counts") as pool:
             early = pool.submit(count_changes, *c_two, cfg.variables, weight, spec.design)
@@ -788,13 +788,6 @@ class PrbStage:
             # the set C's text columns factorized once for the TVD tables of the 3 files
             c_df, c_res, c_base = shared_categories([df, res.data, base.data], cfg.variables)
             counts = early.result()
-        if any(
-            a[c].dtype != b[c].dtype
-            for a, b in zip(c_two, (c_df, c_res), strict=True)
-            for c in cfg.variables
-            if c in a.columns
-        ):
-            counts = count_changes(c_df, c_res, cfg.variables, weight, spec.design)
         tv = tvd_table(
             c_df, {cfg.method: c_res, other: c_base}, default_combos(cfg.variables[:5]), weight
         )

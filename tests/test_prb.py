@@ -406,3 +406,29 @@ def test_cells_outside_c_refused_by_the_spec():
     data["stages"]["prb"]["cells"] = ["age", "income"]
     with pytest.raises(SpecError, match=r"stages\.prb.*income"):
         parse_spec(data)
+
+
+def test_count_changes_counts_only_the_categories_records_have():
+    """Tables 1/4 of two files are the same whether their categoricals also list a category
+    only a third file has (the PRB stage counts them beside the NZY baseline, with the two
+    files' categories): record counts by brute force, and equal tables either way."""
+    from sdl_design.keys import shared_categories
+    from sdl_design.prb import count_changes
+    from sdl_design.spec import load_spec
+
+    spec = load_spec(DEFAULT_SPEC)
+    a = make_survey(n_persons=2000, seed=3)
+    b = a.copy()
+    b.loc[b.index[:40], "marital"] = "married"
+    third = a.iloc[:5].copy()
+    third["marital"] = "unheard_of"  # a category neither file has
+    two = shared_categories([a, b], C)
+    three = shared_categories([a, b, third], C)[:2]
+    assert "unheard_of" in three[0]["marital"].cat.categories
+    assert "unheard_of" not in two[0]["marital"].cat.categories
+    t2 = count_changes(*two, C, spec.design.weight, spec.design)
+    t3 = count_changes(*three, C, spec.design.weight, spec.design)
+    pd.testing.assert_frame_equal(t2, t3)
+    married = t2.loc[("marital", "married")]
+    assert married["t"] == (a["marital"] == "married").sum()
+    assert married["t_star"] == (b["marital"] == "married").sum()
