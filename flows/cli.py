@@ -211,6 +211,35 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return _guarded(go)
 
 
+def cmd_swap(args: argparse.Namespace) -> int:
+    """The swap stage by partition: masked partitions written beside the release."""
+    from flows.scan import run_swap
+
+    def go() -> int:
+        out = run_swap(args.spec, args.runner, args.dask_address, args.partitions, args.out)
+        print(
+            f"swapped {args.spec}: {out['records']} records in {out['partitions']} partition(s), "
+            f"{out['seconds']:.1f} s"
+        )
+        print(
+            f"  segments    : {out['n_pairs']} pairs swapped ({out['share_swapped']:.1%} of "
+            f"{out['n_segments']} segments)"
+        )
+        se = out["se_ratios"]
+        for col, kind in (("ratio", "Taylor"), ("ratio_rep", "replicate")):
+            if col in se.columns:
+                r = se[col].dropna()
+                print(
+                    f"  SE ratio    : median {r.median():.3f} ({r.min():.3f}-{r.max():.3f}) over "
+                    f"{len(r)} estimates, masked against input ({kind})"
+                )
+        print(f"  masked data : {out['folder']}/data ({len(out['files'])} Parquet files)")
+        print(f"  pairs       : {out['folder']}/pairs.csv (confidential: never publish it)")
+        return 0
+
+    return _guarded(go)
+
+
 def cmd_scan(args: argparse.Namespace) -> int:
     """The input by partition: edit rules, risk strata and SEs, nothing treated."""
     from flows.scan import run_scan
@@ -374,6 +403,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     runner_opts(sc)
     sc.set_defaults(func=cmd_scan)
+
+    sw = sub.add_parser(
+        "swap",
+        help="the swap stage a partition at a time (on Dask with --runner dask): masked "
+        "partitions with pseudo strata, PSUs and rebuilt replicate weights",
+    )
+    sw.add_argument("spec")
+    sw.add_argument(
+        "--partitions", type=int, default=None, help="about this many (default: one per row group)"
+    )
+    sw.add_argument(
+        "--out",
+        default=None,
+        help="folder for the masked partitions and tables (default: beside the release)",
+    )
+    runner_opts(sw)
+    sw.set_defaults(func=cmd_swap)
 
     t = sub.add_parser(
         "tune",

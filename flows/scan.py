@@ -27,12 +27,14 @@ from sdl_design.spec import ReleaseSpec, SpecError, load_spec
 Mapper = Callable[..., list]
 
 
-def _say(text: str) -> None:
-    print(f"[puf scan] {text}", file=sys.stderr, flush=True)
+def _say(text: str, command: str = "scan") -> None:
+    print(f"[puf {command}] {text}", file=sys.stderr, flush=True)
 
 
 @contextmanager
-def _mapper(runner: str, dask_address: str | None, workers: int) -> Iterator[Mapper]:
+def _mapper(
+    runner: str, dask_address: str | None, workers: int, command: str = "scan"
+) -> Iterator[Mapper]:
     """map(fn, partitions, *args, what=...) -> results in partition order, with progress: in
     this process (runner 'thread', one partition in memory at a time) or on a Dask cluster
     (the one at dask_address, else a local one of `workers` single-threaded processes)."""
@@ -42,7 +44,9 @@ def _mapper(runner: str, dask_address: str | None, workers: int) -> Iterator[Map
             out = []
             for i, p in enumerate(parts, 1):
                 out.append(fn(p, *args))
-                _say(f"{what}: partition {i}/{len(parts)} (records {p.start}-{p.stop - 1})")
+                _say(
+                    f"{what}: partition {i}/{len(parts)} (records {p.start}-{p.stop - 1})", command
+                )
             return out
 
         yield local
@@ -67,11 +71,13 @@ def _mapper(runner: str, dask_address: str | None, workers: int) -> Iterator[Map
     try:
 
         def on_dask(fn: Callable, parts: Sequence, *args: Any, what: str) -> list:
-            shared = [client.scatter(a, broadcast=True) for a in args]  # once, not per task
+            # once, not per task; hash=False: a fresh key each map (a key reused from the
+            # previous map may be released under the new tasks: "lost dependencies")
+            shared = [client.scatter(a, broadcast=True, hash=False) for a in args]
             futures = [client.submit(fn, p, *shared, pure=False) for p in parts]
             for done, f in enumerate(as_completed(futures), 1):
                 f.result()  # a worker's error is raised here, whole
-                _say(f"{what}: {done}/{len(parts)} partitions")
+                _say(f"{what}: {done}/{len(parts)} partitions", command)
             return client.gather(futures)  # in partition order
 
         yield on_dask
@@ -88,6 +94,36 @@ def scan_folder(spec: ReleaseSpec) -> Path:
     return Path(r.output_dir) / r.name / f"scan-{r.year}"
 
 
+def _partitioned_input(
+    spec_path: str | Path, runner: str, partitions: int | None, command: str = "scan"
+) -> tuple[ReleaseSpec, list[str], list[part.Partition]]:
+    """The spec, its Parquet input's columns and partitions (SpecError naming the fix)."""
+    spec = load_spec(spec_path)
+    if spec.release.input is None:
+        raise SpecError(
+            [
+                "release.input: the partitioned path reads a Parquet file by partition; the "
+                "embedded default survey has no file (write it with `puf demo` and give its path)"
+            ]
+        )
+    try:
+        columns = part.input_columns(spec.release.input)
+        parts = part.plan_partitions(spec.release.input, partitions)
+    except part.PartitionError as e:
+        raise SpecError([str(e)]) from e
+    groups = sum(len(p.row_groups) for p in parts)
+    _say(f"{parts[-1].stop} records in {len(parts)} partition(s) ({runner})", command)
+    if partitions and len(parts) < partitions and groups < partitions:
+        _say(
+            f"{len(parts)} partition(s), not {partitions}: the input has {groups} row group(s) "
+            "and a row group is never split; write it with smaller row groups (e.g. "
+            "pyarrow.parquet.write_table(table, path, row_group_size=250_000)) to read it in "
+            "more parts",
+            command,
+        )
+    return spec, columns, parts
+
+
 def run_scan(
     spec_path: str | Path,
     runner: str = "thread",
@@ -100,32 +136,14 @@ def run_scan(
     risk.csv and profiles.csv to out (whole or not at all) and returns them with the timings."""
     from expectations.suites import edit_verdicts
 
-    spec = load_spec(spec_path)
-    if spec.release.input is None:
-        raise SpecError(
-            [
-                "release.input: the scan reads a Parquet file by partition; the embedded "
-                "default survey has no file (write it with `puf demo` and give its path)"
-            ]
-        )
+    spec, columns, parts = _partitioned_input(spec_path, runner, partitions)
     try:
-        columns = part.input_columns(spec.release.input)
-        parts = part.plan_partitions(spec.release.input, partitions)
         req = part.means_request(spec, columns)
     except part.PartitionError as e:
         raise SpecError([str(e)]) from e
     missing = [c for c in part.scan_columns(spec, req) if c not in columns]
     if missing:
         raise SpecError([f"the spec names columns {missing} that are not in the input; fix them"])
-    groups = sum(len(p.row_groups) for p in parts)
-    _say(f"{parts[-1].stop} records in {len(parts)} partition(s) ({runner})")
-    if partitions and len(parts) < partitions and groups < partitions:
-        _say(
-            f"{len(parts)} partition(s), not {partitions}: the input has {groups} row group(s) "
-            "and a row group is never split; write it with smaller row groups (e.g. "
-            "pyarrow.parquet.write_table(table, path, row_group_size=250_000)) to read it in "
-            "more parts"
-        )
     t0 = time.perf_counter()
     with _mapper(runner, dask_address, workers) as run_map:
         if runner == "dask":  # the edit verdicts' Great Expectations, imported while workers map
@@ -151,7 +169,7 @@ def run_scan(
         "profiles": agg["profiles"],
     }
     folder = Path(out) if out else scan_folder(spec)
-    _write(folder, tables)
+    _replace(folder, lambda tmp: _write_tables(tmp, tables))
     return {
         "records": agg["records"],
         "partitions": len(parts),
@@ -164,21 +182,116 @@ def run_scan(
     }
 
 
-def _write(folder: Path, tables: dict[str, pd.DataFrame]) -> None:
-    """The tables as CSV in folder, replacing an earlier scan's whole: written to a temporary
-    folder beside it, then renamed."""
+def _domain_means(
+    run_map: Mapper, parts: Sequence, spec: ReleaseSpec, req: Any, what: str
+) -> pd.DataFrame:
+    """The SE table of the partitions' records (two passes)."""
+    first = run_map(part.means_only_pass1, parts, spec, req, what=f"SEs of the {what}, pass 1")
+    agg = part.combine_pass1(first)
+    levels, ratios = agg.levels, part.ratios(agg)
+    second = run_map(
+        part.scan_pass2, parts, spec, req, levels, ratios, what=f"SEs of the {what}, pass 2"
+    )
+    return part.domain_means(req, agg, second)
+
+
+def _write_tables(folder: Path, tables: dict[str, pd.DataFrame]) -> None:
+    for name, t in tables.items():
+        t.to_csv(folder / f"{name}.csv", index=False)
+
+
+def _replace(folder: Path, fill: Callable[[Path], Any]) -> Any:
+    """Fill a temporary folder beside folder, then rename it to folder, replacing an earlier
+    run's whole (nothing half-written is left on failure)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        for name, t in tables.items():
-            t.to_csv(tmp / f"{name}.csv", index=False)
+        out = fill(tmp)
         old = folder.parent / f".{folder.name}.old-{os.getpid()}"
         if folder.exists():
             folder.rename(old)
         tmp.rename(folder)
         shutil.rmtree(old, ignore_errors=True)
+        return out
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def swap_folder(spec: ReleaseSpec) -> Path:
+    """Where `puf swap` writes by default: <output_dir>/<name>/swap-<year> (internal: it holds
+    the original-to-masked pairs; never inside the release's public folder)."""
+    r = spec.release
+    return Path(r.output_dir) / r.name / f"swap-{r.year}"
+
+
+def run_swap(
+    spec_path: str | Path,
+    runner: str = "thread",
+    dask_address: str | None = None,
+    partitions: int | None = None,
+    out: str | Path | None = None,
+    workers: int = 2,
+) -> dict[str, Any]:
+    """The swap stage (segment/PSU masking, replicate weights rebuilt) by partition: pass 1
+    reads each partition's segments and bounds, pass 2 its exact segment sums; the driver
+    chooses the swaps, pseudo labels and replicate factors from those sums with the swap
+    stage's Generator; then every worker masks and writes its own partitions. out (default
+    swap_folder) gets the masked partitions in data/ as part-<first record>.parquet (record
+    order: a folder input of the partitioned path), and pairs.csv (confidential) and
+    matching_variance.csv: the same records, bit for bit, as the in-memory swap stage gives
+    (workers on other machines need out on a disk they share)."""
+    from sdl_design.rng import release_seed, stage_rng
+
+    spec, columns, parts = _partitioned_input(spec_path, runner, partitions, "swap")
+    try:
+        req = part.swap_request(spec, columns)
+    except part.PartitionError as e:
+        raise SpecError([str(e)]) from e
+    missing = [c for c in req.columns if c not in columns]
+    if missing:
+        raise SpecError([f"the spec names columns {missing} that are not in the input; fix them"])
+    folder = Path(out) if out else swap_folder(spec)
+    rng = stage_rng(release_seed(spec.release.seed, spec.release.year), "swap")
+    t0 = time.perf_counter()
+
+    def fill(tmp: Path) -> dict[str, Any]:
+        (tmp / "data").mkdir()
+        with _mapper(runner, dask_address, workers, "swap") as run_map:
+            first = run_map(part.swap_pass1, parts, spec, req, what="pass 1")
+            design = part.swap_design(first, req)
+            sums = run_map(part.swap_pass2, parts, spec, req, design, what="pass 2")
+            masking, counts, tables = part.swap_masking(req, design, sums, rng)
+            n = f"{counts['n_pairs']} segment pairs swapped"
+            _say(f"{n} ({counts['n_swapped']} of {counts['n_segments']} segments)", "swap")
+            files = run_map(
+                part.swap_apply,
+                parts,
+                spec,
+                req,
+                design.segment_labels,
+                masking,
+                str(tmp / "data"),
+                what="masking",
+            )
+            # the damage measured on the masked partitions against the input's
+            masked = part.plan_partitions(tmp / "data")
+            req_m = part.means_request(spec, part.input_columns(tmp / "data"))
+            se = part.se_ratio_rows(
+                _domain_means(run_map, parts, spec, part.means_request(spec, columns), "input"),
+                _domain_means(run_map, masked, spec, req_m, "masked"),
+            )
+        tables["se_ratios"] = se
+        _write_tables(tmp, tables)
+        return {**counts, "files": [Path(f).name for f in files], **tables}
+
+    result = _replace(folder, fill)
+    return {
+        "records": parts[-1].stop,
+        "partitions": len(parts),
+        "seconds": time.perf_counter() - t0,
+        "folder": str(folder),
+        **result,
+    }

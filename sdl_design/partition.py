@@ -40,6 +40,7 @@ from sdl_design.design import (
     take_rows,
 )
 from sdl_design.edits import combine_rule_failures, rule_failures
+from sdl_design.exactsum import add_limbs
 from sdl_design.keys import key_levels
 from sdl_design.risk import (
     STRATA,
@@ -54,6 +55,21 @@ from sdl_design.risk import (
     unique_risk,
 )
 from sdl_design.spec import KeySpec, SensitiveSpec
+from sdl_design.swap import (
+    Masking,
+    SegmentDesign,
+    SegmentPass1,
+    aggregates_from_sums,
+    apply_masking,
+    combine_segment_pass1,
+    matching_variance,
+    plan_counts,
+    plan_masking,
+    segment_design,
+    segment_pass1,
+    segment_pass2,
+    swap_pairs,
+)
 
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec
@@ -681,3 +697,151 @@ def combine_scan(partials: Sequence[ScanPartial]) -> dict[str, Any]:
         "edits": combine_rule_failures([p.edits for p in partials]),
         "means": combine_pass1([p.means for p in partials]),
     }
+
+
+# ---------------------------------------------------------------- segment swap (paper 003)
+
+
+@dataclass(frozen=True)
+class SwapRequest:
+    """The swap of a spec on a partitioned input: its design columns (dc, as
+    swap.design_columns gives them) and its stages.swap section."""
+
+    dc: dict
+    matching: tuple[str, ...]
+    section: Any
+
+    @property
+    def columns(self) -> list[str]:
+        """The columns passes 1 and 2 read."""
+        d = self.dc
+        design = [d["weight"], d["strata"], d["psu"], d["segment"]]
+        return list(dict.fromkeys([*design, *self.matching]))
+
+
+def swap_request(spec: ReleaseSpec, columns: Sequence[str]) -> SwapRequest:
+    """The spec's swap (its design's replicate weights resolved on the input's columns)."""
+    from sdl_design.design import resolve_replicates
+
+    section = spec.stages.active("swap")
+    if section is None:
+        raise PartitionError("stages.swap: the spec has no active swap stage; enable it")
+    d = spec.design
+    if not (d.strata and d.psu and d.segment):
+        raise PartitionError(
+            "design.strata, design.psu, design.segment: the swap moves segments between PSUs "
+            "within strata; give all three columns"
+        )
+    rs = d.replicate_weights
+    reps = resolve_replicates(list(columns), rs.columns) if rs else []
+    dc = {
+        "weight": d.weight,
+        "strata": d.strata,
+        "psu": d.psu,
+        "segment": d.segment,
+        "replicate_weights": reps,
+        "method": rs.method if reps else None,
+        "rho": rs.rho if reps else None,
+    }
+    return SwapRequest(dc, tuple(section.matching), section)
+
+
+def swap_pass1(part: Partition, spec: ReleaseSpec, req: SwapRequest) -> SegmentPass1:
+    """Pass 1 of the swap on one partition: its segments with their stratum and PSU, and the
+    bounds of the sums' terms (swap.segment_pass1)."""
+    d = req.dc
+    df = read_partition(part, req.columns, spec)
+    return segment_pass1(df, d["weight"], d["strata"], d["psu"], d["segment"], req.matching)
+
+
+def swap_pass2(
+    part: Partition, spec: ReleaseSpec, req: SwapRequest, design: SegmentDesign
+) -> np.ndarray:
+    """Pass 2 on one partition: exact limb sums of w and w x by segment (swap.segment_pass2)."""
+    d = req.dc
+    df = read_partition(part, req.columns, spec)
+    return segment_pass2(df, d["weight"], d["segment"], req.matching, design)
+
+
+def swap_design(partials: Sequence[SegmentPass1], req: SwapRequest) -> SegmentDesign:
+    """The whole input's segments, PSUs and strata and the grids of pass 2's exact sums."""
+    return segment_design(combine_segment_pass1(partials), req.matching)
+
+
+def swap_masking(
+    req: SwapRequest,
+    design: SegmentDesign,
+    partials: Sequence[np.ndarray],
+    rng: np.random.Generator,
+) -> tuple[Masking, dict[str, Any], dict[str, pd.DataFrame]]:
+    """On the driver, from pass 2's segment sums alone: the swaps, the pseudo labels and the
+    replicate factors (swap.plan_masking; rng: the swap stage's Generator), with the plan's
+    counts and its tables (the confidential pairs; the matching variances before and after)."""
+    st, d = req.section, req.dc
+    agg = aggregates_from_sums(design, add_limbs(list(partials)), req.matching)
+    plan, masking = plan_masking(
+        agg,
+        d,
+        st.rate,
+        rng,
+        st.method,
+        st.max_share,
+        st.cumulative,
+        st.scope,
+        rep_method=st.replicate_method or d["method"],
+        rep_rho=st.rho if st.rho is not None else d["rho"],
+    )
+    tables = {
+        "pairs": swap_pairs(agg, plan, st.method, st.cumulative),
+        "matching_variance": matching_variance(plan, req.matching).reset_index(),
+    }
+    return masking, plan_counts(agg, plan), tables
+
+
+def swap_apply(
+    part: Partition,
+    spec: ReleaseSpec,
+    req: SwapRequest,
+    segment_labels: np.ndarray,
+    masking: Masking,
+    folder: str,
+) -> str:
+    """The masked partition (every column; pseudo strata and PSUs, rebuilt replicate weights)
+    written to folder as part-<first record>.parquet (whole or not at all); returns the path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = req.dc
+    df = read_partition(part, None, spec)
+    codes = pd.Index(segment_labels).get_indexer(df[d["segment"]])
+    if (codes < 0).any():
+        raise PartitionError(f"design.segment: a '{d['segment']}' label is not in pass 1's table")
+    data, _, _ = apply_masking(df, d, codes, masking)
+    path = Path(folder) / f"part-{part.start:012d}.parquet"
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(pa.Table.from_pandas(data, preserve_index=False), tmp)
+    tmp.replace(path)
+    return str(path)
+
+
+def means_only_pass1(part: Partition, spec: ReleaseSpec, req: MeansRequest) -> MeansPass1:
+    """Pass 1 of the domain means alone on one partition (scan_pass2 is its pass 2)."""
+    df = read_partition(part, req.columns, spec)
+    with single_blas_thread():
+        return means_pass1(df, req)
+
+
+def se_ratio_rows(original: pd.DataFrame, masked: pd.DataFrame) -> pd.DataFrame:
+    """SE of the masked file over SE of the original, per variable and domain level (Taylor,
+    and replicate when both tables have it), from two domain_means tables; the estimate's
+    relative change beside it."""
+    on = ["domain", "level", "variable"]
+    t = original.merge(masked, on=on, how="inner", suffixes=("_original", "_masked"))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t["ratio"] = t["se_masked"] / t["se_original"]
+        if "se_rep_original" in t.columns and "se_rep_masked" in t.columns:
+            t["ratio_rep"] = t["se_rep_masked"] / t["se_rep_original"]
+        t["estimate_change"] = (t["estimate_masked"] - t["estimate_original"]) / t[
+            "estimate_original"
+        ].abs()
+    return t

@@ -17,6 +17,9 @@ import numpy as np
 import pandas as pd
 from scipy.spatial import cKDTree
 
+from sdl_design.design import first_of
+from sdl_design.exactsum import grid_exponent, limb_sums, limb_total, value
+
 Method = Literal["2a", "2b"]
 Scope = Literal["any", "same_stratum", "cross_stratum"]
 Criterion = Callable[[np.ndarray | int, np.ndarray], np.ndarray]  # (segment a, partners b)
@@ -69,6 +72,193 @@ def _matrix(df: pd.DataFrame, cols: Sequence[str], field_name: str) -> np.ndarra
     return out
 
 
+@dataclass
+class SegmentPass1:
+    """Pass 1 of the segment aggregates on some records (a partition, or the whole file): the
+    distinct segments with their stratum and PSU labels, and per matching characteristic the
+    bounds of the sums' terms and its range (maxima and counts: the same from any split)."""
+
+    segments: pd.DataFrame  # one row per segment label: segment, stratum, psu
+    w_max: float  # largest weight
+    wx_max: np.ndarray  # (q,) largest |w x| over observed values
+    x_min: np.ndarray  # (q,) smallest observed value (+inf: none)
+    x_max: np.ndarray  # (q,) largest observed value (-inf: none)
+
+
+def _segment_codes(
+    df: pd.DataFrame, weight: str, strata: str, psu: str, segment: str
+) -> tuple[np.ndarray, pd.DataFrame]:
+    """Each record's segment (first-appearance code) and the distinct segments with their
+    stratum and PSU; a segment whose records lie in two PSUs is an error."""
+    for f, c in (("weight", weight), ("strata", strata), ("psu", psu), ("segment", segment)):
+        if c is None or c not in df.columns:
+            raise ValueError(f"design.{f}: column {c!r} is not in the data; the swap needs it")
+    s_code, s_lab = pd.factorize(df[segment])
+    if (s_code < 0).any():
+        raise ValueError(
+            f"design.segment: {int((s_code < 0).sum())} records have no '{segment}' label; "
+            "give every record its segment"
+        )
+    first = first_of(s_code, len(s_lab))
+    h = df[strata].to_numpy()
+    p = df[psu].to_numpy()
+    h_code = pd.factorize(h)[0]
+    p_code = pd.factorize(p)[0]
+    if np.any(h_code != h_code[first][s_code]) or np.any(p_code != p_code[first][s_code]):
+        raise ValueError(
+            f"design.segment: segments of '{segment}' span several PSUs; segment labels must "
+            "be nested in PSUs (make them unique across PSUs)"
+        )
+    table = pd.DataFrame({"segment": s_lab, "stratum": h[first], "psu": p[first]})
+    return s_code, table
+
+
+def _weights(df: pd.DataFrame, weight: str) -> np.ndarray:
+    w = df[weight].to_numpy(dtype=float)
+    if not np.all(w > 0):
+        raise ValueError(f"design.weight: column '{weight}' has weights that are not positive")
+    return w
+
+
+def segment_pass1(
+    df: pd.DataFrame, weight: str, strata: str, psu: str, segment: str, matching: Sequence[str]
+) -> SegmentPass1:
+    """Pass 1 of segment_aggregates on df's records (a map: combine with combine_segment_pass1)."""
+    _, table = _segment_codes(df, weight, strata, psu, segment)
+    return _pass1(df, weight, matching, table)
+
+
+def _pass1(
+    df: pd.DataFrame, weight: str, matching: Sequence[str], table: pd.DataFrame
+) -> SegmentPass1:
+    w = _weights(df, weight)
+    x = _matrix(df, matching, "stages.swap.matching")
+    if len(x) and not np.isnan(x).any():  # plain max/min (nanmax/nanmin are several times slower)
+        x_min, x_max = x.min(axis=0), x.max(axis=0)
+        wx_max = (w[:, None] * np.abs(x)).max(axis=0)
+    else:
+        q = x.shape[1]
+        x_min = np.fmin.reduce(x, axis=0, initial=np.inf) if len(x) else np.full(q, np.inf)
+        x_max = np.fmax.reduce(x, axis=0, initial=-np.inf) if len(x) else np.full(q, -np.inf)
+        wx = w[:, None] * np.abs(np.nan_to_num(x))
+        wx_max = wx.max(axis=0, initial=0.0)
+    return SegmentPass1(table, float(w.max(initial=0.0)), wx_max, x_min, x_max)
+
+
+def combine_segment_pass1(partials: Sequence[SegmentPass1]) -> SegmentPass1:
+    """The whole file's pass 1 from its partitions' (in any order)."""
+    seg = pd.concat([p.segments for p in partials], ignore_index=True).drop_duplicates()
+    if seg["segment"].duplicated().any():
+        raise ValueError(
+            "design.segment: segments span several PSUs; segment labels must be nested in "
+            "PSUs (make them unique across PSUs)"
+        )
+    return SegmentPass1(
+        segments=seg.reset_index(drop=True),
+        w_max=max(p.w_max for p in partials),
+        wx_max=np.max([p.wx_max for p in partials], axis=0),
+        x_min=np.min([p.x_min for p in partials], axis=0),
+        x_max=np.max([p.x_max for p in partials], axis=0),
+    )
+
+
+@dataclass
+class SegmentDesign:
+    """The segments in label order with their PSU and stratum (PSUs numbered in (stratum, PSU
+    label) order), and the grids of the exact sums (weights, then w x of each characteristic)."""
+
+    segment_labels: np.ndarray
+    seg_psu: np.ndarray
+    psu_stratum: np.ndarray
+    psu_labels: np.ndarray
+    strata_labels: np.ndarray
+    grid: np.ndarray  # (2q,) grid exponents of sdl_design.exactsum
+
+
+def segment_design(pass1: SegmentPass1, matching: Sequence[str]) -> SegmentDesign:
+    """Label tables and sum grids from the combined pass 1; checks strata and characteristics."""
+    seg = pass1.segments
+    order, s_lab = pd.factorize(seg["segment"], sort=True)
+    by_label = np.empty(len(order), dtype=np.int64)
+    by_label[order] = np.arange(len(order))
+    seg = seg.iloc[by_label]
+    h_code, h_lab = pd.factorize(seg["stratum"], sort=True)
+    seg_psu, psu_stratum, psu_labels = _psu_codes(h_code, seg["psu"].to_numpy())
+    n_h = np.bincount(psu_stratum, minlength=len(h_lab))
+    if np.any(n_h < 2):
+        raise ValueError(
+            f"design.strata: {int(np.sum(n_h < 2))} strata have a single PSU; collapse them first"
+        )
+    none = ~(pass1.x_min <= pass1.x_max)
+    if none.any():
+        bad = [c for c, k in zip(matching, none, strict=True) if k]
+        raise ValueError(f"stages.swap.matching: {bad} have no observed value; remove them")
+    const = pass1.x_max - pass1.x_min == 0
+    if const.any():
+        bad = [c for c, k in zip(matching, const, strict=True) if k]
+        raise ValueError(f"stages.swap.matching: {bad} are constant; remove them")
+    q = len(matching)
+    grid = grid_exponent(np.r_[np.full(q, pass1.w_max), pass1.wx_max])
+    return SegmentDesign(
+        np.asarray(s_lab), seg_psu, psu_stratum, psu_labels, np.asarray(h_lab), grid
+    )
+
+
+def segment_pass2(
+    df: pd.DataFrame,
+    weight: str,
+    segment: str,
+    matching: Sequence[str],
+    design: SegmentDesign,
+    codes: np.ndarray | None = None,
+) -> np.ndarray:
+    """Exact limb sums (3, segments, 2q) of w 1{x observed} and w x by segment on df's records
+    (a map: partitions' sums add with exactsum.add_limbs). codes: each record's segment index
+    when known (else looked up from its label)."""
+    if codes is None:
+        codes = pd.Index(design.segment_labels).get_indexer(df[segment])
+        if (codes < 0).any():
+            raise ValueError(f"design.segment: a '{segment}' label is not in the segment table")
+    w = _weights(df, weight)
+    x = _matrix(df, matching, "stages.swap.matching")
+    obs = ~np.isnan(x)
+    terms = np.empty((len(df), 2 * x.shape[1]))
+    q = x.shape[1]
+    np.multiply(w[:, None], obs, out=terms[:, :q])
+    np.multiply(terms[:, :q], np.where(obs, x, 0.0), out=terms[:, q:])
+    return limb_sums(codes, terms, len(design.segment_labels), design.grid)
+
+
+def aggregates_from_sums(
+    design: SegmentDesign,
+    limbs: np.ndarray,
+    matching: Sequence[str],
+    record_segment: np.ndarray | None = None,
+) -> SegmentAggregates:
+    """SegmentAggregates from the exact segment sums S_w, S_wx (eq. 3): the score of segment j
+    is (S_wx,j - xbar S_w,j) / W, the sum of its records' linearized scores w (x - xbar) / W of
+    the weighted (domain) mean xbar = S_wx / W; its mean is S_wx,j / S_w,j."""
+    q = len(matching)
+    seg_w = value(limbs[..., :q], design.grid[:q])
+    seg_wx = value(limbs[..., q:], design.grid[q:])
+    total = limb_total(limbs)
+    wsum = value(total[:, :q], design.grid[:q])
+    xbar = value(total[:, q:], design.grid[q:]) / wsum
+    score = (seg_wx - xbar * seg_w) / wsum  # z_hij of eq. 3
+    mean = np.where(seg_w > 0, seg_wx / np.where(seg_w > 0, seg_w, 1.0), xbar)
+    return SegmentAggregates(
+        matching=list(matching),
+        segment_labels=design.segment_labels,
+        seg_psu=design.seg_psu,
+        psu_stratum=design.psu_stratum,
+        psu_labels=design.psu_labels,
+        strata_labels=design.strata_labels,
+        score=score,
+        mean=mean,
+        record_segment=np.empty(0, dtype=np.int64) if record_segment is None else record_segment,
+    )
+
+
 def segment_aggregates(
     df: pd.DataFrame,
     weight: str,
@@ -77,66 +267,15 @@ def segment_aggregates(
     segment: str,
     matching: Sequence[str],
 ) -> SegmentAggregates:
-    """Segment scores and means of the matching characteristics; checks the design nesting."""
-    for f, c in (("weight", weight), ("strata", strata), ("psu", psu), ("segment", segment)):
-        if c is None or c not in df.columns:
-            raise ValueError(f"design.{f}: column {c!r} is not in the data; the swap needs it")
-    w = df[weight].to_numpy(dtype=float)
-    if not np.all(w > 0):
-        raise ValueError(f"design.weight: column '{weight}' has weights that are not positive")
-    x = _matrix(df, matching, "stages.swap.matching")
-    h_code, h_lab = pd.factorize(df[strata], sort=True)
-    p_code, psu_stratum, psu_labels = _psu_codes(h_code, df[psu].to_numpy())
-    s_code, s_lab = pd.factorize(df[segment], sort=True)
-    n_seg = len(s_lab)
-    seg_psu = np.full(n_seg, -1)
-    seg_psu[s_code] = p_code
-    if np.any(np.bincount(s_code, weights=(p_code != seg_psu[s_code]), minlength=n_seg) > 0):
-        raise ValueError(
-            f"design.segment: segments of '{segment}' span several PSUs; segment labels must "
-            "be nested in PSUs (make them unique across PSUs)"
-        )
-    n_h = np.bincount(psu_stratum, minlength=len(h_lab))
-    if np.any(n_h < 2):
-        raise ValueError(
-            f"design.strata: {int(np.sum(n_h < 2))} strata have a single PSU; collapse them first"
-        )
-    # a missing value (declared missing policy) leaves its record out of that mean: the weighted
-    # mean over the domain of observed values, and segment means over their observed records
-    obs = ~np.isnan(x)
-    x0 = np.where(obs, x, 0.0)
-    wo = w[:, None] * obs
-    wsum = wo.sum(axis=0)
-    if np.any(wsum <= 0):
-        bad = [c for c, k in zip(matching, wsum <= 0, strict=True) if k]
-        raise ValueError(f"stages.swap.matching: {bad} have no observed value; remove them")
-    xbar = (wo * x0).sum(axis=0) / wsum
-    z = wo * (x0 - xbar) / wsum  # linearized scores of the weighted (domain) mean
-    score = np.zeros((n_seg, x.shape[1]))
-    _rowsum(score, s_code, z)
-    seg_w = np.zeros_like(score)
-    _rowsum(seg_w, s_code, wo)
-    mean = np.zeros_like(score)
-    _rowsum(mean, s_code, wo * x0)
-    mean = np.where(seg_w > 0, mean / np.where(seg_w > 0, seg_w, 1.0), xbar)
-    if obs.all():  # no missing value: plain max/min (nanmax/nanmin are several times slower)
-        const = (x.max(axis=0) - x.min(axis=0)) == 0
-    else:
-        const = (np.nanmax(x, axis=0) - np.nanmin(x, axis=0)) == 0
-    if const.any():
-        bad = [c for c, k in zip(matching, const, strict=True) if k]
-        raise ValueError(f"stages.swap.matching: {bad} are constant; remove them")
-    return SegmentAggregates(
-        matching=list(matching),
-        segment_labels=np.asarray(s_lab),
-        seg_psu=seg_psu,
-        psu_stratum=psu_stratum,
-        psu_labels=psu_labels,
-        strata_labels=np.asarray(h_lab),
-        score=score,
-        mean=mean,
-        record_segment=s_code,
-    )
+    """Segment scores and means of the matching characteristics; checks the design nesting.
+    The sums are exact (sdl_design.exactsum): a partitioned file gives the same aggregates."""
+    s_code, table = _segment_codes(df, weight, strata, psu, segment)
+    design = segment_design(_pass1(df, weight, matching, table), matching)
+    rank = np.empty(len(table), dtype=np.int64)  # first-appearance code -> label order
+    rank[:] = pd.Index(design.segment_labels).get_indexer(table["segment"])
+    codes = rank[s_code]
+    limbs = segment_pass2(df, weight, segment, matching, design, codes)
+    return aggregates_from_sums(design, limbs, matching, codes)
 
 
 def _psu_codes(h_code: np.ndarray, psu: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -555,12 +694,13 @@ def swap_segments(
     if dc["segment"] is None:
         raise ValueError("design.segment: the swap needs a segment column (SSU) in the design")
     agg = segment_aggregates(df, dc["weight"], dc["strata"], dc["psu"], dc["segment"], matching)
-    plan = plan_swaps(agg, rate, rng, method, max_share, cumulative, scope, n_candidates)
-    psu_h, psu_p = _psu_pseudo_labels(agg, rng)
-    rec_psu = plan.state.seg_psu[agg.record_segment]  # PSU of every record after the swaps
     rep_method = replicate_method or dc["method"]
     rep_rho = rho if rho is not None else dc["rho"]
-    data, new_rw, rscales, notes = _masked(df, dc, rec_psu, psu_h, psu_p, rep_method, rep_rho)
+    plan, masking = plan_masking(
+        agg, dc, rate, rng, method, max_share, cumulative, scope, n_candidates, rep_method, rep_rho
+    )
+    data, new_rw, notes = apply_masking(df, dc, agg.record_segment, masking)
+    rscales = masking.rscales
 
     if characteristics is None:
         characteristics = broad_characteristics(df, design=dc)
@@ -583,14 +723,14 @@ def swap_segments(
         "cumulative": cumulative,
         "scope": scope,
     }
-    params = {**settings, **_plan_counts(agg, plan), "replicate_method": rep_method}
+    params = {**settings, **plan_counts(agg, plan), "replicate_method": rep_method}
     if len(plan.pairs) < plan.target_pairs:
         notes.append(
             f"only {len(plan.pairs)} of {plan.target_pairs} target pairs found under the "
             f"constraints (max_share={max_share}, scope={scope})"
         )
-    pairs = _pairs_frame(agg, plan, method, cumulative)
-    return SwapResult(data, pairs, se, _variance_frame(plan, matching), params, notes)
+    pairs = swap_pairs(agg, plan, method, cumulative)
+    return SwapResult(data, pairs, se, matching_variance(plan, matching), params, notes)
 
 
 def _check_rates(rate: float, max_share: float) -> None:
@@ -606,30 +746,61 @@ def _check_rates(rate: float, max_share: float) -> None:
         )
 
 
-def _masked(
-    df: pd.DataFrame,
+@dataclass
+class Masking:
+    """What the swap decides from the segment aggregates alone (small tables, no records): the
+    PSU of each segment after the swaps, the pseudo stratum and PSU labels of each PSU, and the
+    replicate factors of the pseudo design (PSUs x R; None without a replicate method)."""
+
+    seg_psu: np.ndarray
+    psu_h: np.ndarray
+    psu_p: np.ndarray
+    factors: pd.DataFrame | None = None
+    rscales: np.ndarray | None = None
+    method: str | None = None
+
+
+def plan_masking(
+    agg: SegmentAggregates,
     dc: dict[str, Any],
-    rec_psu: np.ndarray,
-    psu_h: np.ndarray,
-    psu_p: np.ndarray,
-    rep_method: str | None,
-    rep_rho: float | None,
-) -> tuple[pd.DataFrame, list[str], np.ndarray | None, list[str]]:
-    """df with pseudo strata and PSUs (psu_h, psu_p: the labels of each PSU, rec_psu: the PSU
-    of each record) and, given a replicate method, replicate weights of the pseudo design; the
-    new replicate columns, their scale factors and the notes."""
+    rate: float,
+    rng: np.random.Generator,
+    method: Method = "2b",
+    max_share: float = 0.5,
+    cumulative: bool = False,
+    scope: Scope = "any",
+    n_candidates: int = 64,
+    rep_method: str | None = None,
+    rep_rho: float | None = None,
+) -> tuple[SwapPlan, Masking]:
+    """The swaps (plan_swaps), then the pseudo labels and replicate factors: the same Generator
+    draws in the same order whether the records are in memory or in partitions."""
+    plan = plan_swaps(agg, rate, rng, method, max_share, cumulative, scope, n_candidates)
+    psu_h, psu_p = _psu_pseudo_labels(agg, rng)
+    masking = Masking(plan.state.seg_psu.copy(), psu_h, psu_p)
+    if rep_method is not None:
+        masking.factors, masking.rscales = replicate_factors(dc, psu_h, psu_p, rep_method, rep_rho)
+        masking.method = rep_method
+    return plan, masking
+
+
+def apply_masking(
+    df: pd.DataFrame, dc: dict[str, Any], record_segment: np.ndarray, masking: Masking
+) -> tuple[pd.DataFrame, list[str], list[str]]:
+    """df (all of it or a partition: record_segment gives each record's segment index) with
+    pseudo strata and PSUs and, given replicate factors, the pseudo design's replicate weights;
+    the new replicate columns and the notes."""
+    rec_psu = masking.seg_psu[record_segment]  # PSU of every record after the swaps
     data = df.copy(deep=False)  # copy-on-write: new arrays for strata, PSU
-    data[dc["strata"]] = psu_h[rec_psu]
-    data[dc["psu"]] = psu_p[rec_psu]
-    if rep_method is None:
-        return data, [], None, []
-    data, new_rw, rscales, note = _rebuild_replicates(
-        data, dc, rec_psu, psu_h, psu_p, rep_method, rep_rho
-    )
-    return data, new_rw, rscales, [note]
+    data[dc["strata"]] = masking.psu_h[rec_psu]
+    data[dc["psu"]] = masking.psu_p[rec_psu]
+    if masking.factors is None:
+        return data, [], []
+    data, new_rw, note = _rebuild_replicates(data, dc, rec_psu, masking.factors, masking.method)
+    return data, new_rw, [note]
 
 
-def _pairs_frame(
+def swap_pairs(
     agg: SegmentAggregates, plan: SwapPlan, method: Method, cumulative: bool
 ) -> pd.DataFrame:
     """The (confidential) swap map: one row per pair with original labels and the criterion."""
@@ -654,7 +825,7 @@ def _pairs_frame(
     return pairs
 
 
-def _variance_frame(plan: SwapPlan, matching: Sequence[str]) -> pd.DataFrame:
+def matching_variance(plan: SwapPlan, matching: Sequence[str]) -> pd.DataFrame:
     """Taylor variance of each matching characteristic before and after, and the SE ratio."""
     variance = pd.DataFrame(
         {"v_original": plan.state.v0, "v_masked": plan.state.v},
@@ -664,7 +835,8 @@ def _variance_frame(plan: SwapPlan, matching: Sequence[str]) -> pd.DataFrame:
     return variance
 
 
-def _plan_counts(agg: SegmentAggregates, plan: SwapPlan) -> dict[str, Any]:
+def plan_counts(agg: SegmentAggregates, plan: SwapPlan) -> dict[str, Any]:
+    """Segments, pairs (found and targeted), share swapped and the search's counts."""
     n_seg = len(agg.segment_labels)
     return {
         "n_segments": n_seg,
@@ -677,29 +849,29 @@ def _plan_counts(agg: SegmentAggregates, plan: SwapPlan) -> dict[str, Any]:
     }
 
 
-def _rebuild_replicates(
-    data: pd.DataFrame,
-    dc: dict[str, Any],
-    rec_psu: np.ndarray,
-    psu_h: np.ndarray,
-    psu_p: np.ndarray,
-    method: str,
-    rho: float | None,
-) -> tuple[pd.DataFrame, list[str], np.ndarray, str]:
-    """Replicate weights of the pseudo design replace the original ones (with their scale
-    factors).
+def replicate_factors(
+    dc: dict[str, Any], psu_h: np.ndarray, psu_p: np.ndarray, method: str, rho: float | None
+) -> tuple[pd.DataFrame, np.ndarray]:
+    """Replicate factors (PSUs x R) of the pseudo design, with their scale factors.
 
     The replicate factors are constant within PSUs for every method SurveyDesign builds, so
-    they are built once on a design of one unit-weight record per PSU (F, PSUs x R) and each
-    record gets w times its PSU's row: the values of with_replicates on the full file, without
-    its records x PSUs factor matrix.
+    they are built once on a design of one unit-weight record per PSU and each record gets w
+    times its PSU's row: the values of with_replicates on the full file, without its records x
+    PSUs factor matrix.
     """
     from sdl_design.design import SurveyDesign
 
     h, p, wc = dc["strata"], dc["psu"], dc["weight"]
     one_per_psu = pd.DataFrame({h: psu_h, p: psu_p, wc: np.ones(len(psu_h))})
     f = SurveyDesign(one_per_psu, weight=wc, strata=h, psu=p).with_replicates(method, rho=rho)
-    w = data[wc].to_numpy(dtype=float)
+    return f, np.asarray(f.attrs["rscales"], dtype=float)
+
+
+def _rebuild_replicates(
+    data: pd.DataFrame, dc: dict[str, Any], rec_psu: np.ndarray, f: pd.DataFrame, method: str
+) -> tuple[pd.DataFrame, list[str], str]:
+    """Replicate weights w times the factors of each record's PSU replace the original ones."""
+    w = data[dc["weight"]].to_numpy(dtype=float)
     # replicates x records, C order (pandas' block layout: the frame keeps it without a copy
     # and W = its transpose is the Fortran array SurveyDesign multiplies with)
     wt = np.take(np.ascontiguousarray(f.to_numpy().T), rec_psu, axis=1)
@@ -722,7 +894,7 @@ def _rebuild_replicates(
     keep = [c for c in cols if c not in set(old)]
     at = len([c for c in cols[:at] if c not in set(old)])
     data = pd.concat([data[keep[:at]], reps, data[keep[at:]]], axis=1)
-    return data, list(reps.columns), np.asarray(f.attrs["rscales"], dtype=float), note
+    return data, list(reps.columns), note
 
 
 # ---------------------------------------------------------------- report figure (Figure 2)

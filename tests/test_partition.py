@@ -263,21 +263,142 @@ def test_puf_scan_writes_its_tables_whole(survey, tmp_path, capsys):
 
 
 @pytest.mark.flow
-def test_scan_on_a_local_dask_cluster_is_byte_identical_to_in_process(survey, tmp_path):
+def test_scan_and_swap_on_a_local_dask_cluster_are_byte_identical_to_in_process(survey, tmp_path):
+    """One local cluster of 2 worker processes: `puf scan` writes the same tables and `puf
+    swap` the same masked partitions and tables, byte for byte, as in this process."""
+    import logging
+
+    from distributed import LocalCluster
+
     path, _, _ = survey
-    for runner in ("thread", "dask"):
-        puf(
-            [
-                "scan",
-                str(path),
-                "--partitions",
-                "4",
-                "--out",
-                str(tmp_path / runner),
-                "--runner",
-                runner,
-            ]
-        )
+    with LocalCluster(
+        n_workers=2,
+        threads_per_worker=1,
+        processes=True,
+        dashboard_address=None,
+        silence_logs=logging.WARNING,
+    ) as cluster:
+        for runner in ("thread", "dask"):
+            where = ["--runner", runner]
+            if runner == "dask":
+                where += ["--dask-address", cluster.scheduler_address]
+            for cmd in ("scan", "swap"):
+                out = str(tmp_path / f"{cmd}-{runner}")
+                puf([cmd, str(path), "--partitions", "4", "--out", out, *where])
     for name in ("se", "edits", "risk_strata", "profiles"):
-        a = (tmp_path / "thread" / f"{name}.csv").read_bytes()
-        assert a == (tmp_path / "dask" / f"{name}.csv").read_bytes(), name
+        a = (tmp_path / "scan-thread" / f"{name}.csv").read_bytes()
+        assert a == (tmp_path / "scan-dask" / f"{name}.csv").read_bytes(), name
+    files = sorted(
+        p.relative_to(tmp_path / "swap-thread") for p in (tmp_path / "swap-thread").rglob("*.*")
+    )
+    assert len([f for f in files if f.suffix == ".parquet"]) == 4
+    for f in files:
+        a = (tmp_path / "swap-thread" / f).read_bytes()
+        assert a == (tmp_path / "swap-dask" / f).read_bytes(), f
+
+
+# ---------------------------------------------------------------- the swap by partition
+
+
+def _swap_stage(spec, whole):
+    from sdl_design.stage import StageContext
+    from sdl_design.swap import SwapStage
+
+    return SwapStage.from_spec(spec).run(whole, StageContext(whole, spec, "swap"))
+
+
+def test_segment_aggregates_by_partition_are_the_whole_files_to_the_bit():
+    """Pass 1 and 2 on slices of a toy survey (cut inside segments, in a shuffled order) give
+    the aggregates segment_aggregates gives on the whole file, bit for bit; the scores are
+    eq. 3's sums of w (x - xbar) / W over each segment's records (math.fsum brute force)."""
+    import math
+
+    from sdl_design.exactsum import add_limbs
+    from sdl_design.swap import (
+        aggregates_from_sums,
+        combine_segment_pass1,
+        segment_aggregates,
+        segment_design,
+        segment_pass1,
+        segment_pass2,
+    )
+    from tests.test_swap import toy_survey
+
+    df = toy_survey(n_strata=6, q=3, seed=11)
+    df.loc[df.index % 7 == 0, "x0"] = np.nan
+    cols = ["x0", "x1", "x2"]
+    whole = segment_aggregates(df, "w", "st", "psu", "seg", cols)
+    rng = np.random.default_rng(0)
+    shuffled = df.iloc[rng.permutation(len(df))]
+    cuts = [0, 37, 200, 201, 333, len(df)]
+    slices = [shuffled.iloc[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    design = segment_design(
+        combine_segment_pass1([segment_pass1(s, "w", "st", "psu", "seg", cols) for s in slices]),
+        cols,
+    )
+    limbs = add_limbs([segment_pass2(s, "w", "seg", cols, design) for s in slices[::-1]])
+    parts = aggregates_from_sums(design, limbs, cols)
+    for name in ("segment_labels", "seg_psu", "psu_stratum", "psu_labels", "score", "mean"):
+        np.testing.assert_array_equal(getattr(parts, name), getattr(whole, name), err_msg=name)
+    j = 4  # one segment's score by brute force
+    x, w = df["x0"].to_numpy(), df["w"].to_numpy()
+    obs = ~np.isnan(x)
+    W = math.fsum(w[obs])
+    xbar = math.fsum(w[obs] * x[obs]) / W
+    mine = (df["seg"].to_numpy() == whole.segment_labels[j]) & obs
+    z = math.fsum(w[mine] * (x[mine] - xbar)) / W
+    assert abs(whole.score[j, 0] - z) <= 1e-12 * np.abs(whole.score[:, 0]).max()
+
+
+def test_swap_by_partition_gives_the_swap_stages_records_to_the_bit(survey, tmp_path):
+    """`puf swap` in process on 2 and on 7 partitions: the masked records (pseudo strata and
+    PSUs, rebuilt replicate weights, every other column) and the pairs equal the in-memory
+    swap stage's with the release's Generator, bit for bit; the masked SEs are SurveyDesign's
+    on the stage's masked frame."""
+    from flows.scan import run_swap
+
+    path, spec, whole = survey
+    res = _swap_stage(spec, whole)
+    expect = res.data.reset_index(drop=True)
+    for n in (2, 7):
+        out = run_swap(path, "thread", partitions=n, out=tmp_path / f"swap{n}")
+        got = pd.read_parquet(tmp_path / f"swap{n}" / "data")
+        assert len(out["files"]) == n
+        pd.testing.assert_frame_equal(got, expect, check_exact=True)
+        for c in expect.select_dtypes("number").columns:  # the bits, NaN included
+            assert got[c].to_numpy().tobytes() == expect[c].to_numpy().tobytes(), c
+        pd.testing.assert_frame_equal(out["pairs"], res.tables["pairs"], check_exact=True)
+    se = out["se_ratios"].set_index(["domain", "level", "variable"])
+    d = SurveyDesign.from_spec(res.data, spec.design)
+    for v in ("income", "diabetes"):
+        m = d.mean(v, variance="taylor")
+        assert se.loc[("all", "all", v), "se_masked"] == pytest.approx(
+            float(m["se"].iloc[0]), 1e-12
+        )
+    assert (se["n_masked"] == se["n_original"]).all()  # the swap moves no record between domains
+    assert se.loc[("all", "all", "income"), "estimate_change"] == 0.0
+
+
+def test_puf_swap_leaves_nothing_when_a_partition_fails(survey, tmp_path, monkeypatch, capsys):
+    path, _, _ = survey
+    out = tmp_path / "swap"
+    assert puf(["swap", str(path), "--partitions", "2", "--out", str(out)]) == 0
+    assert "pairs.csv (confidential" in capsys.readouterr().out
+    before = sorted(p.name for p in (out / "data").iterdir())
+    calls = []
+
+    def fail_second(part, *args):
+        calls.append(part.start)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return apply(part, *args)
+
+    apply = P.swap_apply
+    monkeypatch.setattr(P, "swap_apply", fail_second)
+    with pytest.raises(OSError, match="disk full"):
+        from flows.scan import run_swap
+
+        run_swap(path, "thread", partitions=3, out=out)
+    # the earlier run's folder is whole, and no temporary folder is left beside it
+    assert sorted(p.name for p in (out / "data").iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["swap"]

@@ -424,7 +424,7 @@ def test_rebuilt_replicates_equal_with_replicates_on_the_full_file(method):
     """The replicate weights built from one record per PSU are those SurveyDesign.with_replicates
     gives on the whole masked file, to the bit, with the same scale factors."""
     from sdl_design.design import SurveyDesign
-    from sdl_design.swap import _masked, _psu_pseudo_labels
+    from sdl_design.swap import Masking, _psu_pseudo_labels, apply_masking, replicate_factors
 
     df = toy_survey(n_strata=6, n_h=(2,) if method in ("brr", "fay") else (2, 3), seed=5)
     agg = segment_aggregates(df, "w", "st", "psu", "seg", COLS)
@@ -433,7 +433,9 @@ def test_rebuilt_replicates_equal_with_replicates_on_the_full_file(method):
     rec_psu = plan.state.seg_psu[agg.record_segment]
     dc = {"weight": "w", "strata": "st", "psu": "psu", "replicate_weights": []}
     rho = 0.3 if method == "fay" else None
-    data, rw, rscales, _ = _masked(df, dc, rec_psu, psu_h, psu_p, method, rho)
+    f, rscales = replicate_factors(dc, psu_h, psu_p, method, rho)
+    masking = Masking(plan.state.seg_psu, psu_h, psu_p, f, rscales, method)
+    data, rw, _ = apply_masking(df, dc, agg.record_segment, masking)
     full = SurveyDesign(data, weight="w", strata="st", psu="psu").with_replicates(method, rho=rho)
     assert rw == list(full.columns)
     np.testing.assert_array_equal(data[rw].to_numpy(), full.to_numpy())
