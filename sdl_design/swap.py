@@ -56,7 +56,7 @@ class SegmentAggregates:
 
 
 def _matrix(df: pd.DataFrame, cols: Sequence[str], field_name: str) -> np.ndarray:
-    out = np.empty((len(df), len(cols)), dtype=float)
+    out = np.empty((len(df), len(cols)), dtype=float, order="F")  # columns contiguous
     for i, c in enumerate(cols):
         if c not in df.columns:
             raise ValueError(f"{field_name}: column '{c}' is not in the data; fix the name")
@@ -133,15 +133,23 @@ def _pass1(
 ) -> SegmentPass1:
     w = _weights(df, weight)
     x = _matrix(df, matching, "stages.swap.matching")
-    if len(x) and not np.isnan(x).any():  # plain max/min (nanmax/nanmin are several times slower)
-        x_min, x_max = x.min(axis=0), x.max(axis=0)
-        wx_max = (w[:, None] * np.abs(x)).max(axis=0)
-    else:
-        q = x.shape[1]
-        x_min = np.fmin.reduce(x, axis=0, initial=np.inf) if len(x) else np.full(q, np.inf)
-        x_max = np.fmax.reduce(x, axis=0, initial=-np.inf) if len(x) else np.full(q, -np.inf)
-        wx = w[:, None] * np.abs(np.nan_to_num(x))
-        wx_max = wx.max(axis=0, initial=0.0)
+    q = x.shape[1]
+    x_min, x_max, wx_max = np.full(q, np.inf), np.full(q, -np.inf), np.zeros(q)
+    buf = np.empty(len(x))
+    for j in range(q):  # a column at a time: contiguous, one buffer
+        xj = x[:, j]
+        obs = ~np.isnan(xj)
+        if obs.all():  # plain max/min (nanmax/nanmin are several times slower)
+            x_min[j], x_max[j] = xj.min(initial=np.inf), xj.max(initial=-np.inf)
+            np.abs(xj, out=buf)
+        else:
+            x_min[j], x_max[j] = (
+                np.fmin.reduce(xj, initial=np.inf),
+                np.fmax.reduce(xj, initial=-np.inf),
+            )
+            np.abs(np.where(obs, xj, 0.0), out=buf)
+        buf *= w
+        wx_max[j] = buf.max(initial=0.0)
     return SegmentPass1(table, float(w.max(initial=0.0)), wx_max, x_min, x_max)
 
 
@@ -221,12 +229,18 @@ def segment_pass2(
             raise ValueError(f"design.segment: a '{segment}' label is not in the segment table")
     w = _weights(df, weight)
     x = _matrix(df, matching, "stages.swap.matching")
+    q, G = x.shape[1], len(design.segment_labels)
     obs = ~np.isnan(x)
-    terms = np.empty((len(df), 2 * x.shape[1]))
-    q = x.shape[1]
+    if obs.all():  # every column's w 1{observed} is w: its sums once
+        wx = np.multiply(w[:, None], x, order="F")  # columns contiguous for limb_sums
+        w_sums = limb_sums(codes, w, G, design.grid[:1])
+        return np.concatenate(
+            [np.repeat(w_sums, q, axis=2), limb_sums(codes, wx, G, design.grid[q:])], axis=2
+        )
+    terms = np.empty((len(df), 2 * q), order="F")
     np.multiply(w[:, None], obs, out=terms[:, :q])
     np.multiply(terms[:, :q], np.where(obs, x, 0.0), out=terms[:, q:])
-    return limb_sums(codes, terms, len(design.segment_labels), design.grid)
+    return limb_sums(codes, terms, G, design.grid)
 
 
 def aggregates_from_sums(
