@@ -1,7 +1,8 @@
-"""The partitioned path (`puf scan`) on a large default survey: time and per-worker memory on
-a local Dask cluster of 2 single-threaded workers, against the same scan in one process (one
-partition in memory at a time) and, up to 2M records, the same SE table from the whole file in
-memory (read_input and SurveyDesign).
+"""The partitioned path (`puf scan`, `puf partitioned`) on a large default survey: time and per-worker
+memory on a local Dask cluster of 2 single-threaded workers, against the same scan in one
+process (one partition in memory at a time) and, up to 2M records, the same SE table from the
+whole file in memory (read_input and SurveyDesign) and the in-memory swap and PRB stages (whose
+records must equal the partitioned ones, bit for bit).
 
 Usage: python bench/partitioned.py SPEC [row_group_records] (SPEC: a spec whose release.input
 is a Parquet file, e.g. the default_spec.yaml that bench/release.py leaves in its output
@@ -80,6 +81,34 @@ print('WHOLE', time.perf_counter() - t0)
 """
 
 
+STAGES_WHOLE = """
+import time, numpy as np, pandas as pd
+from sdl_design.io import read_input
+from sdl_design.prb import PrbStage
+from sdl_design.spec import load_spec
+from sdl_design.stage import StageContext
+from sdl_design.swap import SwapStage
+spec = load_spec(sys.argv[1])
+t0 = time.perf_counter()
+df, _ = read_input(spec)
+ctx = StageContext(df, spec, "swap")
+swap = SwapStage.from_spec(spec).run(df, ctx)
+t1 = time.perf_counter()
+prb = PrbStage.from_spec(spec).run(swap.data, ctx.for_stage("prb", [swap]))
+print('WHOLE', t1 - t0, time.perf_counter() - t1)
+del df, ctx
+def same(folder, frame):
+    got = pd.read_parquet(folder)
+    exp = frame.reset_index(drop=True)
+    return list(got.columns) == list(exp.columns) and all(
+        got[c].to_numpy().tobytes() == exp[c].to_numpy().tobytes()
+        if exp[c].dtype.kind in "fiub" else got[c].equals(exp[c])
+        for c in exp.columns
+    )
+print('SAME', same(sys.argv[2] + "/swap/data", swap.data), same(sys.argv[2] + "/prb/data", prb.data))
+"""  # the in-memory swap and PRB stages (with their tables and baselines), against the partitions
+
+
 COPY = """
 from pathlib import Path
 import pyarrow.parquet as pq, yaml
@@ -116,7 +145,7 @@ def main() -> None:
 
     from distributed import Client, LocalCluster
 
-    from flows.scan import run_scan
+    from flows.scan import run_partitioned, run_scan
 
     with (
         LocalCluster(
@@ -135,6 +164,30 @@ def main() -> None:
         + ", ".join(f"{v:.2f} GiB" for v in peaks.values())
         + f" (at start {max(start.values()):.2f} GiB); driver peak {_maxrss_gib():.2f} GiB"
     )
+    with (  # fresh worker processes: their peaks are the swap's alone
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        start = client.run(_maxrss_gib)
+        run = run_partitioned(str(spec), "dask", cluster.scheduler_address, out=str(work / "p"))
+        peaks = client.run(_maxrss_gib)
+    sw, pr = run["stages"]["swap"], run["stages"]["prb"]
+    print(
+        f"swap and PRB by partition on Dask: {run['seconds']:.1f} s; per-worker peak RSS "
+        + ", ".join(f"{v:.2f} GiB" for v in peaks.values())
+        + f" (at start {max(start.values()):.2f} GiB); driver peak {_maxrss_gib():.2f} GiB\n"
+        f"  swap: pass 1 {sw['pass1_seconds']:.1f} s, pass 2 {sw['pass2_seconds']:.1f} s, plan "
+        f"on the driver {sw['plan_seconds']:.1f} s, masking and writing "
+        f"{sw['masking_seconds']:.1f} s, SEs of input and masked {sw['se_seconds']:.1f} s; "
+        f"{sw['n_pairs']} pairs of {sw['n_segments']} segments\n"
+        f"  PRB: pass 1 {pr['pass1_seconds']:.1f} s, pass 2 {pr['pass2_seconds']:.1f} s, plan "
+        f"on the driver {pr['plan_seconds']:.1f} s, writing {pr['apply_seconds']:.1f} s; "
+        f"{int(pr['n_changed'])} of {int(pr['n_units'])} units changed, max risk "
+        f"{pr['max_risk']:.4f}",
+        flush=True,
+    )
     wall, peak, text = _child(IN_PROCESS, str(spec), str(work / "thread"))
     secs = float(next(ln for ln in text.splitlines() if ln.startswith("SCAN")).split()[1])
     print(f"one process, a partition at a time: {secs:.1f} s; peak RSS {peak:.2f} GiB")
@@ -149,6 +202,15 @@ def main() -> None:
         print(
             f"whole file in memory (read_input + SurveyDesign, same SEs): {secs:.1f} s; "
             f"peak RSS {peak:.2f} GiB"
+        )
+        wall, peak, text = _child(STAGES_WHOLE, str(spec), str(work / "p"))
+        secs = next(ln for ln in text.splitlines() if ln.startswith("WHOLE")).split()[1:]
+        same = next(ln for ln in text.splitlines() if ln.startswith("SAME")).split()[1:]
+        print(
+            f"the stages on the whole file in memory (SwapStage with its SE tables and the 2a "
+            f"baseline; PrbStage with its tables and the NZY baseline): read + swap "
+            f"{float(secs[0]):.1f} s, PRB {float(secs[1]):.1f} s; peak RSS {peak:.2f} GiB; "
+            f"records equal to the partitioned ones, bit for bit: swap {same[0]}, PRB {same[1]}"
         )
 
 

@@ -211,30 +211,39 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return _guarded(go)
 
 
-def cmd_swap(args: argparse.Namespace) -> int:
-    """The swap stage by partition: masked partitions written beside the release."""
-    from flows.scan import run_swap
+def cmd_partitioned(args: argparse.Namespace) -> int:
+    """The stages with a partitioned path (swap, PRB) a partition at a time."""
+    from flows.scan import run_partitioned
 
     def go() -> int:
-        out = run_swap(args.spec, args.runner, args.dask_address, args.partitions, args.out)
+        out = run_partitioned(args.spec, args.runner, args.dask_address, args.partitions, args.out)
         print(
-            f"swapped {args.spec}: {out['records']} records in {out['partitions']} partition(s), "
-            f"{out['seconds']:.1f} s"
+            f"{args.spec}: {out['records']} records in {out['partitions']} partition(s), "
+            f"{out['seconds']:.1f} s; written to {out['folder']}"
         )
-        print(
-            f"  segments    : {out['n_pairs']} pairs swapped ({out['share_swapped']:.1%} of "
-            f"{out['n_segments']} segments)"
-        )
-        se = out["se_ratios"]
-        for col, kind in (("ratio", "Taylor"), ("ratio_rep", "replicate")):
-            if col in se.columns:
-                r = se[col].dropna()
-                print(
-                    f"  SE ratio    : median {r.median():.3f} ({r.min():.3f}-{r.max():.3f}) over "
-                    f"{len(r)} estimates, masked against input ({kind})"
-                )
-        print(f"  masked data : {out['folder']}/data ({len(out['files'])} Parquet files)")
-        print(f"  pairs       : {out['folder']}/pairs.csv (confidential: never publish it)")
+        st = out["stages"]
+        if "swap" in st:
+            sw = st["swap"]
+            print(
+                f"  swap        : {sw['n_pairs']} segment pairs swapped ({sw['share_swapped']:.1%} "
+                f"of {sw['n_segments']} segments); pairs in swap/pairs.csv (confidential)"
+            )
+            se = sw["tables"]["se_ratios"]
+            for col, kind in (("ratio", "Taylor"), ("ratio_rep", "replicate")):
+                if col in se.columns:
+                    r = se[col].dropna()
+                    print(
+                        f"  SE ratio    : median {r.median():.3f} ({r.min():.3f}-{r.max():.3f}) "
+                        f"over {len(r)} estimates, masked against input ({kind})"
+                    )
+        if "prb" in st:
+            p = st["prb"]
+            print(
+                f"  prb         : {int(p['n_changed'])} of {int(p['n_units'])} singleton/doubleton "
+                f"records changed; max identification risk {p['max_risk']:.4f}"
+            )
+        if "stopped_before" in st:
+            print(f"  stopped before {st['stopped_before']}: it has no partitioned path yet")
         return 0
 
     return _guarded(go)
@@ -404,22 +413,22 @@ def main(argv: list[str] | None = None) -> int:
     runner_opts(sc)
     sc.set_defaults(func=cmd_scan)
 
-    sw = sub.add_parser(
-        "swap",
-        help="the swap stage a partition at a time (on Dask with --runner dask): masked "
-        "partitions with pseudo strata, PSUs and rebuilt replicate weights",
+    pa = sub.add_parser(
+        "partitioned",
+        help="the release stages that have a partitioned path (swap, PRB), a partition at a "
+        "time (on Dask with --runner dask): the records after each stage as Parquet files",
     )
-    sw.add_argument("spec")
-    sw.add_argument(
+    pa.add_argument("spec")
+    pa.add_argument(
         "--partitions", type=int, default=None, help="about this many (default: one per row group)"
     )
-    sw.add_argument(
+    pa.add_argument(
         "--out",
         default=None,
-        help="folder for the masked partitions and tables (default: beside the release)",
+        help="folder for each stage's records and tables (default: beside the release)",
     )
-    runner_opts(sw)
-    sw.set_defaults(func=cmd_swap)
+    runner_opts(pa)
+    pa.set_defaults(func=cmd_partitioned)
 
     t = sub.add_parser(
         "tune",

@@ -220,14 +220,97 @@ def _replace(folder: Path, fill: Callable[[Path], Any]) -> Any:
         raise
 
 
-def swap_folder(spec: ReleaseSpec) -> Path:
-    """Where `puf swap` writes by default: <output_dir>/<name>/swap-<year> (internal: it holds
-    the original-to-masked pairs; never inside the release's public folder)."""
+def partitioned_folder(spec: ReleaseSpec) -> Path:
+    """Where `puf partitioned` writes by default: <output_dir>/<name>/partitioned-<year>
+    (internal: it holds the original-to-masked pairs; never the release's public folder)."""
     r = spec.release
-    return Path(r.output_dir) / r.name / f"swap-{r.year}"
+    return Path(r.output_dir) / r.name / f"partitioned-{r.year}"
 
 
-def run_swap(
+def _stage_rng(spec: ReleaseSpec, stage: str) -> Any:
+    from sdl_design.rng import release_seed, stage_rng
+
+    return stage_rng(release_seed(spec.release.seed, spec.release.year), stage)
+
+
+def _lap(laps: dict, name: str, t: float) -> float:
+    now = time.perf_counter()
+    laps[f"{name}_seconds"] = now - t
+    return now
+
+
+def _swap_stage(
+    spec: ReleaseSpec, columns: list[str], parts: list, run_map: Mapper, folder: Path
+) -> dict[str, Any]:
+    """The swap by partition: pass 1 reads each partition's segments and bounds, pass 2 its
+    exact segment sums; the driver chooses the swaps, pseudo labels and replicate factors from
+    those sums with the swap stage's Generator; every worker masks and writes its partitions;
+    the SEs of the masked partitions are measured against the input's."""
+    req = part.swap_request(spec, columns)
+    missing = [c for c in req.columns if c not in columns]
+    if missing:
+        raise part.PartitionError(
+            f"the spec names columns {missing} that are not in the input; fix them"
+        )
+    laps: dict[str, float] = {}
+    t = time.perf_counter()
+    first = run_map(part.swap_pass1, parts, spec, req, what="swap pass 1")
+    design = part.swap_design(first, req)
+    t = _lap(laps, "pass1", t)
+    sums = run_map(part.swap_pass2, parts, spec, req, design, what="swap pass 2")
+    t = _lap(laps, "pass2", t)
+    masking, counts, tables = part.swap_masking(req, design, sums, _stage_rng(spec, "swap"))
+    t = _lap(laps, "plan", t)
+    n = f"{counts['n_pairs']} segment pairs swapped"
+    _say(f"{n} ({counts['n_swapped']} of {counts['n_segments']} segments)", "partitioned")
+    args = (spec, req, design.segment_labels, masking, str(folder / "data"))
+    files = run_map(part.swap_apply, parts, *args, what="swap masking")
+    t = _lap(laps, "masking", t)
+    masked = part.plan_partitions(folder / "data")
+    req_m = part.means_request(spec, part.input_columns(folder / "data"))
+    tables["se_ratios"] = part.se_ratio_rows(
+        _domain_means(run_map, parts, spec, part.means_request(spec, columns), "input"),
+        _domain_means(run_map, masked, spec, req_m, "masked"),
+    )
+    _lap(laps, "se", t)
+    return {**counts, "files": [Path(f).name for f in files], **laps, "tables": tables}
+
+
+def _prb_stage(
+    spec: ReleaseSpec, columns: list[str], parts: list, run_map: Mapper, folder: Path
+) -> dict[str, Any]:
+    """PRB by partition: pass 1 counts each partition's cells of X_C and lists its partition
+    sets, pass 2 gathers the singleton/doubleton units; the driver forms the blocks and draws
+    IFPR with the PRB stage's Generator; every worker writes its records with the moved ones'
+    values of C replaced (edit rules checked)."""
+    req, st = part.prb_stage_request(spec)
+    laps: dict[str, float] = {}
+    t = time.perf_counter()
+    tables = part.combine_prb_pass1(
+        run_map(part.prb_pass1, parts, spec, req, what="prb pass 1"), req
+    )
+    t = _lap(laps, "pass1", t)
+    units = run_map(part.prb_pass2, parts, spec, req, tables, what="prb pass 2")
+    t = _lap(laps, "pass2", t)
+    new, plan = part.prb_plan(req, st.xi, st.tuned, tables, units, _stage_rng(spec, "prb"))
+    t = _lap(laps, "plan", t)
+    m = plan["metrics"]
+    _say(
+        f"PRB changed {int(m['n_changed'])} of {int(m['n_units'])} singleton/doubleton records; "
+        f"max exact identification risk {m['max_risk']:.4f} (xi {st.xi})",
+        "partitioned",
+    )
+    files = run_map(part.prb_apply, parts, spec, req, new, str(folder / "data"), what="prb")
+    _lap(laps, "apply", t)
+    metrics = pd.DataFrame({"metric": list(m), "value": list(m.values())})
+    return {**m, "files": [Path(f).name for f in files], **laps, "tables": {"metrics": metrics}}
+
+
+# the release stages that have a partitioned path (sdl_design.partition's map and reduce)
+PARTITIONED = {"swap": _swap_stage, "prb": _prb_stage}
+
+
+def run_partitioned(
     spec_path: str | Path,
     runner: str = "thread",
     dask_address: str | None = None,
@@ -235,57 +318,49 @@ def run_swap(
     out: str | Path | None = None,
     workers: int = 2,
 ) -> dict[str, Any]:
-    """The swap stage (segment/PSU masking, replicate weights rebuilt) by partition: pass 1
-    reads each partition's segments and bounds, pass 2 its exact segment sums; the driver
-    chooses the swaps, pseudo labels and replicate factors from those sums with the swap
-    stage's Generator; then every worker masks and writes its own partitions. out (default
-    swap_folder) gets the masked partitions in data/ as part-<first record>.parquet (record
-    order: a folder input of the partitioned path), and pairs.csv (confidential) and
-    matching_variance.csv: the same records, bit for bit, as the in-memory swap stage gives
-    (workers on other machines need out on a disk they share)."""
-    from sdl_design.rng import release_seed, stage_rng
+    """The spec's release stages that have a partitioned path, in release order, each on the
+    previous one's partitions (the swap, then PRB); stops before the first stage that has
+    none, and says which. Stages that only read (risk) are `puf scan`'s. out (default
+    partitioned_folder) gets, per stage, <stage>/data/part-<first record>.parquet (the records
+    after that stage, in record order: the same records, bit for bit, as the in-memory stages
+    give) and its tables (the swap's pairs.csv is confidential). Workers on other machines
+    need out on a disk they share."""
+    from sdl_design.stage import reads_only
+    from sdl_design.stages import RELEASE_STAGES
 
-    spec, columns, parts = _partitioned_input(spec_path, runner, partitions, "swap")
-    try:
-        req = part.swap_request(spec, columns)
-    except part.PartitionError as e:
-        raise SpecError([str(e)]) from e
-    missing = [c for c in req.columns if c not in columns]
-    if missing:
-        raise SpecError([f"the spec names columns {missing} that are not in the input; fix them"])
-    folder = Path(out) if out else swap_folder(spec)
-    rng = stage_rng(release_seed(spec.release.seed, spec.release.year), "swap")
+    spec, columns, parts = _partitioned_input(spec_path, runner, partitions, "partitioned")
+    folder = Path(out) if out else partitioned_folder(spec)
+    stages = [s for s in (c.from_spec(spec) for c in RELEASE_STAGES) if s is not None]
     t0 = time.perf_counter()
 
     def fill(tmp: Path) -> dict[str, Any]:
-        (tmp / "data").mkdir()
-        with _mapper(runner, dask_address, workers, "swap") as run_map:
-            first = run_map(part.swap_pass1, parts, spec, req, what="pass 1")
-            design = part.swap_design(first, req)
-            sums = run_map(part.swap_pass2, parts, spec, req, design, what="pass 2")
-            masking, counts, tables = part.swap_masking(req, design, sums, rng)
-            n = f"{counts['n_pairs']} segment pairs swapped"
-            _say(f"{n} ({counts['n_swapped']} of {counts['n_segments']} segments)", "swap")
-            files = run_map(
-                part.swap_apply,
-                parts,
-                spec,
-                req,
-                design.segment_labels,
-                masking,
-                str(tmp / "data"),
-                what="masking",
-            )
-            # the damage measured on the masked partitions against the input's
-            masked = part.plan_partitions(tmp / "data")
-            req_m = part.means_request(spec, part.input_columns(tmp / "data"))
-            se = part.se_ratio_rows(
-                _domain_means(run_map, parts, spec, part.means_request(spec, columns), "input"),
-                _domain_means(run_map, masked, spec, req_m, "masked"),
-            )
-        tables["se_ratios"] = se
-        _write_tables(tmp, tables)
-        return {**counts, "files": [Path(f).name for f in files], **tables}
+        done: dict[str, Any] = {}
+        source, cols, now = spec, columns, parts
+        with _mapper(runner, dask_address, workers, "partitioned") as run_map:
+            for stage in stages:
+                fn = PARTITIONED.get(stage.name)
+                if fn is None and reads_only(stage):
+                    continue  # it measures the records: `puf scan` does so by partition
+                if fn is None:
+                    done["stopped_before"] = stage.name
+                    _say(
+                        f"stopped before {stage.name}: it has no partitioned path yet (the "
+                        f"records after {', '.join(k for k in done if k in PARTITIONED) or 'none'}"
+                        f" are in {folder})",
+                        "partitioned",
+                    )
+                    break
+                (tmp / stage.name / "data").mkdir(parents=True)
+                try:
+                    res = fn(source, cols, now, run_map, tmp / stage.name)
+                except part.PartitionError as e:
+                    raise SpecError([str(e)]) from e
+                for name, table in res["tables"].items():
+                    table.to_csv(tmp / stage.name / f"{name}.csv", index=False)
+                done[stage.name] = res
+                now = part.plan_partitions(tmp / stage.name / "data")
+                cols = part.input_columns(tmp / stage.name / "data")
+        return done
 
     result = _replace(folder, fill)
     return {
@@ -293,5 +368,5 @@ def run_swap(
         "partitions": len(parts),
         "seconds": time.perf_counter() - t0,
         "folder": str(folder),
-        **result,
+        "stages": result,
     }

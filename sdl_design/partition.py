@@ -42,6 +42,16 @@ from sdl_design.design import (
 from sdl_design.edits import combine_rule_failures, rule_failures
 from sdl_design.exactsum import add_limbs
 from sdl_design.keys import key_levels
+from sdl_design.prb import (
+    PrbRequest,
+    _partition_codes,
+    block_risk,
+    m0,
+    prb_draws,
+    prb_frames,
+    prb_request,
+    theta0,
+)
 from sdl_design.risk import (
     STRATA,
     _combine,
@@ -808,20 +818,13 @@ def swap_apply(
 ) -> str:
     """The masked partition (every column; pseudo strata and PSUs, rebuilt replicate weights)
     written to folder as part-<first record>.parquet (whole or not at all); returns the path."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     d = req.dc
     df = read_partition(part, None, spec)
     codes = pd.Index(segment_labels).get_indexer(df[d["segment"]])
     if (codes < 0).any():
         raise PartitionError(f"design.segment: a '{d['segment']}' label is not in pass 1's table")
     data, _, _ = apply_masking(df, d, codes, masking)
-    path = Path(folder) / f"part-{part.start:012d}.parquet"
-    tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(pa.Table.from_pandas(data, preserve_index=False), tmp)
-    tmp.replace(path)
-    return str(path)
+    return _write_partition(data, part, folder)
 
 
 def means_only_pass1(part: Partition, spec: ReleaseSpec, req: MeansRequest) -> MeansPass1:
@@ -845,3 +848,155 @@ def se_ratio_rows(original: pd.DataFrame, masked: pd.DataFrame) -> pd.DataFrame:
             "estimate_original"
         ].abs()
     return t
+
+
+# ---------------------------------------------------------------- PRB (paper 002)
+
+
+def prb_stage_request(spec: ReleaseSpec) -> tuple[PrbRequest, Any]:
+    """The spec's PRB request (as PrbStage asks post_randomize) and its stages.prb section."""
+    from sdl_design.prb import PrbStage
+
+    stage = PrbStage.from_spec(spec)
+    if stage is None:
+        raise PartitionError("stages.prb: the spec has no active PRB stage; enable it")
+    st = stage.section
+    declared = spec.utility.domain_list(spec.variables.key_names)
+    req = prb_request(
+        st.variables, spec.design.weight, st.partition, st.method, stage.cells(), declared
+    )
+    return req, st
+
+
+def _prb_columns(req: PrbRequest) -> list[str]:
+    return list(dict.fromkeys([*req.variables, req.weight, *req.partition]))
+
+
+@dataclass
+class PrbPass1:
+    """A partition's distinct cells of X_C (published coding) with their counts, and its
+    distinct partition-set values."""
+
+    cells: pd.DataFrame
+    sets: pd.DataFrame
+
+
+def prb_pass1(part: Partition, spec: ReleaseSpec, req: PrbRequest) -> PrbPass1:
+    df = read_partition(part, _prb_columns(req), spec)
+    coded, pf = prb_frames(df, req)
+    g = coded.groupby(req.names, sort=True, dropna=False, observed=True)
+    return PrbPass1(g.size().reset_index(name="__t"), pf.drop_duplicates())
+
+
+@dataclass
+class PrbTables:
+    """The whole input's cells in cell-code order with their counts t, and its partition sets
+    in set order (their values and labels), as post_randomize numbers them on the whole file."""
+
+    cells: pd.DataFrame
+    sets: pd.DataFrame
+    labels: list[str]
+
+
+def combine_prb_pass1(partials: Sequence[PrbPass1], req: PrbRequest) -> PrbTables:
+    cells = pd.concat([p.cells for p in partials], ignore_index=True)
+    cells = (
+        cells.groupby(req.names, sort=True, dropna=False, observed=True)["__t"].sum().reset_index()
+    )
+    sets = pd.concat([p.sets for p in partials], ignore_index=True).drop_duplicates()
+    _, values, labels = _partition_codes(sets.reset_index(drop=True))
+    return PrbTables(cells, values, labels)
+
+
+def _lookup(frame: pd.DataFrame, table: pd.DataFrame, what: str) -> np.ndarray:
+    """The row of table holding each row of frame (same columns; missing values match)."""
+    if frame.shape[1] == 0:
+        return np.zeros(len(frame), dtype=np.int64)
+    t = table.assign(__row=np.arange(len(table)))
+    got = frame.reset_index(drop=True).merge(t, how="left", on=list(frame.columns))["__row"]
+    if got.isna().any():
+        raise PartitionError(f"stages.prb: a record's {what} is not in pass 1's table")
+    return got.to_numpy(dtype=np.int64)
+
+
+def prb_pass2(
+    part: Partition, spec: ReleaseSpec, req: PrbRequest, tables: PrbTables
+) -> pd.DataFrame:
+    """The partition's singleton/doubleton units (cells with t <= 2 in the whole input): their
+    global row, cell, partition set, weight and values of the set C."""
+    df = read_partition(part, _prb_columns(req), spec)
+    coded, pf = prb_frames(df, req)
+    cell = _lookup(coded, tables.cells[req.names], "cell")
+    t = tables.cells["__t"].to_numpy()
+    sd = np.flatnonzero(t[cell] <= 2)
+    units = df.iloc[sd][req.variables].reset_index(drop=True)
+    return units.assign(
+        __row=df.index.to_numpy()[sd],
+        __cell=cell[sd],
+        __part=_lookup(pf.iloc[sd], tables.sets, "partition set"),
+        __w=df[req.weight].to_numpy(dtype=float)[sd],
+    )
+
+
+def prb_plan(
+    req: PrbRequest,
+    xi: float,
+    tuned: bool,
+    tables: PrbTables,
+    units: Sequence[pd.DataFrame],
+    rng: np.random.Generator,
+) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """On the driver, from the units alone: the blocks and IFPR draws (prb_draws with the PRB
+    stage's Generator); returns the moved records' new values of C (indexed by global row: a
+    record of the destination cell in the same block gives all of them) and the metrics,
+    among them the exact identification risk of eq. 2.2 from the blocks' counts."""
+    u = pd.concat(list(units), ignore_index=True)
+    draws = prb_draws(
+        u["__part"].to_numpy(), u["__cell"].to_numpy(), u["__w"].to_numpy(),
+        tables.sets, tables.labels, xi, theta0(xi), req.method, tuned, rng,
+    )  # fmt: skip
+    new = u[req.variables].iloc[draws.src].set_axis(u["__row"].to_numpy()[draws.moved])
+    new = new.sort_index()
+    risk = block_risk(pd.Series(draws.block), u["__cell"].to_numpy(), draws.theta)
+    metrics = {
+        "theta": draws.theta,
+        "m0": float(m0(xi)),
+        "max_risk": float(risk["risk"].max()) if len(risk) else 0.0,
+        "n_blocks": float(risk["block"].nunique()) if len(risk) else 0.0,
+        "n_units": float(len(u)),
+        "n_changed": float((draws.dest != u["__cell"].to_numpy()).sum()),
+        "n_moved": float(len(new)),
+    }
+    return new, {"metrics": metrics, "merges": draws.merges, "notes": draws.notes}
+
+
+def prb_apply(
+    part: Partition, spec: ReleaseSpec, req: PrbRequest, new: pd.DataFrame, folder: str
+) -> str:
+    """The partition with its moved records' values of C replaced (as post_randomize takes
+    them from their donors), edit rules checked, written to folder (whole or not at all)."""
+    from sdl_design.edits import check_edits
+
+    df = read_partition(part, None, spec)
+    mine = new.loc[(new.index >= part.start) & (new.index < part.stop)]
+    data = df.copy(deep=False)
+    if len(mine):
+        take = np.arange(len(df))
+        take[mine.index.to_numpy() - part.start] = len(df) + np.arange(len(mine))
+        for c in req.variables:
+            both = pd.concat([df[c], mine[c].astype(df[c].dtype)], ignore_index=True)
+            data[c] = pd.Series(both.array.take(take), index=df.index, name=c)
+    check_edits(data, spec.edits, "PRB output", "add the variables these rules tie to the set C")
+    return _write_partition(data, part, folder)
+
+
+def _write_partition(data: pd.DataFrame, part: Partition, folder: str) -> str:
+    """data as folder/part-<first record>.parquet, written whole (a temporary name, renamed)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(folder) / f"part-{part.start:012d}.parquet"
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(pa.Table.from_pandas(data, preserve_index=False), tmp)
+    tmp.replace(path)
+    return str(path)

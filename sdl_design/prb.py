@@ -225,6 +225,143 @@ def _merge_nested(
     return group[part], _merge_notes(group, labels)
 
 
+@dataclass(frozen=True)
+class PrbRequest:
+    """What post_randomize is asked, checked: the set C, the cell keys in their published
+    coding, the partition (raw-value bins or None) and the declared domains on cell columns."""
+
+    variables: list[str]
+    weight: str
+    partition: dict
+    method: str
+    keys: list[KeySpec]
+    domains: list[list[str]]
+
+    @property
+    def names(self) -> list[str]:
+        return [k.name for k in self.keys]
+
+    @property
+    def domain_columns(self) -> list[str]:
+        return list(dict.fromkeys(c for d in self.domains for c in d))
+
+
+def prb_request(
+    variables: Sequence[str],
+    weight: str,
+    partition: Mapping[str, Sequence[float] | None] | None = None,
+    method: str = "prb",
+    cells: Sequence[KeySpec | str] | None = None,
+    domains: Sequence[Sequence[str]] | None = None,
+) -> PrbRequest:
+    """The request of post_randomize's arguments (PrbError naming the field to fix)."""
+    variables = list(variables)
+    partition = dict(partition or {})
+    keys = _as_keys(variables if cells is None else cells)
+    names = [k.name for k in keys]
+    for c in partition:
+        if c not in variables:
+            raise PrbError(
+                f"partition column '{c}' is not in stages.prb.variables: add it to the set C"
+            )
+    for c in names:
+        if c not in variables:
+            raise PrbError(f"cell variable '{c}' (stages.prb.cells) is not in stages.prb.variables")
+    if method not in ("prb", "nzy"):
+        raise PrbError(f"method '{method}' must be 'prb' or 'nzy'")
+    doms = [[c for c in d if c in names] for d in (domains or [])]
+    doms = [d for i, d in enumerate(doms) if d and d not in doms[:i]]
+    return PrbRequest(variables, weight, partition, method, keys, doms)
+
+
+def prb_frames(df: pd.DataFrame, req: PrbRequest) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The cell keys in their published coding, and the partition columns (record by record:
+    the same for a partition of the file as for the whole)."""
+    coded = pd.DataFrame({k.name: published(df[k.name], k) for k in req.keys}, index=df.index)
+    return coded, _partition_frame(df, coded, req.partition, req.domain_columns)
+
+
+@dataclass
+class PrbDraws:
+    """The draws of PRB/NZY on the singleton/doubleton units (in record order): the group of
+    each partition set after merging, each unit's block and cell after, and the units that
+    moved with the unit each takes C's values from (indices into the units)."""
+
+    group: np.ndarray  # partition set -> merged set
+    block: np.ndarray
+    dest: np.ndarray
+    moved: np.ndarray
+    src: np.ndarray
+    theta: float
+    merges: list[str]
+    notes: list[str]
+
+
+def prb_draws(
+    part: np.ndarray,
+    cell: np.ndarray,
+    w: np.ndarray,
+    values: pd.DataFrame,
+    labels: list[str],
+    xi: float,
+    theta: float,
+    method: str,
+    tuned: bool,
+    rng: np.random.Generator,
+) -> PrbDraws:
+    """Blocks and IFPR draws from the singleton/doubleton units alone (their partition set,
+    cell and weight, in record order): what post_randomize draws, for the whole file's units
+    gathered from its partitions as for a file in memory."""
+    mm = m0(xi)
+    n_part = len(labels)
+    # singleton/doubleton cells per partition set (a cell split by raw-value bins counts in each)
+    sd_pairs = np.unique(np.stack([part, cell]), axis=1)
+    n_sd_cells = np.bincount(sd_pairs[0], minlength=n_part)
+    if 0 < n_sd_cells.sum() < mm:
+        raise PrbError(
+            f"only {int(n_sd_cells.sum())} singleton/doubleton cells of X_C in the data, fewer than "
+            f"m0 = {mm}: IFPR cannot bound the risk; add variables to stages.prb.variables"
+        )
+    group, merges = _merge_nested(np.arange(n_part), n_sd_cells, mm, values, labels)
+    part = group[part]
+    notes: list[str] = []
+    k = len(cell)
+    block = np.full(k, -1, dtype=np.int64)
+    dest = cell.copy()
+    moved = src = np.empty(0, dtype=np.int64)
+    th = theta
+    if k:
+        u_tie = rng.random(k)
+        order = np.lexsort((u_tie, w, part))  # by partition, weight, random ties
+        p = part[order]
+        starts = np.r_[0, np.flatnonzero(np.diff(p)) + 1]
+        sizes = np.diff(np.r_[starts, k])
+        rank = np.arange(k) - np.repeat(starts, sizes)
+        if method == "prb":
+            nb = np.maximum(sizes // (2 * mm), 1)
+            local = np.minimum(rank // (2 * mm), np.repeat(nb - 1, sizes))
+            offs = np.r_[0, np.cumsum(nb)[:-1]]
+            b = np.repeat(offs, sizes) + local
+        else:
+            b = np.repeat(np.arange(len(sizes)), sizes)
+        block[order] = b
+        if tuned:
+            tt = theta_tuned(xi)
+            worst = float(block_risk(pd.Series(block), cell, tt)["risk"].max())
+            if worst <= xi:
+                notes.append(f"tuned theta {tt:.4f} (h*(theta) = xi): max R_j(1, t') {worst:.4f}")
+                th = tt
+            else:
+                notes.append(
+                    f"tuned theta {tt:.4f} rejected: max R_j(1, t') {worst:.4f} > xi; theta0 kept"
+                )
+        to, rep = _ifpr(b, cell[order], th, rng)
+        dest[order] = to
+        go = to != cell[order]
+        moved, src = order[go], order[rep[go]]  # a record of the destination cell, same block
+    return PrbDraws(group, block, dest, moved, src, th, merges, notes)
+
+
 def post_randomize(
     df: pd.DataFrame,
     variables: Sequence[str],
@@ -251,84 +388,31 @@ def post_randomize(
     theta defaults to theta0(xi); tuned=True tries theta solving h*(theta) = xi (section 6) and
     keeps it only if the exact R_j(1, t') of eq. 2.2 stays <= xi in every block.
     """
-    variables = list(variables)
-    partition = dict(partition or {})
-    keys = _as_keys(variables if cells is None else cells)
-    names = [k.name for k in keys]
-    for c in [*variables, weight, *partition]:
+    req = prb_request(variables, weight, partition, method, cells, domains)
+    variables, names, doms = req.variables, req.names, req.domains
+    for c in [*variables, weight, *req.partition]:
         if c not in df.columns:
             raise PrbError(f"column '{c}' (stages.prb / design.weight) is not in the data")
-    for c in partition:
-        if c not in variables:
-            raise PrbError(
-                f"partition column '{c}' is not in stages.prb.variables: add it to the set C"
-            )
-    for c in names:
-        if c not in variables:
-            raise PrbError(f"cell variable '{c}' (stages.prb.cells) is not in stages.prb.variables")
-    if method not in ("prb", "nzy"):
-        raise PrbError(f"method '{method}' must be 'prb' or 'nzy'")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     th = theta0(xi) if theta is None else float(theta)
     mm = m0(xi)
     n = len(df)
     w = df[weight].to_numpy(dtype=float)
 
-    coded = pd.DataFrame({k.name: published(df[k.name], k) for k in keys}, index=df.index)
+    coded, pf = prb_frames(df, req)
     cell = _cells(coded, names)
     t = np.bincount(cell)
     sd = t[cell] <= 2  # units of singleton/doubleton cells (of X_C as the intruder sees it)
-    doms = [[c for c in d if c in names] for d in (domains or [])]
-    doms = [d for i, d in enumerate(doms) if d and d not in doms[:i]]
-    dom_cols = list(dict.fromkeys(c for d in doms for c in d))
-    part, values, labels = _partition_codes(_partition_frame(df, coded, partition, dom_cols))
-    n_part = len(labels)
-    # singleton/doubleton cells per partition set (a cell split by raw-value bins counts in each)
-    sd_pairs = np.unique(np.stack([part[sd], cell[sd]]), axis=1)
-    n_sd_cells = np.bincount(sd_pairs[0], minlength=n_part)
-    if 0 < n_sd_cells.sum() < mm:
-        raise PrbError(
-            f"only {int(n_sd_cells.sum())} singleton/doubleton cells of X_C in the data, fewer than "
-            f"m0 = {mm}: IFPR cannot bound the risk; add variables to stages.prb.variables"
-        )
-    part, merges = _merge_nested(part, n_sd_cells, mm, values, labels)
-
-    notes: list[str] = []
+    part, values, labels = _partition_codes(pf)
     idx = np.flatnonzero(sd)
+    draws = prb_draws(part[idx], cell[idx], w[idx], values, labels, xi, th, method, tuned, rng)
+    part = draws.group[part]
     block = np.full(n, -1, dtype=np.int64)
+    block[idx] = draws.block
     cell_after = cell.copy()
-    src = np.empty(0, dtype=np.int64)
-    moved = np.empty(0, dtype=np.int64)
-    if len(idx):
-        u_tie = rng.random(len(idx))
-        order = idx[np.lexsort((u_tie, w[idx], part[idx]))]  # by partition, weight, random ties
-        p = part[order]
-        starts = np.r_[0, np.flatnonzero(np.diff(p)) + 1]
-        sizes = np.diff(np.r_[starts, len(order)])
-        rank = np.arange(len(order)) - np.repeat(starts, sizes)
-        if method == "prb":
-            nb = np.maximum(sizes // (2 * mm), 1)
-            local = np.minimum(rank // (2 * mm), np.repeat(nb - 1, sizes))
-            offs = np.r_[0, np.cumsum(nb)[:-1]]
-            b = np.repeat(offs, sizes) + local
-        else:
-            b = np.repeat(np.arange(len(sizes)), sizes)
-        block[order] = b
-        if tuned:
-            tt = theta_tuned(xi)
-            bs = pd.Series(np.where(block >= 0, block, np.nan), index=df.index)
-            worst = float(block_risk(bs, cell, tt)["risk"].max())
-            if worst <= xi:
-                notes.append(f"tuned theta {tt:.4f} (h*(theta) = xi): max R_j(1, t') {worst:.4f}")
-                th = tt
-            else:
-                notes.append(
-                    f"tuned theta {tt:.4f} rejected: max R_j(1, t') {worst:.4f} > xi; theta0 kept"
-                )
-        dest, rep = _ifpr(b, cell[order], th, rng)
-        cell_after[order] = dest
-        go = dest != cell[order]
-        moved, src = order[go], order[rep[go]]  # a record of the destination cell, same block
+    cell_after[idx] = draws.dest
+    moved, src = idx[draws.moved], idx[draws.src]
+    th, notes, merges = draws.theta, draws.notes, draws.merges
 
     data = df.copy(deep=False)  # copy-on-write: new arrays for C only
     if len(moved):

@@ -635,6 +635,7 @@ class RiskStage:
 
     name = "risk"
     replications = 0
+    reads_only = True  # measures the frame (the partitioned path: `puf scan` measures it)
 
     def __init__(self, section: Any, keys: list, sensitive: list, weight: str):
         self.section, self.keys, self.sensitive, self.weight = section, keys, sensitive, weight

@@ -40,6 +40,22 @@ def survey(tmp_path_factory):
     return path, spec, whole
 
 
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """The default survey (3,000 persons) with missing bmi values, every edit rule holding
+    (PRB checks them on its output), in row groups of 450 records."""
+    folder = tmp_path_factory.mktemp("partition_clean")
+    path = write_demo_spec(folder, n_persons=N)
+    spec = load_spec(path)
+    df = pd.read_parquet(spec.release.input)
+    df.loc[df.index % 37 == 0, "bmi"] = np.nan
+    pq.write_table(
+        pa.Table.from_pandas(df, preserve_index=False), spec.release.input, row_group_size=GROUP
+    )
+    whole, _ = read_input(spec)
+    return path, spec, whole
+
+
 def scan(spec, parts, req=None):
     """Both passes by partition, in process: the combined pass 1 and the SE table."""
     req = req or P.means_request(spec, P.input_columns(spec.release.input))
@@ -263,14 +279,15 @@ def test_puf_scan_writes_its_tables_whole(survey, tmp_path, capsys):
 
 
 @pytest.mark.flow
-def test_scan_and_swap_on_a_local_dask_cluster_are_byte_identical_to_in_process(survey, tmp_path):
+def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(clean, tmp_path):
     """One local cluster of 2 worker processes: `puf scan` writes the same tables and `puf
-    swap` the same masked partitions and tables, byte for byte, as in this process."""
+    partitioned` the same records after the swap and PRB and the same tables, byte for byte,
+    as in this process."""
     import logging
 
     from distributed import LocalCluster
 
-    path, _, _ = survey
+    path, _, _ = clean
     with LocalCluster(
         n_workers=2,
         threads_per_worker=1,
@@ -282,29 +299,39 @@ def test_scan_and_swap_on_a_local_dask_cluster_are_byte_identical_to_in_process(
             where = ["--runner", runner]
             if runner == "dask":
                 where += ["--dask-address", cluster.scheduler_address]
-            for cmd in ("scan", "swap"):
+            for cmd in ("scan", "partitioned"):
                 out = str(tmp_path / f"{cmd}-{runner}")
                 puf([cmd, str(path), "--partitions", "4", "--out", out, *where])
     for name in ("se", "edits", "risk_strata", "profiles"):
         a = (tmp_path / "scan-thread" / f"{name}.csv").read_bytes()
         assert a == (tmp_path / "scan-dask" / f"{name}.csv").read_bytes(), name
-    files = sorted(
-        p.relative_to(tmp_path / "swap-thread") for p in (tmp_path / "swap-thread").rglob("*.*")
-    )
-    assert len([f for f in files if f.suffix == ".parquet"]) == 4
+    thread, dask = tmp_path / "partitioned-thread", tmp_path / "partitioned-dask"
+    files = sorted(p.relative_to(thread) for p in thread.rglob("*.*"))
+    assert len([f for f in files if f.suffix == ".parquet"]) == 8  # swap's and PRB's
     for f in files:
-        a = (tmp_path / "swap-thread" / f).read_bytes()
-        assert a == (tmp_path / "swap-dask" / f).read_bytes(), f
+        assert (thread / f).read_bytes() == (dask / f).read_bytes(), f
 
 
 # ---------------------------------------------------------------- the swap by partition
 
 
-def _swap_stage(spec, whole):
+def _in_memory(spec, whole):
+    """The swap and PRB stages in memory, as the release flow runs them (the release's
+    Generators): their results."""
+    from sdl_design.prb import PrbStage
     from sdl_design.stage import StageContext
     from sdl_design.swap import SwapStage
 
-    return SwapStage.from_spec(spec).run(whole, StageContext(whole, spec, "swap"))
+    ctx = StageContext(whole, spec, "swap")
+    swap = SwapStage.from_spec(spec).run(whole, ctx)
+    prb = PrbStage.from_spec(spec).run(swap.data, ctx.for_stage("prb", [swap]))
+    return swap, prb
+
+
+def _same_bits(got, expect):
+    pd.testing.assert_frame_equal(got, expect, check_exact=True)
+    for c in expect.select_dtypes("number").columns:  # the bits, NaN included
+        assert got[c].to_numpy().tobytes() == expect[c].to_numpy().tobytes(), c
 
 
 def test_segment_aggregates_by_partition_are_the_whole_files_to_the_bit():
@@ -350,26 +377,34 @@ def test_segment_aggregates_by_partition_are_the_whole_files_to_the_bit():
     assert abs(whole.score[j, 0] - z) <= 1e-12 * np.abs(whole.score[:, 0]).max()
 
 
-def test_swap_by_partition_gives_the_swap_stages_records_to_the_bit(survey, tmp_path):
-    """`puf swap` in process on 2 and on 7 partitions: the masked records (pseudo strata and
-    PSUs, rebuilt replicate weights, every other column) and the pairs equal the in-memory
-    swap stage's with the release's Generator, bit for bit; the masked SEs are SurveyDesign's
-    on the stage's masked frame."""
-    from flows.scan import run_swap
+def test_swap_and_prb_by_partition_give_the_stages_records_to_the_bit(clean, tmp_path):
+    """`puf partitioned` in process on 2 and on 7 partitions: the records after the swap
+    (pseudo strata and PSUs, rebuilt replicate weights) and after PRB (the moved records'
+    values of C) equal the in-memory stages', bit for bit, with the swap's pairs and PRB's
+    changes and exact risk; the masked SEs are SurveyDesign's on the swap's masked frame; the
+    chain stops before MASSC, which has no partitioned path."""
+    from flows.scan import run_partitioned
 
-    path, spec, whole = survey
-    res = _swap_stage(spec, whole)
-    expect = res.data.reset_index(drop=True)
+    path, spec, whole = clean
+    swap, prb = _in_memory(spec, whole)
     for n in (2, 7):
-        out = run_swap(path, "thread", partitions=n, out=tmp_path / f"swap{n}")
-        got = pd.read_parquet(tmp_path / f"swap{n}" / "data")
-        assert len(out["files"]) == n
-        pd.testing.assert_frame_equal(got, expect, check_exact=True)
-        for c in expect.select_dtypes("number").columns:  # the bits, NaN included
-            assert got[c].to_numpy().tobytes() == expect[c].to_numpy().tobytes(), c
-        pd.testing.assert_frame_equal(out["pairs"], res.tables["pairs"], check_exact=True)
-    se = out["se_ratios"].set_index(["domain", "level", "variable"])
-    d = SurveyDesign.from_spec(res.data, spec.design)
+        out = run_partitioned(path, "thread", partitions=n, out=tmp_path / f"p{n}")
+        st = out["stages"]
+        assert list(st) == ["swap", "prb", "stopped_before"] and st["stopped_before"] == "massc"
+        assert len(st["swap"]["files"]) == n
+        _same_bits(
+            pd.read_parquet(tmp_path / f"p{n}" / "swap" / "data"), swap.data.reset_index(drop=True)
+        )
+        _same_bits(
+            pd.read_parquet(tmp_path / f"p{n}" / "prb" / "data"), prb.data.reset_index(drop=True)
+        )
+        pairs = st["swap"]["tables"]["pairs"]
+        pd.testing.assert_frame_equal(pairs, swap.tables["pairs"], check_exact=True)
+        for m in ("n_changed", "max_risk", "n_blocks", "theta"):
+            assert st["prb"][m] == prb.metrics[m], m
+    assert prb.metrics["n_changed"] > 0  # the chain moved records
+    se = st["swap"]["tables"]["se_ratios"].set_index(["domain", "level", "variable"])
+    d = SurveyDesign.from_spec(swap.data, spec.design)
     for v in ("income", "diabetes"):
         m = d.mean(v, variance="taylor")
         assert se.loc[("all", "all", v), "se_masked"] == pytest.approx(
@@ -379,12 +414,18 @@ def test_swap_by_partition_gives_the_swap_stages_records_to_the_bit(survey, tmp_
     assert se.loc[("all", "all", "income"), "estimate_change"] == 0.0
 
 
-def test_puf_swap_leaves_nothing_when_a_partition_fails(survey, tmp_path, monkeypatch, capsys):
-    path, _, _ = survey
-    out = tmp_path / "swap"
-    assert puf(["swap", str(path), "--partitions", "2", "--out", str(out)]) == 0
-    assert "pairs.csv (confidential" in capsys.readouterr().out
-    before = sorted(p.name for p in (out / "data").iterdir())
+def test_puf_partitioned_leaves_nothing_when_a_partition_fails(
+    clean, tmp_path, monkeypatch, capsys
+):
+    from flows.scan import run_partitioned
+
+    path, _, _ = clean
+    out = tmp_path / "run"
+    assert puf(["partitioned", str(path), "--partitions", "2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "pairs in swap/pairs.csv (confidential)" in text
+    assert "stopped before massc" in text
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     calls = []
 
     def fail_second(part, *args):
@@ -393,12 +434,10 @@ def test_puf_swap_leaves_nothing_when_a_partition_fails(survey, tmp_path, monkey
             raise OSError("disk full")
         return apply(part, *args)
 
-    apply = P.swap_apply
-    monkeypatch.setattr(P, "swap_apply", fail_second)
+    apply = P.prb_apply
+    monkeypatch.setattr(P, "prb_apply", fail_second)
     with pytest.raises(OSError, match="disk full"):
-        from flows.scan import run_swap
-
-        run_swap(path, "thread", partitions=3, out=out)
+        run_partitioned(path, "thread", partitions=3, out=out)
     # the earlier run's folder is whole, and no temporary folder is left beside it
-    assert sorted(p.name for p in (out / "data").iterdir()) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["swap"]
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
