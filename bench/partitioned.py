@@ -147,12 +147,14 @@ def main() -> None:
 
     from flows.scan import run_partitioned, run_scan
 
-    with (
-        LocalCluster(
+    def cluster_and_client() -> tuple:  # fresh worker processes: their peaks are one run's
+        cluster = LocalCluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+        )
+        return cluster, Client(cluster)
+
+    cluster, client = cluster_and_client()
+    with cluster, client:
         start = client.run(_maxrss_gib)
         out = run_scan(str(spec), "dask", cluster.scheduler_address, out=str(work / "dask"))
         peaks = client.run(_maxrss_gib)
@@ -164,12 +166,8 @@ def main() -> None:
         + ", ".join(f"{v:.2f} GiB" for v in peaks.values())
         + f" (at start {max(start.values()):.2f} GiB); driver peak {_maxrss_gib():.2f} GiB"
     )
-    with (  # fresh worker processes: their peaks are the swap's alone
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    cluster, client = cluster_and_client()
+    with cluster, client:
         start = client.run(_maxrss_gib)
         run = run_partitioned(str(spec), "dask", cluster.scheduler_address, out=str(work / "p"))
         peaks = client.run(_maxrss_gib)

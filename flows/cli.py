@@ -228,20 +228,21 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                 f"  swap        : {sw['n_pairs']} segment pairs swapped ({sw['share_swapped']:.1%} "
                 f"of {sw['n_segments']} segments); pairs in swap/pairs.csv (confidential)"
             )
-            se = sw["tables"]["se_ratios"]
-            for col, kind in (("ratio", "Taylor"), ("ratio_rep", "replicate")):
-                if col in se.columns:
-                    r = se[col].dropna()
-                    print(
-                        f"  SE ratio    : median {r.median():.3f} ({r.min():.3f}-{r.max():.3f}) "
-                        f"over {len(r)} estimates, masked against input ({kind})"
-                    )
         if "prb" in st:
             p = st["prb"]
             print(
                 f"  prb         : {int(p['n_changed'])} of {int(p['n_units'])} singleton/doubleton "
                 f"records changed; max identification risk {p['max_risk']:.4f}"
             )
+        for name, res in st.items():
+            se = res["tables"]["se_ratios"] if isinstance(res, dict) else None
+            for col, kind in (("ratio", "Taylor"), ("ratio_rep", "replicate")):
+                if se is not None and col in se.columns:
+                    r = se[col].dropna()
+                    print(
+                        f"  SE ratio    : after {name}, median {r.median():.3f} ({r.min():.3f}-"
+                        f"{r.max():.3f}) over {len(r)} estimates against the input ({kind})"
+                    )
         if "stopped_before" in st:
             print(f"  stopped before {st['stopped_before']}: it has no partitioned path yet")
         return 0
@@ -365,6 +366,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         sp.add_argument("--dask-address", default=None, help="tcp://host:port of a Dask scheduler")
 
+    def partition_opts(sp: argparse.ArgumentParser, out_help: str) -> None:
+        sp.add_argument("spec")
+        sp.add_argument(
+            "--partitions",
+            type=int,
+            default=None,
+            help="about this many (default: one per row group)",
+        )
+        sp.add_argument("--out", default=None, help=out_help)
+        runner_opts(sp)
+
     def _registry_opts(sp: argparse.ArgumentParser) -> None:
         sp.add_argument(
             "--registry",
@@ -403,14 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         help="read the input a partition at a time (on Dask with --runner dask): edit rules, "
         "risk strata and the SEs of the study variables, nothing treated",
     )
-    sc.add_argument("spec")
-    sc.add_argument(
-        "--partitions", type=int, default=None, help="about this many (default: one per row group)"
-    )
-    sc.add_argument(
-        "--out", default=None, help="folder for the tables (default: beside the release)"
-    )
-    runner_opts(sc)
+    partition_opts(sc, "folder for the tables (default: beside the release)")
     sc.set_defaults(func=cmd_scan)
 
     pa = sub.add_parser(
@@ -418,16 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the release stages that have a partitioned path (swap, PRB), a partition at a "
         "time (on Dask with --runner dask): the records after each stage as Parquet files",
     )
-    pa.add_argument("spec")
-    pa.add_argument(
-        "--partitions", type=int, default=None, help="about this many (default: one per row group)"
-    )
-    pa.add_argument(
-        "--out",
-        default=None,
-        help="folder for each stage's records and tables (default: beside the release)",
-    )
-    runner_opts(pa)
+    partition_opts(pa, "folder for each stage's records and tables (default: beside the release)")
     pa.set_defaults(func=cmd_partitioned)
 
     t = sub.add_parser(

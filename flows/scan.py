@@ -244,8 +244,7 @@ def _swap_stage(
 ) -> dict[str, Any]:
     """The swap by partition: pass 1 reads each partition's segments and bounds, pass 2 its
     exact segment sums; the driver chooses the swaps, pseudo labels and replicate factors from
-    those sums with the swap stage's Generator; every worker masks and writes its partitions;
-    the SEs of the masked partitions are measured against the input's."""
+    those sums with the swap stage's Generator; every worker masks and writes its partitions."""
     req = part.swap_request(spec, columns)
     missing = [c for c in req.columns if c not in columns]
     if missing:
@@ -265,14 +264,7 @@ def _swap_stage(
     _say(f"{n} ({counts['n_swapped']} of {counts['n_segments']} segments)", "partitioned")
     args = (spec, req, design.segment_labels, masking, str(folder / "data"))
     files = run_map(part.swap_apply, parts, *args, what="swap masking")
-    t = _lap(laps, "masking", t)
-    masked = part.plan_partitions(folder / "data")
-    req_m = part.means_request(spec, part.input_columns(folder / "data"))
-    tables["se_ratios"] = part.se_ratio_rows(
-        _domain_means(run_map, parts, spec, part.means_request(spec, columns), "input"),
-        _domain_means(run_map, masked, spec, req_m, "masked"),
-    )
-    _lap(laps, "se", t)
+    _lap(laps, "masking", t)
     return {**counts, "files": [Path(f).name for f in files], **laps, "tables": tables}
 
 
@@ -323,19 +315,26 @@ def run_partitioned(
     none, and says which. Stages that only read (risk) are `puf scan`'s. out (default
     partitioned_folder) gets, per stage, <stage>/data/part-<first record>.parquet (the records
     after that stage, in record order: the same records, bit for bit, as the in-memory stages
-    give) and its tables (the swap's pairs.csv is confidential). Workers on other machines
-    need out on a disk they share."""
+    give) and its tables (the swap's pairs.csv is confidential), among them se_ratios.csv: the
+    SE of every study variable's mean overall and in every utility domain on the records after
+    the stage, against the input's (Taylor and replicate). Workers on other machines need out
+    on a disk they share."""
     from sdl_design.stage import reads_only
     from sdl_design.stages import RELEASE_STAGES
 
     spec, columns, parts = _partitioned_input(spec_path, runner, partitions, "partitioned")
     folder = Path(out) if out else partitioned_folder(spec)
+    try:  # the SEs every stage's damage is measured with
+        base = part.means_request(spec, columns)
+    except part.PartitionError as e:
+        raise SpecError([str(e)]) from e
     stages = [s for s in (c.from_spec(spec) for c in RELEASE_STAGES) if s is not None]
     t0 = time.perf_counter()
 
     def fill(tmp: Path) -> dict[str, Any]:
         done: dict[str, Any] = {}
-        source, cols, now = spec, columns, parts
+        cols, now = columns, parts
+        se: dict[str, pd.DataFrame] = {}  # the input's SE table, computed once
         with _mapper(runner, dask_address, workers, "partitioned") as run_map:
             for stage in stages:
                 fn = PARTITIONED.get(stage.name)
@@ -352,14 +351,23 @@ def run_partitioned(
                     break
                 (tmp / stage.name / "data").mkdir(parents=True)
                 try:
-                    res = fn(source, cols, now, run_map, tmp / stage.name)
+                    res = fn(spec, cols, now, run_map, tmp / stage.name)
                 except part.PartitionError as e:
                     raise SpecError([str(e)]) from e
+                now = part.plan_partitions(tmp / stage.name / "data")
+                cols = part.input_columns(tmp / stage.name / "data")
+                # the damage so far: the records after this stage against the input's
+                t = time.perf_counter()
+                if "input" not in se:
+                    se["input"] = _domain_means(run_map, parts, spec, base, "input")
+                after = part.means_request(spec, cols)
+                res["tables"]["se_ratios"] = part.se_ratio_rows(
+                    se["input"], _domain_means(run_map, now, spec, after, stage.name)
+                )
+                res["se_seconds"] = time.perf_counter() - t
                 for name, table in res["tables"].items():
                     table.to_csv(tmp / stage.name / f"{name}.csv", index=False)
                 done[stage.name] = res
-                now = part.plan_partitions(tmp / stage.name / "data")
-                cols = part.input_columns(tmp / stage.name / "data")
         return done
 
     result = _replace(folder, fill)

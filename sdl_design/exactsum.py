@@ -87,6 +87,14 @@ def add_limbs(parts: list[np.ndarray]) -> np.ndarray:
     return out
 
 
+def add_limbs_at(total: np.ndarray, groups: np.ndarray, limbs: np.ndarray) -> np.ndarray:
+    """total (3, G, q) with a partition's limb sums of some groups added (limbs (3, len(groups),
+    q) of the groups `groups`: a partition sends only the groups it has); exact, any order."""
+    out = np.array(total, dtype=float)
+    out[:, groups] += limbs
+    return normalize(out)
+
+
 def limb_total(limbs: np.ndarray) -> np.ndarray:
     """Limbs (3, q) of the sum over all groups, e.g. the whole file's total (exact: every
     partial sum of at most 2^26 records' limbs is an integer below 2^53)."""

@@ -40,7 +40,7 @@ from sdl_design.design import (
     take_rows,
 )
 from sdl_design.edits import combine_rule_failures, rule_failures
-from sdl_design.exactsum import add_limbs
+from sdl_design.exactsum import add_limbs_at
 from sdl_design.keys import key_levels
 from sdl_design.prb import (
     PrbRequest,
@@ -766,11 +766,17 @@ def swap_pass1(part: Partition, spec: ReleaseSpec, req: SwapRequest) -> SegmentP
 
 def swap_pass2(
     part: Partition, spec: ReleaseSpec, req: SwapRequest, design: SegmentDesign
-) -> np.ndarray:
-    """Pass 2 on one partition: exact limb sums of w and w x by segment (swap.segment_pass2)."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pass 2 on one partition: exact limb sums of w and w x by segment (swap.segment_pass2)
+    for the segments it has (their indices, and the limbs: small beside all segments')."""
     d = req.dc
     df = read_partition(part, req.columns, spec)
-    return segment_pass2(df, d["weight"], d["segment"], req.matching, design)
+    codes = pd.Index(design.segment_labels).get_indexer(df[d["segment"]])
+    if (codes < 0).any():
+        raise PartitionError(f"design.segment: a '{d['segment']}' label is not in pass 1's table")
+    present, local = np.unique(codes, return_inverse=True)
+    limbs = segment_pass2(df, d["weight"], d["segment"], req.matching, design, local, len(present))
+    return present, limbs
 
 
 def swap_design(partials: Sequence[SegmentPass1], req: SwapRequest) -> SegmentDesign:
@@ -781,25 +787,28 @@ def swap_design(partials: Sequence[SegmentPass1], req: SwapRequest) -> SegmentDe
 def swap_masking(
     req: SwapRequest,
     design: SegmentDesign,
-    partials: Sequence[np.ndarray],
+    partials: Sequence[tuple[np.ndarray, np.ndarray]],
     rng: np.random.Generator,
 ) -> tuple[Masking, dict[str, Any], dict[str, pd.DataFrame]]:
     """On the driver, from pass 2's segment sums alone: the swaps, the pseudo labels and the
     replicate factors (swap.plan_masking; rng: the swap stage's Generator), with the plan's
     counts and its tables (the confidential pairs; the matching variances before and after)."""
     st, d = req.section, req.dc
-    agg = aggregates_from_sums(design, add_limbs(list(partials)), req.matching)
+    limbs = np.zeros((3, len(design.segment_labels), 2 * len(req.matching)))
+    for present, part_limbs in partials:
+        limbs = add_limbs_at(limbs, present, part_limbs)
+    agg = aggregates_from_sums(design, limbs, req.matching)
     plan, masking = plan_masking(
         agg,
         d,
-        st.rate,
         rng,
-        st.method,
-        st.max_share,
-        st.cumulative,
-        st.scope,
-        rep_method=st.replicate_method or d["method"],
-        rep_rho=st.rho if st.rho is not None else d["rho"],
+        st.replicate_method or d["method"],
+        st.rho if st.rho is not None else d["rho"],
+        rate=st.rate,
+        method=st.method,
+        max_share=st.max_share,
+        cumulative=st.cumulative,
+        scope=st.scope,
     )
     tables = {
         "pairs": swap_pairs(agg, plan, st.method, st.cumulative),

@@ -219,17 +219,19 @@ def segment_pass2(
     matching: Sequence[str],
     design: SegmentDesign,
     codes: np.ndarray | None = None,
+    n_groups: int | None = None,
 ) -> np.ndarray:
     """Exact limb sums (3, segments, 2q) of w 1{x observed} and w x by segment on df's records
     (a map: partitions' sums add with exactsum.add_limbs). codes: each record's segment index
-    when known (else looked up from its label)."""
+    when known (else looked up from its label), among n_groups (default: every segment)."""
     if codes is None:
         codes = pd.Index(design.segment_labels).get_indexer(df[segment])
         if (codes < 0).any():
             raise ValueError(f"design.segment: a '{segment}' label is not in the segment table")
     w = _weights(df, weight)
     x = _matrix(df, matching, "stages.swap.matching")
-    q, G = x.shape[1], len(design.segment_labels)
+    q = x.shape[1]
+    G = len(design.segment_labels) if n_groups is None else n_groups
     obs = ~np.isnan(x)
     if obs.all():  # every column's w 1{observed} is w: its sums once
         wx = np.multiply(w[:, None], x, order="F")  # columns contiguous for limb_sums
@@ -711,7 +713,17 @@ def swap_segments(
     rep_method = replicate_method or dc["method"]
     rep_rho = rho if rho is not None else dc["rho"]
     plan, masking = plan_masking(
-        agg, dc, rate, rng, method, max_share, cumulative, scope, n_candidates, rep_method, rep_rho
+        agg,
+        dc,
+        rng,
+        rep_method,
+        rep_rho,
+        rate=rate,
+        method=method,
+        max_share=max_share,
+        cumulative=cumulative,
+        scope=scope,
+        n_candidates=n_candidates,
     )
     data, new_rw, notes = apply_masking(df, dc, agg.record_segment, masking)
     rscales = masking.rscales
@@ -777,19 +789,15 @@ class Masking:
 def plan_masking(
     agg: SegmentAggregates,
     dc: dict[str, Any],
-    rate: float,
     rng: np.random.Generator,
-    method: Method = "2b",
-    max_share: float = 0.5,
-    cumulative: bool = False,
-    scope: Scope = "any",
-    n_candidates: int = 64,
     rep_method: str | None = None,
     rep_rho: float | None = None,
+    **swaps: Any,
 ) -> tuple[SwapPlan, Masking]:
-    """The swaps (plan_swaps), then the pseudo labels and replicate factors: the same Generator
-    draws in the same order whether the records are in memory or in partitions."""
-    plan = plan_swaps(agg, rate, rng, method, max_share, cumulative, scope, n_candidates)
+    """The swaps (plan_swaps with the settings `swaps`: rate, method, max_share, ...), then the
+    pseudo labels and replicate factors: the same Generator draws in the same order whether
+    the records are in memory or in partitions."""
+    plan = plan_swaps(agg, rng=rng, **swaps)
     psu_h, psu_p = _psu_pseudo_labels(agg, rng)
     masking = Masking(plan.state.seg_psu.copy(), psu_h, psu_p)
     if rep_method is not None:

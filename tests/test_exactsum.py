@@ -65,3 +65,18 @@ def test_terms_below_the_grid_are_dropped_and_bad_terms_refused():
         X.limb_sums(np.zeros(1, dtype=int), np.array([[np.nan]]), 1, E)
     with pytest.raises(ValueError, match="NaN"):
         X.grid_exponent([np.inf])
+
+
+def test_partitions_sending_only_their_groups_add_to_the_same_bits():
+    rng = np.random.default_rng(5)
+    n, G = 6000, 400
+    x = rng.lognormal(2, 2, (n, 2))
+    codes = np.sort(rng.integers(0, G, n))  # sorted: each slice holds a run of the groups
+    E = X.grid_exponent(x.max(axis=0))
+    whole = X.limb_sums(codes, x, G, E)
+    total = np.zeros_like(whole)
+    for a, b in ((3000, 6000), (0, 1000), (1000, 3000)):
+        present, local = np.unique(codes[a:b], return_inverse=True)
+        assert len(present) < G
+        total = X.add_limbs_at(total, present, X.limb_sums(local, x[a:b], len(present), E))
+    np.testing.assert_array_equal(X.value(total, E), X.value(whole, E))

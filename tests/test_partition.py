@@ -412,6 +412,12 @@ def test_swap_and_prb_by_partition_give_the_stages_records_to_the_bit(clean, tmp
         )
     assert (se["n_masked"] == se["n_original"]).all()  # the swap moves no record between domains
     assert se.loc[("all", "all", "income"), "estimate_change"] == 0.0
+    # after PRB: measured on its records against the input, which PRB moved between domains
+    se = st["prb"]["tables"]["se_ratios"].set_index(["domain", "level", "variable"])
+    m = SurveyDesign.from_spec(prb.data, spec.design).mean("income", by="race", variance="taylor")
+    for (_, lv), row in m.iterrows():
+        assert se.loc[("race", str(lv), "income"), "se_masked"] == pytest.approx(row["se"], 1e-12)
+    assert (se["n_masked"] != se["n_original"]).any()
 
 
 def test_puf_partitioned_leaves_nothing_when_a_partition_fails(
