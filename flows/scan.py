@@ -9,6 +9,7 @@ partition order (the results do not depend on which worker ran what, or when).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -253,8 +254,11 @@ def _swap_stage(
         )
     laps: dict[str, float] = {}
     t = time.perf_counter()
-    first = run_map(part.swap_pass1, parts, spec, req, what="swap pass 1")
-    design = part.swap_design(first, req)
+    try:  # the swap's checks name the field to fix (design.segment, stages.swap.matching, ...)
+        first = run_map(part.swap_pass1, parts, spec, req, what="swap pass 1")
+        design = part.swap_design(first, req)
+    except ValueError as e:
+        raise part.PartitionError(str(e)) from e
     t = _lap(laps, "pass1", t)
     sums = run_map(part.swap_pass2, parts, spec, req, design, what="swap pass 2")
     t = _lap(laps, "pass2", t)
@@ -317,8 +321,8 @@ def run_partitioned(
     after that stage, in record order: the same records, bit for bit, as the in-memory stages
     give) and its tables (the swap's pairs.csv is confidential), among them se_ratios.csv: the
     SE of every study variable's mean overall and in every utility domain on the records after
-    the stage, against the input's (Taylor and replicate). Workers on other machines need out
-    on a disk they share."""
+    the stage, against the input's (Taylor and replicate); run.json says what ran, its counts
+    and metrics and where it stopped. Workers on other machines need out on a disk they share."""
     from sdl_design.stage import reads_only
     from sdl_design.stages import RELEASE_STAGES
 
@@ -368,6 +372,16 @@ def run_partitioned(
                 for name, table in res["tables"].items():
                     table.to_csv(tmp / stage.name / f"{name}.csv", index=False)
                 done[stage.name] = res
+        summary = {
+            "records": parts[-1].stop,
+            "partitions": len(parts),
+            "runner": runner,
+            "stages": {
+                k: {m: v for m, v in r.items() if m != "tables"} if isinstance(r, dict) else r
+                for k, r in done.items()
+            },
+        }
+        (tmp / "run.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
         return done
 
     result = _replace(folder, fill)
