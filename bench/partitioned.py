@@ -42,6 +42,12 @@ def _child(code: str, *args: str) -> tuple[float, float, str]:
     return wall, peak, out
 
 
+PARTITIONED_IN_PROCESS = """
+from flows.scan import run_partitioned
+out = run_partitioned(sys.argv[1], "thread", out=sys.argv[2])
+print('RUN', out['seconds'])
+"""
+
 IN_PROCESS = """
 from flows.scan import run_scan
 out = run_scan(sys.argv[1], "thread", out=sys.argv[2])
@@ -189,6 +195,11 @@ def main() -> None:
     wall, peak, text = _child(IN_PROCESS, str(spec), str(work / "thread"))
     secs = float(next(ln for ln in text.splitlines() if ln.startswith("SCAN")).split()[1])
     print(f"one process, a partition at a time: {secs:.1f} s; peak RSS {peak:.2f} GiB")
+    wall, peak, text = _child(PARTITIONED_IN_PROCESS, str(spec), str(work / "p-thread"))
+    secs = float(next(ln for ln in text.splitlines() if ln.startswith("RUN")).split()[1])
+    print(
+        f"swap and PRB in one process, a partition at a time: {secs:.1f} s; peak RSS {peak:.2f} GiB"
+    )
     same = all(
         (work / "dask" / f).read_bytes() == (work / "thread" / f).read_bytes()
         for f in ("se.csv", "edits.csv", "risk_strata.csv", "profiles.csv")

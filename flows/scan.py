@@ -205,6 +205,10 @@ def _replace(folder: Path, fill: Callable[[Path], Any]) -> Any:
     """Fill a temporary folder beside folder, then rename it to folder, replacing an earlier
     run's whole (nothing half-written is left on failure)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
+    for stale in folder.parent.glob(f".{folder.name}.tmp-*"):  # a killed run's, whose
+        pid = stale.name.rsplit("-", 1)[-1]  # process is gone
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
