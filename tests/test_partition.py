@@ -465,3 +465,33 @@ def test_puf_partitioned_names_the_field_of_a_design_it_cannot_swap(clean, tmp_p
     assert puf(["partitioned", str(bad_spec), "--out", str(out)]) == 2
     assert "design.segment: segments span several PSUs" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"method": "nzy", "tuned": True}, {"partition": None}],
+    ids=["nzy-tuned", "no-partition"],
+)
+def test_prb_alone_by_partition_gives_the_stages_records(clean, tmp_path, change):
+    """PRB as the first stage (no swap) on the input's row groups, as NZY with tuned theta, or
+    without partition sets: the in-memory stage's records, bit for bit."""
+    from flows.scan import run_partitioned
+    from sdl_design.prb import PrbStage
+    from sdl_design.stage import StageContext
+
+    path, _, whole = clean
+    data = yaml.safe_load(path.read_text())
+    del data["stages"]["swap"]
+    for k, v in change.items():
+        if v is None:
+            data["stages"]["prb"].pop(k)
+        else:
+            data["stages"]["prb"][k] = v
+    new = path.parent / f"prb-{'-'.join(change)}.yaml"
+    new.write_text(yaml.safe_dump(data))
+    spec = load_spec(new)
+    prb = PrbStage.from_spec(spec).run(whole, StageContext(whole, spec, "prb"))
+    out = run_partitioned(new, "thread", partitions=5, out=tmp_path / "p")
+    assert list(out["stages"]) == ["prb", "stopped_before"]
+    _same_bits(pd.read_parquet(tmp_path / "p" / "prb" / "data"), prb.data.reset_index(drop=True))
+    assert out["stages"]["prb"]["n_changed"] == prb.metrics["n_changed"] > 0
