@@ -784,6 +784,7 @@ def swap_design(partials: Sequence[SegmentPass1], req: SwapRequest) -> SegmentDe
     return segment_design(combine_segment_pass1(partials), req.matching)
 
 
+@single_blas_thread()  # as the in-memory stage runs (sdl_design.blas)
 def swap_masking(
     req: SwapRequest,
     design: SegmentDesign,
@@ -797,13 +798,6 @@ def swap_masking(
     for present, part_limbs in partials:
         limbs = add_limbs_at(limbs, present, part_limbs)
     agg = aggregates_from_sums(design, limbs, req.matching)
-    with single_blas_thread():  # as the in-memory stage runs (sdl_design.blas)
-        return _swap_masking(req, agg, rng)
-
-
-def _swap_masking(
-    req: SwapRequest, agg: Any, rng: np.random.Generator
-) -> tuple[Masking, dict[str, Any], dict[str, pd.DataFrame]]:
     st, d = req.section, req.dc
     plan, masking = plan_masking(
         agg,
@@ -954,6 +948,7 @@ def prb_pass2(
     )
 
 
+@single_blas_thread()  # as the in-memory stage runs (sdl_design.blas)
 def prb_plan(
     req: PrbRequest,
     xi: float,
@@ -966,18 +961,6 @@ def prb_plan(
     stage's Generator); returns the moved records' new values of C (indexed by global row: a
     record of the destination cell in the same block gives all of them) and the metrics,
     among them the exact identification risk of eq. 2.2 from the blocks' counts."""
-    with single_blas_thread():  # as the in-memory stage runs (sdl_design.blas)
-        return _prb_plan(req, xi, tuned, tables, units, rng)
-
-
-def _prb_plan(
-    req: PrbRequest,
-    xi: float,
-    tuned: bool,
-    tables: PrbTables,
-    units: Sequence[pd.DataFrame],
-    rng: np.random.Generator,
-) -> tuple[pd.DataFrame, dict[str, Any]]:
     u = pd.concat(list(units), ignore_index=True)
     draws = prb_draws(
         u["__part"].to_numpy(), u["__cell"].to_numpy(), u["__w"].to_numpy(),
