@@ -801,7 +801,9 @@ def plan_masking(
     psu_h, psu_p = _psu_pseudo_labels(agg, rng)
     masking = Masking(plan.state.seg_psu.copy(), psu_h, psu_p)
     if rep_method is not None:
-        masking.factors, masking.rscales = replicate_factors(dc, psu_h, psu_p, rep_method, rep_rho)
+        masking.factors, masking.rscales = replicate_factors(
+            dc, psu_h, psu_p, rep_method, rep_rho, rng
+        )
         masking.method = rep_method
     return plan, masking
 
@@ -872,9 +874,16 @@ def plan_counts(agg: SegmentAggregates, plan: SwapPlan) -> dict[str, Any]:
 
 
 def replicate_factors(
-    dc: dict[str, Any], psu_h: np.ndarray, psu_p: np.ndarray, method: str, rho: float | None
+    dc: dict[str, Any],
+    psu_h: np.ndarray,
+    psu_p: np.ndarray,
+    method: str,
+    rho: float | None,
+    rng: np.random.Generator,
 ) -> tuple[pd.DataFrame, np.ndarray]:
-    """Replicate factors (PSUs x R) of the pseudo design, with their scale factors.
+    """Replicate factors (PSUs x R) of the pseudo design, with their scale factors (the
+    bootstrap draws its resamples from rng, the swap stage's Generator; the other methods draw
+    nothing).
 
     The replicate factors are constant within PSUs for every method SurveyDesign builds, so
     they are built once on a design of one unit-weight record per PSU and each record gets w
@@ -885,7 +894,8 @@ def replicate_factors(
 
     h, p, wc = dc["strata"], dc["psu"], dc["weight"]
     one_per_psu = pd.DataFrame({h: psu_h, p: psu_p, wc: np.ones(len(psu_h))})
-    f = SurveyDesign(one_per_psu, weight=wc, strata=h, psu=p).with_replicates(method, rho=rho)
+    design = SurveyDesign(one_per_psu, weight=wc, strata=h, psu=p)
+    f = design.with_replicates(method, rho=rho, seed=rng)
     return f, np.asarray(f.attrs["rscales"], dtype=float)
 
 

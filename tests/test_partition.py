@@ -495,3 +495,25 @@ def test_prb_alone_by_partition_gives_the_stages_records(clean, tmp_path, change
     assert list(out["stages"]) == ["prb", "stopped_before"]
     _same_bits(pd.read_parquet(tmp_path / "p" / "prb" / "data"), prb.data.reset_index(drop=True))
     assert out["stages"]["prb"]["n_changed"] == prb.metrics["n_changed"] > 0
+
+
+def test_swap_with_bootstrap_replicates_by_partition_gives_the_stages_records(clean, tmp_path):
+    """The swap rebuilding bootstrap replicate weights (100 resamples drawn on the driver from
+    the swap's Generator) by partition: the in-memory stage's records, bit for bit."""
+    from flows.scan import run_partitioned
+    from sdl_design.stage import StageContext
+    from sdl_design.swap import SwapStage
+
+    path, _, whole = clean
+    data = yaml.safe_load(path.read_text())
+    data["stages"]["swap"]["replicate_method"] = "bootstrap"
+    del data["stages"]["prb"]
+    new = path.parent / "boot.yaml"
+    new.write_text(yaml.safe_dump(data))
+    spec = load_spec(new)
+    swap = SwapStage.from_spec(spec).run(whole, StageContext(whole, spec, "swap"))
+    out = run_partitioned(new, "thread", partitions=3, out=tmp_path / "p")
+    assert list(out["stages"]) == ["swap", "stopped_before"]
+    got = pd.read_parquet(tmp_path / "p" / "swap" / "data")
+    assert sum(c.startswith("rw") for c in got.columns) == 100
+    _same_bits(got, swap.data.reset_index(drop=True))

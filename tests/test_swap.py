@@ -308,6 +308,26 @@ def test_swap_segments_seeded(small_survey):
     assert not r1.data[["stratum", "psu"]].equals(r3.data[["stratum", "psu"]])
 
 
+def test_bootstrap_rebuild_draws_from_the_seed(small_survey):
+    """Replicate weights rebuilt by the bootstrap draw their resamples from the swap's
+    Generator: the same seed gives the same bits (it drew from fresh entropy before), another
+    seed other resamples; each is w times a Rao-Wu factor constant within the pseudo PSU."""
+    from sdl_design.swap import swap_segments
+
+    d = _design(small_survey)
+    kw = dict(characteristics=None, replicate_method="bootstrap")
+    r1, r2, r3 = (
+        swap_segments(small_survey, d, MATCHING[:2], 0.1, seed=s, **kw) for s in (5, 5, 6)
+    )
+    rw = [c for c in r1.data.columns if c.startswith("rw_")]
+    assert len(rw) == 100  # with_replicates' default bootstrap count, rebuilt in place or added
+    pd.testing.assert_frame_equal(r1.data, r2.data, check_exact=True)
+    assert not np.array_equal(r1.data[rw].to_numpy(), r3.data[rw].to_numpy())
+    f = r1.data[rw].to_numpy() / r1.data[["wt"]].to_numpy()
+    by_psu = pd.DataFrame(f).groupby([r1.data["stratum"].to_numpy(), r1.data["psu"].to_numpy()])
+    assert (by_psu.max() - by_psu.min()).to_numpy().max() < 1e-12
+
+
 def test_deff_class_summary_matches_numpy():
     from sdl_design.utility import deff_class_summary
 
@@ -433,7 +453,7 @@ def test_rebuilt_replicates_equal_with_replicates_on_the_full_file(method):
     rec_psu = plan.state.seg_psu[agg.record_segment]
     dc = {"weight": "w", "strata": "st", "psu": "psu", "replicate_weights": []}
     rho = 0.3 if method == "fay" else None
-    f, rscales = replicate_factors(dc, psu_h, psu_p, method, rho)
+    f, rscales = replicate_factors(dc, psu_h, psu_p, method, rho, np.random.default_rng(4))
     masking = Masking(plan.state.seg_psu, psu_h, psu_p, f, rscales, method)
     data, rw, _ = apply_masking(df, dc, agg.record_segment, masking)
     full = SurveyDesign(data, weight="w", strata="st", psu="psu").with_replicates(method, rho=rho)
