@@ -221,6 +221,12 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
             f"{args.spec}: {out['records']} records in {out['partitions']} partition(s), "
             f"{out['seconds']:.1f} s; written to {out['folder']}"
         )
+        sc = out["scan"]
+        strata = ", ".join(f"{r.stratum} {r.records}" for r in sc["risk_strata"].itertuples())
+        print(
+            f"  input       : {int(sc['edits']['passed'].sum())} of {len(sc['edits'])} edit rules "
+            f"hold; risk strata {strata} (scan/)"
+        )
         st = out["stages"]
         if "swap" in st:
             sw = st["swap"]

@@ -135,9 +135,27 @@ def run_scan(
 ) -> dict[str, Any]:
     """Scan the spec's Parquet input by partition; writes se.csv, edits.csv, risk_strata.csv,
     risk.csv and profiles.csv to out (whole or not at all) and returns them with the timings."""
+    spec, columns, parts = _partitioned_input(spec_path, runner, partitions)
+    t0 = time.perf_counter()
+    with _mapper(runner, dask_address, workers) as run_map:
+        tables, info = _scan(spec, columns, parts, run_map, runner)
+    folder = Path(out) if out else scan_folder(spec)
+    _replace(folder, lambda tmp: _write_tables(tmp, tables))
+    return {
+        "partitions": len(parts),
+        "seconds": time.perf_counter() - t0,
+        "folder": str(folder),
+        **info,
+        **tables,
+    }
+
+
+def _scan(
+    spec: ReleaseSpec, columns: list[str], parts: list, run_map: Mapper, runner: str
+) -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
+    """The scan's tables (se, edits, risk_strata, risk, profiles) and its counts and laps."""
     from expectations.suites import edit_verdicts
 
-    spec, columns, parts = _partitioned_input(spec_path, runner, partitions)
     try:
         req = part.means_request(spec, columns)
     except part.PartitionError as e:
@@ -146,17 +164,16 @@ def run_scan(
     if missing:
         raise SpecError([f"the spec names columns {missing} that are not in the input; fix them"])
     t0 = time.perf_counter()
-    with _mapper(runner, dask_address, workers) as run_map:
-        if runner == "dask":  # the edit verdicts' Great Expectations, imported while workers map
-            from flows.env import preload
+    if runner == "dask":  # the edit verdicts' Great Expectations, imported while workers map
+        from flows.env import preload
 
-            preload(("great_expectations", "great_expectations.expectations"))
-        first = run_map(part.scan_pass1, parts, spec, req, what="pass 1")
-        t1 = time.perf_counter()
-        agg = part.combine_scan(first)
-        levels, ratios = agg["means"].levels, part.ratios(agg["means"])
-        t2 = time.perf_counter()
-        second = run_map(part.scan_pass2, parts, spec, req, levels, ratios, what="pass 2")
+        preload(("great_expectations", "great_expectations.expectations"))
+    first = run_map(part.scan_pass1, parts, spec, req, what="pass 1")
+    t1 = time.perf_counter()
+    agg = part.combine_scan(first)
+    levels, ratios = agg["means"].levels, part.ratios(agg["means"])
+    t2 = time.perf_counter()
+    second = run_map(part.scan_pass2, parts, spec, req, levels, ratios, what="pass 2")
     t3 = time.perf_counter()
     se = part.domain_means(req, agg["means"], second)
     edits = edit_verdicts(spec.edits, agg["edits"], "row")
@@ -169,18 +186,13 @@ def run_scan(
         "risk": pd.DataFrame({"metric": list(risk), "value": list(risk.values())}),
         "profiles": agg["profiles"],
     }
-    folder = Path(out) if out else scan_folder(spec)
-    _replace(folder, lambda tmp: _write_tables(tmp, tables))
-    return {
+    info = {
         "records": agg["records"],
-        "partitions": len(parts),
-        "seconds": time.perf_counter() - t0,
         "pass1_seconds": t1 - t0,
         "combine_seconds": t2 - t1,
         "pass2_seconds": t3 - t2,
-        "folder": str(folder),
-        **tables,
     }
+    return tables, info
 
 
 def _domain_means(
@@ -320,34 +332,38 @@ def run_partitioned(
 ) -> dict[str, Any]:
     """The spec's release stages that have a partitioned path, in release order, each on the
     previous one's partitions (the swap, then PRB); stops before the first stage that has
-    none, and says which. Stages that only read (risk) are `puf scan`'s. out (default
+    none, and says which. First it scans the input as `puf scan` does (scan/: its edit rules,
+    which stop the run when one fails, the risk stage's metrics, its SEs). out (default
     partitioned_folder) gets, per stage, <stage>/data/part-<first record>.parquet (the records
     after that stage, in record order: the same records, bit for bit, as the in-memory stages
     give) and its tables (the swap's pairs.csv is confidential), among them se_ratios.csv: the
     SE of every study variable's mean overall and in every utility domain on the records after
     the stage, against the input's (Taylor and replicate); run.json says what ran, its counts
     and metrics and where it stopped. Workers on other machines need out on a disk they share."""
+    from expectations.suites import GateFailed
     from sdl_design.stage import reads_only
     from sdl_design.stages import RELEASE_STAGES
 
     spec, columns, parts = _partitioned_input(spec_path, runner, partitions, "partitioned")
     folder = Path(out) if out else partitioned_folder(spec)
-    try:  # the SEs every stage's damage is measured with
-        base = part.means_request(spec, columns)
-    except part.PartitionError as e:
-        raise SpecError([str(e)]) from e
     stages = [s for s in (c.from_spec(spec) for c in RELEASE_STAGES) if s is not None]
     t0 = time.perf_counter()
 
     def fill(tmp: Path) -> dict[str, Any]:
         done: dict[str, Any] = {}
         cols, now = columns, parts
-        se: dict[str, pd.DataFrame] = {}  # the input's SE table, computed once
         with _mapper(runner, dask_address, workers, "partitioned") as run_map:
+            # the input first, as the release flow: its edit rules (a failing one stops the
+            # run), the risk stage's metrics, and the SEs every stage's damage is measured by
+            scan, _ = _scan(spec, columns, parts, run_map, runner)
+            (tmp / "scan").mkdir()
+            _write_tables(tmp / "scan", scan)
+            if not scan["edits"]["passed"].all():
+                raise GateFailed("edit validation failed on the input file", scan["edits"])
             for stage in stages:
                 fn = PARTITIONED.get(stage.name)
                 if fn is None and reads_only(stage):
-                    continue  # it measures the records: `puf scan` does so by partition
+                    continue  # it measures the records (the risk stage's: scan/risk.csv)
                 if fn is None:
                     done["stopped_before"] = stage.name
                     _say(
@@ -366,11 +382,9 @@ def run_partitioned(
                 cols = part.input_columns(tmp / stage.name / "data")
                 # the damage so far: the records after this stage against the input's
                 t = time.perf_counter()
-                if "input" not in se:
-                    se["input"] = _domain_means(run_map, parts, spec, base, "input")
                 after = part.means_request(spec, cols)
                 res["tables"]["se_ratios"] = part.se_ratio_rows(
-                    se["input"], _domain_means(run_map, now, spec, after, stage.name)
+                    scan["se"], _domain_means(run_map, now, spec, after, stage.name)
                 )
                 res["se_seconds"] = time.perf_counter() - t
                 for name, table in res["tables"].items():
@@ -380,19 +394,21 @@ def run_partitioned(
             "records": parts[-1].stop,
             "partitions": len(parts),
             "runner": runner,
+            "edit_rules_passed": int(scan["edits"]["passed"].sum()),
             "stages": {
                 k: {m: v for m, v in r.items() if m != "tables"} if isinstance(r, dict) else r
                 for k, r in done.items()
             },
         }
         (tmp / "run.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
-        return done
+        return done, scan
 
-    result = _replace(folder, fill)
+    stages_done, scan = _replace(folder, fill)
     return {
         "records": parts[-1].stop,
         "partitions": len(parts),
         "seconds": time.perf_counter() - t0,
         "folder": str(folder),
-        "stages": result,
+        "scan": scan,
+        "stages": stages_done,
     }

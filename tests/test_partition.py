@@ -517,3 +517,13 @@ def test_swap_with_bootstrap_replicates_by_partition_gives_the_stages_records(cl
     got = pd.read_parquet(tmp_path / "p" / "swap" / "data")
     assert sum(c.startswith("rw") for c in got.columns) == 100
     _same_bits(got, swap.data.reset_index(drop=True))
+
+
+def test_puf_partitioned_stops_on_the_inputs_edit_failures(survey, tmp_path, capsys):
+    """As the release flow: an input that breaks edit rules is refused before any stage runs
+    (exit 1, the rules named), nothing written; a clean input's scan tables are kept."""
+    path, _, _ = survey
+    out = tmp_path / "run"
+    assert puf(["partitioned", str(path), "--partitions", "3", "--out", str(out)]) == 1
+    assert "edit validation failed on the input file" in capsys.readouterr().err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
