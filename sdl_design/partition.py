@@ -43,6 +43,7 @@ from sdl_design.edits import combine_rule_failures, rule_failures
 from sdl_design.exactsum import add_limbs_at
 from sdl_design.keys import key_levels
 from sdl_design.prb import (
+    EDIT_HINT,
     PrbRequest,
     _partition_codes,
     block_risk,
@@ -837,6 +838,9 @@ def swap_apply(
     return _write_partition(data, part, folder)
 
 
+# ---------------------------------------------------------------- a stage's damage by partition
+
+
 def means_only_pass1(part: Partition, spec: ReleaseSpec, req: MeansRequest) -> MeansPass1:
     """Pass 1 of the domain means alone on one partition (scan_pass2 is its pass 2)."""
     df = read_partition(part, req.columns, spec)
@@ -892,6 +896,7 @@ class PrbPass1:
 
 
 def prb_pass1(part: Partition, spec: ReleaseSpec, req: PrbRequest) -> PrbPass1:
+    """Pass 1 of PRB on one partition: its cells with their counts and its partition sets."""
     df = read_partition(part, _prb_columns(req), spec)
     coded, pf = prb_frames(df, req)
     g = coded.groupby(req.names, sort=True, dropna=False, observed=True)
@@ -909,6 +914,7 @@ class PrbTables:
 
 
 def combine_prb_pass1(partials: Sequence[PrbPass1], req: PrbRequest) -> PrbTables:
+    """The whole input's cells (counts added) and partition sets, in post_randomize's order."""
     cells = pd.concat([p.cells for p in partials], ignore_index=True)
     cells = (
         cells.groupby(req.names, sort=True, dropna=False, observed=True)["__t"].sum().reset_index()
@@ -997,7 +1003,7 @@ def prb_apply(
         for c in req.variables:
             both = pd.concat([df[c], mine[c].astype(df[c].dtype)], ignore_index=True)
             data[c] = pd.Series(both.array.take(take), index=df.index, name=c)
-    check_edits(data, spec.edits, "PRB output", "add the variables these rules tie to the set C")
+    check_edits(data, spec.edits, "PRB output", EDIT_HINT)
     return _write_partition(data, part, folder)
 
 

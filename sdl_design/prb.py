@@ -31,6 +31,9 @@ class PrbError(ValueError):
     pass
 
 
+EDIT_HINT = "add the variables these rules tie to the set C or partition on them"
+
+
 def h(theta: float) -> float:
     """Risk bound of IFPR (section 2): two branches at theta = 2/3."""
     if theta <= 2 / 3:
@@ -853,12 +856,7 @@ class PrbStage:
             df, cfg.variables, cfg.xi, weight, method=cfg.method, tuned=cfg.tuned, **kw
         )
         risk = block_risk(res.block, res.cell, res.theta)  # eq. 2.2, apart from the draw
-        check_edits(
-            res.data,
-            spec.edits,
-            "PRB output",
-            "add the variables these rules tie to the set C or partition on them",
-        )
+        check_edits(res.data, spec.edits, "PRB output", EDIT_HINT)
         other = "nzy" if cfg.method == "prb" else "prb"
         # Tables 1/4 of the input and PRB output need not wait for the baseline: counted in a
         # thread while it runs, with those two files' categories (they count the categories
