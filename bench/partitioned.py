@@ -179,15 +179,17 @@ def main() -> None:
         peaks = client.run(_maxrss_gib)
     sw, pr = run["stages"]["swap"], run["stages"]["prb"]
     print(
-        f"swap and PRB by partition on Dask: {run['seconds']:.1f} s; per-worker peak RSS "
+        f"scan, swap and PRB by partition on Dask: {run['seconds']:.1f} s (the scan "
+        f"{run['scan_seconds']:.1f} s); per-worker peak RSS "
         + ", ".join(f"{v:.2f} GiB" for v in peaks.values())
         + f" (at start {max(start.values()):.2f} GiB); driver peak {_maxrss_gib():.2f} GiB\n"
         f"  swap: pass 1 {sw['pass1_seconds']:.1f} s, pass 2 {sw['pass2_seconds']:.1f} s, plan "
         f"on the driver {sw['plan_seconds']:.1f} s, masking and writing "
-        f"{sw['masking_seconds']:.1f} s, SEs of input and masked {sw['se_seconds']:.1f} s; "
+        f"{sw['masking_seconds']:.1f} s, SEs of the masked records {sw['se_seconds']:.1f} s; "
         f"{sw['n_pairs']} pairs of {sw['n_segments']} segments\n"
         f"  PRB: pass 1 {pr['pass1_seconds']:.1f} s, pass 2 {pr['pass2_seconds']:.1f} s, plan "
-        f"on the driver {pr['plan_seconds']:.1f} s, writing {pr['apply_seconds']:.1f} s; "
+        f"on the driver {pr['plan_seconds']:.1f} s, writing {pr['apply_seconds']:.1f} s, SEs "
+        f"{pr['se_seconds']:.1f} s; "
         f"{int(pr['n_changed'])} of {int(pr['n_units'])} units changed, max risk "
         f"{pr['max_risk']:.4f}",
         flush=True,
@@ -198,7 +200,7 @@ def main() -> None:
     wall, peak, text = _child(PARTITIONED_IN_PROCESS, str(spec), str(work / "p-thread"))
     secs = float(next(ln for ln in text.splitlines() if ln.startswith("RUN")).split()[1])
     print(
-        f"swap and PRB in one process, a partition at a time: {secs:.1f} s; peak RSS {peak:.2f} GiB"
+        f"scan, swap and PRB in one process, a partition at a time: {secs:.1f} s; peak RSS {peak:.2f} GiB"
     )
     same = all(
         (work / "dask" / f).read_bytes() == (work / "thread" / f).read_bytes()

@@ -355,7 +355,9 @@ def run_partitioned(
         with _mapper(runner, dask_address, workers, "partitioned") as run_map:
             # the input first, as the release flow: its edit rules (a failing one stops the
             # run), the risk stage's metrics, and the SEs every stage's damage is measured by
+            t_scan = time.perf_counter()
             scan, _ = _scan(spec, columns, parts, run_map, runner)
+            scan_seconds = time.perf_counter() - t_scan
             (tmp / "scan").mkdir()
             _write_tables(tmp / "scan", scan)
             if not scan["edits"]["passed"].all():
@@ -395,20 +397,22 @@ def run_partitioned(
             "partitions": len(parts),
             "runner": runner,
             "edit_rules_passed": int(scan["edits"]["passed"].sum()),
+            "scan_seconds": scan_seconds,
             "stages": {
                 k: {m: v for m, v in r.items() if m != "tables"} if isinstance(r, dict) else r
                 for k, r in done.items()
             },
         }
         (tmp / "run.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
-        return done, scan
+        return done, scan, scan_seconds
 
-    stages_done, scan = _replace(folder, fill)
+    stages_done, scan, scan_seconds = _replace(folder, fill)
     return {
         "records": parts[-1].stop,
         "partitions": len(parts),
         "seconds": time.perf_counter() - t0,
         "folder": str(folder),
         "scan": scan,
+        "scan_seconds": scan_seconds,
         "stages": stages_done,
     }

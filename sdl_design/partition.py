@@ -1014,6 +1014,10 @@ def _write_partition(data: pd.DataFrame, part: Partition, folder: str) -> str:
 
     path = Path(folder) / f"part-{part.start:012d}.parquet"
     tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(pa.Table.from_pandas(data, preserve_index=False), tmp)
+    table = pa.Table.from_pandas(data, preserve_index=False)
+    # dictionary pages for text and integers only: float columns (weights, replicate weights)
+    # rarely repeat, and their dictionaries took two thirds of the write
+    coded = [f.name for f in table.schema if not pa.types.is_floating(f.type)]
+    pq.write_table(table, tmp, use_dictionary=coded)
     tmp.replace(path)
     return str(path)
