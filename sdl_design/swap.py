@@ -358,14 +358,14 @@ class VarianceState:
         """
         a = np.asarray(a)[..., None]
         pa, pb = self.seg_psu[a], self.seg_psu[b]
+        ha, hb = self.psu_stratum[pa], self.psu_stratum[pb]
         e = self.score[a] - self.score[b]
-        dev = self.t - self.tbar[self.psu_stratum]  # t_hi - tbar_h of every PSU (small)
-        dev_a, dev_b = dev[pa], dev[pb]
-        c = self.c[self.psu_stratum][:, None]  # c_h of every PSU
-        ca, cb = c[pa], c[pb]
+        dev_a = self.t[pa] - self.tbar[ha]  # t_hi - tbar_h of the two PSUs only
+        dev_b = self.t[pb] - self.tbar[hb]
+        ca, cb = self.c[ha][..., None], self.c[hb][..., None]
         cross = 2.0 * e * (cb * dev_b - ca * dev_a + e)
         same = 2.0 * ca * e * (dev_b - dev_a + e)
-        return np.where((self.psu_stratum[pa] == self.psu_stratum[pb])[..., None], same, cross)
+        return np.where((ha == hb)[..., None], same, cross)
 
     def apply(self, a: int, b: int) -> np.ndarray:
         """Swap segments a and b; returns the change of the variances (O(q))."""
