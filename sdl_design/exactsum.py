@@ -79,14 +79,6 @@ def normalize(limbs: np.ndarray) -> np.ndarray:
     return out
 
 
-def add_limbs(parts: list[np.ndarray]) -> np.ndarray:
-    """The limb sums of several partitions' limb sums (exact, so in any order)."""
-    out = np.zeros_like(parts[0])
-    for p in parts:
-        out = normalize(out + p)
-    return out
-
-
 def add_limbs_at(total: np.ndarray, groups: np.ndarray, limbs: np.ndarray) -> np.ndarray:
     """total (3, G, q) with a partition's limb sums of some groups added (limbs (3, len(groups),
     q) of the groups `groups`: a partition sends only the groups it has); exact, any order."""

@@ -222,7 +222,7 @@ def segment_pass2(
     n_groups: int | None = None,
 ) -> np.ndarray:
     """Exact limb sums (3, segments, 2q) of w 1{x observed} and w x by segment on df's records
-    (a map: partitions' sums add with exactsum.add_limbs). codes: each record's segment index
+    (a map: partitions' sums add with exactsum.add_limbs_at). codes: each record's segment index
     when known (else looked up from its label), among n_groups (default: every segment)."""
     if codes is None:
         codes = pd.Index(design.segment_labels).get_indexer(df[segment])

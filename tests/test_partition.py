@@ -340,7 +340,7 @@ def test_segment_aggregates_by_partition_are_the_whole_files_to_the_bit():
     eq. 3's sums of w (x - xbar) / W over each segment's records (math.fsum brute force)."""
     import math
 
-    from sdl_design.exactsum import add_limbs
+    from sdl_design.exactsum import add_limbs_at
     from sdl_design.swap import (
         aggregates_from_sums,
         combine_segment_pass1,
@@ -363,7 +363,10 @@ def test_segment_aggregates_by_partition_are_the_whole_files_to_the_bit():
         combine_segment_pass1([segment_pass1(s, "w", "st", "psu", "seg", cols) for s in slices]),
         cols,
     )
-    limbs = add_limbs([segment_pass2(s, "w", "seg", cols, design) for s in slices[::-1]])
+    limbs = np.zeros((3, len(design.segment_labels), 2 * len(cols)))
+    for s in slices[::-1]:
+        every = np.arange(len(design.segment_labels))
+        limbs = add_limbs_at(limbs, every, segment_pass2(s, "w", "seg", cols, design))
     parts = aggregates_from_sums(design, limbs, cols)
     for name in ("segment_labels", "seg_psu", "psu_stratum", "psu_labels", "score", "mean"):
         np.testing.assert_array_equal(getattr(parts, name), getattr(whole, name), err_msg=name)
