@@ -212,7 +212,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_partitioned(args: argparse.Namespace) -> int:
-    """The stages with a partitioned path (swap, PRB) a partition at a time."""
+    """The stages with a partitioned path (swap, PRB, MASSC's donors) a partition at a time."""
     from flows.scan import run_partitioned
 
     def go() -> int:
@@ -240,8 +240,14 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                 f"  prb         : {int(p['n_changed'])} of {int(p['n_units'])} singleton/doubleton "
                 f"records changed; max identification risk {p['max_risk']:.4f}"
             )
+        if "massc" in st:
+            m = st["massc"]
+            print(
+                f"  massc       : {m['n_with_donor']} records have a donor ({m['n_profiles']} "
+                "search profiles); the substituted values in massc/donors/ (confidential)"
+            )
         for name, res in st.items():
-            se = res["tables"]["se_ratios"] if isinstance(res, dict) else None
+            se = res["tables"].get("se_ratios") if isinstance(res, dict) else None
             for col, kind in (("ratio", "Taylor"), ("ratio_rep", "replicate")):
                 if se is not None and col in se.columns:
                     r = se[col].dropna()
@@ -251,6 +257,8 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                     )
         if "stopped_before" in st:
             print(f"  stopped before {st['stopped_before']}: it has no partitioned path yet")
+        if "stopped_in" in st:
+            print(f"  stopped in {st['stopped_in']}: done {st[st['stopped_in']]['partial']}")
         return 0
 
     return _guarded(go)
@@ -426,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
 
     pa = sub.add_parser(
         "partitioned",
-        help="the release stages that have a partitioned path (swap, PRB), a partition at a "
+        help="the release stages that have a partitioned path (swap, PRB, MASSC's donor search), a "
+        "partition at a "
         "time (on Dask with --runner dask): the records after each stage as Parquet files",
     )
     partition_opts(pa, "folder for each stage's records and tables (default: beside the release)")

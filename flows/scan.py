@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,19 @@ from sdl_design.spec import ReleaseSpec, SpecError, load_spec
 Mapper = Callable[..., list]
 
 
+class Exchange:
+    """exchange(send, serve, receive, parts, *args, what=...): records move between partitions
+    without passing through the driver. send(part_i, *args) gives one payload per partition
+    j; serve(part_j, [payload i->j for every i], *args) one reply per partition i;
+    receive(part_i, [reply j->i for every j], *args) the result, returned in partition order."""
+
+    def __init__(self, map_fn: Mapper, exchange_fn: Callable[..., list]):
+        self._map, self.exchange = map_fn, exchange_fn
+
+    def __call__(self, fn: Callable, parts: Sequence, *args: Any, what: str) -> list:
+        return self._map(fn, parts, *args, what=what)
+
+
 def _say(text: str, command: str = "scan") -> None:
     print(f"[puf {command}] {text}", file=sys.stderr, flush=True)
 
@@ -35,7 +49,7 @@ def _say(text: str, command: str = "scan") -> None:
 @contextmanager
 def _mapper(
     runner: str, dask_address: str | None, workers: int, command: str = "scan"
-) -> Iterator[Mapper]:
+) -> Iterator[Exchange]:
     """map(fn, partitions, *args, what=...) -> results in partition order, with progress: in
     this process (runner 'thread', one partition in memory at a time) or on a Dask cluster
     (the one at dask_address, else a local one of `workers` single-threaded processes)."""
@@ -50,7 +64,20 @@ def _mapper(
                 )
             return out
 
-        yield local
+        def local_exchange(
+            send: Callable,
+            serve: Callable,
+            receive: Callable,
+            parts: Sequence,
+            *args: Any,
+            what: str,
+        ) -> list:
+            sent = local(send, parts, *args, what=f"{what}, requests")
+            served = [serve(p, [s[j] for s in sent], *args) for j, p in enumerate(parts)]
+            _say(f"{what}: served {len(parts)} partitions", command)
+            return [receive(p, [r[i] for r in served], *args) for i, p in enumerate(parts)]
+
+        yield Exchange(local, local_exchange)
         return
     if runner != "dask":
         raise ValueError(f"runner must be 'thread' or 'dask', not {runner!r}")
@@ -81,7 +108,34 @@ def _mapper(
                 _say(f"{what}: {done}/{len(parts)} partitions", command)
             return client.gather(futures)  # in partition order
 
-        yield on_dask
+        def dask_exchange(
+            send: Callable,
+            serve: Callable,
+            receive: Callable,
+            parts: Sequence,
+            *args: Any,
+            what: str,
+        ) -> list:
+            from operator import getitem
+
+            shared = [client.scatter(a, broadcast=True, hash=False) for a in args]
+            n = len(parts)
+            sent = [client.submit(send, p, *shared, pure=False) for p in parts]
+            to = [
+                [client.submit(getitem, sent[i], j, pure=False) for i in range(n)] for j in range(n)
+            ]
+            served = [client.submit(serve, parts[j], to[j], *shared, pure=False) for j in range(n)]
+            back = [
+                [client.submit(getitem, served[j], i, pure=False) for j in range(n)]
+                for i in range(n)
+            ]
+            got = [client.submit(receive, parts[i], back[i], *shared, pure=False) for i in range(n)]
+            for done, f in enumerate(as_completed(got), 1):
+                f.result()
+                _say(f"{what}: {done}/{n} partitions", command)
+            return client.gather(got)
+
+        yield Exchange(on_dask, dask_exchange)
     finally:
         client.close()
         if cluster is not None:
@@ -318,8 +372,44 @@ def _prb_stage(
     return {**m, "files": [Path(f).name for f in files], **laps, "tables": {"metrics": metrics}}
 
 
-# the release stages that have a partitioned path (sdl_design.partition's map and reduce)
-PARTITIONED = {"swap": _swap_stage, "prb": _prb_stage}
+def _massc_stage(
+    spec: ReleaseSpec, columns: list[str], parts: list, run_map: Exchange, folder: Path
+) -> dict[str, Any]:
+    """MASSC by partition as far as it is built: Step II, the donor search. Pass 1 lists each
+    partition's search profiles; the driver searches donor profiles with the MASSC stage's
+    Generator; each record draws its donor record, which the partition holding it sends back
+    (records move between partitions, not through the driver). Writes the substituted file
+    tilde (every record with its donor's key-related columns, the donor's row in __donor:
+    confidential) to donors/. partial: the stage's records are not built yet."""
+    req = part.donor_request(spec, columns)
+    laps: dict[str, float] = {}
+    t = time.perf_counter()
+    tables = run_map(part.donor_pass1, parts, spec, req, what="massc donors pass 1")
+    t = _lap(laps, "pass1", t)
+    plan = part.donor_plan(tables, req, _stage_rng(spec, "massc"))
+    t = _lap(laps, "search", t)
+    n_has = int(plan.size[plan.donor_p >= 0].sum())
+    _say(f"{n_has} records have a donor ({plan.n_profiles} search profiles)", "partitioned")
+    (folder / "donors").mkdir(parents=True)
+    receive = partial(part.donor_receive, folder=str(folder / "donors"))
+    files = run_map.exchange(
+        part.donor_send, part.donor_serve, receive, parts, spec, req, plan, what="massc donors"
+    )
+    _lap(laps, "exchange", t)
+    levels = pd.DataFrame({"keys_changed": list(plan.by_level), "records": plan.by_level.values()})
+    return {
+        "partial": "Step II (donors); the rates, selection and calibration by partition are not built",
+        "n_with_donor": n_has,
+        "n_profiles": plan.n_profiles,
+        "files": [Path(f).name for f in files],
+        **laps,
+        "tables": {"donor_levels": levels},
+    }
+
+
+# the release stages that have a partitioned path (sdl_design.partition's map and reduce);
+# a partial one (its result says "partial") runs as far as it is built and the chain stops
+PARTITIONED = {"swap": _swap_stage, "prb": _prb_stage, "massc": _massc_stage}
 
 
 def run_partitioned(
@@ -380,6 +470,14 @@ def run_partitioned(
                     res = fn(spec, cols, now, run_map, tmp / stage.name)
                 except part.PartitionError as e:
                     raise SpecError([str(e)]) from e
+                if res.get("partial"):  # as far as it is built: its tables, then stop
+                    (tmp / stage.name / "data").rmdir()
+                    for name, table in res["tables"].items():
+                        table.to_csv(tmp / stage.name / f"{name}.csv", index=False)
+                    done[stage.name] = res
+                    done["stopped_in"] = stage.name
+                    _say(f"stopped in {stage.name}: done {res['partial']}", "partitioned")
+                    break
                 now = part.plan_partitions(tmp / stage.name / "data")
                 cols = part.input_columns(tmp / stage.name / "data")
                 # the damage so far: the records after this stage against the input's

@@ -1021,3 +1021,246 @@ def _write_partition(data: pd.DataFrame, part: Partition, folder: str) -> str:
     pq.write_table(table, tmp, use_dictionary=coded)
     tmp.replace(path)
     return str(path)
+
+
+# ---------------------------------------------------------------- MASSC Step II: donors
+
+
+@dataclass(frozen=True)
+class DonorRequest:
+    """MASSC's donor search as the release runs it (massc_config): keys, sensitive variables,
+    importance, restriction columns, declared-domain cell columns, and the columns of the
+    substituted file (substitute: taken from the donor; need: substitute plus study)."""
+
+    keys: tuple[KeySpec, ...]
+    sensitive: tuple[SensitiveSpec, ...]
+    importance: tuple[tuple[str, float], ...]
+    restrictions: tuple[str, ...]
+    cells: tuple[KeySpec, ...]
+    substitute: tuple[str, ...]
+    need: tuple[str, ...]
+
+    def columns(self) -> list[str]:
+        names = [k.name for k in (*self.keys, *self.cells)] + [s.name for s in self.sensitive]
+        return list(dict.fromkeys([*self.restrictions, *names, *self.need]))
+
+
+def donor_request(spec: ReleaseSpec, columns: Sequence[str]) -> DonorRequest:
+    """The spec's MASSC donor search (stages.massc) on an input with these columns."""
+    from sdl_design.massc.stage import massc_config
+
+    if spec.stages.massc is None:
+        raise PartitionError("stages.massc: the spec has no MASSC stage; enable it")
+    cfg = massc_config(spec, pd.DataFrame(columns=list(columns)))
+    return DonorRequest(
+        keys=tuple(cfg.keys),
+        sensitive=tuple(cfg.sensitive),
+        importance=tuple(cfg.importance.items()),
+        restrictions=tuple(cfg.restrictions),
+        cells=tuple(cfg.domain_columns),
+        substitute=tuple(cfg.substitute_columns),
+        need=tuple(dict.fromkeys([*cfg.substitute_columns, *cfg.study])),
+    )
+
+
+def _search_units(df: pd.DataFrame, req: DonorRequest) -> tuple[list[pd.Series], np.ndarray]:
+    """The search-profile values of df's records (restriction and cell columns, keys,
+    sensitive categories, in that order) and each record's local search profile."""
+    from sdl_design.massc.common import _codes
+    from sdl_design.massc.donors import search_profiles, search_values
+
+    r, k, s = search_values(df, req.keys, req.sensitive, req.restrictions, req.cells)
+    codes = [_codes(v) for v in (*r, *k, *s)]
+    a, b = len(r), len(r) + len(k)
+    _, pid = search_profiles(codes[:a], codes[a:b], codes[b:])
+    return [*r, *k, *s], pid
+
+
+def donor_pass1(part: Partition, spec: ReleaseSpec, req: DonorRequest) -> pd.DataFrame:
+    """Pass 1 of the donor search on one partition: its distinct search profiles (values in
+    columns v0, v1, ...), in local first-appearance order, with their records (`count`) and
+    first record (`first`, global row)."""
+    df = read_partition(part, req.columns(), spec)
+    values, pid = _search_units(df, req)
+    first = first_of(pid, int(pid.max()) + 1 if len(pid) else 0)
+    out = {f"v{j}": v.to_numpy()[first] for j, v in enumerate(values)}
+    out["count"] = np.bincount(pid).astype(np.int64)
+    out["first"] = part.start + first.astype(np.int64)
+    return pd.DataFrame(out)
+
+
+@dataclass
+class DonorPlan:
+    """The donor search of the whole input, from the partitions' profile tables: each
+    search profile's donor profile (the driver's search, find_donors' draws) and, per
+    partition, what its records need to draw and fetch their donor records."""
+
+    starts: np.ndarray  # first record of each partition (its index here)
+    local: list[np.ndarray]  # per partition: global profile of each of its local profiles
+    donor_p: np.ndarray  # donor profile of each profile (-1: none)
+    n_changed: np.ndarray  # keys changed between a profile and its donor profile
+    size: np.ndarray  # records of each profile
+    has_start: np.ndarray  # records with a donor in the partitions before each partition
+    state: dict  # the Generator's state at the records' draws (find_donors' donor_records)
+    route_key: np.ndarray  # profile * (N + 1) + records of the profile in earlier partitions
+    route_part: np.ndarray  # the partition holding those records
+    route_before: np.ndarray  # records of the profile in earlier partitions
+    n_profiles: int
+    by_level: dict[int, int]
+
+    def index(self, part: Partition) -> int:
+        return int(np.searchsorted(self.starts, part.start))
+
+
+def donor_plan(
+    tables: Sequence[pd.DataFrame],
+    req: DonorRequest,
+    rng: np.random.Generator,
+    chunk: int = 200_000,
+) -> DonorPlan:
+    """On the driver: the whole input's search profiles (codes in first-appearance order, as
+    find_donors numbers them on the whole file), the donor search with rng, and the routes
+    from a (donor profile, rank) draw to the partition holding that record. rng is left as
+    find_donors leaves it (advanced past the records' draws, which the partitions make)."""
+    from sdl_design.massc.common import _codes
+    from sdl_design.massc.donors import donor_search, search_profiles
+
+    if not isinstance(rng.bit_generator, np.random.PCG64):
+        raise PartitionError("the donor draws by partition need a PCG64 Generator (stage_rng)")
+    t = pd.concat(list(tables), keys=range(len(tables)), names=["__part", None])
+    vcols = [c for c in t.columns if c.startswith("v")]
+    gid = t.groupby(vcols, sort=False, dropna=False).ngroup().to_numpy()
+    n_g = int(gid.max()) + 1
+    first_g = np.full(n_g, np.iinfo(np.int64).max)
+    np.minimum.at(first_g, gid, t["first"].to_numpy())
+    order = np.argsort(first_g, kind="stable")  # profiles in first-appearance order
+    pid_of_g = np.empty(n_g, dtype=np.int64)
+    pid_of_g[order] = np.arange(n_g)
+    pid = pid_of_g[gid]
+    count = t["count"].to_numpy()
+    size = np.bincount(pid, weights=count, minlength=n_g).astype(np.int64)
+    at = np.flatnonzero(t["first"].to_numpy() == first_g[gid])  # each profile's first row
+    units = t.iloc[at[np.argsort(pid[at])]]
+    codes = [_codes(units[c]) for c in vcols]
+    a = len(req.restrictions) + len(req.cells)
+    b = a + len(req.keys)
+    prof, _ = search_profiles(codes[:a], codes[a:b], codes[b:], size)
+    search = donor_search(
+        prof, list(req.keys), list(req.sensitive), dict(req.importance), rng, chunk
+    )
+    part_of = t.index.get_level_values("__part").to_numpy()
+    n_parts = len(tables)
+    has_rows = np.where(search.donor_p[pid] >= 0, count, 0)
+    has = np.bincount(part_of, weights=has_rows, minlength=n_parts).astype(np.int64)
+    state = rng.bit_generator.state
+    rng.bit_generator.advance(int(has.sum()))  # the records' draws, made by the partitions
+    # routes: rows by (profile, partition) with the profile's records in earlier partitions
+    by = np.lexsort((part_of, pid))
+    p_s, c_s = pid[by], count[by]
+    cum = np.cumsum(c_s)
+    head = np.r_[True, p_s[1:] != p_s[:-1]]
+    before = cum - c_s - np.maximum.accumulate(np.where(head, cum - c_s, 0))
+    N = int(size.sum())
+    lev = np.bincount(search.n_changed, weights=size, minlength=len(req.keys) + 1)
+    bounds = np.r_[0, np.cumsum([len(x) for x in tables])]
+    return DonorPlan(
+        starts=np.array([int(x["first"].min()) if len(x) else -1 for x in tables]),
+        local=[pid[bounds[i] : bounds[i + 1]] for i in range(n_parts)],
+        donor_p=search.donor_p,
+        n_changed=search.n_changed,
+        size=size,
+        has_start=np.r_[0, np.cumsum(has)[:-1]],
+        state=state,
+        route_key=p_s * (N + 1) + before,
+        route_part=part_of[by],
+        route_before=before,
+        n_profiles=prof.n_p,
+        by_level={i: int(lev[i]) for i in range(len(req.keys) + 1)},
+    )
+
+
+def donor_send(
+    part: Partition, spec: ReleaseSpec, req: DonorRequest, plan: DonorPlan
+) -> list[dict[str, np.ndarray]]:
+    """Pass 2 on one partition: each record with a donor draws its donor record (the rank
+    within the donor profile, from the uniforms find_donors draws for it: the Generator
+    advanced to the partition's first such record); the requests, per partition holding
+    the donors: requester rows (local), donor profiles and their local ranks there."""
+    from sdl_design.massc.donors import donor_ranks
+
+    df = read_partition(part, req.columns(), spec)
+    _, pid = _search_units(df, req)
+    i = plan.index(part)
+    dp = plan.donor_p[plan.local[i][pid]]
+    rows = np.flatnonzero(dp >= 0)
+    bg = np.random.PCG64()
+    bg.state = plan.state
+    bg.advance(int(plan.has_start[i]))
+    off = donor_ranks(dp[rows], plan.size, np.random.Generator(bg))
+    N = int(plan.size.sum())
+    r = np.searchsorted(plan.route_key, dp[rows] * (N + 1) + off, side="right") - 1
+    target = plan.route_part[r]
+    rank = off - plan.route_before[r]
+    return [
+        {"rows": rows[target == j], "dp": dp[rows][target == j], "rank": rank[target == j]}
+        for j in range(len(plan.local))
+    ]
+
+
+def donor_serve(
+    part: Partition,
+    requests: Sequence[dict[str, np.ndarray]],
+    spec: ReleaseSpec,
+    req: DonorRequest,
+    plan: DonorPlan,
+) -> list[dict[str, Any]]:
+    """Pass 3 on the partition holding donors: for each requesting partition, the donor
+    records (the rank-th record of the profile in record order here) as global rows and
+    their values of the substituted columns."""
+    df = read_partition(part, req.columns(), spec)
+    _, pid = _search_units(df, req)
+    glob = plan.local[plan.index(part)]  # global profile of each local profile
+    inv = np.argsort(glob)
+    by_pid = np.argsort(pid, kind="stable")
+    start = np.r_[0, np.cumsum(np.bincount(pid, minlength=len(glob)))[:-1]]
+    out = []
+    for q in requests:
+        lp = inv[np.searchsorted(glob, q["dp"], sorter=inv)]
+        at = by_pid[start[lp] + q["rank"]]
+        out.append(
+            {
+                "rows": q["rows"],
+                "donor": part.start + at,
+                "values": df[list(req.substitute)].iloc[at].reset_index(drop=True),
+            }
+        )
+    return out
+
+
+def donor_receive(
+    part: Partition,
+    replies: Sequence[dict[str, Any]],
+    spec: ReleaseSpec,
+    req: DonorRequest,
+    plan: DonorPlan,
+    folder: str | None = None,
+) -> pd.DataFrame | str:
+    """Pass 4 on one partition: its records' substituted file tilde (find_donors then
+    substitute: every record with a donor takes the donor's substituted columns) with the
+    donor's global row in `__donor` (-1: none); written to folder when given (its path
+    returned), else returned."""
+    df = read_partition(part, list(req.need), spec)
+    donor = np.full(len(df), -1, dtype=np.int64)
+    tilde = df[list(req.need)].copy(deep=False)
+    got = [q for q in replies if len(q["rows"])]
+    if got:
+        rows = np.concatenate([q["rows"] for q in got])
+        donor[rows] = np.concatenate([q["donor"] for q in got])
+        take = np.arange(len(df))
+        take[rows] = len(df) + np.arange(len(rows))
+        for c in req.substitute:
+            new = pd.concat([q["values"][c] for q in got], ignore_index=True)
+            both = pd.concat([df[c], new.astype(df[c].dtype)], ignore_index=True)
+            tilde[c] = pd.Series(both.array.take(take), index=df.index, name=c)
+    tilde["__donor"] = donor
+    return tilde if folder is None else _write_partition(tilde, part, folder)

@@ -3,6 +3,8 @@ the whole file's numbers: key-profile counts and risk strata exactly as the risk
 failures as validate_edits', and domain means with Taylor SE, deff and replicate SE equal to
 SurveyDesign's on the whole file (1e-12)."""
 
+import json
+
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -278,16 +280,30 @@ def test_puf_scan_writes_its_tables_whole(survey, tmp_path, capsys):
     assert "not 50: the input has 7 row group(s)" in capsys.readouterr().err
 
 
+def _with_donors(clean, restrictions=()):
+    """The clean survey's spec with declared domains sex and region only (the default declares
+    every key, so that no record has a donor): donors share the recipient's sex and region
+    (and restriction columns) and differ on another key."""
+    path, _, whole = clean
+    data = yaml.safe_load(path.read_text())
+    data["utility"]["domains"] = ["sex", "region"]
+    data["stages"]["massc"]["donor_restrictions"] = list(restrictions)
+    new = path.parent / f"donors-{'-'.join(restrictions) or 'none'}.yaml"
+    new.write_text(yaml.safe_dump(data))
+    return new, load_spec(new), whole
+
+
 @pytest.mark.flow
 def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(clean, tmp_path):
     """One local cluster of 2 worker processes: `puf scan` writes the same tables and `puf
-    partitioned` the same records after the swap and PRB and the same tables, byte for byte,
-    as in this process."""
+    partitioned` the same records after the swap and PRB, the same substituted file of MASSC's
+    donor search (records exchanged between workers) and the same tables, byte for byte, as
+    in this process."""
     import logging
 
     from distributed import LocalCluster
 
-    path, _, _ = clean
+    path, _, _ = _with_donors(clean)
     with LocalCluster(
         n_workers=2,
         threads_per_worker=1,
@@ -307,7 +323,8 @@ def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
         assert a == (tmp_path / "scan-dask" / f"{name}.csv").read_bytes(), name
     thread, dask = tmp_path / "partitioned-thread", tmp_path / "partitioned-dask"
     files = sorted(p.relative_to(thread) for p in thread.rglob("*.*") if p.name != "run.json")
-    assert len([f for f in files if f.suffix == ".parquet"]) == 8  # swap's and PRB's
+    assert len([f for f in files if f.suffix == ".parquet"]) == 12  # swap's, PRB's, donors'
+    assert json.loads((thread / "run.json").read_text())["stages"]["massc"]["n_with_donor"] > 0
     for f in files:
         assert (thread / f).read_bytes() == (dask / f).read_bytes(), f
 
@@ -385,7 +402,7 @@ def test_swap_and_prb_by_partition_give_the_stages_records_to_the_bit(clean, tmp
     (pseudo strata and PSUs, rebuilt replicate weights) and after PRB (the moved records'
     values of C) equal the in-memory stages', bit for bit, with the swap's pairs and PRB's
     changes and exact risk; the masked SEs are SurveyDesign's on the swap's masked frame; the
-    chain stops before MASSC, which has no partitioned path."""
+    chain stops in MASSC, after its donor search."""
     from flows.scan import run_partitioned
 
     path, spec, whole = clean
@@ -393,7 +410,7 @@ def test_swap_and_prb_by_partition_give_the_stages_records_to_the_bit(clean, tmp
     for n in (2, 7):
         out = run_partitioned(path, "thread", partitions=n, out=tmp_path / f"p{n}")
         st = out["stages"]
-        assert list(st) == ["swap", "prb", "stopped_before"] and st["stopped_before"] == "massc"
+        assert list(st) == ["swap", "prb", "massc", "stopped_in"] and st["stopped_in"] == "massc"
         assert len(st["swap"]["files"]) == n
         _same_bits(
             pd.read_parquet(tmp_path / f"p{n}" / "swap" / "data"), swap.data.reset_index(drop=True)
@@ -433,7 +450,7 @@ def test_puf_partitioned_leaves_nothing_when_a_partition_fails(
     assert puf(["partitioned", str(path), "--partitions", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "pairs in swap/pairs.csv (confidential)" in text
-    assert "stopped before massc" in text
+    assert "stopped in massc: done Step II (donors)" in text
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     calls = []
 
@@ -495,7 +512,7 @@ def test_prb_alone_by_partition_gives_the_stages_records(clean, tmp_path, change
     spec = load_spec(new)
     prb = PrbStage.from_spec(spec).run(whole, StageContext(whole, spec, "prb"))
     out = run_partitioned(new, "thread", partitions=5, out=tmp_path / "p")
-    assert list(out["stages"]) == ["prb", "stopped_before"]
+    assert list(out["stages"]) == ["prb", "massc", "stopped_in"]
     _same_bits(pd.read_parquet(tmp_path / "p" / "prb" / "data"), prb.data.reset_index(drop=True))
     assert out["stages"]["prb"]["n_changed"] == prb.metrics["n_changed"] > 0
 
@@ -516,7 +533,7 @@ def test_swap_with_bootstrap_replicates_by_partition_gives_the_stages_records(cl
     spec = load_spec(new)
     swap = SwapStage.from_spec(spec).run(whole, StageContext(whole, spec, "swap"))
     out = run_partitioned(new, "thread", partitions=3, out=tmp_path / "p")
-    assert list(out["stages"]) == ["swap", "stopped_before"]
+    assert list(out["stages"]) == ["swap", "massc", "stopped_in"]
     got = pd.read_parquet(tmp_path / "p" / "swap" / "data")
     assert sum(c.startswith("rw") for c in got.columns) == 100
     _same_bits(got, swap.data.reset_index(drop=True))
@@ -530,3 +547,68 @@ def test_puf_partitioned_stops_on_the_inputs_edit_failures(survey, tmp_path, cap
     assert puf(["partitioned", str(path), "--partitions", "3", "--out", str(out)]) == 1
     assert "edit validation failed on the input file" in capsys.readouterr().err
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- MASSC's donors by partition
+
+
+@pytest.mark.parametrize("restrictions", [(), ("education",)], ids=["domains", "restricted"])
+def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(clean, tmp_path, restrictions):
+    """MASSC Step II by partition after the partitioned swap and PRB, on 2 and 7 partitions:
+    every record's donor (global row) and the substituted file tilde equal massc_plan's on
+    the in-memory stages' output (the release's Generator), bit for bit; donors keep the
+    recipient's sex, region and restriction values and change another key."""
+    from flows.scan import run_partitioned
+    from sdl_design.massc.stage import massc_config
+    from sdl_design.massc.treatment import massc_plan
+
+    path, spec, whole = _with_donors(clean, restrictions)
+    _, prb = _in_memory(spec, whole)
+    cfg = massc_config(spec, prb.data)
+    plan = massc_plan(prb.data, cfg, _massc_rng(spec), whole)
+    donor = plan.donors.donor
+    has = donor >= 0
+    assert has.mean() > 0.9  # nearly every record has a donor
+    keys = [k.name for k in cfg.keys]
+    for c in ("sex", "region", *restrictions):
+        assert (prb.data[c].to_numpy()[has] == prb.data[c].to_numpy()[donor[has]]).all(), c
+    moved = prb.data[keys].to_numpy()[has] != prb.data[keys].to_numpy()[donor[has]]
+    assert moved.any(axis=1).all()
+    for n in (2, 7):
+        out = run_partitioned(path, "thread", partitions=n, out=tmp_path / f"p{n}")
+        m = out["stages"]["massc"]
+        assert m["n_with_donor"] == int(has.sum()) and len(m["files"]) == n
+        got = pd.read_parquet(tmp_path / f"p{n}" / "massc" / "donors")
+        assert got["__donor"].to_numpy().tobytes() == donor.tobytes()
+        _same_bits(got.drop(columns="__donor"), plan.tilde.reset_index(drop=True))
+        levels = pd.read_csv(tmp_path / f"p{n}" / "massc" / "donor_levels.csv")
+        assert levels["records"].tolist() == list(plan.donors.by_level.values())
+
+
+def _massc_rng(spec):
+    from sdl_design.rng import release_seed, stage_rng
+
+    return stage_rng(release_seed(spec.release.seed, spec.release.year), "massc")
+
+
+def test_donor_draws_by_partition_continue_the_generator_as_find_donors(clean):
+    """The driver's Generator after the donor plan is where find_donors leaves it (the
+    partitions' draws skipped by PCG64.advance), so later MASSC draws are the same; a
+    Generator other than PCG64 is refused with the fix."""
+    from sdl_design.massc.donors import find_donors
+    from sdl_design.massc.treatment import domain_cells
+
+    path, spec, whole = _with_donors(clean)
+    req = P.donor_request(spec, P.input_columns(spec.release.input))
+    parts = P.plan_partitions(spec.release.input, 3)
+    tables = [P.donor_pass1(p, spec, req) for p in parts]
+    a, b = np.random.default_rng(5), np.random.default_rng(5)
+    find_donors(
+        whole, list(req.keys), list(req.sensitive), dict(req.importance), [], a,
+        cells=domain_cells(whole, list(req.cells)),
+    )  # fmt: skip
+    plan = P.donor_plan(tables, req, b)
+    assert a.random(4).tolist() == b.random(4).tolist()
+    assert sum(len(t) for t in tables) >= plan.n_profiles  # a profile may be in several parts
+    with pytest.raises(P.PartitionError, match="PCG64"):
+        P.donor_plan(tables, req, np.random.Generator(np.random.MT19937(1)))

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from sdl_design.keys import coarsen
+from sdl_design.keys import coarsen, key_levels
 from sdl_design.massc.common import (
     KeyLike,
     MasscError,
@@ -29,10 +29,12 @@ from sdl_design.risk import _key_codes
 from sdl_design.spec import KeySpec, SensitiveSpec
 
 
-def _gini(codes: np.ndarray, group: np.ndarray, n_groups: int) -> np.ndarray:
-    """p' Lambda p = 1 - sum_c p_c^2 (Lambda = 1 off the diagonal) of codes within each group."""
+def _gini(codes: np.ndarray, group: np.ndarray, size: np.ndarray, n_groups: int) -> np.ndarray:
+    """p' Lambda p = 1 - sum_c p_c^2 (Lambda = 1 off the diagonal) of codes within each group,
+    from profiles (codes, group) holding `size` records each."""
     n_c = int(codes.max()) + 1
-    cnt = np.bincount(group * n_c + codes, minlength=n_groups * n_c).reshape(n_groups, n_c)
+    cnt = np.bincount(group * n_c + codes, weights=size, minlength=n_groups * n_c)
+    cnt = cnt.astype(np.int64).reshape(n_groups, n_c)
     tot = cnt.sum(axis=1, keepdims=True)
     p = cnt / np.maximum(tot, 1)
     return 1.0 - (p**2).sum(axis=1)
@@ -77,19 +79,49 @@ def find_donors(
     importance = _checked_importance(df, specs, sens, restrictions, importance)
     if cells is not None and len(cells) != len(df):
         raise MasscError(f"cells: {len(cells)} codes for {len(df)} records; give one per record")
-    prof = _profiles(df, specs, sens, restrictions, cells)
+    prof, pid = _profiles(df, specs, sens, restrictions, cells)
+    search = donor_search(prof, specs, sens, importance, rng, chunk)
+    donor = donor_records(pid, prof.size, search.donor_p, rng)
+    n_changed = search.n_changed[pid]
+    lev = np.bincount(n_changed, minlength=len(specs) + 1)
+    return Donors(
+        donor=donor,
+        distance=search.distance[pid],
+        n_changed=n_changed,
+        n_profiles=prof.n_p,
+        by_level={i: int(lev[i]) for i in range(len(specs) + 1)},
+    )
+
+
+@dataclass
+class DonorSearch:
+    """Step II on the search profiles: each profile's donor profile and distance."""
+
+    donor_p: np.ndarray  # donor profile of each profile (-1: no donor)
+    distance: np.ndarray  # standardized distance to it (inf when none)
+    n_changed: np.ndarray  # keys that differ from it (0 when none)
+
+
+def donor_search(
+    prof: SearchProfiles,
+    specs: Sequence[KeySpec],
+    sens: Sequence[SensitiveSpec],
+    importance: Mapping[str, float],
+    rng: np.random.Generator,
+    chunk: int = 200_000,
+) -> DonorSearch:
+    """The nearest donor profile of every search profile (find_donors without the records: the
+    draws of donor profiles come from rng; the draw of records within them does not)."""
     K = len(specs)
+    none = DonorSearch(
+        np.full(prof.n_p, -1, dtype=np.int64),
+        np.full(prof.n_p, np.inf),
+        np.zeros(prof.n_p, dtype=np.int64),
+    )
     # a donor set with a single key profile has no partner for its records
     kp = _combine([prof.r_p, *[prof.k_p[:, i] for i in range(K)]], prof.n_p)
     if int(kp.max()) + 1 == prof.n_r:
-        n = len(df)
-        return Donors(
-            donor=np.full(n, -1, dtype=np.int64),
-            distance=np.full(n, np.inf),
-            n_changed=np.zeros(n, dtype=np.int64),
-            n_profiles=prof.n_p,
-            by_level={i: (n if i == 0 else 0) for i in range(K + 1)},
-        )
+        return none
     if prof.n_r * prof.n_s * prof.n_s > 50_000_000:
         raise MasscError(
             f"sensitive: {prof.n_s} combinations of sensitive categories in {prof.n_r} donor sets "
@@ -102,20 +134,10 @@ def find_donors(
     blocks = _Blocks(prof)
     best, best_set, best_s = _nearest_cells(prof, blocks, subsets, cost_k, ds, chunk)
     donor_p = _donor_profiles(prof, blocks, subsets, best_set, best_s, rng)
-    donor = _donor_records(prof, donor_p, rng)
-    has = donor >= 0
-    n_changed = np.zeros(len(df), dtype=np.int64)
-    n_changed[has] = (
-        np.stack([c[has] != c[donor[has]] for c in prof.kc], axis=1).sum(axis=1) if has.any() else 0
-    )
-    lev = np.bincount(n_changed, minlength=K + 1)
-    return Donors(
-        donor=donor,
-        distance=best[prof.pid],
-        n_changed=n_changed,
-        n_profiles=prof.n_p,
-        by_level={i: int(lev[i]) for i in range(K + 1)},
-    )
+    has = donor_p >= 0
+    n_changed = np.zeros(prof.n_p, dtype=np.int64)
+    n_changed[has] = (prof.k_p[has] != prof.k_p[donor_p[has]]).sum(axis=1)
+    return DonorSearch(donor_p, best, n_changed)
 
 
 def _checked_importance(
@@ -141,16 +163,13 @@ def _checked_importance(
 
 
 @dataclass
-class _Profiles:
-    """Distinct search profiles (donor set x keys x sensitive categories) of the records."""
+class SearchProfiles:
+    """Distinct search profiles (donor set x keys x sensitive categories), in the order of
+    their first record, with their codes (first-appearance codes of the records' values)."""
 
-    kc: list[np.ndarray]  # key codes of each record, one array per key
-    sc: list[np.ndarray]  # sensitive category codes of each record, one array per variable
-    r_rec: np.ndarray  # donor set (restriction cell) of each record
-    s_rec: np.ndarray  # combined sensitive code of each record
-    pid: np.ndarray  # search profile of each record
     r_p: np.ndarray  # donor set of each profile
     k_p: np.ndarray  # (n_p, K) key codes of each profile
+    sc_p: np.ndarray  # (n_p, J) sensitive category codes of each profile, one column per variable
     s_p: np.ndarray  # combined sensitive code of each profile
     size: np.ndarray  # records of each profile
     n_r: int  # donor sets
@@ -161,63 +180,95 @@ class _Profiles:
         return len(self.size)
 
 
+def search_profiles(
+    r_cols: Sequence[np.ndarray],
+    kc: Sequence[np.ndarray],
+    sc: Sequence[np.ndarray],
+    size: np.ndarray | None = None,
+) -> tuple[SearchProfiles, np.ndarray]:
+    """SearchProfiles of units (records, or distinct value rows in first-appearance order each
+    holding `size` records) given the integer codes of their restriction cells (r_cols), keys
+    (kc) and sensitive categories (sc); and each unit's profile."""
+    n = len(kc[0])
+    r_rec = _combine(list(r_cols), n)
+    s_rec = _combine(list(sc), n)
+    pid = _combine([r_rec, *kc, s_rec], n)
+    n_p = int(pid.max()) + 1
+    first = np.full(n_p, n, dtype=np.int64)
+    np.minimum.at(first, pid, np.arange(n))
+    size = np.ones(n, dtype=np.int64) if size is None else np.asarray(size, dtype=np.int64)
+    sc_p = np.stack([c[first] for c in sc], axis=1) if sc else np.zeros((n_p, 0), np.int64)
+    prof = SearchProfiles(
+        r_p=r_rec[first],
+        k_p=np.stack([c[first] for c in kc], axis=1),
+        sc_p=sc_p,
+        s_p=s_rec[first],
+        size=np.bincount(pid, weights=size, minlength=n_p).astype(np.int64),
+        n_r=int(r_rec.max()) + 1,
+        n_s=int(s_rec.max()) + 1,
+    )
+    return prof, pid
+
+
+def search_values(
+    df: pd.DataFrame,
+    specs: Sequence[KeySpec],
+    sens: Sequence[SensitiveSpec],
+    restrictions: Sequence[str],
+    cells: Sequence[KeySpec] = (),
+) -> tuple[list[pd.Series], list[pd.Series], list[pd.Series]]:
+    """The values the search profiles are made of, one Series per column: restriction columns
+    and the labels of the cell columns (keys in their published coding: domain_cells' cells),
+    recoded keys and (coarsened) sensitive variables."""
+    r = [df[c] for c in restrictions] + [_labels(df[k.name], k) for k in cells]
+    keys = [_labels(df[k.name], k) for k in specs]
+    sv = [coarsen(df[s.name], s.bins) if s.bins is not None else df[s.name] for s in sens]
+    return r, keys, sv
+
+
+def _labels(s: pd.Series, key: KeySpec) -> pd.Series:
+    codes, levels = key_levels(s, key)
+    return pd.Series(levels[codes], index=s.index, name=s.name)
+
+
 def _profiles(
     df: pd.DataFrame,
     specs: list[KeySpec],
     sens: list[SensitiveSpec],
     restrictions: Sequence[str],
     cells: np.ndarray | None = None,
-) -> _Profiles:
-    """Codes of every record and of every distinct profile (taken from its first record)."""
-    n = len(df)
+) -> tuple[SearchProfiles, np.ndarray]:
+    """The search profiles of df's records and each record's profile."""
     kc, _ = _key_codes(df, specs)
     sc = [_codes(coarsen(df[s.name], s.bins) if s.bins is not None else df[s.name]) for s in sens]
     extra = [] if cells is None else [_codes(pd.Series(np.asarray(cells)))]
-    r_rec = _combine([_codes(df[c]) for c in restrictions] + extra, n)
-    s_rec = _combine(sc, n)
-    pid = _combine([r_rec, *kc, s_rec], n)
-    n_p = int(pid.max()) + 1
-    first = np.full(n_p, n, dtype=np.int64)
-    np.minimum.at(first, pid, np.arange(n))
-    return _Profiles(
-        kc=kc,
-        sc=sc,
-        r_rec=r_rec,
-        s_rec=s_rec,
-        pid=pid,
-        r_p=r_rec[first],
-        k_p=np.stack([c[first] for c in kc], axis=1),
-        s_p=s_rec[first],
-        size=np.bincount(pid, minlength=n_p),
-        n_r=int(r_rec.max()) + 1,
-        n_s=int(s_rec.max()) + 1,
-    )
+    return search_profiles([_codes(df[c]) for c in restrictions] + extra, kc, sc)
 
 
 def _unit_distances(
-    prof: _Profiles,
-    specs: list[KeySpec],
-    sens: list[SensitiveSpec],
+    prof: SearchProfiles,
+    specs: Sequence[KeySpec],
+    sens: Sequence[SensitiveSpec],
     importance: Mapping[str, float],
 ) -> tuple[np.ndarray, np.ndarray]:
     """Standardized distances per donor set (Step II): cost of changing each key, (n_r, K), and
     between combined sensitive codes, (n_r, n_s, n_s); inf where a variable does not vary."""
-    n, n_r, n_s = len(prof.pid), prof.n_r, prof.n_s
+    n_p, n_r, n_s = prof.n_p, prof.n_r, prof.n_s
     with np.errstate(divide="ignore"):
         cost_k = np.stack(
             [
-                importance.get(k.name, 1.0) / _gini(prof.kc[i], prof.r_rec, n_r)
+                importance.get(k.name, 1.0) / _gini(prof.k_p[:, i], prof.r_p, prof.size, n_r)
                 for i, k in enumerate(specs)
             ],
             axis=1,
         )
         ds = np.zeros((n_r, n_s, n_s))
         if sens:
-            s_first = np.full(n_s, n, dtype=np.int64)
-            np.minimum.at(s_first, prof.s_rec, np.arange(n))
+            s_first = np.full(n_s, n_p, dtype=np.int64)
+            np.minimum.at(s_first, prof.s_p, np.arange(n_p))
             for j, s in enumerate(sens):
-                c_j = importance.get(s.name, 1.0) / _gini(prof.sc[j], prof.r_rec, n_r)
-                cat = prof.sc[j][s_first]
+                c_j = importance.get(s.name, 1.0) / _gini(prof.sc_p[:, j], prof.r_p, prof.size, n_r)
+                cat = prof.sc_p[s_first, j]
                 diff = (cat[:, None] != cat[None, :]).astype(float)
                 ds += np.where(diff[None] > 0, c_j[:, None, None], 0.0)
     return cost_k, np.nan_to_num(ds, nan=np.inf)
@@ -227,7 +278,7 @@ class _Blocks:
     """Group codes of the profiles on (donor set, keys in U) and the profile counts per group and
     sensitive code, cached for every subset U of the keys that is needed."""
 
-    def __init__(self, prof: _Profiles):
+    def __init__(self, prof: SearchProfiles):
         self.prof = prof
         self._cache: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
 
@@ -241,7 +292,7 @@ class _Blocks:
 
 
 def _nearest_cells(
-    prof: _Profiles,
+    prof: SearchProfiles,
     blocks: _Blocks,
     subsets: list[tuple[int, ...]],
     cost_k: np.ndarray,
@@ -283,7 +334,7 @@ def _nearest_cells(
 
 
 def _donor_profiles(
-    prof: _Profiles,
+    prof: SearchProfiles,
     blocks: _Blocks,
     subsets: list[tuple[int, ...]],
     best_set: np.ndarray,
@@ -318,16 +369,25 @@ def _donor_profiles(
     return donor_p
 
 
-def _donor_records(prof: _Profiles, donor_p: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """A random record of its donor profile for every record (-1 when the profile has none)."""
-    by_pid = np.argsort(prof.pid, kind="stable")
-    start = np.r_[0, np.cumsum(prof.size)[:-1]]
-    dp_rec = donor_p[prof.pid]
+def donor_records(
+    pid: np.ndarray, size: np.ndarray, donor_p: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """A random record of its donor profile for every record (pid: its profile; -1 when the
+    profile has none): one uniform per record with a donor, in record order, picks the
+    floor(u * size)-th record of the donor profile in record order."""
+    by_pid = np.argsort(pid, kind="stable")
+    start = np.r_[0, np.cumsum(size)[:-1]]
+    dp_rec = donor_p[pid]
     has = dp_rec >= 0
-    donor = np.full(len(prof.pid), -1, dtype=np.int64)
-    off = np.floor(rng.random(int(has.sum())) * prof.size[dp_rec[has]]).astype(np.int64)
+    donor = np.full(len(pid), -1, dtype=np.int64)
+    off = donor_ranks(dp_rec[has], size, rng)
     donor[has] = by_pid[start[dp_rec[has]] + off]
     return donor
+
+
+def donor_ranks(dp: np.ndarray, size: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Rank (in record order) of the donor record within its profile dp, one uniform each."""
+    return np.floor(rng.random(len(dp)) * size[dp]).astype(np.int64)
 
 
 def substitute(
