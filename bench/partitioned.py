@@ -1,8 +1,9 @@
 """The partitioned path (`puf scan`, `puf partitioned`) on a large default survey: time and per-worker
 memory on a local Dask cluster of 2 single-threaded workers, against the same scan in one
 process (one partition in memory at a time) and, up to 2M records, the same SE table from the
-whole file in memory (read_input and SurveyDesign) and the in-memory swap and PRB stages (whose
-records must equal the partitioned ones, bit for bit).
+whole file in memory (read_input and SurveyDesign) and the in-memory swap and PRB stages and
+MASSC's plan (whose records, donors and substituted file must equal the partitioned ones, bit
+for bit).
 
 Usage: python bench/partitioned.py SPEC [row_group_records] (SPEC: a spec whose release.input
 is a Parquet file, e.g. the default_spec.yaml that bench/release.py leaves in its output
@@ -101,7 +102,13 @@ ctx = StageContext(df, spec, "swap")
 swap = SwapStage.from_spec(spec).run(df, ctx)
 t1 = time.perf_counter()
 prb = PrbStage.from_spec(spec).run(swap.data, ctx.for_stage("prb", [swap]))
-print('WHOLE', t1 - t0, time.perf_counter() - t1)
+t2 = time.perf_counter()
+from sdl_design.massc.stage import massc_config
+from sdl_design.massc.treatment import massc_plan
+from sdl_design.rng import release_seed, stage_rng
+rng = stage_rng(release_seed(spec.release.seed, spec.release.year), "massc")
+plan = massc_plan(prb.data, massc_config(spec, prb.data), rng, df)
+print('WHOLE', t1 - t0, t2 - t1, time.perf_counter() - t2)
 del df, ctx
 def same(folder, frame):
     got = pd.read_parquet(folder)
@@ -111,8 +118,11 @@ def same(folder, frame):
         if exp[c].dtype.kind in "fiub" else got[c].equals(exp[c])
         for c in exp.columns
     )
-print('SAME', same(sys.argv[2] + "/swap/data", swap.data), same(sys.argv[2] + "/prb/data", prb.data))
-"""  # the in-memory swap and PRB stages (with their tables and baselines), against the partitions
+tilde = plan.tilde.assign(__donor=plan.donors.donor)
+print('SAME', same(sys.argv[2] + "/swap/data", swap.data), same(sys.argv[2] + "/prb/data", prb.data),
+      same(sys.argv[2] + "/massc/donors", tilde))
+"""  # the in-memory swap and PRB stages (with their tables and baselines) and MASSC's plan (Steps
+# I-II: strata, donors, tilde, moments, psi), against the partitions
 
 
 COPY = """
@@ -194,6 +204,15 @@ def main() -> None:
         f"{pr['max_risk']:.4f}",
         flush=True,
     )
+    if "massc" in run["stages"]:
+        ms = run["stages"]["massc"]
+        print(
+            f"  MASSC Step II (donors): pass 1 {ms['pass1_seconds']:.1f} s, search on the driver "
+            f"{ms['search_seconds']:.1f} s, draws and exchange of the donor records between "
+            f"the workers, writing the substituted file {ms['exchange_seconds']:.1f} s; "
+            f"{ms['n_with_donor']:,} records with a donor, {ms['n_profiles']:,} search profiles",
+            flush=True,
+        )
     wall, peak, text = _child(IN_PROCESS, str(spec), str(work / "thread"))
     secs = float(next(ln for ln in text.splitlines() if ln.startswith("SCAN")).split()[1])
     print(f"one process, a partition at a time: {secs:.1f} s; peak RSS {peak:.2f} GiB")
@@ -219,9 +238,11 @@ def main() -> None:
         same = next(ln for ln in text.splitlines() if ln.startswith("SAME")).split()[1:]
         print(
             f"the stages on the whole file in memory (SwapStage with its SE tables and the 2a "
-            f"baseline; PrbStage with its tables and the NZY baseline): read + swap "
-            f"{float(secs[0]):.1f} s, PRB {float(secs[1]):.1f} s; peak RSS {peak:.2f} GiB; "
-            f"records equal to the partitioned ones, bit for bit: swap {same[0]}, PRB {same[1]}"
+            f"baseline; PrbStage with its tables and the NZY baseline; MASSC's plan: strata, "
+            f"donors, tilde, moments, psi): read + swap {float(secs[0]):.1f} s, PRB "
+            f"{float(secs[1]):.1f} s, MASSC plan {float(secs[2]):.1f} s; peak RSS {peak:.2f} "
+            f"GiB; records equal to the partitioned ones, bit for bit: swap {same[0]}, PRB "
+            f"{same[1]}, MASSC's donors and substituted file {same[2]}"
         )
 
 
