@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
+from sdl_design.blocksum import BlockPartial, block_codes, block_partial, group_sum, n_blocks
 from sdl_design.design import SurveyDesign
 from sdl_design.keys import key_frame, key_levels
 from sdl_design.massc.common import KeyLike, MasscError, _key_specs
@@ -131,6 +132,25 @@ def _s2(s1: np.ndarray, s2: np.ndarray, nh: np.ndarray) -> np.ndarray:
     return np.where(nn > 1, np.maximum(out, 0.0), 0.0)
 
 
+class _Bins:
+    """The (stratum, category) codes of the records `mask` selects in a file of n records, and
+    their sums in block order (sdl_design.blocksum: the same bits by partition)."""
+
+    def __init__(self, codes: np.ndarray, mask: np.ndarray, m: int, n: int):
+        self.codes, self.mask, self.m, self.n = codes, mask, m, n
+        self._coded: np.ndarray | None = None
+
+    def sum(self, x: np.ndarray) -> np.ndarray:
+        if self._coded is None and n_blocks(self.n) > 1:
+            self._coded = block_codes(self.codes, np.flatnonzero(self.mask), self.m)
+        return group_sum(self.codes, x, self.m, self.n, coded=self._coded)
+
+    def partial(self, x: np.ndarray, start: int) -> BlockPartial:
+        """The sum's BlockPartial when these are the records start..start+n-1 of a file."""
+        rows = start + np.flatnonzero(self.mask)
+        return block_partial(self.codes, x, self.m, start, start + self.n, rows)
+
+
 @dataclass
 class ZMoments:
     """Per stratum (rows) and study variable z (columns) quantities of eq. 8a/8b."""
@@ -221,62 +241,102 @@ def z_moments(
     N = np.bincount(h_codes, minlength=n_h)
     w = b0[weight].to_numpy(dtype=float) if isinstance(weight, str) else np.asarray(weight, float)
     p = parts if parts is not None else ZParts.of(b0, tilde, zvars)
-    th, V, S2v, S2z = [], [], [], []
     sel = None if substituted is None else np.asarray(substituted, dtype=bool)
+    terms = moment_terms(p, zvars, h_codes, n_h, w, sel, base is None)
+    sums = {key: bins.sum(x) for key, bins, x in terms}
+    return moments_of(sums, zvars, N, [str(x) for x in h_labels], sel is not None, base)
+
+
+def moment_terms(
+    p: ZParts,
+    zvars: StudyVariables,
+    h_codes: np.ndarray,
+    n_h: int,
+    w: np.ndarray,
+    sel: np.ndarray | None,
+    plan: bool = True,
+) -> Iterator[tuple[tuple[str, str, str], _Bins, np.ndarray]]:
+    """The group sums z_moments reads, one study variable at a time: (key, bins, terms) with
+    key (y, domain, what); plan: those of theta, V and S2_nu (eq. 8a); sel given: those of S2
+    of w z* (eq. 8b). h_codes: each record's stratum (0..n_h-1)."""
+    n = len(h_codes)
     cells = {}  # per domain, once for every study variable: records in a category, their bin
     if sel is not None:
         for d, cats in zvars.domains.items():
             ds = np.where(sel, p.d1[d], p.d0[d])
             ok = ds >= 0
-            cells[d] = (ok, h_codes[ok] * len(cats) + ds[ok], n_h * len(cats))
+            cells[d] = (ok, _Bins(h_codes[ok] * len(cats) + ds[ok], ok, n_h * len(cats), n))
     bins = {}  # per domain, once for every study variable: the (stratum, category) bins
-    if base is None:
+    if plan:
         for d, cats in zvars.domains.items():
-            nc = len(cats)
+            nc, m = len(cats), n_h * len(cats)
             d0, d1 = p.d0[d], p.d1[d]
             ok0, ok1 = d0 >= 0, d1 >= 0
             same = ok0 & (d1 == d0)
             bins[d] = (
                 ok0,
-                h_codes[ok0] * nc + d0[ok0],
+                _Bins(h_codes[ok0] * nc + d0[ok0], ok0, m, n),
                 ok1,
-                h_codes[ok1] * nc + d1[ok1],
+                _Bins(h_codes[ok1] * nc + d1[ok1], ok1, m, n),
                 same,
-                h_codes[same] * nc + d0[same],
-                n_h * nc,
+                _Bins(h_codes[same] * nc + d0[same], same, m, n),
             )
     for y in zvars.study:
-        wys = None if sel is None else w * np.where(sel, p.y1[y], p.y0[y])  # w z*, once per y
-        a0 = w * p.y0[y] if base is None else None
-        a1 = w * p.y1[y] if base is None else None
+        if plan:  # sums and sums of squares of u = a1 1{d1 = c} - a0 1{d0 = c}
+            a0, a1 = w * p.y0[y], w * p.y1[y]
+            for d in zvars.domains:
+                ok0, i0, ok1, i1, same, isame = bins[d]
+                b0, b1 = a0[ok0], a1[ok1]
+                yield (y, d, "a0"), i0, b0
+                yield (y, d, "a1"), i1, b1
+                yield (y, d, "a1^2"), i1, b1**2
+                yield (y, d, "a0^2"), i0, b0**2
+                yield (y, d, "a1 a0"), isame, (a1 * a0)[same]
+        if sel is not None:  # sums and sums of squares of w z* per stratum x category
+            wys = w * np.where(sel, p.y1[y], p.y0[y])  # w z*, once per y
+            for d in zvars.domains:
+                ok, ia = cells[d]
+                a = wys[ok]
+                yield (y, d, "z"), ia, a
+                yield (y, d, "z^2"), ia, a**2
+
+
+def moments_of(
+    sums: dict[tuple[str, str, str], np.ndarray],
+    zvars: StudyVariables,
+    N: np.ndarray,
+    strata: list[str],
+    treated: bool,
+    base: ZMoments | None = None,
+) -> ZMoments:
+    """ZMoments from the group sums of moment_terms (N: records per stratum; treated: the sums
+    of S2 of w z* are there; base: the moments whose theta, V and S2_nu are reused)."""
+    n_h = len(strata)
+    th, V, S2v, S2z = [], [], [], []
+    for y in zvars.study:
         for d, cats in zvars.domains.items():
             nc = len(cats)
-            if base is None:  # sums and sums of squares of u = a1 1{d1 = c} - a0 1{d0 = c}
-                ok0, i0, ok1, i1, same, isame, m = bins[d]
-                b0 = a0[ok0]
-                t1 = np.bincount(i0, weights=b0, minlength=m)
+            if base is None:
+                t1 = sums[(y, d, "a0")]
                 th.append(t1.reshape(n_h, nc).sum(0))
-                b1 = a1[ok1]
-                s1 = np.bincount(i1, weights=b1, minlength=m) - t1
-                s2 = np.bincount(i1, weights=b1**2, minlength=m)
-                s2 += np.bincount(i0, weights=b0**2, minlength=m)
-                s2 -= 2 * np.bincount(isame, weights=(a1 * a0)[same], minlength=m)
+                s1 = sums[(y, d, "a1")] - t1
+                s2 = sums[(y, d, "a1^2")].copy()
+                s2 += sums[(y, d, "a0^2")]
+                s2 -= 2 * sums[(y, d, "a1 a0")]
                 s1, s2 = s1.reshape(n_h, nc), s2.reshape(n_h, nc)
                 V.append(s1)
                 S2v.append(_s2(s1, s2, N))
-            if sel is not None:  # sums and sums of squares of w z* per stratum x category
-                ok, ia, m = cells[d]
-                a = wys[ok]  # (its sums must not take the name a1: the next domain reads it)
-                z1 = np.bincount(ia, weights=a, minlength=m).reshape(n_h, nc)
-                z2 = np.bincount(ia, weights=a**2, minlength=m).reshape(n_h, nc)
+            if treated:
+                z1 = sums[(y, d, "z")].reshape(n_h, nc)
+                z2 = sums[(y, d, "z^2")].reshape(n_h, nc)
                 S2z.append(_s2(z1, z2, N))
     return ZMoments(
         labels=zvars.labels,
-        strata=[str(s) for s in h_labels],
-        N=N.astype(float),
+        strata=list(strata),
+        N=np.asarray(N).astype(float),
         theta=base.theta if base is not None else np.concatenate(th),
         V=base.V if base is not None else np.concatenate(V, axis=1),
         S2_nu=base.S2_nu if base is not None else np.concatenate(S2v, axis=1),
-        S2_zstar=np.concatenate(S2z, axis=1) if sel is not None else None,
+        S2_zstar=np.concatenate(S2z, axis=1) if treated else None,
         denom=base.denom if base is not None else None,
     )

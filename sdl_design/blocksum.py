@@ -1,0 +1,104 @@
+"""Group sums whose bits do not depend on how the records are split into partitions, at the
+cost of one bincount.
+
+The records are cut into blocks of BLOCK consecutive rows, counted from the file's first
+record. Within a block the terms are added one after another in record order (what bincount
+does); the block sums are then added in block order. A partition sends the sums of the blocks
+that start in it (the first of them perhaps cut short at its end) and, for a block begun in an
+earlier partition, its terms themselves: the driver continues that block's sum from where the
+earlier partition left it, term by term. Every float addition then happens in the same order
+as in memory, so the sums are the same bits for any partitioning. A file of at most BLOCK
+records is one block: its sums are bincount's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+BITS = 16
+BLOCK = 1 << BITS  # records per block
+
+
+def n_blocks(n_rows: int) -> int:
+    """Blocks of a file of n_rows records."""
+    return max(1, -(-int(n_rows) // BLOCK))
+
+
+def _in_order(per_block: np.ndarray) -> np.ndarray:
+    """The block sums (n_blocks, G) added in block order."""
+    return np.cumsum(per_block, axis=0)[-1] if len(per_block) > 1 else per_block[0].copy()
+
+
+def block_codes(codes: np.ndarray, rows: np.ndarray | None, n_groups: int) -> np.ndarray:
+    """The (block, group) code of each term (rows: its global row, default its position)."""
+    codes = np.asarray(codes, dtype=np.int64)
+    rows = np.arange(len(codes)) if rows is None else np.asarray(rows, dtype=np.int64)
+    return (rows >> BITS) * n_groups + codes
+
+
+def group_sum(
+    codes: np.ndarray,
+    x: np.ndarray,
+    n_groups: int,
+    n_rows: int,
+    rows: np.ndarray | None = None,
+    coded: np.ndarray | None = None,
+) -> np.ndarray:
+    """Sum of x by group code (0..n_groups-1) over a file of n_rows records: bincount within
+    each block, blocks in order (rows: each term's row in the file, ascending, default its
+    position; coded: block_codes of the terms when already made)."""
+    nb = n_blocks(n_rows)
+    if nb == 1:
+        return np.bincount(np.asarray(codes, dtype=np.intp), weights=x, minlength=n_groups)
+    bc = block_codes(codes, rows, n_groups) if coded is None else coded
+    per = np.bincount(bc, weights=x, minlength=nb * n_groups)
+    return _in_order(per.reshape(nb, n_groups))
+
+
+@dataclass
+class BlockPartial:
+    """One partition's part of a group_sum: the sums of the blocks that start in it, and the
+    terms of the block it continues (begun in an earlier partition)."""
+
+    first: int  # block of sums[0]
+    sums: np.ndarray  # (k, G): blocks first..first+k-1, each from its first record on
+    cont: int  # the block the partition's first records continue (-1: none)
+    cont_codes: np.ndarray  # their terms, in record order
+    cont_x: np.ndarray
+
+
+def block_partial(
+    codes: np.ndarray, x: np.ndarray, n_groups: int, start: int, stop: int, rows: np.ndarray
+) -> BlockPartial:
+    """The BlockPartial of the partition holding records start..stop-1 (rows: the global
+    rows of its terms, ascending)."""
+    codes = np.asarray(codes, dtype=np.int64)
+    x = np.asarray(x, dtype=float)
+    rows = np.asarray(rows, dtype=np.int64)
+    cont = start >> BITS if start % BLOCK else -1
+    first = -(-start // BLOCK)  # the first block starting at or after start
+    last = (stop - 1) >> BITS  # the block of the partition's last record
+    k = max(0, last - first + 1)
+    split = np.searchsorted(rows, first << BITS) if cont >= 0 else 0
+    bc = (rows[split:] >> BITS) - first
+    per = np.bincount(bc * n_groups + codes[split:], weights=x[split:], minlength=k * n_groups)
+    return BlockPartial(
+        first, per.reshape(k, n_groups), cont, codes[:split].copy(), x[:split].copy()
+    )
+
+
+def combine_partials(partials: Sequence[BlockPartial], n_groups: int, n_rows: int) -> np.ndarray:
+    """group_sum of the whole file from its partitions' BlockPartials, in partition order."""
+    nb = n_blocks(n_rows)
+    per = np.zeros((nb, n_groups))
+    for p in partials:
+        if p.cont >= 0:  # continue the block's sum, term by term, from where it was left
+            codes = np.r_[np.arange(n_groups), p.cont_codes]
+            per[p.cont] = np.bincount(
+                codes, weights=np.r_[per[p.cont], p.cont_x], minlength=n_groups
+            )
+        per[p.first : p.first + len(p.sums)] = p.sums
+    return _in_order(per)

@@ -1,0 +1,68 @@
+"""Block sums (sdl_design.blocksum): the same bits for any partitioning of the file, bincount's
+bits for a file of one block, and the sum to rounding (math.fsum)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from sdl_design.blocksum import BLOCK, block_partial, combine_partials, group_sum
+
+
+def _terms(n, G, seed, keep=0.7):
+    """Terms of a subset of n records (as a masked column gives): rows, group codes, values
+    spread over 12 orders of magnitude with cancellations."""
+    rng = np.random.default_rng(seed)
+    rows = np.flatnonzero(rng.random(n) < keep)
+    codes = rng.integers(0, G, len(rows))
+    x = rng.standard_normal(len(rows)) * 10.0 ** rng.integers(-6, 7, len(rows))
+    return rows, codes, x
+
+
+def _by_partition(rows, codes, x, G, n, cuts):
+    bounds = [0, *cuts, n]
+    parts = []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        i, j = np.searchsorted(rows, [a, b])
+        parts.append(block_partial(codes[i:j], x[i:j], G, a, b, rows[i:j]))
+    return combine_partials(parts, G, n)
+
+
+def test_one_block_is_bincount_to_the_bit():
+    rows, codes, x = _terms(BLOCK, 5, 1)
+    got = group_sum(codes, x, 5, BLOCK, rows)
+    assert got.tobytes() == np.bincount(codes, weights=x, minlength=5).tobytes()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_any_partitioning_gives_the_same_bits(seed):
+    """Cuts inside blocks, on block edges, partitions inside one block and empty of terms:
+    the sums equal the in-memory ones bit for bit, where adding the partitions' bincounts
+    does not."""
+    n, G = 3 * BLOCK + 1234, 7
+    rows, codes, x = _terms(n, G, seed)
+    whole = group_sum(codes, x, G, n, rows)
+    rng = np.random.default_rng(seed + 10)
+    cut_sets = [
+        [BLOCK, 2 * BLOCK],
+        [17, 18, 500, BLOCK - 1, BLOCK + 1, 2 * BLOCK + 7],
+        sorted(rng.choice(np.arange(1, n), 40, replace=False).tolist()),
+        [5, 6, 7, 8, 9],  # partitions of one record, some of them without a term
+    ]
+    for cuts in cut_sets:
+        assert _by_partition(rows, codes, x, G, n, cuts).tobytes() == whole.tobytes(), cuts
+    naive = sum(
+        np.bincount(codes[(rows >= a) & (rows < b)], x[(rows >= a) & (rows < b)], G)
+        for a, b in zip([0, *cut_sets[2]], [*cut_sets[2], n], strict=False)
+    )
+    assert naive.tobytes() != whole.tobytes()  # a plain sum of partial sums differs
+    for g in range(G):  # and the sum is the sum, to rounding
+        exact = math.fsum(x[codes == g])
+        assert whole[g] == pytest.approx(exact, rel=1e-9, abs=1e-9 * np.abs(x).max())
+
+
+def test_one_block_file_by_partition_is_bincount():
+    n, G = 3000, 4
+    rows, codes, x = _terms(n, G, 5)
+    got = _by_partition(rows, codes, x, G, n, [450, 900, 1350, 1800, 2250, 2700])
+    assert got.tobytes() == np.bincount(codes, weights=x, minlength=G).tobytes()
