@@ -242,9 +242,11 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
             )
         if "massc" in st:
             m = st["massc"]
+            strata = ", ".join(f"{h} {n}" for h, n in m["strata"].items())
             print(
                 f"  massc       : {m['n_with_donor']} records have a donor ({m['n_profiles']} "
-                "search profiles); the substituted values in massc/donors/ (confidential)"
+                "search profiles); the substituted values in massc/donors/ (confidential); "
+                f"risk strata {strata}; moments of eq. 8a in massc/moments.csv"
             )
         for name, res in st.items():
             se = res["tables"].get("se_ratios") if isinstance(res, dict) else None

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -310,8 +311,17 @@ def _lap(laps: dict, name: str, t: float) -> float:
     return now
 
 
+@dataclass
+class Chain:
+    """What a partitioned stage may read besides its input's partitions: the release input's
+    partitions (the original records) and its scan (profiles, SEs, edits)."""
+
+    inputs: list
+    scan: dict[str, Any]
+
+
 def _swap_stage(
-    spec: ReleaseSpec, columns: list[str], parts: list, run_map: Mapper, folder: Path
+    spec: ReleaseSpec, columns: list[str], parts: list, run_map: Mapper, folder: Path, chain: Chain
 ) -> dict[str, Any]:
     """The swap by partition: pass 1 reads each partition's segments and bounds, pass 2 its
     exact segment sums; the driver chooses the swaps, pseudo labels and replicate factors from
@@ -343,7 +353,7 @@ def _swap_stage(
 
 
 def _prb_stage(
-    spec: ReleaseSpec, columns: list[str], parts: list, run_map: Mapper, folder: Path
+    spec: ReleaseSpec, columns: list[str], parts: list, run_map: Mapper, folder: Path, chain: Chain
 ) -> dict[str, Any]:
     """PRB by partition: pass 1 counts each partition's cells of X_C and lists its partition
     sets, pass 2 gathers the singleton/doubleton units; the driver forms the blocks and draws
@@ -373,20 +383,29 @@ def _prb_stage(
 
 
 def _massc_stage(
-    spec: ReleaseSpec, columns: list[str], parts: list, run_map: Exchange, folder: Path
+    spec: ReleaseSpec,
+    columns: list[str],
+    parts: list,
+    run_map: Exchange,
+    folder: Path,
+    chain: Chain,
 ) -> dict[str, Any]:
-    """MASSC by partition as far as it is built: Step II, the donor search. Pass 1 lists each
-    partition's search profiles; the driver searches donor profiles with the MASSC stage's
-    Generator; each record draws its donor record, which the partition holding it sends back
-    (records move between partitions, not through the driver). Writes the substituted file
-    tilde (every record with its donor's key-related columns, the donor's row in __donor:
-    confidential) to donors/. partial: the stage's records are not built yet."""
-    req = part.donor_request(spec, columns)
+    """MASSC by partition as far as it is built: Steps I-II without the rates. The donor
+    search: pass 1 lists each partition's search profiles; the driver searches donor profiles
+    with the MASSC stage's Generator; each record draws its donor record, which the partition
+    holding it sends back (records move between partitions, not through the driver); the
+    substituted file tilde (every record with its donor's key-related columns, the donor's
+    row in __donor: confidential) goes to donors/. Then the risk strata (the original keys'
+    profile counts from the scan) and the moments of eq. 8a by partition, in block sums
+    (sdl_design.blocksum): the same bits as massc_plan's. partial: the rates, selection and
+    calibration by partition are not built."""
+    req = part.massc_request(spec, columns)
     laps: dict[str, float] = {}
     t = time.perf_counter()
     tables = run_map(part.donor_pass1, parts, spec, req, what="massc donors pass 1")
     t = _lap(laps, "pass1", t)
-    plan = part.donor_plan(tables, req, _stage_rng(spec, "massc"))
+    rng = _stage_rng(spec, "massc")
+    plan = part.donor_plan(tables, req, rng)
     t = _lap(laps, "search", t)
     n_has = int(plan.size[plan.donor_p >= 0].sum())
     _say(f"{n_has} records have a donor ({plan.n_profiles} search profiles)", "partitioned")
@@ -395,15 +414,33 @@ def _massc_stage(
     files = run_map.exchange(
         part.donor_send, part.donor_serve, receive, parts, spec, req, plan, what="massc donors"
     )
-    _lap(laps, "exchange", t)
+    t = _lap(laps, "exchange", t)
+    profiles = chain.scan["profiles"]
+    labels = part.massc_strata_labels(profiles, req)
+    zvars = part.massc_study_variables(profiles, req)
+    args = (spec, req, chain.inputs, profiles, zvars, labels, str(folder / "donors"))
+    partials = run_map(part.moments_pass, parts, *args, what="massc moments")
+    mom = part.combine_moments(partials, zvars, labels, parts[-1].stop)
+    _lap(laps, "moments", t)
     levels = pd.DataFrame({"keys_changed": list(plan.by_level), "records": plan.by_level.values()})
+    z = pd.DataFrame(mom.labels, columns=["variable", "domain", "category"])
+    moments = pd.concat(
+        [
+            z.assign(stratum=h, N=mom.N[i], sum_nu=mom.V[i], S2_nu=mom.S2_nu[i])
+            for i, h in enumerate(mom.strata)
+        ],
+        ignore_index=True,
+    )
+    z["theta"] = mom.theta
     return {
-        "partial": "Step II (donors); the rates, selection and calibration by partition are not built",
+        "partial": "Steps I-II (risk strata, donors, the moments of eq. 8a); the rates, "
+        "selection and calibration by partition are not built",
         "n_with_donor": n_has,
         "n_profiles": plan.n_profiles,
+        "strata": {h: int(n) for h, n in zip(mom.strata, mom.N, strict=True)},
         "files": [Path(f).name for f in files],
         **laps,
-        "tables": {"donor_levels": levels},
+        "tables": {"donor_levels": levels, "moments": moments, "totals": z},
     }
 
 
@@ -450,6 +487,7 @@ def run_partitioned(
             scan_seconds = time.perf_counter() - t_scan
             (tmp / "scan").mkdir()
             _write_tables(tmp / "scan", scan)
+            chain = Chain(parts, scan)
             if not scan["edits"]["passed"].all():
                 raise GateFailed("edit validation failed on the input file", scan["edits"])
             for stage in stages:
@@ -467,7 +505,7 @@ def run_partitioned(
                     break
                 (tmp / stage.name / "data").mkdir(parents=True)
                 try:
-                    res = fn(spec, cols, now, run_map, tmp / stage.name)
+                    res = fn(spec, cols, now, run_map, tmp / stage.name, chain)
                 except part.PartitionError as e:
                     raise SpecError([str(e)]) from e
                 if res.get("partial"):  # as far as it is built: its tables, then stop

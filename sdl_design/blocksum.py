@@ -90,15 +90,34 @@ def block_partial(
     )
 
 
+class BlockAccumulator:
+    """The block sums of one group_sum as the partitions' parts arrive, in partition order."""
+
+    def __init__(self, n_groups: int, n_rows: int):
+        self.n_groups = n_groups
+        self.per = np.zeros((n_blocks(n_rows), n_groups))
+
+    def extend(self, block: int, codes: np.ndarray, x: np.ndarray) -> None:
+        """Continue the block's sum, term by term (in record order), from where it was left."""
+        g = self.n_groups
+        self.per[block] = np.bincount(
+            np.r_[np.arange(g), np.asarray(codes, dtype=np.int64)],
+            weights=np.r_[self.per[block], np.asarray(x, dtype=float)],
+            minlength=g,
+        )
+
+    def add(self, p: BlockPartial) -> None:
+        if p.cont >= 0:
+            self.extend(p.cont, p.cont_codes, p.cont_x)
+        self.per[p.first : p.first + len(p.sums)] = p.sums
+
+    def total(self) -> np.ndarray:
+        return _in_order(self.per)
+
+
 def combine_partials(partials: Sequence[BlockPartial], n_groups: int, n_rows: int) -> np.ndarray:
     """group_sum of the whole file from its partitions' BlockPartials, in partition order."""
-    nb = n_blocks(n_rows)
-    per = np.zeros((nb, n_groups))
+    acc = BlockAccumulator(n_groups, n_rows)
     for p in partials:
-        if p.cont >= 0:  # continue the block's sum, term by term, from where it was left
-            codes = np.r_[np.arange(n_groups), p.cont_codes]
-            per[p.cont] = np.bincount(
-                codes, weights=np.r_[per[p.cont], p.cont_x], minlength=n_groups
-            )
-        per[p.first : p.first + len(p.sums)] = p.sums
-    return _in_order(per)
+        acc.add(p)
+    return acc.total()

@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from sdl_design import blocksum
 from sdl_design.blas import single_blas_thread
+from sdl_design.blocksum import BlockAccumulator, BlockPartial
 from sdl_design.design import (
     SurveyDesign,
     block_view,
@@ -41,7 +43,9 @@ from sdl_design.design import (
 )
 from sdl_design.edits import combine_rule_failures, rule_failures
 from sdl_design.exactsum import add_limbs_at
+from sdl_design.io import type_input
 from sdl_design.keys import key_levels
+from sdl_design.massc.moments import StudyVariables, ZMoments, ZParts, moment_terms, moments_of
 from sdl_design.prb import (
     EDIT_HINT,
     PrbRequest,
@@ -1027,10 +1031,11 @@ def _write_partition(data: pd.DataFrame, part: Partition, folder: str) -> str:
 
 
 @dataclass(frozen=True)
-class DonorRequest:
-    """MASSC's donor search as the release runs it (massc_config): keys, sensitive variables,
-    importance, restriction columns, declared-domain cell columns, and the columns of the
-    substituted file (substitute: taken from the donor; need: substitute plus study)."""
+class MasscRequest:
+    """MASSC as the release runs it (massc_config): keys, sensitive variables, importance,
+    restriction columns, declared-domain cell columns, the columns of the substituted file
+    (substitute: taken from the donor; need: substitute plus study), the weight, the risk
+    strata's merge and the study variables' domain rule."""
 
     keys: tuple[KeySpec, ...]
     sensitive: tuple[SensitiveSpec, ...]
@@ -1039,20 +1044,31 @@ class DonorRequest:
     cells: tuple[KeySpec, ...]
     substitute: tuple[str, ...]
     need: tuple[str, ...]
+    study: tuple[str, ...]
+    weight: str
+    merge: tuple[tuple[str, str], ...]
+    max_levels: int
+    min_records: int
 
     def columns(self) -> list[str]:
         names = [k.name for k in (*self.keys, *self.cells)] + [s.name for s in self.sensitive]
         return list(dict.fromkeys([*self.restrictions, *names, *self.need]))
 
 
-def donor_request(spec: ReleaseSpec, columns: Sequence[str]) -> DonorRequest:
-    """The spec's MASSC donor search (stages.massc) on an input with these columns."""
+def massc_request(spec: ReleaseSpec, columns: Sequence[str]) -> MasscRequest:
+    """The spec's MASSC (stages.massc) on an input with these columns; k-means substrata have
+    no partitioned path (PartitionError naming the field)."""
     from sdl_design.massc.stage import massc_config
 
     if spec.stages.massc is None:
         raise PartitionError("stages.massc: the spec has no MASSC stage; enable it")
     cfg = massc_config(spec, pd.DataFrame(columns=list(columns)))
-    return DonorRequest(
+    if cfg.substrata:
+        raise PartitionError(
+            "stages.massc.substrata: k-means substrata need every record of a stratum in one "
+            "process; remove them to run MASSC by partition, or run the release in memory"
+        )
+    return MasscRequest(
         keys=tuple(cfg.keys),
         sensitive=tuple(cfg.sensitive),
         importance=tuple(cfg.importance.items()),
@@ -1060,10 +1076,15 @@ def donor_request(spec: ReleaseSpec, columns: Sequence[str]) -> DonorRequest:
         cells=tuple(cfg.domain_columns),
         substitute=tuple(cfg.substitute_columns),
         need=tuple(dict.fromkeys([*cfg.substitute_columns, *cfg.study])),
+        study=tuple(cfg.study),
+        weight=cfg.weight,
+        merge=tuple((cfg.strata_merge or {}).items()),
+        max_levels=cfg.max_levels,
+        min_records=cfg.min_records,
     )
 
 
-def _search_units(df: pd.DataFrame, req: DonorRequest) -> tuple[list[pd.Series], np.ndarray]:
+def _search_units(df: pd.DataFrame, req: MasscRequest) -> tuple[list[pd.Series], np.ndarray]:
     """The search-profile values of df's records (restriction and cell columns, keys,
     sensitive categories, in that order) and each record's local search profile."""
     from sdl_design.massc.common import _codes
@@ -1076,7 +1097,7 @@ def _search_units(df: pd.DataFrame, req: DonorRequest) -> tuple[list[pd.Series],
     return [*r, *k, *s], pid
 
 
-def donor_pass1(part: Partition, spec: ReleaseSpec, req: DonorRequest) -> pd.DataFrame:
+def donor_pass1(part: Partition, spec: ReleaseSpec, req: MasscRequest) -> pd.DataFrame:
     """Pass 1 of the donor search on one partition: its distinct search profiles (values in
     columns v0, v1, ...), in local first-appearance order, with their records (`count`) and
     first record (`first`, global row)."""
@@ -1114,7 +1135,7 @@ class DonorPlan:
 
 def donor_plan(
     tables: Sequence[pd.DataFrame],
-    req: DonorRequest,
+    req: MasscRequest,
     rng: np.random.Generator,
     chunk: int = 200_000,
 ) -> DonorPlan:
@@ -1180,7 +1201,7 @@ def donor_plan(
 
 
 def donor_send(
-    part: Partition, spec: ReleaseSpec, req: DonorRequest, plan: DonorPlan
+    part: Partition, spec: ReleaseSpec, req: MasscRequest, plan: DonorPlan
 ) -> list[dict[str, np.ndarray]]:
     """Pass 2 on one partition: each record with a donor draws its donor record (the rank
     within the donor profile, from the uniforms find_donors draws for it: the Generator
@@ -1211,7 +1232,7 @@ def donor_serve(
     part: Partition,
     requests: Sequence[dict[str, np.ndarray]],
     spec: ReleaseSpec,
-    req: DonorRequest,
+    req: MasscRequest,
     plan: DonorPlan,
 ) -> list[dict[str, Any]]:
     """Pass 3 on the partition holding donors: for each requesting partition, the donor
@@ -1241,7 +1262,7 @@ def donor_receive(
     part: Partition,
     replies: Sequence[dict[str, Any]],
     spec: ReleaseSpec,
-    req: DonorRequest,
+    req: MasscRequest,
     plan: DonorPlan,
     folder: str | None = None,
 ) -> pd.DataFrame | str:
@@ -1264,3 +1285,105 @@ def donor_receive(
             tilde[c] = pd.Series(both.array.take(take), index=df.index, name=c)
     tilde["__donor"] = donor
     return tilde if folder is None else _write_partition(tilde, part, folder)
+
+
+# ---------------------------------------------------------------- MASSC Steps I-II: strata, moments
+
+
+def massc_strata_labels(profiles: pd.DataFrame, req: MasscRequest) -> list[str]:
+    """The risk strata (merged by stages.massc.strata_merge) that hold records of the whole
+    input, sorted: massc_plan's strata labels (profiles: the scan's combine_profiles)."""
+    merge = dict(req.merge)
+    present = {STRATA[min(int(c), 4) - 1] for c in profiles["count"]}
+    return sorted({merge.get(s, s) for s in present})
+
+
+def massc_study_variables(profiles: pd.DataFrame, req: MasscRequest) -> StudyVariables:
+    """study_variables of the whole input from its key-profile counts (the keys' labels are
+    key_frame's): every study variable and the count, over the categories of each key with at
+    most max_levels categories that hold min_records records."""
+    domains: dict[str, list[str]] = {"": [""]}
+    count = profiles["count"].to_numpy()
+    for k in req.keys:
+        labels = profiles[k.name].astype(str).to_numpy()
+        vc = pd.Series(count).groupby(labels).sum()
+        if len(vc) <= req.max_levels:
+            domains[k.name] = sorted(vc.index[vc >= req.min_records].tolist())
+    return StudyVariables(["_count", *req.study], domains, list(req.keys))
+
+
+@dataclass
+class MomentsPartial:
+    """One partition's part of MASSC's moments (z_moments of the plan): records per stratum,
+    the BlockPartials of the blocks that start in it, and the values of its first records
+    when they continue a block begun in an earlier partition (the driver adds their terms)."""
+
+    N: np.ndarray
+    sums: dict[tuple[str, str, str], BlockPartial]
+    head: ZParts | None
+    head_h: np.ndarray
+    head_w: np.ndarray
+    head_block: int
+
+
+def moments_pass(
+    part: Partition,
+    spec: ReleaseSpec,
+    req: MasscRequest,
+    inputs: Sequence[Partition],
+    profiles: pd.DataFrame,
+    zvars: StudyVariables,
+    labels: list[str],
+    donors: str,
+) -> MomentsPartial:
+    """MASSC's plan moments on one partition of its input (part: the records after the earlier
+    stages): strata from the original keys (the input's partition holding the same records),
+    the values of B(0) and of the substituted file tilde (donors: the folder of donor_receive)."""
+    import pyarrow.parquet as pq
+
+    cols = list(dict.fromkeys([req.weight, *req.study, *(k.name for k in req.keys)]))
+    df = read_partition(part, cols, spec)
+    tilde = pq.read_table(Path(donors) / f"part-{part.start:012d}.parquet", columns=list(req.need))
+    tilde = type_input(tilde.to_pandas(), spec, text=False).set_axis(df.index)
+    (original,) = [p for p in inputs if p.start == part.start]
+    b0 = read_partition(original, [k.name for k in req.keys], spec)
+    merge = dict(req.merge)
+    strata = np.array(STRATA)[np.minimum(profile_sizes(b0, req.keys, profiles), 4) - 1]
+    h = pd.Index(labels).get_indexer([merge.get(s, s) for s in strata]).astype(np.int64)
+    w = df[req.weight].to_numpy(dtype=float)
+    p = ZParts.of(df, tilde, zvars)
+    n = len(df)
+    B = blocksum.BLOCK
+    hs = min(n, -(-part.start // B) * B - part.start)  # records continuing a block
+    rest = slice(hs, n)
+    terms = moment_terms(p.take(rest), zvars, h[rest], len(labels), w[rest], None)
+    sums = {key: bins.partial(x, part.start + hs) for key, bins, x in terms}
+    head = slice(0, hs)
+    return MomentsPartial(
+        N=np.bincount(h, minlength=len(labels)),
+        sums=sums,
+        head=p.take(head) if hs else None,
+        head_h=h[head],
+        head_w=w[head],
+        head_block=part.start // B if hs else -1,
+    )
+
+
+def combine_moments(
+    partials: Sequence[MomentsPartial], zvars: StudyVariables, labels: list[str], n_rows: int
+) -> ZMoments:
+    """z_moments of massc_plan (theta, V, S2_nu; denom not set) from the partitions' parts, in
+    partition order: the same bits as in memory (sdl_design.blocksum)."""
+    acc: dict[tuple[str, str, str], BlockAccumulator] = {}
+    n_h = len(labels)
+    for q in partials:
+        if q.head is not None:  # the terms of a block begun in an earlier partition
+            for key, bins, x in moment_terms(q.head, zvars, q.head_h, n_h, q.head_w, None):
+                acc[key].extend(q.head_block, bins.codes, x)
+        for key, part_sums in q.sums.items():
+            if key not in acc:
+                acc[key] = BlockAccumulator(part_sums.sums.shape[1], n_rows)
+            acc[key].add(part_sums)
+    N = np.sum([q.N for q in partials], axis=0)
+    sums = {key: a.total() for key, a in acc.items()}
+    return moments_of(sums, zvars, N, labels, treated=False)

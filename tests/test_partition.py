@@ -450,7 +450,7 @@ def test_puf_partitioned_leaves_nothing_when_a_partition_fails(
     assert puf(["partitioned", str(path), "--partitions", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "pairs in swap/pairs.csv (confidential)" in text
-    assert "stopped in massc: done Step II (donors)" in text
+    assert "stopped in massc: done Steps I-II (risk strata, donors, the moments" in text
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     calls = []
 
@@ -583,6 +583,40 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(clean, tmp_p
         _same_bits(got.drop(columns="__donor"), plan.tilde.reset_index(drop=True))
         levels = pd.read_csv(tmp_path / f"p{n}" / "massc" / "donor_levels.csv")
         assert levels["records"].tolist() == list(plan.donors.by_level.values())
+        _same_moments(m, plan)
+
+
+def _same_moments(m, plan):
+    """The partitioned chain's strata and moments tables equal massc_plan's, bit for bit."""
+    mom = plan.moments
+    assert m["strata"] == dict(zip(plan.labels, np.bincount(plan.h).tolist(), strict=True))
+    t, k = m["tables"]["moments"], len(mom.theta)
+    assert m["tables"]["totals"]["theta"].to_numpy().tobytes() == mom.theta.tobytes()
+    assert t["stratum"].tolist() == [h for h in mom.strata for _ in range(k)]
+    for col, ref in (("sum_nu", mom.V), ("S2_nu", mom.S2_nu)):
+        assert t[col].to_numpy().reshape(len(mom.strata), k).tobytes() == ref.tobytes(), col
+
+
+def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monkeypatch):
+    """With blocks of 64 records (sdl_design.blocksum) the 3,000 records are 47 blocks, cut by
+    the 7 partitions inside blocks: the moments by partition are still massc_plan's bits (the
+    plan in memory sums in the same blocks), and differ from one bincount's."""
+    from flows.scan import run_partitioned
+    from sdl_design import blocksum
+    from sdl_design.massc.stage import massc_config
+    from sdl_design.massc.treatment import massc_plan
+
+    path, spec, whole = _with_donors(clean)
+    _, prb = _in_memory(spec, whole)
+    cfg = massc_config(spec, prb.data)
+    one_block = massc_plan(prb.data, cfg, _massc_rng(spec), whole).moments
+    monkeypatch.setattr(blocksum, "BITS", 6)
+    monkeypatch.setattr(blocksum, "BLOCK", 64)
+    plan = massc_plan(prb.data, cfg, _massc_rng(spec), whole)
+    assert plan.moments.S2_nu.tobytes() != one_block.S2_nu.tobytes()  # other sums, other bits
+    np.testing.assert_allclose(plan.moments.theta, one_block.theta, rtol=1e-12)
+    out = run_partitioned(path, "thread", partitions=7, out=tmp_path / "p")
+    _same_moments(out["stages"]["massc"], plan)
 
 
 def _massc_rng(spec):
@@ -599,7 +633,7 @@ def test_donor_draws_by_partition_continue_the_generator_as_find_donors(clean):
     from sdl_design.massc.treatment import domain_cells
 
     path, spec, whole = _with_donors(clean)
-    req = P.donor_request(spec, P.input_columns(spec.release.input))
+    req = P.massc_request(spec, P.input_columns(spec.release.input))
     parts = P.plan_partitions(spec.release.input, 3)
     tables = [P.donor_pass1(p, spec, req) for p in parts]
     a, b = np.random.default_rng(5), np.random.default_rng(5)

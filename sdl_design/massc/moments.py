@@ -199,6 +199,13 @@ class ZParts:
         y1, d1 = zvars.frame_parts(tilde)
         return cls(y0, d0, y1, d1)
 
+    def take(self, rows: slice | np.ndarray) -> ZParts:
+        """The parts of the records `rows`."""
+        return ZParts(*({k: v[rows] for k, v in part.items()} for part in self._parts()))
+
+    def _parts(self) -> tuple[dict[str, np.ndarray], ...]:
+        return self.y0, self.d0, self.y1, self.d1
+
     def treated(
         self, substituted: np.ndarray, rows: np.ndarray
     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
