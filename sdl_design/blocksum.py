@@ -70,24 +70,51 @@ class BlockPartial:
     cont_x: np.ndarray
 
 
+@dataclass
+class BlockBins:
+    """The block layout of one partition's terms, for the BlockPartial of any values."""
+
+    first: int
+    k: int
+    n_groups: int
+    split: int  # terms before it continue a block begun earlier
+    cont: int
+    coded: np.ndarray  # (block - first, group) codes of the terms from split on
+    cont_codes: np.ndarray
+
+    def of(self, x: np.ndarray) -> BlockPartial:
+        """The BlockPartial of the terms x (one per term, in record order)."""
+        x = np.asarray(x, dtype=float)
+        per = np.bincount(self.coded, weights=x[self.split :], minlength=self.k * self.n_groups)
+        return BlockPartial(
+            self.first,
+            per.reshape(self.k, self.n_groups),
+            self.cont,
+            self.cont_codes,
+            x[: self.split].copy(),
+        )
+
+
 def block_partial(
-    codes: np.ndarray, x: np.ndarray, n_groups: int, start: int, stop: int, rows: np.ndarray
-) -> BlockPartial:
+    codes: np.ndarray,
+    x: np.ndarray | None,
+    n_groups: int,
+    start: int,
+    stop: int,
+    rows: np.ndarray,
+) -> BlockPartial | BlockBins:
     """The BlockPartial of the partition holding records start..stop-1 (rows: the global
-    rows of its terms, ascending)."""
+    rows of its terms, ascending); x None: its BlockBins, for several columns of terms."""
     codes = np.asarray(codes, dtype=np.int64)
-    x = np.asarray(x, dtype=float)
     rows = np.asarray(rows, dtype=np.int64)
     cont = start >> BITS if start % BLOCK else -1
     first = -(-start // BLOCK)  # the first block starting at or after start
     last = (stop - 1) >> BITS  # the block of the partition's last record
     k = max(0, last - first + 1)
-    split = np.searchsorted(rows, first << BITS) if cont >= 0 else 0
-    bc = (rows[split:] >> BITS) - first
-    per = np.bincount(bc * n_groups + codes[split:], weights=x[split:], minlength=k * n_groups)
-    return BlockPartial(
-        first, per.reshape(k, n_groups), cont, codes[:split].copy(), x[:split].copy()
-    )
+    split = int(np.searchsorted(rows, first << BITS)) if cont >= 0 else 0
+    coded = ((rows[split:] >> BITS) - first) * n_groups + codes[split:]
+    bins = BlockBins(first, k, n_groups, split, cont, coded, codes[:split].copy())
+    return bins if x is None else bins.of(x)
 
 
 class BlockAccumulator:

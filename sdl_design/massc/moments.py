@@ -139,6 +139,7 @@ class _Bins:
     def __init__(self, codes: np.ndarray, mask: np.ndarray, m: int, n: int):
         self.codes, self.mask, self.m, self.n = codes, mask, m, n
         self._coded: np.ndarray | None = None
+        self._at, self._part = -1, None
 
     def sum(self, x: np.ndarray) -> np.ndarray:
         if self._coded is None and n_blocks(self.n) > 1:
@@ -147,8 +148,10 @@ class _Bins:
 
     def partial(self, x: np.ndarray, start: int) -> BlockPartial:
         """The sum's BlockPartial when these are the records start..start+n-1 of a file."""
-        rows = start + np.flatnonzero(self.mask)
-        return block_partial(self.codes, x, self.m, start, start + self.n, rows)
+        if self._at != start:  # once for every study variable summed in these bins
+            self._at, rows = start, start + np.flatnonzero(self.mask)
+            self._part = block_partial(self.codes, None, self.m, start, start + self.n, rows)
+        return self._part.of(x)
 
 
 @dataclass
