@@ -64,38 +64,77 @@ class StudyVariables:
     def _totals(self, y_of, d_of, weight: np.ndarray) -> np.ndarray:
         """totals_of with the values of study variable y from y_of(y) and the domain codes of
         domain d from d_of(d), made one at a time."""
-        out = []
+        sums = {key: bins.sum(x) for key, bins, x in self.total_terms(y_of, d_of, weight)}
+        return self.totals_from(sums)
+
+    def total_terms(
+        self, y_of, d_of, weight: np.ndarray
+    ) -> Iterator[tuple[tuple[str, str, str], _Bins, np.ndarray]]:
+        """The group sums of the totals: (key, bins, terms), one study variable at a time."""
+        n = len(weight)
         # once per domain: records outside the categories (-1) in a bin of their own, dropped
         # (each total still sums its records in record order, without a copy of them per y)
         bins = {}
         for d, cats in self.domains.items():
             c = d_of(d)
-            bins[d] = np.where(c >= 0, c, len(cats))
+            bins[d] = _Bins(np.where(c >= 0, c, len(cats)), None, len(cats) + 1, n)
         for y in self.study:
             wy = y_of(y) * weight  # once per study variable
-            for d, cats in self.domains.items():
-                m = len(cats)
-                out.append(np.bincount(bins[d], weights=wy, minlength=m + 1)[:m])
+            for d in self.domains:
+                yield (y, d, "total"), bins[d], wy
+
+    def totals_from(self, sums: dict[tuple[str, str, str], np.ndarray]) -> np.ndarray:
+        """The totals (in the order of labels) from the sums of total_terms."""
+        out = [
+            sums[(y, d, "total")][: len(cats)]
+            for y in self.study
+            for d, cats in self.domains.items()
+        ]
         return np.concatenate(out) if out else np.zeros(0)
 
     def sampling_variance(self, df: pd.DataFrame, design: SurveyDesign) -> np.ndarray:
         """Taylor sampling variance of every total (in the order of labels) in the design of df
-        (records of df in the design's order): PSUs with replacement within strata."""
+        (records of df in the design's order): PSUs with replacement within strata, from PSU
+        totals in block sums (sdl_design.blocksum)."""
         if design.n != len(df):
             raise MasscError(
                 f"the design has {design.n} records, the file {len(df)}: give the design of df"
             )
         ys, ds = self.frame_parts(df)
-        w = design.w
-        out = []
+        terms = self.psu_terms(ys, ds, design.w, design.g, design.n_psu)
+        return self.variance_from({key: bins.sum(x) for key, bins, x in terms}, design)
+
+    def psu_terms(
+        self,
+        ys: dict[str, np.ndarray],
+        ds: dict[str, np.ndarray],
+        w: np.ndarray,
+        g: np.ndarray,
+        n_psu: int,
+    ) -> Iterator[tuple[tuple[str, str, str], _Bins, np.ndarray]]:
+        """The group sums of the PSU totals of every z: (key, bins, terms), g each record's PSU
+        (0..n_psu-1, the design's codes)."""
+        n = len(w)
+        bins = {}
+        for d, cats in self.domains.items():
+            c = ds[d]
+            ok = c >= 0
+            bins[d] = (ok, _Bins(g[ok] * len(cats) + c[ok], ok, n_psu * len(cats), n))
         for y in self.study:
             wy = w * ys[y]
-            for d, cats in self.domains.items():
-                c = ds[d]
-                ok = np.flatnonzero(c >= 0)
-                Z = np.zeros((len(df), len(cats)))
-                Z[ok, c[ok]] = wy[ok]
-                out.append(design.taylor_variance(Z))
+            for d in self.domains:
+                ok, b = bins[d]
+                yield (y, d, "psu"), b, wy[ok]
+
+    def variance_from(
+        self, sums: dict[tuple[str, str, str], np.ndarray], design: SurveyDesign
+    ) -> np.ndarray:
+        """The Taylor variances from the sums of psu_terms (design: its PSU kernel)."""
+        out = [
+            design.psu_variance(sums[(y, d, "psu")].reshape(design.n_psu, len(cats)))
+            for y in self.study
+            for d, cats in self.domains.items()
+        ]
         return np.concatenate(out) if out else np.zeros(0)
 
 
@@ -133,23 +172,27 @@ def _s2(s1: np.ndarray, s2: np.ndarray, nh: np.ndarray) -> np.ndarray:
 
 
 class _Bins:
-    """The (stratum, category) codes of the records `mask` selects in a file of n records, and
-    their sums in block order (sdl_design.blocksum: the same bits by partition)."""
+    """The group codes (0..m-1) of the records `mask` selects (None: all) in a file of n
+    records, and their sums in block order (sdl_design.blocksum: the same bits by partition)."""
 
-    def __init__(self, codes: np.ndarray, mask: np.ndarray, m: int, n: int):
+    def __init__(self, codes: np.ndarray, mask: np.ndarray | None, m: int, n: int):
         self.codes, self.mask, self.m, self.n = codes, mask, m, n
         self._coded: np.ndarray | None = None
         self._at, self._part = -1, None
 
+    def _rows(self) -> np.ndarray | None:
+        return None if self.mask is None else np.flatnonzero(self.mask)
+
     def sum(self, x: np.ndarray) -> np.ndarray:
         if self._coded is None and n_blocks(self.n) > 1:
-            self._coded = block_codes(self.codes, np.flatnonzero(self.mask), self.m)
+            self._coded = block_codes(self.codes, self._rows(), self.m)
         return group_sum(self.codes, x, self.m, self.n, coded=self._coded)
 
     def partial(self, x: np.ndarray, start: int) -> BlockPartial:
         """The sum's BlockPartial when these are the records start..start+n-1 of a file."""
         if self._at != start:  # once for every study variable summed in these bins
-            self._at, rows = start, start + np.flatnonzero(self.mask)
+            rows = start + (np.arange(self.n) if self.mask is None else self._rows())
+            self._at = start
             self._part = block_partial(self.codes, None, self.m, start, start + self.n, rows)
         return self._part.of(x)
 
