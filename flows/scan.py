@@ -22,6 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from sdl_design import partition as part
@@ -246,6 +247,7 @@ def _scan(
         "pass1_seconds": t1 - t0,
         "combine_seconds": t2 - t1,
         "pass2_seconds": t3 - t2,
+        "psus": agg["means"].psus,  # the design's PSUs, (stratum, psu) sorted
     }
     return tables, info
 
@@ -318,6 +320,7 @@ class Chain:
 
     inputs: list
     scan: dict[str, Any]
+    psus: pd.DataFrame  # the input design's PSUs, (stratum, psu) sorted as SurveyDesign codes them
 
 
 def _swap_stage(
@@ -418,9 +421,10 @@ def _massc_stage(
     profiles = chain.scan["profiles"]
     labels = part.massc_strata_labels(profiles, req)
     zvars = part.massc_study_variables(profiles, req)
-    args = (spec, req, chain.inputs, profiles, zvars, labels, str(folder / "donors"))
+    args = (spec, req, chain.inputs, profiles, chain.psus, zvars, labels, str(folder / "donors"))
     partials = run_map(part.moments_pass, parts, *args, what="massc moments")
-    mom = part.combine_moments(partials, zvars, labels, parts[-1].stop)
+    sums = part.combine_moments(partials, zvars, labels, chain.psus, parts[-1].stop)
+    mom = sums.moments
     _lap(laps, "moments", t)
     levels = pd.DataFrame({"keys_changed": list(plan.by_level), "records": plan.by_level.values()})
     z = pd.DataFrame(mom.labels, columns=["variable", "domain", "category"])
@@ -432,6 +436,8 @@ def _massc_stage(
         ignore_index=True,
     )
     z["theta"] = mom.theta
+    z["original_total"] = sums.truth
+    z["original_se"] = np.sqrt(sums.sampling_var)
     return {
         "partial": "Steps I-II (risk strata, donors, the moments of eq. 8a); the rates, "
         "selection and calibration by partition are not built",
@@ -483,11 +489,11 @@ def run_partitioned(
             # the input first, as the release flow: its edit rules (a failing one stops the
             # run), the risk stage's metrics, and the SEs every stage's damage is measured by
             t_scan = time.perf_counter()
-            scan, _ = _scan(spec, columns, parts, run_map, runner)
+            scan, scan_info = _scan(spec, columns, parts, run_map, runner)
             scan_seconds = time.perf_counter() - t_scan
             (tmp / "scan").mkdir()
             _write_tables(tmp / "scan", scan)
-            chain = Chain(parts, scan)
+            chain = Chain(parts, scan, scan_info["psus"])
             if not scan["edits"]["passed"].all():
                 raise GateFailed("edit validation failed on the input file", scan["edits"])
             for stage in stages:

@@ -1049,6 +1049,8 @@ class MasscRequest:
     merge: tuple[tuple[str, str], ...]
     max_levels: int
     min_records: int
+    strata: str | None
+    psu: str | None
 
     def columns(self) -> list[str]:
         names = [k.name for k in (*self.keys, *self.cells)] + [s.name for s in self.sensitive]
@@ -1063,6 +1065,11 @@ def massc_request(spec: ReleaseSpec, columns: Sequence[str]) -> MasscRequest:
     if spec.stages.massc is None:
         raise PartitionError("stages.massc: the spec has no MASSC stage; enable it")
     cfg = massc_config(spec, pd.DataFrame(columns=list(columns)))
+    if not cfg.psu_col:
+        raise PartitionError(
+            "design.psu: MASSC by partition needs the design's PSUs (its loss budgets are in "
+            "Taylor sampling variances); name the PSU column"
+        )
     if cfg.substrata:
         raise PartitionError(
             "stages.massc.substrata: k-means substrata need every record of a stratum in one "
@@ -1081,6 +1088,8 @@ def massc_request(spec: ReleaseSpec, columns: Sequence[str]) -> MasscRequest:
         merge=tuple((cfg.strata_merge or {}).items()),
         max_levels=cfg.max_levels,
         min_records=cfg.min_records,
+        strata=cfg.strata_col,
+        psu=cfg.psu_col,
     )
 
 
@@ -1314,16 +1323,36 @@ def massc_study_variables(profiles: pd.DataFrame, req: MasscRequest) -> StudyVar
 
 @dataclass
 class MomentsPartial:
-    """One partition's part of MASSC's moments (z_moments of the plan): records per stratum,
-    the BlockPartials of the blocks that start in it, and the values of its first records
-    when they continue a block begun in an earlier partition (the driver adds their terms)."""
+    """One partition's part of MASSC's plan sums: records per stratum, the BlockPartials of the
+    blocks that start in it, and the values of its first records when they continue a block
+    begun in an earlier partition (the driver makes their terms: one bundle per kind of
+    terms, _TERMS)."""
 
     N: np.ndarray
     sums: dict[tuple[str, str, str], BlockPartial]
-    head: ZParts | None
-    head_h: np.ndarray
-    head_w: np.ndarray
+    head: list[dict[str, Any]] | None
     head_block: int
+
+
+def _take(obj: Any, rows: slice) -> Any:
+    if isinstance(obj, dict):
+        return {k: _take(v, rows) for k, v in obj.items()}
+    return obj.take(rows) if isinstance(obj, ZParts) else obj[rows]
+
+
+def _plan_terms(data: dict[str, Any], zvars: StudyVariables, n_h: int, n_psu: int):
+    """The sums of the plan's moments (z_moments: theta, V, S2_nu of eq. 8a)."""
+    return moment_terms(data["p"], zvars, data["h"], n_h, data["w"], None)
+
+
+def _original_terms(data: dict[str, Any], zvars: StudyVariables, n_h: int, n_psu: int):
+    """The sums of the original's totals theta_z and PSU totals (V_z)."""
+    ys, ds, w = data["ys"], data["ds"], data["w"]
+    yield from zvars.total_terms(ys.__getitem__, ds.__getitem__, w)
+    yield from zvars.psu_terms(ys, ds, w, data["g"], n_psu)
+
+
+_TERMS = (_plan_terms, _original_terms)
 
 
 def moments_pass(
@@ -1332,58 +1361,98 @@ def moments_pass(
     req: MasscRequest,
     inputs: Sequence[Partition],
     profiles: pd.DataFrame,
+    psus: pd.DataFrame,
     zvars: StudyVariables,
     labels: list[str],
     donors: str,
 ) -> MomentsPartial:
-    """MASSC's plan moments on one partition of its input (part: the records after the earlier
-    stages): strata from the original keys (the input's partition holding the same records),
-    the values of B(0) and of the substituted file tilde (donors: the folder of donor_receive)."""
+    """MASSC's plan sums on one partition of its input (part: the records after the earlier
+    stages): the moments of eq. 8a from the records and the substituted file tilde (donors:
+    the folder of donor_receive) by strata of the original keys; the original's totals and PSU
+    totals from the input's partition holding the same records (psus: the original design's
+    PSUs, (stratum, psu) sorted, as SurveyDesign codes them)."""
     import pyarrow.parquet as pq
 
-    cols = list(dict.fromkeys([req.weight, *req.study, *(k.name for k in req.keys)]))
-    df = read_partition(part, cols, spec)
+    keys = [k.name for k in req.keys]
+    df = read_partition(part, list(dict.fromkeys([req.weight, *req.study, *keys])), spec)
     tilde = pq.read_table(Path(donors) / f"part-{part.start:012d}.parquet", columns=list(req.need))
     tilde = type_input(tilde.to_pandas(), spec, text=False).set_axis(df.index)
     (original,) = [p for p in inputs if p.start == part.start]
-    b0 = read_partition(original, [k.name for k in req.keys], spec)
+    design = [c for c in (req.strata, req.psu) if c]
+    b0 = read_partition(
+        original, list(dict.fromkeys([req.weight, *req.study, *keys, *design])), spec
+    )
     merge = dict(req.merge)
     h_of = pd.Index(labels).get_indexer([merge.get(s, s) for s in STRATA]).astype(np.int64)
     h = h_of[np.minimum(profile_sizes(b0, req.keys, profiles), 4) - 1]  # U, D, T, O merged
-    w = df[req.weight].to_numpy(dtype=float)
-    p = ZParts.of(df, tilde, zvars)
-    n = len(df)
-    B = blocksum.BLOCK
+    pairs = pd.MultiIndex.from_arrays(
+        [b0[req.strata] if req.strata else np.zeros(len(b0), np.int64), b0[req.psu]]
+    )
+    code, uniq = pd.factorize(pairs)
+    g = pd.MultiIndex.from_frame(psus).get_indexer(uniq)[code].astype(np.int64)
+    if (g < 0).any():
+        raise PartitionError("design: a record's (stratum, psu) is not in the scan's PSUs")
+    ys, ds = zvars.frame_parts(b0)
+    bundles = [
+        {"p": ZParts.of(df, tilde, zvars), "h": h, "w": df[req.weight].to_numpy(dtype=float)},
+        {"ys": ys, "ds": ds, "w": b0[req.weight].to_numpy(dtype=float), "g": g},
+    ]
+    n, B = len(df), blocksum.BLOCK
     hs = min(n, -(-part.start // B) * B - part.start)  # records continuing a block
     rest = slice(hs, n)
-    terms = moment_terms(p.take(rest), zvars, h[rest], len(labels), w[rest], None)
-    sums = {key: bins.partial(x, part.start + hs) for key, bins, x in terms}
-    head = slice(0, hs)
+    sums = {}
+    for terms, data in zip(_TERMS, bundles, strict=True):
+        for key, bins, x in terms(_take(data, rest), zvars, len(labels), len(psus)):
+            sums[key] = bins.partial(x, part.start + hs)
     return MomentsPartial(
         N=np.bincount(h, minlength=len(labels)),
         sums=sums,
-        head=p.take(head) if hs else None,
-        head_h=h[head],
-        head_w=w[head],
+        head=[_take(data, slice(0, hs)) for data in bundles] if hs else None,
         head_block=part.start // B if hs else -1,
     )
 
 
+@dataclass
+class PlanSums:
+    """massc_plan's sums of the whole input: the moments of eq. 8a (denom not set), the
+    original's totals theta_z and their Taylor variances V_z."""
+
+    moments: ZMoments
+    truth: np.ndarray
+    sampling_var: np.ndarray
+
+
+def psu_design(psus: pd.DataFrame) -> SurveyDesign:
+    """A design of one record per PSU (psus: stratum, psu) whose PSU kernel is the whole
+    input's (the same PSU codes, strata and PSU counts)."""
+    frame = psus.assign(__w=1.0)
+    return SurveyDesign(frame, "__w", "stratum", "psu")
+
+
 def combine_moments(
-    partials: Sequence[MomentsPartial], zvars: StudyVariables, labels: list[str], n_rows: int
-) -> ZMoments:
-    """z_moments of massc_plan (theta, V, S2_nu; denom not set) from the partitions' parts, in
-    partition order: the same bits as in memory (sdl_design.blocksum)."""
+    partials: Sequence[MomentsPartial],
+    zvars: StudyVariables,
+    labels: list[str],
+    psus: pd.DataFrame,
+    n_rows: int,
+) -> PlanSums:
+    """massc_plan's sums from the partitions' parts, in partition order: the same bits as in
+    memory (sdl_design.blocksum)."""
     acc: dict[tuple[str, str, str], BlockAccumulator] = {}
-    n_h = len(labels)
+    n_h, n_psu = len(labels), len(psus)
     for q in partials:
         if q.head is not None:  # the terms of a block begun in an earlier partition
-            for key, bins, x in moment_terms(q.head, zvars, q.head_h, n_h, q.head_w, None):
-                acc[key].extend(q.head_block, bins.codes, x)
+            for terms, data in zip(_TERMS, q.head, strict=True):
+                for key, bins, x in terms(data, zvars, n_h, n_psu):
+                    acc[key].extend(q.head_block, bins.codes, x)
         for key, part_sums in q.sums.items():
             if key not in acc:
                 acc[key] = BlockAccumulator(part_sums.sums.shape[1], n_rows)
             acc[key].add(part_sums)
     N = np.sum([q.N for q in partials], axis=0)
     sums = {key: a.total() for key, a in acc.items()}
-    return moments_of(sums, zvars, N, labels, treated=False)
+    return PlanSums(
+        moments_of(sums, zvars, N, labels, treated=False),
+        zvars.totals_from(sums),
+        zvars.variance_from(sums, psu_design(psus)),
+    )

@@ -587,11 +587,16 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(clean, tmp_p
 
 
 def _same_moments(m, plan):
-    """The partitioned chain's strata and moments tables equal massc_plan's, bit for bit."""
+    """The partitioned chain's strata, moments and original totals with their Taylor SEs equal
+    massc_plan's, bit for bit."""
     mom = plan.moments
     assert m["strata"] == dict(zip(plan.labels, np.bincount(plan.h).tolist(), strict=True))
     t, k = m["tables"]["moments"], len(mom.theta)
-    assert m["tables"]["totals"]["theta"].to_numpy().tobytes() == mom.theta.tobytes()
+    totals = m["tables"]["totals"]
+    assert totals["theta"].to_numpy().tobytes() == mom.theta.tobytes()
+    assert totals["original_total"].to_numpy().tobytes() == plan.truth.tobytes()
+    assert totals["original_se"].to_numpy().tobytes() == np.sqrt(plan.sampling_var).tobytes()
+    assert (plan.sampling_var > 0).all()
     assert t["stratum"].tolist() == [h for h in mom.strata for _ in range(k)]
     for col, ref in (("sum_nu", mom.V), ("S2_nu", mom.S2_nu)):
         assert t[col].to_numpy().reshape(len(mom.strata), k).tobytes() == ref.tobytes(), col
@@ -599,8 +604,9 @@ def _same_moments(m, plan):
 
 def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monkeypatch):
     """With blocks of 64 records (sdl_design.blocksum) the 3,000 records are 47 blocks, cut by
-    the 7 partitions inside blocks: the moments by partition are still massc_plan's bits (the
-    plan in memory sums in the same blocks), and differ from one bincount's."""
+    the 7 partitions inside blocks: the moments, original totals and variances by partition
+    are still massc_plan's bits (the plan in memory sums in the same blocks), and differ from
+    one bincount's."""
     from flows.scan import run_partitioned
     from sdl_design import blocksum
     from sdl_design.massc.stage import massc_config
@@ -609,11 +615,13 @@ def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monk
     path, spec, whole = _with_donors(clean)
     _, prb = _in_memory(spec, whole)
     cfg = massc_config(spec, prb.data)
-    one_block = massc_plan(prb.data, cfg, _massc_rng(spec), whole).moments
+    first = massc_plan(prb.data, cfg, _massc_rng(spec), whole)
+    one_block, one_block_var = first.moments, first.sampling_var
     monkeypatch.setattr(blocksum, "BITS", 6)
     monkeypatch.setattr(blocksum, "BLOCK", 64)
     plan = massc_plan(prb.data, cfg, _massc_rng(spec), whole)
     assert plan.moments.S2_nu.tobytes() != one_block.S2_nu.tobytes()  # other sums, other bits
+    assert plan.sampling_var.tobytes() != one_block_var.tobytes()
     np.testing.assert_allclose(plan.moments.theta, one_block.theta, rtol=1e-12)
     out = run_partitioned(path, "thread", partitions=7, out=tmp_path / "p")
     _same_moments(out["stages"]["massc"], plan)
