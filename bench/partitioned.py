@@ -122,9 +122,18 @@ tilde = plan.tilde.assign(__donor=plan.donors.donor)
 def same_moments(folder, mom):
     read = lambda f: pd.read_csv(f"{folder}/{f}.csv", float_precision="round_trip")
     t, k = read("moments"), len(mom.theta)
-    return read("totals")["theta"].to_numpy().tobytes() == mom.theta.tobytes() and all(
-        t[c].to_numpy().reshape(len(mom.strata), k).tobytes() == ref.tobytes()
-        for c, ref in (("sum_nu", mom.V), ("S2_nu", mom.S2_nu))
+    z, r = read("totals"), read("rates")
+    return all(
+        x.tobytes() == ref.tobytes()
+        for x, ref in (
+            (z["theta"].to_numpy(), mom.theta),
+            (z["original_total"].to_numpy(), plan.truth),
+            (z["original_se"].to_numpy(), np.sqrt(plan.sampling_var)),
+            (r["cost_a"].to_numpy(), plan.cost),
+            (r["psi"].to_numpy(), plan.psi.rates),
+            *((t[c].to_numpy().reshape(len(mom.strata), k), ref)
+              for c, ref in (("sum_nu", mom.V), ("S2_nu", mom.S2_nu))),
+        )
     )
 print('SAME', same(sys.argv[2] + "/swap/data", swap.data), same(sys.argv[2] + "/prb/data", prb.data),
       same(sys.argv[2] + "/massc/donors", tilde), same_moments(sys.argv[2] + "/massc", plan.moments))
@@ -214,10 +223,10 @@ def main() -> None:
     if "massc" in run["stages"]:
         ms = run["stages"]["massc"]
         print(
-            f"  MASSC Steps I-II (donors, strata, moments): pass 1 {ms['pass1_seconds']:.1f} s, search on the driver "
+            f"  MASSC Steps I-II (donors, strata, moments, psi): pass 1 {ms['pass1_seconds']:.1f} s, search on the driver "
             f"{ms['search_seconds']:.1f} s, draws and exchange of the donor records between "
             f"the workers, writing the substituted file {ms['exchange_seconds']:.1f} s; strata "
-            f"and moments {ms['moments_seconds']:.1f} s; "
+            f"and moments {ms['moments_seconds']:.1f} s, psi {ms['psi_seconds']:.1f} s; "
             f"{ms['n_with_donor']:,} records with a donor, {ms['n_profiles']:,} search profiles",
             flush=True,
         )
@@ -250,7 +259,8 @@ def main() -> None:
             f"donors, tilde, moments, psi): read + swap {float(secs[0]):.1f} s, PRB "
             f"{float(secs[1]):.1f} s, MASSC plan {float(secs[2]):.1f} s; peak RSS {peak:.2f} "
             f"GiB; records equal to the partitioned ones, bit for bit: swap {same[0]}, PRB "
-            f"{same[1]}, MASSC's donors and substituted file {same[2]}, its moments {same[3]}"
+            f"{same[1]}, MASSC's donors and substituted file {same[2]}, its moments, original totals "
+            f"and SEs, costs and psi {same[3]}"
         )
 
 

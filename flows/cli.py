@@ -246,7 +246,9 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
             print(
                 f"  massc       : {m['n_with_donor']} records have a donor ({m['n_profiles']} "
                 "search profiles); the substituted values in massc/donors/ (confidential); "
-                f"risk strata {strata}; moments of eq. 8a in massc/moments.csv"
+                f"risk strata {strata}; moments of eq. 8a in massc/moments.csv; psi "
+                + ", ".join(f"{h} {p:.4g}" for h, p in m["psi"].items())
+                + " (massc/rates.csv)"
             )
         for name, res in st.items():
             se = res["tables"].get("se_ratios") if isinstance(res, dict) else None

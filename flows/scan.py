@@ -421,11 +421,22 @@ def _massc_stage(
     profiles = chain.scan["profiles"]
     labels = part.massc_strata_labels(profiles, req)
     zvars = part.massc_study_variables(profiles, req)
-    args = (spec, req, chain.inputs, profiles, chain.psus, zvars, labels, str(folder / "donors"))
-    partials = run_map(part.moments_pass, parts, *args, what="massc moments")
+    scores = part.profile_scores(profiles, req.sensitive) if req.sensitive else np.zeros(0)
+    args = (spec, req, chain.inputs, profiles, chain.psus, zvars, labels, scores)
+    partials = run_map(
+        part.moments_pass, parts, *args, str(folder / "donors"), what="massc moments"
+    )
     sums = part.combine_moments(partials, zvars, labels, chain.psus, parts[-1].stop)
+    t = _lap(laps, "moments", t)
+    psi, cost = part.massc_psi(spec, columns, sums)
     mom = sums.moments
-    _lap(laps, "moments", t)
+    _lap(laps, "psi", t)
+    _say(
+        "substitution rates psi "
+        + ", ".join(f"{h} {p:.4g}" for h, p in zip(labels, psi.rates, strict=True)),
+        "partitioned",
+    )
+    rates = pd.DataFrame({"stratum": labels, "N": mom.N, "cost_a": cost, "psi": psi.rates})
     levels = pd.DataFrame({"keys_changed": list(plan.by_level), "records": plan.by_level.values()})
     z = pd.DataFrame(mom.labels, columns=["variable", "domain", "category"])
     moments = pd.concat(
@@ -439,14 +450,17 @@ def _massc_stage(
     z["original_total"] = sums.truth
     z["original_se"] = np.sqrt(sums.sampling_var)
     return {
-        "partial": "Steps I-II (risk strata, donors, the moments of eq. 8a); the rates, "
-        "selection and calibration by partition are not built",
+        "partial": "Steps I-II (risk strata, donors, moments, the original's totals and SEs, "
+        "disclosure costs, psi of eq. 9); the selection, phi and calibration by partition are "
+        "not built",
         "n_with_donor": n_has,
         "n_profiles": plan.n_profiles,
         "strata": {h: int(n) for h, n in zip(mom.strata, mom.N, strict=True)},
+        "psi": {h: float(p) for h, p in zip(labels, psi.rates, strict=True)},
+        "psi_method": psi.method,
         "files": [Path(f).name for f in files],
         **laps,
-        "tables": {"donor_levels": levels, "moments": moments, "totals": z},
+        "tables": {"donor_levels": levels, "moments": moments, "totals": z, "rates": rates},
     }
 
 

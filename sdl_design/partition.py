@@ -66,6 +66,7 @@ from sdl_design.risk import (
     cell_metrics,
     fit_table,
     interaction_pairs,
+    profile_eta_zeta,
     table_cells,
     unique_risk,
 )
@@ -261,17 +262,7 @@ def profile_risk(
     n = int(m.sum())
     out = cell_metrics(n, len(m), np.bincount(np.minimum(m, 4), weights=m, minlength=5))
     if sensitive:
-        r = np.zeros(len(m))
-        pair_norm = np.where(m >= 2, 2.0 * m * (m - 1.0), np.inf)
-        for s in sensitive:
-            cols = [c for c in profiles.columns if c.startswith(f"{SENS}{s.name}=")]
-            cats = [c.removeprefix(f"{SENS}{s.name}=") for c in cols]
-            nc = profiles[cols].to_numpy(dtype=float)
-            table = {_label(k): float(v) for k, v in s.sensitivity.items()}
-            lam = _distance_matrix(s.name, cats, None)
-            eta = np.einsum("gi,ij,gj->g", nc, lam, nc) / pair_norm  # eq. 1
-            zeta = nc @ np.array([table[c] for c in cats]) / m  # mean sensitivity
-            r = np.maximum(r, (1.0 - eta) * zeta)  # eq. 2
+        r = profile_scores(profiles, sensitive)
         out.update(
             mean_score=float((m * r).sum() / n),
             max_score=float(r.max()),
@@ -296,6 +287,25 @@ def profile_risk(
     return out
 
 
+def profile_scores(profiles: pd.DataFrame, sensitive: Sequence[SensitiveSpec]) -> np.ndarray:
+    """The GenMASSC score r (paper 000, eq. 1-2) of each profile of the whole input's profile
+    table (combine_profiles with the sensitive counts): the bits genmassc_scores gives its
+    records (the categories in their order of appearance, as there)."""
+    m = profiles["count"].to_numpy()
+    r = np.zeros(len(m))
+    pair_norm = np.where(m >= 2, 2.0 * m * (m - 1.0), np.inf)
+    for s in sensitive:
+        cols = [c for c in profiles.columns if c.startswith(f"{SENS}{s.name}=")]
+        cats = [c.removeprefix(f"{SENS}{s.name}=") for c in cols]
+        nc = profiles[cols].to_numpy(dtype=float)
+        table = {_label(k): float(v) for k, v in s.sensitivity.items()}
+        lam = _distance_matrix(s.name, cats, None)
+        scores = np.array([table[c] for c in cats])
+        eta, zeta = profile_eta_zeta(nc, m.astype(float), scores, lam, pair_norm)  # eq. 1
+        r = np.maximum(r, (1.0 - eta) * zeta)  # eq. 2
+    return r
+
+
 def strata_counts(profiles: pd.DataFrame) -> pd.Series:
     """Records in each risk stratum U/D/T/O (cells of 1, 2, 3, 4+ records)."""
     n = profiles["count"].to_numpy()
@@ -307,18 +317,26 @@ def profile_sizes(
     df: pd.DataFrame, keys: Sequence[KeySpec | str], profiles: pd.DataFrame
 ) -> np.ndarray:
     """Each record's cell count in the whole input (profiles: combine_profiles)."""
+    return profiles["count"].to_numpy(dtype=np.int64)[profile_rows(df, keys, profiles)]
+
+
+def profile_rows(
+    df: pd.DataFrame, keys: Sequence[KeySpec | str], profiles: pd.DataFrame
+) -> np.ndarray:
+    """The row of each record's key profile in the whole input's table (combine_profiles)."""
     specs = _specs(keys)
     names = [k.name for k in specs]
     labels = {}
     for k in specs:
         c, lv = key_levels(df[k.name], k)
         labels[k.name] = pd.Series(lv[c], dtype=object)
-    m = pd.DataFrame(labels).merge(profiles[names + ["count"]], on=names, how="left", sort=False)
+    table = profiles[names].assign(__row=np.arange(len(profiles)))
+    m = pd.DataFrame(labels).merge(table, on=names, how="left", sort=False)
     if len(m) != len(df):  # (validate="many_to_one" took half the time)
         raise PartitionError("profiles: a key profile is in the table given more than once")
-    if m["count"].isna().any():
+    if m["__row"].isna().any():
         raise PartitionError("profiles: a record's key profile is not in the table given")
-    return m["count"].to_numpy(dtype=np.int64)
+    return m["__row"].to_numpy(dtype=np.int64)
 
 
 # ---------------------------------------------------------------- domain means and their SEs
@@ -1352,7 +1370,14 @@ def _original_terms(data: dict[str, Any], zvars: StudyVariables, n_h: int, n_psu
     yield from zvars.psu_terms(ys, ds, w, data["g"], n_psu)
 
 
-_TERMS = (_plan_terms, _original_terms)
+def _cost_terms(data: dict[str, Any], zvars: StudyVariables, n_h: int, n_psu: int):
+    """The sums of the disclosure costs: r_k / F_k by stratum (disclosure_cost)."""
+    from sdl_design.massc.moments import _Bins
+
+    yield ("", "", "cost"), _Bins(data["h"], None, n_h, len(data["h"])), data["rF"]
+
+
+_TERMS = (_plan_terms, _original_terms, _cost_terms)
 
 
 def moments_pass(
@@ -1364,13 +1389,15 @@ def moments_pass(
     psus: pd.DataFrame,
     zvars: StudyVariables,
     labels: list[str],
+    scores: np.ndarray,
     donors: str,
 ) -> MomentsPartial:
     """MASSC's plan sums on one partition of its input (part: the records after the earlier
     stages): the moments of eq. 8a from the records and the substituted file tilde (donors:
     the folder of donor_receive) by strata of the original keys; the original's totals and PSU
     totals from the input's partition holding the same records (psus: the original design's
-    PSUs, (stratum, psu) sorted, as SurveyDesign codes them)."""
+    PSUs, (stratum, psu) sorted, as SurveyDesign codes them); the stratum sums of r_k / F_k
+    (scores: the profiles' GenMASSC scores, profile_scores)."""
     import pyarrow.parquet as pq
 
     keys = [k.name for k in req.keys]
@@ -1384,7 +1411,10 @@ def moments_pass(
     )
     merge = dict(req.merge)
     h_of = pd.Index(labels).get_indexer([merge.get(s, s) for s in STRATA]).astype(np.int64)
-    h = h_of[np.minimum(profile_sizes(b0, req.keys, profiles), 4) - 1]  # U, D, T, O merged
+    at = profile_rows(b0, req.keys, profiles)
+    F = profiles["count"].to_numpy()[at]
+    h = h_of[np.minimum(F, 4) - 1]  # U, D, T, O merged
+    r = scores[at] if req.sensitive else 1.0  # GenMASSC scores of the original records
     pairs = pd.MultiIndex.from_arrays(
         [b0[req.strata] if req.strata else np.zeros(len(b0), np.int64), b0[req.psu]]
     )
@@ -1396,6 +1426,7 @@ def moments_pass(
     bundles = [
         {"p": ZParts.of(df, tilde, zvars), "h": h, "w": df[req.weight].to_numpy(dtype=float)},
         {"ys": ys, "ds": ds, "w": b0[req.weight].to_numpy(dtype=float), "g": g},
+        {"h": h, "rF": r / F.astype(float)},
     ]
     n, B = len(df), blocksum.BLOCK
     hs = min(n, -(-part.start // B) * B - part.start)  # records continuing a block
@@ -1415,11 +1446,13 @@ def moments_pass(
 @dataclass
 class PlanSums:
     """massc_plan's sums of the whole input: the moments of eq. 8a (denom not set), the
-    original's totals theta_z and their Taylor variances V_z."""
+    original's totals theta_z and their Taylor variances V_z, and the stratum sums of the
+    disclosure costs' r_k / F_k."""
 
     moments: ZMoments
     truth: np.ndarray
     sampling_var: np.ndarray
+    cost_sums: np.ndarray
 
 
 def psu_design(psus: pd.DataFrame) -> SurveyDesign:
@@ -1455,4 +1488,20 @@ def combine_moments(
         moments_of(sums, zvars, N, labels, treated=False),
         zvars.totals_from(sums),
         zvars.variance_from(sums, psu_design(psus)),
+        sums[("", "", "cost")],
     )
+
+
+def massc_psi(spec: ReleaseSpec, columns: Sequence[str], sums: PlanSums) -> tuple[Any, np.ndarray]:
+    """On the driver: the disclosure costs a_h and the substitution rates psi (eq. 9) from the
+    plan's sums, as massc_plan computes them (loss budgets in the original's Taylor variances,
+    or theta_z^2, by stages.massc.loss_scale). Sets the moments' denom D_z."""
+    from sdl_design.massc.rates import optimal_psi
+    from sdl_design.massc.stage import massc_config
+    from sdl_design.massc.treatment import cost_from
+
+    cfg = massc_config(spec, pd.DataFrame(columns=list(columns)))
+    mom = sums.moments
+    mom.denom = sums.sampling_var if cfg.loss_scale == "sampling" else sums.truth**2
+    cost, _ = cost_from(sums.cost_sums, mom.N, cfg)
+    return optimal_psi(mom, cfg.alpha, cfg.psi_max, cfg.psi_min, cost), cost

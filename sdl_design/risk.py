@@ -210,6 +210,25 @@ class _Scores:
     zeta: dict[str, np.ndarray]
 
 
+def profile_eta_zeta(
+    counts: np.ndarray,
+    m: np.ndarray,
+    scores: np.ndarray,
+    lam: np.ndarray,
+    pair_norm: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """eta (eq. 1) and zeta (the mean sensitivity) of each key profile from its records' counts
+    per sensitive category (profiles x categories, in the categories' order of appearance):
+    functions of the counts alone, so a profile table gives the records' bits."""
+    # sum_{j<j'} lambda = n'Lambda n / 2 per profile; eq. 1: eta = 1/2 * C(m,2)^-1 * that
+    quad = np.einsum("gi,ij,gj->g", counts, lam, counts)
+    eta = quad / pair_norm  # 0 for uniques (eq. 1: eta := 0 when m = 1)
+    total = np.zeros(len(m))
+    for j in range(counts.shape[1]):  # category by category: the same sum for any table
+        total += counts[:, j] * scores[j]
+    return eta, total / m  # zeta: the profile's mean sensitivity
+
+
 def _genmassc(
     df: pd.DataFrame,
     g: np.ndarray,
@@ -237,10 +256,7 @@ def _genmassc(
         score_c = np.array([table[cat] for cat in cats])
         lam = _distance_matrix(s.name, cats, distances.get(s.name))
         counts = np.bincount(g * q + c, minlength=n_g * q).reshape(n_g, q).astype(float)
-        # sum_{j<j'} lambda = n'Lambda n / 2 per profile; eq. 1: eta = 1/2 * C(m,2)^-1 * that
-        quad = np.einsum("gi,ij,gj->g", counts, lam, counts)
-        eta = quad / pair_norm  # 0 for uniques (eq. 1: eta := 0 when m = 1)
-        zeta = np.bincount(g, weights=score_c[c], minlength=n_g) / m  # cluster mean sensitivity
+        eta, zeta = profile_eta_zeta(counts, m, score_c, lam, pair_norm)
         r = np.maximum(r, ((1.0 - eta) * zeta)[g])  # eq. 2
         eta_all[s.name], zeta_all[s.name] = eta, zeta
     return _Scores(r, eta_all, zeta_all)

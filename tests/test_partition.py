@@ -450,7 +450,7 @@ def test_puf_partitioned_leaves_nothing_when_a_partition_fails(
     assert puf(["partitioned", str(path), "--partitions", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "pairs in swap/pairs.csv (confidential)" in text
-    assert "stopped in massc: done Steps I-II (risk strata, donors, the moments" in text
+    assert "stopped in massc: done Steps I-II (risk strata, donors, moments" in text
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     calls = []
 
@@ -587,8 +587,8 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(clean, tmp_p
 
 
 def _same_moments(m, plan):
-    """The partitioned chain's strata, moments and original totals with their Taylor SEs equal
-    massc_plan's, bit for bit."""
+    """The partitioned chain's strata, moments, original totals with their Taylor SEs,
+    disclosure costs and substitution rates psi equal massc_plan's, bit for bit."""
     mom = plan.moments
     assert m["strata"] == dict(zip(plan.labels, np.bincount(plan.h).tolist(), strict=True))
     t, k = m["tables"]["moments"], len(mom.theta)
@@ -597,6 +597,11 @@ def _same_moments(m, plan):
     assert totals["original_total"].to_numpy().tobytes() == plan.truth.tobytes()
     assert totals["original_se"].to_numpy().tobytes() == np.sqrt(plan.sampling_var).tobytes()
     assert (plan.sampling_var > 0).all()
+    rates = m["tables"]["rates"]
+    assert rates["cost_a"].to_numpy().tobytes() == plan.cost.tobytes()
+    assert rates["psi"].to_numpy().tobytes() == plan.psi.rates.tobytes()
+    assert m["psi_method"] == plan.psi.method
+    assert (plan.psi.rates > 0).any()  # a stratum is treated
     assert t["stratum"].tolist() == [h for h in mom.strata for _ in range(k)]
     for col, ref in (("sum_nu", mom.V), ("S2_nu", mom.S2_nu)):
         assert t[col].to_numpy().reshape(len(mom.strata), k).tobytes() == ref.tobytes(), col

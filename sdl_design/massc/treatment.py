@@ -11,6 +11,7 @@ from typing import Literal
 import numpy as np
 import pandas as pd
 
+from sdl_design.blocksum import group_sum
 from sdl_design.design import SurveyDesign, block_view, first_of
 from sdl_design.keys import key_categorical, key_frame, key_levels
 from sdl_design.massc.common import KeyLike, MasscError, _codes, _combine, _key_specs
@@ -241,9 +242,12 @@ def disclosure_cost(
         return np.ones(n_h), np.ones(n_h)
     F = cell_sizes(b0, cfg.keys).to_numpy().astype(float)
     r = genmassc_scores(b0, cfg.keys, cfg.sensitive).to_numpy() if cfg.sensitive else 1.0
-    raw = np.bincount(h, weights=r / F, minlength=n_h) / np.maximum(
-        np.bincount(h, minlength=n_h), 1
-    )
+    return cost_from(group_sum(h, r / F, n_h, len(h)), np.bincount(h, minlength=n_h), cfg)
+
+
+def cost_from(sums: np.ndarray, N: np.ndarray, cfg: MasscConfig) -> tuple[np.ndarray, np.ndarray]:
+    """disclosure_cost from the stratum sums of r_k / F_k (block sums) and the records N_h."""
+    raw = sums / np.maximum(N, 1)
     return np.where(raw > cfg.negligible_risk, raw, 0.0), raw
 
 
