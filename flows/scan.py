@@ -436,7 +436,40 @@ def _massc_stage(
         + ", ".join(f"{h} {p:.4g}" for h, p in zip(labels, psi.rates, strict=True)),
         "partitioned",
     )
-    rates = pd.DataFrame({"stratum": labels, "N": mom.N, "cost_a": cost, "psi": psi.rates})
+    # Steps II-III: substitution at psi (select), phi from the moments of z*, subsampling
+    n_rows, n_parts = parts[-1].stop, len(parts)
+    groups = part.select_groups(
+        run_map(part.select_pass1, parts, spec, req, chain.inputs, profiles, labels, what="groups")
+    )
+    sel_args = (spec, req, chain.inputs, profiles, labels)
+
+    def select(rates, name: str) -> int:
+        plan = part.select_plan(groups, rates, rng, n_rows, n_parts)
+        (folder / name).mkdir()
+        receive = partial(part.select_receive, folder=str(folder / name))
+        got = run_map.exchange(
+            part.select_send, part.select_serve, receive, parts, *sel_args, plan, what=name
+        )
+        return sum(got)
+
+    select(psi.rates, "select_psi")
+    t = _lap(laps, "select_psi", t)
+    treated = run_map(
+        part.treated_pass, parts, spec, req, chain.inputs, profiles, zvars, labels,
+        str(folder / "donors"), str(folder / "select_psi"), what="massc moments of z*",
+    )  # fmt: skip
+    phi, _, n_sub = part.massc_phi(spec, columns, treated, zvars, sums, cost, n_rows)
+    t = _lap(laps, "phi", t)
+    n_kept = select(phi.rates, "select_phi")
+    _lap(laps, "select_phi", t)
+    _say(
+        f"{n_sub} records substituted, {n_rows - n_kept} sampled out; phi "
+        + ", ".join(f"{h} {p:.4g}" for h, p in zip(labels, phi.rates, strict=True)),
+        "partitioned",
+    )
+    rates = pd.DataFrame(
+        {"stratum": labels, "N": mom.N, "cost_a": cost, "psi": psi.rates, "phi": phi.rates}
+    )
     levels = pd.DataFrame({"keys_changed": list(plan.by_level), "records": plan.by_level.values()})
     z = pd.DataFrame(mom.labels, columns=["variable", "domain", "category"])
     moments = pd.concat(
@@ -450,14 +483,18 @@ def _massc_stage(
     z["original_total"] = sums.truth
     z["original_se"] = np.sqrt(sums.sampling_var)
     return {
-        "partial": "Steps I-II (risk strata, donors, moments, the original's totals and SEs, "
-        "disclosure costs, psi of eq. 9); the selection, phi and calibration by partition are "
-        "not built",
+        "partial": "Steps I-III (risk strata, donors, moments, the original's totals and SEs, "
+        "disclosure costs, psi of eq. 9, substitution, phi of eq. 10, subsampling); the delta "
+        "revisions, calibration and replications by partition are not built",
         "n_with_donor": n_has,
         "n_profiles": plan.n_profiles,
         "strata": {h: int(n) for h, n in zip(mom.strata, mom.N, strict=True)},
         "psi": {h: float(p) for h, p in zip(labels, psi.rates, strict=True)},
         "psi_method": psi.method,
+        "phi": {h: float(p) for h, p in zip(labels, phi.rates, strict=True)},
+        "phi_method": phi.method,
+        "n_substituted": n_sub,
+        "n_subsampled_out": n_rows - n_kept,
         "files": [Path(f).name for f in files],
         **laps,
         "tables": {"donor_levels": levels, "moments": moments, "totals": z, "rates": rates},

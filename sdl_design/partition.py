@@ -21,7 +21,7 @@ which order its partitions ran.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -953,7 +953,7 @@ def _lookup(frame: pd.DataFrame, table: pd.DataFrame, what: str) -> np.ndarray:
     t = table.assign(__row=np.arange(len(table)))
     got = frame.reset_index(drop=True).merge(t, how="left", on=list(frame.columns))["__row"]
     if got.isna().any():
-        raise PartitionError(f"stages.prb: a record's {what} is not in pass 1's table")
+        raise PartitionError(f"a record's {what} is not in pass 1's table")
     return got.to_numpy(dtype=np.int64)
 
 
@@ -964,14 +964,14 @@ def prb_pass2(
     global row, cell, partition set, weight and values of the set C."""
     df = read_partition(part, _prb_columns(req), spec)
     coded, pf = prb_frames(df, req)
-    cell = _lookup(coded, tables.cells[req.names], "cell")
+    cell = _lookup(coded, tables.cells[req.names], "PRB cell (stages.prb)")
     t = tables.cells["__t"].to_numpy()
     sd = np.flatnonzero(t[cell] <= 2)
     units = df.iloc[sd][req.variables].reset_index(drop=True)
     return units.assign(
         __row=df.index.to_numpy()[sd],
         __cell=cell[sd],
-        __part=_lookup(pf.iloc[sd], tables.sets, "partition set"),
+        __part=_lookup(pf.iloc[sd], tables.sets, "PRB partition set (stages.prb)"),
         __w=df[req.weight].to_numpy(dtype=float)[sd],
     )
 
@@ -1380,6 +1380,67 @@ def _cost_terms(data: dict[str, Any], zvars: StudyVariables, n_h: int, n_psu: in
 _TERMS = (_plan_terms, _original_terms, _cost_terms)
 
 
+def _original_rows(
+    part: Partition,
+    spec: ReleaseSpec,
+    req: MasscRequest,
+    inputs: Sequence[Partition],
+    profiles: pd.DataFrame,
+    labels: list[str],
+    columns: Sequence[str] = (),
+) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+    """B(0): the input's records of the partition (its keys and `columns`), each record's
+    MASSC stratum (0..len(labels)-1: the risk stratum of its original key profile, merged) and
+    the row of that profile in the scan's table."""
+    (original,) = [p for p in inputs if p.start == part.start]
+    keys = [k.name for k in req.keys]
+    b0 = read_partition(original, list(dict.fromkeys([*keys, *columns])), spec)
+    merge = dict(req.merge)
+    h_of = pd.Index(labels).get_indexer([merge.get(s, s) for s in STRATA]).astype(np.int64)
+    at = profile_rows(b0, req.keys, profiles)
+    h = h_of[np.minimum(profiles["count"].to_numpy()[at], 4) - 1]  # U, D, T, O merged
+    return b0, h, at
+
+
+def _tilde(
+    part: Partition, spec: ReleaseSpec, req: MasscRequest, donors: str, index
+) -> pd.DataFrame:
+    """The partition's substituted file tilde (donor_receive's), typed as the records."""
+    import pyarrow.parquet as pq
+
+    path = Path(donors) / f"part-{part.start:012d}.parquet"
+    t = pq.read_table(path, columns=[*req.need, "__donor"]).to_pandas()
+    return type_input(t, spec, text=False).set_axis(index)
+
+
+def _partial_sums(
+    start: int,
+    n: int,
+    bundles: Sequence[dict[str, Any]],
+    families: Sequence[Callable],
+    zvars: StudyVariables,
+    n_h: int,
+    n_psu: int,
+    N: np.ndarray,
+) -> MomentsPartial:
+    """A MomentsPartial of the records start..start+n-1: each family of terms (a function of
+    its bundle of record values) summed by block from the partition's first block start on,
+    and the bundles of the records before it (they continue an earlier partition's block)."""
+    B = blocksum.BLOCK
+    hs = min(n, -(-start // B) * B - start)  # records continuing a block
+    rest = slice(hs, n)
+    sums = {}
+    for terms, data in zip(families, bundles, strict=True):
+        for key, bins, x in terms(_take(data, rest), zvars, n_h, n_psu):
+            sums[key] = bins.partial(x, start + hs)
+    return MomentsPartial(
+        N=N,
+        sums=sums,
+        head=[_take(data, slice(0, hs)) for data in bundles] if hs else None,
+        head_block=start // B if hs else -1,
+    )
+
+
 def moments_pass(
     part: Partition,
     spec: ReleaseSpec,
@@ -1398,22 +1459,14 @@ def moments_pass(
     totals from the input's partition holding the same records (psus: the original design's
     PSUs, (stratum, psu) sorted, as SurveyDesign codes them); the stratum sums of r_k / F_k
     (scores: the profiles' GenMASSC scores, profile_scores)."""
-    import pyarrow.parquet as pq
-
     keys = [k.name for k in req.keys]
     df = read_partition(part, list(dict.fromkeys([req.weight, *req.study, *keys])), spec)
-    tilde = pq.read_table(Path(donors) / f"part-{part.start:012d}.parquet", columns=list(req.need))
-    tilde = type_input(tilde.to_pandas(), spec, text=False).set_axis(df.index)
-    (original,) = [p for p in inputs if p.start == part.start]
+    tilde = _tilde(part, spec, req, donors, df.index)
     design = [c for c in (req.strata, req.psu) if c]
-    b0 = read_partition(
-        original, list(dict.fromkeys([req.weight, *req.study, *keys, *design])), spec
+    b0, h, at = _original_rows(
+        part, spec, req, inputs, profiles, labels, [req.weight, *req.study, *design]
     )
-    merge = dict(req.merge)
-    h_of = pd.Index(labels).get_indexer([merge.get(s, s) for s in STRATA]).astype(np.int64)
-    at = profile_rows(b0, req.keys, profiles)
     F = profiles["count"].to_numpy()[at]
-    h = h_of[np.minimum(F, 4) - 1]  # U, D, T, O merged
     r = scores[at] if req.sensitive else 1.0  # GenMASSC scores of the original records
     pairs = pd.MultiIndex.from_arrays(
         [b0[req.strata] if req.strata else np.zeros(len(b0), np.int64), b0[req.psu]]
@@ -1428,19 +1481,30 @@ def moments_pass(
         {"ys": ys, "ds": ds, "w": b0[req.weight].to_numpy(dtype=float), "g": g},
         {"h": h, "rF": r / F.astype(float)},
     ]
-    n, B = len(df), blocksum.BLOCK
-    hs = min(n, -(-part.start // B) * B - part.start)  # records continuing a block
-    rest = slice(hs, n)
-    sums = {}
-    for terms, data in zip(_TERMS, bundles, strict=True):
-        for key, bins, x in terms(_take(data, rest), zvars, len(labels), len(psus)):
-            sums[key] = bins.partial(x, part.start + hs)
-    return MomentsPartial(
-        N=np.bincount(h, minlength=len(labels)),
-        sums=sums,
-        head=[_take(data, slice(0, hs)) for data in bundles] if hs else None,
-        head_block=part.start // B if hs else -1,
-    )
+    N = np.bincount(h, minlength=len(labels))
+    return _partial_sums(part.start, len(df), bundles, _TERMS, zvars, len(labels), len(psus), N)
+
+
+def _block_totals(
+    partials: Sequence[MomentsPartial],
+    families: Sequence[Callable],
+    zvars: StudyVariables,
+    n_h: int,
+    n_psu: int,
+    n_rows: int,
+) -> dict[tuple[str, str, str], np.ndarray]:
+    """The group sums of the whole input from the partitions' parts, in partition order."""
+    acc: dict[tuple[str, str, str], BlockAccumulator] = {}
+    for q in partials:
+        if q.head is not None:  # the terms of a block begun in an earlier partition
+            for terms, data in zip(families, q.head, strict=True):
+                for key, bins, x in terms(data, zvars, n_h, n_psu):
+                    acc[key].extend(q.head_block, bins.codes, x)
+        for key, part_sums in q.sums.items():
+            if key not in acc:
+                acc[key] = BlockAccumulator(part_sums.sums.shape[1], n_rows)
+            acc[key].add(part_sums)
+    return {key: a.total() for key, a in acc.items()}
 
 
 @dataclass
@@ -1471,19 +1535,8 @@ def combine_moments(
 ) -> PlanSums:
     """massc_plan's sums from the partitions' parts, in partition order: the same bits as in
     memory (sdl_design.blocksum)."""
-    acc: dict[tuple[str, str, str], BlockAccumulator] = {}
-    n_h, n_psu = len(labels), len(psus)
-    for q in partials:
-        if q.head is not None:  # the terms of a block begun in an earlier partition
-            for terms, data in zip(_TERMS, q.head, strict=True):
-                for key, bins, x in terms(data, zvars, n_h, n_psu):
-                    acc[key].extend(q.head_block, bins.codes, x)
-        for key, part_sums in q.sums.items():
-            if key not in acc:
-                acc[key] = BlockAccumulator(part_sums.sums.shape[1], n_rows)
-            acc[key].add(part_sums)
+    sums = _block_totals(partials, _TERMS, zvars, len(labels), len(psus), n_rows)
     N = np.sum([q.N for q in partials], axis=0)
-    sums = {key: a.total() for key, a in acc.items()}
     return PlanSums(
         moments_of(sums, zvars, N, labels, treated=False),
         zvars.totals_from(sums),
@@ -1505,3 +1558,213 @@ def massc_psi(spec: ReleaseSpec, columns: Sequence[str], sums: PlanSums) -> tupl
     mom.denom = sums.sampling_var if cfg.loss_scale == "sampling" else sums.truth**2
     cost, _ = cost_from(sums.cost_sums, mom.N, cfg)
     return optimal_psi(mom, cfg.alpha, cfg.psi_max, cfg.psi_min, cost), cost
+
+
+# ---------------------------------------------------------------- MASSC Steps II-III: selection
+
+
+def _group_values(df: pd.DataFrame, h: np.ndarray, req: MasscRequest) -> pd.DataFrame:
+    """The selection groups' values of the records (massc_treat's groups): the design's
+    (stratum, PSU) of the records when the design has both (nested selection), else their
+    MASSC stratum."""
+    if req.strata and req.psu:
+        return pd.DataFrame({"s": df[req.strata].to_numpy(), "p": df[req.psu].to_numpy()})
+    return pd.DataFrame({"h": h})
+
+
+def _selection_records(
+    part: Partition,
+    spec: ReleaseSpec,
+    req: MasscRequest,
+    inputs: Sequence[Partition],
+    profiles: pd.DataFrame,
+    labels: list[str],
+) -> tuple[pd.DataFrame, np.ndarray]:
+    """The partition's selection group values and MASSC strata."""
+    nest = [c for c in (req.strata, req.psu) if c] if req.strata and req.psu else []
+    df = read_partition(part, nest or [req.weight], spec)
+    _, h, _ = _original_rows(part, spec, req, inputs, profiles, labels)
+    return _group_values(df, h, req), h
+
+
+def select_pass1(
+    part: Partition,
+    spec: ReleaseSpec,
+    req: MasscRequest,
+    inputs: Sequence[Partition],
+    profiles: pd.DataFrame,
+    labels: list[str],
+) -> pd.DataFrame:
+    """The partition's distinct selection groups with their first record (global row)."""
+    values, _ = _selection_records(part, spec, req, inputs, profiles, labels)
+    code = values.groupby(list(values.columns), sort=False, dropna=False).ngroup().to_numpy()
+    first = first_of(code, int(code.max()) + 1 if len(code) else 0)
+    return values.iloc[first].reset_index(drop=True).assign(first=part.start + first)
+
+
+def select_groups(tables: Sequence[pd.DataFrame]) -> pd.DataFrame:
+    """The whole input's selection groups in first-appearance order (select's codes)."""
+    t = pd.concat(list(tables), ignore_index=True)
+    cols = [c for c in t.columns if c != "first"]
+    t = t.groupby(cols, sort=False, dropna=False)["first"].min().reset_index()
+    return t.sort_values("first", kind="stable").reset_index(drop=True)[cols]
+
+
+@dataclass
+class SelectPlan:
+    """One selection (select) of the whole input: its groups, the rate of each MASSC stratum,
+    the Generator's state at the records' uniforms (drawn in record order: each partition
+    advances to its first record) and the groups' starts (drawn after them, on the driver)."""
+
+    groups: pd.DataFrame
+    rates: np.ndarray
+    state: dict
+    start_u: np.ndarray
+    n_parts: int
+
+    def owner(self, g: np.ndarray) -> np.ndarray:
+        """The partition that selects within group g (groups in ranges of about equal count)."""
+        return g * self.n_parts // max(len(self.groups), 1)
+
+
+def select_plan(
+    groups: pd.DataFrame, rates: np.ndarray, rng: np.random.Generator, n_rows: int, n_parts: int
+) -> SelectPlan:
+    """The plan of select(groups, rates[h], rng) on n_rows records; rng is left as select
+    leaves it (past the records' uniforms and the groups' starts)."""
+    if not isinstance(rng.bit_generator, np.random.PCG64):
+        raise PartitionError("the selection by partition needs a PCG64 Generator (stage_rng)")
+    state = rng.bit_generator.state
+    rng.bit_generator.advance(int(n_rows))  # the records' uniforms, drawn by the partitions
+    start_u = rng.random(len(groups) if n_rows else 0)
+    return SelectPlan(groups, np.asarray(rates, dtype=float), state, start_u, n_parts)
+
+
+def select_send(
+    part: Partition,
+    spec: ReleaseSpec,
+    req: MasscRequest,
+    inputs: Sequence[Partition],
+    profiles: pd.DataFrame,
+    labels: list[str],
+    plan: SelectPlan,
+) -> list[dict[str, np.ndarray]]:
+    """Each record's group, uniform (select's, in record order) and rate, sent to the
+    partition that selects within its group."""
+    values, h = _selection_records(part, spec, req, inputs, profiles, labels)
+    g = _lookup(values, plan.groups, "selection group")
+    bg = np.random.PCG64()
+    bg.state = plan.state
+    bg.advance(part.start)
+    u = np.random.Generator(bg).random(len(h))
+    pi = plan.rates[h]
+    if np.any((pi < 0) | (pi > 1)):
+        raise PartitionError("stages.massc: rates must lie in [0, 1]")
+    rows = part.start + np.arange(len(h))
+    to = plan.owner(g)
+    return [
+        {"rows": rows[to == j], "g": g[to == j], "u": u[to == j], "pi": pi[to == j]}
+        for j in range(plan.n_parts)
+    ]
+
+
+def select_serve(
+    part: Partition,
+    requests: Sequence[dict[str, np.ndarray]],
+    spec: ReleaseSpec,
+    req: MasscRequest,
+    inputs: Sequence[Partition],
+    profiles: pd.DataFrame,
+    labels: list[str],
+    plan: SelectPlan,
+) -> list[dict[str, np.ndarray]]:
+    """The systematic selection within the groups this partition owns: their records sorted
+    by group, uniform and record (select's order), the hits sent back to each partition."""
+    from sdl_design.massc.treatment import systematic_hits
+
+    cat = {k: np.concatenate([q[k] for q in requests]) for k in ("rows", "g", "u", "pi")}
+    sender = np.repeat(np.arange(len(requests)), [len(q["rows"]) for q in requests])
+    order = np.lexsort((cat["rows"], cat["u"], cat["g"]))
+    hit = np.zeros(len(order), dtype=bool)
+    hit[order] = systematic_hits(cat["g"][order], cat["pi"][order], plan.start_u)
+    return [
+        {"rows": cat["rows"][sender == i], "hit": hit[sender == i]} for i in range(len(requests))
+    ]
+
+
+def select_receive(
+    part: Partition,
+    replies: Sequence[dict[str, np.ndarray]],
+    spec: ReleaseSpec,
+    req: MasscRequest,
+    inputs: Sequence[Partition],
+    profiles: pd.DataFrame,
+    labels: list[str],
+    plan: SelectPlan,
+    folder: str,
+) -> int:
+    """The partition's selection indicators, written to folder (column __sel); the count."""
+    sel = np.zeros(part.stop - part.start, dtype=bool)
+    for q in replies:
+        sel[q["rows"] - part.start] = q["hit"]
+    _write_partition(pd.DataFrame({"__sel": sel}), part, folder)
+    return int(sel.sum())
+
+
+def _selected(part: Partition, folder: str) -> np.ndarray:
+    import pyarrow.parquet as pq
+
+    path = Path(folder) / f"part-{part.start:012d}.parquet"
+    return pq.read_table(path, columns=["__sel"]).column(0).to_numpy(zero_copy_only=False)
+
+
+def _treated_terms(data: dict[str, Any], zvars: StudyVariables, n_h: int, n_psu: int):
+    """The sums of S2 of w z* (eq. 8b) on B(1) (the records substituted: d1)."""
+    return moment_terms(data["p"], zvars, data["h"], n_h, data["w"], data["d1"], plan=False)
+
+
+def treated_pass(
+    part: Partition,
+    spec: ReleaseSpec,
+    req: MasscRequest,
+    inputs: Sequence[Partition],
+    profiles: pd.DataFrame,
+    zvars: StudyVariables,
+    labels: list[str],
+    donors: str,
+    selected: str,
+) -> MomentsPartial:
+    """The moments of z* on one partition (massc_treat's): d(1) = selected and with a donor
+    (selected: select_receive's folder)."""
+    keys = [k.name for k in req.keys]
+    df = read_partition(part, list(dict.fromkeys([req.weight, *req.study, *keys])), spec)
+    tilde = _tilde(part, spec, req, donors, df.index)
+    _, h, _ = _original_rows(part, spec, req, inputs, profiles, labels)
+    d1 = _selected(part, selected) & (tilde["__donor"].to_numpy() >= 0)
+    bundle = {"p": ZParts.of(df, tilde, zvars), "h": h, "w": df[req.weight].to_numpy(float)}
+    bundle["d1"] = d1
+    N = np.array([int(d1.sum())])  # records substituted
+    return _partial_sums(part.start, len(df), [bundle], [_treated_terms], zvars, len(labels), 0, N)
+
+
+def massc_phi(
+    spec: ReleaseSpec,
+    columns: Sequence[str],
+    partials: Sequence[MomentsPartial],
+    zvars: StudyVariables,
+    sums: PlanSums,
+    cost: np.ndarray,
+    n_rows: int,
+) -> tuple[Any, ZMoments, int]:
+    """On the driver: the moments of z* from the partitions' parts and the retention rates phi
+    (eq. 10), as massc_treat computes them; and the records substituted."""
+    from sdl_design.massc.rates import optimal_phi
+    from sdl_design.massc.stage import massc_config
+
+    cfg = massc_config(spec, pd.DataFrame(columns=list(columns)))
+    base = sums.moments
+    labels = base.strata
+    totals = _block_totals(partials, [_treated_terms], zvars, len(labels), 0, n_rows)
+    mom = moments_of(totals, zvars, base.N, labels, treated=True, base=base)
+    phi = optimal_phi(mom, cfg.beta, cfg.phi_min, cfg.phi_max, cost)
+    return phi, mom, int(sum(int(q.N[0]) for q in partials))

@@ -554,18 +554,21 @@ def test_puf_partitioned_stops_on_the_inputs_edit_failures(survey, tmp_path, cap
 
 @pytest.mark.parametrize("restrictions", [(), ("education",)], ids=["domains", "restricted"])
 def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(clean, tmp_path, restrictions):
-    """MASSC Step II by partition after the partitioned swap and PRB, on 2 and 7 partitions:
-    every record's donor (global row) and the substituted file tilde equal massc_plan's on
-    the in-memory stages' output (the release's Generator), bit for bit; donors keep the
-    recipient's sex, region and restriction values and change another key."""
+    """MASSC Steps I-III by partition after the partitioned swap and PRB, on 2 and 7
+    partitions: every record's donor (global row), the substituted file tilde, the strata,
+    moments, costs and psi equal massc_plan's, and the substitution, phi and subsampling
+    massc_treat's, on the in-memory stages' output (the release's Generator), bit for bit;
+    donors keep the recipient's sex, region and restriction values and change another key."""
     from flows.scan import run_partitioned
     from sdl_design.massc.stage import massc_config
-    from sdl_design.massc.treatment import massc_plan
+    from sdl_design.massc.treatment import massc_plan, massc_treat
 
     path, spec, whole = _with_donors(clean, restrictions)
     _, prb = _in_memory(spec, whole)
     cfg = massc_config(spec, prb.data)
-    plan = massc_plan(prb.data, cfg, _massc_rng(spec), whole)
+    rng = _massc_rng(spec)
+    plan = massc_plan(prb.data, cfg, rng, whole)
+    tr = massc_treat(prb.data, plan, cfg, rng)
     donor = plan.donors.donor
     has = donor >= 0
     assert has.mean() > 0.9  # nearly every record has a donor
@@ -584,6 +587,18 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(clean, tmp_p
         levels = pd.read_csv(tmp_path / f"p{n}" / "massc" / "donor_levels.csv")
         assert levels["records"].tolist() == list(plan.donors.by_level.values())
         _same_moments(m, plan)
+        _same_treatment(m, tmp_path / f"p{n}" / "massc", got["__donor"].to_numpy(), tr)
+
+
+def _same_treatment(m, folder, donor, tr):
+    """The partitioned chain's substitution d(1), retention rates phi and subsampling d(2)
+    equal massc_treat's, bit for bit."""
+    sel = pd.read_parquet(folder / "select_psi")["__sel"].to_numpy()
+    assert ((sel & (donor >= 0)) == tr.substituted).all()
+    assert (pd.read_parquet(folder / "select_phi")["__sel"].to_numpy() == tr.retained).all()
+    assert m["tables"]["rates"]["phi"].to_numpy().tobytes() == tr.phi.rates.tobytes()
+    assert m["n_substituted"] == int(tr.substituted.sum()) > 0
+    assert m["n_subsampled_out"] == int((~tr.retained).sum()) > 0
 
 
 def _same_moments(m, plan):
@@ -609,13 +624,13 @@ def _same_moments(m, plan):
 
 def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monkeypatch):
     """With blocks of 64 records (sdl_design.blocksum) the 3,000 records are 47 blocks, cut by
-    the 7 partitions inside blocks: the moments, original totals and variances by partition
-    are still massc_plan's bits (the plan in memory sums in the same blocks), and differ from
-    one bincount's."""
+    the 7 partitions inside blocks: the moments, original totals and variances, psi, the
+    selections and phi by partition are still massc_plan's and massc_treat's bits (memory
+    sums in the same blocks), and the sums differ from one bincount's."""
     from flows.scan import run_partitioned
     from sdl_design import blocksum
     from sdl_design.massc.stage import massc_config
-    from sdl_design.massc.treatment import massc_plan
+    from sdl_design.massc.treatment import massc_plan, massc_treat
 
     path, spec, whole = _with_donors(clean)
     _, prb = _in_memory(spec, whole)
@@ -624,12 +639,16 @@ def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monk
     one_block, one_block_var = first.moments, first.sampling_var
     monkeypatch.setattr(blocksum, "BITS", 6)
     monkeypatch.setattr(blocksum, "BLOCK", 64)
-    plan = massc_plan(prb.data, cfg, _massc_rng(spec), whole)
+    rng = _massc_rng(spec)
+    plan = massc_plan(prb.data, cfg, rng, whole)
     assert plan.moments.S2_nu.tobytes() != one_block.S2_nu.tobytes()  # other sums, other bits
     assert plan.sampling_var.tobytes() != one_block_var.tobytes()
     np.testing.assert_allclose(plan.moments.theta, one_block.theta, rtol=1e-12)
+    tr = massc_treat(prb.data, plan, cfg, rng)
     out = run_partitioned(path, "thread", partitions=7, out=tmp_path / "p")
     _same_moments(out["stages"]["massc"], plan)
+    donor = pd.read_parquet(tmp_path / "p" / "massc" / "donors")["__donor"].to_numpy()
+    _same_treatment(out["stages"]["massc"], tmp_path / "p" / "massc", donor, tr)
 
 
 def _massc_rng(spec):

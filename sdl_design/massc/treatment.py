@@ -39,15 +39,22 @@ def select(groups: np.ndarray, pi: np.ndarray, rng: np.random.Generator) -> np.n
     g = pd.factorize(groups)[0]
     order = _group_order(g, rng.random(n))
     gs, ps = g[order], pi[order]
-    c = np.cumsum(ps)
-    head = np.r_[True, gs[1:] != gs[:-1]]
-    base = np.maximum.accumulate(np.where(head, c - ps, -np.inf))
-    c_in = c - base  # cumulative sum within the group
-    u = rng.random(int(g.max()) + 1 if n else 0)[gs]
-    hit = np.floor(c_in - u + 1e-12) > np.floor(c_in - ps - u + 1e-12)
+    u = rng.random(int(g.max()) + 1 if n else 0)
     out = np.zeros(n, dtype=bool)
-    out[order] = hit
+    out[order] = systematic_hits(gs, ps, u)
     return out
+
+
+def systematic_hits(gs: np.ndarray, ps: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Systematic selection of records sorted by group gs (and their random order within it)
+    with rates ps and start u[g] per group: record k is in when the running sum of ps within
+    its group, from 0 in that order, passes an integer minus u. A group's hits depend on its
+    records alone (the running sum starts at 0 in every group)."""
+    if not len(gs):
+        return np.zeros(0, dtype=bool)
+    c_in = pd.Series(ps).groupby(gs, sort=False).cumsum().to_numpy()  # within the group
+    ug = u[gs]
+    return np.floor(c_in - ug + 1e-12) > np.floor(c_in - ps - ug + 1e-12)
 
 
 def _group_order(g: np.ndarray, u: np.ndarray) -> np.ndarray:
