@@ -250,6 +250,11 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                 + ", ".join(f"{h} {p:.4g}" for h, p in m["psi"].items())
                 + " (massc/rates.csv)"
             )
+            print(
+                f"                {m['n_substituted']} records substituted, "
+                f"{m['n_subsampled_out']} sampled out; phi "
+                + ", ".join(f"{h} {p:.4g}" for h, p in m["phi"].items())
+            )
         for name, res in st.items():
             se = res["tables"].get("se_ratios") if isinstance(res, dict) else None
             for col, kind in (("ratio", "Taylor"), ("ratio_rep", "replicate")):

@@ -297,8 +297,8 @@ def _with_donors(clean, restrictions=()):
 def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(clean, tmp_path):
     """One local cluster of 2 worker processes: `puf scan` writes the same tables and `puf
     partitioned` the same records after the swap and PRB, the same substituted file of MASSC's
-    donor search (records exchanged between workers) and the same tables, byte for byte, as
-    in this process."""
+    donor search and the same selections (records exchanged between workers) and the same
+    tables, byte for byte, as in this process."""
     import logging
 
     from distributed import LocalCluster
@@ -323,7 +323,8 @@ def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
         assert a == (tmp_path / "scan-dask" / f"{name}.csv").read_bytes(), name
     thread, dask = tmp_path / "partitioned-thread", tmp_path / "partitioned-dask"
     files = sorted(p.relative_to(thread) for p in thread.rglob("*.*") if p.name != "run.json")
-    assert len([f for f in files if f.suffix == ".parquet"]) == 12  # swap's, PRB's, donors'
+    parquet = [f for f in files if f.suffix == ".parquet"]
+    assert len(parquet) == 20  # swap's, PRB's, MASSC's donors and its two selections'
     assert json.loads((thread / "run.json").read_text())["stages"]["massc"]["n_with_donor"] > 0
     for f in files:
         assert (thread / f).read_bytes() == (dask / f).read_bytes(), f
@@ -450,7 +451,7 @@ def test_puf_partitioned_leaves_nothing_when_a_partition_fails(
     assert puf(["partitioned", str(path), "--partitions", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "pairs in swap/pairs.csv (confidential)" in text
-    assert "stopped in massc: done Steps I-II (risk strata, donors, moments" in text
+    assert "stopped in massc: done Steps I-III (risk strata, donors, moments" in text
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     calls = []
 
