@@ -9,6 +9,7 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
+from sdl_design.blocksum import group_sum
 from sdl_design.massc.common import KeyLike, _key_specs, _sens_specs
 from sdl_design.massc.moments import ZMoments
 from sdl_design.risk import genmassc_scores, profile_codes
@@ -66,11 +67,8 @@ def delta_measures(
         r2[d2] = genmassc_scores(treated.loc[d2, read], specs, sensitive).to_numpy()
     r = {"original": r0, "treated": r2, "max": np.maximum(r0, r2)}[risk_basis]
     delta_k = (~d1) * d2 * r  # eq. 3
-    rows = []
-    for a in "udto":
-        m = labels == a
-        rows.append((a, int(m.sum()), float(delta_k[m].sum()), float(delta_k[m].sum() / n)))
-    by_app = pd.DataFrame(rows, columns=["appearance", "n_records", "total", "delta_bar"])
+    cls = np.minimum(app, 4)  # 0: does not appear in B(2); 1-4: u, d, t, o
+    by_app = appearance_table(group_sum(cls, delta_k, 5, n), np.bincount(cls, minlength=5), n)
     n_p = np.bincount(p0)
     t_p = np.bincount(p0, weights=delta_k, minlength=len(n_p))
     present = np.flatnonzero(n_p > 0)
@@ -84,6 +82,16 @@ def delta_measures(
         profiles=prof,
         delta=float(by_app["delta_bar"].max()),
     )
+
+
+def appearance_table(totals: np.ndarray, counts: np.ndarray, n: int) -> pd.DataFrame:
+    """delta by how the original profile appears in B(2) (eq. 5-6): the sums of delta_k
+    (block sums, sdl_design.blocksum) and the records of each class (0: absent, 1-4: u, d, t,
+    o) over the N(0) = n records."""
+    rows = [
+        (a, int(counts[i]), float(totals[i]), float(totals[i] / n)) for i, a in enumerate("udto", 1)
+    ]
+    return pd.DataFrame(rows, columns=["appearance", "n_records", "total", "delta_bar"])
 
 
 # ---------------------------------------------------------------- information loss

@@ -3,10 +3,10 @@ substitution and subsampling (Steps II-III, phi), calibration (Step IV), replica
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
@@ -424,7 +424,38 @@ def meet_delta(
             b0, t.b1, t.substituted, t.retained, cfg.keys, cfg.sensitive, cfg.risk_basis
         )
 
-    dm = measure(tr)
+    def cost_of(c: MasscConfig) -> np.ndarray:
+        return disclosure_cost(b0, plan.h, len(plan.labels), c)[0]
+
+    return revise_rates(
+        plan,
+        tr,
+        cfg,
+        measure(tr),
+        target,
+        lambda p, c: massc_treat(df, p, c, rng),
+        measure,
+        cost_of,
+        step,
+        max_steps,
+    )
+
+
+def revise_rates(
+    plan: MasscPlan,
+    tr: Any,
+    cfg: MasscConfig,
+    dm: Any,
+    target: float,
+    treat: Callable[[MasscPlan, MasscConfig], Any],
+    measure: Callable[[Any], Any],
+    cost_of: Callable[[MasscConfig], np.ndarray],
+    step: float = 2.0**0.5,
+    max_steps: int = 12,
+) -> tuple[MasscConfig, MasscPlan, Any, Any, list[DeltaRevision]]:
+    """meet_delta's revisions, whatever runs the treatment: treat(plan, cfg) treats (phi,
+    d(1), d(2)), measure(treatment) gives its delta (.delta), cost_of(cfg) the costs a_h. plan
+    may carry only strata labels, psi and moments (its psi and cost are replaced)."""
     revisions: list[DeltaRevision] = []
     steps = 0
     while dm.delta > target:
@@ -437,10 +468,10 @@ def meet_delta(
             action = f"raise the loss budgets to {step**steps:.3g} times"
         else:
             break
-        cost, _ = disclosure_cost(b0, plan.h, len(plan.labels), cfg)
+        cost = cost_of(cfg)
         psi = optimal_psi(plan.moments, cfg.alpha, cfg.psi_max, cfg.psi_min, cost)
         plan = replace(plan, cost=cost, psi=psi)
-        tr = massc_treat(df, plan, cfg, rng)
+        tr = treat(plan, cfg)
         before, dm = dm.delta, measure(tr)
         revisions.append(DeltaRevision(before, action, cfg.budget_scale, dm.delta))
     return cfg, plan, tr, dm, revisions
