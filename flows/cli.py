@@ -254,6 +254,7 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                 f"                {m['n_substituted']} records substituted, "
                 f"{m['n_subsampled_out']} sampled out; phi "
                 + ", ".join(f"{h} {p:.4g}" for h, p in m["phi"].items())
+                + f"; delta {m['delta']:.4f} after {m['n_delta_revisions']} revision(s)"
             )
         for name, res in st.items():
             se = res["tables"].get("se_ratios") if isinstance(res, dict) else None

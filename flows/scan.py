@@ -430,41 +430,72 @@ def _massc_stage(
     t = _lap(laps, "moments", t)
     psi, cost = part.massc_psi(spec, columns, sums)
     mom = sums.moments
-    _lap(laps, "psi", t)
+    t = _lap(laps, "psi", t)
     _say(
         "substitution rates psi "
         + ", ".join(f"{h} {p:.4g}" for h, p in zip(labels, psi.rates, strict=True)),
         "partitioned",
     )
-    # Steps II-III: substitution at psi (select), phi from the moments of z*, subsampling
+    # Steps II-III: substitution at psi (select), phi from the moments of z*, subsampling;
+    # while delta is above gates.delta_max, meet_delta's revisions (revise_rates)
+    from sdl_design.massc.stage import massc_config
+    from sdl_design.massc.treatment import cost_from, revise_rates
+
+    cfg = massc_config(spec, pd.DataFrame(columns=list(columns)))
     n_rows, n_parts = parts[-1].stop, len(parts)
     groups = part.select_groups(
         run_map(part.select_pass1, parts, spec, req, chain.inputs, profiles, labels, what="groups")
     )
     sel_args = (spec, req, chain.inputs, profiles, labels)
+    donors = str(folder / "donors")
+    chosen = (str(folder / "select_psi"), str(folder / "select_phi"))
 
-    def select(rates, name: str) -> int:
+    def select(rates, where: str) -> int:
         plan = part.select_plan(groups, rates, rng, n_rows, n_parts)
-        (folder / name).mkdir()
-        receive = partial(part.select_receive, folder=str(folder / name))
+        Path(where).mkdir(exist_ok=True)
+        receive = partial(part.select_receive, folder=where)
         got = run_map.exchange(
-            part.select_send, part.select_serve, receive, parts, *sel_args, plan, what=name
-        )
+            part.select_send, part.select_serve, receive, parts, *sel_args, plan,
+            what=f"massc selection ({Path(where).name})",
+        )  # fmt: skip
         return sum(got)
 
-    select(psi.rates, "select_psi")
-    t = _lap(laps, "select_psi", t)
-    treated = run_map(
-        part.treated_pass, parts, spec, req, chain.inputs, profiles, zvars, labels,
-        str(folder / "donors"), str(folder / "select_psi"), what="massc moments of z*",
-    )  # fmt: skip
-    phi, _, n_sub = part.massc_phi(spec, columns, treated, zvars, sums, cost, n_rows)
-    t = _lap(laps, "phi", t)
-    n_kept = select(phi.rates, "select_phi")
-    _lap(laps, "select_phi", t)
+    def treat(p: part.RatesPlan, c) -> part.PartitionedTreatment:
+        select(p.psi.rates, chosen[0])
+        treated = run_map(
+            part.treated_pass, parts, spec, req, chain.inputs, profiles, zvars, labels, donors,
+            chosen[0], what="massc moments of z*",
+        )  # fmt: skip
+        phi, _, n_sub = part.massc_phi(c, treated, zvars, p.moments, p.cost, n_rows)
+        return part.PartitionedTreatment(phi, n_sub, select(phi.rates, chosen[1]))
+
+    def measure(tr: part.PartitionedTreatment) -> part.PartitionedDelta:
+        b2 = part.combine_profiles(
+            run_map(part.delta_pass1, parts, spec, req, donors, chosen, what="massc B(2) profiles")
+        )
+        s2 = part.profile_scores(b2, req.sensitive) if req.sensitive else np.zeros(0)
+        got = run_map(
+            part.delta_pass2, parts, spec, req, chain.inputs, profiles, scores, b2, s2,
+            cfg.risk_basis, donors, chosen, what="massc delta",
+        )  # fmt: skip
+        return part.combine_delta(got, n_rows)
+
+    rplan = part.RatesPlan(mom, psi, cost)
+    tr = treat(rplan, cfg)
+    dm = measure(tr)
+    revisions = []
+    if spec.gates.delta_max is not None:
+        cfg, rplan, tr, dm, revisions = revise_rates(
+            rplan, tr, cfg, dm, spec.gates.delta_max, treat, measure,
+            lambda c: cost_from(sums.cost_sums, mom.N, c)[0],
+        )  # fmt: skip
+    psi, cost, phi = rplan.psi, rplan.cost, tr.phi
+    n_sub, n_kept = tr.n_substituted, tr.n_retained
+    _lap(laps, "treatment", t)
     _say(
         f"{n_sub} records substituted, {n_rows - n_kept} sampled out; phi "
-        + ", ".join(f"{h} {p:.4g}" for h, p in zip(labels, phi.rates, strict=True)),
+        + ", ".join(f"{h} {p:.4g}" for h, p in zip(labels, phi.rates, strict=True))
+        + f"; delta {dm.delta:.4f} after {len(revisions)} revision(s)",
         "partitioned",
     )
     rates = pd.DataFrame(
@@ -484,8 +515,8 @@ def _massc_stage(
     z["original_se"] = np.sqrt(sums.sampling_var)
     return {
         "partial": "Steps I-III (risk strata, donors, moments, the original's totals and SEs, "
-        "disclosure costs, psi of eq. 9, substitution, phi of eq. 10, subsampling); the delta "
-        "revisions, calibration and replications by partition are not built",
+        "disclosure costs, psi of eq. 9, substitution, phi of eq. 10, subsampling, delta and "
+        "its revisions); the calibration and replications by partition are not built",
         "n_with_donor": n_has,
         "n_profiles": plan.n_profiles,
         "strata": {h: int(n) for h, n in zip(mom.strata, mom.N, strict=True)},
@@ -495,9 +526,18 @@ def _massc_stage(
         "phi_method": phi.method,
         "n_substituted": n_sub,
         "n_subsampled_out": n_rows - n_kept,
+        "delta": dm.delta,
+        "n_delta_revisions": len(revisions),
+        "budget_scale": cfg.budget_scale,
         "files": [Path(f).name for f in files],
         **laps,
-        "tables": {"donor_levels": levels, "moments": moments, "totals": z, "rates": rates},
+        "tables": {
+            "donor_levels": levels,
+            "moments": moments,
+            "totals": z,
+            "rates": rates,
+            "delta": dm.by_appearance,
+        },
     }
 
 

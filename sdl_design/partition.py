@@ -321,9 +321,13 @@ def profile_sizes(
 
 
 def profile_rows(
-    df: pd.DataFrame, keys: Sequence[KeySpec | str], profiles: pd.DataFrame
+    df: pd.DataFrame,
+    keys: Sequence[KeySpec | str],
+    profiles: pd.DataFrame,
+    missing_ok: bool = False,
 ) -> np.ndarray:
-    """The row of each record's key profile in the whole input's table (combine_profiles)."""
+    """The row of each record's key profile in the whole input's table (combine_profiles);
+    -1 for a profile not in it when missing_ok."""
     specs = _specs(keys)
     names = [k.name for k in specs]
     labels = {}
@@ -334,6 +338,8 @@ def profile_rows(
     m = pd.DataFrame(labels).merge(table, on=names, how="left", sort=False)
     if len(m) != len(df):  # (validate="many_to_one" took half the time)
         raise PartitionError("profiles: a key profile is in the table given more than once")
+    if missing_ok:
+        return m["__row"].fillna(-1).to_numpy(dtype=np.int64)
     if m["__row"].isna().any():
         raise PartitionError("profiles: a record's key profile is not in the table given")
     return m["__row"].to_numpy(dtype=np.int64)
@@ -1747,24 +1753,139 @@ def treated_pass(
     return _partial_sums(part.start, len(df), [bundle], [_treated_terms], zvars, len(labels), 0, N)
 
 
+@dataclass
+class RatesPlan:
+    """What meet_delta's revisions read and replace of a MASSC plan made by partition."""
+
+    moments: ZMoments
+    psi: Any
+    cost: np.ndarray
+
+
+@dataclass
+class PartitionedTreatment:
+    """A MASSC treatment by partition (its d(1) and d(2) are in the selections' folders)."""
+
+    phi: Any
+    n_substituted: int
+    n_retained: int
+
+
 def massc_phi(
-    spec: ReleaseSpec,
-    columns: Sequence[str],
+    cfg: Any,
     partials: Sequence[MomentsPartial],
     zvars: StudyVariables,
-    sums: PlanSums,
+    base: ZMoments,
     cost: np.ndarray,
     n_rows: int,
 ) -> tuple[Any, ZMoments, int]:
     """On the driver: the moments of z* from the partitions' parts and the retention rates phi
-    (eq. 10), as massc_treat computes them; and the records substituted."""
+    (eq. 10), as massc_treat computes them (cfg: its MasscConfig; base: the plan's moments);
+    and the records substituted."""
     from sdl_design.massc.rates import optimal_phi
-    from sdl_design.massc.stage import massc_config
 
-    cfg = massc_config(spec, pd.DataFrame(columns=list(columns)))
-    base = sums.moments
     labels = base.strata
     totals = _block_totals(partials, [_treated_terms], zvars, len(labels), 0, n_rows)
     mom = moments_of(totals, zvars, base.N, labels, treated=True, base=base)
     phi = optimal_phi(mom, cfg.beta, cfg.phi_min, cfg.phi_max, cost)
     return phi, mom, int(sum(int(q.N[0]) for q in partials))
+
+
+# ---------------------------------------------------------------- MASSC: delta (eq. 3-6)
+
+
+def _treated_records(
+    part: Partition,
+    spec: ReleaseSpec,
+    req: MasscRequest,
+    donors: str,
+    selected: tuple[str, str],
+) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+    """B(1)'s keys and sensitive variables of the partition's records (the substituted ones
+    with their donor's key-related columns), d(1) and d(2) (selected: select_receive's
+    folders of the two selections)."""
+    names = list(dict.fromkeys([*(k.name for k in req.keys), *(s.name for s in req.sensitive)]))
+    df = read_partition(part, names, spec)
+    tilde = _tilde(part, spec, req, donors, df.index)
+    d1 = _selected(part, selected[0]) & (tilde["__donor"].to_numpy() >= 0)
+    d2 = _selected(part, selected[1])
+    b1 = df.copy(deep=False)
+    for c in names:
+        if c in req.substitute:
+            b1[c] = df[c].where(~d1, tilde[c])
+    return b1, d1, d2
+
+
+def delta_pass1(
+    part: Partition,
+    spec: ReleaseSpec,
+    req: MasscRequest,
+    donors: str,
+    selected: tuple[str, str],
+) -> pd.DataFrame:
+    """The key profiles of the partition's records in B(2) (retained, after substitution) with
+    their sensitive categories' counts (profile_counts)."""
+    b1, _, d2 = _treated_records(part, spec, req, donors, selected)
+    return profile_counts(b1[d2], req.keys, None, req.sensitive)
+
+
+def _delta_terms(data: dict[str, Any], zvars: StudyVariables, n_h: int, n_psu: int):
+    """The sums of delta_k by how the record's original profile appears in B(2)."""
+    from sdl_design.massc.moments import _Bins
+
+    yield ("", "", "delta"), _Bins(data["cls"], None, 5, len(data["cls"])), data["delta_k"]
+
+
+def delta_pass2(
+    part: Partition,
+    spec: ReleaseSpec,
+    req: MasscRequest,
+    inputs: Sequence[Partition],
+    profiles: pd.DataFrame,
+    scores: np.ndarray,
+    treated: pd.DataFrame,
+    treated_scores: np.ndarray,
+    risk_basis: str,
+    donors: str,
+    selected: tuple[str, str],
+) -> MomentsPartial:
+    """delta_k = (1 - d_k(1)) d_k(2) r_k(2) (eq. 3) of the partition's records in block sums by
+    appearance class (0: the original profile is absent from B(2); 1-4: u, d, t, o), and the
+    records of each class (treated: combine_profiles of delta_pass1's tables; scores, and
+    treated_scores: the GenMASSC scores of the original's and of B(2)'s profiles)."""
+    b1, d1, d2 = _treated_records(part, spec, req, donors, selected)
+    (original,) = [p for p in inputs if p.start == part.start]
+    b0 = read_partition(original, [k.name for k in req.keys], spec)
+    n = len(b0)
+    at0 = profile_rows(b0, req.keys, profiles)
+    in2 = profile_rows(b0, req.keys, treated, missing_ok=True)
+    app = np.where(in2 >= 0, treated["count"].to_numpy()[np.maximum(in2, 0)], 0)
+    r0 = scores[at0] if req.sensitive else np.ones(n)
+    r2 = np.zeros(n)
+    if d2.any():
+        at2 = profile_rows(b1[d2], req.keys, treated)
+        r2[d2] = treated_scores[at2] if req.sensitive else 1.0
+    r = {"original": r0, "treated": r2, "max": np.maximum(r0, r2)}[risk_basis]
+    delta_k = (~d1) * d2 * r  # eq. 3
+    cls = np.minimum(app, 4)
+    data = {"cls": cls, "delta_k": delta_k}
+    N = np.bincount(cls, minlength=5)
+    return _partial_sums(part.start, n, [data], [_delta_terms], None, 5, 0, N)
+
+
+def combine_delta(partials: Sequence[MomentsPartial], n_rows: int) -> Any:
+    """delta (eq. 5-6: the largest of delta_u, delta_d, delta_t, delta_o) and its table by
+    appearance, from the partitions' parts: delta_measures' bits."""
+    from sdl_design.massc.measures import appearance_table
+
+    totals = _block_totals(partials, [_delta_terms], None, 5, 0, n_rows)[("", "", "delta")]
+    table = appearance_table(totals, np.sum([q.N for q in partials], axis=0), n_rows)
+    return PartitionedDelta(float(table["delta_bar"].max()), table)
+
+
+@dataclass
+class PartitionedDelta:
+    """delta_measures' delta and table by appearance, of a treatment by partition."""
+
+    delta: float
+    by_appearance: pd.DataFrame

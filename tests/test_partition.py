@@ -280,7 +280,7 @@ def test_puf_scan_writes_its_tables_whole(survey, tmp_path, capsys):
     assert "not 50: the input has 7 row group(s)" in capsys.readouterr().err
 
 
-def _with_donors(clean, restrictions=()):
+def _with_donors(clean, restrictions=(), delta_max=None):
     """The clean survey's spec with declared domains sex and region only (the default declares
     every key, so that no record has a donor): donors share the recipient's sex and region
     (and restriction columns) and differ on another key."""
@@ -288,7 +288,9 @@ def _with_donors(clean, restrictions=()):
     data = yaml.safe_load(path.read_text())
     data["utility"]["domains"] = ["sex", "region"]
     data["stages"]["massc"]["donor_restrictions"] = list(restrictions)
-    new = path.parent / f"donors-{'-'.join(restrictions) or 'none'}.yaml"
+    if delta_max is not None:
+        data["gates"]["delta_max"] = delta_max
+    new = path.parent / f"donors-{'-'.join(restrictions) or 'none'}-{delta_max}.yaml"
     new.write_text(yaml.safe_dump(data))
     return new, load_spec(new), whole
 
@@ -553,23 +555,26 @@ def test_puf_partitioned_stops_on_the_inputs_edit_failures(survey, tmp_path, cap
 # ---------------------------------------------------------------- MASSC's donors by partition
 
 
-@pytest.mark.parametrize("restrictions", [(), ("education",)], ids=["domains", "restricted"])
-def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(clean, tmp_path, restrictions):
+@pytest.mark.parametrize(
+    ("restrictions", "delta_max"),
+    [((), None), (("education",), None), ((), 0.2)],
+    ids=["domains", "restricted", "revised"],
+)
+def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
+    clean, tmp_path, restrictions, delta_max
+):
     """MASSC Steps I-III by partition after the partitioned swap and PRB, on 2 and 7
     partitions: every record's donor (global row), the substituted file tilde, the strata,
-    moments, costs and psi equal massc_plan's, and the substitution, phi and subsampling
-    massc_treat's, on the in-memory stages' output (the release's Generator), bit for bit;
-    donors keep the recipient's sex, region and restriction values and change another key."""
+    moments, costs, psi, the substitution, phi, the subsampling, delta and meet_delta's
+    revisions equal the release's MASSC (_main on the in-memory stages' output, the release's
+    Generator), bit for bit; donors keep the recipient's sex, region and restriction values
+    and change another key."""
     from flows.scan import run_partitioned
-    from sdl_design.massc.stage import massc_config
-    from sdl_design.massc.treatment import massc_plan, massc_treat
 
-    path, spec, whole = _with_donors(clean, restrictions)
+    path, spec, whole = _with_donors(clean, restrictions, delta_max)
     _, prb = _in_memory(spec, whole)
-    cfg = massc_config(spec, prb.data)
-    rng = _massc_rng(spec)
-    plan = massc_plan(prb.data, cfg, rng, whole)
-    tr = massc_treat(prb.data, plan, cfg, rng)
+    cfg, plan, tr, dm, revisions = _release_massc(spec, prb, whole)
+    assert (len(revisions) > 0) == (delta_max is not None)  # delta_max 0.2 revises the rates
     donor = plan.donors.donor
     has = donor >= 0
     assert has.mean() > 0.9  # nearly every record has a donor
@@ -588,23 +593,36 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(clean, tmp_p
         levels = pd.read_csv(tmp_path / f"p{n}" / "massc" / "donor_levels.csv")
         assert levels["records"].tolist() == list(plan.donors.by_level.values())
         _same_moments(m, plan)
-        _same_treatment(m, tmp_path / f"p{n}" / "massc", got["__donor"].to_numpy(), tr)
+        _same_treatment(m, tmp_path / f"p{n}" / "massc", got["__donor"].to_numpy(), tr, dm)
+        assert m["n_delta_revisions"] == len(revisions) and m["budget_scale"] == cfg.budget_scale
 
 
-def _same_treatment(m, folder, donor, tr):
-    """The partitioned chain's substitution d(1), retention rates phi and subsampling d(2)
-    equal massc_treat's, bit for bit."""
+def _release_massc(spec, prb, whole):
+    """MASSC's treatment as the release runs it (plan, treatment, meet_delta's revisions)."""
+    from sdl_design.massc.stage import _main
+    from sdl_design.rng import release_seed
+
+    seed = release_seed(spec.release.seed, spec.release.year)
+    return _main(prb.data, spec, seed, whole)
+
+
+def _same_treatment(m, folder, donor, tr, dm):
+    """The partitioned chain's substitution d(1), retention rates phi, subsampling d(2) and
+    delta (by appearance) equal the release's, bit for bit."""
     sel = pd.read_parquet(folder / "select_psi")["__sel"].to_numpy()
     assert ((sel & (donor >= 0)) == tr.substituted).all()
     assert (pd.read_parquet(folder / "select_phi")["__sel"].to_numpy() == tr.retained).all()
     assert m["tables"]["rates"]["phi"].to_numpy().tobytes() == tr.phi.rates.tobytes()
     assert m["n_substituted"] == int(tr.substituted.sum()) > 0
     assert m["n_subsampled_out"] == int((~tr.retained).sum()) > 0
+    assert m["delta"] == dm.delta
+    pd.testing.assert_frame_equal(m["tables"]["delta"], dm.by_appearance, check_exact=True)
 
 
 def _same_moments(m, plan):
     """The partitioned chain's strata, moments, original totals with their Taylor SEs,
-    disclosure costs and substitution rates psi equal massc_plan's, bit for bit."""
+    disclosure costs and substitution rates psi equal the release's MASSC plan's (psi and the
+    costs after meet_delta's revisions), bit for bit."""
     mom = plan.moments
     assert m["strata"] == dict(zip(plan.labels, np.bincount(plan.h).tolist(), strict=True))
     t, k = m["tables"]["moments"], len(mom.theta)
@@ -631,7 +649,7 @@ def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monk
     from flows.scan import run_partitioned
     from sdl_design import blocksum
     from sdl_design.massc.stage import massc_config
-    from sdl_design.massc.treatment import massc_plan, massc_treat
+    from sdl_design.massc.treatment import massc_plan
 
     path, spec, whole = _with_donors(clean)
     _, prb = _in_memory(spec, whole)
@@ -640,16 +658,14 @@ def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monk
     one_block, one_block_var = first.moments, first.sampling_var
     monkeypatch.setattr(blocksum, "BITS", 6)
     monkeypatch.setattr(blocksum, "BLOCK", 64)
-    rng = _massc_rng(spec)
-    plan = massc_plan(prb.data, cfg, rng, whole)
+    cfg, plan, tr, dm, _ = _release_massc(spec, prb, whole)
     assert plan.moments.S2_nu.tobytes() != one_block.S2_nu.tobytes()  # other sums, other bits
     assert plan.sampling_var.tobytes() != one_block_var.tobytes()
     np.testing.assert_allclose(plan.moments.theta, one_block.theta, rtol=1e-12)
-    tr = massc_treat(prb.data, plan, cfg, rng)
     out = run_partitioned(path, "thread", partitions=7, out=tmp_path / "p")
     _same_moments(out["stages"]["massc"], plan)
     donor = pd.read_parquet(tmp_path / "p" / "massc" / "donors")["__donor"].to_numpy()
-    _same_treatment(out["stages"]["massc"], tmp_path / "p" / "massc", donor, tr)
+    _same_treatment(out["stages"]["massc"], tmp_path / "p" / "massc", donor, tr, dm)
 
 
 def _massc_rng(spec):
