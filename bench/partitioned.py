@@ -103,11 +103,11 @@ swap = SwapStage.from_spec(spec).run(df, ctx)
 t1 = time.perf_counter()
 prb = PrbStage.from_spec(spec).run(swap.data, ctx.for_stage("prb", [swap]))
 t2 = time.perf_counter()
-from sdl_design.massc.stage import massc_config
-from sdl_design.massc.treatment import massc_plan
-from sdl_design.rng import release_seed, stage_rng
-rng = stage_rng(release_seed(spec.release.seed, spec.release.year), "massc")
-plan = massc_plan(prb.data, massc_config(spec, prb.data), rng, df)
+from sdl_design.massc.stage import _main
+from sdl_design.rng import release_seed
+cfg, plan, tr, dm, revisions = _main(
+    prb.data, spec, release_seed(spec.release.seed, spec.release.year), df
+)
 print('WHOLE', t1 - t0, t2 - t1, time.perf_counter() - t2)
 del df, ctx
 def same(folder, frame):
@@ -135,8 +135,18 @@ def same_moments(folder, mom):
               for c, ref in (("sum_nu", mom.V), ("S2_nu", mom.S2_nu))),
         )
     )
+def same_treatment(folder):
+    sel = pd.read_parquet(folder + "/select_psi")["__sel"].to_numpy()
+    d1 = sel & (pd.read_parquet(folder + "/donors")["__donor"].to_numpy() >= 0)
+    d2 = pd.read_parquet(folder + "/select_phi")["__sel"].to_numpy()
+    phi = pd.read_csv(folder + "/rates.csv", float_precision="round_trip")["phi"].to_numpy()
+    delta = pd.read_csv(folder + "/delta.csv", float_precision="round_trip")["delta_bar"].max()
+    return (d1 == tr.substituted).all() and (d2 == tr.retained).all() and (
+        phi.tobytes() == tr.phi.rates.tobytes()) and delta == dm.delta
 print('SAME', same(sys.argv[2] + "/swap/data", swap.data), same(sys.argv[2] + "/prb/data", prb.data),
-      same(sys.argv[2] + "/massc/donors", tilde), same_moments(sys.argv[2] + "/massc", plan.moments))
+      same(sys.argv[2] + "/massc/donors", tilde), same_moments(sys.argv[2] + "/massc", plan.moments),
+      same_treatment(sys.argv[2] + "/massc"))
+print('REVISIONS', len(revisions), dm.delta)
 """  # the in-memory swap and PRB stages (with their tables and baselines) and MASSC's plan (Steps
 # I-II: strata, donors, tilde, moments, psi), against the partitions
 
@@ -205,7 +215,7 @@ def main() -> None:
         peaks = client.run(_maxrss_gib)
     sw, pr = run["stages"]["swap"], run["stages"]["prb"]
     print(
-        f"scan, swap and PRB by partition on Dask: {run['seconds']:.1f} s (the scan "
+        f"scan, swap, PRB and MASSC Steps I-III by partition on Dask: {run['seconds']:.1f} s (the scan "
         f"{run['scan_seconds']:.1f} s); per-worker peak RSS "
         + ", ".join(f"{v:.2f} GiB" for v in peaks.values())
         + f" (at start {max(start.values()):.2f} GiB); driver peak {_maxrss_gib():.2f} GiB\n"
@@ -223,10 +233,12 @@ def main() -> None:
     if "massc" in run["stages"]:
         ms = run["stages"]["massc"]
         print(
-            f"  MASSC Steps I-II (donors, strata, moments, psi): pass 1 {ms['pass1_seconds']:.1f} s, search on the driver "
+            f"  MASSC Steps I-III: donors pass 1 {ms['pass1_seconds']:.1f} s, search on the driver "
             f"{ms['search_seconds']:.1f} s, draws and exchange of the donor records between "
             f"the workers, writing the substituted file {ms['exchange_seconds']:.1f} s; strata "
-            f"and moments {ms['moments_seconds']:.1f} s, psi {ms['psi_seconds']:.1f} s; "
+            f"and moments {ms['moments_seconds']:.1f} s, psi {ms['psi_seconds']:.1f} s, the "
+            f"treatment (two selections exchanging records, phi, delta; "
+            f"{ms['n_delta_revisions']} revision(s)) {ms['treatment_seconds']:.1f} s; "
             f"{ms['n_with_donor']:,} records with a donor, {ms['n_profiles']:,} search profiles",
             flush=True,
         )
@@ -236,7 +248,8 @@ def main() -> None:
     wall, peak, text = _child(PARTITIONED_IN_PROCESS, str(spec), str(work / "p-thread"))
     secs = float(next(ln for ln in text.splitlines() if ln.startswith("RUN")).split()[1])
     print(
-        f"scan, swap and PRB in one process, a partition at a time: {secs:.1f} s; peak RSS {peak:.2f} GiB"
+        f"scan, swap, PRB and MASSC Steps I-III in one process, a partition at a time: {secs:.1f} s; "
+        f"peak RSS {peak:.2f} GiB"
     )
     same = all(
         (work / "dask" / f).read_bytes() == (work / "thread" / f).read_bytes()
@@ -255,12 +268,13 @@ def main() -> None:
         same = next(ln for ln in text.splitlines() if ln.startswith("SAME")).split()[1:]
         print(
             f"the stages on the whole file in memory (SwapStage with its SE tables and the 2a "
-            f"baseline; PrbStage with its tables and the NZY baseline; MASSC's plan: strata, "
-            f"donors, tilde, moments, psi): read + swap {float(secs[0]):.1f} s, PRB "
-            f"{float(secs[1]):.1f} s, MASSC plan {float(secs[2]):.1f} s; peak RSS {peak:.2f} "
-            f"GiB; records equal to the partitioned ones, bit for bit: swap {same[0]}, PRB "
-            f"{same[1]}, MASSC's donors and substituted file {same[2]}, its moments, original totals "
-            f"and SEs, costs and psi {same[3]}"
+            f"baseline; PrbStage with its tables and the NZY baseline; MASSC's plan and "
+            f"treatment with meet_delta's revisions): read + swap {float(secs[0]):.1f} s, PRB "
+            f"{float(secs[1]):.1f} s, MASSC plan and treatment {float(secs[2]):.1f} s; peak "
+            f"RSS {peak:.2f} GiB; records equal to the partitioned ones, bit for bit: swap "
+            f"{same[0]}, PRB {same[1]}, MASSC's donors and substituted file {same[2]}, its "
+            f"moments, original totals and SEs, costs and psi {same[3]}, its substitution, "
+            f"phi, subsampling and delta {same[4]}"
         )
 
 
