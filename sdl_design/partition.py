@@ -1143,6 +1143,15 @@ def donor_pass1(part: Partition, spec: ReleaseSpec, req: MasscRequest) -> pd.Dat
     return pd.DataFrame(out)
 
 
+def advanced(state: dict, k: int) -> np.random.Generator:
+    """A Generator at PCG64 state `state` advanced past k doubles: its draws are those the
+    stage's Generator makes from its k-th on (random() takes one 64-bit step per double)."""
+    bg = np.random.PCG64()
+    bg.state = state
+    bg.advance(k)
+    return np.random.Generator(bg)
+
+
 @dataclass
 class DonorPlan:
     """The donor search of the whole input, from the partitions' profile tables: each
@@ -1247,10 +1256,7 @@ def donor_send(
     i = plan.index(part)
     dp = plan.donor_p[plan.local[i][pid]]
     rows = np.flatnonzero(dp >= 0)
-    bg = np.random.PCG64()
-    bg.state = plan.state
-    bg.advance(int(plan.has_start[i]))
-    off = donor_ranks(dp[rows], plan.size, np.random.Generator(bg))
+    off = donor_ranks(dp[rows], plan.size, advanced(plan.state, int(plan.has_start[i])))
     N = int(plan.size.sum())
     r = np.searchsorted(plan.route_key, dp[rows] * (N + 1) + off, side="right") - 1
     target = plan.route_part[r]
@@ -1659,10 +1665,7 @@ def select_send(
     partition that selects within its group."""
     values, h = _selection_records(part, spec, req, inputs, profiles, labels)
     g = _lookup(values, plan.groups, "selection group")
-    bg = np.random.PCG64()
-    bg.state = plan.state
-    bg.advance(part.start)
-    u = np.random.Generator(bg).random(len(h))
+    u = advanced(plan.state, part.start).random(len(h))  # select's uniforms of these records
     pi = plan.rates[h]
     if np.any((pi < 0) | (pi > 1)):
         raise PartitionError("stages.massc: rates must lie in [0, 1]")

@@ -695,3 +695,13 @@ def test_donor_draws_by_partition_continue_the_generator_as_find_donors(clean):
     assert sum(len(t) for t in tables) >= plan.n_profiles  # a profile may be in several parts
     with pytest.raises(P.PartitionError, match="PCG64"):
         P.donor_plan(tables, req, np.random.Generator(np.random.MT19937(1)))
+
+
+def test_advanced_generator_draws_the_stages_doubles_from_the_kth_on():
+    """A partition's draws: the stage Generator's doubles from the k-th on, for any k (PCG64
+    takes one step per double), so draws made by partition are the in-memory draws."""
+    rng = np.random.default_rng(2026)
+    state = rng.bit_generator.state
+    whole = rng.random(1000)
+    for k in (0, 1, 17, 999):
+        assert P.advanced(state, k).random(1000 - k).tobytes() == whole[k:].tobytes()
