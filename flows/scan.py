@@ -466,8 +466,8 @@ def _massc_stage(
             part.treated_pass, parts, spec, req, chain.inputs, profiles, zvars, labels, donors,
             chosen[0], what="massc moments of z*",
         )  # fmt: skip
-        phi, _, n_sub = part.massc_phi(c, treated, zvars, p.moments, p.cost, n_rows)
-        return part.PartitionedTreatment(phi, n_sub, select(phi.rates, chosen[1]))
+        phi, mom_t, n_sub = part.massc_phi(c, treated, zvars, p.moments, p.cost, n_rows)
+        return part.PartitionedTreatment(phi, n_sub, select(phi.rates, chosen[1]), mom_t)
 
     def measure(tr: part.PartitionedTreatment) -> part.PartitionedDelta:
         b2 = part.combine_profiles(
@@ -491,11 +491,12 @@ def _massc_stage(
         )  # fmt: skip
     psi, cost, phi = rplan.psi, rplan.cost, tr.phi
     n_sub, n_kept = tr.n_substituted, tr.n_retained
+    il, epsilon = part.massc_loss(tr, rplan, sums)
     _lap(laps, "treatment", t)
     _say(
         f"{n_sub} records substituted, {n_rows - n_kept} sampled out; phi "
         + ", ".join(f"{h} {p:.4g}" for h, p in zip(labels, phi.rates, strict=True))
-        + f"; delta {dm.delta:.4f} after {len(revisions)} revision(s)",
+        + f"; delta {dm.delta:.4f} after {len(revisions)} revision(s); epsilon {epsilon:.4f}",
         "partitioned",
     )
     rates = pd.DataFrame(
@@ -516,7 +517,8 @@ def _massc_stage(
     return {
         "partial": "Steps I-III (risk strata, donors, moments, the original's totals and SEs, "
         "disclosure costs, psi of eq. 9, substitution, phi of eq. 10, subsampling, delta and "
-        "its revisions); the calibration and replications by partition are not built",
+        "its revisions, epsilon of eq. 7); the calibration and replications by partition are "
+        "not built",
         "n_with_donor": n_has,
         "n_profiles": plan.n_profiles,
         "strata": {h: int(n) for h, n in zip(mom.strata, mom.N, strict=True)},
@@ -527,6 +529,7 @@ def _massc_stage(
         "n_substituted": n_sub,
         "n_subsampled_out": n_rows - n_kept,
         "delta": dm.delta,
+        "epsilon": epsilon,
         "n_delta_revisions": len(revisions),
         "budget_scale": cfg.budget_scale,
         "files": [Path(f).name for f in files],
@@ -537,6 +540,7 @@ def _massc_stage(
             "totals": z,
             "rates": rates,
             "delta": dm.by_appearance,
+            "epsilon_formula": il,
         },
     }
 

@@ -1772,6 +1772,7 @@ class PartitionedTreatment:
     phi: Any
     n_substituted: int
     n_retained: int
+    moments: ZMoments  # with S2 of z* (eq. 8b)
 
 
 def massc_phi(
@@ -1892,3 +1893,15 @@ class PartitionedDelta:
 
     delta: float
     by_appearance: pd.DataFrame
+
+
+def massc_loss(
+    tr: PartitionedTreatment, plan: RatesPlan, sums: PlanSums
+) -> tuple[pd.DataFrame, float]:
+    """The information loss of the treatment against the original totals (eq. 7, 8a + 8b) and
+    epsilon, its largest RRMSE, as the MASSC stage reports them."""
+    from sdl_design.massc.measures import information_loss
+
+    il = information_loss(tr.moments, plan.psi.rates, tr.phi.rates, sums.truth, sums.sampling_var)
+    eps = float(np.nanmax(il["rrmse"])) if il["rrmse"].notna().any() else float("nan")
+    return il, eps

@@ -593,7 +593,7 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
         levels = pd.read_csv(tmp_path / f"p{n}" / "massc" / "donor_levels.csv")
         assert levels["records"].tolist() == list(plan.donors.by_level.values())
         _same_moments(m, plan)
-        _same_treatment(m, tmp_path / f"p{n}" / "massc", got["__donor"].to_numpy(), tr, dm)
+        _same_treatment(m, tmp_path / f"p{n}" / "massc", got["__donor"].to_numpy(), tr, dm, plan)
         assert m["n_delta_revisions"] == len(revisions) and m["budget_scale"] == cfg.budget_scale
 
 
@@ -606,9 +606,12 @@ def _release_massc(spec, prb, whole):
     return _main(prb.data, spec, seed, whole)
 
 
-def _same_treatment(m, folder, donor, tr, dm):
-    """The partitioned chain's substitution d(1), retention rates phi, subsampling d(2) and
-    delta (by appearance) equal the release's, bit for bit."""
+def _same_treatment(m, folder, donor, tr, dm, plan):
+    """The partitioned chain's substitution d(1), retention rates phi, subsampling d(2),
+    delta (by appearance) and information loss (eq. 7-8b, epsilon) equal the release's, bit
+    for bit."""
+    from sdl_design.massc.measures import information_loss
+
     sel = pd.read_parquet(folder / "select_psi")["__sel"].to_numpy()
     assert ((sel & (donor >= 0)) == tr.substituted).all()
     assert (pd.read_parquet(folder / "select_phi")["__sel"].to_numpy() == tr.retained).all()
@@ -617,6 +620,9 @@ def _same_treatment(m, folder, donor, tr, dm):
     assert m["n_subsampled_out"] == int((~tr.retained).sum()) > 0
     assert m["delta"] == dm.delta
     pd.testing.assert_frame_equal(m["tables"]["delta"], dm.by_appearance, check_exact=True)
+    il = information_loss(tr.moments, plan.psi.rates, tr.phi.rates, plan.truth, plan.sampling_var)
+    pd.testing.assert_frame_equal(m["tables"]["epsilon_formula"], il, check_exact=True)
+    assert m["epsilon"] == float(np.nanmax(il["rrmse"])) > 0
 
 
 def _same_moments(m, plan):
@@ -665,7 +671,7 @@ def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monk
     out = run_partitioned(path, "thread", partitions=7, out=tmp_path / "p")
     _same_moments(out["stages"]["massc"], plan)
     donor = pd.read_parquet(tmp_path / "p" / "massc" / "donors")["__donor"].to_numpy()
-    _same_treatment(out["stages"]["massc"], tmp_path / "p" / "massc", donor, tr, dm)
+    _same_treatment(out["stages"]["massc"], tmp_path / "p" / "massc", donor, tr, dm, plan)
 
 
 def _massc_rng(spec):
