@@ -393,15 +393,20 @@ def _massc_stage(
     folder: Path,
     chain: Chain,
 ) -> dict[str, Any]:
-    """MASSC by partition as far as it is built: Steps I-II without the rates. The donor
-    search: pass 1 lists each partition's search profiles; the driver searches donor profiles
-    with the MASSC stage's Generator; each record draws its donor record, which the partition
-    holding it sends back (records move between partitions, not through the driver); the
-    substituted file tilde (every record with its donor's key-related columns, the donor's
-    row in __donor: confidential) goes to donors/. Then the risk strata (the original keys'
-    profile counts from the scan) and the moments of eq. 8a by partition, in block sums
-    (sdl_design.blocksum): the same bits as massc_plan's. partial: the rates, selection and
-    calibration by partition are not built."""
+    """MASSC by partition as far as it is built, Steps I-III (the release's `_main`, bit for
+    bit). The donor search: pass 1 lists each partition's search profiles; the driver
+    searches donor profiles with the MASSC stage's Generator; each record draws its donor
+    record, which the partition holding it sends back (worker to worker, not through the
+    driver); the substituted file tilde (with the donor's row in __donor: confidential) goes
+    to donors/. The risk strata (the scan's profile counts), the moments of eq. 8a, the
+    original's totals and Taylor variances and the costs by partition in block sums
+    (sdl_design.blocksum); psi on the driver. The selections at psi and at phi (records
+    exchanged to the partition that owns their group) with phi from the moments of z*, delta,
+    and meet_delta's revisions while delta is above gates.delta_max. partial: the
+    calibration and the replications by partition are not built."""
+    from sdl_design.massc.stage import massc_config
+    from sdl_design.massc.treatment import cost_from, revise_rates
+
     req = part.massc_request(spec, columns)
     laps: dict[str, float] = {}
     t = time.perf_counter()
@@ -438,9 +443,6 @@ def _massc_stage(
     )
     # Steps II-III: substitution at psi (select), phi from the moments of z*, subsampling;
     # while delta is above gates.delta_max, meet_delta's revisions (revise_rates)
-    from sdl_design.massc.stage import massc_config
-    from sdl_design.massc.treatment import cost_from, revise_rates
-
     cfg = massc_config(spec, pd.DataFrame(columns=list(columns)))
     n_rows, n_parts = parts[-1].stop, len(parts)
     groups = part.select_groups(
@@ -451,11 +453,11 @@ def _massc_stage(
     chosen = (str(folder / "select_psi"), str(folder / "select_phi"))
 
     def select(rates, where: str) -> int:
-        plan = part.select_plan(groups, rates, rng, n_rows, n_parts)
+        sel_plan = part.select_plan(groups, rates, rng, n_rows, n_parts)
         Path(where).mkdir(exist_ok=True)
         receive = partial(part.select_receive, folder=where)
         got = run_map.exchange(
-            part.select_send, part.select_serve, receive, parts, *sel_args, plan,
+            part.select_send, part.select_serve, receive, parts, *sel_args, sel_plan,
             what=f"massc selection ({Path(where).name})",
         )  # fmt: skip
         return sum(got)
@@ -489,7 +491,7 @@ def _massc_stage(
             rplan, tr, cfg, dm, spec.gates.delta_max, treat, measure,
             lambda c: cost_from(sums.cost_sums, mom.N, c)[0],
         )  # fmt: skip
-    psi, cost, phi = rplan.psi, rplan.cost, tr.phi
+    psi, phi = rplan.psi, tr.phi
     n_sub, n_kept = tr.n_substituted, tr.n_retained
     il, epsilon = part.massc_loss(tr, rplan, sums)
     _lap(laps, "treatment", t)
@@ -499,21 +501,6 @@ def _massc_stage(
         + f"; delta {dm.delta:.4f} after {len(revisions)} revision(s); epsilon {epsilon:.4f}",
         "partitioned",
     )
-    rates = pd.DataFrame(
-        {"stratum": labels, "N": mom.N, "cost_a": cost, "psi": psi.rates, "phi": phi.rates}
-    )
-    levels = pd.DataFrame({"keys_changed": list(plan.by_level), "records": plan.by_level.values()})
-    z = pd.DataFrame(mom.labels, columns=["variable", "domain", "category"])
-    moments = pd.concat(
-        [
-            z.assign(stratum=h, N=mom.N[i], sum_nu=mom.V[i], S2_nu=mom.S2_nu[i])
-            for i, h in enumerate(mom.strata)
-        ],
-        ignore_index=True,
-    )
-    z["theta"] = mom.theta
-    z["original_total"] = sums.truth
-    z["original_se"] = np.sqrt(sums.sampling_var)
     return {
         "partial": "Steps I-III (risk strata, donors, moments, the original's totals and SEs, "
         "disclosure costs, psi of eq. 9, substitution, phi of eq. 10, subsampling, delta and "
@@ -521,7 +508,7 @@ def _massc_stage(
         "not built",
         "n_with_donor": n_has,
         "n_profiles": plan.n_profiles,
-        "strata": {h: int(n) for h, n in zip(mom.strata, mom.N, strict=True)},
+        "strata": {h: int(n) for h, n in zip(labels, mom.N, strict=True)},
         "psi": {h: float(p) for h, p in zip(labels, psi.rates, strict=True)},
         "psi_method": psi.method,
         "phi": {h: float(p) for h, p in zip(labels, phi.rates, strict=True)},
@@ -534,14 +521,7 @@ def _massc_stage(
         "budget_scale": cfg.budget_scale,
         "files": [Path(f).name for f in files],
         **laps,
-        "tables": {
-            "donor_levels": levels,
-            "moments": moments,
-            "totals": z,
-            "rates": rates,
-            "delta": dm.by_appearance,
-            "epsilon_formula": il,
-        },
+        "tables": part.massc_tables(plan, sums, rplan, tr, dm, il),
     }
 
 
@@ -559,7 +539,8 @@ def run_partitioned(
     workers: int = 2,
 ) -> dict[str, Any]:
     """The spec's release stages that have a partitioned path, in release order, each on the
-    previous one's partitions (the swap, then PRB); stops before the first stage that has
+    previous one's partitions (the swap, PRB, then MASSC as far as it is built: it stops in
+    MASSC before the calibration, "stopped_in"); stops before the first stage that has
     none, and says which. First it scans the input as `puf scan` does (scan/: its edit rules,
     which stop the run when one fails, the risk stage's metrics, its SEs). out (default
     partitioned_folder) gets, per stage, <stage>/data/part-<first record>.parquet (the records

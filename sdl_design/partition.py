@@ -1905,3 +1905,48 @@ def massc_loss(
     il = information_loss(tr.moments, plan.psi.rates, tr.phi.rates, sums.truth, sums.sampling_var)
     eps = float(np.nanmax(il["rrmse"])) if il["rrmse"].notna().any() else float("nan")
     return il, eps
+
+
+def massc_tables(
+    donors: DonorPlan,
+    sums: PlanSums,
+    plan: RatesPlan,
+    tr: PartitionedTreatment,
+    dm: PartitionedDelta,
+    loss: pd.DataFrame,
+) -> dict[str, pd.DataFrame]:
+    """The tables of MASSC by partition: donors by keys changed, the moments of eq. 8a by
+    stratum, the study totals (theta_z after the earlier stages, the original's with its
+    Taylor SE), the rates by stratum, delta by appearance, the information loss."""
+    mom = sums.moments
+    levels = pd.DataFrame(
+        {"keys_changed": list(donors.by_level), "records": list(donors.by_level.values())}
+    )
+    z = pd.DataFrame(mom.labels, columns=["variable", "domain", "category"])
+    moments = pd.concat(
+        [
+            z.assign(stratum=h, N=mom.N[i], sum_nu=mom.V[i], S2_nu=mom.S2_nu[i])
+            for i, h in enumerate(mom.strata)
+        ],
+        ignore_index=True,
+    )
+    z["theta"] = mom.theta
+    z["original_total"] = sums.truth
+    z["original_se"] = np.sqrt(sums.sampling_var)
+    rates = pd.DataFrame(
+        {
+            "stratum": mom.strata,
+            "N": mom.N,
+            "cost_a": plan.cost,
+            "psi": plan.psi.rates,
+            "phi": tr.phi.rates,
+        }
+    )
+    return {
+        "donor_levels": levels,
+        "moments": moments,
+        "totals": z,
+        "rates": rates,
+        "delta": dm.by_appearance,
+        "epsilon_formula": loss,
+    }
