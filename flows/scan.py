@@ -528,6 +528,9 @@ def _massc_stage(
 # the release stages that have a partitioned path (sdl_design.partition's map and reduce);
 # a partial one (its result says "partial") runs as far as it is built and the chain stops
 PARTITIONED = {"swap": _swap_stage, "prb": _prb_stage, "massc": _massc_stage}
+# what a stage's partitioned path refuses in a spec, checked before anything runs
+# (PartitionError naming the field): (spec, input columns) -> None
+PARTITIONED_CHECKS = {"massc": part.massc_request}
 
 
 def run_partitioned(
@@ -556,6 +559,13 @@ def run_partitioned(
     spec, columns, parts = _partitioned_input(spec_path, runner, partitions, "partitioned")
     folder = Path(out) if out else partitioned_folder(spec)
     stages = [s for s in (c.from_spec(spec) for c in RELEASE_STAGES) if s is not None]
+    for stage in stages:  # a spec the chain would refuse later is refused now, in full
+        check = PARTITIONED_CHECKS.get(stage.name)
+        try:
+            if check is not None:
+                check(spec, columns)
+        except part.PartitionError as e:
+            raise SpecError([str(e)]) from e
     t0 = time.perf_counter()
 
     def fill(tmp: Path) -> dict[str, Any]:

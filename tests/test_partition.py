@@ -713,3 +713,19 @@ def test_advanced_generator_draws_the_stages_doubles_from_the_kth_on():
     whole = rng.random(1000)
     for k in (0, 1, 17, 999):
         assert P.advanced(state, k).random(1000 - k).tobytes() == whole[k:].tobytes()
+
+
+def test_puf_partitioned_names_the_field_of_massc_substrata(clean, tmp_path, capsys):
+    """k-means substrata need a stratum's records in one process: refused before anything runs
+    (no scan, no swap), with the field and the fix (exit 2), nothing written."""
+    path, _, _ = clean
+    data = yaml.safe_load(path.read_text())
+    data["stages"]["massc"]["substrata"] = {"variables": ["income"], "k": 2}
+    new = path.parent / "substrata.yaml"
+    new.write_text(yaml.safe_dump(data))
+    out = tmp_path / "run"
+    assert puf(["partitioned", str(new), "--partitions", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "stages.massc.substrata: k-means substrata" in err
+    assert "pass 1" not in err  # refused before the scan
+    assert not out.exists()
