@@ -38,10 +38,21 @@ class Exchange:
     receive(part_i, [reply j->i for every j], *args) the result, returned in partition order."""
 
     def __init__(self, map_fn: Mapper, exchange_fn: Callable[..., list]):
-        self._map, self.exchange = map_fn, exchange_fn
+        self._map, self._exchange = map_fn, exchange_fn
 
     def __call__(self, fn: Callable, parts: Sequence, *args: Any, what: str) -> list:
         return self._map(fn, parts, *args, what=what)
+
+    def exchange(
+        self,
+        send: Callable,
+        serve: Callable,
+        receive: Callable,
+        parts: Sequence,
+        *args: Any,
+        what: str,
+    ) -> list:
+        return self._exchange((send, serve, receive), parts, args, what)
 
 
 def _say(text: str, command: str = "scan") -> None:
@@ -66,14 +77,8 @@ def _mapper(
                 )
             return out
 
-        def local_exchange(
-            send: Callable,
-            serve: Callable,
-            receive: Callable,
-            parts: Sequence,
-            *args: Any,
-            what: str,
-        ) -> list:
+        def local_exchange(fns: tuple, parts: Sequence, args: tuple, what: str) -> list:
+            send, serve, receive = fns
             sent = local(send, parts, *args, what=f"{what}, requests")
             served = [serve(p, [s[j] for s in sent], *args) for j, p in enumerate(parts)]
             _say(f"{what}: served {len(parts)} partitions", command)
@@ -110,16 +115,10 @@ def _mapper(
                 _say(f"{what}: {done}/{len(parts)} partitions", command)
             return client.gather(futures)  # in partition order
 
-        def dask_exchange(
-            send: Callable,
-            serve: Callable,
-            receive: Callable,
-            parts: Sequence,
-            *args: Any,
-            what: str,
-        ) -> list:
+        def dask_exchange(fns: tuple, parts: Sequence, args: tuple, what: str) -> list:
             from operator import getitem
 
+            send, serve, receive = fns
             shared = [client.scatter(a, broadcast=True, hash=False) for a in args]
             n = len(parts)
             sent = [client.submit(send, p, *shared, pure=False) for p in parts]
@@ -427,10 +426,11 @@ def _massc_stage(
     labels = part.massc_strata_labels(profiles, req)
     zvars = part.massc_study_variables(profiles, req)
     scores = part.profile_scores(profiles, req.sensitive) if req.sensitive else np.zeros(0)
-    args = (spec, req, chain.inputs, profiles, chain.psus, zvars, labels, scores)
+    m = part.MasscInputs(spec, req, chain.inputs, profiles, labels)
     partials = run_map(
-        part.moments_pass, parts, *args, str(folder / "donors"), what="massc moments"
-    )
+        part.moments_pass, parts, m, chain.psus, zvars, scores, str(folder / "donors"),
+        what="massc moments",
+    )  # fmt: skip
     sums = part.combine_moments(partials, zvars, labels, chain.psus, parts[-1].stop)
     t = _lap(laps, "moments", t)
     psi, cost = part.massc_psi(spec, columns, sums)
@@ -445,10 +445,7 @@ def _massc_stage(
     # while delta is above gates.delta_max, meet_delta's revisions (revise_rates)
     cfg = massc_config(spec, pd.DataFrame(columns=list(columns)))
     n_rows, n_parts = parts[-1].stop, len(parts)
-    groups = part.select_groups(
-        run_map(part.select_pass1, parts, spec, req, chain.inputs, profiles, labels, what="groups")
-    )
-    sel_args = (spec, req, chain.inputs, profiles, labels)
+    groups = part.select_groups(run_map(part.select_pass1, parts, m, what="groups"))
     donors = str(folder / "donors")
     chosen = (str(folder / "select_psi"), str(folder / "select_phi"))
 
@@ -457,7 +454,7 @@ def _massc_stage(
         Path(where).mkdir(exist_ok=True)
         receive = partial(part.select_receive, folder=where)
         got = run_map.exchange(
-            part.select_send, part.select_serve, receive, parts, *sel_args, sel_plan,
+            part.select_send, part.select_serve, receive, parts, m, sel_plan,
             what=f"massc selection ({Path(where).name})",
         )  # fmt: skip
         return sum(got)
@@ -465,9 +462,8 @@ def _massc_stage(
     def treat(p: part.RatesPlan, c) -> part.PartitionedTreatment:
         select(p.psi.rates, chosen[0])
         treated = run_map(
-            part.treated_pass, parts, spec, req, chain.inputs, profiles, zvars, labels, donors,
-            chosen[0], what="massc moments of z*",
-        )  # fmt: skip
+            part.treated_pass, parts, m, zvars, donors, chosen[0], what="massc moments of z*"
+        )
         phi, mom_t, n_sub = part.massc_phi(c, treated, zvars, p.moments, p.cost, n_rows)
         return part.PartitionedTreatment(phi, n_sub, select(phi.rates, chosen[1]), mom_t)
 
@@ -477,8 +473,8 @@ def _massc_stage(
         )
         s2 = part.profile_scores(b2, req.sensitive) if req.sensitive else np.zeros(0)
         got = run_map(
-            part.delta_pass2, parts, spec, req, chain.inputs, profiles, scores, b2, s2,
-            cfg.risk_basis, donors, chosen, what="massc delta",
+            part.delta_pass2, parts, m, scores, b2, s2, cfg.risk_basis, donors, chosen,
+            what="massc delta",
         )  # fmt: skip
         return part.combine_delta(got, n_rows)
 

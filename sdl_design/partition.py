@@ -1392,18 +1392,28 @@ def _cost_terms(data: dict[str, Any], zvars: StudyVariables, n_h: int, n_psu: in
 _TERMS = (_plan_terms, _original_terms, _cost_terms)
 
 
+@dataclass(frozen=True)
+class MasscInputs:
+    """What MASSC's passes read besides their partition: the spec, its MASSC request, the
+    release input's partitions (the original records), the scan's key-profile table and the
+    MASSC strata labels (massc_strata_labels)."""
+
+    spec: ReleaseSpec
+    req: MasscRequest
+    inputs: Sequence[Partition]
+    profiles: pd.DataFrame
+    labels: list[str]
+
+
 def _original_rows(
     part: Partition,
-    spec: ReleaseSpec,
-    req: MasscRequest,
-    inputs: Sequence[Partition],
-    profiles: pd.DataFrame,
-    labels: list[str],
+    m: MasscInputs,
     columns: Sequence[str] = (),
 ) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
     """B(0): the input's records of the partition (its keys and `columns`), each record's
     MASSC stratum (0..len(labels)-1: the risk stratum of its original key profile, merged) and
     the row of that profile in the scan's table."""
+    spec, req, inputs, profiles, labels = m.spec, m.req, m.inputs, m.profiles, m.labels
     (original,) = [p for p in inputs if p.start == part.start]
     keys = [k.name for k in req.keys]
     b0 = read_partition(original, list(dict.fromkeys([*keys, *columns])), spec)
@@ -1455,13 +1465,9 @@ def _partial_sums(
 
 def moments_pass(
     part: Partition,
-    spec: ReleaseSpec,
-    req: MasscRequest,
-    inputs: Sequence[Partition],
-    profiles: pd.DataFrame,
+    m: MasscInputs,
     psus: pd.DataFrame,
     zvars: StudyVariables,
-    labels: list[str],
     scores: np.ndarray,
     donors: str,
 ) -> MomentsPartial:
@@ -1471,13 +1477,12 @@ def moments_pass(
     totals from the input's partition holding the same records (psus: the original design's
     PSUs, (stratum, psu) sorted, as SurveyDesign codes them); the stratum sums of r_k / F_k
     (scores: the profiles' GenMASSC scores, profile_scores)."""
+    spec, req, profiles, labels = m.spec, m.req, m.profiles, m.labels
     keys = [k.name for k in req.keys]
     df = read_partition(part, list(dict.fromkeys([req.weight, *req.study, *keys])), spec)
     tilde = _tilde(part, spec, req, donors, df.index)
     design = [c for c in (req.strata, req.psu) if c]
-    b0, h, at = _original_rows(
-        part, spec, req, inputs, profiles, labels, [req.weight, *req.study, *design]
-    )
+    b0, h, at = _original_rows(part, m, [req.weight, *req.study, *design])
     F = profiles["count"].to_numpy()[at]
     r = scores[at] if req.sensitive else 1.0  # GenMASSC scores of the original records
     pairs = pd.MultiIndex.from_arrays(
@@ -1584,31 +1589,18 @@ def _group_values(df: pd.DataFrame, h: np.ndarray, req: MasscRequest) -> pd.Data
     return pd.DataFrame({"h": h})
 
 
-def _selection_records(
-    part: Partition,
-    spec: ReleaseSpec,
-    req: MasscRequest,
-    inputs: Sequence[Partition],
-    profiles: pd.DataFrame,
-    labels: list[str],
-) -> tuple[pd.DataFrame, np.ndarray]:
+def _selection_records(part: Partition, m: MasscInputs) -> tuple[pd.DataFrame, np.ndarray]:
     """The partition's selection group values and MASSC strata."""
+    spec, req = m.spec, m.req
     nest = [c for c in (req.strata, req.psu) if c] if req.strata and req.psu else []
     df = read_partition(part, nest or [req.weight], spec)
-    _, h, _ = _original_rows(part, spec, req, inputs, profiles, labels)
+    _, h, _ = _original_rows(part, m)
     return _group_values(df, h, req), h
 
 
-def select_pass1(
-    part: Partition,
-    spec: ReleaseSpec,
-    req: MasscRequest,
-    inputs: Sequence[Partition],
-    profiles: pd.DataFrame,
-    labels: list[str],
-) -> pd.DataFrame:
+def select_pass1(part: Partition, m: MasscInputs) -> pd.DataFrame:
     """The partition's distinct selection groups with their first record (global row)."""
-    values, _ = _selection_records(part, spec, req, inputs, profiles, labels)
+    values, _ = _selection_records(part, m)
     code = values.groupby(list(values.columns), sort=False, dropna=False).ngroup().to_numpy()
     first = first_of(code, int(code.max()) + 1 if len(code) else 0)
     return values.iloc[first].reset_index(drop=True).assign(first=part.start + first)
@@ -1652,18 +1644,10 @@ def select_plan(
     return SelectPlan(groups, np.asarray(rates, dtype=float), state, start_u, n_parts)
 
 
-def select_send(
-    part: Partition,
-    spec: ReleaseSpec,
-    req: MasscRequest,
-    inputs: Sequence[Partition],
-    profiles: pd.DataFrame,
-    labels: list[str],
-    plan: SelectPlan,
-) -> list[dict[str, np.ndarray]]:
+def select_send(part: Partition, m: MasscInputs, plan: SelectPlan) -> list[dict[str, np.ndarray]]:
     """Each record's group, uniform (select's, in record order) and rate, sent to the
     partition that selects within its group."""
-    values, h = _selection_records(part, spec, req, inputs, profiles, labels)
+    values, h = _selection_records(part, m)
     g = _lookup(values, plan.groups, "selection group")
     u = advanced(plan.state, part.start).random(len(h))  # select's uniforms of these records
     pi = plan.rates[h]
@@ -1678,14 +1662,7 @@ def select_send(
 
 
 def select_serve(
-    part: Partition,
-    requests: Sequence[dict[str, np.ndarray]],
-    spec: ReleaseSpec,
-    req: MasscRequest,
-    inputs: Sequence[Partition],
-    profiles: pd.DataFrame,
-    labels: list[str],
-    plan: SelectPlan,
+    part: Partition, requests: Sequence[dict[str, np.ndarray]], m: MasscInputs, plan: SelectPlan
 ) -> list[dict[str, np.ndarray]]:
     """The systematic selection within the groups this partition owns: their records sorted
     by group, uniform and record (select's order), the hits sent back to each partition."""
@@ -1704,11 +1681,7 @@ def select_serve(
 def select_receive(
     part: Partition,
     replies: Sequence[dict[str, np.ndarray]],
-    spec: ReleaseSpec,
-    req: MasscRequest,
-    inputs: Sequence[Partition],
-    profiles: pd.DataFrame,
-    labels: list[str],
+    m: MasscInputs,
     plan: SelectPlan,
     folder: str,
 ) -> int:
@@ -1734,21 +1707,18 @@ def _treated_terms(data: dict[str, Any], zvars: StudyVariables, n_h: int, n_psu:
 
 def treated_pass(
     part: Partition,
-    spec: ReleaseSpec,
-    req: MasscRequest,
-    inputs: Sequence[Partition],
-    profiles: pd.DataFrame,
+    m: MasscInputs,
     zvars: StudyVariables,
-    labels: list[str],
     donors: str,
     selected: str,
 ) -> MomentsPartial:
     """The moments of z* on one partition (massc_treat's): d(1) = selected and with a donor
     (selected: select_receive's folder)."""
+    spec, req, labels = m.spec, m.req, m.labels
     keys = [k.name for k in req.keys]
     df = read_partition(part, list(dict.fromkeys([req.weight, *req.study, *keys])), spec)
     tilde = _tilde(part, spec, req, donors, df.index)
-    _, h, _ = _original_rows(part, spec, req, inputs, profiles, labels)
+    _, h, _ = _original_rows(part, m)
     d1 = _selected(part, selected) & (tilde["__donor"].to_numpy() >= 0)
     bundle = {"p": ZParts.of(df, tilde, zvars), "h": h, "w": df[req.weight].to_numpy(float)}
     bundle["d1"] = d1
@@ -1842,10 +1812,7 @@ def _delta_terms(data: dict[str, Any], zvars: StudyVariables, n_h: int, n_psu: i
 
 def delta_pass2(
     part: Partition,
-    spec: ReleaseSpec,
-    req: MasscRequest,
-    inputs: Sequence[Partition],
-    profiles: pd.DataFrame,
+    m: MasscInputs,
     scores: np.ndarray,
     treated: pd.DataFrame,
     treated_scores: np.ndarray,
@@ -1857,6 +1824,7 @@ def delta_pass2(
     appearance class (0: the original profile is absent from B(2); 1-4: u, d, t, o), and the
     records of each class (treated: combine_profiles of delta_pass1's tables; scores, and
     treated_scores: the GenMASSC scores of the original's and of B(2)'s profiles)."""
+    spec, req, inputs, profiles = m.spec, m.req, m.inputs, m.profiles
     b1, d1, d2 = _treated_records(part, spec, req, donors, selected)
     (original,) = [p for p in inputs if p.start == part.start]
     b0 = read_partition(original, [k.name for k in req.keys], spec)
