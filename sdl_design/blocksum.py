@@ -95,16 +95,11 @@ class BlockBins:
         )
 
 
-def block_partial(
-    codes: np.ndarray,
-    x: np.ndarray | None,
-    n_groups: int,
-    start: int,
-    stop: int,
-    rows: np.ndarray,
-) -> BlockPartial | BlockBins:
-    """The BlockPartial of the partition holding records start..stop-1 (rows: the global
-    rows of its terms, ascending); x None: its BlockBins, for several columns of terms."""
+def block_bins(
+    codes: np.ndarray, n_groups: int, start: int, stop: int, rows: np.ndarray
+) -> BlockBins:
+    """The block layout of the terms of the partition holding records start..stop-1 (rows:
+    the global rows of its terms, ascending), for the BlockPartials of several columns."""
     codes = np.asarray(codes, dtype=np.int64)
     rows = np.asarray(rows, dtype=np.int64)
     cont = start >> BITS if start % BLOCK else -1
@@ -113,8 +108,14 @@ def block_partial(
     k = max(0, last - first + 1)
     split = int(np.searchsorted(rows, first << BITS)) if cont >= 0 else 0
     coded = ((rows[split:] >> BITS) - first) * n_groups + codes[split:]
-    bins = BlockBins(first, k, n_groups, split, cont, coded, codes[:split].copy())
-    return bins if x is None else bins.of(x)
+    return BlockBins(first, k, n_groups, split, cont, coded, codes[:split].copy())
+
+
+def block_partial(
+    codes: np.ndarray, x: np.ndarray, n_groups: int, start: int, stop: int, rows: np.ndarray
+) -> BlockPartial:
+    """The BlockPartial of the terms x of the partition holding records start..stop-1."""
+    return block_bins(codes, n_groups, start, stop, rows).of(x)
 
 
 class BlockAccumulator:

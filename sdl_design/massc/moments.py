@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from sdl_design.blocksum import BlockPartial, block_codes, block_partial, group_sum, n_blocks
+from sdl_design.blocksum import BlockPartial, block_bins, block_codes, group_sum, n_blocks
 from sdl_design.design import SurveyDesign
 from sdl_design.keys import key_frame, key_levels
 from sdl_design.massc.common import KeyLike, MasscError, _key_specs
@@ -193,7 +193,7 @@ class _Bins:
         if self._at != start:  # once for every study variable summed in these bins
             rows = start + (np.arange(self.n) if self.mask is None else self._rows())
             self._at = start
-            self._part = block_partial(self.codes, None, self.m, start, start + self.n, rows)
+            self._part = block_bins(self.codes, self.m, start, start + self.n, rows)
         return self._part.of(x)
 
 
@@ -247,10 +247,8 @@ class ZParts:
 
     def take(self, rows: slice | np.ndarray) -> ZParts:
         """The parts of the records `rows`."""
-        return ZParts(*({k: v[rows] for k, v in part.items()} for part in self._parts()))
-
-    def _parts(self) -> tuple[dict[str, np.ndarray], ...]:
-        return self.y0, self.d0, self.y1, self.d1
+        parts = (self.y0, self.d0, self.y1, self.d1)
+        return ZParts(*({k: v[rows] for k, v in part.items()} for part in parts))
 
     def treated(
         self, substituted: np.ndarray, rows: np.ndarray
