@@ -58,6 +58,25 @@ def group_sum(
     return _in_order(per.reshape(nb, n_groups))
 
 
+def group_sums(
+    codes: np.ndarray, X: np.ndarray, n_groups: int, n_rows: int | None = None
+) -> np.ndarray:
+    """group_sum of each column of X (n, k) by the codes of its n records (rows 0..n-1):
+    (n_groups, k), the block codes made once."""
+    n = len(codes) if n_rows is None else n_rows
+    X = np.asarray(X, dtype=float)
+    out = np.empty((n_groups, X.shape[1]))
+    if n_blocks(n) == 1:
+        c = np.asarray(codes, dtype=np.intp)
+        for j in range(X.shape[1]):
+            out[:, j] = np.bincount(c, weights=X[:, j], minlength=n_groups)
+        return out
+    bc = block_codes(codes, None, n_groups)
+    for j in range(X.shape[1]):
+        out[:, j] = group_sum(codes, X[:, j], n_groups, n, coded=bc)
+    return out
+
+
 @dataclass
 class BlockPartial:
     """One partition's part of a group_sum: the sums of the blocks that start in it, and the

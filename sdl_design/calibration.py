@@ -27,7 +27,8 @@ import scipy.linalg.lapack
 import scipy.sparse
 from scipy.optimize import linprog
 
-from sdl_design.design import dense_codes, first_of, sparse_times
+from sdl_design.blocksum import group_sum, group_sums
+from sdl_design.design import dense_codes, first_of
 from sdl_design.keys import MISSING, key_frame
 from sdl_design.spec import KeySpec
 
@@ -145,11 +146,10 @@ class _Design:
         """Profile sums of weights (n,) or (n, R) when solving on profiles; else w itself."""
         if not self.on_profiles:
             return w
-        K = self.Xc.shape[0]  # sums in record order, as the indicator matrix's product adds
+        K = self.Xc.shape[0]  # block sums in record order (sdl_design.blocksum)
         if w.ndim == 1:
-            return np.bincount(self.inverse, weights=w, minlength=K)
-        cols = [np.bincount(self.inverse, weights=w[:, j], minlength=K) for j in range(w.shape[1])]
-        return np.column_stack(cols) if cols else np.zeros((K, 0))
+            return group_sum(self.inverse, w, K, len(self.inverse))
+        return group_sums(self.inverse, w, K)
 
     def expand(self, g: np.ndarray) -> np.ndarray:
         return g[self.inverse] if self.on_profiles else g
@@ -264,19 +264,35 @@ def _design(df: pd.DataFrame, totals: Mapping[str, Any]) -> _Design:
             return_index=True,
             return_inverse=True,
         )
-    K = len(first)
-    offsets = np.cumsum([0, *sizes[:-1]])
-    cols = np.stack([o + code[first] for o, code in zip(offsets, codes, strict=True)], axis=1)
-    if not nums and len(labels) > _SPARSE_AT:  # many categories: X as CSR (profiles x p)
-        rows = np.repeat(np.arange(K), len(codes))
-        Xc = scipy.sparse.csr_matrix(
-            (np.ones(rows.size), (rows, cols.ravel())), shape=(K, len(labels))
-        )
-    else:
-        Xc = np.zeros((K, len(labels)))
-        for j in range(len(codes)):
-            Xc[np.arange(K), cols[:, j]] = 1.0
+    Xc = _profile_matrix(np.stack([code[first] for code in codes], axis=1), sizes, not nums)
     return _Design(Xc, inverse.ravel().astype(np.intp), Z, labels + nlabels, margins)
+
+
+def _profile_matrix(
+    codes: np.ndarray, sizes: Sequence[int], may_be_sparse: bool
+) -> np.ndarray | scipy.sparse.csr_matrix:
+    """Xc of the profiles (codes: profiles x margins, each margin's category code): one column
+    per category of each margin, one 1 per margin and profile; CSR when there are many."""
+    K, p = len(codes), int(sum(sizes))
+    offsets = np.cumsum([0, *sizes[:-1]])
+    cols = codes.astype(np.intp) + offsets.astype(np.intp)
+    if may_be_sparse and p > _SPARSE_AT:  # many categories: X as CSR (profiles x p)
+        rows = np.repeat(np.arange(K), codes.shape[1])
+        return scipy.sparse.csr_matrix((np.ones(rows.size), (rows, cols.ravel())), shape=(K, p))
+    Xc = np.zeros((K, p))
+    for j in range(codes.shape[1]):
+        Xc[np.arange(K), cols[:, j]] = 1.0
+    return Xc
+
+
+def profile_design(codes: np.ndarray, margins: Mapping[str, list[Any]]) -> _Design:
+    """The design of categorical controls from their distinct profiles alone (codes: profiles x
+    margins, in the order of margins: {column: categories}, codes into them): the design
+    _design builds from records whose profiles these are, for solving on profile sums."""
+    sizes = [len(c) for c in margins.values()]
+    labels = [(col, c) for col, cats in margins.items() for c in cats]
+    Xc = _profile_matrix(np.asarray(codes).reshape(len(codes), len(sizes)), sizes, True)
+    return _Design(Xc, np.zeros(0, dtype=np.intp), np.zeros((0, 0)), labels, dict(margins))
 
 
 # ---------------------------------------------------------------- distance functions
@@ -558,13 +574,11 @@ def control_totals(
             parts.append((k.name, s.to_numpy(dtype=float), None))
         else:
             code, cats = _margin_codes(s)
-            S = scipy.sparse.csr_matrix(
-                (np.ones(len(code)), (code, np.arange(len(code)))), shape=(len(cats), len(code))
-            )
-            parts.append((k.name, S, cats))
-    # the weights a block of columns at a time (no copy of all replicates); every sum in
-    # record order, as one product over all of them gives it. A numeric total (a BLAS product,
-    # whose summation may depend on the shape) reads them all at once.
+            parts.append((k.name, code, cats))
+    # the weights a block of columns at a time (no copy of all replicates); a category's sums
+    # are block sums in record order (sdl_design.blocksum: the same bits by partition). A
+    # numeric total (a BLAS product, whose summation may depend on the shape) reads them all
+    # at once.
     block = len(wcols) if any(cats is None for _, _, cats in parts) else 16
     for a in range(0, len(wcols), block):
         W = df[wcols[a : a + block]].to_numpy(dtype=float)
@@ -574,7 +588,7 @@ def control_totals(
                 for i in range(W.shape[1]):
                     out[a + i][name] = float(v[i])
             else:
-                sums = sparse_times(x, W)  # (categories, weights)
+                sums = group_sums(x, W, len(cats))  # (categories, weights)
                 for i in range(W.shape[1]):
                     out[a + i][name] = {c: float(v) for c, v in zip(cats, sums[:, i], strict=True)}
     return out if many else out[0]
@@ -640,30 +654,44 @@ def calibrate_replicates(
             raise CalibrationError(f"replicate weights {cols} have missing or infinite values")
         Wp = d.aggregate(W)
         for i, c in enumerate(cols):
-            T = d.target(per[start + i])
-            wp = Wp[:, i]
-            g, why = _solve(d, wp, T, method, bounds, warm)
-            status, used = "ok", bounds
-            if g is None:
-                g, status, used = _fallback(d, wp, T, method, bounds, policy)
-                if g is None:
-                    raise CalibrationInfeasible(
-                        f"replicate '{c}' cannot be calibrated ({method}): {why}; the "
-                        f"'{policy}' policy did not help either"
-                    )
-            nz = wp != 0
-            rows.append(
-                {
-                    "replicate": c,
-                    "status": status,
-                    "lower": used[0] if used else np.nan,
-                    "upper": used[1] if used else np.nan,
-                    "g_min": float(g[nz].min()) if nz.any() else np.nan,
-                    "g_max": float(g[nz].max()) if nz.any() else np.nan,
-                }
-            )
+            g, row = replicate_factors(d, Wp[:, i], per[start + i], c, method, bounds, policy, warm)
+            rows.append(row)
             np.multiply(W[:, i], d.expand(g), out=out[start + i])
     return pd.DataFrame(out.T, index=df.index, columns=reps, copy=False), pd.DataFrame(rows)
+
+
+def replicate_factors(
+    d: _Design,
+    wp: np.ndarray,
+    totals: Mapping[str, Any],
+    name: str,
+    method: str,
+    bounds: tuple[float, float] | None,
+    policy: str,
+    warm: dict,
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """The factors g of one replicate weight (wp: its sums on d's rows, profiles or records)
+    calibrated to its totals, by the policy when infeasible, and its report row (warm: Newton's
+    start, the previous replicate's multipliers, updated)."""
+    T = d.target(totals)
+    g, why = _solve(d, wp, T, method, bounds, warm)
+    status, used = "ok", bounds
+    if g is None:
+        g, status, used = _fallback(d, wp, T, method, bounds, policy)
+        if g is None:
+            raise CalibrationInfeasible(
+                f"replicate '{name}' cannot be calibrated ({method}): {why}; the "
+                f"'{policy}' policy did not help either"
+            )
+    nz = wp != 0
+    return g, {
+        "replicate": name,
+        "status": status,
+        "lower": used[0] if used else np.nan,
+        "upper": used[1] if used else np.nan,
+        "g_min": float(g[nz].min()) if nz.any() else np.nan,
+        "g_max": float(g[nz].max()) if nz.any() else np.nan,
+    }
 
 
 def _union_totals(per: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

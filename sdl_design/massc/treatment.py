@@ -11,7 +11,7 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from sdl_design.blocksum import group_sum
+from sdl_design.blocksum import block_codes, group_sum
 from sdl_design.design import SurveyDesign, block_view, first_of
 from sdl_design.keys import key_categorical, key_frame, key_levels
 from sdl_design.massc.common import KeyLike, MasscError, _codes, _combine, _key_specs
@@ -577,7 +577,7 @@ class OriginalMargins:
                 code,
                 first,
                 np.bincount(code, minlength=m),
-                np.bincount(code, weights=w, minlength=m),
+                group_sum(code, w, m, n),
                 None,
                 self.replicates,
             )
@@ -661,7 +661,7 @@ def _domain_cells_both(
             both.iloc[first],
             cell[:n2],
             n_c,
-            np.bincount(co, weights=w_o, minlength=n_c),
+            group_sum(co, w_o, n_c, len(co)),
             np.bincount(co, minlength=n_c) > 0,
             lambda: co,
             lambda reps: _cell_sums(
@@ -728,7 +728,7 @@ class _Margin:
             has[self.lab] = self.in_o
         else:
             c = self.codes_o()
-            t = np.bincount(c, weights=w_o, minlength=k)
+            t = group_sum(c, w_o, k, len(c))
             has = np.bincount(c, minlength=k) > 0
         return {self.cats[j]: float(t[j]) for j in np.flatnonzero(has)}
 
@@ -794,54 +794,76 @@ def _domain_margins(
         A_all = _cell_sums([c.cb for c in cells], sizes, reader, list(replicates))
         B_all = [c.t_rep(original_replicates) for c in cells]
     for i, (dom, dc) in enumerate(zip(domains, cells, strict=True)):
-        specs = _key_specs(dom)
-        cb, n_c, t_o = dc.cb, dc.n_c, dc.t_o
-        n_b = np.bincount(cb, minlength=n_c)
-        ok = (n_b >= min_records) & (t_o > 0)
-        if replicates:
-            A, B = A_all[i], B_all[i]
-            ok &= ((A > 0) == (B > 0)).all(axis=1)
-        kf = key_frame(dc.at_first, specs).astype(str)
-        names = kf.iloc[:, 0].to_numpy(dtype=object)
-        for c in kf.columns[1:]:
-            names = names + " | " + kf[c].to_numpy(dtype=object)
-        target = np.arange(n_c)
-        pooled = ~ok
-        status = "kept"
-        if not ok.any():
-            rows.append(_margin_row(dom, n_c, 0, 1.0, "dropped: no cell can be calibrated"))
+        n_b = np.bincount(dc.cb, minlength=dc.n_c)
+        reps_i = (A_all[i], B_all[i]) if replicates else None
+        lab, cats, row = cell_labels(dom, dc.at_first, n_b, dc.t_o, reps_i, min_records)
+        rows.append(row)
+        if lab is None:
             continue
-        if pooled.any():
-            label_p = n_c  # the pooled cell
-            fine = n_b[pooled].sum() >= min_records and t_o[pooled].sum() > 0
-            if replicates:
-                fine &= bool(((A[pooled].sum(0) > 0) == (B[pooled].sum(0) > 0)).all())
-            if fine:
-                names = np.append(names, "(pooled)")
-                target[pooled] = label_p
-                status = f"{int(pooled.sum())} cells pooled"
-            else:
-                big = int(np.flatnonzero(ok)[np.argmax(n_b[ok])])
-                target[pooled] = big
-                status = f"{int(pooled.sum())} cells merged into {names[big]}"
-        # categorical labels (a string per record would cost more than the calibration):
-        # categories in sorted order, as a sorted factorization of the labels gives them
-        nc, uniq = pd.factorize(names, sort=True)
-        cats = pd.Index(uniq, dtype=object)
-        lab = nc[target]  # label of each cell
         out[margin_name(dom)] = _Margin(
-            pd.Categorical.from_codes(lab[cb], categories=cats),
+            pd.Categorical.from_codes(lab[dc.cb], categories=cats),
             cats,
             lambda lab=lab, co=dc.co: lab[co()],
-            len(np.unique(lab)) == n_c,
-            t_o,
+            len(np.unique(lab)) == dc.n_c,
+            dc.t_o,
             dc.in_o,
             lab,
         )
-        share = float(t_o[pooled].sum() / t_o.sum()) if t_o.sum() > 0 else 0.0
-        rows.append(_margin_row(dom, n_c, int(ok.sum()), share, status))
     table = pd.DataFrame(rows, columns=["domain", "cells", "cells_kept", "pooled_share", "status"])
     return out, table
+
+
+def cell_labels(
+    dom: Sequence[KeyLike],
+    at_first: pd.DataFrame,
+    n_b: np.ndarray,
+    t_o: np.ndarray,
+    reps: tuple[np.ndarray, np.ndarray] | None,
+    min_records: int,
+) -> tuple[np.ndarray | None, pd.Index, tuple]:
+    """A declared domain's calibration labels from its cells' sums (domain_margins' rule):
+    each cell's label code (None: the domain is dropped), the labels (sorted names) and its
+    table row. at_first: the first record of each cell (its name), n_b: retained records,
+    t_o: original weight totals, reps: the cells' replicate totals on b2 and on the original
+    (replicate calibration), each (cells, replicates)."""
+    specs = _key_specs(dom)
+    n_c = len(n_b)
+    ok = (n_b >= min_records) & (t_o > 0)
+    if reps is not None:
+        A, B = reps
+        ok &= ((A > 0) == (B > 0)).all(axis=1)
+    kf = key_frame(at_first, specs).astype(str)
+    names = kf.iloc[:, 0].to_numpy(dtype=object)
+    for c in kf.columns[1:]:
+        names = names + " | " + kf[c].to_numpy(dtype=object)
+    target = np.arange(n_c)
+    pooled = ~ok
+    status = "kept"
+    if not ok.any():
+        return (
+            None,
+            pd.Index([]),
+            _margin_row(dom, n_c, 0, 1.0, "dropped: no cell can be calibrated"),
+        )
+    if pooled.any():
+        label_p = n_c  # the pooled cell
+        fine = n_b[pooled].sum() >= min_records and t_o[pooled].sum() > 0
+        if reps is not None:
+            fine &= bool(((A[pooled].sum(0) > 0) == (B[pooled].sum(0) > 0)).all())
+        if fine:
+            names = np.append(names, "(pooled)")
+            target[pooled] = label_p
+            status = f"{int(pooled.sum())} cells pooled"
+        else:
+            big = int(np.flatnonzero(ok)[np.argmax(n_b[ok])])
+            target[pooled] = big
+            status = f"{int(pooled.sum())} cells merged into {names[big]}"
+    # categorical labels (a string per record would cost more than the calibration):
+    # categories in sorted order, as a sorted factorization of the labels gives them
+    nc, uniq = pd.factorize(names, sort=True)
+    share = float(t_o[pooled].sum() / t_o.sum()) if t_o.sum() > 0 else 0.0
+    row = _margin_row(dom, n_c, int(ok.sum()), share, status)
+    return nc[target], pd.Index(uniq, dtype=object), row
 
 
 def _margin_row(dom, n_c: int, kept: int, share: float, status: str) -> tuple:
@@ -904,29 +926,19 @@ def _cell_sums(
     cells: Sequence[np.ndarray], sizes: Sequence[int], frame: RecordColumns, columns: list[str]
 ) -> list[np.ndarray]:
     """Sums of each column within each cell, for several cellings of the records at once:
-    [(n_c, R) per celling]; the columns read a block at a time (no n x R copy), each celling's
-    indicator stacked into one (a record's cell in every celling: each column read once, the
-    sums of each cell in record order, bit for bit those of one indicator per celling)."""
-    import scipy.sparse as sp
-
-    from sdl_design.design import sparse_times
-
+    [(n_c, R) per celling]; the columns read a block at a time (no n x R copy), each cell's
+    sums block sums in record order (sdl_design.blocksum: the same bits by partition)."""
     if not len(cells):
         return []
-    at = np.r_[0, np.cumsum(np.asarray(sizes, dtype=np.int64))]  # each celling's first row
-    n, C = len(cells[0]), len(cells)
-    rows = np.empty((n, C), dtype=np.int64)
-    for k, c in enumerate(cells):
-        rows[:, k] = np.asarray(c, dtype=np.int64) + at[k]
-    A = sp.csc_matrix(
-        (np.ones(n * C), rows.ravel(), np.arange(0, n * C + 1, C)),
-        shape=(int(at[-1]), n),
-    )
-    del rows
-    total = np.empty((int(at[-1]), len(columns)))
+    total = [np.empty((int(m), len(columns))) for m in sizes]
+    coded = [block_codes(c, None, int(m)) for c, m in zip(cells, sizes, strict=True)]
+    n = len(cells[0])
     for a in range(0, len(columns), 16):
-        total[:, a : a + 16] = sparse_times(A, frame.values(columns[a : a + 16]))
-    return [total[at[k] : at[k + 1]] for k in range(C)]
+        W = frame.values(columns[a : a + 16])
+        for c, m, bc, t in zip(cells, sizes, coded, total, strict=True):
+            for j in range(W.shape[1]):
+                t[:, a + j] = group_sum(c, W[:, j], int(m), n, coded=bc)
+    return total
 
 
 def calibrate_treated(
