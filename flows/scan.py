@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from sdl_design import partition as part
+from sdl_design import partition_calibration as pcal
 from sdl_design.spec import ReleaseSpec, SpecError, load_spec
 
 Mapper = Callable[..., list]
@@ -490,7 +491,39 @@ def _massc_stage(
     psi, phi = rplan.psi, tr.phi
     n_sub, n_kept = tr.n_substituted, tr.n_retained
     il, epsilon = part.massc_loss(tr, rplan, sums)
-    _lap(laps, "treatment", t)
+    t = _lap(laps, "treatment", t)
+    # Step IV: the retained records' weight and replicate weights calibrated to the
+    # original's totals (calibrate_treated's, bit for bit), written to data/
+    creq = pcal.calibration_request(spec, columns)
+    treated = pcal.Treated(donors, chosen, np.asarray(phi.rates, dtype=float))
+    counts = run_map(pcal.retained_count, parts, treated, what="massc retained records")
+    offsets = pcal.retained_offsets(parts, counts)
+    first = run_map(
+        pcal.calibration_pass1, parts, m, creq, treated, offsets, what="massc calibration pass 1"
+    )
+    cplan = pcal.calibration_plan(first, creq, n_rows, offsets)
+    cal = None
+    if creq.controls or cplan.margins:
+
+        def pass2(kept: list[str]) -> list:
+            return run_map(
+                pcal.calibration_pass2, parts, m, creq, treated, cplan, kept,
+                what="massc calibration pass 2",
+            )  # fmt: skip
+
+        cal = pcal.calibrate_by_partition(cplan, creq, pass2, n_rows)
+    applied = run_map(
+        pcal.calibration_apply, parts, m, creq, treated, cplan, cal, str(folder / "data"),
+        what="massc calibration",
+    )  # fmt: skip
+    cal_tables, cal_metrics = pcal.calibration_summary(cplan, creq, cal, applied)
+    _lap(laps, "calibration", t)
+    _say(
+        f"calibrated to the controls and {len(cal.kept) if cal else 0} domain margin(s): "
+        f"weight factors {cal_metrics['calibration_factor_min']:.3f} to "
+        f"{cal_metrics['calibration_factor_max']:.3f}",
+        "partitioned",
+    )
     _say(
         f"{n_sub} records substituted, {n_rows - n_kept} sampled out; phi "
         + ", ".join(f"{h} {p:.4g}" for h, p in zip(labels, phi.rates, strict=True))
@@ -498,10 +531,10 @@ def _massc_stage(
         "partitioned",
     )
     return {
-        "partial": "Steps I-III (risk strata, donors, moments, the original's totals and SEs, "
+        "partial": "Steps I-IV (risk strata, donors, moments, the original's totals and SEs, "
         "disclosure costs, psi of eq. 9, substitution, phi of eq. 10, subsampling, delta and "
-        "its revisions, epsilon of eq. 7); the calibration and replications by partition are "
-        "not built",
+        "its revisions, epsilon of eq. 7, the calibration of the weight and replicate weights: "
+        "the retained records are in data/); the replications by partition are not built",
         "n_with_donor": n_has,
         "n_profiles": plan.n_profiles,
         "strata": {h: int(n) for h, n in zip(labels, mom.N, strict=True)},
@@ -517,7 +550,8 @@ def _massc_stage(
         "budget_scale": cfg.budget_scale,
         "files": [Path(f).name for f in files],
         **laps,
-        "tables": part.massc_tables(plan, sums, rplan, tr, dm, il),
+        **cal_metrics,
+        "tables": {**part.massc_tables(plan, sums, rplan, tr, dm, il), **cal_tables},
     }
 
 
@@ -597,7 +631,8 @@ def run_partitioned(
                 except part.PartitionError as e:
                     raise SpecError([str(e)]) from e
                 if res.get("partial"):  # as far as it is built: its tables, then stop
-                    (tmp / stage.name / "data").rmdir()
+                    if not any((tmp / stage.name / "data").iterdir()):
+                        (tmp / stage.name / "data").rmdir()
                     for name, table in res["tables"].items():
                         table.to_csv(tmp / stage.name / f"{name}.csv", index=False)
                     done[stage.name] = res

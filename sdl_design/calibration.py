@@ -534,12 +534,29 @@ def calibrate(
     bounds = _check_bounds(method, bounds)
     w = _weights(df, weight)
     d = _design(df, totals)
-    T = d.target(totals)
-    g, why = _solve(d, d.aggregate(w), T, method, bounds, explain=explain)
-    if g is None:
-        raise CalibrationInfeasible(f"calibration ({method}) failed: {why}")
+    g = calibrate_profiles(d, d.aggregate(w), totals, method, bounds, explain)
     name = weight if isinstance(weight, str) else "weight"
     return pd.Series(w * d.expand(g), index=df.index, name=name)
+
+
+def calibrate_profiles(
+    d: _Design,
+    wp: np.ndarray,
+    totals: Mapping[str, Any],
+    method: str = "logit",
+    bounds: tuple[float, float] | None = None,
+    explain: bool = True,
+) -> np.ndarray:
+    """The factors g on d's rows (profiles, or records with a numeric control) from the sums
+    wp of the weight on them (d.aggregate), as calibrate finds them; CalibrationInfeasible
+    when the totals cannot be met."""
+    if method not in METHODS:
+        raise CalibrationError(f"method '{method}' unknown; use one of {METHODS}")
+    bounds = _check_bounds(method, bounds)
+    g, why = _solve(d, wp, d.target(totals), method, bounds, explain=explain)
+    if g is None:
+        raise CalibrationInfeasible(f"calibration ({method}) failed: {why}")
+    return g
 
 
 def control_totals(

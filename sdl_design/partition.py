@@ -1774,12 +1774,14 @@ def _treated_records(
     req: MasscRequest,
     donors: str,
     selected: tuple[str, str],
+    columns: Sequence[str] | None = (),
 ) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
-    """B(1)'s keys and sensitive variables of the partition's records (the substituted ones
-    with their donor's key-related columns), d(1) and d(2) (selected: select_receive's
-    folders of the two selections)."""
+    """B(1)'s keys, sensitive variables and `columns` (None: every column) of the partition's
+    records (the substituted ones with their donor's key-related columns), d(1) and d(2)
+    (selected: select_receive's folders of the two selections)."""
     names = list(dict.fromkeys([*(k.name for k in req.keys), *(s.name for s in req.sensitive)]))
-    df = read_partition(part, names, spec)
+    df = read_partition(part, None if columns is None else [*names, *columns], spec)
+    names = list(df.columns)
     tilde = _tilde(part, spec, req, donors, df.index)
     d1 = _selected(part, selected[0]) & (tilde["__donor"].to_numpy() >= 0)
     d2 = _selected(part, selected[1])

@@ -597,6 +597,72 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
         _same_moments(m, plan)
         _same_treatment(m, tmp_path / f"p{n}" / "massc", got["__donor"].to_numpy(), tr, dm, plan)
         assert m["n_delta_revisions"] == len(revisions) and m["budget_scale"] == cfg.budget_scale
+        _same_calibration(m, tmp_path / f"p{n}" / "massc", spec, prb, whole, cfg, tr)
+
+
+def _same_calibration(m, folder, spec, prb, whole, cfg, tr):
+    """Step IV by partition equals the release's calibration (calibrate_treated on the
+    treatment, with the original's cached side): the retained records with their calibrated
+    weight and replicate weights, bit for bit, the domains' table, the replicates' report, the
+    weight factors and the metrics; and the calibrated weights meet the original's control
+    totals."""
+    from sdl_design.calibration import control_totals
+    from sdl_design.massc.stage import _calibrate, _release_margins
+
+    data, tables, metrics = _calibrate(
+        prb.data, spec, cfg, tr, whole, True, margins=_release_margins(prb.data, spec, whole, cfg)
+    )
+    got = pd.read_parquet(folder / "data")
+    assert len(got) == int(tr.retained.sum()) == len(data)
+    _same_bits(got, data.reset_index(drop=True))
+    for name in ("calibration_domains", "replicate_calibration", "weight_factors"):
+        pd.testing.assert_frame_equal(m["tables"][name], tables[name], check_exact=True)
+    assert {k: m[k] for k in metrics} == metrics
+    assert m["calibration_domains_kept"] >= 1  # a declared domain is calibrated to
+    # the control totals are met (to calibration's tolerance): an independent check
+    cal = spec.stages.massc.calibration
+    names = [k if isinstance(k, str) else k.name for k in cal.controls]
+    from sdl_design.massc.treatment import _coarsened
+
+    want = control_totals(_coarsened(whole, cal.controls)[0], "wt", names)
+    have = control_totals(_coarsened(got, cal.controls)[0], "wt", names)
+    for c in names:
+        for cat, v in want[c].items():
+            assert abs(have[c][cat] - v) <= 1e-8 * v, (c, cat)
+
+
+def test_massc_calibration_by_partition_pools_drops_and_calibrates_replicates_to_domains(
+    clean, tmp_path
+):
+    """Without the swap the replicate weights are the original's, so Step IV calibrates them
+    to the declared domains too; age x race and age x race x marital pool their small cells,
+    and with bounds (0.8, 1.25) the weight's calibration is infeasible until age x race is
+    dropped. By partition (7 partitions, PRB then MASSC) the cells, pooling, the drop, the
+    replicates' totals and factors and every calibrated weight equal the release's."""
+    from flows.scan import run_partitioned
+    from sdl_design.prb import PrbStage
+    from sdl_design.stage import StageContext
+
+    path, _, whole = clean
+    data = yaml.safe_load(path.read_text())
+    data["utility"]["domains"] = ["sex", "region", ["age", "race"], ["age", "race", "marital"]]
+    data["stages"]["massc"]["donor_restrictions"] = []
+    data["stages"]["swap"]["enabled"] = False
+    data["stages"]["massc"]["calibration"]["bounds"] = [0.8, 1.25]
+    new = path.parent / "calibration-pools-drops.yaml"
+    new.write_text(yaml.safe_dump(data))
+    spec = load_spec(new)
+    prb = PrbStage.from_spec(spec).run(whole, StageContext(whole, spec, "prb"))
+    cfg, _, tr, _, _ = _release_massc(spec, prb, whole)
+    out = run_partitioned(new, "thread", partitions=7, out=tmp_path / "p")
+    m = out["stages"]["massc"]
+    _same_calibration(m, tmp_path / "p" / "massc", spec, prb, whole, cfg, tr)
+    status = m["tables"]["calibration_domains"]["status"].tolist()
+    assert status[:2] == ["kept", "kept"]
+    assert status[2] == "dropped: calibration of the weight infeasible with it"
+    assert status[3].endswith("cells pooled")
+    assert m["calibration_replicate_domains"] == 3.0  # the replicates take the margins
+    assert (m["tables"]["replicate_calibration"]["status"] == "ok").all()
 
 
 def _release_massc(spec, prb, whole):
@@ -674,6 +740,15 @@ def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monk
     _same_moments(out["stages"]["massc"], plan)
     donor = pd.read_parquet(tmp_path / "p" / "massc" / "donors")["__donor"].to_numpy()
     _same_treatment(out["stages"]["massc"], tmp_path / "p" / "massc", donor, tr, dm, plan)
+    _same_calibration(out["stages"]["massc"], tmp_path / "p" / "massc", spec, prb, whole, cfg, tr)
+    from sdl_design.massc.stage import _calibrate
+
+    got = pd.read_parquet(tmp_path / "p" / "massc" / "data")
+    monkeypatch.setattr(blocksum, "BITS", 16)  # one block: other sums, other weights' bits
+    monkeypatch.setattr(blocksum, "BLOCK", 1 << 16)
+    one = _calibrate(prb.data, spec, cfg, tr, whole, True)[0]
+    assert one["wt"].to_numpy().tobytes() != got["wt"].to_numpy().tobytes()
+    np.testing.assert_allclose(one["wt"].to_numpy(), got["wt"].to_numpy(), rtol=1e-12)
 
 
 def _massc_rng(spec):

@@ -721,7 +721,7 @@ class _Margin:
         """{label: original weight total} of the labels the original has, in label order:
         control_totals of the original's labels (sums in record order, bit for bit)."""
         k = len(self.cats)
-        if self.single:  # a label is one cell: its total is the cell's
+        if self.single:  # a label is one cell: its total is the cell's (the same terms)
             t = np.zeros(k)
             t[self.lab] = self.t_o
             has = np.zeros(k, dtype=bool)
@@ -730,7 +730,13 @@ class _Margin:
             c = self.codes_o()
             t = group_sum(c, w_o, k, len(c))
             has = np.bincount(c, minlength=k) > 0
-        return {self.cats[j]: float(t[j]) for j in np.flatnonzero(has)}
+        return label_totals(self.cats, t, has)
+
+
+def label_totals(cats: pd.Index, t: np.ndarray, has: np.ndarray) -> dict:
+    """A margin's control totals: {label: total} of the labels the original has, in label
+    order (t: the original's total of each label)."""
+    return {cats[j]: float(t[j]) for j in np.flatnonzero(has)}
 
 
 def domain_margins(
@@ -1067,12 +1073,7 @@ def calibrate_treated(
             except CalibrationInfeasible:
                 if not kept:
                     raise
-                drop = max(kept, key=lambda m: len(totals[m]))  # the finest domain first
-                kept.remove(drop)
-                name = drop.removeprefix("domain: ")
-                dom_table.loc[dom_table["domain"] == name, "status"] = (
-                    f"dropped: calibration of {step} infeasible with it"
-                )
+                drop_finest(kept, totals, dom_table, step)
         w_cal = np.asarray(w_cal, dtype=float)
         new[weight] = w_cal
         if reps:
@@ -1084,32 +1085,16 @@ def calibrate_treated(
         metrics["calibration_domains_kept"] = float(len(kept))
         metrics["calibration_replicate_domains"] = float(len(kept) if reps and rep_margins else 0)
     if len(domains):
-        st = dom_table["status"]
-        metrics["calibration_domains_dropped"] = float(st.str.startswith("dropped").sum())
-        metrics["calibration_domain_cells_pooled"] = float(
-            (dom_table["cells"] - dom_table["cells_kept"])[~st.str.startswith("dropped")].sum()
-        )
-        metrics["calibration_domain_pooled_share_max"] = (
-            float(dom_table["pooled_share"].max()) if len(dom_table) else 0.0
-        )
-    adj = w_cal / base
-    final = w_cal / b2[weight].to_numpy(dtype=float)
-    q = [0, 1, 5, 50, 95, 99, 100]
-    tables["weight_factors"] = pd.DataFrame(
-        {
-            "percentile": q,
-            "calibration_factor": np.percentile(adj, q),
-            "total_factor": np.percentile(final, q),
-        }
+        metrics.update(domain_metrics(dom_table))
+    w_o = original[weight].to_numpy(dtype=float)
+    summary = weight_factors(
+        [np.unique(w_cal / base, return_counts=True)],
+        [np.unique(w_cal / b2[weight].to_numpy(dtype=float), return_counts=True)],
+        group_sum(np.zeros(len(w_cal), np.intp), w_cal, 1, len(w_cal))[0],
+        group_sum(np.zeros(len(w_o), np.intp), w_o, 1, len(w_o))[0],
     )
-    metrics.update(
-        {
-            "calibration_factor_min": float(adj.min()),
-            "calibration_factor_max": float(adj.max()),
-            "weight_factor_max": float(final.max()),
-            "weight_sum_ratio": float(w_cal.sum() / original[weight].sum()),
-        }
-    )
+    tables["weight_factors"] = summary.pop("table")
+    metrics.update(summary)
     # b2's columns with the new weights in their places; copy=False keeps every array as it is
     # (setting 70 replicate columns one by one would copy each)
     order = list(b2.columns)  # the replicates in their places of the source frame
@@ -1127,6 +1112,76 @@ def calibrate_treated(
         rep_frame = pd.DataFrame(rep_block.T, index=b2.index, columns=reps, copy=False)
         out = pd.concat([out, rep_frame], axis=1)[order]
     return out, tables, metrics
+
+
+def domain_metrics(table: pd.DataFrame) -> dict[str, float]:
+    """The calibration's domain metrics from its domains' table (domain_margins')."""
+    st = table["status"]
+    return {
+        "calibration_domains_dropped": float(st.str.startswith("dropped").sum()),
+        "calibration_domain_cells_pooled": float(
+            (table["cells"] - table["cells_kept"])[~st.str.startswith("dropped")].sum()
+        ),
+        "calibration_domain_pooled_share_max": (
+            float(table["pooled_share"].max()) if len(table) else 0.0
+        ),
+    }
+
+
+def drop_finest(kept: list[str], totals: dict, table: pd.DataFrame, step: str) -> None:
+    """After an infeasible calibration: drop the finest kept domain margin (the most labels)
+    and say so in the domains' table."""
+    drop = max(kept, key=lambda m: len(totals[m]))  # the finest domain first
+    kept.remove(drop)
+    name = drop.removeprefix("domain: ")
+    table.loc[table["domain"] == name, "status"] = (
+        f"dropped: calibration of {step} infeasible with it"
+    )
+
+
+FACTOR_PERCENTILES = (0, 1, 5, 50, 95, 99, 100)
+
+
+def percentiles_of_counts(
+    parts: Sequence[tuple[np.ndarray, np.ndarray]], q: Sequence[float] = FACTOR_PERCENTILES
+) -> np.ndarray:
+    """np.percentile (linear) of the values whose distinct values and counts are given in
+    parts ((values, counts) each, e.g. per partition): the order statistics found by counts,
+    interpolated as numpy interpolates them (np.quantile of the two neighbours)."""
+    v = np.concatenate([p[0] for p in parts])
+    c = np.concatenate([p[1] for p in parts]).astype(np.int64)
+    v, inv = np.unique(v, return_inverse=True)
+    c = np.bincount(inv.ravel(), weights=c, minlength=len(v)).astype(np.int64)
+    n = int(c.sum())
+    ends = np.cumsum(c)  # rank (0-based) r holds v[searchsorted(ends, r, 'right')]
+    virtual = (n - 1) * (np.asarray(q, dtype=float) / 100)
+    lo = np.floor(virtual)
+    out = np.empty(len(virtual))
+    for i, (x, f) in enumerate(zip(virtual, lo, strict=True)):
+        a = v[np.searchsorted(ends, int(f), side="right")]
+        b = v[np.searchsorted(ends, min(int(f) + 1, n - 1), side="right")]
+        out[i] = np.quantile(np.array([a, b]), x - f)
+    return out
+
+
+def weight_factors(
+    adj: Sequence[tuple[np.ndarray, np.ndarray]],
+    final: Sequence[tuple[np.ndarray, np.ndarray]],
+    w_cal_total: float,
+    w_o_total: float,
+) -> dict[str, Any]:
+    """The calibration's weight-factor metrics and table (percentiles) from the distinct values
+    and counts of the calibration factors w_cal / (w/phi) and the total factors w_cal / w
+    (per partition or whole) and the weight totals of the calibrated and original files."""
+    q = list(FACTOR_PERCENTILES)
+    a, f = percentiles_of_counts(adj, q), percentiles_of_counts(final, q)
+    return {
+        "table": pd.DataFrame({"percentile": q, "calibration_factor": a, "total_factor": f}),
+        "calibration_factor_min": float(a[0]),
+        "calibration_factor_max": float(a[-1]),
+        "weight_factor_max": float(f[-1]),
+        "weight_sum_ratio": float(w_cal_total / w_o_total),
+    }
 
 
 def replication_seed(seed: int, r: int) -> np.random.SeedSequence:

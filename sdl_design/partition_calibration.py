@@ -1,0 +1,741 @@
+"""MASSC Step IV by partition: the retained records' weights and replicate weights calibrated
+to the original file's totals (calibrate_treated's, bit for bit).
+
+Every sum is a block sum (sdl_design.blocksum) of one partition's records by a group it knows
+locally (its own distinct categories, domain cells or calibration profiles); the driver maps
+the local groups to the whole file's and adds the blocks in order, so the totals are the bits
+the in-memory calibration adds. Three passes:
+- pass 1: the categories of the controls, the cells of the declared domains, their original
+  weight totals and replicate totals, and whether the replicate weights are the original's;
+- pass 2 (again after a domain is dropped): the original's totals of the domains' labels
+  and the retained records' weight and replicate weights summed by calibration profile;
+- apply: each partition writes its retained records with w g and the replicates' w_r g_r.
+Between them the driver runs the rules and solvers the in-memory calibration runs on the same
+sums: cell_labels (domain pooling), calibrate_profiles, replicate_factors, drop_finest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from sdl_design import blocksum
+from sdl_design.blocksum import BlockAccumulator, BlockPartial
+from sdl_design.keys import key_frame
+from sdl_design.partition import (
+    MasscInputs,
+    Partition,
+    PartitionError,
+    _original_rows,
+    _treated_records,
+    _write_partition,
+)
+from sdl_design.spec import KeySpec, ReleaseSpec
+
+
+@dataclass(frozen=True)
+class CalibrationRequest:
+    """Step IV as the release runs it (stages.massc.calibration): the categorical controls
+    (KeySpecs, recodes applied), the declared domains (keys in their published coding), the
+    method, bounds, infeasibility policy, domains' minimum records and the replicate weights."""
+
+    weight: str
+    controls: tuple[KeySpec, ...]
+    domains: tuple[tuple[KeySpec, ...], ...]
+    method: str
+    bounds: tuple[float, float] | None
+    policy: str
+    min_records: int
+    replicates: tuple[str, ...]
+
+    def columns(self) -> list[str]:
+        names = [k.name for k in self.controls] + [k.name for d in self.domains for k in d]
+        return list(dict.fromkeys([self.weight, *names, *self.replicates]))
+
+
+def calibration_request(spec: ReleaseSpec, columns: Sequence[str]) -> CalibrationRequest:
+    """The spec's Step IV on an input with these columns (PartitionError naming the field when
+    a column is missing)."""
+    from sdl_design.massc.stage import _domain_specs
+
+    cal = spec.stages.massc.calibration
+    controls = tuple(KeySpec(name=c) if isinstance(c, str) else c for c in cal.controls)
+    domains = tuple(tuple(d) for d in _domain_specs(spec)) if cal.domain_margins else ()
+    req = CalibrationRequest(
+        weight=spec.design.weight,
+        controls=controls,
+        domains=domains,
+        method=cal.method,
+        bounds=None if cal.bounds is None else (float(cal.bounds[0]), float(cal.bounds[1])),
+        policy=cal.infeasible_policy,
+        min_records=cal.domain_min_records,
+        replicates=tuple(spec.replicate_columns(pd.DataFrame(columns=list(columns)))),
+    )
+    missing = [c for c in req.columns() if c not in columns]
+    if missing:
+        raise PartitionError(
+            f"stages.massc.calibration / utility.domains: columns {missing} are not in the "
+            "input; fix the names or set calibration.domain_margins: false"
+        )
+    return req
+
+
+# ---------------------------------------------------------------- values of several partitions
+
+
+def _row_ids(frames: Sequence[pd.DataFrame]) -> list[np.ndarray]:
+    """One id per distinct row over all frames (same columns; NaN equal to NaN), numbered by
+    first appearance in the frames in order: each frame's rows' ids."""
+    if not frames or not len(frames[0].columns):
+        return [np.zeros(len(f), dtype=np.int64) for f in frames]
+    cols = {}
+    for c in frames[0].columns:
+        both = pd.concat([f[c].astype(object) for f in frames], ignore_index=True)
+        cols[c] = pd.factorize(both, use_na_sentinel=False)[0]
+    ids = pd.DataFrame(cols).groupby(list(cols), sort=False).ngroup().to_numpy(np.int64)
+    at = np.cumsum([0, *(len(f) for f in frames)])
+    return [ids[at[i] : at[i + 1]] for i in range(len(frames))]
+
+
+def _lookup(table: pd.DataFrame, rows: pd.DataFrame, what: str) -> np.ndarray:
+    """The position in table of a row equal to each of rows (the first when repeated)."""
+    a, b = _row_ids([table, rows])
+    ids, first = np.unique(a, return_index=True)
+    at = np.minimum(np.searchsorted(ids, b), max(len(ids) - 1, 0))
+    if len(b) and (not len(ids) or (ids[at] != b).any()):
+        raise PartitionError(f"calibration: a record's {what} is not in pass 1's")
+    return first[at]
+
+
+def _sorted_values(uniques: Sequence[pd.Series]) -> tuple[list[np.ndarray], list[Any]]:
+    """The categories of a column split over partitions (each partition's distinct values):
+    each partition's values' codes into the sorted categories, and the categories, as
+    calibration._margin_codes sorts the whole column (a missing value is MISSING)."""
+    from sdl_design.calibration import _margin_codes
+
+    both = pd.concat([u.astype(object) for u in uniques], ignore_index=True)
+    code, cats = _margin_codes(both)
+    at = np.cumsum([0, *(len(u) for u in uniques)])
+    return [code[at[i] : at[i + 1]] for i in range(len(uniques))], cats
+
+
+def _local(s: pd.Series) -> tuple[np.ndarray, pd.Series]:
+    """Each record's local code and the distinct values (first-appearance order)."""
+    code, uniq = pd.factorize(s, use_na_sentinel=False)
+    return code.astype(np.int64), pd.Series(uniq, dtype=s.dtype if len(uniq) else object)
+
+
+def _tuples(df: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Each record's local row code (distinct rows, first-appearance order) and each code's
+    first record."""
+    from sdl_design.design import first_of
+
+    if not len(df.columns):
+        return np.zeros(len(df), dtype=np.int64), np.zeros(min(len(df), 1), dtype=np.int64)
+    code = df.groupby(list(df.columns), sort=False, dropna=False).ngroup().to_numpy(np.int64)
+    return code, first_of(code, int(code.max(initial=-1)) + 1)
+
+
+def _partials(
+    codes: np.ndarray, X: np.ndarray, n_groups: int, start: int, n_rows_part: int
+) -> list[BlockPartial]:
+    """The BlockPartials of each column of X (records start..start+n-1 of their file)."""
+    rows = np.arange(start, start + n_rows_part, dtype=np.int64)
+    bins = blocksum.block_bins(codes, n_groups, start, start + n_rows_part, rows)
+    X = np.asarray(X, dtype=float).reshape(n_rows_part, -1)
+    return [bins.of(X[:, j]) for j in range(X.shape[1])]
+
+
+def _remapped(p: BlockPartial, ids: np.ndarray, n_groups: int) -> BlockPartial:
+    """p with its local groups as the whole file's groups ids[local]."""
+    sums = np.zeros((len(p.sums), n_groups))
+    sums[:, ids] = p.sums
+    codes = ids[p.cont_codes] if len(p.cont_codes) else p.cont_codes
+    return BlockPartial(p.first, sums, p.cont, codes, p.cont_x)
+
+
+def _total(
+    partials: Sequence[BlockPartial], ids: Sequence[np.ndarray], n_groups: int, n_rows: int
+) -> np.ndarray:
+    """group_sum of the whole file from its partitions' local BlockPartials, in order."""
+    acc = BlockAccumulator(n_groups, n_rows)
+    for p, i in zip(partials, ids, strict=True):
+        acc.add(_remapped(p, np.asarray(i, dtype=np.int64), n_groups))
+    return acc.total()
+
+
+# ---------------------------------------------------------------- the partition's records
+
+
+@dataclass(frozen=True)
+class Treated:
+    """Where the treatment by partition left its records: the substituted files (donors), the
+    two selections' folders and the retention rates phi by MASSC stratum."""
+
+    donors: str
+    selected: tuple[str, str]
+    phi: np.ndarray
+
+
+def _retained(
+    part: Partition, m: MasscInputs, tr: Treated, columns: Sequence[str] | None
+) -> tuple[pd.DataFrame, np.ndarray, pd.DataFrame]:
+    """b2: the partition's retained records (B(1)'s, with `columns`; None: all), their
+    factors 1/phi_h, and b1 (every record)."""
+    b1, _, d2 = _treated_records(part, m.spec, m.req, tr.donors, tr.selected, columns)
+    _, h, _ = _original_rows(part, m)
+    factor = 1.0 / tr.phi[h]  # massc_treat's factor, then the retained records'
+    return b1[d2], factor[d2], b1
+
+
+def _coarsened(df: pd.DataFrame, creq: CalibrationRequest) -> pd.DataFrame:
+    from sdl_design.massc.treatment import _coarsened
+
+    return _coarsened(df, list(creq.controls))[0]
+
+
+def _numeric_control(df: pd.DataFrame, k: KeySpec) -> None:
+    if k.bins is None and k.map is None and pd.api.types.is_numeric_dtype(df[k.name]):
+        if pd.api.types.is_bool_dtype(df[k.name]):
+            return
+        raise PartitionError(
+            f"stages.massc.calibration.controls: '{k.name}' is numeric, a single total; the "
+            "calibration by partition takes categorical controls (give it bins or a map), or "
+            "run the release in memory"
+        )
+
+
+# ---------------------------------------------------------------- pass 1
+
+
+@dataclass
+class CalibrationPass1:
+    """One partition's categories, domain cells and their original totals (local codes)."""
+
+    n2: int
+    same_reps: bool
+    w_o: BlockPartial  # the original weight's total (one group)
+    controls: list[dict[str, Any]]
+    domains: list[dict[str, Any]]
+
+
+def retained_count(part: Partition, tr: Treated) -> int:
+    """The partition's retained records (d(2))."""
+    from sdl_design.partition import _selected
+
+    return int(_selected(part, tr.selected[1]).sum())
+
+
+def retained_offsets(parts: Sequence[Partition], counts: Sequence[int]) -> dict[int, int]:
+    """The retained records before each partition (by its first record)."""
+    before = np.cumsum([0, *counts])[:-1].tolist()
+    return {p.start: int(b) for p, b in zip(parts, before, strict=True)}
+
+
+def calibration_pass1(
+    part: Partition,
+    m: MasscInputs,
+    creq: CalibrationRequest,
+    tr: Treated,
+    offsets: dict[int, int],
+) -> CalibrationPass1:
+    """Pass 1 on one partition (offsets: the retained records before each partition, by its
+    first record): per control its
+    distinct categories on the retained records and on the original, with the original's
+    weight and replicate totals by category; per declared domain its distinct cells (recoded
+    keys) on both files with their first records, counts, the original's weight total and,
+    for each replicate, the totals on both files."""
+    reps = list(creq.replicates)
+    cols = creq.columns()
+    b2, _, _ = _retained(part, m, tr, cols)
+    b0, _, _ = _original_rows(part, m, cols)
+    n0, n2, offset2 = len(b0), len(b2), offsets[part.start]
+    w_o = b0[creq.weight].to_numpy(dtype=float)
+    same = bool(reps) and all(
+        np.array_equal(b2[c].to_numpy(dtype=float), b0.loc[b2.index, c].to_numpy(dtype=float))
+        for c in reps
+    )
+    R_o = b0[reps].to_numpy(dtype=float) if reps else np.zeros((n0, 0))
+    controls = []
+    c2, c0 = _coarsened(b2, creq), _coarsened(b0, creq)
+    for k in creq.controls:
+        _numeric_control(b2, k)
+        _, u2 = _local(c2[k.name])
+        code, u0 = _local(key_frame(c0, [k.name])[k.name])
+        controls.append(
+            {
+                "b2": u2,
+                "o": u0,
+                "w": _partials(code, w_o, len(u0), part.start, n0)[0],
+                "reps": _partials(code, R_o, len(u0), part.start, n0) if reps else [],
+            }
+        )
+    domains = []
+    R_2 = b2[reps].to_numpy(dtype=float) if reps and same else None
+    for dom in creq.domains:
+        names = [k.name for k in dom]
+        side = {}
+        for name, df in (("b2", b2), ("o", b0)):
+            code, first = _tuples(key_frame(df, list(dom)))
+            side[name] = {
+                "values": key_frame(df.iloc[first], list(dom)).reset_index(drop=True),
+                "raw": df[names].iloc[first].reset_index(drop=True),
+                "first": df.index.to_numpy()[first],
+                "count": np.bincount(code, minlength=len(first)),
+                "code": code,
+            }
+        o, t2 = side["o"], side["b2"]
+        o["w"] = _partials(o["code"], w_o, len(o["first"]), part.start, n0)[0]
+        if R_2 is not None:
+            o["reps"] = _partials(o["code"], R_o, len(o["first"]), part.start, n0)
+            t2["reps"] = _partials(t2["code"], R_2, len(t2["first"]), offset2, n2)
+        for s in side.values():
+            del s["code"]
+        domains.append(side)
+    one = np.zeros(n0, dtype=np.int64)
+    return CalibrationPass1(n2, same, _partials(one, w_o, 1, part.start, n0)[0], controls, domains)
+
+
+@dataclass
+class DomainCells:
+    """A declared domain's cells on the whole of both files (domain_margins' numbering: by
+    first appearance in b2, then in the original) and its calibration labels."""
+
+    values: pd.DataFrame  # the recoded keys of each cell
+    lab: np.ndarray  # label code of each cell
+    cats: pd.Index  # the labels
+    b2_labels: np.ndarray  # the label codes the retained records have (sorted)
+
+
+@dataclass
+class CalibrationPlan:
+    """What pass 1 found on the whole file: the controls' categories (on b2, sorted as the
+    design codes them) and their original totals (per replicate too), the declared domains'
+    cells and labels, their table, whether replicate calibration takes the margins, and the
+    retained records before each partition."""
+
+    control_values: list[pd.Series]  # b2's distinct values of each control (partition order)
+    control_codes: list[np.ndarray]  # their codes into control_cats
+    control_cats: list[list[Any]]
+    ctrl: dict[str, Any]  # control_totals of the original
+    ctrl_reps: list[dict[str, Any]]  # per replicate
+    margins: dict[str, DomainCells]
+    table: pd.DataFrame
+    rep_margins: bool
+    offsets: dict[int, int]  # retained records before each partition (by its first record)
+    n2: int
+    w_o_total: float
+
+
+def calibration_plan(
+    partials: Sequence[CalibrationPass1],
+    creq: CalibrationRequest,
+    n_rows: int,
+    offsets: dict[int, int],
+) -> CalibrationPlan:
+    """On the driver: the controls' categories and original totals, the domains' cells (their
+    weight and replicate totals in block sums) and labels (cell_labels, domain_margins' rule)."""
+    from sdl_design.massc.treatment import cell_labels, margin_name
+
+    reps = list(creq.replicates)
+    n2 = sum(q.n2 for q in partials)
+    rep_margins = bool(reps) and all(q.same_reps for q in partials)
+    values, codes, cats_b2, ctrl = [], [], [], {}
+    ctrl_reps: list[dict[str, Any]] = [{} for _ in reps]
+    for j, k in enumerate(creq.controls):
+        u2 = [q.controls[j]["b2"] for q in partials]
+        code2, cats = _sorted_values(u2)
+        values.append(pd.concat([u.astype(object) for u in u2], ignore_index=True))
+        codes.append(np.concatenate(code2))
+        cats_b2.append(cats)
+        code_o, cats_o = _sorted_values([q.controls[j]["o"] for q in partials])
+        t = _total([q.controls[j]["w"] for q in partials], code_o, len(cats_o), n_rows)
+        ctrl[k.name] = {c: float(v) for c, v in zip(cats_o, t, strict=True)}
+        for r in range(len(reps)):
+            p_r = [q.controls[j]["reps"][r] for q in partials]
+            t = _total(p_r, code_o, len(cats_o), n_rows)
+            ctrl_reps[r][k.name] = {c: float(v) for c, v in zip(cats_o, t, strict=True)}
+    margins, rows = {}, []
+    for i, dom in enumerate(creq.domains):
+        b2 = [q.domains[i]["b2"] for q in partials]
+        o = [q.domains[i]["o"] for q in partials]
+        ids = _row_ids([s["values"] for s in b2] + [s["values"] for s in o])
+        ids2, ids_o = ids[: len(b2)], ids[len(b2) :]
+        n_id = int(max((int(x.max(initial=-1)) for x in ids), default=-1)) + 1
+        big = np.iinfo(np.int64).max
+        first2, first_o = np.full(n_id, big), np.full(n_id, big)
+        n_b, n_o = np.zeros(n_id, np.int64), np.zeros(n_id, np.int64)
+        for s, x in zip(b2, ids2, strict=True):
+            np.minimum.at(first2, x, s["first"])
+            np.add.at(n_b, x, s["count"])
+        for s, x in zip(o, ids_o, strict=True):
+            np.minimum.at(first_o, x, s["first"])
+            np.add.at(n_o, x, s["count"])
+        # cells by first appearance in b2, then (cells b2 lacks) in the original
+        in_b = n_b > 0
+        order = np.lexsort((np.where(in_b, first2, first_o), ~in_b))
+        cell = np.empty(n_id, dtype=np.int64)
+        cell[order] = np.arange(n_id)
+        raw = pd.concat(
+            [s["raw"] for s in b2] + [s["raw"] for s in o], ignore_index=True
+        )  # the first record of each cell: its raw values (its label's name)
+        frm = pd.concat([s["values"] for s in b2] + [s["values"] for s in o], ignore_index=True)
+        all_ids = np.concatenate(ids)
+        firsts = np.concatenate([s["first"] for s in b2] + [s["first"] for s in o])
+        is_b2 = np.repeat([True, False], [sum(len(x) for x in ids2), sum(len(x) for x in ids_o)])
+        want = np.where(in_b[all_ids], first2[all_ids], first_o[all_ids])
+        pick = np.flatnonzero((firsts == want) & (is_b2 == in_b[all_ids]))
+        pick = pick[np.unique(all_ids[pick], return_index=True)[1]]  # one row per id
+        at = np.empty(n_id, dtype=np.int64)
+        at[all_ids[pick]] = pick
+        at_first = raw.iloc[at[order]].reset_index(drop=True)
+        t_o = _total([s["w"] for s in o], [cell[x] for x in ids_o], n_id, n_rows)
+        reps_i = None
+        if rep_margins:
+            A = np.column_stack(
+                [
+                    _total([s["reps"][r] for s in b2], [cell[x] for x in ids2], n_id, n2)
+                    for r in range(len(reps))
+                ]
+            )
+            B = np.column_stack(
+                [
+                    _total([s["reps"][r] for s in o], [cell[x] for x in ids_o], n_id, n_rows)
+                    for r in range(len(reps))
+                ]
+            )
+            reps_i = (A, B)
+        nb_cell = n_b[order]
+        lab, cats, row = cell_labels(dom, at_first, nb_cell, t_o, reps_i, creq.min_records)
+        rows.append(row)
+        if lab is not None:
+            margins[margin_name(dom)] = DomainCells(
+                frm.iloc[at[order]].reset_index(drop=True),
+                np.asarray(lab),
+                cats,
+                np.unique(np.asarray(lab)[nb_cell > 0]),
+            )
+    table = pd.DataFrame(rows, columns=["domain", "cells", "cells_kept", "pooled_share", "status"])
+    w_o = BlockAccumulator(1, n_rows)
+    for q in partials:
+        w_o.add(q.w_o)
+    return CalibrationPlan(
+        values, codes, cats_b2, ctrl, ctrl_reps, margins, table, rep_margins, offsets, n2,
+        float(w_o.total()[0]),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- pass 2
+
+
+def _label_codes(df: pd.DataFrame, dom: Sequence[KeySpec], cells: DomainCells) -> np.ndarray:
+    """Each record's label code in a declared domain (its cell's label)."""
+    code, first = _tuples(key_frame(df, list(dom)))
+    local = key_frame(df.iloc[first], list(dom)).reset_index(drop=True)
+    return cells.lab[_lookup(cells.values, local, "domain cell")][code]
+
+
+def _control_codes(s: pd.Series, plan: CalibrationPlan, j: int) -> np.ndarray:
+    """Each retained record's code of control j (into its sorted categories on b2)."""
+    code, uniq = _local(s)
+    table = pd.DataFrame({"v": plan.control_values[j]})
+    where = _lookup(table, pd.DataFrame({"v": uniq}), "control category")
+    return plan.control_codes[j][where][code]
+
+
+@dataclass(frozen=True)
+class ProfileColumns:
+    """The columns of one calibration design (controls, then kept domain margins) and the
+    number of categories of each on b2 (the mixed radix of the profile keys)."""
+
+    controls: tuple[int, ...]  # indices of creq.controls
+    margins: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+
+def profile_columns(
+    plan: CalibrationPlan, creq: CalibrationRequest, kept: Sequence[str]
+) -> ProfileColumns:
+    sizes = [len(c) for c in plan.control_cats]
+    sizes += [len(plan.margins[m].b2_labels) for m in kept]
+    if np.prod(np.array(sizes, dtype=float)) >= 2.0**62:
+        raise PartitionError(
+            "stages.massc.calibration: the controls and domain margins have too many profiles "
+            "for the calibration by partition; coarsen them, or run the release in memory"
+        )
+    return ProfileColumns(tuple(range(len(creq.controls))), tuple(kept), tuple(sizes))
+
+
+def _profile_keys(
+    b2: pd.DataFrame, creq: CalibrationRequest, plan: CalibrationPlan, cols: ProfileColumns
+) -> np.ndarray:
+    """Each retained record's calibration profile as a mixed-radix key of its codes (the
+    order _design's keys sort in)."""
+    coarse = _coarsened(b2, creq)
+    key = np.zeros(len(b2), dtype=np.int64)
+    parts = [_control_codes(coarse[creq.controls[j].name], plan, j) for j in cols.controls]
+    by_name = {margin_name_of(d): d for d in creq.domains}
+    for mname in cols.margins:
+        lab = _label_codes(b2, by_name[mname], plan.margins[mname])
+        parts.append(np.searchsorted(plan.margins[mname].b2_labels, lab))
+    for code, size in zip(parts, cols.sizes, strict=True):
+        key = key * size + code
+    return key
+
+
+def margin_name_of(dom: Sequence[KeySpec]) -> str:
+    from sdl_design.massc.treatment import margin_name
+
+    return margin_name(dom)
+
+
+@dataclass
+class CalibrationPass2:
+    """One partition's sums for the calibrations with the kept margins: the original's label
+    totals (weight, replicates) and the retained records' weight and replicate weights by
+    local calibration profile."""
+
+    labels: dict[str, dict[str, Any]]
+    keys: np.ndarray  # the weight's profiles (distinct keys, sorted)
+    wp: BlockPartial
+    keys_r: np.ndarray  # the replicates' profiles
+    Wp: list[BlockPartial]
+
+
+def calibration_pass2(
+    part: Partition,
+    m: MasscInputs,
+    creq: CalibrationRequest,
+    tr: Treated,
+    plan: CalibrationPlan,
+    kept: Sequence[str],
+) -> CalibrationPass2:
+    """Pass 2 on one partition for the kept domain margins."""
+    reps = list(creq.replicates)
+    cols = creq.columns()
+    b2, factor, _ = _retained(part, m, tr, cols)
+    b0, _, _ = _original_rows(part, m, cols)
+    n0, n2, start2 = len(b0), len(b2), plan.offsets[part.start]
+    w_o = b0[creq.weight].to_numpy(dtype=float)
+    by_name = {margin_name_of(d): d for d in creq.domains}
+    labels = {}
+    for mname in kept:
+        cells = plan.margins[mname]
+        lab = _label_codes(b0, by_name[mname], cells)
+        k = len(cells.cats)
+        labels[mname] = {
+            "w": _partials(lab, w_o, k, part.start, n0)[0],
+            "count": np.bincount(lab, minlength=k),
+            "reps": _partials(lab, b0[reps].to_numpy(float), k, part.start, n0)
+            if plan.rep_margins
+            else [],
+        }
+    base = b2[creq.weight].to_numpy(dtype=float) * factor
+    key = _profile_keys(b2, creq, plan, profile_columns(plan, creq, kept))
+    keys, local = np.unique(key, return_inverse=True)
+    wp = _partials(local.ravel(), base, len(keys), start2, n2)[0]
+    keys_r, Wp = np.zeros(0, np.int64), []
+    if reps:
+        r_kept = kept if plan.rep_margins else []
+        key_r = _profile_keys(b2, creq, plan, profile_columns(plan, creq, r_kept))
+        keys_r, local_r = np.unique(key_r, return_inverse=True)
+        W = b2[reps].to_numpy(dtype=float) * factor[:, None]
+        Wp = _partials(local_r.ravel(), W, len(keys_r), start2, n2)
+    return CalibrationPass2(labels, keys, wp, keys_r, Wp)
+
+
+# ---------------------------------------------------------------- the solve on the driver
+
+
+@dataclass
+class CalibrationFactors:
+    """The solved calibration: the factors g of the weight's profiles (keys), of each
+    replicate's (keys_r, one g per replicate), the kept margins and the report tables."""
+
+    kept: list[str]
+    keys: np.ndarray
+    g: np.ndarray
+    keys_r: np.ndarray
+    g_r: list[np.ndarray]
+    report: pd.DataFrame | None
+    table: pd.DataFrame
+
+
+def _profile_sums(keyss: Sequence[np.ndarray], partials, n_rows: int):
+    keys = np.unique(np.concatenate(keyss)) if keyss else np.zeros(0, np.int64)
+    ids = [np.searchsorted(keys, k) for k in keyss]
+    return keys, _total(partials, ids, len(keys), n_rows)
+
+
+def _design_of(keys: np.ndarray, plan: CalibrationPlan, creq, cols: ProfileColumns):
+    from sdl_design.calibration import profile_design
+
+    codes, rest = np.empty((len(keys), len(cols.sizes)), dtype=np.int64), keys.copy()
+    for j in range(len(cols.sizes) - 1, -1, -1):
+        codes[:, j] = rest % cols.sizes[j]
+        rest //= cols.sizes[j]
+    margins = {creq.controls[j].name: plan.control_cats[j] for j in cols.controls}
+    for mname in cols.margins:
+        cells = plan.margins[mname]
+        margins[mname] = [cells.cats[c] for c in cells.b2_labels]
+    return profile_design(codes, margins)
+
+
+def calibrate_by_partition(
+    plan: CalibrationPlan,
+    creq: CalibrationRequest,
+    sums: Callable[[list[str]], list[CalibrationPass2]],
+    n_rows: int,
+) -> CalibrationFactors:
+    """calibrate_treated's solve on profile sums: the weight to the controls and kept domain
+    margins, then every replicate (to its own totals; the margins too when the replicates are
+    the original's), a domain dropped (finest first) while either is infeasible. sums(kept):
+    pass 2 on every partition for those margins."""
+    from sdl_design.calibration import CalibrationInfeasible, calibrate_profiles, replicate_factors
+    from sdl_design.massc.treatment import drop_finest, label_totals
+
+    reps = list(creq.replicates)
+    table = plan.table.copy()
+    kept = list(plan.margins)
+    margin_totals: dict[str, Any] = {}
+    while True:
+        got = sums(kept)
+        for mname in kept:
+            cells = plan.margins[mname]
+            k = len(cells.cats)
+            t = _total([q.labels[mname]["w"] for q in got], [np.arange(k)] * len(got), k, n_rows)
+            has = np.sum([q.labels[mname]["count"] for q in got], axis=0) > 0
+            margin_totals[mname] = label_totals(cells.cats, t, has)
+        totals = {**plan.ctrl, **{mname: margin_totals[mname] for mname in kept}}
+        step = "the weight"
+        try:
+            keys, wp = _profile_sums([q.keys for q in got], [q.wp for q in got], plan.n2)
+            cols = profile_columns(plan, creq, kept)
+            d = _design_of(keys, plan, creq, cols)
+            g = calibrate_profiles(d, wp, totals, creq.method, creq.bounds, explain=not kept)
+            g_r, rows, keys_r = [], [], np.zeros(0, np.int64)
+            if reps:
+                step = "a replicate weight"
+                r_kept = kept if plan.rep_margins else []
+                per = _replicate_totals(plan, got, r_kept, n_rows)
+                keys_r = np.unique(np.concatenate([q.keys_r for q in got]))
+                ids = [np.searchsorted(keys_r, q.keys_r) for q in got]
+                d_r = _design_of(keys_r, plan, creq, profile_columns(plan, creq, r_kept))
+                warm: dict = {}
+                for r, c in enumerate(reps):
+                    wp_r = _total([q.Wp[r] for q in got], ids, len(keys_r), plan.n2)
+                    b = creq.bounds
+                    g_c, row = replicate_factors(
+                        d_r, wp_r, per[r], c, creq.method, b, creq.policy, warm
+                    )
+                    g_r.append(g_c)
+                    rows.append(row)
+            break
+        except CalibrationInfeasible:
+            if not kept:
+                raise
+            drop_finest(kept, totals, table, step)
+    report = pd.DataFrame(rows) if reps else None
+    return CalibrationFactors(kept, keys, g, keys_r, g_r, report, table)
+
+
+def _replicate_totals(
+    plan: CalibrationPlan, got: Sequence[CalibrationPass2], kept: Sequence[str], n_rows: int
+) -> list[dict[str, Any]]:
+    """control_totals of the original's replicate weights: the controls' (pass 1) and the kept
+    margins' labels (pass 2)."""
+    per = [dict(t) for t in plan.ctrl_reps]
+    for mname in kept:
+        cells = plan.margins[mname]
+        k = len(cells.cats)
+        has = np.sum([q.labels[mname]["count"] for q in got], axis=0) > 0
+        for r in range(len(per)):
+            t = _total(
+                [q.labels[mname]["reps"][r] for q in got], [np.arange(k)] * len(got), k, n_rows
+            )
+            per[r][mname] = {cells.cats[j]: float(t[j]) for j in np.flatnonzero(has)}
+    return per
+
+
+# ---------------------------------------------------------------- apply
+
+
+def calibration_apply(
+    part: Partition,
+    m: MasscInputs,
+    creq: CalibrationRequest,
+    tr: Treated,
+    plan: CalibrationPlan,
+    cal: CalibrationFactors | None,
+    folder: str,
+) -> dict[str, Any]:
+    """The partition's retained records with the calibrated weight w g and replicate weights
+    w_r g_r (every column of B(1), in its order), written to folder; the distinct calibration
+    and total factors with their counts and the calibrated weight's block sums (the metrics).
+    cal None: no control and no margin (weights divided by phi only)."""
+    reps = list(creq.replicates)
+    b2, factor, _ = _retained(part, m, tr, None)
+    w = b2[creq.weight].to_numpy(dtype=float)
+    base = w * factor
+    out = b2.copy(deep=False)
+    if cal is None:
+        w_cal = base
+        for c in reps:
+            out[c] = b2[c].to_numpy(dtype=float) * factor
+    else:
+        key = _profile_keys(b2, creq, plan, profile_columns(plan, creq, cal.kept))
+        w_cal = base * cal.g[np.searchsorted(cal.keys, key)]
+        if reps:
+            r_kept = cal.kept if plan.rep_margins else []
+            key_r = _profile_keys(b2, creq, plan, profile_columns(plan, creq, r_kept))
+            at = np.searchsorted(cal.keys_r, key_r)
+            for c, g in zip(reps, cal.g_r, strict=True):
+                out[c] = (b2[c].to_numpy(dtype=float) * factor) * g[at]
+    out[creq.weight] = w_cal
+    _write_partition(out, part, folder)
+    n2 = len(b2)
+    return {
+        "adj": np.unique(w_cal / base, return_counts=True),
+        "final": np.unique(w_cal / w, return_counts=True),
+        "w_cal": _partials(np.zeros(n2, np.int64), w_cal, 1, plan.offsets[part.start], n2)[0],
+    }
+
+
+def calibration_summary(
+    plan: CalibrationPlan,
+    creq: CalibrationRequest,
+    cal: CalibrationFactors | None,
+    applied: Sequence[dict[str, Any]],
+) -> tuple[dict[str, pd.DataFrame], dict[str, float]]:
+    """calibrate_treated's tables and metrics from the solve and the partitions' factors."""
+    from sdl_design.massc.treatment import domain_metrics, weight_factors
+
+    tables: dict[str, pd.DataFrame] = {}
+    metrics: dict[str, float] = {}
+    table = plan.table if cal is None else cal.table
+    if creq.domains:
+        tables["calibration_domains"] = table
+    if cal is not None:
+        if cal.report is not None:
+            tables["replicate_calibration"] = cal.report
+        metrics["calibration_domains_kept"] = float(len(cal.kept))
+        reps = creq.replicates and plan.rep_margins
+        metrics["calibration_replicate_domains"] = float(len(cal.kept) if reps else 0)
+    if creq.domains:
+        metrics.update(domain_metrics(table))
+    acc = BlockAccumulator(1, plan.n2)
+    for a in applied:
+        acc.add(a["w_cal"])
+    summary = weight_factors(
+        [a["adj"] for a in applied],
+        [a["final"] for a in applied],
+        float(acc.total()[0]),
+        plan.w_o_total,
+    )
+    tables["weight_factors"] = summary.pop("table")
+    metrics.update(summary)
+    return tables, metrics
