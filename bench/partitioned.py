@@ -2,8 +2,8 @@
 memory on a local Dask cluster of 2 single-threaded workers, against the same scan in one
 process (one partition in memory at a time) and, up to 2M records, the same SE table from the
 whole file in memory (read_input and SurveyDesign) and the in-memory swap and PRB stages and
-MASSC's plan (whose records, donors and substituted file must equal the partitioned ones, bit
-for bit).
+MASSC's plan, treatment and calibration (whose records, donors, substituted file, selections
+and calibrated records must equal the partitioned ones, bit for bit).
 
 Usage: python bench/partitioned.py SPEC [row_group_records] (SPEC: a spec whose release.input
 is a Parquet file, e.g. the default_spec.yaml that bench/release.py leaves in its output
@@ -108,7 +108,12 @@ from sdl_design.rng import release_seed
 cfg, plan, tr, dm, revisions = _main(
     prb.data, spec, release_seed(spec.release.seed, spec.release.year), df
 )
-print('WHOLE', t1 - t0, t2 - t1, time.perf_counter() - t2)
+t3 = time.perf_counter()
+from sdl_design.massc.stage import _calibrate, _release_margins
+calibrated = _calibrate(
+    prb.data, spec, cfg, tr, df, True, margins=_release_margins(prb.data, spec, df, cfg)
+)[0]
+print('WHOLE', t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
 del df, ctx
 def same(folder, frame):
     got = pd.read_parquet(folder)
@@ -145,10 +150,10 @@ def same_treatment(folder):
         phi.tobytes() == tr.phi.rates.tobytes()) and delta == dm.delta
 print('SAME', same(sys.argv[2] + "/swap/data", swap.data), same(sys.argv[2] + "/prb/data", prb.data),
       same(sys.argv[2] + "/massc/donors", tilde), same_moments(sys.argv[2] + "/massc", plan.moments),
-      same_treatment(sys.argv[2] + "/massc"))
+      same_treatment(sys.argv[2] + "/massc"), same(sys.argv[2] + "/massc/data", calibrated))
 print('REVISIONS', len(revisions), dm.delta)
-"""  # the in-memory swap and PRB stages (with their tables and baselines) and MASSC's plan (Steps
-# I-II: strata, donors, tilde, moments, psi), against the partitions
+"""  # the in-memory swap and PRB stages (with their tables and baselines), MASSC's plan and
+# treatment (Steps I-III) and its calibration (Step IV), against the partitions
 
 
 COPY = """
@@ -215,7 +220,7 @@ def main() -> None:
         peaks = client.run(_maxrss_gib)
     sw, pr = run["stages"]["swap"], run["stages"]["prb"]
     print(
-        f"scan, swap, PRB and MASSC Steps I-III by partition on Dask: {run['seconds']:.1f} s (the scan "
+        f"scan, swap, PRB and MASSC Steps I-IV by partition on Dask: {run['seconds']:.1f} s (the scan "
         f"{run['scan_seconds']:.1f} s); per-worker peak RSS "
         + ", ".join(f"{v:.2f} GiB" for v in peaks.values())
         + f" (at start {max(start.values()):.2f} GiB); driver peak {_maxrss_gib():.2f} GiB\n"
@@ -233,12 +238,14 @@ def main() -> None:
     if "massc" in run["stages"]:
         ms = run["stages"]["massc"]
         print(
-            f"  MASSC Steps I-III: donors pass 1 {ms['pass1_seconds']:.1f} s, search on the driver "
+            f"  MASSC Steps I-IV: donors pass 1 {ms['pass1_seconds']:.1f} s, search on the driver "
             f"{ms['search_seconds']:.1f} s, draws and exchange of the donor records between "
             f"the workers, writing the substituted file {ms['exchange_seconds']:.1f} s; strata "
             f"and moments {ms['moments_seconds']:.1f} s, psi {ms['psi_seconds']:.1f} s, the "
             f"treatment (two selections exchanging records, phi, delta; "
-            f"{ms['n_delta_revisions']} revision(s)) {ms['treatment_seconds']:.1f} s; "
+            f"{ms['n_delta_revisions']} revision(s)) {ms['treatment_seconds']:.1f} s, the "
+            f"calibration (three passes, the solve on the driver, writing the retained records) "
+            f"{ms['calibration_seconds']:.1f} s; "
             f"{ms['n_with_donor']:,} records with a donor, {ms['n_profiles']:,} search profiles",
             flush=True,
         )
@@ -248,7 +255,7 @@ def main() -> None:
     wall, peak, text = _child(PARTITIONED_IN_PROCESS, str(spec), str(work / "p-thread"))
     secs = float(next(ln for ln in text.splitlines() if ln.startswith("RUN")).split()[1])
     print(
-        f"scan, swap, PRB and MASSC Steps I-III in one process, a partition at a time: {secs:.1f} s; "
+        f"scan, swap, PRB and MASSC Steps I-IV in one process, a partition at a time: {secs:.1f} s; "
         f"peak RSS {peak:.2f} GiB"
     )
     same = all(
@@ -269,12 +276,13 @@ def main() -> None:
         print(
             f"the stages on the whole file in memory (SwapStage with its SE tables and the 2a "
             f"baseline; PrbStage with its tables and the NZY baseline; MASSC's plan and "
-            f"treatment with meet_delta's revisions): read + swap {float(secs[0]):.1f} s, PRB "
-            f"{float(secs[1]):.1f} s, MASSC plan and treatment {float(secs[2]):.1f} s; peak "
+            f"treatment with meet_delta's revisions, and its calibration): read + swap {float(secs[0]):.1f} s, PRB "
+            f"{float(secs[1]):.1f} s, MASSC plan and treatment {float(secs[2]):.1f} s, its "
+            f"calibration {float(secs[3]):.1f} s; peak "
             f"RSS {peak:.2f} GiB; records equal to the partitioned ones, bit for bit: swap "
             f"{same[0]}, PRB {same[1]}, MASSC's donors and substituted file {same[2]}, its "
             f"moments, original totals and SEs, costs and psi {same[3]}, its substitution, "
-            f"phi, subsampling and delta {same[4]}"
+            f"phi, subsampling and delta {same[4]}, its calibrated records {same[5]}"
         )
 
 

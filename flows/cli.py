@@ -256,6 +256,14 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                 + ", ".join(f"{h} {p:.4g}" for h, p in m["phi"].items())
                 + f"; delta {m['delta']:.4f} after {m['n_delta_revisions']} revision(s)"
             )
+            dropped = int(m.get("calibration_domains_dropped", 0))
+            print(
+                f"                calibrated: {m['calibration_factor_min']:.3f} to "
+                f"{m['calibration_factor_max']:.3f} x the weight / phi; "
+                f"{int(m.get('calibration_domains_kept', 0))} domain margin(s) kept, {dropped} "
+                f"dropped; weight total {m['weight_sum_ratio']:.6f} x the input's; the retained "
+                "records in massc/data/ (massc/calibration_domains.csv, weight_factors.csv)"
+            )
         for name, res in st.items():
             se = res["tables"].get("se_ratios") if isinstance(res, dict) else None
             for col, kind in (("ratio", "Taylor"), ("ratio_rep", "replicate")):

@@ -393,7 +393,7 @@ def _massc_stage(
     folder: Path,
     chain: Chain,
 ) -> dict[str, Any]:
-    """MASSC by partition as far as it is built, Steps I-III (the release's `_main`, bit for
+    """MASSC by partition as far as it is built, Steps I-IV (the release's `_main`, bit for
     bit). The donor search: pass 1 lists each partition's search profiles; the driver
     searches donor profiles with the MASSC stage's Generator; each record draws its donor
     record, which the partition holding it sends back (worker to worker, not through the
@@ -402,8 +402,10 @@ def _massc_stage(
     original's totals and Taylor variances and the costs by partition in block sums
     (sdl_design.blocksum); psi on the driver. The selections at psi and at phi (records
     exchanged to the partition that owns their group) with phi from the moments of z*, delta,
-    and meet_delta's revisions while delta is above gates.delta_max. partial: the
-    calibration and the replications by partition are not built."""
+    and meet_delta's revisions while delta is above gates.delta_max. Step IV: the retained
+    records' weight and replicate weights calibrated to the original's totals (three passes,
+    sdl_design.partition_calibration) and written to data/. partial: the replications by
+    partition are not built."""
     from sdl_design.massc.stage import massc_config
     from sdl_design.massc.treatment import cost_from, revise_rates
 
@@ -560,7 +562,7 @@ def _massc_stage(
 PARTITIONED = {"swap": _swap_stage, "prb": _prb_stage, "massc": _massc_stage}
 # what a stage's partitioned path refuses in a spec, checked before anything runs
 # (PartitionError naming the field): (spec, input columns) -> None
-PARTITIONED_CHECKS = {"massc": part.massc_request}
+PARTITIONED_CHECKS = {"massc": pcal.check_massc}
 
 
 def run_partitioned(
@@ -573,7 +575,8 @@ def run_partitioned(
 ) -> dict[str, Any]:
     """The spec's release stages that have a partitioned path, in release order, each on the
     previous one's partitions (the swap, PRB, then MASSC as far as it is built: it stops in
-    MASSC before the calibration, "stopped_in"); stops before the first stage that has
+    MASSC after the calibration, before the replications, "stopped_in"; the calibrated records
+    are in massc/data/); stops before the first stage that has
     none, and says which. First it scans the input as `puf scan` does (scan/: its edit rules,
     which stop the run when one fails, the risk stage's metrics, its SEs). out (default
     partitioned_folder) gets, per stage, <stage>/data/part-<first record>.parquet (the records

@@ -33,6 +33,7 @@ from sdl_design.partition import (
     _original_rows,
     _treated_records,
     _write_partition,
+    read_partition,
 )
 from sdl_design.spec import KeySpec, ReleaseSpec
 
@@ -82,6 +83,22 @@ def calibration_request(spec: ReleaseSpec, columns: Sequence[str]) -> Calibratio
             "input; fix the names or set calibration.domain_margins: false"
         )
     return req
+
+
+def check_massc(spec: ReleaseSpec, columns: Sequence[str]) -> None:
+    """What MASSC by partition refuses, before anything runs (PartitionError naming the field):
+    massc_request's, a missing calibration column, and a numeric (single-total) control, whose
+    type is read from the input's first partition as the passes type it."""
+    from sdl_design.partition import massc_request, plan_partitions
+
+    massc_request(spec, columns)
+    creq = calibration_request(spec, columns)
+    plain = [k for k in creq.controls if k.bins is None and k.map is None]
+    if plain:
+        first = plan_partitions(spec.release.input)[0]
+        df = read_partition(first, [k.name for k in plain], spec)
+        for k in plain:
+            _numeric_control(df, k)
 
 
 # ---------------------------------------------------------------- values of several partitions
@@ -677,8 +694,12 @@ def calibration_apply(
     w_r g_r (every column of B(1), in its order), written to folder; the distinct calibration
     and total factors with their counts and the calibrated weight's block sums (the metrics).
     cal None: no control and no margin (weights divided by phi only)."""
+    from sdl_design.edits import check_edits
+    from sdl_design.massc.stage import EDIT_HINT
+
     reps = list(creq.replicates)
-    b2, factor, _ = _retained(part, m, tr, None)
+    b2, factor, b1 = _retained(part, m, tr, None)
+    check_edits(b1, m.spec.edits, "MASSC output", EDIT_HINT)  # B(1), as massc_result checks
     w = b2[creq.weight].to_numpy(dtype=float)
     base = w * factor
     out = b2.copy(deep=False)

@@ -299,8 +299,8 @@ def _with_donors(clean, restrictions=(), delta_max=None):
 def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(clean, tmp_path):
     """One local cluster of 2 worker processes: `puf scan` writes the same tables and `puf
     partitioned` the same records after the swap and PRB, the same substituted file of MASSC's
-    donor search and the same selections (records exchanged between workers) and the same
-    tables, byte for byte, as in this process."""
+    donor search, the same selections (records exchanged between workers), the same
+    calibrated records and the same tables, byte for byte, as in this process."""
     import logging
 
     from distributed import LocalCluster
@@ -326,7 +326,9 @@ def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
     thread, dask = tmp_path / "partitioned-thread", tmp_path / "partitioned-dask"
     files = sorted(p.relative_to(thread) for p in thread.rglob("*.*") if p.name != "run.json")
     parquet = [f for f in files if f.suffix == ".parquet"]
-    assert len(parquet) == 20  # swap's, PRB's, MASSC's donors and its two selections'
+    # the swap's, PRB's, MASSC's donors, its two selections' and its calibrated records
+    assert len(parquet) == 24
+    assert len([f for f in parquet if f.parts[:2] == ("massc", "data")]) == 4
     assert json.loads((thread / "run.json").read_text())["stages"]["massc"]["n_with_donor"] > 0
     for f in files:
         assert (thread / f).read_bytes() == (dask / f).read_bytes(), f
@@ -453,7 +455,7 @@ def test_puf_partitioned_leaves_nothing_when_a_partition_fails(
     assert puf(["partitioned", str(path), "--partitions", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "pairs in swap/pairs.csv (confidential)" in text
-    assert "stopped in massc: done Steps I-III (risk strata, donors, moments" in text
+    assert "stopped in massc: done Steps I-IV (risk strata, donors, moments" in text
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     calls = []
 
@@ -565,12 +567,12 @@ def test_puf_partitioned_stops_on_the_inputs_edit_failures(survey, tmp_path, cap
 def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
     clean, tmp_path, restrictions, delta_max
 ):
-    """MASSC Steps I-III by partition after the partitioned swap and PRB, on 2 and 7
+    """MASSC Steps I-IV by partition after the partitioned swap and PRB, on 2 and 7
     partitions: every record's donor (global row), the substituted file tilde, the strata,
     moments, costs, psi, the substitution, phi, the subsampling, delta and meet_delta's
     revisions equal the release's MASSC (_main on the in-memory stages' output, the release's
-    Generator), bit for bit; donors keep the recipient's sex, region and restriction values
-    and change another key."""
+    Generator), and so do the calibrated records (Step IV), bit for bit; donors keep the
+    recipient's sex, region and restriction values and change another key."""
     from flows.scan import run_partitioned
 
     path, spec, whole = _with_donors(clean, restrictions, delta_max)
@@ -804,3 +806,27 @@ def test_puf_partitioned_names_the_field_of_massc_substrata(clean, tmp_path, cap
     assert "stages.massc.substrata: k-means substrata" in err
     assert "pass 1" not in err  # refused before the scan
     assert not out.exists()
+
+
+def test_puf_partitioned_names_the_field_of_a_numeric_calibration_control(clean, tmp_path, capsys):
+    """A numeric control (a single total, summed by BLAS in memory) has no calibration by
+    partition: refused before the scan with the field and the fix (exit 2), nothing written;
+    the same control with bins runs."""
+    path, _, _ = clean
+    data = yaml.safe_load(path.read_text())
+    data["stages"]["massc"]["calibration"]["controls"] = ["sex", "income"]
+    new = path.parent / "numeric-control.yaml"
+    new.write_text(yaml.safe_dump(data))
+    out = tmp_path / "run"
+    assert puf(["partitioned", str(new), "--partitions", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "stages.massc.calibration.controls: 'income' is numeric" in err
+    assert "give it bins" in err and "pass 1" not in err
+    assert not out.exists()
+    binned = {"name": "income", "bins": [0, 20000, 50000, 1e12]}
+    data["stages"]["massc"]["calibration"]["controls"] = ["sex", binned]
+    new.write_text(yaml.safe_dump(data))
+    from sdl_design.partition_calibration import check_massc
+
+    spec = load_spec(new)
+    check_massc(spec, P.input_columns(spec.release.input))  # no error

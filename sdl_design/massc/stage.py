@@ -231,6 +231,12 @@ def _calibrate(df, spec, cfg, tr, original, replicates: bool, domains=None, marg
     )
 
 
+EDIT_HINT = (
+    "add the variables these rules tie to the keys to the substituted (key-related) columns, "
+    "or restrict donors"
+)
+
+
 def massc_result(
     df: pd.DataFrame,
     spec,
@@ -251,12 +257,7 @@ def massc_result(
         main = _main(df, spec, seed, original, design)
     cfg, plan, tr, dm, revisions = main
     b0 = original_rows(df, original)
-    check_edits(
-        tr.b1,
-        spec.edits,
-        "MASSC output",
-        "add the variables these rules tie to the keys to the substituted (key-related) columns, or restrict donors",
-    )
+    check_edits(tr.b1, spec.edits, "MASSC output", EDIT_HINT)
     cal = spec.stages.massc.calibration
     data, cal_tables, cal_metrics = _calibrate(
         df, spec, cfg, tr, original, replicates=True, margins=margins
