@@ -264,6 +264,13 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                 f"dropped; weight total {m['weight_sum_ratio']:.6f} x the input's; the retained "
                 "records in massc/data/ (massc/calibration_domains.csv, weight_factors.csv)"
             )
+            if "epsilon_empirical" in m:
+                print(
+                    f"                epsilon {m['epsilon']:.4f}: formula (eq. 7) "
+                    f"{m['epsilon_formula']:.4f}, empirical {m['epsilon_empirical']:.4f} over "
+                    f"{int(m['n_replications'])} replications of the whole treatment "
+                    "(massc/epsilon_replications.csv)"
+                )
         for name, res in st.items():
             se = res["tables"].get("se_ratios") if isinstance(res, dict) else None
             for col, kind in (("ratio", "Taylor"), ("ratio_rep", "replicate")):
@@ -275,8 +282,6 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                     )
         if "stopped_before" in st:
             print(f"  stopped before {st['stopped_before']}: it has no partitioned path yet")
-        if "stopped_in" in st:
-            print(f"  stopped in {st['stopped_in']}: done {st[st['stopped_in']]['partial']}")
         return 0
 
     return _guarded(go)

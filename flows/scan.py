@@ -404,8 +404,9 @@ def _massc_stage(
     exchanged to the partition that owns their group) with phi from the moments of z*, delta,
     and meet_delta's revisions while delta is above gates.delta_max. Step IV: the retained
     records' weight and replicate weights calibrated to the original's totals (three passes,
-    sdl_design.partition_calibration) and written to data/. partial: the replications by
-    partition are not built."""
+    sdl_design.partition_calibration) and written to data/; the replications of the whole
+    treatment (their own selections, the weight's calibration and study totals) and the
+    empirical epsilon."""
     from sdl_design.massc.stage import massc_config
     from sdl_design.massc.treatment import cost_from, revise_rates
 
@@ -452,15 +453,19 @@ def _massc_stage(
     donors = str(folder / "donors")
     chosen = (str(folder / "select_psi"), str(folder / "select_phi"))
 
+    def selections(plans: list, folders: list[str], what: str) -> list[int]:
+        """Several selections in one exchange: the records each keeps."""
+        for where in folders:
+            Path(where).mkdir(parents=True, exist_ok=True)
+        sels = part.Selections(plans, folders)
+        got = run_map.exchange(
+            part.select_send, part.select_serve, part.select_receive, parts, m, sels, what=what
+        )
+        return [sum(c[r] for c in got) for r in range(len(plans))]
+
     def select(rates, where: str) -> int:
         sel_plan = part.select_plan(groups, rates, rng, n_rows, n_parts)
-        Path(where).mkdir(exist_ok=True)
-        receive = partial(part.select_receive, folder=where)
-        got = run_map.exchange(
-            part.select_send, part.select_serve, receive, parts, m, sel_plan,
-            what=f"massc selection ({Path(where).name})",
-        )  # fmt: skip
-        return sum(got)
+        return selections([sel_plan], [where], f"massc selection ({Path(where).name})")[0]
 
     def treat(p: part.RatesPlan, c) -> part.PartitionedTreatment:
         select(p.psi.rates, chosen[0])
@@ -498,28 +503,85 @@ def _massc_stage(
     # original's totals (calibrate_treated's, bit for bit), written to data/
     creq = pcal.calibration_request(spec, columns)
     treated = pcal.Treated(donors, chosen, np.asarray(phi.rates, dtype=float))
-    counts = run_map(pcal.retained_count, parts, treated, what="massc retained records")
-    offsets = pcal.retained_offsets(parts, counts)
-    first = run_map(
-        pcal.calibration_pass1, parts, m, creq, treated, offsets, what="massc calibration pass 1"
-    )
-    cplan = pcal.calibration_plan(first, creq, n_rows, offsets)
-    cal = None
-    if creq.controls or cplan.margins:
 
-        def pass2(kept: list[str]) -> list:
-            return run_map(
-                pcal.calibration_pass2, parts, m, creq, treated, cplan, kept,
-                what="massc calibration pass 2",
-            )  # fmt: skip
+    def calibrations(creq: pcal.CalibrationRequest, trs: list, what: str) -> list[tuple]:
+        """Step IV of several treatments in the same passes: (plan, factors) of each."""
+        got = run_map(pcal.retained_count, parts, trs, what=f"{what}: retained records")
+        offsets = [pcal.retained_offsets(parts, [c[r] for c in got]) for r in range(len(trs))]
+        first = run_map(
+            pcal.calibration_pass1, parts, m, creq, trs, offsets, what=f"{what}: pass 1"
+        )
+        plans = [
+            pcal.calibration_plan([f[r] for f in first], creq, n_rows, offsets[r])
+            for r in range(len(trs))
+        ]
+        todo = [r for r, p in enumerate(plans) if creq.controls or p.margins]
+        if not todo:
+            return [(p, None) for p in plans]
+        second = run_map(
+            pcal.calibration_pass2, parts, m, creq, [trs[r] for r in todo],
+            [plans[r] for r in todo], [list(plans[r].margins) for r in todo],
+            what=f"{what}: pass 2",
+        )  # fmt: skip
+        out = [(p, None) for p in plans]
+        for k, r in enumerate(todo):
 
-        cal = pcal.calibrate_by_partition(cplan, creq, pass2, n_rows)
+            def again(kept: list[str], r: int = r) -> list:  # after a domain is dropped
+                got = run_map(
+                    pcal.calibration_pass2, parts, m, creq, [trs[r]], [plans[r]], [kept],
+                    what=f"{what}: pass 2 again",
+                )  # fmt: skip
+                return [g[0] for g in got]
+
+            first_sums = [s[k] for s in second]
+            cal = pcal.calibrate_by_partition(plans[r], creq, again, n_rows, first_sums)
+            out[r] = (plans[r], cal)
+        return out
+
+    ((cplan, cal),) = calibrations(creq, [treated], "massc calibration")
     applied = run_map(
         pcal.calibration_apply, parts, m, creq, treated, cplan, cal, str(folder / "data"),
         what="massc calibration",
     )  # fmt: skip
     cal_tables, cal_metrics = pcal.calibration_summary(cplan, creq, cal, applied)
-    _lap(laps, "calibration", t)
+    t = _lap(laps, "calibration", t)
+    # the replications of the whole treatment (massc_replications), all in the same passes:
+    # each draws its two selections from its own Generator (one exchange for all of them) and
+    # calibrates the weight only, to the controls and the declared domains the release's
+    # weight alone keeps; epsilon from their study totals
+    n_reps = int(spec.stages.massc.replications)
+    if n_reps:
+        wreq = pcal.weight_only(creq)
+        if wreq.domains:
+            ((wplan, wcal),) = calibrations(wreq, [treated], "massc replications' domains")
+            wreq = pcal.replication_request(wreq, wplan.table if wcal is None else wcal.table)
+        plans, folders, rtrs = [], [], []
+        for r in range(n_reps):
+            gen = pcal.replication_generator(spec, r)
+            where = folder / "replications" / f"r{r:03d}"
+            rchosen = (str(where / "select_psi"), str(where / "select_phi"))
+            plans += [
+                part.select_plan(groups, psi.rates, gen, n_rows, n_parts),
+                part.select_plan(groups, phi.rates, gen, n_rows, n_parts),
+            ]
+            folders += list(rchosen)
+            rtrs.append(pcal.Treated(donors, rchosen, treated.phi))
+        selections(plans, folders, "massc replications: selections")
+        done = calibrations(wreq, rtrs, "massc replications")
+        got = run_map(
+            pcal.replication_totals, parts, m, wreq, rtrs, [d[0] for d in done],
+            [d[1] for d in done], zvars, what="massc replications: totals",
+        )  # fmt: skip
+        estimates = [
+            pcal.combine_replication_totals([g[r] for g in got], zvars, done[r][0].n2)
+            for r in range(n_reps)
+        ]
+        shutil.rmtree(folder / "replications")  # their selections: original-to-masked maps
+        eps_rep, rep_table = pcal.replication_epsilon(estimates, sums.truth, zvars)
+        cal_tables["epsilon_replications"] = rep_table
+        cal_metrics["epsilon_empirical"] = eps_rep
+        cal_metrics["n_replications"] = float(n_reps)
+    _lap(laps, "replications", t)
     _say(
         f"calibrated to the controls and {len(cal.kept) if cal else 0} domain margin(s): "
         f"weight factors {cal_metrics['calibration_factor_min']:.3f} to "
@@ -533,10 +595,6 @@ def _massc_stage(
         "partitioned",
     )
     return {
-        "partial": "Steps I-IV (risk strata, donors, moments, the original's totals and SEs, "
-        "disclosure costs, psi of eq. 9, substitution, phi of eq. 10, subsampling, delta and "
-        "its revisions, epsilon of eq. 7, the calibration of the weight and replicate weights: "
-        "the retained records are in data/); the replications by partition are not built",
         "n_with_donor": n_has,
         "n_profiles": plan.n_profiles,
         "strata": {h: int(n) for h, n in zip(labels, mom.N, strict=True)},
@@ -547,7 +605,8 @@ def _massc_stage(
         "n_substituted": n_sub,
         "n_subsampled_out": n_rows - n_kept,
         "delta": dm.delta,
-        "epsilon": epsilon,
+        "epsilon_formula": epsilon,
+        "epsilon": max(epsilon, cal_metrics.get("epsilon_empirical", epsilon)),
         "n_delta_revisions": len(revisions),
         "budget_scale": cfg.budget_scale,
         "files": [Path(f).name for f in files],
@@ -557,8 +616,7 @@ def _massc_stage(
     }
 
 
-# the release stages that have a partitioned path (sdl_design.partition's map and reduce);
-# a partial one (its result says "partial") runs as far as it is built and the chain stops
+# the release stages that have a partitioned path (sdl_design.partition's map and reduce)
 PARTITIONED = {"swap": _swap_stage, "prb": _prb_stage, "massc": _massc_stage}
 # what a stage's partitioned path refuses in a spec, checked before anything runs
 # (PartitionError naming the field): (spec, input columns) -> None
@@ -574,9 +632,7 @@ def run_partitioned(
     workers: int = 2,
 ) -> dict[str, Any]:
     """The spec's release stages that have a partitioned path, in release order, each on the
-    previous one's partitions (the swap, PRB, then MASSC as far as it is built: it stops in
-    MASSC after the calibration, before the replications, "stopped_in"; the calibrated records
-    are in massc/data/); stops before the first stage that has
+    previous one's partitions (the swap, PRB and MASSC); stops before the first stage that has
     none, and says which. First it scans the input as `puf scan` does (scan/: its edit rules,
     which stop the run when one fails, the risk stage's metrics, its SEs). out (default
     partitioned_folder) gets, per stage, <stage>/data/part-<first record>.parquet (the records
@@ -633,15 +689,6 @@ def run_partitioned(
                     res = fn(spec, cols, now, run_map, tmp / stage.name, chain)
                 except part.PartitionError as e:
                     raise SpecError([str(e)]) from e
-                if res.get("partial"):  # as far as it is built: its tables, then stop
-                    if not any((tmp / stage.name / "data").iterdir()):
-                        (tmp / stage.name / "data").rmdir()
-                    for name, table in res["tables"].items():
-                        table.to_csv(tmp / stage.name / f"{name}.csv", index=False)
-                    done[stage.name] = res
-                    done["stopped_in"] = stage.name
-                    _say(f"stopped in {stage.name}: done {res['partial']}", "partitioned")
-                    break
                 now = part.plan_partitions(tmp / stage.name / "data")
                 cols = part.input_columns(tmp / stage.name / "data")
                 # the damage so far: the records after this stage against the input's

@@ -1644,53 +1644,73 @@ def select_plan(
     return SelectPlan(groups, np.asarray(rates, dtype=float), state, start_u, n_parts)
 
 
-def select_send(part: Partition, m: MasscInputs, plan: SelectPlan) -> list[dict[str, np.ndarray]]:
-    """Each record's group, uniform (select's, in record order) and rate, sent to the
-    partition that selects within its group."""
+@dataclass
+class Selections:
+    """Several selections of the whole input made in one exchange (select_send, serve,
+    receive): their plans and the folders their indicators go to."""
+
+    plans: list[SelectPlan]
+    folders: list[str]
+
+    @property
+    def n_parts(self) -> int:
+        return self.plans[0].n_parts
+
+    def owner(self, g: np.ndarray) -> np.ndarray:
+        return self.plans[0].owner(g)  # the groups and partitions are the same in every plan
+
+
+def select_send(part: Partition, m: MasscInputs, sels: Selections) -> list[dict[str, np.ndarray]]:
+    """Each record's group, and per selection its uniform (select's, in record order) and
+    rate, sent to the partition that selects within its group."""
     values, h = _selection_records(part, m)
-    g = _lookup(values, plan.groups, "selection group")
-    u = advanced(plan.state, part.start).random(len(h))  # select's uniforms of these records
-    pi = plan.rates[h]
+    g = _lookup(values, sels.plans[0].groups, "selection group")
+    u = np.stack([advanced(p.state, part.start).random(len(h)) for p in sels.plans])
+    pi = np.stack([p.rates[h] for p in sels.plans])
     if np.any((pi < 0) | (pi > 1)):
         raise PartitionError("stages.massc: rates must lie in [0, 1]")
     rows = part.start + np.arange(len(h))
-    to = plan.owner(g)
+    to = sels.owner(g)
     return [
-        {"rows": rows[to == j], "g": g[to == j], "u": u[to == j], "pi": pi[to == j]}
-        for j in range(plan.n_parts)
+        {"rows": rows[to == j], "g": g[to == j], "u": u[:, to == j], "pi": pi[:, to == j]}
+        for j in range(sels.n_parts)
     ]
 
 
 def select_serve(
-    part: Partition, requests: Sequence[dict[str, np.ndarray]], m: MasscInputs, plan: SelectPlan
+    part: Partition, requests: Sequence[dict[str, np.ndarray]], m: MasscInputs, sels: Selections
 ) -> list[dict[str, np.ndarray]]:
-    """The systematic selection within the groups this partition owns: their records sorted
-    by group, uniform and record (select's order), the hits sent back to each partition."""
+    """The systematic selections within the groups this partition owns: per selection, its
+    records sorted by group, uniform and record (select's order), the hits sent back to each
+    partition."""
     from sdl_design.massc.treatment import systematic_hits
 
-    cat = {k: np.concatenate([q[k] for q in requests]) for k in ("rows", "g", "u", "pi")}
+    rows, g = (np.concatenate([q[k] for q in requests]) for k in ("rows", "g"))
+    u, pi = (np.concatenate([q[k] for q in requests], axis=1) for k in ("u", "pi"))
     sender = np.repeat(np.arange(len(requests)), [len(q["rows"]) for q in requests])
-    order = np.lexsort((cat["rows"], cat["u"], cat["g"]))
-    hit = np.zeros(len(order), dtype=bool)
-    hit[order] = systematic_hits(cat["g"][order], cat["pi"][order], plan.start_u)
-    return [
-        {"rows": cat["rows"][sender == i], "hit": hit[sender == i]} for i in range(len(requests))
-    ]
+    hit = np.zeros((len(sels.plans), len(rows)), dtype=bool)
+    for r, plan in enumerate(sels.plans):
+        order = np.lexsort((rows, u[r], g))
+        hit[r, order] = systematic_hits(g[order], pi[r, order], plan.start_u)
+    return [{"rows": rows[sender == i], "hit": hit[:, sender == i]} for i in range(len(requests))]
 
 
 def select_receive(
     part: Partition,
     replies: Sequence[dict[str, np.ndarray]],
     m: MasscInputs,
-    plan: SelectPlan,
-    folder: str,
-) -> int:
-    """The partition's selection indicators, written to folder (column __sel); the count."""
-    sel = np.zeros(part.stop - part.start, dtype=bool)
-    for q in replies:
-        sel[q["rows"] - part.start] = q["hit"]
-    _write_partition(pd.DataFrame({"__sel": sel}), part, folder)
-    return int(sel.sum())
+    sels: Selections,
+) -> list[int]:
+    """The partition's indicators of each selection, written to its folder (column __sel);
+    the counts."""
+    out = []
+    for r, folder in enumerate(sels.folders):
+        sel = np.zeros(part.stop - part.start, dtype=bool)
+        for q in replies:
+            sel[q["rows"] - part.start] = q["hit"][r]
+        _write_partition(pd.DataFrame({"__sel": sel}), part, folder)
+        out.append(int(sel.sum()))
+    return out
 
 
 def _selected(part: Partition, folder: str) -> np.ndarray:
@@ -1781,15 +1801,22 @@ def _treated_records(
     (selected: select_receive's folders of the two selections)."""
     names = list(dict.fromkeys([*(k.name for k in req.keys), *(s.name for s in req.sensitive)]))
     df = read_partition(part, None if columns is None else [*names, *columns], spec)
-    names = list(df.columns)
     tilde = _tilde(part, spec, req, donors, df.index)
     d1 = _selected(part, selected[0]) & (tilde["__donor"].to_numpy() >= 0)
     d2 = _selected(part, selected[1])
+    return substituted(df, tilde, d1, req), d1, d2
+
+
+def substituted(
+    df: pd.DataFrame, tilde: pd.DataFrame, d1: np.ndarray, req: MasscRequest
+) -> pd.DataFrame:
+    """B(1) of the partition's records: the substituted ones (d1) take their donor's
+    key-related columns from tilde."""
     b1 = df.copy(deep=False)
-    for c in names:
+    for c in df.columns:
         if c in req.substitute:
             b1[c] = df[c].where(~d1, tilde[c])
-    return b1, d1, d2
+    return b1
 
 
 def delta_pass1(

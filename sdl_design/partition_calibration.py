@@ -17,7 +17,7 @@ sums: cell_labels (domain pooling), calibrate_profiles, replicate_factors, drop_
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,6 @@ from sdl_design.partition import (
     Partition,
     PartitionError,
     _original_rows,
-    _treated_records,
     _write_partition,
     read_partition,
 )
@@ -199,14 +198,26 @@ class Treated:
 
 
 def _retained(
-    part: Partition, m: MasscInputs, tr: Treated, columns: Sequence[str] | None
-) -> tuple[pd.DataFrame, np.ndarray, pd.DataFrame]:
-    """b2: the partition's retained records (B(1)'s, with `columns`; None: all), their
-    factors 1/phi_h, and b1 (every record)."""
-    b1, _, d2 = _treated_records(part, m.spec, m.req, tr.donors, tr.selected, columns)
+    part: Partition, m: MasscInputs, trs: Sequence[Treated], columns: Sequence[str] | None
+) -> list[tuple[pd.DataFrame, np.ndarray, pd.DataFrame]]:
+    """Per treatment: b2, the partition's retained records (B(1)'s, with `columns`; None:
+    all), their factors 1/phi_h, and b1 (every record); the partition read once."""
+    from sdl_design.partition import _selected, _tilde, substituted
+
+    spec, req = m.spec, m.req
+    names = [*(k.name for k in req.keys), *(s.name for s in req.sensitive)]
+    df = read_partition(part, None if columns is None else [*names, *columns], spec)
+    tilde = _tilde(part, spec, req, trs[0].donors, df.index)
+    has_donor = tilde["__donor"].to_numpy() >= 0
     _, h, _ = _original_rows(part, m)
-    factor = 1.0 / tr.phi[h]  # massc_treat's factor, then the retained records'
-    return b1[d2], factor[d2], b1
+    out = []
+    for tr in trs:
+        d1 = _selected(part, tr.selected[0]) & has_donor
+        d2 = _selected(part, tr.selected[1])
+        b1 = substituted(df, tilde, d1, req)
+        factor = 1.0 / tr.phi[h]  # massc_treat's factor, then the retained records'
+        out.append((b1[d2], factor[d2], b1))
+    return out
 
 
 def _coarsened(df: pd.DataFrame, creq: CalibrationRequest) -> pd.DataFrame:
@@ -240,11 +251,11 @@ class CalibrationPass1:
     domains: list[dict[str, Any]]
 
 
-def retained_count(part: Partition, tr: Treated) -> int:
-    """The partition's retained records (d(2))."""
+def retained_count(part: Partition, trs: Sequence[Treated]) -> list[int]:
+    """The partition's retained records (d(2)) of each treatment."""
     from sdl_design.partition import _selected
 
-    return int(_selected(part, tr.selected[1]).sum())
+    return [int(_selected(part, tr.selected[1]).sum()) for tr in trs]
 
 
 def retained_offsets(parts: Sequence[Partition], counts: Sequence[int]) -> dict[int, int]:
@@ -253,68 +264,77 @@ def retained_offsets(parts: Sequence[Partition], counts: Sequence[int]) -> dict[
     return {p.start: int(b) for p, b in zip(parts, before, strict=True)}
 
 
+def _cells(df: pd.DataFrame, dom: Sequence[KeySpec]) -> dict[str, Any]:
+    """A declared domain's distinct cells (recoded keys) on df's records: their values, raw
+    first records, rows and counts, and each record's local cell."""
+    code, first = _tuples(key_frame(df, list(dom)))
+    return {
+        "values": key_frame(df.iloc[first], list(dom)).reset_index(drop=True),
+        "raw": df[[k.name for k in dom]].iloc[first].reset_index(drop=True),
+        "first": df.index.to_numpy()[first],
+        "count": np.bincount(code, minlength=len(first)),
+        "code": code,
+    }
+
+
 def calibration_pass1(
     part: Partition,
     m: MasscInputs,
     creq: CalibrationRequest,
-    tr: Treated,
-    offsets: dict[int, int],
-) -> CalibrationPass1:
-    """Pass 1 on one partition (offsets: the retained records before each partition, by its
-    first record): per control its
-    distinct categories on the retained records and on the original, with the original's
-    weight and replicate totals by category; per declared domain its distinct cells (recoded
-    keys) on both files with their first records, counts, the original's weight total and,
-    for each replicate, the totals on both files."""
+    trs: Sequence[Treated],
+    offsets: Sequence[dict[int, int]],
+) -> list[CalibrationPass1]:
+    """Pass 1 on one partition, per treatment (offsets: its retained records before each
+    partition, by the partition's first record): per control its distinct categories on the
+    retained records and on the original, with the original's weight and replicate totals by
+    category; per declared domain its distinct cells (recoded keys) on both files with their
+    first records, counts, the original's weight total and, for each replicate, the totals on
+    both files. The original's side is the same for every treatment."""
     reps = list(creq.replicates)
     cols = creq.columns()
-    b2, _, _ = _retained(part, m, tr, cols)
     b0, _, _ = _original_rows(part, m, cols)
-    n0, n2, offset2 = len(b0), len(b2), offsets[part.start]
+    n0 = len(b0)
     w_o = b0[creq.weight].to_numpy(dtype=float)
-    same = bool(reps) and all(
-        np.array_equal(b2[c].to_numpy(dtype=float), b0.loc[b2.index, c].to_numpy(dtype=float))
-        for c in reps
-    )
     R_o = b0[reps].to_numpy(dtype=float) if reps else np.zeros((n0, 0))
-    controls = []
-    c2, c0 = _coarsened(b2, creq), _coarsened(b0, creq)
+    c0 = _coarsened(b0, creq)
+    original = []  # per control: its categories on the original, their totals
     for k in creq.controls:
-        _numeric_control(b2, k)
-        _, u2 = _local(c2[k.name])
         code, u0 = _local(key_frame(c0, [k.name])[k.name])
-        controls.append(
-            {
-                "b2": u2,
-                "o": u0,
-                "w": _partials(code, w_o, len(u0), part.start, n0)[0],
-                "reps": _partials(code, R_o, len(u0), part.start, n0) if reps else [],
-            }
-        )
-    domains = []
-    R_2 = b2[reps].to_numpy(dtype=float) if reps and same else None
+        w = _partials(code, w_o, len(u0), part.start, n0)[0]
+        original.append((u0, w, _partials(code, R_o, len(u0), part.start, n0) if reps else []))
+    cells_o = []
     for dom in creq.domains:
-        names = [k.name for k in dom]
-        side = {}
-        for name, df in (("b2", b2), ("o", b0)):
-            code, first = _tuples(key_frame(df, list(dom)))
-            side[name] = {
-                "values": key_frame(df.iloc[first], list(dom)).reset_index(drop=True),
-                "raw": df[names].iloc[first].reset_index(drop=True),
-                "first": df.index.to_numpy()[first],
-                "count": np.bincount(code, minlength=len(first)),
-                "code": code,
-            }
-        o, t2 = side["o"], side["b2"]
+        o = _cells(b0, dom)
         o["w"] = _partials(o["code"], w_o, len(o["first"]), part.start, n0)[0]
-        if R_2 is not None:
-            o["reps"] = _partials(o["code"], R_o, len(o["first"]), part.start, n0)
-            t2["reps"] = _partials(t2["code"], R_2, len(t2["first"]), offset2, n2)
-        for s in side.values():
-            del s["code"]
-        domains.append(side)
-    one = np.zeros(n0, dtype=np.int64)
-    return CalibrationPass1(n2, same, _partials(one, w_o, 1, part.start, n0)[0], controls, domains)
+        cells_o.append(o)
+    w_total = _partials(np.zeros(n0, dtype=np.int64), w_o, 1, part.start, n0)[0]
+    out = []
+    for (b2, _, _), offs in zip(_retained(part, m, trs, cols), offsets, strict=True):
+        n2, offset2 = len(b2), offs[part.start]
+        same = bool(reps) and all(
+            np.array_equal(b2[c].to_numpy(dtype=float), b0.loc[b2.index, c].to_numpy(float))
+            for c in reps
+        )
+        controls = []
+        c2 = _coarsened(b2, creq)
+        for k, (u0, w, w_reps) in zip(creq.controls, original, strict=True):
+            _numeric_control(b2, k)
+            controls.append({"b2": _local(c2[k.name])[1], "o": u0, "w": w, "reps": w_reps})
+        domains = []
+        R_2 = b2[reps].to_numpy(dtype=float) if reps and same else None
+        for dom, o in zip(creq.domains, cells_o, strict=True):
+            t2 = _cells(b2, dom)
+            o = dict(o)
+            if R_2 is not None:
+                o["reps"] = _partials(o["code"], R_o, len(o["first"]), part.start, n0)
+                t2["reps"] = _partials(t2["code"], R_2, len(t2["first"]), offset2, n2)
+            domains.append({"b2": t2, "o": o})
+        out.append(CalibrationPass1(n2, same, w_total, controls, domains))
+    for q in out:  # the local codes stay here
+        for side in q.domains:
+            for s in side.values():
+                s.pop("code", None)
+    return out
 
 
 @dataclass
@@ -527,42 +547,46 @@ def calibration_pass2(
     part: Partition,
     m: MasscInputs,
     creq: CalibrationRequest,
-    tr: Treated,
-    plan: CalibrationPlan,
-    kept: Sequence[str],
-) -> CalibrationPass2:
-    """Pass 2 on one partition for the kept domain margins."""
+    trs: Sequence[Treated],
+    plans: Sequence[CalibrationPlan],
+    kepts: Sequence[Sequence[str]],
+) -> list[CalibrationPass2]:
+    """Pass 2 on one partition, per treatment, for its plan's kept domain margins."""
     reps = list(creq.replicates)
     cols = creq.columns()
-    b2, factor, _ = _retained(part, m, tr, cols)
     b0, _, _ = _original_rows(part, m, cols)
-    n0, n2, start2 = len(b0), len(b2), plan.offsets[part.start]
+    n0 = len(b0)
     w_o = b0[creq.weight].to_numpy(dtype=float)
     by_name = {margin_name_of(d): d for d in creq.domains}
-    labels = {}
-    for mname in kept:
-        cells = plan.margins[mname]
-        lab = _label_codes(b0, by_name[mname], cells)
-        k = len(cells.cats)
-        labels[mname] = {
-            "w": _partials(lab, w_o, k, part.start, n0)[0],
-            "count": np.bincount(lab, minlength=k),
-            "reps": _partials(lab, b0[reps].to_numpy(float), k, part.start, n0)
-            if plan.rep_margins
-            else [],
-        }
-    base = b2[creq.weight].to_numpy(dtype=float) * factor
-    key = _profile_keys(b2, creq, plan, profile_columns(plan, creq, kept))
-    keys, local = np.unique(key, return_inverse=True)
-    wp = _partials(local.ravel(), base, len(keys), start2, n2)[0]
-    keys_r, Wp = np.zeros(0, np.int64), []
-    if reps:
-        r_kept = kept if plan.rep_margins else []
-        key_r = _profile_keys(b2, creq, plan, profile_columns(plan, creq, r_kept))
-        keys_r, local_r = np.unique(key_r, return_inverse=True)
-        W = b2[reps].to_numpy(dtype=float) * factor[:, None]
-        Wp = _partials(local_r.ravel(), W, len(keys_r), start2, n2)
-    return CalibrationPass2(labels, keys, wp, keys_r, Wp)
+    out = []
+    frames = _retained(part, m, trs, cols)
+    for (b2, factor, _), plan, kept in zip(frames, plans, kepts, strict=True):
+        n2, start2 = len(b2), plan.offsets[part.start]
+        labels = {}
+        for mname in kept:
+            cells = plan.margins[mname]
+            lab = _label_codes(b0, by_name[mname], cells)
+            k = len(cells.cats)
+            labels[mname] = {
+                "w": _partials(lab, w_o, k, part.start, n0)[0],
+                "count": np.bincount(lab, minlength=k),
+                "reps": _partials(lab, b0[reps].to_numpy(float), k, part.start, n0)
+                if plan.rep_margins
+                else [],
+            }
+        base = b2[creq.weight].to_numpy(dtype=float) * factor
+        key = _profile_keys(b2, creq, plan, profile_columns(plan, creq, kept))
+        keys, local = np.unique(key, return_inverse=True)
+        wp = _partials(local.ravel(), base, len(keys), start2, n2)[0]
+        keys_r, Wp = np.zeros(0, np.int64), []
+        if reps:
+            r_kept = kept if plan.rep_margins else []
+            key_r = _profile_keys(b2, creq, plan, profile_columns(plan, creq, r_kept))
+            keys_r, local_r = np.unique(key_r, return_inverse=True)
+            W = b2[reps].to_numpy(dtype=float) * factor[:, None]
+            Wp = _partials(local_r.ravel(), W, len(keys_r), start2, n2)
+        out.append(CalibrationPass2(labels, keys, wp, keys_r, Wp))
+    return out
 
 
 # ---------------------------------------------------------------- the solve on the driver
@@ -607,11 +631,13 @@ def calibrate_by_partition(
     creq: CalibrationRequest,
     sums: Callable[[list[str]], list[CalibrationPass2]],
     n_rows: int,
+    first: list[CalibrationPass2] | None = None,
 ) -> CalibrationFactors:
     """calibrate_treated's solve on profile sums: the weight to the controls and kept domain
     margins, then every replicate (to its own totals; the margins too when the replicates are
     the original's), a domain dropped (finest first) while either is infeasible. sums(kept):
-    pass 2 on every partition for those margins."""
+    pass 2 on every partition for those margins (first: its result for every margin, when
+    made already)."""
     from sdl_design.calibration import CalibrationInfeasible, calibrate_profiles, replicate_factors
     from sdl_design.massc.treatment import drop_finest, label_totals
 
@@ -620,7 +646,7 @@ def calibrate_by_partition(
     kept = list(plan.margins)
     margin_totals: dict[str, Any] = {}
     while True:
-        got = sums(kept)
+        got = first if first is not None and len(kept) == len(plan.margins) else sums(kept)
         for mname in kept:
             cells = plan.margins[mname]
             k = len(cells.cats)
@@ -698,18 +724,16 @@ def calibration_apply(
     from sdl_design.massc.stage import EDIT_HINT
 
     reps = list(creq.replicates)
-    b2, factor, b1 = _retained(part, m, tr, None)
+    ((b2, factor, b1),) = _retained(part, m, [tr], None)
     check_edits(b1, m.spec.edits, "MASSC output", EDIT_HINT)  # B(1), as massc_result checks
     w = b2[creq.weight].to_numpy(dtype=float)
     base = w * factor
     out = b2.copy(deep=False)
+    w_cal = _calibrated_weight(b2, factor, creq, plan, cal)
     if cal is None:
-        w_cal = base
         for c in reps:
             out[c] = b2[c].to_numpy(dtype=float) * factor
     else:
-        key = _profile_keys(b2, creq, plan, profile_columns(plan, creq, cal.kept))
-        w_cal = base * cal.g[np.searchsorted(cal.keys, key)]
         if reps:
             r_kept = cal.kept if plan.rep_margins else []
             key_r = _profile_keys(b2, creq, plan, profile_columns(plan, creq, r_kept))
@@ -724,6 +748,108 @@ def calibration_apply(
         "final": np.unique(w_cal / w, return_counts=True),
         "w_cal": _partials(np.zeros(n2, np.int64), w_cal, 1, plan.offsets[part.start], n2)[0],
     }
+
+
+def _calibrated_weight(
+    b2: pd.DataFrame,
+    factor: np.ndarray,
+    creq: CalibrationRequest,
+    plan: CalibrationPlan,
+    cal: CalibrationFactors | None,
+) -> np.ndarray:
+    """w/phi g of the retained records (cal None: w/phi)."""
+    base = b2[creq.weight].to_numpy(dtype=float) * factor
+    if cal is None:
+        return base
+    key = _profile_keys(b2, creq, plan, profile_columns(plan, creq, cal.kept))
+    return base * cal.g[np.searchsorted(cal.keys, key)]
+
+
+def _replication_terms(data: dict[str, Any], zvars: Any, n_h: int, n_psu: int):
+    """The sums of the study totals of B(2) at the calibrated weight (treated_totals)."""
+    ys, ds = data["ys"], data["ds"]
+    yield from zvars.total_terms(ys.__getitem__, ds.__getitem__, data["w"])
+
+
+def replication_totals(
+    part: Partition,
+    m: MasscInputs,
+    creq: CalibrationRequest,
+    trs: Sequence[Treated],
+    plans: Sequence[CalibrationPlan],
+    cals: Sequence[CalibrationFactors | None],
+    zvars: Any,
+) -> list[Any]:
+    """Each replication's study totals on the partition (massc_replications' treated_totals):
+    B(2)'s study values and domains (the substituted records' from tilde) at the calibrated
+    weight, in block sums over the retained records."""
+    from sdl_design.massc.moments import ZParts
+    from sdl_design.partition import _partial_sums, _selected, _tilde
+
+    spec, req = m.spec, m.req
+    keys = [k.name for k in req.keys]
+    df = read_partition(part, list(dict.fromkeys([req.weight, *req.study, *keys])), spec)
+    tilde = _tilde(part, spec, req, trs[0].donors, df.index)
+    parts = ZParts.of(df, tilde, zvars)
+    has_donor = tilde["__donor"].to_numpy() >= 0
+    frames = _retained(part, m, trs, creq.columns())
+    out = []
+    for tr, plan, cal, (b2, factor, _) in zip(trs, plans, cals, frames, strict=True):
+        d1 = _selected(part, tr.selected[0]) & has_donor
+        rows = np.flatnonzero(_selected(part, tr.selected[1]))
+        ys, ds = parts.treated(d1, rows)
+        w = _calibrated_weight(b2, factor, creq, plan, cal)
+        bundle = {"ys": ys, "ds": ds, "w": w}
+        start2 = plan.offsets[part.start]
+        out.append(
+            _partial_sums(
+                start2, len(rows), [bundle], [_replication_terms], zvars, 0, 0, np.zeros(0)
+            )
+        )
+    return out
+
+
+def combine_replication_totals(partials: Sequence[Any], zvars: Any, n2: int) -> np.ndarray:
+    """The study totals of one replication (the order of zvars.labels)."""
+    from sdl_design.partition import _block_totals
+
+    return zvars.totals_from(_block_totals(partials, [_replication_terms], zvars, 0, 0, n2))
+
+
+def weight_only(creq: CalibrationRequest) -> CalibrationRequest:
+    """The calibration of the weight alone (the replications')."""
+    return replace(creq, replicates=())
+
+
+def replication_request(creq: CalibrationRequest, table: pd.DataFrame) -> CalibrationRequest:
+    """The replications' Step IV (replication_plan's): the weight only, to the controls and
+    the declared domains that the release treatment's weight-only calibration keeps (table:
+    its calibration_domains)."""
+    status = table.set_index("domain")["status"]
+    kept = tuple(
+        d for d in creq.domains if not status[" x ".join(k.name for k in d)].startswith("dropped")
+    )
+    return replace(creq, replicates=(), domains=kept)
+
+
+def replication_generator(spec: ReleaseSpec, r: int) -> np.random.Generator:
+    """Replication r's Generator (massc_replications': replication_seed of the release seed)."""
+    from sdl_design.massc.treatment import replication_seed
+    from sdl_design.rng import release_seed
+
+    return np.random.default_rng(
+        replication_seed(release_seed(spec.release.seed, spec.release.year), r)
+    )
+
+
+def replication_epsilon(
+    estimates: Sequence[np.ndarray], truth: np.ndarray, zvars: Any
+) -> tuple[float, pd.DataFrame]:
+    """The empirical epsilon over the replications and its table (massc_epsilon's)."""
+    from sdl_design.massc.measures import epsilon_from_replications
+
+    labels = [tuple(x) for x in zvars.labels]
+    return epsilon_from_replications(np.vstack(estimates), truth, labels)
 
 
 def calibration_summary(
