@@ -2,8 +2,9 @@
 memory on a local Dask cluster of 2 single-threaded workers, against the same scan in one
 process (one partition in memory at a time) and, up to 2M records, the same SE table from the
 whole file in memory (read_input and SurveyDesign) and the in-memory swap and PRB stages and
-MASSC's plan, treatment and calibration (whose records, donors, substituted file, selections
-and calibrated records must equal the partitioned ones, bit for bit).
+MASSC's plan, treatment, calibration and replications (whose records, donors, substituted
+file, selections, calibrated records and replication estimates must equal the partitioned ones,
+bit for bit).
 
 Usage: python bench/partitioned.py SPEC [row_group_records] (SPEC: a spec whose release.input
 is a Parquet file, e.g. the default_spec.yaml that bench/release.py leaves in its output
@@ -113,7 +114,16 @@ from sdl_design.massc.stage import _calibrate, _release_margins
 calibrated = _calibrate(
     prb.data, spec, cfg, tr, df, True, margins=_release_margins(prb.data, spec, df, cfg)
 )[0]
-print('WHOLE', t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+t4 = time.perf_counter()
+from sdl_design.massc.measures import epsilon_from_replications
+from sdl_design.massc.stage import massc_replications, replication_plan
+margins = _release_margins(prb.data, spec, df, cfg)
+prepared = replication_plan(prb.data, spec, df, (cfg, plan, tr, dm, revisions), margins)
+R = int(spec.stages.massc.replications)
+seed = release_seed(spec.release.seed, spec.release.year)
+est = massc_replications(prb.data, spec, seed, df, list(range(R)), prepared=prepared)
+_, rep_table = epsilon_from_replications(est, plan.truth, [tuple(x) for x in plan.zvars.labels])
+print('WHOLE', t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4)
 del df, ctx
 def same(folder, frame):
     got = pd.read_parquet(folder)
@@ -150,7 +160,10 @@ def same_treatment(folder):
         phi.tobytes() == tr.phi.rates.tobytes()) and delta == dm.delta
 print('SAME', same(sys.argv[2] + "/swap/data", swap.data), same(sys.argv[2] + "/prb/data", prb.data),
       same(sys.argv[2] + "/massc/donors", tilde), same_moments(sys.argv[2] + "/massc", plan.moments),
-      same_treatment(sys.argv[2] + "/massc"), same(sys.argv[2] + "/massc/data", calibrated))
+      same_treatment(sys.argv[2] + "/massc"), same(sys.argv[2] + "/massc/data", calibrated),
+      all(pd.read_csv(sys.argv[2] + "/massc/epsilon_replications.csv", float_precision="round_trip")[c]
+          .to_numpy().tobytes() == rep_table[c].to_numpy().tobytes()
+          for c in ("truth", "mean_estimate", "rrmse")))
 print('REVISIONS', len(revisions), dm.delta)
 """  # the in-memory swap and PRB stages (with their tables and baselines), MASSC's plan and
 # treatment (Steps I-III) and its calibration (Step IV), against the partitions
@@ -245,7 +258,10 @@ def main() -> None:
             f"treatment (two selections exchanging records, phi, delta; "
             f"{ms['n_delta_revisions']} revision(s)) {ms['treatment_seconds']:.1f} s, the "
             f"calibration (three passes, the solve on the driver, writing the retained records) "
-            f"{ms['calibration_seconds']:.1f} s; "
+            f"{ms['calibration_seconds']:.1f} s, {int(ms.get('n_replications', 0))} replications "
+            f"(one exchange of selections, the calibrations' passes and the totals, all "
+            f"replications at once) {ms['replications_seconds']:.1f} s; epsilon formula "
+            f"{ms['epsilon_formula']:.4f}, empirical {ms.get('epsilon_empirical', float('nan')):.4f}; "
             f"{ms['n_with_donor']:,} records with a donor, {ms['n_profiles']:,} search profiles",
             flush=True,
         )
@@ -278,11 +294,12 @@ def main() -> None:
             f"baseline; PrbStage with its tables and the NZY baseline; MASSC's plan and "
             f"treatment with meet_delta's revisions, and its calibration): read + swap {float(secs[0]):.1f} s, PRB "
             f"{float(secs[1]):.1f} s, MASSC plan and treatment {float(secs[2]):.1f} s, its "
-            f"calibration {float(secs[3]):.1f} s; peak "
+            f"calibration {float(secs[3]):.1f} s, its replications {float(secs[4]):.1f} s; peak "
             f"RSS {peak:.2f} GiB; records equal to the partitioned ones, bit for bit: swap "
             f"{same[0]}, PRB {same[1]}, MASSC's donors and substituted file {same[2]}, its "
             f"moments, original totals and SEs, costs and psi {same[3]}, its substitution, "
-            f"phi, subsampling and delta {same[4]}, its calibrated records {same[5]}"
+            f"phi, subsampling and delta {same[4]}, its calibrated records {same[5]}, its "
+            f"replications' estimates and epsilon {same[6]}"
         )
 
 

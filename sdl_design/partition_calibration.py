@@ -117,14 +117,16 @@ def _row_ids(frames: Sequence[pd.DataFrame]) -> list[np.ndarray]:
     return [ids[at[i] : at[i + 1]] for i in range(len(frames))]
 
 
-def _lookup(table: pd.DataFrame, rows: pd.DataFrame, what: str) -> np.ndarray:
-    """The position in table of a row equal to each of rows (the first when repeated)."""
+def _lookup(table: pd.DataFrame, rows: pd.DataFrame, what: str, missing_ok: bool = False):
+    """The position in table of a row equal to each of rows (the first when repeated; -1
+    for a row table lacks when missing_ok)."""
     a, b = _row_ids([table, rows])
     ids, first = np.unique(a, return_index=True)
     at = np.minimum(np.searchsorted(ids, b), max(len(ids) - 1, 0))
-    if len(b) and (not len(ids) or (ids[at] != b).any()):
+    found = (ids[at] == b) if len(ids) else np.zeros(len(b), dtype=bool)
+    if not missing_ok and not found.all():
         raise PartitionError(f"calibration: a record's {what} is not in pass 1's")
-    return first[at]
+    return np.where(found, first[at] if len(ids) else -1, -1)
 
 
 def _sorted_values(uniques: Sequence[pd.Series]) -> tuple[list[np.ndarray], list[Any]]:
@@ -237,6 +239,100 @@ def _numeric_control(df: pd.DataFrame, k: KeySpec) -> None:
         )
 
 
+@dataclass
+class _Codes:
+    """The calibration's columns of some records as local codes: per control each record's
+    code into the distinct (coarsened) values; per declared domain each record's cell code
+    into a table of the cells' recoded keys (values) and of a record's raw values (raw)."""
+
+    controls: list[tuple[np.ndarray, pd.Series]]
+    domains: list[tuple[np.ndarray, pd.DataFrame, pd.DataFrame]]
+
+    def rows(self, idx: np.ndarray) -> _Codes:
+        """The codes of the records idx (the same tables)."""
+        return _Codes(
+            [(c[idx], v) for c, v in self.controls],
+            [(c[idx], v, r) for c, v, r in self.domains],
+        )
+
+
+def _codes_of(df: pd.DataFrame, creq: CalibrationRequest) -> _Codes:
+    """df's calibration columns coded (the recodes run on distinct values only)."""
+    from sdl_design.keys import key_levels
+
+    coarse = _coarsened(df, creq)
+    controls = [_local(coarse[k.name]) for k in creq.controls]
+    domains = []
+    for dom in creq.domains:
+        code = np.zeros(len(df), dtype=np.int64)
+        per = []
+        for k in dom:  # a compact code after each column: no overflow
+            lv, lev = key_levels(df[k.name], k)
+            code = pd.factorize(code * len(lev) + lv)[0].astype(np.int64)
+            per.append((lv, lev))
+        from sdl_design.design import first_of
+
+        first = first_of(code, int(code.max(initial=-1)) + 1)
+        values = pd.DataFrame(
+            {k.name: lev[lv[first]] for k, (lv, lev) in zip(dom, per, strict=True)}
+        )
+        raw = df[[k.name for k in dom]].iloc[first].reset_index(drop=True)
+        domains.append((code, values, raw))
+    return _Codes(controls, domains)
+
+
+def _both_codes(
+    part: Partition, m: MasscInputs, creq: CalibrationRequest, donors: str, extra: Sequence[str]
+) -> tuple[_Codes, pd.DataFrame, np.ndarray]:
+    """The partition's records coded twice, as they are (rows 0..n-1) and with every
+    record's key-related columns from its donor (rows n..2n-1: B(1) takes these where
+    substituted), with `extra` columns of the records, and whether each has a donor."""
+    from sdl_design.partition import _tilde, substituted
+
+    spec, req = m.spec, m.req
+    df = read_partition(part, [*creq.columns(), *extra], spec)
+    tilde = _tilde(part, spec, req, donors, df.index)
+    has_donor = tilde["__donor"].to_numpy() >= 0
+    names = list(
+        dict.fromkeys(k.name for k in (*creq.controls, *(k for d in creq.domains for k in d)))
+    )
+    own = df[names]
+    sub = substituted(own, tilde, np.ones(len(df), dtype=bool), req)
+    codes = _codes_of(pd.concat([own, sub], ignore_index=True), creq)
+    return codes, df, has_donor
+
+
+def _treated_rows(part: Partition, tr: Treated, has_donor: np.ndarray) -> tuple[np.ndarray, ...]:
+    """d(2)'s records (positions) and where their codes are in _both_codes' rows."""
+    from sdl_design.partition import _selected
+
+    d1 = _selected(part, tr.selected[0]) & has_donor
+    keep = np.flatnonzero(_selected(part, tr.selected[1]))
+    n = len(d1)
+    return keep, np.where(d1[keep], n + keep, keep), d1
+
+
+def _cells_of(code: np.ndarray, values: pd.DataFrame, raw: pd.DataFrame, rows: np.ndarray):
+    """A declared domain's cells among records (code: each one's cell in the tables; rows:
+    their global rows): the cells present, with their first records and counts, and each
+    record's code among them."""
+    count = np.bincount(code, minlength=len(values))
+    present = np.flatnonzero(count)
+    rank = np.full(len(values), -1, dtype=np.int64)
+    rank[present] = np.arange(len(present))
+    c = rank[code]
+    from sdl_design.design import first_of
+
+    first = first_of(c, len(present))
+    return {
+        "values": values.iloc[present].reset_index(drop=True),
+        "raw": raw.iloc[present].reset_index(drop=True),
+        "first": rows[first],
+        "count": count[present],
+        "code": c,
+    }
+
+
 # ---------------------------------------------------------------- pass 1
 
 
@@ -264,19 +360,6 @@ def retained_offsets(parts: Sequence[Partition], counts: Sequence[int]) -> dict[
     return {p.start: int(b) for p, b in zip(parts, before, strict=True)}
 
 
-def _cells(df: pd.DataFrame, dom: Sequence[KeySpec]) -> dict[str, Any]:
-    """A declared domain's distinct cells (recoded keys) on df's records: their values, raw
-    first records, rows and counts, and each record's local cell."""
-    code, first = _tuples(key_frame(df, list(dom)))
-    return {
-        "values": key_frame(df.iloc[first], list(dom)).reset_index(drop=True),
-        "raw": df[[k.name for k in dom]].iloc[first].reset_index(drop=True),
-        "first": df.index.to_numpy()[first],
-        "count": np.bincount(code, minlength=len(first)),
-        "code": code,
-    }
-
-
 def calibration_pass1(
     part: Partition,
     m: MasscInputs,
@@ -296,34 +379,40 @@ def calibration_pass1(
     n0 = len(b0)
     w_o = b0[creq.weight].to_numpy(dtype=float)
     R_o = b0[reps].to_numpy(dtype=float) if reps else np.zeros((n0, 0))
-    c0 = _coarsened(b0, creq)
+    codes_o = _codes_of(b0, creq)
     original = []  # per control: its categories on the original, their totals
-    for k in creq.controls:
-        code, u0 = _local(key_frame(c0, [k.name])[k.name])
+    for code, u0 in codes_o.controls:
+        # control_totals' categories: key_frame's (a missing value is MISSING)
+        u0 = key_frame(pd.DataFrame({"v": u0}), ["v"])["v"]
         w = _partials(code, w_o, len(u0), part.start, n0)[0]
         original.append((u0, w, _partials(code, R_o, len(u0), part.start, n0) if reps else []))
+    rows_o = b0.index.to_numpy()
     cells_o = []
-    for dom in creq.domains:
-        o = _cells(b0, dom)
+    for code, values, raw in codes_o.domains:
+        o = _cells_of(code, values, raw, rows_o)
         o["w"] = _partials(o["code"], w_o, len(o["first"]), part.start, n0)[0]
         cells_o.append(o)
     w_total = _partials(np.zeros(n0, dtype=np.int64), w_o, 1, part.start, n0)[0]
+    codes, df, has_donor = _both_codes(part, m, creq, trs[0].donors, [])
+    for k in creq.controls:
+        _numeric_control(df, k)
     out = []
-    for (b2, _, _), offs in zip(_retained(part, m, trs, cols), offsets, strict=True):
-        n2, offset2 = len(b2), offs[part.start]
+    for tr, offs in zip(trs, offsets, strict=True):
+        keep, at, _ = _treated_rows(part, tr, has_donor)
+        c2 = codes.rows(at)
+        n2, offset2 = len(keep), offs[part.start]
         same = bool(reps) and all(
-            np.array_equal(b2[c].to_numpy(dtype=float), b0.loc[b2.index, c].to_numpy(float))
+            np.array_equal(df[c].to_numpy(dtype=float)[keep], b0[c].to_numpy(float)[keep])
             for c in reps
         )
         controls = []
-        c2 = _coarsened(b2, creq)
-        for k, (u0, w, w_reps) in zip(creq.controls, original, strict=True):
-            _numeric_control(b2, k)
-            controls.append({"b2": _local(c2[k.name])[1], "o": u0, "w": w, "reps": w_reps})
+        for (code, u2), (u0, w, w_reps) in zip(c2.controls, original, strict=True):
+            b2_values = u2.iloc[np.unique(code)].reset_index(drop=True)
+            controls.append({"b2": b2_values, "o": u0, "w": w, "reps": w_reps})
         domains = []
-        R_2 = b2[reps].to_numpy(dtype=float) if reps and same else None
-        for dom, o in zip(creq.domains, cells_o, strict=True):
-            t2 = _cells(b2, dom)
+        R_2 = df[reps].to_numpy(dtype=float)[keep] if reps and same else None
+        for (code, values, raw), o in zip(c2.domains, cells_o, strict=True):
+            t2 = _cells_of(code, values, raw, df.index.to_numpy()[keep])
             o = dict(o)
             if R_2 is not None:
                 o["reps"] = _partials(o["code"], R_o, len(o["first"]), part.start, n0)
@@ -332,8 +421,8 @@ def calibration_pass1(
         out.append(CalibrationPass1(n2, same, w_total, controls, domains))
     for q in out:  # the local codes stay here
         for side in q.domains:
-            for s in side.values():
-                s.pop("code", None)
+            for t in side.values():
+                t.pop("code", None)
     return out
 
 
@@ -469,19 +558,17 @@ def calibration_plan(
 # ---------------------------------------------------------------- pass 2
 
 
-def _label_codes(df: pd.DataFrame, dom: Sequence[KeySpec], cells: DomainCells) -> np.ndarray:
-    """Each record's label code in a declared domain (its cell's label)."""
-    code, first = _tuples(key_frame(df, list(dom)))
-    local = key_frame(df.iloc[first], list(dom)).reset_index(drop=True)
-    return cells.lab[_lookup(cells.values, local, "domain cell")][code]
+def _table_labels(values: pd.DataFrame, cells: DomainCells) -> np.ndarray:
+    """The label code of each row of a table of cells (recoded keys; -1: not a cell)."""
+    at = _lookup(cells.values, values, "domain cell", missing_ok=True)
+    return np.where(at >= 0, cells.lab[np.maximum(at, 0)], -1)
 
 
-def _control_codes(s: pd.Series, plan: CalibrationPlan, j: int) -> np.ndarray:
-    """Each retained record's code of control j (into its sorted categories on b2)."""
-    code, uniq = _local(s)
+def _table_controls(uniq: pd.Series, plan: CalibrationPlan, j: int) -> np.ndarray:
+    """The code of each of a control's values among its sorted categories on b2 (-1: none)."""
     table = pd.DataFrame({"v": plan.control_values[j]})
-    where = _lookup(table, pd.DataFrame({"v": uniq}), "control category")
-    return plan.control_codes[j][where][code]
+    at = _lookup(table, pd.DataFrame({"v": uniq}), "control category", missing_ok=True)
+    return np.where(at >= 0, plan.control_codes[j][np.maximum(at, 0)], -1)
 
 
 @dataclass(frozen=True)
@@ -508,18 +595,23 @@ def profile_columns(
 
 
 def _profile_keys(
-    b2: pd.DataFrame, creq: CalibrationRequest, plan: CalibrationPlan, cols: ProfileColumns
+    codes: _Codes, creq: CalibrationRequest, plan: CalibrationPlan, cols: ProfileColumns
 ) -> np.ndarray:
     """Each retained record's calibration profile as a mixed-radix key of its codes (the
     order _design's keys sort in)."""
-    coarse = _coarsened(b2, creq)
-    key = np.zeros(len(b2), dtype=np.int64)
-    parts = [_control_codes(coarse[creq.controls[j].name], plan, j) for j in cols.controls]
-    by_name = {margin_name_of(d): d for d in creq.domains}
+    parts = []
+    for j in cols.controls:
+        code, uniq = codes.controls[j]
+        parts.append(_table_controls(uniq, plan, j)[code])
+    index = {margin_name_of(d): i for i, d in enumerate(creq.domains)}
     for mname in cols.margins:
-        lab = _label_codes(b2, by_name[mname], plan.margins[mname])
+        code, values, _ = codes.domains[index[mname]]
+        lab = _table_labels(values, plan.margins[mname])[code]
         parts.append(np.searchsorted(plan.margins[mname].b2_labels, lab))
+    key = np.zeros(len(parts[0]) if parts else 0, dtype=np.int64)
     for code, size in zip(parts, cols.sizes, strict=True):
+        if (code < 0).any():
+            raise PartitionError("calibration: a retained record's category is not in pass 1's")
         key = key * size + code
     return key
 
@@ -554,18 +646,24 @@ def calibration_pass2(
     """Pass 2 on one partition, per treatment, for its plan's kept domain margins."""
     reps = list(creq.replicates)
     cols = creq.columns()
-    b0, _, _ = _original_rows(part, m, cols)
+    b0, h, _ = _original_rows(part, m, cols)
     n0 = len(b0)
     w_o = b0[creq.weight].to_numpy(dtype=float)
-    by_name = {margin_name_of(d): d for d in creq.domains}
+    codes_o = _codes_of(b0, creq)
+    index = {margin_name_of(d): i for i, d in enumerate(creq.domains)}
+    codes, df, has_donor = _both_codes(part, m, creq, trs[0].donors, [])
+    w = df[creq.weight].to_numpy(dtype=float)
     out = []
-    frames = _retained(part, m, trs, cols)
-    for (b2, factor, _), plan, kept in zip(frames, plans, kepts, strict=True):
-        n2, start2 = len(b2), plan.offsets[part.start]
+    for tr, plan, kept in zip(trs, plans, kepts, strict=True):
+        keep, at, _ = _treated_rows(part, tr, has_donor)
+        c2 = codes.rows(at)
+        factor = (1.0 / tr.phi[h])[keep]  # massc_treat's factor of the retained records
+        n2, start2 = len(keep), plan.offsets[part.start]
         labels = {}
         for mname in kept:
             cells = plan.margins[mname]
-            lab = _label_codes(b0, by_name[mname], cells)
+            code, values, _ = codes_o.domains[index[mname]]
+            lab = _table_labels(values, cells)[code]
             k = len(cells.cats)
             labels[mname] = {
                 "w": _partials(lab, w_o, k, part.start, n0)[0],
@@ -574,16 +672,16 @@ def calibration_pass2(
                 if plan.rep_margins
                 else [],
             }
-        base = b2[creq.weight].to_numpy(dtype=float) * factor
-        key = _profile_keys(b2, creq, plan, profile_columns(plan, creq, kept))
+        base = w[keep] * factor
+        key = _profile_keys(c2, creq, plan, profile_columns(plan, creq, kept))
         keys, local = np.unique(key, return_inverse=True)
         wp = _partials(local.ravel(), base, len(keys), start2, n2)[0]
         keys_r, Wp = np.zeros(0, np.int64), []
         if reps:
             r_kept = kept if plan.rep_margins else []
-            key_r = _profile_keys(b2, creq, plan, profile_columns(plan, creq, r_kept))
+            key_r = _profile_keys(c2, creq, plan, profile_columns(plan, creq, r_kept))
             keys_r, local_r = np.unique(key_r, return_inverse=True)
-            W = b2[reps].to_numpy(dtype=float) * factor[:, None]
+            W = df[reps].to_numpy(dtype=float)[keep] * factor[:, None]
             Wp = _partials(local_r.ravel(), W, len(keys_r), start2, n2)
         out.append(CalibrationPass2(labels, keys, wp, keys_r, Wp))
     return out
@@ -729,14 +827,15 @@ def calibration_apply(
     w = b2[creq.weight].to_numpy(dtype=float)
     base = w * factor
     out = b2.copy(deep=False)
-    w_cal = _calibrated_weight(b2, factor, creq, plan, cal)
+    codes = _codes_of(b2, creq)
+    w_cal = _calibrated_weight(base, codes, creq, plan, cal)
     if cal is None:
         for c in reps:
             out[c] = b2[c].to_numpy(dtype=float) * factor
     else:
         if reps:
             r_kept = cal.kept if plan.rep_margins else []
-            key_r = _profile_keys(b2, creq, plan, profile_columns(plan, creq, r_kept))
+            key_r = _profile_keys(codes, creq, plan, profile_columns(plan, creq, r_kept))
             at = np.searchsorted(cal.keys_r, key_r)
             for c, g in zip(reps, cal.g_r, strict=True):
                 out[c] = (b2[c].to_numpy(dtype=float) * factor) * g[at]
@@ -751,17 +850,16 @@ def calibration_apply(
 
 
 def _calibrated_weight(
-    b2: pd.DataFrame,
-    factor: np.ndarray,
+    base: np.ndarray,
+    codes: _Codes,
     creq: CalibrationRequest,
     plan: CalibrationPlan,
     cal: CalibrationFactors | None,
 ) -> np.ndarray:
-    """w/phi g of the retained records (cal None: w/phi)."""
-    base = b2[creq.weight].to_numpy(dtype=float) * factor
+    """w/phi g of the retained records (base: w/phi; codes: theirs; cal None: w/phi)."""
     if cal is None:
         return base
-    key = _profile_keys(b2, creq, plan, profile_columns(plan, creq, cal.kept))
+    key = _profile_keys(codes, creq, plan, profile_columns(plan, creq, cal.kept))
     return base * cal.g[np.searchsorted(cal.keys, key)]
 
 
@@ -784,22 +882,23 @@ def replication_totals(
     B(2)'s study values and domains (the substituted records' from tilde) at the calibrated
     weight, in block sums over the retained records."""
     from sdl_design.massc.moments import ZParts
-    from sdl_design.partition import _partial_sums, _selected, _tilde
+    from sdl_design.partition import _partial_sums, _tilde
 
     spec, req = m.spec, m.req
     keys = [k.name for k in req.keys]
-    df = read_partition(part, list(dict.fromkeys([req.weight, *req.study, *keys])), spec)
+    extra = list(dict.fromkeys([req.weight, *req.study, *keys]))
+    codes, df, has_donor = _both_codes(part, m, creq, trs[0].donors, extra)
     tilde = _tilde(part, spec, req, trs[0].donors, df.index)
     parts = ZParts.of(df, tilde, zvars)
-    has_donor = tilde["__donor"].to_numpy() >= 0
-    frames = _retained(part, m, trs, creq.columns())
+    _, h, _ = _original_rows(part, m)
+    w = df[creq.weight].to_numpy(dtype=float)
     out = []
-    for tr, plan, cal, (b2, factor, _) in zip(trs, plans, cals, frames, strict=True):
-        d1 = _selected(part, tr.selected[0]) & has_donor
-        rows = np.flatnonzero(_selected(part, tr.selected[1]))
+    for tr, plan, cal in zip(trs, plans, cals, strict=True):
+        rows, at, d1 = _treated_rows(part, tr, has_donor)
         ys, ds = parts.treated(d1, rows)
-        w = _calibrated_weight(b2, factor, creq, plan, cal)
-        bundle = {"ys": ys, "ds": ds, "w": w}
+        base = w[rows] * (1.0 / tr.phi[h])[rows]
+        w_cal = _calibrated_weight(base, codes.rows(at), creq, plan, cal)
+        bundle = {"ys": ys, "ds": ds, "w": w_cal}
         start2 = plan.offsets[part.start]
         out.append(
             _partial_sums(
