@@ -1409,14 +1409,18 @@ def _original_rows(
     part: Partition,
     m: MasscInputs,
     columns: Sequence[str] = (),
+    strata: bool = True,
 ) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
     """B(0): the input's records of the partition (its keys and `columns`), each record's
     MASSC stratum (0..len(labels)-1: the risk stratum of its original key profile, merged) and
-    the row of that profile in the scan's table."""
+    the row of that profile in the scan's table (strata False: the records only, the other
+    two empty)."""
     spec, req, inputs, profiles, labels = m.spec, m.req, m.inputs, m.profiles, m.labels
     (original,) = [p for p in inputs if p.start == part.start]
     keys = [k.name for k in req.keys]
     b0 = read_partition(original, list(dict.fromkeys([*keys, *columns])), spec)
+    if not strata:
+        return b0, np.zeros(0, np.int64), np.zeros(0, np.int64)
     merge = dict(req.merge)
     h_of = pd.Index(labels).get_indexer([merge.get(s, s) for s in STRATA]).astype(np.int64)
     at = profile_rows(b0, req.keys, profiles)

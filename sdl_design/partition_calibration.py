@@ -375,7 +375,7 @@ def calibration_pass1(
     both files. The original's side is the same for every treatment."""
     reps = list(creq.replicates)
     cols = creq.columns()
-    b0, _, _ = _original_rows(part, m, cols)
+    b0, _, _ = _original_rows(part, m, cols, strata=False)
     n0 = len(b0)
     w_o = b0[creq.weight].to_numpy(dtype=float)
     R_o = b0[reps].to_numpy(dtype=float) if reps else np.zeros((n0, 0))
