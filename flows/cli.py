@@ -271,6 +271,16 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                     f"{int(m['n_replications'])} replications of the whole treatment "
                     "(massc/epsilon_replications.csv)"
                 )
+        if "topcode" in st:
+            t = st["topcode"]["tables"]["thresholds"]
+            print(
+                "  topcode     : "
+                + "; ".join(
+                    f"{r.column} {r.side} at {r.threshold:,.6g} ({int(r.n_coded)} records)"
+                    for r in t.itertuples()
+                )
+                + " (topcode/thresholds.csv)"
+            )
         for name, res in st.items():
             se = res["tables"].get("se_ratios") if isinstance(res, dict) else None
             for col, kind in (("ratio", "Taylor"), ("ratio_rep", "replicate")):

@@ -27,6 +27,7 @@ import pandas as pd
 
 from sdl_design import partition as part
 from sdl_design import partition_calibration as pcal
+from sdl_design import partition_topcode as ptc
 from sdl_design.spec import ReleaseSpec, SpecError, load_spec
 
 Mapper = Callable[..., list]
@@ -109,7 +110,7 @@ def _mapper(
         def on_dask(fn: Callable, parts: Sequence, *args: Any, what: str) -> list:
             # once, not per task; hash=False: a fresh key each map (a key reused from the
             # previous map may be released under the new tasks: "lost dependencies")
-            shared = [client.scatter(a, broadcast=True, hash=False) for a in args]
+            shared = _scattered(client, args)
             futures = [client.submit(fn, p, *shared, pure=False) for p in parts]
             for done, f in enumerate(as_completed(futures), 1):
                 f.result()  # a worker's error is raised here, whole
@@ -120,7 +121,7 @@ def _mapper(
             from operator import getitem
 
             send, serve, receive = fns
-            shared = [client.scatter(a, broadcast=True, hash=False) for a in args]
+            shared = _scattered(client, args)
             n = len(parts)
             sent = [client.submit(send, p, *shared, pure=False) for p in parts]
             to = [
@@ -142,6 +143,12 @@ def _mapper(
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+def _scattered(client: Any, args: tuple) -> list:
+    """Each argument sent to every worker once, as one object (a dict or list is not split
+    into its items; an empty one too)."""
+    return [client.scatter([a], broadcast=True, hash=False)[0] for a in args]
 
 
 def scan_folder(spec: ReleaseSpec) -> Path:
@@ -616,11 +623,53 @@ def _massc_stage(
     }
 
 
+def _topcode_stage(
+    spec: ReleaseSpec,
+    columns: list[str],
+    parts: list,
+    run_map: Exchange,
+    folder: Path,
+    chain: Chain,
+) -> dict[str, Any]:
+    """Top-coding by partition (TopcodeStage's records and table, bit for bit): pass 1 sends
+    each partition's groups with block sums and the thresholds' candidates (again with twice
+    as many while a percentile's crossing lies beyond them; the values of a group whose
+    crossing is too close to call); the driver sets the thresholds; pass 2 sends the coded
+    records for the replacements; every worker writes its records."""
+    treq = ptc.topcode_request(spec, columns)
+    t = time.perf_counter()
+    out = ptc.run_topcode(run_map, parts, spec, treq, str(folder / "data"))
+    table, rounds, gathered = out["table"], out["rounds"], out["groups_gathered"]
+    laps = {"seconds": time.perf_counter() - t}
+    coded_n = {c: int(table.loc[table["column"] == c, "n_coded"].sum()) for c, _ in treq.rules}
+    _say(
+        "top-coded "
+        + ", ".join(f"{c}: {n} records" for c, n in coded_n.items())
+        + f" (thresholds from {rounds} round(s) of candidates"
+        + (f", {gathered} group(s) gathered" if gathered else "")
+        + ")",
+        "partitioned",
+    )
+    return {
+        **out["metrics"],
+        "rounds": rounds,
+        "groups_gathered": gathered,
+        "params": out["params"],
+        **laps,
+        "tables": {"thresholds": table},
+    }
+
+
 # the release stages that have a partitioned path (sdl_design.partition's map and reduce)
-PARTITIONED = {"swap": _swap_stage, "prb": _prb_stage, "massc": _massc_stage}
+PARTITIONED = {
+    "swap": _swap_stage,
+    "prb": _prb_stage,
+    "massc": _massc_stage,
+    "topcode": _topcode_stage,
+}
 # what a stage's partitioned path refuses in a spec, checked before anything runs
 # (PartitionError naming the field): (spec, input columns) -> None
-PARTITIONED_CHECKS = {"massc": pcal.check_massc}
+PARTITIONED_CHECKS = {"massc": pcal.check_massc, "topcode": ptc.topcode_request}
 
 
 def run_partitioned(
@@ -632,7 +681,8 @@ def run_partitioned(
     workers: int = 2,
 ) -> dict[str, Any]:
     """The spec's release stages that have a partitioned path, in release order, each on the
-    previous one's partitions (the swap, PRB and MASSC); stops before the first stage that has
+    previous one's partitions (the swap, PRB, MASSC and top-coding); stops before the first
+    stage that has
     none, and says which. First it scans the input as `puf scan` does (scan/: its edit rules,
     which stop the run when one fails, the risk stage's metrics, its SEs). out (default
     partitioned_folder) gets, per stage, <stage>/data/part-<first record>.parquet (the records

@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 from pydantic import ValidationError
 
+from sdl_design.blocksum import group_sum
 from sdl_design.spec import Bound, TopcodeRule
 
 SIDES = ("upper", "lower")
@@ -199,7 +200,7 @@ def _topcode(
         raise ValueError(f"topcode '{column}': give upper, lower or both")
     s = df[column]
     x, w, ok, wx = _values(df, column, weight, wts)
-    grp = _grouped(df, by, x, w, ok, None if wts is None else wts[2])
+    grp = _grouped(df, by, x, w, ok)
     bounds = [(side, b) for side, b in (("upper", ub), ("lower", lb)) if b is not None]
     thr = {side: _thresholds(grp, b, side) for side, b in bounds}
     if "upper" in thr and "lower" in thr:
@@ -208,24 +209,9 @@ def _topcode(
     new = grp.xv.copy()
     flag = np.zeros(len(grp.xv), np.int8)
     rows = [_code_side(grp, side, b, thr[side], new, flag) for side, b in bounds]
-    if grp.gv is None:  # one group: one pass (no BLAS: the same sum on any thread count)
-        tot_before = np.array([wx if ok is None else float(np.einsum("i,i->", grp.wv, grp.xv))])
-        tot_after = tot_before + sum(r["coded_total_after"] - r["coded_total_before"] for r in rows)
-        tot_after = np.asarray(tot_after, dtype=float)
-    else:
-        tot_before = np.bincount(grp.gv, weights=grp.wv * grp.xv, minlength=grp.n_groups)
-        tot_after = np.bincount(grp.gv, weights=grp.wv * new, minlength=grp.n_groups)
-    for r in rows:
-        r["total_before"] = tot_before
-        r["total_after"] = tot_after
-    if by:
-        parts = [pd.concat([grp.keys, pd.DataFrame(r)], axis=1) for r in rows]
-        table = pd.concat(parts, ignore_index=True)[by + TABLE_COLUMNS]
-        if label:
-            table.insert(0, "column", column)
-    else:  # one row per side, built at once (small frames cost more in pandas than in numpy)
-        first = {"column": [column] * len(rows)} if label else {}
-        table = pd.DataFrame(first | {c: [_item(r[c]) for r in rows] for c in TABLE_COLUMNS})
+    tot_before = grp.sums(grp.wv * grp.xv)  # block sums: the same bits by partition
+    tot_after = grp.sums(grp.wv * new)
+    table = side_table(rows, tot_before, tot_after, grp.keys, by, column if label else None)
 
     if ok is None:
         out, fl = new, flag
@@ -318,6 +304,14 @@ class _Groups:
     w_g: np.ndarray
     keys: pd.DataFrame
     _sorted: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    rows: np.ndarray | None = None  # the file's rows of the values (None: all, in order)
+    n_rows: int = 0  # records of the file
+
+    def sums(self, x: np.ndarray) -> np.ndarray:
+        """Group sums of x (one per value) in block sums over the file's rows
+        (sdl_design.blocksum: the same bits by partition)."""
+        g = np.zeros(len(x), np.int64) if self.gv is None else self.gv
+        return group_sum(g, x, self.n_groups, max(self.n_rows, len(x)), self.rows)
 
     def sorted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """xs, ws, gs: values, weights and group codes sorted by (group, value), stable."""
@@ -338,30 +332,28 @@ def _grouped(
     x: np.ndarray,
     w: np.ndarray,
     ok: np.ndarray | None,
-    w_total: float | None = None,
 ) -> _Groups:
-    """Group codes of the records (gv None without `by`) and the non-missing values; w_total:
-    sum of w when already known and no value is missing."""
+    """Group codes of the records (gv None without `by`) and the non-missing values, with
+    each group's records and weight."""
     xv, wv = (x, w) if ok is None else (x[ok], w[ok])
+    rows = None if ok is None else np.flatnonzero(ok)
+    n = len(x)
     if not by:
-        w_g = wv.sum() if w_total is None or ok is not None else w_total
-        return _Groups(
-            xv, wv, None, 1, np.array([len(xv)]), np.array([w_g]), pd.DataFrame(index=[0])
-        )
+        grp = _Groups(xv, wv, None, 1, np.array([len(xv)]), np.zeros(1), pd.DataFrame(index=[0]))
+        grp.rows, grp.n_rows = rows, n
+        grp.w_g = grp.sums(wv)
+        return grp
     g_all = df.groupby(by, sort=True, dropna=False, observed=True).ngroup().to_numpy(np.int64)
     n_groups = int(g_all.max()) + 1 if len(g_all) else 0
     first = np.unique(g_all, return_index=True)[1]
     keys = df[by].iloc[first].reset_index(drop=True)
     gv = g_all if ok is None else g_all[ok]
-    return _Groups(
-        xv,
-        wv,
-        gv,
-        n_groups,
-        np.bincount(gv, minlength=n_groups),
-        np.bincount(gv, weights=wv, minlength=n_groups),
-        keys,
+    grp = _Groups(
+        xv, wv, gv, n_groups, np.bincount(gv, minlength=n_groups), np.zeros(n_groups), keys
     )
+    grp.rows, grp.n_rows = rows, n
+    grp.w_g = grp.sums(wv)
+    return grp
 
 
 def _check_apart(
@@ -407,6 +399,24 @@ def _code_side(
         flag[coded] = 1 if side == "upper" else -1
         after = np.bincount(gv, weights=wv * new * coded, minlength=n_groups)
         n_coded = np.bincount(gv, weights=coded, minlength=n_groups).astype(np.int64)
+    return side_row(side, b, t, rep, grp.n_g, grp.w_g, n_coded, wc, sc, after)
+
+
+def side_row(
+    side: str,
+    b: Bound,
+    t: np.ndarray,
+    rep: np.ndarray,
+    n_g: np.ndarray,
+    w_g: np.ndarray,
+    n_coded: np.ndarray,
+    wc: np.ndarray,
+    sc: np.ndarray,
+    after: np.ndarray,
+) -> dict[str, Any]:
+    """One side's table columns (one row per group) from its thresholds t, replacements rep
+    and the groups' sums: records n_g and weight w_g; coded records, their weight wc and
+    totals before (sc) and after."""
     rule = next(k for k in ("percentile", "value", "min_count") if getattr(b, k) is not None)
     return dict(
         {
@@ -416,14 +426,38 @@ def _code_side(
             "replace": b.replace,
             "threshold": t,
             "replacement": np.where(wc > 0, rep, np.nan),
-            "n": grp.n_g,
+            "n": n_g,
             "n_coded": n_coded,
             "weight_coded": wc,
-            "share_coded": np.divide(wc, grp.w_g, out=np.zeros(n_groups), where=grp.w_g > 0),
+            "share_coded": np.divide(wc, w_g, out=np.zeros(len(w_g)), where=w_g > 0),
             "coded_total_before": sc,
             "coded_total_after": after,
         }
     )
+
+
+def side_table(
+    rows: list[dict[str, Any]],
+    tot_before: np.ndarray,
+    tot_after: np.ndarray,
+    keys: pd.DataFrame,
+    by: list[str],
+    column: str | None,
+) -> pd.DataFrame:
+    """A column's thresholds table from its sides' rows (side_row) and its groups' weighted
+    totals before and after (column: the table's first column 'column', when given)."""
+    for r in rows:
+        r["total_before"] = tot_before
+        r["total_after"] = tot_after
+    if by:
+        parts = [pd.concat([keys, pd.DataFrame(r)], axis=1) for r in rows]
+        table = pd.concat(parts, ignore_index=True)[by + TABLE_COLUMNS]
+        if column is not None:
+            table.insert(0, "column", column)
+        return table
+    # one row per side, built at once (small frames cost more in pandas than in numpy)
+    first = {"column": [column] * len(rows)} if column is not None else {}
+    return pd.DataFrame(first | {c: [_item(r[c]) for r in rows] for c in TABLE_COLUMNS})
 
 
 def _item(v: Any) -> Any:
@@ -455,15 +489,20 @@ def topcode_frame(
         res = _topcode(df, col, wts, weight, rule.upper, rule.lower, list(rule.by), label=True)
         out[col] = res.values
         tables.append(res.table)
+    return out, frame_table(tables)
+
+
+def frame_table(tables: list[pd.DataFrame]) -> pd.DataFrame:
+    """The columns' thresholds tables as topcode_frame's one table."""
     if len(tables) == 1:
-        return out, tables[0]
+        return tables[0]
     table = (
         pd.concat(tables, ignore_index=True)
         if tables
         else pd.DataFrame(columns=["column", *TABLE_COLUMNS])
     )
     cols = ["column"] + [c for c in table.columns if c != "column"]
-    return out, table[cols]
+    return table[cols]
 
 
 class TopcodeStage:
@@ -485,29 +524,15 @@ class TopcodeStage:
         from sdl_design.stage import StageResult
 
         w = df[self.weight].to_numpy(dtype=float)
-        w_total = float(w.sum())
         out, table = topcode_frame(df, self.rules, self.weight)
-        metrics: dict[str, float] = {}
-        params: dict[str, dict] = {}
-        notes: list[str] = []
-        for col, rule in self.rules.items():
-            t = table[table["column"] == col]
-            params[col] = {"by": list(rule.by)}
-            for side in ("upper", "lower"):
-                ts = t[t["side"] == side]
-                if ts.empty:
-                    continue
-                bound = getattr(rule, side).model_dump(exclude_none=True)
-                thresholds = [float(v) for v in ts["threshold"]]
-                params[col][side] = {**bound, "threshold": thresholds if rule.by else thresholds[0]}
-                n = int(ts["n_coded"].sum())
-                share = float(ts["weight_coded"].sum() / w_total)
-                metrics[f"{col}.n_{side}"] = float(n)
-                metrics[f"{col}.share_{side}"] = share
-                notes.append(_coding_note(col, side, bound, rule.by, thresholds, n, share))
-            before = float(np.nansum(w * df[col].to_numpy(dtype=float)))
-            after = float(np.nansum(w * out[col].to_numpy(dtype=float)))
-            metrics[f"{col}.total_ratio"] = after / before if before else float("nan")
+        totals = {
+            col: (
+                _block_total(w * df[col].to_numpy(float)),
+                _block_total(w * out[col].to_numpy(float)),
+            )
+            for col in self.rules
+        }
+        metrics, params, notes = topcode_summary(self.rules, table, _block_total(w), totals)
         return StageResult(
             name=self.name,
             data=out,
@@ -517,6 +542,46 @@ class TopcodeStage:
             report_tables=["thresholds"],
             notes=notes,
         )
+
+
+def topcode_summary(
+    rules: Mapping[str, TopcodeRule],
+    table: pd.DataFrame,
+    w_total: float,
+    totals: Mapping[str, tuple[float, float]],
+) -> tuple[dict[str, float], dict[str, dict], list[str]]:
+    """The stage's metrics, parameters and notes from its thresholds table, the weight total
+    and each column's weighted total before and after."""
+    metrics: dict[str, float] = {}
+    params: dict[str, dict] = {}
+    notes: list[str] = []
+    for col, rule in rules.items():
+        t = table[table["column"] == col]
+        params[col] = {"by": list(rule.by)}
+        for side in ("upper", "lower"):
+            ts = t[t["side"] == side]
+            if ts.empty:
+                continue
+            bound = getattr(rule, side).model_dump(exclude_none=True)
+            thresholds = [float(v) for v in ts["threshold"]]
+            params[col][side] = {**bound, "threshold": thresholds if rule.by else thresholds[0]}
+            n = int(ts["n_coded"].sum())
+            share = float(ts["weight_coded"].sum() / w_total)
+            metrics[f"{col}.n_{side}"] = float(n)
+            metrics[f"{col}.share_{side}"] = share
+            notes.append(_coding_note(col, side, bound, rule.by, thresholds, n, share))
+        before, after = totals[col]
+        metrics[f"{col}.total_ratio"] = after / before if before else float("nan")
+    return metrics, params, notes
+
+
+def _block_total(x: np.ndarray) -> float:
+    """The sum of x over the file, missing terms left out, in block sums (sdl_design.blocksum:
+    the same bits by partition)."""
+    ok = ~np.isnan(x)
+    return float(
+        group_sum(np.zeros(int(ok.sum()), np.int64), x[ok], 1, len(x), np.flatnonzero(ok))[0]
+    )
 
 
 def _coding_note(

@@ -304,7 +304,8 @@ def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
     """One local cluster of 2 worker processes: `puf scan` writes the same tables and `puf
     partitioned` the same records after the swap and PRB, the same substituted file of MASSC's
     donor search, the same selections (records exchanged between workers), the same
-    calibrated records and the same tables, byte for byte, as in this process."""
+    calibrated and top-coded records and the same tables, byte for byte, as in this
+    process."""
     import logging
 
     from distributed import LocalCluster
@@ -330,8 +331,9 @@ def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
     thread, dask = tmp_path / "partitioned-thread", tmp_path / "partitioned-dask"
     files = sorted(p.relative_to(thread) for p in thread.rglob("*.*") if p.name != "run.json")
     parquet = [f for f in files if f.suffix == ".parquet"]
-    # the swap's, PRB's, MASSC's donors, its two selections' and its calibrated records
-    assert len(parquet) == 24
+    # the swap's, PRB's, MASSC's donors, its two selections', its calibrated records and the
+    # top-coded ones
+    assert len(parquet) == 28
     assert len([f for f in parquet if f.parts[:2] == ("massc", "data")]) == 4
     assert json.loads((thread / "run.json").read_text())["stages"]["massc"]["n_with_donor"] > 0
     for f in files:
@@ -411,7 +413,7 @@ def test_swap_and_prb_by_partition_give_the_stages_records_to_the_bit(clean, tmp
     (pseudo strata and PSUs, rebuilt replicate weights) and after PRB (the moved records'
     values of C) equal the in-memory stages', bit for bit, with the swap's pairs and PRB's
     changes and exact risk; the masked SEs are SurveyDesign's on the swap's masked frame; the
-    chain runs MASSC and stops before top-coding."""
+    chain runs MASSC and top-coding and stops before the pseudo design."""
     from flows.scan import run_partitioned
 
     path, spec, whole = clean
@@ -419,8 +421,8 @@ def test_swap_and_prb_by_partition_give_the_stages_records_to_the_bit(clean, tmp
     for n in (2, 7):
         out = run_partitioned(path, "thread", partitions=n, out=tmp_path / f"p{n}")
         st = out["stages"]
-        assert list(st) == ["swap", "prb", "massc", "stopped_before"]
-        assert st["stopped_before"] == "topcode"
+        assert list(st) == ["swap", "prb", "massc", "topcode", "stopped_before"]
+        assert st["stopped_before"] == "pseudo_design"
         assert len(st["swap"]["files"]) == n
         _same_bits(
             pd.read_parquet(tmp_path / f"p{n}" / "swap" / "data"), swap.data.reset_index(drop=True)
@@ -460,7 +462,7 @@ def test_puf_partitioned_leaves_nothing_when_a_partition_fails(
     assert puf(["partitioned", str(path), "--partitions", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "pairs in swap/pairs.csv (confidential)" in text
-    assert "stopped before topcode: it has no partitioned path yet" in text
+    assert "stopped before pseudo_design: it has no partitioned path yet" in text
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     calls = []
 
@@ -518,6 +520,7 @@ def test_prb_alone_by_partition_gives_the_stages_records(clean, tmp_path, change
         else:
             data["stages"]["prb"][k] = v
     data["stages"]["massc"]["enabled"] = False  # (MASSC by partition has its own tests)
+    data["stages"]["topcode"]["enabled"] = False  # (and top-coding)
     new = path.parent / f"prb-{'-'.join(change)}.yaml"
     new.write_text(yaml.safe_dump(data))
     spec = load_spec(new)
@@ -540,6 +543,7 @@ def test_swap_with_bootstrap_replicates_by_partition_gives_the_stages_records(cl
     data["stages"]["swap"]["replicate_method"] = "bootstrap"
     del data["stages"]["prb"]
     data["stages"]["massc"]["enabled"] = False
+    data["stages"]["topcode"]["enabled"] = False
     new = path.parent / "boot.yaml"
     new.write_text(yaml.safe_dump(data))
     spec = load_spec(new)
@@ -604,9 +608,10 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
         _same_moments(m, plan)
         _same_treatment(m, tmp_path / f"p{n}" / "massc", got["__donor"].to_numpy(), tr, dm, plan)
         assert m["n_delta_revisions"] == len(revisions) and m["budget_scale"] == cfg.budget_scale
-        _same_calibration(m, tmp_path / f"p{n}" / "massc", spec, prb, whole, cfg, tr)
+        data = _same_calibration(m, tmp_path / f"p{n}" / "massc", spec, prb, whole, cfg, tr)
         if n == 7 and not restrictions:  # the revised rates too
             _same_replications(m, spec, prb, whole, (cfg, plan, tr, dm, revisions))
+            _same_topcode(tmp_path / f"p{n}", spec, data)
         assert not (tmp_path / f"p{n}" / "massc" / "replications").exists()
 
 
@@ -662,6 +667,28 @@ def _same_calibration(m, folder, spec, prb, whole, cfg, tr):
     for c in names:
         for cat, v in want[c].items():
             assert abs(have[c][cat] - v) <= 1e-8 * v, (c, cat)
+    return data
+
+
+def _same_topcode(folder, spec, calibrated):
+    """Top-coding by partition on MASSC's records equals TopcodeStage on the in-memory
+    calibrated records: the coded records, the thresholds table and the metrics, bit for
+    bit."""
+    from sdl_design.stage import StageContext
+    from sdl_design.topcode import TopcodeStage
+
+    stage = TopcodeStage.from_spec(spec)
+    res = stage.run(calibrated, StageContext(calibrated, spec, "topcode"))
+    got = pd.read_parquet(folder / "topcode" / "data")
+    _same_bits(got, res.data.reset_index(drop=True))
+    table = pd.read_csv(folder / "topcode" / "thresholds.csv", float_precision="round_trip")
+    num = res.tables["thresholds"].select_dtypes("number").columns
+    want = res.tables["thresholds"]
+    for c in num:
+        assert table[c].to_numpy(float).tobytes() == want[c].to_numpy(float).tobytes(), c
+    assert want.loc[want["column"] == "income", "n_coded"].iloc[0] > 0  # the 99.5th percentile
+    run = json.loads((folder / "run.json").read_text())["stages"]["topcode"]
+    assert {k: run[k] for k in res.metrics} == res.metrics
 
 
 def test_massc_calibration_by_partition_pools_drops_and_calibrates_replicates_to_domains(
