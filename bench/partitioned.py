@@ -2,9 +2,9 @@
 memory on a local Dask cluster of 2 single-threaded workers, against the same scan in one
 process (one partition in memory at a time) and, up to 2M records, the same SE table from the
 whole file in memory (read_input and SurveyDesign) and the in-memory swap and PRB stages and
-MASSC's plan, treatment, calibration and replications (whose records, donors, substituted
-file, selections, calibrated records and replication estimates must equal the partitioned ones,
-bit for bit).
+MASSC's plan, treatment, calibration and replications and top-coding (whose records, donors,
+substituted file, selections, calibrated records, replication estimates and top-coded records
+must equal the partitioned ones, bit for bit).
 
 Usage: python bench/partitioned.py SPEC [row_group_records] (SPEC: a spec whose release.input
 is a Parquet file, e.g. the default_spec.yaml that bench/release.py leaves in its output
@@ -123,7 +123,10 @@ R = int(spec.stages.massc.replications)
 seed = release_seed(spec.release.seed, spec.release.year)
 est = massc_replications(prb.data, spec, seed, df, list(range(R)), prepared=prepared)
 _, rep_table = epsilon_from_replications(est, plan.truth, [tuple(x) for x in plan.zvars.labels])
-print('WHOLE', t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4)
+t5 = time.perf_counter()
+from sdl_design.topcode import TopcodeStage
+coded = TopcodeStage.from_spec(spec).run(calibrated, StageContext(calibrated, spec, "topcode"))
+print('WHOLE', t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, time.perf_counter() - t5)
 del df, ctx
 def same(folder, frame):
     got = pd.read_parquet(folder)
@@ -163,7 +166,8 @@ print('SAME', same(sys.argv[2] + "/swap/data", swap.data), same(sys.argv[2] + "/
       same_treatment(sys.argv[2] + "/massc"), same(sys.argv[2] + "/massc/data", calibrated),
       all(pd.read_csv(sys.argv[2] + "/massc/epsilon_replications.csv", float_precision="round_trip")[c]
           .to_numpy().tobytes() == rep_table[c].to_numpy().tobytes()
-          for c in ("truth", "mean_estimate", "rrmse")))
+          for c in ("truth", "mean_estimate", "rrmse")),
+      same(sys.argv[2] + "/topcode/data", coded.data))
 print('REVISIONS', len(revisions), dm.delta)
 """  # the in-memory swap and PRB stages (with their tables and baselines), MASSC's plan and
 # treatment (Steps I-III) and its calibration (Step IV), against the partitions
@@ -233,7 +237,7 @@ def main() -> None:
         peaks = client.run(_maxrss_gib)
     sw, pr = run["stages"]["swap"], run["stages"]["prb"]
     print(
-        f"scan, swap, PRB and MASSC Steps I-IV by partition on Dask: {run['seconds']:.1f} s (the scan "
+        f"scan, swap, PRB, MASSC and top-coding by partition on Dask: {run['seconds']:.1f} s (the scan "
         f"{run['scan_seconds']:.1f} s); per-worker peak RSS "
         + ", ".join(f"{v:.2f} GiB" for v in peaks.values())
         + f" (at start {max(start.values()):.2f} GiB); driver peak {_maxrss_gib():.2f} GiB\n"
@@ -248,6 +252,13 @@ def main() -> None:
         f"{pr['max_risk']:.4f}",
         flush=True,
     )
+    if "topcode" in run["stages"]:
+        tc = run["stages"]["topcode"]
+        print(
+            f"  top-coding: {tc['seconds']:.1f} s ({tc['rounds']} round(s) of candidates, "
+            f"{tc['groups_gathered']} group(s) gathered)",
+            flush=True,
+        )
     if "massc" in run["stages"]:
         ms = run["stages"]["massc"]
         print(
@@ -271,7 +282,7 @@ def main() -> None:
     wall, peak, text = _child(PARTITIONED_IN_PROCESS, str(spec), str(work / "p-thread"))
     secs = float(next(ln for ln in text.splitlines() if ln.startswith("RUN")).split()[1])
     print(
-        f"scan, swap, PRB and MASSC Steps I-IV in one process, a partition at a time: {secs:.1f} s; "
+        f"scan, swap, PRB, MASSC and top-coding in one process, a partition at a time: {secs:.1f} s; "
         f"peak RSS {peak:.2f} GiB"
     )
     same = all(
@@ -292,14 +303,15 @@ def main() -> None:
         print(
             f"the stages on the whole file in memory (SwapStage with its SE tables and the 2a "
             f"baseline; PrbStage with its tables and the NZY baseline; MASSC's plan and "
-            f"treatment with meet_delta's revisions, and its calibration): read + swap {float(secs[0]):.1f} s, PRB "
+            f"treatment with meet_delta's revisions, its calibration and replications; TopcodeStage): read + swap {float(secs[0]):.1f} s, PRB "
             f"{float(secs[1]):.1f} s, MASSC plan and treatment {float(secs[2]):.1f} s, its "
-            f"calibration {float(secs[3]):.1f} s, its replications {float(secs[4]):.1f} s; peak "
+            f"calibration {float(secs[3]):.1f} s, its replications {float(secs[4]):.1f} s, "
+            f"top-coding {float(secs[5]):.1f} s; peak "
             f"RSS {peak:.2f} GiB; records equal to the partitioned ones, bit for bit: swap "
             f"{same[0]}, PRB {same[1]}, MASSC's donors and substituted file {same[2]}, its "
             f"moments, original totals and SEs, costs and psi {same[3]}, its substitution, "
             f"phi, subsampling and delta {same[4]}, its calibrated records {same[5]}, its "
-            f"replications' estimates and epsilon {same[6]}"
+            f"replications' estimates and epsilon {same[6]}, the top-coded records {same[7]}"
         )
 
 
