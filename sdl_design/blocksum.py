@@ -168,3 +168,22 @@ def combine_partials(partials: Sequence[BlockPartial], n_groups: int, n_rows: in
     for p in partials:
         acc.add(p)
     return acc.total()
+
+
+def remapped(p: BlockPartial, ids: np.ndarray, n_groups: int) -> BlockPartial:
+    """p with its local groups (a partition's own numbering) as the file's groups ids[local]."""
+    sums = np.zeros((len(p.sums), n_groups))
+    sums[:, ids] = p.sums
+    codes = ids[p.cont_codes] if len(p.cont_codes) else p.cont_codes
+    return BlockPartial(p.first, sums, p.cont, codes, p.cont_x)
+
+
+def combine_local(
+    partials: Sequence[BlockPartial], ids: Sequence[np.ndarray], n_groups: int, n_rows: int
+) -> np.ndarray:
+    """group_sum of the whole file from its partitions' BlockPartials by local groups (ids:
+    each partition's local groups' numbers in the file), in partition order."""
+    acc = BlockAccumulator(n_groups, n_rows)
+    for p, i in zip(partials, ids, strict=True):
+        acc.add(remapped(p, np.asarray(i, dtype=np.int64), n_groups))
+    return acc.total()

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from sdl_design import blocksum
-from sdl_design.blocksum import BlockAccumulator, BlockPartial
+from sdl_design.blocksum import BlockAccumulator, BlockPartial, combine_local
 from sdl_design.keys import key_frame
 from sdl_design.partition import (
     MasscInputs,
@@ -166,24 +166,6 @@ def _partials(
     bins = blocksum.block_bins(codes, n_groups, start, start + n_rows_part, rows)
     X = np.asarray(X, dtype=float).reshape(n_rows_part, -1)
     return [bins.of(X[:, j]) for j in range(X.shape[1])]
-
-
-def _remapped(p: BlockPartial, ids: np.ndarray, n_groups: int) -> BlockPartial:
-    """p with its local groups as the whole file's groups ids[local]."""
-    sums = np.zeros((len(p.sums), n_groups))
-    sums[:, ids] = p.sums
-    codes = ids[p.cont_codes] if len(p.cont_codes) else p.cont_codes
-    return BlockPartial(p.first, sums, p.cont, codes, p.cont_x)
-
-
-def _total(
-    partials: Sequence[BlockPartial], ids: Sequence[np.ndarray], n_groups: int, n_rows: int
-) -> np.ndarray:
-    """group_sum of the whole file from its partitions' local BlockPartials, in order."""
-    acc = BlockAccumulator(n_groups, n_rows)
-    for p, i in zip(partials, ids, strict=True):
-        acc.add(_remapped(p, np.asarray(i, dtype=np.int64), n_groups))
-    return acc.total()
 
 
 # ---------------------------------------------------------------- the partition's records
@@ -479,11 +461,11 @@ def calibration_plan(
         codes.append(np.concatenate(code2))
         cats_b2.append(cats)
         code_o, cats_o = _sorted_values([q.controls[j]["o"] for q in partials])
-        t = _total([q.controls[j]["w"] for q in partials], code_o, len(cats_o), n_rows)
+        t = combine_local([q.controls[j]["w"] for q in partials], code_o, len(cats_o), n_rows)
         ctrl[k.name] = {c: float(v) for c, v in zip(cats_o, t, strict=True)}
         for r in range(len(reps)):
             p_r = [q.controls[j]["reps"][r] for q in partials]
-            t = _total(p_r, code_o, len(cats_o), n_rows)
+            t = combine_local(p_r, code_o, len(cats_o), n_rows)
             ctrl_reps[r][k.name] = {c: float(v) for c, v in zip(cats_o, t, strict=True)}
     margins, rows = {}, []
     for i, dom in enumerate(creq.domains):
@@ -519,18 +501,18 @@ def calibration_plan(
         at = np.empty(n_id, dtype=np.int64)
         at[all_ids[pick]] = pick
         at_first = raw.iloc[at[order]].reset_index(drop=True)
-        t_o = _total([s["w"] for s in o], [cell[x] for x in ids_o], n_id, n_rows)
+        t_o = combine_local([s["w"] for s in o], [cell[x] for x in ids_o], n_id, n_rows)
         reps_i = None
         if rep_margins:
             A = np.column_stack(
                 [
-                    _total([s["reps"][r] for s in b2], [cell[x] for x in ids2], n_id, n2)
+                    combine_local([s["reps"][r] for s in b2], [cell[x] for x in ids2], n_id, n2)
                     for r in range(len(reps))
                 ]
             )
             B = np.column_stack(
                 [
-                    _total([s["reps"][r] for s in o], [cell[x] for x in ids_o], n_id, n_rows)
+                    combine_local([s["reps"][r] for s in o], [cell[x] for x in ids_o], n_id, n_rows)
                     for r in range(len(reps))
                 ]
             )
@@ -707,7 +689,7 @@ class CalibrationFactors:
 def _profile_sums(keyss: Sequence[np.ndarray], partials, n_rows: int):
     keys = np.unique(np.concatenate(keyss)) if keyss else np.zeros(0, np.int64)
     ids = [np.searchsorted(keys, k) for k in keyss]
-    return keys, _total(partials, ids, len(keys), n_rows)
+    return keys, combine_local(partials, ids, len(keys), n_rows)
 
 
 def _design_of(keys: np.ndarray, plan: CalibrationPlan, creq, cols: ProfileColumns):
@@ -748,7 +730,9 @@ def calibrate_by_partition(
         for mname in kept:
             cells = plan.margins[mname]
             k = len(cells.cats)
-            t = _total([q.labels[mname]["w"] for q in got], [np.arange(k)] * len(got), k, n_rows)
+            t = combine_local(
+                [q.labels[mname]["w"] for q in got], [np.arange(k)] * len(got), k, n_rows
+            )
             has = np.sum([q.labels[mname]["count"] for q in got], axis=0) > 0
             margin_totals[mname] = label_totals(cells.cats, t, has)
         totals = {**plan.ctrl, **{mname: margin_totals[mname] for mname in kept}}
@@ -768,7 +752,7 @@ def calibrate_by_partition(
                 d_r = _design_of(keys_r, plan, creq, profile_columns(plan, creq, r_kept))
                 warm: dict = {}
                 for r, c in enumerate(reps):
-                    wp_r = _total([q.Wp[r] for q in got], ids, len(keys_r), plan.n2)
+                    wp_r = combine_local([q.Wp[r] for q in got], ids, len(keys_r), plan.n2)
                     b = creq.bounds
                     g_c, row = replicate_factors(
                         d_r, wp_r, per[r], c, creq.method, b, creq.policy, warm
@@ -795,7 +779,7 @@ def _replicate_totals(
         k = len(cells.cats)
         has = np.sum([q.labels[mname]["count"] for q in got], axis=0) > 0
         for r in range(len(per)):
-            t = _total(
+            t = combine_local(
                 [q.labels[mname]["reps"][r] for q in got], [np.arange(k)] * len(got), k, n_rows
             )
             per[r][mname] = {cells.cats[j]: float(t[j]) for j in np.flatnonzero(has)}

@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from sdl_design import blocksum
-from sdl_design.blocksum import BlockAccumulator, BlockPartial
+from sdl_design.blocksum import BlockPartial, combine_local
 from sdl_design.partition import Partition, PartitionError, _write_partition, read_partition
 from sdl_design.spec import Bound, ReleaseSpec, TopcodeRule
 
@@ -92,6 +92,14 @@ def _extreme(order_key: np.ndarray, k: np.ndarray, g: np.ndarray, top: bool) -> 
     return order[keep]
 
 
+def _sides(rule: TopcodeRule) -> Iterator[tuple[str, Bound, bool]]:
+    """The rule's sides that are given: (side, bound, whether it is the upper one)."""
+    for side in SIDES:
+        b = getattr(rule, side)
+        if b is not None:
+            yield side, b, side == "upper"
+
+
 @dataclass
 class ColumnPass1:
     """One partition's part of a coded column: its groups (by values, local codes), their
@@ -130,11 +138,7 @@ def topcode_pass1(
         xv, wv, gv, rows = x[ok], w[ok], g_all[ok], rows_all[ok]
         n_g = np.bincount(gv, minlength=n_local)
         sides = {}
-        for side in SIDES:
-            b: Bound | None = getattr(rule, side)
-            if b is None:
-                continue
-            top = side == "upper"
+        for side, b, top in _sides(rule):
             if b.value is not None:
                 sides[side] = {}
             elif b.min_count is not None:
@@ -177,20 +181,6 @@ def _group_ids(
     return [ids[at[i] : at[i + 1]] for i in range(len(keys))], both.iloc[first].reset_index(
         drop=True
     )
-
-
-def _remapped(p: BlockPartial, ids: np.ndarray, n_groups: int) -> BlockPartial:
-    sums = np.zeros((len(p.sums), n_groups))
-    sums[:, ids] = p.sums
-    codes = ids[p.cont_codes] if len(p.cont_codes) else p.cont_codes
-    return BlockPartial(p.first, sums, p.cont, codes, p.cont_x)
-
-
-def _total(partials, ids, n_groups: int, n_rows: int) -> np.ndarray:
-    acc = BlockAccumulator(n_groups, n_rows)
-    for p, i in zip(partials, ids, strict=True):
-        acc.add(_remapped(p, i, n_groups))
-    return acc.total()
 
 
 @dataclass
@@ -280,13 +270,9 @@ def topcode_plan(
         n_g = np.zeros(G, np.int64)
         for p, i in zip(parts, ids, strict=True):
             np.add.at(n_g, i, p.n_g)
-        w_g = _total([p.w for p in parts], ids, G, n_rows)
+        w_g = combine_local([p.w for p in parts], ids, G, n_rows)
         thresholds = {}
-        for side in SIDES:
-            b: Bound | None = getattr(rule, side)
-            if b is None:
-                continue
-            top = side == "upper"
+        for side, b, top in _sides(rule):
             t = np.full(G, np.nan)
             if b.value is not None:
                 t[n_g > 0] = float(b.value)
@@ -345,7 +331,7 @@ def topcode_plan(
             ids,
             n_g,
             w_g,
-            _total([p.wx for p in parts], ids, G, n_rows),
+            combine_local([p.wx for p in parts], ids, G, n_rows),
             sum(p.n_missing for p in parts),
             all(p.integer for p in parts),
             thresholds,
@@ -519,17 +505,19 @@ def topcode_result(
     for col, rule in treq.rules:
         plan = plans[col]
         G = len(plan.keys)
-        after = _total([a[col]["after"] for a in applied], [np.arange(G)] * len(applied), G, n_rows)
+        after = combine_local(
+            [a[col]["after"] for a in applied], [np.arange(G)] * len(applied), G, n_rows
+        )
         tables.append(
             side_table(coding.rows[col], plan.tot_before, after, plan.keys, list(rule.by), col)
         )
         one = [np.zeros(1, np.int64)] * len(applied)
         totals[col] = (
-            float(_total([a[col]["before_all"] for a in applied], one, 1, n_rows)[0]),
-            float(_total([a[col]["after_all"] for a in applied], one, 1, n_rows)[0]),
+            float(combine_local([a[col]["before_all"] for a in applied], one, 1, n_rows)[0]),
+            float(combine_local([a[col]["after_all"] for a in applied], one, 1, n_rows)[0]),
         )
     one = [np.zeros(1, np.int64)] * len(applied)
-    w_total = float(_total([a["__w"] for a in applied], one, 1, n_rows)[0])
+    w_total = float(combine_local([a["__w"] for a in applied], one, 1, n_rows)[0])
     table = frame_table(tables)
     metrics, params, _ = topcode_summary(dict(treq.rules), table, w_total, totals)
     return table, metrics, params

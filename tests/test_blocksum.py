@@ -66,3 +66,23 @@ def test_one_block_file_by_partition_is_bincount():
     rows, codes, x = _terms(n, G, 5)
     got = _by_partition(rows, codes, x, G, n, [450, 900, 1350, 1800, 2250, 2700])
     assert got.tobytes() == np.bincount(codes, weights=x, minlength=G).tobytes()
+
+
+def test_partitions_numbering_groups_their_own_way_give_the_same_bits():
+    """Each partition numbers the groups it holds its own way (first appearance in it, only
+    those present): mapped to the file's numbering by combine_local, the sums are group_sum's
+    bits, with cuts inside blocks."""
+    from sdl_design.blocksum import combine_local
+
+    n, G = 2 * BLOCK + 999, 9
+    rows, codes, x = _terms(n, G, 4)
+    whole = group_sum(codes, x, G, n, rows)
+    bounds = [0, 300, BLOCK + 5, BLOCK + 6, 2 * BLOCK - 2, n]
+    parts, ids = [], []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        i, j = np.searchsorted(rows, [a, b])
+        local, present = np.unique(codes[i:j], return_inverse=True)  # local numbering
+        perm = np.random.default_rng(a).permutation(len(local))  # in any order
+        parts.append(block_partial(perm[present], x[i:j], len(local), a, b, rows[i:j]))
+        ids.append(local[np.argsort(perm)])
+    assert combine_local(parts, ids, G, n).tobytes() == whole.tobytes()
