@@ -1156,3 +1156,18 @@ def test_cell_sums_of_several_cellings_at_once():
         np.testing.assert_array_equal(g, group_indicator(c, m) @ df.to_numpy())
         assert (g[m - 1] == 0).all()
     assert _cell_sums([], [], RecordColumns(df, df.index), list(df.columns)) == []
+
+
+def test_percentiles_from_distinct_values_and_counts_are_numpys():
+    """percentiles_of_counts (the weight-factor table of the calibration, in memory and by
+    partition) from parts' distinct values and counts: np.percentile of all the values, bit
+    for bit, with ties, one value, and values split unevenly over parts."""
+    from sdl_design.massc.treatment import FACTOR_PERCENTILES, percentiles_of_counts
+
+    rng = np.random.default_rng(8)
+    for n, k in ((1, 1), (7, 3), (1000, 40), (12345, 5000)):
+        x = np.round(rng.lognormal(0, 0.3, n), 3) if k < n else rng.normal(size=n)
+        cuts = np.sort(rng.choice(np.arange(1, n), min(4, n - 1), replace=False)) if n > 1 else []
+        parts = [np.unique(p, return_counts=True) for p in np.split(x, cuts)]
+        got = percentiles_of_counts(parts)
+        assert got.tobytes() == np.percentile(x, FACTOR_PERCENTILES).tobytes(), n
