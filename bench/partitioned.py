@@ -262,7 +262,7 @@ def main() -> None:
     if "massc" in run["stages"]:
         ms = run["stages"]["massc"]
         print(
-            f"  MASSC Steps I-IV: donors pass 1 {ms['pass1_seconds']:.1f} s, search on the driver "
+            f"  MASSC: donors pass 1 {ms['pass1_seconds']:.1f} s, search on the driver "
             f"{ms['search_seconds']:.1f} s, draws and exchange of the donor records between "
             f"the workers, writing the substituted file {ms['exchange_seconds']:.1f} s; strata "
             f"and moments {ms['moments_seconds']:.1f} s, psi {ms['psi_seconds']:.1f} s, the "
