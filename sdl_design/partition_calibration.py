@@ -1,15 +1,20 @@
 """MASSC Step IV by partition: the retained records' weights and replicate weights calibrated
-to the original file's totals (calibrate_treated's, bit for bit).
+to the original file's totals (calibrate_treated's, bit for bit), and the replications'
+weight calibrations and study totals (massc_replications').
 
 Every sum is a block sum (sdl_design.blocksum) of one partition's records by a group it knows
 locally (its own distinct categories, domain cells or calibration profiles); the driver maps
 the local groups to the whole file's and adds the blocks in order, so the totals are the bits
-the in-memory calibration adds. Three passes:
+the in-memory calibration adds. A partition codes its controls and domain cells once, as its
+records are and with every record's donor values (_both_codes): a treatment's retained
+records take one or the other, so every treatment (the release's, each replication's) is
+integer work on the same codes, and one pass serves them all. The passes:
 - pass 1: the categories of the controls, the cells of the declared domains, their original
   weight totals and replicate totals, and whether the replicate weights are the original's;
 - pass 2 (again after a domain is dropped): the original's totals of the domains' labels
   and the retained records' weight and replicate weights summed by calibration profile;
-- apply: each partition writes its retained records with w g and the replicates' w_r g_r.
+- apply: each partition writes its retained records with w g and the replicates' w_r g_r;
+- for the replications, their study totals at the calibrated weight instead.
 Between them the driver runs the rules and solvers the in-memory calibration runs on the same
 sums: cell_labels (domain pooling), calibrate_profiles, replicate_factors, drop_finest.
 """
@@ -25,12 +30,14 @@ import pandas as pd
 
 from sdl_design import blocksum
 from sdl_design.blocksum import BlockAccumulator, BlockPartial, combine_local
-from sdl_design.keys import key_frame
+from sdl_design.design import first_of
+from sdl_design.keys import key_frame, key_levels
 from sdl_design.partition import (
     MasscInputs,
     Partition,
     PartitionError,
     _original_rows,
+    _treated_records,
     _write_partition,
     read_partition,
 )
@@ -147,17 +154,6 @@ def _local(s: pd.Series) -> tuple[np.ndarray, pd.Series]:
     return code.astype(np.int64), pd.Series(uniq, dtype=s.dtype if len(uniq) else object)
 
 
-def _tuples(df: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """Each record's local row code (distinct rows, first-appearance order) and each code's
-    first record."""
-    from sdl_design.design import first_of
-
-    if not len(df.columns):
-        return np.zeros(len(df), dtype=np.int64), np.zeros(min(len(df), 1), dtype=np.int64)
-    code = df.groupby(list(df.columns), sort=False, dropna=False).ngroup().to_numpy(np.int64)
-    return code, first_of(code, int(code.max(initial=-1)) + 1)
-
-
 def _partials(
     codes: np.ndarray, X: np.ndarray, n_groups: int, start: int, n_rows_part: int
 ) -> list[BlockPartial]:
@@ -182,26 +178,14 @@ class Treated:
 
 
 def _retained(
-    part: Partition, m: MasscInputs, trs: Sequence[Treated], columns: Sequence[str] | None
-) -> list[tuple[pd.DataFrame, np.ndarray, pd.DataFrame]]:
-    """Per treatment: b2, the partition's retained records (B(1)'s, with `columns`; None:
-    all), their factors 1/phi_h, and b1 (every record); the partition read once."""
-    from sdl_design.partition import _selected, _tilde, substituted
-
-    spec, req = m.spec, m.req
-    names = [*(k.name for k in req.keys), *(s.name for s in req.sensitive)]
-    df = read_partition(part, None if columns is None else [*names, *columns], spec)
-    tilde = _tilde(part, spec, req, trs[0].donors, df.index)
-    has_donor = tilde["__donor"].to_numpy() >= 0
+    part: Partition, m: MasscInputs, tr: Treated
+) -> tuple[pd.DataFrame, np.ndarray, pd.DataFrame]:
+    """b2, the partition's retained records (B(1)'s, every column), their factors 1/phi_h,
+    and b1 (every record)."""
+    b1, _, d2 = _treated_records(part, m.spec, m.req, tr.donors, tr.selected, None)
     _, h, _ = _original_rows(part, m)
-    out = []
-    for tr in trs:
-        d1 = _selected(part, tr.selected[0]) & has_donor
-        d2 = _selected(part, tr.selected[1])
-        b1 = substituted(df, tilde, d1, req)
-        factor = 1.0 / tr.phi[h]  # massc_treat's factor, then the retained records'
-        out.append((b1[d2], factor[d2], b1))
-    return out
+    factor = 1.0 / tr.phi[h]  # massc_treat's factor, then the retained records'
+    return b1[d2], factor[d2], b1
 
 
 def _coarsened(df: pd.DataFrame, creq: CalibrationRequest) -> pd.DataFrame:
@@ -240,8 +224,6 @@ class _Codes:
 
 def _codes_of(df: pd.DataFrame, creq: CalibrationRequest) -> _Codes:
     """df's calibration columns coded (the recodes run on distinct values only)."""
-    from sdl_design.keys import key_levels
-
     coarse = _coarsened(df, creq)
     controls = [_local(coarse[k.name]) for k in creq.controls]
     domains = []
@@ -252,8 +234,6 @@ def _codes_of(df: pd.DataFrame, creq: CalibrationRequest) -> _Codes:
             lv, lev = key_levels(df[k.name], k)
             code = pd.factorize(code * len(lev) + lv)[0].astype(np.int64)
             per.append((lv, lev))
-        from sdl_design.design import first_of
-
         first = first_of(code, int(code.max(initial=-1)) + 1)
         values = pd.DataFrame(
             {k.name: lev[lv[first]] for k, (lv, lev) in zip(dom, per, strict=True)}
@@ -303,8 +283,6 @@ def _cells_of(code: np.ndarray, values: pd.DataFrame, raw: pd.DataFrame, rows: n
     rank = np.full(len(values), -1, dtype=np.int64)
     rank[present] = np.arange(len(present))
     c = rank[code]
-    from sdl_design.design import first_of
-
     first = first_of(c, len(present))
     return {
         "values": values.iloc[present].reset_index(drop=True),
@@ -806,7 +784,7 @@ def calibration_apply(
     from sdl_design.massc.stage import EDIT_HINT
 
     reps = list(creq.replicates)
-    ((b2, factor, b1),) = _retained(part, m, [tr], None)
+    b2, factor, b1 = _retained(part, m, tr)
     check_edits(b1, m.spec.edits, "MASSC output", EDIT_HINT)  # B(1), as massc_result checks
     w = b2[creq.weight].to_numpy(dtype=float)
     base = w * factor
