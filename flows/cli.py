@@ -292,6 +292,13 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                     )
         if "stopped_before" in st:
             print(f"  stopped before {st['stopped_before']}: it has no partitioned path yet")
+        else:
+            left = st.get("not_measured", [])
+            print(
+                "  every stage that changes the records ran by partition"
+                + (f"; not measured by partition yet: {', '.join(left)}" if left else "")
+                + "; the gates and the public files are not made by partition yet"
+            )
         return 0
 
     return _guarded(go)

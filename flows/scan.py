@@ -328,6 +328,7 @@ class Chain:
     inputs: list
     scan: dict[str, Any]
     psus: pd.DataFrame  # the input design's PSUs, (stratum, psu) sorted as SurveyDesign codes them
+    masked: bool = False  # an earlier stage masked the design (its result's masks_design)
 
 
 def _swap_stage(
@@ -359,7 +360,13 @@ def _swap_stage(
     args = (spec, req, design.segment_labels, masking, str(folder / "data"))
     files = run_map(part.swap_apply, parts, *args, what="swap masking")
     _lap(laps, "masking", t)
-    return {**counts, "files": [Path(f).name for f in files], **laps, "tables": tables}
+    return {
+        **counts,
+        "files": [Path(f).name for f in files],
+        **laps,
+        "masks_design": True,  # pseudo strata and PSUs, rebuilt replicate weights
+        "tables": tables,
+    }
 
 
 def _prb_stage(
@@ -660,13 +667,38 @@ def _topcode_stage(
     }
 
 
-# the release stages that have a partitioned path (sdl_design.partition's map and reduce)
+def _pseudo_stage(
+    spec: ReleaseSpec,
+    columns: list[str],
+    parts: list,
+    run_map: Exchange,
+    folder: Path,
+    chain: Chain,
+) -> dict[str, Any] | None:
+    """The pseudo design by partition: when an earlier stage masked the design (the swap),
+    the stage builds nothing and the records stay as they are (PseudoDesignStage's); building
+    a pseudo design by partition is not built (None: the chain stops before it)."""
+    if not chain.masked:
+        return None
+    return {
+        "built": False,
+        "unchanged": True,
+        "note": "The design was masked by an earlier stage: no pseudo design built.",
+        "tables": {},
+    }
+
+
+# the release stages that have a partitioned path (sdl_design.partition's map and reduce);
+# a stage's function returns None where its partitioned path does not cover the spec
 PARTITIONED = {
     "swap": _swap_stage,
     "prb": _prb_stage,
     "massc": _massc_stage,
     "topcode": _topcode_stage,
+    "pseudo_design": _pseudo_stage,
 }
+# measuring stages whose measures the scan makes by partition (scan/risk.csv)
+MEASURED_BY_SCAN = ("risk",)
 # what a stage's partitioned path refuses in a spec, checked before anything runs
 # (PartitionError naming the field): (spec, input columns) -> None
 PARTITIONED_CHECKS = {"massc": pcal.check_massc, "topcode": ptc.topcode_request}
@@ -724,8 +756,18 @@ def run_partitioned(
             for stage in stages:
                 fn = PARTITIONED.get(stage.name)
                 if fn is None and reads_only(stage):
-                    continue  # it measures the records (the risk stage's: scan/risk.csv)
-                if fn is None:
+                    if stage.name not in MEASURED_BY_SCAN:
+                        done.setdefault("not_measured", []).append(stage.name)
+                    continue  # it only measures the records
+                res = None
+                if fn is not None:
+                    (tmp / stage.name / "data").mkdir(parents=True)
+                    try:
+                        res = fn(spec, cols, now, run_map, tmp / stage.name, chain)
+                    except part.PartitionError as e:
+                        raise SpecError([str(e)]) from e
+                if res is None:  # no partitioned path (for this spec)
+                    shutil.rmtree(tmp / stage.name, ignore_errors=True)
                     done["stopped_before"] = stage.name
                     _say(
                         f"stopped before {stage.name}: it has no partitioned path yet (the "
@@ -734,11 +776,11 @@ def run_partitioned(
                         "partitioned",
                     )
                     break
-                (tmp / stage.name / "data").mkdir(parents=True)
-                try:
-                    res = fn(spec, cols, now, run_map, tmp / stage.name, chain)
-                except part.PartitionError as e:
-                    raise SpecError([str(e)]) from e
+                chain.masked = chain.masked or bool(res.get("masks_design"))
+                if res.get("unchanged"):  # the records stay as the previous stage left them
+                    shutil.rmtree(tmp / stage.name)
+                    done[stage.name] = res
+                    continue
                 now = part.plan_partitions(tmp / stage.name / "data")
                 cols = part.input_columns(tmp / stage.name / "data")
                 # the damage so far: the records after this stage against the input's
@@ -751,6 +793,14 @@ def run_partitioned(
                 for name, table in res["tables"].items():
                     table.to_csv(tmp / stage.name / f"{name}.csv", index=False)
                 done[stage.name] = res
+        if "stopped_before" not in done:
+            left = done.get("not_measured", [])
+            _say(
+                "every stage that changes the records ran by partition"
+                + (f"; not measured by partition yet: {', '.join(left)}" if left else "")
+                + "; the gates and the public files are not made by partition yet",
+                "partitioned",
+            )
         summary = {
             "records": parts[-1].stop,
             "partitions": len(parts),

@@ -426,8 +426,9 @@ def test_swap_and_prb_by_partition_give_the_stages_records_to_the_bit(clean, tmp
     for n in (2, 7):
         out = run_partitioned(path, "thread", partitions=n, out=tmp_path / f"p{n}")
         st = out["stages"]
-        assert list(st) == ["swap", "prb", "stopped_before"]
-        assert st["stopped_before"] == "pseudo_design"
+        # the swap masked the design: the pseudo design builds nothing, records unchanged
+        assert list(st) == ["swap", "prb", "pseudo_design", "not_measured"]
+        assert st["pseudo_design"]["built"] is False and st["not_measured"] == ["final", "assess"]
         assert len(st["swap"]["files"]) == n
         _same_bits(
             pd.read_parquet(tmp_path / f"p{n}" / "swap" / "data"), swap.data.reset_index(drop=True)
@@ -467,7 +468,7 @@ def test_puf_partitioned_leaves_nothing_when_a_partition_fails(
     assert puf(["partitioned", str(path), "--partitions", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "pairs in swap/pairs.csv (confidential)" in text
-    assert "stopped before pseudo_design: it has no partitioned path yet" in text
+    assert "every stage that changes the records ran by partition; not measured by" in text
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     calls = []
 
@@ -531,7 +532,9 @@ def test_prb_alone_by_partition_gives_the_stages_records(clean, tmp_path, change
     spec = load_spec(new)
     prb = PrbStage.from_spec(spec).run(whole, StageContext(whole, spec, "prb"))
     out = run_partitioned(new, "thread", partitions=5, out=tmp_path / "p")
+    # no swap: the pseudo design would be built, which has no partitioned path
     assert list(out["stages"]) == ["prb", "stopped_before"]
+    assert out["stages"]["stopped_before"] == "pseudo_design"
     _same_bits(pd.read_parquet(tmp_path / "p" / "prb" / "data"), prb.data.reset_index(drop=True))
     assert out["stages"]["prb"]["n_changed"] == prb.metrics["n_changed"] > 0
 
@@ -554,7 +557,7 @@ def test_swap_with_bootstrap_replicates_by_partition_gives_the_stages_records(cl
     spec = load_spec(new)
     swap = SwapStage.from_spec(spec).run(whole, StageContext(whole, spec, "swap"))
     out = run_partitioned(new, "thread", partitions=3, out=tmp_path / "p")
-    assert list(out["stages"]) == ["swap", "stopped_before"]
+    assert list(out["stages"]) == ["swap", "pseudo_design", "not_measured"]
     got = pd.read_parquet(tmp_path / "p" / "swap" / "data")
     assert sum(c.startswith("rw") for c in got.columns) == 100
     _same_bits(got, swap.data.reset_index(drop=True))
