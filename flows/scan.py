@@ -569,27 +569,33 @@ def _massc_stage(
         if wreq.domains:
             ((wplan, wcal),) = calibrations(wreq, [treated], "massc replications' domains")
             wreq = pcal.replication_request(wreq, wplan.table if wcal is None else wcal.table)
-        plans, folders, rtrs = [], [], []
-        for r in range(n_reps):
-            gen = pcal.replication_generator(spec, r)
-            where = folder / "replications" / f"r{r:03d}"
-            rchosen = (str(where / "select_psi"), str(where / "select_phi"))
-            plans += [
-                part.select_plan(groups, psi.rates, gen, n_rows, n_parts),
-                part.select_plan(groups, phi.rates, gen, n_rows, n_parts),
+        estimates = []
+        batch = pcal.REPLICATIONS_AT_ONCE  # the memory of their exchanges and block sums
+        for lo in range(0, n_reps, batch):
+            reps = range(lo, min(lo + batch, n_reps))
+            plans, folders, rtrs = [], [], []
+            for r in reps:
+                gen = pcal.replication_generator(spec, r)
+                where = folder / "replications" / f"r{r:03d}"
+                rchosen = (str(where / "select_psi"), str(where / "select_phi"))
+                plans += [
+                    part.select_plan(groups, psi.rates, gen, n_rows, n_parts),
+                    part.select_plan(groups, phi.rates, gen, n_rows, n_parts),
+                ]
+                folders += list(rchosen)
+                rtrs.append(pcal.Treated(donors, rchosen, treated.phi))
+            what = f"massc replications {reps[0] + 1}-{reps[-1] + 1} of {n_reps}"
+            selections(plans, folders, f"{what}: selections")
+            done = calibrations(wreq, rtrs, what)
+            got = run_map(
+                pcal.replication_totals, parts, m, wreq, rtrs, [d[0] for d in done],
+                [d[1] for d in done], zvars, what=f"{what}: totals",
+            )  # fmt: skip
+            estimates += [
+                pcal.combine_replication_totals([g[k] for g in got], zvars, done[k][0].n2)
+                for k in range(len(rtrs))
             ]
-            folders += list(rchosen)
-            rtrs.append(pcal.Treated(donors, rchosen, treated.phi))
-        selections(plans, folders, "massc replications: selections")
-        done = calibrations(wreq, rtrs, "massc replications")
-        got = run_map(
-            pcal.replication_totals, parts, m, wreq, rtrs, [d[0] for d in done],
-            [d[1] for d in done], zvars, what="massc replications: totals",
-        )  # fmt: skip
-        estimates = [
-            pcal.combine_replication_totals([g[r] for g in got], zvars, done[r][0].n2)
-            for r in range(n_reps)
-        ]
+            del got, done
         shutil.rmtree(folder / "replications")  # their selections: original-to-masked maps
         eps_rep, rep_table = pcal.replication_epsilon(estimates, sums.truth, zvars)
         cal_tables["epsilon_replications"] = rep_table

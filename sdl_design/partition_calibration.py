@@ -43,6 +43,11 @@ from sdl_design.partition import (
 )
 from sdl_design.spec import KeySpec, ReleaseSpec
 
+# replications made in the same passes: their selections' exchange carries a uniform per
+# record and selection, and their study totals the values of the records that continue a
+# block begun in an earlier partition (up to BLOCK per partition): both grow with this number
+REPLICATIONS_AT_ONCE = 5
+
 
 @dataclass(frozen=True)
 class CalibrationRequest:

@@ -15,6 +15,7 @@ import yaml
 from flows.cli import main as puf
 from flows.cli import write_demo_spec
 from sdl_design import partition as P
+from sdl_design import partition_calibration as pcal
 from sdl_design.design import SurveyDesign
 from sdl_design.edits import rule_failures
 from sdl_design.io import read_input
@@ -582,7 +583,7 @@ def test_puf_partitioned_stops_on_the_inputs_edit_failures(survey, tmp_path, cap
     ids=["domains", "restricted", "revised"],
 )
 def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
-    clean, tmp_path, restrictions, delta_max
+    clean, tmp_path, monkeypatch, restrictions, delta_max
 ):
     """MASSC by partition after the partitioned swap and PRB, on 7 partitions: every
     record's donor (global row), the substituted file tilde, the strata, moments, costs, psi,
@@ -606,6 +607,7 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
     moved = prb.data[keys].to_numpy()[has] != prb.data[keys].to_numpy()[donor[has]]
     assert moved.any(axis=1).all()
     n = 7  # partitions (2 partitions: the swap's and PRB's tests)
+    monkeypatch.setattr(pcal, "REPLICATIONS_AT_ONCE", 1)  # the 2 replications in 2 batches
     out = run_partitioned(path, "thread", partitions=n, out=tmp_path / f"p{n}")
     m = out["stages"]["massc"]
     assert m["n_with_donor"] == int(has.sum()) and len(m["files"]) == n
