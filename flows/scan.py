@@ -559,10 +559,10 @@ def _massc_stage(
     )  # fmt: skip
     cal_tables, cal_metrics = pcal.calibration_summary(cplan, creq, cal, applied)
     t = _lap(laps, "calibration", t)
-    # the replications of the whole treatment (massc_replications), all in the same passes:
-    # each draws its two selections from its own Generator (one exchange for all of them) and
-    # calibrates the weight only, to the controls and the declared domains the release's
-    # weight alone keeps; epsilon from their study totals
+    # the replications of the whole treatment (massc_replications), a batch in the same
+    # passes: each draws its two selections from its own Generator (one exchange for the
+    # batch) and calibrates the weight only, to the controls and the declared domains the
+    # release's weight alone keeps; epsilon from their study totals
     n_reps = int(spec.stages.massc.replications)
     if n_reps:
         wreq = pcal.weight_only(creq)
