@@ -270,8 +270,8 @@ def main() -> None:
             f"{ms['n_delta_revisions']} revision(s)) {ms['treatment_seconds']:.1f} s, the "
             f"calibration (three passes, the solve on the driver, writing the retained records) "
             f"{ms['calibration_seconds']:.1f} s, {int(ms.get('n_replications', 0))} replications "
-            f"(one exchange of selections, the calibrations' passes and the totals, all "
-            f"replications at once) {ms['replications_seconds']:.1f} s; epsilon formula "
+            f"(per batch of 5: one exchange of selections, the calibrations' passes and the "
+            f"totals) {ms['replications_seconds']:.1f} s; epsilon formula "
             f"{ms['epsilon_formula']:.4f}, empirical {ms.get('epsilon_empirical', float('nan')):.4f}; "
             f"{ms['n_with_donor']:,} records with a donor, {ms['n_profiles']:,} search profiles",
             flush=True,
