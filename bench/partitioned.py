@@ -252,13 +252,6 @@ def main() -> None:
         f"{pr['max_risk']:.4f}",
         flush=True,
     )
-    if "topcode" in run["stages"]:
-        tc = run["stages"]["topcode"]
-        print(
-            f"  top-coding: {tc['seconds']:.1f} s ({tc['rounds']} round(s) of candidates, "
-            f"{tc['groups_gathered']} group(s) gathered)",
-            flush=True,
-        )
     if "massc" in run["stages"]:
         ms = run["stages"]["massc"]
         print(
@@ -274,6 +267,13 @@ def main() -> None:
             f"totals) {ms['replications_seconds']:.1f} s; epsilon formula "
             f"{ms['epsilon_formula']:.4f}, empirical {ms.get('epsilon_empirical', float('nan')):.4f}; "
             f"{ms['n_with_donor']:,} records with a donor, {ms['n_profiles']:,} search profiles",
+            flush=True,
+        )
+    if "topcode" in run["stages"]:
+        tc = run["stages"]["topcode"]
+        print(
+            f"  top-coding: {tc['seconds']:.1f} s ({tc['rounds']} round(s) of candidates, "
+            f"{tc['groups_gathered']} group(s) gathered)",
             flush=True,
         )
     wall, peak, text = _child(IN_PROCESS, str(spec), str(work / "thread"))
