@@ -200,10 +200,10 @@ class ColumnPlan:
 
 @dataclass
 class Pending:
-    """What the thresholds still need: more candidates (side: its multiplier) or the values of
+    """What the thresholds still need: more candidates for some sides, or the values of
     groups whose crossing is too close to call from the candidates."""
 
-    more: dict[tuple[str, str], int]
+    more: set[tuple[str, str]]  # (column, side): twice the candidates
     gather: dict[tuple[str, str], list[int]]
 
 
@@ -262,7 +262,7 @@ def topcode_plan(
     and weights, record order, of the groups too close to call), and what is still needed."""
     from sdl_design.topcode import _check_apart, _Groups, _sorted_thresholds, _thresholds
 
-    plans, pending = {}, Pending({}, {})
+    plans, pending = {}, Pending(set(), {})
     for col, rule in treq.rules:
         parts = [q[col] for q in partials]
         ids, keys = _group_ids([p.keys for p in parts], list(rule.by))
@@ -301,12 +301,13 @@ def topcode_plan(
                     key = (col, side, int(j))
                     if gathered is not None and key in gathered:
                         xv, wv = gathered[key]
-                        grp = _Groups(xv, wv, None, 1, np.array([len(xv)]), np.zeros(1), keys)
                         if rule.by:  # the stage's sorted path: cumulative weights by group
                             o = np.argsort(xv, kind="stable")
                             z = np.zeros(len(xv), np.int64)
                             t[j] = _sorted_thresholds(xv[o], wv[o], z, 1, b, side)[0]
-                        else:
+                        else:  # its partial sort, then the full one
+                            n = np.array([len(xv)])
+                            grp = _Groups(xv, wv, None, 1, n, np.zeros(1), keys)
                             t[j] = _thresholds(grp, b, side)[0]
                         continue
                     at = g == j
@@ -317,7 +318,7 @@ def topcode_plan(
                     if status == "ok":
                         t[j] = v
                     elif status == "more":
-                        pending.more[(col, side)] = 2  # twice the candidates
+                        pending.more.add((col, side))
                     else:
                         pending.gather.setdefault((col, side), []).append(int(j))
             thresholds[side] = t
@@ -339,59 +340,66 @@ def topcode_plan(
     return plans, pending
 
 
+@dataclass(frozen=True)
+class TopcodeInputs:
+    """What the passes after the thresholds read besides their partition: the spec, the
+    request, each column's plan and the partitions' numbers by their first record."""
+
+    spec: ReleaseSpec | None
+    treq: TopcodeRequest
+    plans: dict[str, ColumnPlan]
+    starts: dict[int, int]
+
+
+def _columns(
+    part: Partition, ti: TopcodeInputs, df: pd.DataFrame
+) -> Iterator[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Each coded column of the partition's records df: its name, values (NaN: missing),
+    weights, groups (the whole file's numbering) and whether present."""
+    index = ti.starts[part.start]
+    for col, rule in ti.treq.rules:
+        x, w = _values(df, col, ti.treq.weight)
+        if rule.by:
+            g = df.groupby(list(rule.by), sort=False, dropna=False, observed=True).ngroup()
+            g = ti.plans[col].ids[index][g.to_numpy(np.int64)]
+        else:
+            g = np.zeros(len(df), np.int64)
+        yield col, x, w, g, ~np.isnan(x)
+
+
+def _hits(side: str, x: np.ndarray, t: np.ndarray, g: np.ndarray, ok: np.ndarray) -> np.ndarray:
+    """The present values at or beyond their group's threshold (NaN threshold: none)."""
+    with np.errstate(invalid="ignore"):
+        return ok & ((x >= t[g]) if side == "upper" else (x <= t[g]))
+
+
 def topcode_gather(
-    part: Partition,
-    spec: ReleaseSpec,
-    treq: TopcodeRequest,
-    plans: dict[str, ColumnPlan],
-    starts: dict[int, int],
-    want: dict[tuple[str, str], list[int]],
+    part: Partition, ti: TopcodeInputs, want: dict[tuple[str, str], list[int]]
 ) -> dict[tuple[str, str, int], tuple[np.ndarray, np.ndarray]]:
     """The values and weights (record order) of the groups whose threshold the candidates
-    cannot decide (want: (column, side) -> groups) on one partition (starts: each
-    partition's number by its first record)."""
-    index = starts[part.start]
-    df = read_partition(part, treq.columns(), spec)
+    cannot decide (want: (column, side) -> groups) on one partition."""
+    df = read_partition(part, ti.treq.columns(), ti.spec)
     out = {}
-    for (col, side), groups in want.items():
-        x, w = _values(df, col, treq.weight)
-        g = _global_groups(df, col, dict(treq.rules)[col], plans[col], index)
-        ok = ~np.isnan(x)
-        for j in groups:
-            at = ok & (g == j)
-            out[(col, side, j)] = (x[at], w[at])
+    for col, x, w, g, ok in _columns(part, ti, df):
+        for (c, side), groups in want.items():
+            if c != col:
+                continue
+            for j in groups:
+                at = ok & (g == j)
+                out[(col, side, j)] = (x[at], w[at])
     return out
 
 
-def _global_groups(
-    df: pd.DataFrame, col: str, rule: TopcodeRule, plan: ColumnPlan, index: int
-) -> np.ndarray:
-    """Each record's group (the whole file's numbering)."""
-    if not rule.by:
-        return np.zeros(len(df), np.int64)
-    g = df.groupby(list(rule.by), sort=False, dropna=False, observed=True).ngroup()
-    return plan.ids[index][g.to_numpy(np.int64)]
-
-
 def topcode_coded(
-    part: Partition,
-    spec: ReleaseSpec,
-    treq: TopcodeRequest,
-    plans: dict[str, ColumnPlan],
-    starts: dict[int, int],
+    part: Partition, ti: TopcodeInputs
 ) -> dict[tuple[str, str], dict[str, np.ndarray]]:
     """Pass 2: each side's coded records (at or beyond their group's threshold), in record
     order: group, weight, value."""
-    index = starts[part.start]
-    df = read_partition(part, treq.columns(), spec)
+    df = read_partition(part, ti.treq.columns(), ti.spec)
     out = {}
-    for col, rule in treq.rules:
-        x, w = _values(df, col, treq.weight)
-        g = _global_groups(df, col, rule, plans[col], index)
-        ok = ~np.isnan(x)
-        for side, t in plans[col].thresholds.items():
-            with np.errstate(invalid="ignore"):
-                hit = ok & ((x >= t[g]) if side == "upper" else (x <= t[g]))  # NaN t: none
+    for col, x, w, g, ok in _columns(part, ti, df):
+        for side, t in ti.plans[col].thresholds.items():
+            hit = _hits(side, x, t, g, ok)
             out[(col, side)] = {"g": g[hit], "w": w[hit], "x": x[hit]}
     return out
 
@@ -444,31 +452,20 @@ def topcode_coding(
 
 
 def topcode_apply(
-    part: Partition,
-    spec: ReleaseSpec,
-    treq: TopcodeRequest,
-    plans: dict[str, ColumnPlan],
-    coding: Coding,
-    starts: dict[int, int],
-    folder: str,
+    part: Partition, ti: TopcodeInputs, coding: Coding, folder: str
 ) -> dict[str, Any]:
     """The partition's records with each coded column's values replaced, written to folder;
     the block sums of w x after coding (by group, and of every column) and of w."""
-    index = starts[part.start]
-    df = read_partition(part, None, spec)
+    df = read_partition(part, None, ti.spec)
     out = df.copy(deep=False)
     rows_all = np.arange(part.start, part.stop, dtype=np.int64)
-    w_all = df[treq.weight].to_numpy(dtype=float)
+    w_all = df[ti.treq.weight].to_numpy(dtype=float)
     sums: dict[str, Any] = {}
-    for col, rule in treq.rules:
-        plan = plans[col]
-        x, w = _values(df, col, treq.weight)
-        g = _global_groups(df, col, rule, plan, index)
-        ok = ~np.isnan(x)
+    for col, x, w, g, ok in _columns(part, ti, df):
+        plan = ti.plans[col]
         new = x.copy()
         for side, t in plan.thresholds.items():
-            with np.errstate(invalid="ignore"):
-                hit = ok & ((x >= t[g]) if side == "upper" else (x <= t[g]))
+            hit = _hits(side, x, t, g, ok)
             new[hit] = coding.rep[col][side][g[hit]]
         values = pd.Series(new, index=df.index, name=col, copy=False)
         if coding.integer[col]:
@@ -551,20 +548,19 @@ def run_topcode(
         mult = {**mult, **{k: mult.get(k, 1) * 2 for k in pending.more}}
     gathered: dict = {}
     if pending.gather:  # crossings too close to call from the candidates: the stage's rule
+        ti = TopcodeInputs(spec, treq, plans, starts)
         got = run_map(
-            topcode_gather, parts, spec, treq, plans, starts, pending.gather,
-            what="topcode values of close groups",
-        )  # fmt: skip
+            topcode_gather, parts, ti, pending.gather, what="topcode values of close groups"
+        )
         gathered = {
             k: (np.concatenate([g[k][0] for g in got]), np.concatenate([g[k][1] for g in got]))
             for k in got[0]
         }
         plans, _ = topcode_plan(first, treq, n_rows, gathered)
-    coded = run_map(topcode_coded, parts, spec, treq, plans, starts, what="topcode pass 2")
+    ti = TopcodeInputs(spec, treq, plans, starts)
+    coded = run_map(topcode_coded, parts, ti, what="topcode pass 2")
     coding = topcode_coding(coded, treq, plans)
-    applied = run_map(
-        topcode_apply, parts, spec, treq, plans, coding, starts, folder, what="topcode"
-    )
+    applied = run_map(topcode_apply, parts, ti, coding, folder, what="topcode")
     table, metrics, params = topcode_result(treq, plans, coding, applied, n_rows)
     return {
         "table": table,
