@@ -212,7 +212,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_partitioned(args: argparse.Namespace) -> int:
-    """The stages with a partitioned path (swap, PRB, MASSC's donors) a partition at a time."""
+    """The stages with a partitioned path a partition at a time, then the public data files."""
     from flows.scan import run_partitioned
 
     def go() -> int:
@@ -294,10 +294,13 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
             print(f"  stopped before {st['stopped_before']}: it has no partitioned path yet")
         else:
             left = st.get("not_measured", [])
+            pub = out["public_files"]
             print(
-                "  every stage that changes the records ran by partition"
-                + (f"; not measured by partition yet: {', '.join(left)}" if left else "")
-                + "; the gates and the public files are not made by partition yet"
+                f"  public files: {pub['records']} records, {pub['columns']} columns in "
+                f"puf/puf.parquet and puf/puf.csv ({pub['seconds']:.1f} s); every stage that "
+                "changes the records ran by partition; not published: "
+                + (f"the measures of {', '.join(left)}, " if left else "")
+                + "the gates, the README and the codebook are not made by partition yet"
             )
         return 0
 
@@ -474,9 +477,9 @@ def main(argv: list[str] | None = None) -> int:
 
     pa = sub.add_parser(
         "partitioned",
-        help="the release stages that have a partitioned path (swap, PRB, MASSC's donor search), a "
-        "partition at a "
-        "time (on Dask with --runner dask): the records after each stage as Parquet files",
+        help="the release stages that have a partitioned path (swap, PRB, MASSC, top-coding), a "
+        "partition at a time (on Dask with --runner dask): the records after each stage as "
+        "Parquet files, then the public data files (puf/puf.parquet, puf/puf.csv; not published)",
     )
     partition_opts(pa, "folder for each stage's records and tables (default: beside the release)")
     pa.set_defaults(func=cmd_partitioned)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -96,56 +98,307 @@ def write_public_files(puf: pd.DataFrame, public: Path, notes: str) -> dict[str,
     return {f"public/{name}": digests[name] for name in sorted(digests)}
 
 
-def _polars_ready(df: pd.DataFrame) -> pd.DataFrame | None:
-    """The frame with every column polars writes exactly as pandas.to_csv does (booleans as
-    True/False, empty strings as nothing, floats below 1e-4 in Python's repr), or None when a
-    column has a type polars would write differently (dates, mixed objects): pandas then."""
+def _tiny(v: np.ndarray) -> np.ndarray:
+    """Values polars writes otherwise than pandas: finite, non-zero, below 1e-4 in size."""
+    return np.isfinite(v) & (v != 0) & (np.abs(v) < 1e-4)
+
+
+def _kind(s: pd.Series) -> str | None:
+    """How polars writes the column as pandas does: 'bool', 'float', 'int', 'text', or None
+    (a type polars writes differently: dates, mixed objects)."""
+    if pd.api.types.is_bool_dtype(s):
+        return "bool"
+    if pd.api.types.is_float_dtype(s):
+        return "float"
+    if pd.api.types.is_integer_dtype(s):
+        return "int"
+    if isinstance(s.dtype, pd.CategoricalDtype) or pd.api.types.is_string_dtype(s):
+        if s.dtype == object and pd.api.types.infer_dtype(s, skipna=True) not in (
+            "string",
+            "empty",
+        ):
+            return None  # mixed objects: pandas decides how each is written
+        return "text"
+    return None
+
+
+def _polars_ready(df: pd.DataFrame, repr_floats: frozenset[str]) -> pd.DataFrame:
+    """The frame with every column as polars writes it exactly as pandas.to_csv does
+    (booleans as True/False, empty strings as nothing, repr_floats' values in Python's repr:
+    polars writes 1e-05 as 0.00001); every column of a kind (_kind)."""
     out = {}
     for c in df.columns:
         s = df[c]
-        if pd.api.types.is_bool_dtype(s):
+        kind = _kind(s)
+        if kind == "bool":
             out[c] = s.map({True: "True", False: "False"}).astype("string")
-        elif pd.api.types.is_float_dtype(s):
+        elif kind == "float" and c in repr_floats:
             v = s.to_numpy(dtype=float, na_value=np.nan)
-            tiny = np.isfinite(v) & (v != 0) & (np.abs(v) < 1e-4)
-            if tiny.any():  # polars writes 1e-05 as 0.00001; pandas uses repr
-                out[c] = pd.Series(
-                    [repr(float(x)) if x == x else None for x in v], index=s.index, dtype="string"
-                )
-            else:
-                out[c] = s
-        elif pd.api.types.is_integer_dtype(s):
-            out[c] = s
-        elif isinstance(s.dtype, pd.CategoricalDtype) or pd.api.types.is_string_dtype(s):
-            if isinstance(s.dtype, pd.CategoricalDtype):
-                s = s.astype("string")
-            if s.dtype == object and pd.api.types.infer_dtype(s, skipna=True) not in (
-                "string",
-                "empty",
-            ):
-                return None  # mixed objects: pandas decides how each is written
+            out[c] = pd.Series(
+                [repr(float(x)) if x == x else None for x in v], index=s.index, dtype="string"
+            )
+        elif kind == "text":
             out[c] = s.astype("string").replace("", pd.NA)
         else:
-            return None
+            out[c] = s
     return pd.DataFrame(out, index=df.index, copy=False)  # the columns as they are, no copy
 
 
-def write_csv(df: pd.DataFrame, path: Path, rows: int = 100_000) -> None:
-    """Write df as CSV through polars (seconds at 1M records, where pandas.to_csv takes over a
-    minute), byte for byte what `df.to_csv(index=False, lineterminator="\\n")` writes; `rows`
-    records at a time (polars holds a copy of one chunk, not of the whole frame)."""
-    import polars as pl
+@dataclass(frozen=True)
+class CsvPlan:
+    """How every chunk of one CSV file is written: through polars (else pandas) and which
+    float columns by Python's repr (those with a value below 1e-4 anywhere in the file)."""
 
+    polars: bool
+    repr_floats: frozenset[str] = frozenset()
+
+    def __or__(self, other: CsvPlan) -> CsvPlan:
+        """The plan of two parts of one file (pandas if either needs it)."""
+        return CsvPlan(self.polars and other.polars, self.repr_floats | other.repr_floats)
+
+
+def csv_plan(df: pd.DataFrame) -> CsvPlan:
+    """write_csv's choices for df (the same for any of its chunks written with this plan)."""
     names = [str(c) for c in df.columns]
     plain = names == list(df.columns) and len(set(names)) == len(names)  # polars needs these
     # (one column: pandas quotes an empty text as "" so that the line is not empty)
-    ready = _polars_ready(df) if plain and len(df.columns) > 1 else None
-    if ready is None:
-        df.to_csv(path, index=False, lineterminator="\n")
+    kinds = {c: _kind(df[c]) for c in df.columns} if plain and len(df.columns) > 1 else {}
+    if not kinds or None in kinds.values():
+        return CsvPlan(False)
+    tiny = [
+        c
+        for c, k in kinds.items()
+        if k == "float" and _tiny(df[c].to_numpy(dtype=float, na_value=np.nan)).any()
+    ]
+    return CsvPlan(True, frozenset(tiny))
+
+
+def write_csv(
+    df: pd.DataFrame,
+    path: Path,
+    rows: int = 100_000,
+    plan: CsvPlan | None = None,
+    header: bool = True,
+) -> None:
+    """Write df as CSV through polars (seconds at 1M records, where pandas.to_csv takes over a
+    minute), byte for byte what `df.to_csv(index=False, lineterminator="\\n")` writes; `rows`
+    records at a time (polars holds a copy of one chunk, not of the whole frame). plan: the
+    whole file's CsvPlan when df is one chunk of it (header: whether this chunk starts it)."""
+    import polars as pl
+
+    plan = csv_plan(df) if plan is None else plan
+    if not plan.polars:
+        df.to_csv(path, index=False, lineterminator="\n", header=header)
         return
+    ready = _polars_ready(df, plan.repr_floats)
     with open(path, "wb") as f:
         for a in range(0, max(len(ready), 1), rows):  # an empty frame: its header
             chunk = ready.iloc[a : a + rows].reset_index(drop=True)
             pl.from_pandas(chunk, nan_to_null=True).write_csv(
-                f, line_terminator="\n", include_header=a == 0
+                f, line_terminator="\n", include_header=header and a == 0
             )
+
+
+# ---------------------------------------------------------------- by partition
+
+# puf.parquet's row groups: pyarrow's (write_table's and DataFrame.to_parquet's default)
+PARQUET_ROWS = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The public file's records start..stop-1 (one row group of puf.parquet)."""
+
+    start: int
+    stop: int
+
+
+@dataclass
+class PublicPass1:
+    """One partition's published records: their count, the categories its records use, and
+    its CsvPlan."""
+
+    n: int
+    categories: dict[str, list]  # categorical column -> its categories
+    used: dict[str, np.ndarray]  # categorical column -> whether a record has each category
+    csv: CsvPlan
+
+
+@dataclass
+class PublicPlan:
+    """The public file of all partitions: its record count, the categories no record has
+    (drop_unused_levels), the CSV's plan and the records per row group."""
+
+    n: int
+    unused: dict[str, list]
+    csv: CsvPlan
+    rows: int = PARQUET_ROWS
+
+    def row_groups(self) -> list[Rows]:
+        return [Rows(a, min(a + self.rows, self.n)) for a in range(0, self.n, self.rows)]
+
+
+def _published(part: object, spec: ReleaseSpec, keep: list[str]) -> pd.DataFrame:
+    from sdl_design.partition import read_partition
+
+    return read_partition(part, keep, spec)[keep]
+
+
+def public_pass1(part: object, spec: ReleaseSpec, keep: list[str]) -> PublicPass1:
+    """Map: the partition's published columns (keep): records, used categories, CsvPlan."""
+    df = _published(part, spec, keep)
+    cats = [c for c in keep if isinstance(df[c].dtype, pd.CategoricalDtype)]
+    used = {}
+    for c in cats:
+        codes = df[c].cat.codes.to_numpy()
+        used[c] = np.bincount(codes[codes >= 0], minlength=len(df[c].cat.categories)) > 0
+    return PublicPass1(
+        n=len(df),
+        categories={c: list(df[c].cat.categories) for c in cats},
+        used=used,
+        csv=csv_plan(neutralize_formulas(df)),
+    )
+
+
+def public_plan(first: Sequence[PublicPass1], rows: int = PARQUET_ROWS) -> PublicPlan:
+    """Reduce: the public file's plan from every partition's pass 1 (in partition order)."""
+    unused = {}
+    for c, cats in first[0].categories.items():
+        if any(p.categories.get(c) != cats for p in first):
+            raise ValueError(
+                f"column {c!r} has other categories in another partition; the partitions of "
+                "one file must share each categorical column's categories"
+            )
+        used = np.logical_or.reduce([p.used[c] for p in first])
+        unused[c] = [x for x, u in zip(cats, used, strict=True) if not u]
+    csv = first[0].csv
+    for p in first[1:]:
+        csv = csv | p.csv
+    return PublicPlan(sum(p.n for p in first), unused, csv, rows)
+
+
+def _order(spec: ReleaseSpec, n: int) -> np.ndarray:
+    """The public file's order (public_frame's): its record r is the r-th of perm."""
+    rng = stage_rng(release_seed(spec.release.seed, spec.release.year), "publish-order")
+    return rng.permutation(n)
+
+
+def public_pieces(
+    part: object, spec: ReleaseSpec, keep: list[str], plan: PublicPlan, folder: str
+) -> int:
+    """Map: the partition's published records, without the unused categories, split by the
+    row group each goes to in the public order (a regenerated permutation of all records),
+    written as <folder>/c<group>/p<first record>.arrow with '__row' (the row in its group).
+    Returns the records written."""
+    df = _published(part, spec, keep)
+    for c, gone in plan.unused.items():
+        if gone:
+            df[c] = df[c].cat.remove_categories(gone)
+    a, b = part.start, part.stop
+    perm = _order(spec, plan.n)
+    mine = (perm >= a) & (perm < b)
+    at = np.empty(b - a, dtype=np.int64)  # each record's row in the public file
+    at[perm[mine] - a] = np.flatnonzero(mine)
+    del perm, mine
+    group = at // plan.rows
+    df = df.reset_index(drop=True)
+    for g in np.unique(group):
+        sel = np.flatnonzero(group == g)
+        piece = df.iloc[sel].reset_index(drop=True)
+        piece["__row"] = at[sel] - g * plan.rows
+        where = Path(folder) / f"c{g:06d}"
+        where.mkdir(parents=True, exist_ok=True)
+        piece.to_feather(where / f"p{a:012d}.arrow", compression="uncompressed")
+    return len(df)
+
+
+def public_group(rows: Rows, plan: PublicPlan, folder: str) -> str:
+    """Map: one row group of the public file from its pieces: <folder>/rows/c<group>.arrow
+    (the records in the public order, as puf.parquet stores them) and
+    <folder>/csv/c<group>.csv (as puf.csv has them, the header in the first); the pieces are
+    removed. Returns the Arrow file's path."""
+    import pyarrow as pa
+
+    g = rows.start // plan.rows
+    src = Path(folder) / "pieces" / f"c{g:06d}"
+    files = sorted(src.glob("p*.arrow"))
+    df = pd.concat([pd.read_feather(f) for f in files], ignore_index=True)
+    if len(df) != rows.stop - rows.start:
+        raise ValueError(f"row group {g}: {len(df)} records, not {rows.stop - rows.start}")
+    order = np.empty(len(df), dtype=np.int64)
+    order[df["__row"].to_numpy()] = np.arange(len(df))
+    df = df.drop(columns="__row").take(order).reset_index(drop=True)
+    for d in ("rows", "csv"):
+        (Path(folder) / d).mkdir(exist_ok=True)
+    write_csv(
+        neutralize_formulas(df), Path(folder) / "csv" / f"c{g:06d}.csv", plan=plan.csv,
+        header=g == 0,
+    )  # fmt: skip
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    out = Path(folder) / "rows" / f"c{g:06d}.arrow"
+    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    shutil.rmtree(src)
+    return str(out)
+
+
+def write_public_by_partition(
+    run_map: Callable[..., list],
+    parts: Sequence,
+    spec: ReleaseSpec,
+    columns: Sequence[str],
+    masked_design: bool,
+    drop: Sequence[str],
+    design_columns: Sequence[str],
+    folder: Path,
+    rows: int = PARQUET_ROWS,
+) -> dict[str, object]:
+    """puf.parquet and puf.csv into folder (created here) from the partitions of the last
+    stage's records, byte for byte what public_frame and write_public_files write from the
+    whole frame (rows: the records per row group). Workers write the pieces and row groups
+    into folder/.work (removed at the end: the pieces hold each record's public row); this
+    process writes puf.parquet a row group at a time and joins the CSV's chunks. Returns
+    {records, files: {name: sha256}}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from flows.publish import sha256_file
+
+    keep = spec.published_columns(list(columns), masked_design, drop, design_columns)
+    first = run_map(public_pass1, parts, spec, keep, what="public files: columns")
+    plan = public_plan(first, rows)
+    if plan.n == 0:
+        raise ValueError("no record is left to publish")
+    folder.mkdir()
+    work = folder / ".work"
+    run_map(
+        public_pieces, parts, spec, keep, plan, str(work / "pieces"), what="public files: order"
+    )
+    groups = plan.row_groups()
+    made = run_map(public_group, groups, plan, str(work), what="public files: row groups")
+    writer = None
+    try:
+        with open(folder / "puf.csv", "wb") as csv:
+            for g, path in enumerate(made):
+                with pa.memory_map(path) as src:
+                    table = pa.ipc.open_file(src).read_all()
+                if writer is None:
+                    writer = pq.ParquetWriter(folder / "puf.parquet", table.schema)
+                elif not table.schema.equals(writer.schema, check_metadata=True):
+                    diff = [
+                        f.name for f in table.schema if f.type != writer.schema.field(f.name).type
+                    ]
+                    raise ValueError(
+                        f"row group {g} of the public file types columns {diff or 'alike'} "
+                        "otherwise than the first (a column all missing in one row group?)"
+                    )
+                writer.write_table(table)
+                del table
+                with open(work / "csv" / f"c{g:06d}.csv", "rb") as part_csv:
+                    shutil.copyfileobj(part_csv, csv, 1 << 24)
+    finally:
+        if writer is not None:
+            writer.close()
+        shutil.rmtree(work, ignore_errors=True)
+    files = {name: sha256_file(folder / name) for name in ("puf.parquet", "puf.csv")}
+    return {"records": plan.n, "columns": len(keep), "files": files}

@@ -365,6 +365,7 @@ def _swap_stage(
         "files": [Path(f).name for f in files],
         **laps,
         "masks_design": True,  # pseudo strata and PSUs, rebuilt replicate weights
+        "drop_public": [c for c in (spec.design.segment,) if c],  # SwapStage's
         "tables": tables,
     }
 
@@ -694,6 +695,29 @@ def _pseudo_stage(
     }
 
 
+def _public_files(
+    spec: ReleaseSpec,
+    columns: list[str],
+    parts: list,
+    run_map: Exchange,
+    folder: Path,
+    chain: Chain,
+    done: dict[str, Any],
+) -> dict[str, Any]:
+    """puf.parquet and puf.csv from the last stage's partitions, as the release writes them
+    (its public columns and order): the design the public file is read with is the spec's
+    (no pseudo design is built by partition), the columns the stages drop (the swap's
+    segment) left out."""
+    from flows.public_files import write_public_by_partition
+    from sdl_design.stage import design_columns
+
+    drop = [c for r in done.values() if isinstance(r, dict) for c in r.get("drop_public", [])]
+    built = design_columns(spec.design, columns)
+    return write_public_by_partition(
+        run_map, parts, spec, columns, chain.masked, drop, built, folder
+    )
+
+
 # the release stages that have a partitioned path (sdl_design.partition's map and reduce);
 # a stage's function returns None where its partitioned path does not cover the spec
 PARTITIONED = {
@@ -799,12 +823,19 @@ def run_partitioned(
                 for name, table in res["tables"].items():
                     table.to_csv(tmp / stage.name / f"{name}.csv", index=False)
                 done[stage.name] = res
-        if "stopped_before" not in done:
+            public = None
+            if "stopped_before" not in done:
+                t = time.perf_counter()
+                public = _public_files(spec, cols, now, run_map, tmp / "puf", chain, done)
+                public["seconds"] = time.perf_counter() - t
+        if public is not None:
             left = done.get("not_measured", [])
             _say(
-                "every stage that changes the records ran by partition"
-                + (f"; not measured by partition yet: {', '.join(left)}" if left else "")
-                + "; the gates and the public files are not made by partition yet",
+                "every stage that changes the records ran by partition; the public data files "
+                f"are in {folder / 'puf'} ({public['records']} records, {public['columns']} "
+                f"columns; {public['seconds']:.1f} s); not published: "
+                + (f"the measures of {', '.join(left)}, " if left else "")
+                + "the gates, the README and the codebook are not made by partition yet",
                 "partitioned",
             )
         summary = {
@@ -813,15 +844,16 @@ def run_partitioned(
             "runner": runner,
             "edit_rules_passed": int(scan["edits"]["passed"].sum()),
             "scan_seconds": scan_seconds,
+            "public_files": public,
             "stages": {
                 k: {m: v for m, v in r.items() if m != "tables"} if isinstance(r, dict) else r
                 for k, r in done.items()
             },
         }
         (tmp / "run.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
-        return done, scan, scan_seconds
+        return done, scan, scan_seconds, public
 
-    stages_done, scan, scan_seconds = _replace(folder, fill)
+    stages_done, scan, scan_seconds, public = _replace(folder, fill)
     return {
         "records": parts[-1].stop,
         "partitions": len(parts),
@@ -830,4 +862,5 @@ def run_partitioned(
         "scan": scan,
         "scan_seconds": scan_seconds,
         "stages": stages_done,
+        "public_files": public,
     }

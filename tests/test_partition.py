@@ -332,9 +332,9 @@ def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
     thread, dask = tmp_path / "partitioned-thread", tmp_path / "partitioned-dask"
     files = sorted(p.relative_to(thread) for p in thread.rglob("*.*") if p.name != "run.json")
     parquet = [f for f in files if f.suffix == ".parquet"]
-    # the swap's, PRB's, MASSC's donors, its two selections', its calibrated records and the
-    # top-coded ones
-    assert len(parquet) == 28
+    # the swap's, PRB's, MASSC's donors, its two selections', its calibrated records, the
+    # top-coded ones and the public file (puf/puf.parquet; puf.csv is compared too)
+    assert len(parquet) == 29 and (thread / "puf" / "puf.csv").exists()
     assert len([f for f in parquet if f.parts[:2] == ("massc", "data")]) == 4
     assert json.loads((thread / "run.json").read_text())["stages"]["massc"]["n_with_donor"] > 0
     for f in files:
@@ -590,7 +590,7 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
     the substitution, phi, the subsampling, delta and meet_delta's revisions equal the
     release's MASSC (_main on the in-memory stages' output, the release's Generator), and so
     do the calibrated records (Step IV), the replications' estimates and the top-coded
-    records after it, bit for bit; donors keep the recipient's sex, region and restriction
+    records after it, bit for bit, and the public data files, byte for byte; donors keep the recipient's sex, region and restriction
     values and change another key."""
     from flows.scan import run_partitioned
 
@@ -622,7 +622,8 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
     data = _same_calibration(m, tmp_path / f"p{n}" / "massc", spec, prb, whole, cfg, tr)
     if not restrictions:  # the revised rates too
         _same_replications(m, spec, prb, whole, (cfg, plan, tr, dm, revisions))
-        _same_topcode(tmp_path / f"p{n}", spec, data)
+        final = _same_topcode(tmp_path / f"p{n}", spec, data)
+        _same_public(tmp_path / f"p{n}", spec, final, tmp_path)
     assert not (tmp_path / f"p{n}" / "massc" / "replications").exists()
 
 
@@ -700,6 +701,26 @@ def _same_topcode(folder, spec, calibrated):
     assert want.loc[want["column"] == "income", "n_coded"].iloc[0] > 0  # the 99.5th percentile
     run = json.loads((folder / "run.json").read_text())["stages"]["topcode"]
     assert {k: run[k] for k in res.metrics} == res.metrics
+    return res.data
+
+
+def _same_public(folder, spec, final, tmp_path):
+    """The public data files the partitioned chain writes (puf/) are the release's, byte for
+    byte: public_frame of the in-memory records after the last stage (the swap masked the
+    design and drops the segment), written by write_public_files."""
+    from flows.public_files import public_frame, write_public_files
+    from sdl_design.stage import design_columns
+
+    built = design_columns(spec.design, list(final.columns))
+    puf = public_frame(final, spec, True, [spec.design.segment], built)
+    ref = write_public_files(puf, tmp_path / "public-in-memory", "")
+    run = json.loads((folder / "run.json").read_text())["public_files"]
+    assert run["records"] == len(puf) < N  # MASSC's subsample
+    for name in ("puf.parquet", "puf.csv"):
+        assert (folder / "puf" / name).read_bytes() == (
+            tmp_path / "public-in-memory" / name
+        ).read_bytes(), name
+        assert run["files"][name] == ref[f"public/{name}"]
 
 
 def test_massc_calibration_by_partition_pools_drops_and_calibrates_replicates_to_domains(

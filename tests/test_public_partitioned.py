@@ -1,0 +1,92 @@
+"""The public data files written by partition (flows.public_files.write_public_by_partition)
+are the release writer's bytes: puf.parquet as DataFrame.to_parquet writes the whole public
+frame (pyarrow's row groups), puf.csv as pandas.to_csv writes it, for the records in the
+release's public order."""
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from flows.cli import write_demo_spec
+from flows.public_files import (
+    PARQUET_ROWS,
+    neutralize_formulas,
+    public_frame,
+    write_public_by_partition,
+    write_public_files,
+)
+from flows.scan import _mapper
+from sdl_design.io import read_input
+from sdl_design.partition import plan_partitions
+from sdl_design.spec import load_spec
+from sdl_design.stage import design_columns
+
+
+@pytest.fixture(scope="module")
+def survey(tmp_path_factory):
+    """The default survey (3,000 persons, row groups of 450) with what the public writers
+    decide over the whole file: education categorical with a category no record has, one
+    tiny bmi (3e-05: repr, not polars' 0.00003, in every chunk's CSV) in the sixth row group
+    only, and region values a spreadsheet would run as a formula."""
+    folder = tmp_path_factory.mktemp("public_partitioned")
+    path = write_demo_spec(folder, n_persons=3000)
+    spec = load_spec(path)
+    df = pd.read_parquet(spec.release.input)
+    cats = sorted(df["education"].dropna().unique()) + ["doctorate (none)"]
+    df["education"] = pd.Categorical(df["education"], categories=cats)
+    df.loc[2500, "bmi"] = 3e-05
+    df.loc[df.index % 101 == 3, "region"] = "=1+1"
+    src = folder / "input.parquet"
+    pq.write_table(pa.Table.from_pandas(df, preserve_index=False), src, row_group_size=450)
+    data = yaml.safe_load(path.read_text())
+    data["release"]["input"] = str(src)
+    path.write_text(yaml.safe_dump(data))
+    spec = load_spec(path)
+    whole, _ = read_input(spec)
+    return spec, whole
+
+
+@pytest.mark.parametrize("rows", [PARQUET_ROWS, 700], ids=["one-group", "groups-of-700"])
+def test_public_files_by_partition_are_the_release_writers_bytes(survey, tmp_path, rows):
+    """7 partitions (by row group) into row groups of `rows` records: puf.parquet and puf.csv
+    equal, byte for byte, what the release writes from the whole frame (write_public_files,
+    or pyarrow with the same row groups), and the CSV is pandas.to_csv's."""
+    spec, whole = survey
+    cols = list(whole.columns)
+    masked, drop = True, ["segment"]
+    built = design_columns(spec.design, cols)
+    parts = plan_partitions(spec.release.input, 7)
+    assert len(parts) == 7
+    with _mapper("thread", None, 1, "partitioned") as run_map:
+        got = write_public_by_partition(
+            run_map, parts, spec, cols, masked, drop, built, tmp_path / "puf", rows
+        )
+    puf = public_frame(whole, spec, masked, drop, built)
+    assert got["records"] == len(puf) == 3000 and got["columns"] == puf.shape[1]
+    assert "segment" not in puf.columns and "person_id" not in puf.columns
+    assert not (tmp_path / "puf" / ".work").exists()  # the pieces held each record's row
+    if rows == PARQUET_ROWS:
+        ref = write_public_files(puf, tmp_path / "ref", "notes")
+        assert got["files"]["puf.parquet"] == ref["public/puf.parquet"]
+        assert got["files"]["puf.csv"] == ref["public/puf.csv"]
+        want_parquet = (tmp_path / "ref" / "puf.parquet").read_bytes()
+    else:
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pandas(puf, preserve_index=False), sink, row_group_size=700)
+        want_parquet = sink.getvalue().to_pybytes()
+    assert (tmp_path / "puf" / "puf.parquet").read_bytes() == want_parquet
+    md = pq.ParquetFile(tmp_path / "puf" / "puf.parquet").metadata
+    assert [md.row_group(i).num_rows for i in range(md.num_row_groups)] == (
+        [3000] if rows == PARQUET_ROWS else [700, 700, 700, 700, 200]
+    )
+    text = neutralize_formulas(puf).to_csv(index=False, lineterminator="\n")
+    assert (tmp_path / "puf" / "puf.csv").read_text() == text
+    # what the writers decided over the whole file held in every part of it
+    back = pd.read_parquet(tmp_path / "puf" / "puf.parquet")
+    assert list(back["education"].cat.categories) == sorted(whole["education"].dropna().unique())
+    assert ",3e-05," in text and "'=1+1" in text
+    # the public order is not the input's
+    assert not np.array_equal(back["age"].to_numpy(), whole["age"].to_numpy())
