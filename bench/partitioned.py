@@ -161,13 +161,26 @@ def same_treatment(folder):
     delta = pd.read_csv(folder + "/delta.csv", float_precision="round_trip")["delta_bar"].max()
     return (d1 == tr.substituted).all() and (d2 == tr.retained).all() and (
         phi.tobytes() == tr.phi.rates.tobytes()) and delta == dm.delta
+def same_public(final):
+    import tempfile
+    from pathlib import Path
+    from flows.public_files import public_frame, write_public_files
+    from sdl_design.stage import design_columns
+    built = design_columns(spec.design, list(final.columns))
+    puf = public_frame(final, spec, True, [spec.design.segment], built)
+    with tempfile.TemporaryDirectory() as t:
+        write_public_files(puf, Path(t) / "public", "")
+        return all(
+            (Path(t) / "public" / f).read_bytes() == (Path(sys.argv[2]) / "puf" / f).read_bytes()
+            for f in ("puf.parquet", "puf.csv")
+        )
 print('SAME', same(sys.argv[2] + "/swap/data", swap.data), same(sys.argv[2] + "/prb/data", prb.data),
       same(sys.argv[2] + "/massc/donors", tilde), same_moments(sys.argv[2] + "/massc", plan.moments),
       same_treatment(sys.argv[2] + "/massc"), same(sys.argv[2] + "/massc/data", calibrated),
       all(pd.read_csv(sys.argv[2] + "/massc/epsilon_replications.csv", float_precision="round_trip")[c]
           .to_numpy().tobytes() == rep_table[c].to_numpy().tobytes()
           for c in ("truth", "mean_estimate", "rrmse")),
-      same(sys.argv[2] + "/topcode/data", coded.data))
+      same(sys.argv[2] + "/topcode/data", coded.data), same_public(coded.data))
 print('REVISIONS', len(revisions), dm.delta)
 """  # the in-memory swap and PRB stages (with their tables and baselines), MASSC's plan and
 # treatment (Steps I-III) and its calibration (Step IV), against the partitions
@@ -276,6 +289,14 @@ def main() -> None:
             f"{tc['groups_gathered']} group(s) gathered)",
             flush=True,
         )
+    if run.get("public_files"):
+        pf = run["public_files"]
+        print(
+            f"  public data files (columns, order, row groups by worker; puf.parquet and the "
+            f"CSV joined on the driver): {pf['seconds']:.1f} s, {pf['records']:,} records, "
+            f"{pf['columns']} columns",
+            flush=True,
+        )
     wall, peak, text = _child(IN_PROCESS, str(spec), str(work / "thread"))
     secs = float(next(ln for ln in text.splitlines() if ln.startswith("SCAN")).split()[1])
     print(f"one process, a partition at a time: {secs:.1f} s; peak RSS {peak:.2f} GiB")
@@ -311,7 +332,8 @@ def main() -> None:
             f"{same[0]}, PRB {same[1]}, MASSC's donors and substituted file {same[2]}, its "
             f"moments, original totals and SEs, costs and psi {same[3]}, its substitution, "
             f"phi, subsampling and delta {same[4]}, its calibrated records {same[5]}, its "
-            f"replications' estimates and epsilon {same[6]}, the top-coded records {same[7]}"
+            f"replications' estimates and epsilon {same[6]}, the top-coded records {same[7]}; "
+            f"the public data files (puf.parquet, puf.csv) byte for byte: {same[8]}"
         )
 
 

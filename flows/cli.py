@@ -281,6 +281,16 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                 )
                 + " (topcode/thresholds.csv)"
             )
+        if "assess" in st:
+            a = st["assess"]
+            print(
+                f"  assess      : {int(a['n_estimates'])} domain estimates of the published "
+                f"records against the input's ({int(a['n_reliable'])} reliable): median CI "
+                f"overlap {a.get('overlap_median', float('nan')):.3f}, "
+                f"{a['share_abs_std_bias_gt2']:.1%} more than 2 SEs off, epsilon "
+                f"{a['epsilon_published']:.4f} (assess/domain_estimates.csv; models, pMSE and "
+                "re-identification not by partition)"
+            )
         for name, res in st.items():
             se = res["tables"].get("se_ratios") if isinstance(res, dict) else None
             for col, kind in (("ratio", "Taylor"), ("ratio_rep", "replicate")):

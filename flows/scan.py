@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -329,6 +329,7 @@ class Chain:
     scan: dict[str, Any]
     psus: pd.DataFrame  # the input design's PSUs, (stratum, psu) sorted as SurveyDesign codes them
     masked: bool = False  # an earlier stage masked the design (its result's masks_design)
+    drop_public: list[str] = field(default_factory=list)  # columns the stages never publish
 
 
 def _swap_stage(
@@ -711,11 +712,57 @@ def _public_files(
     from flows.public_files import write_public_by_partition
     from sdl_design.stage import design_columns
 
-    drop = [c for r in done.values() if isinstance(r, dict) for c in r.get("drop_public", [])]
     built = design_columns(spec.design, columns)
     return write_public_by_partition(
-        run_map, parts, spec, columns, chain.masked, drop, built, folder
+        run_map, parts, spec, columns, chain.masked, chain.drop_public, built, folder
     )
+
+
+def _assess_stage(
+    spec: ReleaseSpec,
+    columns: list[str],
+    parts: list,
+    run_map: Exchange,
+    folder: Path,
+    chain: Chain,
+) -> dict[str, Any]:
+    """AssessStage's domain estimates by partition: the records after the last stage in
+    their public columns and design (the spec's: no pseudo design is built by partition)
+    against the input's (sdl_design.partition_assess; two passes over each)."""
+    from sdl_design import partition_assess as pas
+    from sdl_design.stage import design_columns
+
+    released = spec.published_columns(
+        columns, chain.masked, chain.drop_public, design_columns(spec.design, columns)
+    )
+    original = part.input_columns(spec.release.input)
+    req = pas.assess_request(spec, original, released)
+    t = time.perf_counter()
+    first = [
+        run_map(pas.assess_pass1, p, spec, req, f, what=f"assess pass 1, {name}")
+        for f, (p, name) in enumerate(((chain.inputs, "original"), (parts, "released")))
+    ]
+    plan = pas.assess_plan(first, req)
+    second = [
+        run_map(pas.assess_pass2, p, spec, req, f, plan, what=f"assess pass 2, {name}")
+        for f, (p, name) in enumerate(((chain.inputs, "original"), (parts, "released")))
+    ]
+    out = pas.assess_combine(plan, second)
+    m = out.metrics
+    _say(
+        f"assessed {int(m['n_estimates'])} domain estimates ({int(m['n_reliable'])} reliable): "
+        f"median CI overlap {m.get('overlap_median', float('nan')):.3f}, "
+        f"{m['share_abs_std_bias_gt2']:.1%} more than 2 SEs off, SE ratio median "
+        f"{m.get('se_ratio_median', float('nan')):.3f}; epsilon {m['epsilon_published']:.4f} "
+        "(models, pMSE and re-identification not by partition)",
+        "partitioned",
+    )
+    return {
+        **m,
+        "seconds": time.perf_counter() - t,
+        "unchanged": True,  # it measures; the records stay as they are
+        "tables": {"domain_estimates": out.domain_estimates},
+    }
 
 
 # the release stages that have a partitioned path (sdl_design.partition's map and reduce);
@@ -729,6 +776,8 @@ PARTITIONED = {
 }
 # measuring stages whose measures the scan makes by partition (scan/risk.csv)
 MEASURED_BY_SCAN = ("risk",)
+# measuring stages with a partitioned path (their measures of the records so far)
+MEASURED = {"assess": _assess_stage}
 # what a stage's partitioned path refuses in a spec, checked before anything runs
 # (PartitionError naming the field): (spec, input columns) -> None
 PARTITIONED_CHECKS = {"massc": pcal.check_massc, "topcode": ptc.topcode_request}
@@ -785,6 +834,18 @@ def run_partitioned(
                 raise GateFailed("edit validation failed on the input file", scan["edits"])
             for stage in stages:
                 fn = PARTITIONED.get(stage.name)
+                if fn is None and stage.name in MEASURED:
+                    (tmp / stage.name).mkdir()
+                    try:
+                        res = MEASURED[stage.name](
+                            spec, cols, now, run_map, tmp / stage.name, chain
+                        )
+                    except part.PartitionError as e:
+                        raise SpecError([str(e)]) from e
+                    for name, table in res["tables"].items():
+                        table.to_csv(tmp / stage.name / f"{name}.csv", index=False)
+                    done[stage.name] = res
+                    continue
                 if fn is None and reads_only(stage):
                     if stage.name not in MEASURED_BY_SCAN:
                         done.setdefault("not_measured", []).append(stage.name)
@@ -807,6 +868,7 @@ def run_partitioned(
                     )
                     break
                 chain.masked = chain.masked or bool(res.get("masks_design"))
+                chain.drop_public += res.get("drop_public", [])
                 if res.get("unchanged"):  # the records stay as the previous stage left them
                     shutil.rmtree(tmp / stage.name)
                     done[stage.name] = res

@@ -228,34 +228,72 @@ class _Study:
     M: np.ndarray  # n x k
 
 
-def _study_columns(frames: Sequence[pd.DataFrame], study: Sequence[str]) -> list[_Study]:
-    """Numeric study variables as they are; a categorical one as one 0/1 column per category
-    ('var=cat'). A variable is a proportion when its values in the first file are all 0/1."""
-    cols: list[list[np.ndarray]] = [[] for _ in frames]
-    names, kinds = [], []
-    for v in study:
-        s0 = frames[0][v]
-        if pd.api.types.is_numeric_dtype(s0) or pd.api.types.is_bool_dtype(s0):
-            vals = [pd.to_numeric(f[v], errors="coerce").to_numpy(dtype=float) for f in frames]
-            x = vals[0][np.isfinite(vals[0])]
-            kinds.append("proportion" if np.isin(x, (0.0, 1.0)).all() else "mean")
-            names.append(v)
-            for j, a in enumerate(vals):
-                cols[j].append(a)
-        else:
-            cats = sorted(pd.unique(pd.concat([f[v].dropna() for f in frames])), key=str)
+@dataclass(frozen=True)
+class StudyPlan:
+    """How the study variables become columns on every file: a numeric one as it is (kind
+    'proportion' when its values in the first file are all 0/1, else 'mean'), a categorical
+    one as one 0/1 column per category ('var=cat', missing where the variable is)."""
+
+    variables: tuple[tuple[str, str | None, tuple], ...]  # (name, numeric kind | None, cats)
+
+    @property
+    def names(self) -> list[str]:
+        return [
+            n
+            for v, kind, cats in self.variables
+            for n in ([v] if kind else [f"{v}={c}" for c in cats])
+        ]
+
+    @property
+    def kinds(self) -> list[str]:
+        return [
+            k
+            for _, kind, cats in self.variables
+            for k in ([kind] if kind else ["proportion"] * len(cats))
+        ]
+
+    def study(self, f: pd.DataFrame) -> _Study:
+        """The file's study columns (Y0, M)."""
+        cols = []
+        for v, kind, cats in self.variables:
+            if kind:
+                cols.append(pd.to_numeric(f[v], errors="coerce").to_numpy(dtype=float))
+                continue
+            missing = f[v].isna()
             for c in cats:
-                names.append(f"{v}={c}")
-                kinds.append("proportion")
-                for j, f in enumerate(frames):
-                    a = (f[v] == c).to_numpy(dtype=float)
-                    cols[j].append(np.where(f[v].isna(), np.nan, a))
-    out = []
-    for c in cols:
-        Y = np.column_stack(c) if c else np.zeros((0, 0))
+                cols.append(np.where(missing, np.nan, (f[v] == c).to_numpy(dtype=float)))
+        Y = np.column_stack(cols) if cols else np.zeros((0, 0))
         M = np.isfinite(Y)
-        out.append(_Study(names, kinds, np.where(M, Y, 0.0), M.astype(float)))
-    return out
+        return _Study(self.names, self.kinds, np.where(M, Y, 0.0), M.astype(float))
+
+
+def study_kind(s: pd.Series) -> str | None:
+    """A study variable's kind on the first file: 'proportion' (numeric, every finite value
+    0 or 1), 'mean' (numeric), None (categorical)."""
+    if not (pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s)):
+        return None
+    x = pd.to_numeric(s, errors="coerce").to_numpy(dtype=float)
+    return "proportion" if np.isin(x[np.isfinite(x)], (0.0, 1.0)).all() else "mean"
+
+
+def study_plan(frames: Sequence[pd.DataFrame], study: Sequence[str]) -> StudyPlan:
+    """The StudyPlan of the files (categories: the values of every file, sorted as text)."""
+    out = []
+    for v in study:
+        kind = study_kind(frames[0][v])
+        cats = (
+            ()
+            if kind
+            else tuple(sorted(pd.unique(pd.concat([f[v].dropna() for f in frames])), key=str))
+        )
+        out.append((v, kind, cats))
+    return StudyPlan(tuple(out))
+
+
+def _study_columns(frames: Sequence[pd.DataFrame], study: Sequence[str]) -> list[_Study]:
+    """Each file's study columns (study_plan's)."""
+    plan = study_plan(frames, study)
+    return [plan.study(f) for f in frames]
 
 
 @dataclass
@@ -304,10 +342,13 @@ def domain_estimates_of(
     cell_of_prof: np.ndarray,
     L: int,
     replicates: bool,
+    profile_replicates: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Means (ratios to the non-missing weight: domain estimation over the non-missing records)
     and totals of every study variable in every cell (cell_of_prof: each profile's cell),
     arrays L x k, with Taylor SEs and (when replicates and the design has them) replicate SEs.
+    profile_replicates: the replicate totals of (y, m) by profile (R x profiles x 2k), when
+    they were summed elsewhere (by partition); the design then gives only its PSUs and scales.
 
     From the file's pair sums: the PSU x cell sums of w y, w m and m (counted, not sorted);
     the PSU totals of the linearized scores, z = w d m (y - R_d) / X_d for means and w d m y
@@ -343,8 +384,13 @@ def domain_estimates_of(
     se_mean[(npsu <= 1) | tiny] = 0.0
     out = {"n": cnt, "mean": R, "se_mean": se_mean, "total": Ty, "se_total": np.sqrt(var[:, 1])}
     if replicates and design.replicate_weights:
-        fac = design.factor_groups
-        if fac is not None:
+        fac = None if profile_replicates is not None else design.factor_groups
+        if profile_replicates is not None:
+            n_rep, P = profile_replicates.shape[:2]
+            C = sp.csr_matrix((np.ones(P), (cell_of_prof, np.arange(P))), shape=(L, P))
+            by_prof = profile_replicates.transpose(1, 0, 2).reshape(P, n_rep * kk)
+            t = np.asarray(C @ by_prof).reshape(L, n_rep, kk).transpose(1, 0, 2)
+        elif fac is not None:
             t = pair_replicate_totals(fac[2], pairs.grp, cell, pairs.S[:, :kk], L)
         else:  # factors not constant on groups: W_c' y_c over the records of each cell
             Y2 = np.concatenate([st.Y0, st.M], axis=1)
@@ -636,6 +682,86 @@ def _quantiles(x: np.ndarray, prefix: str, qs: Mapping[str, float]) -> dict[str,
     return {f"{prefix}_{name}": float(np.percentile(x, q)) for name, q in qs.items()}
 
 
+def domain_table(
+    cells: Sequence[tuple[tuple[str, ...], list[str], int, list[dict[str, np.ndarray]]]],
+    names: Sequence[str],
+    kinds: Sequence[str],
+    has_rep: bool,
+    variance: Variance,
+    min_n: int,
+    level: float,
+) -> pd.DataFrame:
+    """The domain estimates table: for each grouping (its variables, cell labels, L cells and
+    domain_estimates_of on the original and the released file) the means and totals of every
+    study variable in every cell, side by side, with their comparison (_compare) and whether
+    the estimate is reliable (n_original >= min_n and a positive original SE)."""
+    k = len(names)
+    parts: dict[str, list] = {}
+    for g, labels, L, res in cells:
+        for stat in ("mean", "total"):
+            block = {
+                "variable": np.tile(np.asarray(names, dtype=object), L),
+                "statistic": np.tile(np.asarray(kinds, dtype=object), L)
+                if stat == "mean"
+                else np.full(L * k, "total", dtype=object),
+                "domain": np.full(L * k, " x ".join(g) if g else "all", dtype=object),
+                "level": np.repeat(np.asarray(labels, dtype=object), k),
+                "n_original": res[0]["n"].ravel(),
+                "n_released": res[1]["n"].ravel(),
+                "estimate_original": res[0][stat].ravel(),
+                "estimate_released": res[1][stat].ravel(),
+                "se_taylor_original": res[0][f"se_{stat}"].ravel(),
+                "se_taylor_released": res[1][f"se_{stat}"].ravel(),
+            }
+            if has_rep:
+                block["se_replicate_original"] = res[0][f"se_rep_{stat}"].ravel()
+                block["se_replicate_released"] = res[1][f"se_rep_{stat}"].ravel()
+            for c, v in block.items():
+                parts.setdefault(c, []).append(v)
+    # an empty cell: mean NaN, total 0 with SE 0
+    est = pd.DataFrame({c: np.concatenate(v) for c, v in parts.items()})
+    se_o = est[f"se_{variance}_original"].to_numpy()
+    se_r = est[f"se_{variance}_released"].to_numpy()
+    est.insert(8, "se_original", se_o)
+    est.insert(10, "se_released", se_r)
+    cmp = _compare(
+        est["estimate_original"].to_numpy(), se_o, est["estimate_released"].to_numpy(), se_r, level
+    )
+    none = est["estimate_original"].isna() & est["estimate_released"].isna()
+    cmp["ci_overlap"] = np.where(none, np.nan, cmp["ci_overlap"])  # nothing to compare
+    for name, col in cmp.items():
+        est[name] = col
+    est["reliable"] = (est["n_original"] >= min_n) & (se_o > 0)
+    return est
+
+
+def domain_metrics(est: pd.DataFrame, has_rep: bool, variance: Variance) -> dict[str, float]:
+    """The domain estimates' metrics over the reliable ones: CI overlap quantiles, the share
+    more than 2 original SEs off, SE-ratio quantiles of means and proportions (and of their
+    replicate SEs beside Taylor's)."""
+    rel = est[est["reliable"]]
+    ov = rel["ci_overlap"].to_numpy()
+    metrics: dict[str, float] = {
+        "n_estimates": float(len(est)),
+        "n_reliable": float(len(rel)),
+        **_quantiles(ov, "overlap", {"median": 50, "p5": 5, "p10": 10, "min": 0}),
+        "share_abs_std_bias_gt2": float((rel["std_bias"].abs() > 2).mean()) if len(rel) else 0.0,
+        # SE ratios of means and proportions: a total of a calibration control has Taylor SE 0
+        # on calibrated weights by construction, which says nothing of the treatment
+        **_quantiles(
+            rel.loc[rel["statistic"] != "total", "se_ratio"].to_numpy(),
+            "se_ratio",
+            {"p10": 10, "median": 50, "p90": 90},
+        ),
+    }
+    if has_rep and variance == "taylor":
+        rm = rel[rel["statistic"] != "total"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rr = (rm["se_replicate_released"] / rm["se_replicate_original"]).to_numpy()
+        metrics |= _quantiles(rr, "se_ratio_replicate", {"p10": 10, "median": 50, "p90": 90})
+    return metrics
+
+
 def assess(
     original: pd.DataFrame,
     released: pd.DataFrame,
@@ -695,52 +821,19 @@ def assess(
                 coding[v] = published_coding(frames, v, keys)
     studies = _study_columns(frames, spec.variables.study)
     names, kinds = studies[0].names, studies[0].kinds
-    k = len(names)
-    parts: dict[str, list] = {}
     prof_rec, n_prof, at = _profiles(coding, [len(f) for f in frames])
     pairs = [
         _file_pairs(d, st, p, m) for d, st, p, m in zip(des, studies, prof_rec, n_prof, strict=True)
     ]
+    cells = []
     for g in groupings:
         codes, labels, L = _cells([at[v] for v in g], n_prof)
         res = [
             domain_estimates_of(d, st, pr, c, L, has_rep)
             for d, st, pr, c in zip(des, studies, pairs, codes, strict=True)
         ]
-        for stat in ("mean", "total"):
-            block = {
-                "variable": np.tile(np.asarray(names, dtype=object), L),
-                "statistic": np.tile(np.asarray(kinds, dtype=object), L)
-                if stat == "mean"
-                else np.full(L * k, "total", dtype=object),
-                "domain": np.full(L * k, " x ".join(g) if g else "all", dtype=object),
-                "level": np.repeat(np.asarray(labels, dtype=object), k),
-                "n_original": res[0]["n"].ravel(),
-                "n_released": res[1]["n"].ravel(),
-                "estimate_original": res[0][stat].ravel(),
-                "estimate_released": res[1][stat].ravel(),
-                "se_taylor_original": res[0][f"se_{stat}"].ravel(),
-                "se_taylor_released": res[1][f"se_{stat}"].ravel(),
-            }
-            if has_rep:
-                block["se_replicate_original"] = res[0][f"se_rep_{stat}"].ravel()
-                block["se_replicate_released"] = res[1][f"se_rep_{stat}"].ravel()
-            for c, v in block.items():
-                parts.setdefault(c, []).append(v)
-    # an empty cell: mean NaN, total 0 with SE 0
-    est = pd.DataFrame({c: np.concatenate(v) for c, v in parts.items()})
-    se_o = est[f"se_{variance}_original"].to_numpy()
-    se_r = est[f"se_{variance}_released"].to_numpy()
-    est.insert(8, "se_original", se_o)
-    est.insert(10, "se_released", se_r)
-    cmp = _compare(
-        est["estimate_original"].to_numpy(), se_o, est["estimate_released"].to_numpy(), se_r, level
-    )
-    none = est["estimate_original"].isna() & est["estimate_released"].isna()
-    cmp["ci_overlap"] = np.where(none, np.nan, cmp["ci_overlap"])  # nothing to compare
-    for name, col in cmp.items():
-        est[name] = col
-    est["reliable"] = (est["n_original"] >= min_n) & (se_o > 0)
+        cells.append((g, labels, L, res))
+    est = domain_table(cells, names, kinds, has_rep, variance, min_n, level)
 
     # ------------------------------------------------ models
     coefs = _fit_models(
@@ -750,26 +843,7 @@ def assess(
     del des, pairs, studies  # the designs' replicate matrices are not needed past here
 
     # ------------------------------------------------ metrics
-    rel = est[est["reliable"]]
-    ov = rel["ci_overlap"].to_numpy()
-    metrics: dict[str, float] = {
-        "n_estimates": float(len(est)),
-        "n_reliable": float(len(rel)),
-        **_quantiles(ov, "overlap", {"median": 50, "p5": 5, "p10": 10, "min": 0}),
-        "share_abs_std_bias_gt2": float((rel["std_bias"].abs() > 2).mean()) if len(rel) else 0.0,
-        # SE ratios of means and proportions: a total of a calibration control has Taylor SE 0
-        # on calibrated weights by construction, which says nothing of the treatment
-        **_quantiles(
-            rel.loc[rel["statistic"] != "total", "se_ratio"].to_numpy(),
-            "se_ratio",
-            {"p10": 10, "median": 50, "p90": 90},
-        ),
-    }
-    if has_rep and variance == "taylor":
-        rm = rel[rel["statistic"] != "total"]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rr = (rm["se_replicate_released"] / rm["se_replicate_original"]).to_numpy()
-        metrics |= _quantiles(rr, "se_ratio_replicate", {"p10": 10, "median": 50, "p90": 90})
+    metrics = domain_metrics(est, has_rep, variance)
     if len(coefs):
         metrics["model_overlap_min"] = float(coefs["ci_overlap"].min())
         metrics["model_std_diff_max_abs"] = float(coefs["std_diff"].abs().max())

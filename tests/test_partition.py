@@ -428,8 +428,8 @@ def test_swap_and_prb_by_partition_give_the_stages_records_to_the_bit(clean, tmp
         out = run_partitioned(path, "thread", partitions=n, out=tmp_path / f"p{n}")
         st = out["stages"]
         # the swap masked the design: the pseudo design builds nothing, records unchanged
-        assert list(st) == ["swap", "prb", "pseudo_design", "not_measured"]
-        assert st["pseudo_design"]["built"] is False and st["not_measured"] == ["final", "assess"]
+        assert list(st) == ["swap", "prb", "pseudo_design", "not_measured", "assess"]
+        assert st["pseudo_design"]["built"] is False and st["not_measured"] == ["final"]
         assert len(st["swap"]["files"]) == n
         _same_bits(
             pd.read_parquet(tmp_path / f"p{n}" / "swap" / "data"), swap.data.reset_index(drop=True)
@@ -469,7 +469,8 @@ def test_puf_partitioned_leaves_nothing_when_a_partition_fails(
     assert puf(["partitioned", str(path), "--partitions", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "pairs in swap/pairs.csv (confidential)" in text
-    assert "every stage that changes the records ran by partition; not measured by" in text
+    assert "every stage that changes the records ran by partition; not published: the " in text
+    assert "puf/puf.parquet and puf/puf.csv" in text and "domain estimates of the" in text
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     calls = []
 
@@ -558,7 +559,8 @@ def test_swap_with_bootstrap_replicates_by_partition_gives_the_stages_records(cl
     spec = load_spec(new)
     swap = SwapStage.from_spec(spec).run(whole, StageContext(whole, spec, "swap"))
     out = run_partitioned(new, "thread", partitions=3, out=tmp_path / "p")
-    assert list(out["stages"]) == ["swap", "pseudo_design", "not_measured"]
+    assert list(out["stages"]) == ["swap", "pseudo_design", "not_measured", "assess"]
+    assert out["stages"]["not_measured"] == ["final"]
     got = pd.read_parquet(tmp_path / "p" / "swap" / "data")
     assert sum(c.startswith("rw") for c in got.columns) == 100
     _same_bits(got, swap.data.reset_index(drop=True))
@@ -624,6 +626,7 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
         _same_replications(m, spec, prb, whole, (cfg, plan, tr, dm, revisions))
         final = _same_topcode(tmp_path / f"p{n}", spec, data)
         _same_public(tmp_path / f"p{n}", spec, final, tmp_path)
+        _same_assessment(tmp_path / f"p{n}", spec, whole, final)
     assert not (tmp_path / f"p{n}" / "massc" / "replications").exists()
 
 
@@ -702,6 +705,37 @@ def _same_topcode(folder, spec, calibrated):
     run = json.loads((folder / "run.json").read_text())["stages"]["topcode"]
     assert {k: run[k] for k in res.metrics} == res.metrics
     return res.data
+
+
+def _same_assessment(folder, spec, whole, final):
+    """The assessment's domain estimates by partition (assess/domain_estimates.csv and its
+    metrics in run.json) equal assess's on the in-memory original and published records, each
+    under its own design (Taylor and replicate SEs), to 1e-12."""
+    from sdl_design.assess import assess
+    from sdl_design.stage import design_columns
+
+    cols = list(final.columns)
+    released = final[
+        spec.published_columns(cols, True, [spec.design.segment], design_columns(spec.design, cols))
+    ]
+    a = assess(whole, released, spec, design_released=spec.design, pmse=False, reid=False)
+    got = pd.read_csv(folder / "assess" / "domain_estimates.csv", float_precision="round_trip")
+    want = a.domain_estimates
+    assert list(got.columns) == list(want.columns) and len(got) == len(want) > 100
+    for c in want.columns:
+        if want[c].dtype.kind in "fiub":  # differences of estimates: to 1e-12 absolute
+            atol = 1e-12 if c in ("relative_bias", "std_bias", "ci_overlap") else 1e-300
+            np.testing.assert_allclose(
+                got[c].to_numpy(float), want[c].to_numpy(float), rtol=1e-12, atol=atol, err_msg=c
+            )
+        else:
+            assert got[c].astype(str).tolist() == want[c].astype(str).tolist(), c
+    assert want["se_replicate_released"].gt(0).any()  # replicate SEs on both sides
+    run = json.loads((folder / "run.json").read_text())["stages"]["assess"]
+    for k, v in a.metrics.items():
+        if not k.startswith("model_"):
+            assert run[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
+    assert run["share_abs_std_bias_gt2"] < 0.5 and run["overlap_median"] > 0.5
 
 
 def _same_public(folder, spec, final, tmp_path):

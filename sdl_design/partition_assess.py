@@ -1,0 +1,392 @@
+"""The assessment's domain estimates by partition: the means and totals of every study
+variable overall and in every domain and pair of domains (keys in their published coding), on
+the original and on the released file, each under its own design, with Taylor and replicate
+SEs, compared as sdl_design.assess.assess compares them (CI overlap, standardized bias, SE
+ratios, epsilon of the published totals). The same numbers as assess to rounding (1e-12);
+assess's models, pMSE and re-identification are not made here.
+
+Two passes over each file's partitions. Pass 1 sends the values of the domain variables, the
+kinds and categories of the study variables and the (stratum, PSU) labels (with the
+replicates that keep weight in each PSU). The driver codes the domains as published_coding
+does on both whole files and numbers each file's PSUs as SurveyDesign does. Pass 2 sends the
+sums of w y, w m, m and |w y| by (PSU, key profile) and the replicate totals of y and m by key
+profile; the driver adds them over partitions and runs domain_estimates_of on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from sdl_design.assess import (
+    Coding,
+    StudyPlan,
+    _cells,
+    _domain_list,
+    _epsilon_published,
+    _key_specs,
+    _Pairs,
+    _Study,
+    domain_estimates_of,
+    domain_metrics,
+    domain_table,
+    published_coding,
+    study_kind,
+)
+from sdl_design.blas import single_blas_thread
+from sdl_design.design import (
+    DesignError,
+    SurveyDesign,
+    dense_codes,
+    group_indicator,
+    resolve_replicates,
+)
+from sdl_design.partition import PartitionError, read_partition
+from sdl_design.spec import ReleaseSpec
+
+MIN_N = 30  # assess's: an estimate is reliable with >= 30 original records in its cell
+LEVEL = 0.95  # assess's confidence level
+
+
+@dataclass(frozen=True)
+class FileDesign:
+    """One file's design columns, as assess.file_design reads them off the file."""
+
+    weight: str
+    strata: str | None
+    psu: str
+    replicates: tuple[str, ...]
+    method: str | None
+    rho: float | None
+
+    def labels(self) -> list[str]:
+        return [c for c in (self.strata, self.psu) if c]
+
+
+@dataclass(frozen=True)
+class AssessRequest:
+    """What both passes read: the coded variables (in first appearance in the groupings), the
+    groupings (overall, each domain, each pair), the study variables and the two designs."""
+
+    keys: dict[str, Any]
+    coded: tuple[str, ...]
+    groupings: tuple[tuple[str, ...], ...]
+    study: tuple[str, ...]
+    files: tuple[FileDesign, FileDesign]  # original, released
+
+    def columns(self, f: int) -> list[str]:
+        d = self.files[f]
+        return list(dict.fromkeys([d.weight, *d.labels(), *d.replicates, *self.coded, *self.study]))
+
+
+def _file_design(spec: ReleaseSpec, columns: Sequence[str], design: Any) -> FileDesign:
+    d = design or spec.design
+    if not d.psu or d.psu not in columns:
+        raise PartitionError(
+            f"design.psu: the assessment by partition sums by PSU; the file has no column "
+            f"{d.psu!r} (a file without clusters: a record id column as the PSU)"
+        )
+    rs = d.replicate_weights
+    reps = [c for c in resolve_replicates(list(columns), rs.columns) if c in columns] if rs else []
+    return FileDesign(
+        weight=d.weight,
+        strata=d.strata if d.strata in columns else None,
+        psu=d.psu,
+        replicates=tuple(reps),
+        method=rs.method if reps else None,
+        rho=rs.rho if reps else None,
+    )
+
+
+def assess_request(
+    spec: ReleaseSpec,
+    original_columns: Sequence[str],
+    released_columns: Sequence[str],
+    design_released: Any = None,
+) -> AssessRequest:
+    """The request of AssessStage's assess(original, released, spec, design_released): the
+    spec's utility domains (default every key), its study variables. PartitionError names
+    the field when a file lacks a column it needs."""
+    keys = _key_specs(spec)
+    utility = getattr(spec, "utility", None)
+    domains = getattr(utility, "domains", None) if utility is not None else None
+    groupings = _domain_list(domains, list(keys))
+    coded = tuple(dict.fromkeys(v for g in groupings for v in g))
+    need = [spec.design.weight, *keys, *spec.variables.study]
+    for name, cols in (("original", original_columns), ("released", released_columns)):
+        gone = [c for c in need if c not in cols]
+        if gone:
+            raise PartitionError(
+                f"assess: the {name} file has no column {gone}; it needs the weight, keys and "
+                "study variables (variables.keys, variables.study)"
+            )
+    files = (
+        _file_design(spec, original_columns, None),
+        _file_design(spec, released_columns, design_released),
+    )
+    return AssessRequest(keys, coded, tuple(groupings), tuple(spec.variables.study), files)
+
+
+# ---------------------------------------------------------------- pass 1
+
+
+@dataclass
+class AssessPass1:
+    """One partition's values of the domain variables, study variables' kinds (numeric: not
+    every value 0/1 -> 'mean') and categories, PSU labels and, per PSU, whether each replicate
+    gives it weight."""
+
+    n: int
+    values: dict[str, pd.Series]
+    kinds: dict[str, str | None]
+    categories: dict[str, pd.Series]
+    psus: pd.DataFrame  # labels and one 0/1 column per replicate
+
+
+def assess_pass1(part: Any, spec: ReleaseSpec, req: AssessRequest, f: int) -> AssessPass1:
+    """Map (file f: 0 original, 1 released)."""
+    df = read_partition(part, req.columns(f), spec)
+    d = req.files[f]
+    kinds = {v: study_kind(df[v]) for v in req.study}
+    cats = {v: df[v].dropna().drop_duplicates() for v, k in kinds.items() if k is None}
+    labels = df[d.labels()]
+    if d.replicates:
+        pos = pd.DataFrame(
+            (df[list(d.replicates)].to_numpy(dtype=float) > 0).astype(float),
+            columns=list(d.replicates),
+            index=df.index,
+        )
+        psus = pd.concat([labels, pos], axis=1).groupby(d.labels(), sort=False).max()
+        psus = psus.reset_index()
+    else:
+        psus = labels.drop_duplicates()
+    return AssessPass1(
+        n=len(df),
+        values={v: df[v].drop_duplicates() for v in req.coded},
+        kinds=kinds,
+        categories=cats,
+        psus=psus,
+    )
+
+
+@dataclass
+class AssessPlan:
+    """The driver's plan after pass 1: every coded variable's published categories (and the
+    values that give them), the study plan, each file's design of PSUs and label -> PSU code."""
+
+    request: AssessRequest
+    universe: dict[str, pd.Series]  # the values of both files (each distinct once)
+    categories: dict[str, list]
+    study: StudyPlan
+    designs: tuple[SurveyDesign, SurveyDesign]  # one row per PSU: structure and scales only
+    psu_codes: tuple[pd.DataFrame, pd.DataFrame]  # labels -> '__g'
+    n: tuple[int, int]
+
+    @property
+    def radix(self) -> np.ndarray:
+        """The place value of each coded variable in a profile's number (lexicographic)."""
+        m = [len(self.categories[v]) for v in self.request.coded]
+        return np.array(
+            [int(np.prod(m[i + 1 :], dtype=object)) for i in range(len(m))], dtype=object
+        )
+
+    @property
+    def n_profiles(self) -> int:
+        return int(np.prod([len(self.categories[v]) for v in self.request.coded], dtype=object))
+
+
+def _psu_design(first: Sequence[AssessPass1], d: FileDesign) -> tuple[SurveyDesign, pd.DataFrame]:
+    """The file's design on one row per PSU (its strata, PSU codes as SurveyDesign numbers
+    them, replicate scales: jkn's from the PSUs each replicate leaves without weight), and
+    each PSU's code. Without usable replicates (a DesignError), the design without them, as
+    assess.file_design."""
+    labels = d.labels()
+    psus = pd.concat([p.psus for p in first], ignore_index=True)
+    if d.replicates:
+        psus = psus.groupby(labels, sort=False).max().reset_index()
+    else:
+        psus = psus.drop_duplicates(ignore_index=True)
+    frame = psus.assign(__w=1.0)
+    kw = {"strata": d.strata, "psu": d.psu}
+    try:
+        design = SurveyDesign(
+            frame, "__w", **kw, replicate_weights=list(d.replicates) or None,
+            method=d.method, rho=d.rho,
+        )  # fmt: skip
+    except DesignError:  # e.g. jkn replicates that delete no PSU: unusable
+        design = SurveyDesign(frame, "__w", **kw)
+    return design, psus[labels].assign(__g=design.g)
+
+
+def assess_plan(first: Sequence[Sequence[AssessPass1]], req: AssessRequest) -> AssessPlan:
+    """Reduce: first[f] is file f's pass 1, in partition order."""
+    universe, categories = {}, {}
+    for v in req.coded:
+        per_file = [
+            pd.DataFrame({v: pd.concat([p.values[v] for p in fp], ignore_index=True)})
+            for fp in first
+        ]
+        universe[v] = pd.concat([x[v] for x in per_file], ignore_index=True).drop_duplicates()
+        categories[v] = published_coding(per_file, v, req.keys).categories
+    variables = []
+    for v in req.study:
+        kinds = [p.kinds[v] for p in first[0]]
+        if kinds[0] is None:
+            vals = pd.concat([p.categories[v] for fp in first for p in fp if v in p.categories])
+            variables.append((v, None, tuple(sorted(pd.unique(vals), key=str))))
+        else:
+            variables.append((v, "mean" if "mean" in kinds else "proportion", ()))
+    made = [_psu_design(first[f], req.files[f]) for f in (0, 1)]
+    n_prof = int(np.prod([len(categories[v]) for v in req.coded], dtype=object))
+    if n_prof * max(m[0].n_psu for m in made) >= 2**62:
+        raise PartitionError(
+            "assess: the domains' crossings have too many cells to number by partition; "
+            "declare fewer or coarser utility.domains"
+        )
+    return AssessPlan(
+        req,
+        universe,
+        categories,
+        StudyPlan(tuple(variables)),
+        (made[0][0], made[1][0]),
+        (made[0][1], made[1][1]),
+        (sum(p.n for p in first[0]), sum(p.n for p in first[1])),
+    )
+
+
+# ---------------------------------------------------------------- pass 2
+
+
+@dataclass
+class AssessPass2:
+    """One partition's sums by (PSU, profile) (key: PSU code x n_profiles + profile number)
+    and its replicate totals of (y, m) by profile (R x profiles x 2k)."""
+
+    keys: np.ndarray
+    S: np.ndarray
+    profiles: np.ndarray
+    replicates: np.ndarray | None
+
+
+def assess_pass2(
+    part: Any, spec: ReleaseSpec, req: AssessRequest, f: int, plan: AssessPlan
+) -> AssessPass2:
+    """Map (file f): the partition's records coded by profile and PSU, their sums."""
+    df = read_partition(part, req.columns(f), spec)
+    d = req.files[f]
+    n = len(df)
+    prof = np.zeros(n, dtype=np.int64)
+    for v, place in zip(req.coded, plan.radix, strict=True):
+        both = pd.DataFrame({v: pd.concat([df[v], plan.universe[v]], ignore_index=True)})
+        c = published_coding([both], v, req.keys)
+        if c.categories != plan.categories[v]:
+            raise PartitionError(f"assess: {v}'s published categories differ by partition")
+        prof += c.codes[0][:n] * int(place)
+    where = pd.MultiIndex.from_frame(plan.psu_codes[f][d.labels()])
+    g = where.get_indexer(pd.MultiIndex.from_frame(df[d.labels()]))
+    if (g < 0).any():
+        raise PartitionError("assess: a record's PSU is not in pass 1's")
+    g = plan.psu_codes[f]["__g"].to_numpy()[g]
+    st: _Study = plan.study.study(df)
+    w = df[d.weight].to_numpy(dtype=float)[:, None]
+    with single_blas_thread():
+        pair, of = dense_codes(g * plan.n_profiles + prof)  # (PSU, profile) pairs, sorted
+        A = group_indicator(of, len(pair))
+        wY = w * st.Y0
+        S = np.concatenate([A @ wY, A @ (w * st.M), A @ st.M, A @ np.abs(wY)], axis=1)
+        reps = None
+        if plan.designs[f].replicate_weights:  # W' (y, m) by profile, a profile at a time
+            W = df[list(d.replicates)].to_numpy(dtype=float)
+            Y2 = np.concatenate([st.Y0, st.M], axis=1)
+            profiles, inv = np.unique(prof, return_inverse=True)
+            order = np.argsort(inv, kind="stable")
+            bounds = np.searchsorted(inv[order], np.arange(len(profiles) + 1))
+            reps = np.empty((W.shape[1], len(profiles), Y2.shape[1]))
+            for j in range(len(profiles)):
+                rows = order[bounds[j] : bounds[j + 1]]
+                reps[:, j] = W[rows].T @ Y2[rows]
+        else:
+            profiles = np.unique(prof)
+    return AssessPass2(pair, S, profiles, reps)
+
+
+def _file_sums(
+    second: Sequence[AssessPass2], plan: AssessPlan
+) -> tuple[_Pairs, np.ndarray, np.ndarray | None]:
+    """One file's pairs (summed over partitions), its profiles' numbers (sorted) and the
+    replicate totals by profile."""
+    keys, of = np.unique(np.concatenate([p.keys for p in second]), return_inverse=True)
+    S = group_indicator(of, len(keys)) @ np.concatenate([p.S for p in second])
+    profiles = np.unique(np.concatenate([p.profiles for p in second]))
+    pairs = _Pairs(
+        psu=keys // plan.n_profiles,
+        grp=None,
+        prof=np.searchsorted(profiles, keys % plan.n_profiles),
+        S=S,
+        prof_rec=np.empty(0, dtype=np.int64),
+    )
+    reps = None
+    if second and second[0].replicates is not None:
+        R, k2 = second[0].replicates.shape[0], second[0].replicates.shape[2]
+        reps = np.zeros((R, len(profiles), k2))
+        for p in second:
+            reps[:, np.searchsorted(profiles, p.profiles)] += p.replicates
+    return pairs, profiles, reps
+
+
+@dataclass
+class PartitionedAssessment:
+    """The domain estimates table and its metrics (assess's, without models, pMSE and
+    re-identification)."""
+
+    domain_estimates: pd.DataFrame
+    metrics: dict[str, float]
+
+
+def assess_combine(
+    plan: AssessPlan, second: Sequence[Sequence[AssessPass2]]
+) -> PartitionedAssessment:
+    """Reduce: second[f] is file f's pass 2, in partition order."""
+    req = plan.request
+    sums = [_file_sums(second[f], plan) for f in (0, 1)]
+    has_rep = all(d.replicate_weights for d in plan.designs)
+    k = len(plan.study.names)
+    empty = _Study(plan.study.names, plan.study.kinds, np.zeros((0, k)), np.zeros((0, k)))
+    # each coded variable's code at every profile of each file (the digits of its number)
+    at = {}
+    for v, place in zip(req.coded, plan.radix, strict=True):
+        m = len(plan.categories[v])
+        digits = [(s[1] // int(place)) % m for s in sums]
+        at[v] = Coding(digits, plan.categories[v])
+    n_prof = [len(s[1]) for s in sums]
+    cells = []
+    with single_blas_thread():
+        for g in req.groupings:
+            codes, labels, L = _cells([at[v] for v in g], n_prof)
+            res = [
+                domain_estimates_of(
+                    plan.designs[f],
+                    empty,
+                    sums[f][0],
+                    codes[f],
+                    L,
+                    has_rep,
+                    profile_replicates=sums[f][2] if has_rep else None,
+                )  # fmt: skip
+                for f in (0, 1)
+            ]
+            cells.append((g, labels, L, res))
+    est = domain_table(cells, plan.study.names, plan.study.kinds, has_rep, "taylor", MIN_N, LEVEL)
+    metrics = domain_metrics(est, has_rep, "taylor")
+    n_o, n_r = plan.n
+    metrics |= {
+        "n_original": float(n_o),
+        "n_released": float(n_r),
+        "share_retained": n_r / n_o if n_o else 0.0,  # released records are original records
+        "epsilon_published": _epsilon_published(est),
+    }
+    return PartitionedAssessment(est, metrics)
