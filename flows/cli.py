@@ -288,8 +288,10 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                 f"records against the input's ({int(a['n_reliable'])} reliable): median CI "
                 f"overlap {a.get('overlap_median', float('nan')):.3f}, "
                 f"{a['share_abs_std_bias_gt2']:.1%} more than 2 SEs off, epsilon "
-                f"{a['epsilon_published']:.4f} (assess/domain_estimates.csv; models, pMSE and "
-                "re-identification not by partition)"
+                f"{a['epsilon_published']:.4f} (assess/domain_estimates.csv); "
+                f"{a['reid_share']:.2%} of the original sample uniques re-identified, "
+                f"{a['unique_share_published']:.2%} sample uniques published (models, pMSE, "
+                "delta and the PSU leak not by partition)"
             )
         for name, res in st.items():
             se = res["tables"].get("se_ratios") if isinstance(res, dict) else None

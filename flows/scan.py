@@ -330,6 +330,7 @@ class Chain:
     psus: pd.DataFrame  # the input design's PSUs, (stratum, psu) sorted as SurveyDesign codes them
     masked: bool = False  # an earlier stage masked the design (its result's masks_design)
     drop_public: list[str] = field(default_factory=list)  # columns the stages never publish
+    selected: str | None = None  # MASSC's d(2): which original records the later ones are
 
 
 def _swap_stage(
@@ -468,6 +469,7 @@ def _massc_stage(
     groups = part.select_groups(run_map(part.select_pass1, parts, m, what="groups"))
     donors = str(folder / "donors")
     chosen = (str(folder / "select_psi"), str(folder / "select_phi"))
+    chain.selected = chosen[1]
 
     def selections(plans: list, folders: list[str], what: str) -> list[int]:
         """Several selections in one exchange: the records each keeps."""
@@ -749,12 +751,28 @@ def _assess_stage(
     ]
     out = pas.assess_combine(plan, second)
     m = out.metrics
+    # the risk of the published records: each one linked to its original record (the
+    # retained ones in record order)
+    if chain.selected:
+        retained = run_map(
+            pas.retained_in, chain.inputs, chain.selected, what="assess: retained records"
+        )
+    else:
+        retained = [p.stop - p.start for p in chain.inputs]
+    linked = pas.link(chain.inputs, parts, retained)
+    risk = run_map(pas.risk_pass, linked, spec, req, plan, chain.selected, what="assess risk")
+    originals = run_map(
+        pas.original_profiles, chain.inputs, spec, req, plan, what="assess risk, original"
+    )
+    m |= pas.risk_metrics(risk, originals, int(m["n_released"]))
     _say(
         f"assessed {int(m['n_estimates'])} domain estimates ({int(m['n_reliable'])} reliable): "
         f"median CI overlap {m.get('overlap_median', float('nan')):.3f}, "
         f"{m['share_abs_std_bias_gt2']:.1%} more than 2 SEs off, SE ratio median "
-        f"{m.get('se_ratio_median', float('nan')):.3f}; epsilon {m['epsilon_published']:.4f} "
-        "(models, pMSE and re-identification not by partition)",
+        f"{m.get('se_ratio_median', float('nan')):.3f}; epsilon {m['epsilon_published']:.4f}; "
+        f"{m['reid_share']:.2%} of the original sample uniques re-identified, "
+        f"{m['unique_share_published']:.2%} sample uniques published (models, pMSE, delta and "
+        "the replicate weights' PSU leak not by partition)",
         "partitioned",
     )
     return {

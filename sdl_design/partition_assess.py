@@ -78,9 +78,16 @@ class AssessRequest:
     study: tuple[str, ...]
     files: tuple[FileDesign, FileDesign]  # original, released
 
+    @property
+    def coded_all(self) -> list[str]:
+        """The domain variables and the keys (the risk measures' profiles)."""
+        return list(dict.fromkeys([*self.coded, *self.keys]))
+
     def columns(self, f: int) -> list[str]:
         d = self.files[f]
-        return list(dict.fromkeys([d.weight, *d.labels(), *d.replicates, *self.coded, *self.study]))
+        return list(
+            dict.fromkeys([d.weight, *d.labels(), *d.replicates, *self.coded_all, *self.study])
+        )
 
 
 def _file_design(spec: ReleaseSpec, columns: Sequence[str], design: Any) -> FileDesign:
@@ -166,7 +173,7 @@ def assess_pass1(part: Any, spec: ReleaseSpec, req: AssessRequest, f: int) -> As
         psus = labels.drop_duplicates()
     return AssessPass1(
         n=len(df),
-        values={v: df[v].drop_duplicates() for v in req.coded},
+        values={v: df[v].drop_duplicates() for v in req.coded_all},
         kinds=kinds,
         categories=cats,
         psus=psus,
@@ -225,7 +232,7 @@ def _psu_design(first: Sequence[AssessPass1], d: FileDesign) -> tuple[SurveyDesi
 def assess_plan(first: Sequence[Sequence[AssessPass1]], req: AssessRequest) -> AssessPlan:
     """Reduce: first[f] is file f's pass 1, in partition order."""
     universe, categories = {}, {}
-    for v in req.coded:
+    for v in req.coded_all:
         per_file = [
             pd.DataFrame({v: pd.concat([p.values[v] for p in fp], ignore_index=True)})
             for fp in first
@@ -390,3 +397,143 @@ def assess_combine(
         "epsilon_published": _epsilon_published(est),
     }
     return PartitionedAssessment(est, metrics)
+
+
+# ---------------------------------------------------------------- risk of the published file
+
+
+@dataclass(frozen=True)
+class Linked:
+    """A partition of the published records (rows start..stop-1 of the published file) and
+    the original records they are: the retained records lo..hi-1 (by rank among a partition's
+    retained records) of each original partition they come from."""
+
+    start: int
+    stop: int
+    released: Any
+    originals: tuple[tuple[Any, int, int], ...]
+
+
+def retained_in(part: Any, selected: str) -> int:
+    """Map: the partition's records MASSC retained (its d(2) selection in `selected`)."""
+    from sdl_design.partition import _selected
+
+    return int(_selected(part, selected).sum())
+
+
+def link(original: Sequence[Any], released: Sequence[Any], retained: Sequence[int]) -> list[Linked]:
+    """Each published partition with the original records it holds: the published file is
+    the retained records in record order (retained: each original partition's count)."""
+    n_r = released[-1].stop if released else 0
+    if sum(retained) != n_r:
+        raise PartitionError(
+            f"assess: {n_r} published records, but {sum(retained)} original records retained; "
+            "the records after the last stage are not the retained ones in order"
+        )
+    before = np.cumsum([0, *retained])
+    out = []
+    for r in released:
+        spans = []
+        for p, a, c in zip(original, before[:-1].tolist(), retained, strict=True):
+            lo, hi = max(r.start, a), min(r.stop, a + c)
+            if lo < hi:
+                spans.append((p, lo - a, hi - a))
+        out.append(Linked(r.start, r.stop, r, tuple(spans)))
+    return out
+
+
+@dataclass
+class RiskPass:
+    """One published partition: profile counts of its keys (risk strata), and by key profile
+    in the published coding of both files (numbered as in PartitionedRisk) its records, its
+    original records' and those whose published profile is their original one."""
+
+    profiles: pd.DataFrame
+    released: tuple[np.ndarray, np.ndarray]  # (profiles, counts)
+    original: tuple[np.ndarray, np.ndarray]
+    same: tuple[np.ndarray, np.ndarray]
+
+
+def _key_profiles(df: pd.DataFrame, req: AssessRequest, plan: AssessPlan) -> np.ndarray:
+    """Each record's key profile: the keys' published codes (plan's categories), mixed radix."""
+    prof = np.zeros(len(df), dtype=np.int64)
+    for v in req.keys:
+        both = pd.DataFrame({v: pd.concat([df[v], plan.universe[v]], ignore_index=True)})
+        c = published_coding([both], v, req.keys)
+        if c.categories != plan.categories[v]:
+            raise PartitionError(f"assess: {v}'s published categories differ by partition")
+        prof = prof * len(c.categories) + c.codes[0][: len(df)]
+    return prof
+
+
+def _counted(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    u, n = np.unique(x, return_counts=True)
+    return u, n.astype(np.int64)
+
+
+def risk_pass(
+    linked: Linked,
+    spec: ReleaseSpec,
+    req: AssessRequest,
+    plan: AssessPlan,
+    selected: str | None,
+) -> RiskPass:
+    """Map: the published partition's risk counts, its original records read from the
+    original partitions they come from (MASSC's selection: which records were retained)."""
+    from sdl_design.partition import _selected, profile_counts
+
+    keys = list(req.keys)
+    rel = read_partition(linked.released, keys, spec)
+    parts = []
+    for p, lo, hi in linked.originals:
+        o = read_partition(p, keys, spec)
+        kept = np.flatnonzero(_selected(p, selected)) if selected else np.arange(len(o))
+        parts.append(o.iloc[kept[lo:hi]])
+    orig = pd.concat(parts) if parts else rel.iloc[:0]
+    po, pr = _key_profiles(orig, req, plan), _key_profiles(rel, req, plan)
+    return RiskPass(
+        profiles=profile_counts(rel, spec.variables.keys),
+        released=_counted(pr),
+        original=_counted(po),
+        same=_counted(pr[pr == po]),
+    )
+
+
+def original_profiles(part: Any, spec: ReleaseSpec, req: AssessRequest, plan: AssessPlan):
+    """Map: the original partition's key profiles with their record counts."""
+    return _counted(_key_profiles(read_partition(part, list(req.keys), spec), req, plan))
+
+
+def _add(pairs: Sequence[tuple[np.ndarray, np.ndarray]], at: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(at), dtype=np.int64)
+    for u, n in pairs:
+        np.add.at(out, np.searchsorted(at, u), n)
+    return out
+
+
+def risk_metrics(
+    risk: Sequence[RiskPass], originals: Sequence[tuple[np.ndarray, np.ndarray]], n_released: int
+) -> dict[str, float]:
+    """Reduce: assess.reidentification's metrics (the intruder matches each original record's
+    published key profile to the published file's) and the share of sample uniques on the
+    published keys (AssessStage's unique_share_published)."""
+    from sdl_design.partition import combine_profiles, strata_counts
+
+    at = np.unique(np.concatenate([u for u, _ in [*originals, *(r.released for r in risk)]]))
+    n_orig = _add(originals, at)
+    F = _add([r.released for r in risk], at)
+    same = _add([r.same for r in risk], at)
+    ok = same > 0
+    expected = float(np.sum(same[ok] / F[ok]))
+    n_unique = int((n_orig == 1).sum())
+    hits = int(same[(n_orig == 1) & (F == 1)].sum())
+    n_o = int(n_orig.sum())
+    u = strata_counts(combine_profiles([r.profiles for r in risk]))["U"]
+    return {
+        "reid_expected_matches": expected,
+        "reid_expected_match_rate": expected / n_o if n_o else 0.0,
+        "reid_sample_uniques": float(n_unique),
+        "reid_unique_matches": float(hits),
+        "reid_share": hits / n_unique if n_unique else 0.0,
+        "unique_share_published": float(u / n_released) if n_released else 0.0,
+    }

@@ -718,7 +718,7 @@ def _same_assessment(folder, spec, whole, final):
     released = final[
         spec.published_columns(cols, True, [spec.design.segment], design_columns(spec.design, cols))
     ]
-    a = assess(whole, released, spec, design_released=spec.design, pmse=False, reid=False)
+    a = assess(whole, released, spec, design_released=spec.design, pmse=False)
     got = pd.read_csv(folder / "assess" / "domain_estimates.csv", float_precision="round_trip")
     want = a.domain_estimates
     assert list(got.columns) == list(want.columns) and len(got) == len(want) > 100
@@ -736,6 +736,12 @@ def _same_assessment(folder, spec, whole, final):
         if not k.startswith("model_"):
             assert run[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
     assert run["share_abs_std_bias_gt2"] < 0.5 and run["overlap_median"] > 0.5
+    # the risk of the published file (AssessStage's)
+    from sdl_design.risk import risk_strata
+
+    unique = float((risk_strata(released, spec.variables.keys) == "U").mean())
+    assert run["unique_share_published"] == pytest.approx(unique, rel=1e-15) and unique > 0
+    assert a.metrics["reid_sample_uniques"] > 0 and a.metrics["reid_expected_matches"] > 0
 
 
 def _same_public(folder, spec, final, tmp_path):
