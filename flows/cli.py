@@ -290,8 +290,9 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                 f"{a['share_abs_std_bias_gt2']:.1%} more than 2 SEs off, epsilon "
                 f"{a['epsilon_published']:.4f} (assess/domain_estimates.csv); "
                 f"{a['reid_share']:.2%} of the original sample uniques re-identified, "
-                f"{a['unique_share_published']:.2%} sample uniques published (models, pMSE, "
-                "delta and the PSU leak not by partition)"
+                f"{a['unique_share_published']:.2%} sample uniques published; smallest CI "
+                f"overlap of a model coefficient {a.get('model_overlap_min', float('nan')):.3f} "
+                "(pMSE, delta and the PSU leak not by partition)"
             )
         for name, res in st.items():
             se = res["tables"].get("se_ratios") if isinstance(res, dict) else None

@@ -601,6 +601,60 @@ def _model_specs(models: Sequence[Any] | None) -> list[tuple[str, str]]:
     return out
 
 
+MODEL_COLUMNS = [
+    "model",
+    "family",
+    "term",
+    "coef_original",
+    "se_original",
+    "coef_released",
+    "se_released",
+    "ci_overlap",
+    "std_diff",
+    "se_ratio",
+]
+
+
+def model_rows(
+    text: str, family: str, fo: GLMFit, fr: GLMFit, variance: Variance, level: float
+) -> pd.DataFrame:
+    """One model's coefficients on both files, compared (the model_coefficients rows)."""
+    se_o = fo.se_replicate if variance == "replicate" else fo.se_taylor
+    se_r = fr.se_replicate if variance == "replicate" else fr.se_taylor
+    cmp = _compare(fo.coef, se_o, fr.coef, se_r, level)
+    return pd.DataFrame(
+        {
+            "model": text,
+            "family": family,
+            "term": fo.names,
+            "coef_original": fo.coef,
+            "se_original": se_o,
+            "coef_released": fr.coef,
+            "se_released": se_r,
+            "ci_overlap": cmp["ci_overlap"],
+            "std_diff": cmp["std_bias"],
+            "se_ratio": cmp["se_ratio"],
+            "se_taylor_original": fo.se_taylor,
+            "se_taylor_released": fr.se_taylor,
+            "se_replicate_original": fo.se_replicate,
+            "se_replicate_released": fr.se_replicate,
+            "n_original": fo.n_used,
+            "n_released": fr.n_used,
+            "converged": fo.converged and fr.converged,
+        }
+    )
+
+
+def model_metrics(coefs: pd.DataFrame) -> dict[str, float]:
+    """The models' metrics: the smallest CI overlap and largest |std diff| of a coefficient."""
+    if not len(coefs):
+        return {}
+    return {
+        "model_overlap_min": float(coefs["ci_overlap"].min()),
+        "model_std_diff_max_abs": float(coefs["std_diff"].abs().max()),
+    }
+
+
 def _fit_models(
     original: pd.DataFrame,
     released: pd.DataFrame,
@@ -633,46 +687,8 @@ def _fit_models(
         for d, des in zip(data, designs, strict=True):
             X, y, ok, names = design_matrix(d, f, lv)
             fits.append(svyglm(X, y, ok, names, des, family, replicates=replicates))
-        fo, fr = fits
-        se_o = fo.se_replicate if variance == "replicate" else fo.se_taylor
-        se_r = fr.se_replicate if variance == "replicate" else fr.se_taylor
-        cmp = _compare(fo.coef, se_o, fr.coef, se_r, level)
-        rows.append(
-            pd.DataFrame(
-                {
-                    "model": text,
-                    "family": family,
-                    "term": fo.names,
-                    "coef_original": fo.coef,
-                    "se_original": se_o,
-                    "coef_released": fr.coef,
-                    "se_released": se_r,
-                    "ci_overlap": cmp["ci_overlap"],
-                    "std_diff": cmp["std_bias"],
-                    "se_ratio": cmp["se_ratio"],
-                    "se_taylor_original": fo.se_taylor,
-                    "se_taylor_released": fr.se_taylor,
-                    "se_replicate_original": fo.se_replicate,
-                    "se_replicate_released": fr.se_replicate,
-                    "n_original": fo.n_used,
-                    "n_released": fr.n_used,
-                    "converged": fo.converged and fr.converged,
-                }
-            )
-        )
-    cols = [
-        "model",
-        "family",
-        "term",
-        "coef_original",
-        "se_original",
-        "coef_released",
-        "se_released",
-        "ci_overlap",
-        "std_diff",
-        "se_ratio",
-    ]
-    return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=cols)
+        rows.append(model_rows(text, family, *fits, variance, level))
+    return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=MODEL_COLUMNS)
 
 
 def _quantiles(x: np.ndarray, prefix: str, qs: Mapping[str, float]) -> dict[str, float]:
@@ -844,9 +860,7 @@ def assess(
 
     # ------------------------------------------------ metrics
     metrics = domain_metrics(est, has_rep, variance)
-    if len(coefs):
-        metrics["model_overlap_min"] = float(coefs["ci_overlap"].min())
-        metrics["model_std_diff_max_abs"] = float(coefs["std_diff"].abs().max())
+    metrics |= model_metrics(coefs)
     common = released.index.intersection(original.index)
     metrics |= {
         "n_original": float(len(original)),

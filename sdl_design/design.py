@@ -552,8 +552,14 @@ class SurveyDesign:
         """Covariance matrix (k x k) of the totals of scores z (n x k): sum_h n_h/(n_h-1)
         sum_i (z_hi - zbar_h)(z_hi - zbar_h)' over PSU totals z_hi (svyrecvar's one-stage
         with-replacement kernel; the B of a GLM sandwich A^-1 B A^-1)."""
+        return self.psu_covariance(
+            sparse_times(self._P, np.asarray(z, dtype=float).reshape(self.n, -1))
+        )
+
+    def psu_covariance(self, zt: np.ndarray) -> np.ndarray:
+        """taylor_covariance from the PSU totals zt (PSUs x k; row j the PSU coded j in g)."""
         self._check_psus()
-        zt = sparse_times(self._P, np.asarray(z, dtype=float).reshape(self.n, -1))
+        zt = np.asarray(zt, dtype=float)
         dev = zt - (np.asarray(self._S @ zt) / self.n_h[:, None])[self.psu_h]
         f = (self.n_h / (self.n_h - 1.0))[self.psu_h]
         return (dev * f[:, None]).T @ dev

@@ -10,7 +10,7 @@ replicate variance of refits with each replicate weight, centred on the full-sam
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -19,7 +19,7 @@ import pandas as pd
 import scipy.sparse as sp
 from scipy.linalg import solve_triangular
 
-from sdl_design.design import first_of
+from sdl_design.design import dense_codes, first_of, group_indicator
 
 if TYPE_CHECKING:
     from sdl_design.design import SurveyDesign
@@ -318,6 +318,124 @@ class GLMFit:
         )
 
 
+@dataclass
+class GLMCells:
+    """A model's complete cases summed by distinct row of (x, y), the likelihood's data: rows
+    (m x (p + 1), in order of first appearance), w (their design weights' sums), W (their
+    replicate weights' sums, m x R; None without replicates) and the sums of w by (PSU, row)
+    (pair_psu, pair_row, pair_w: the data of the score totals by PSU); n_used records."""
+
+    rows: np.ndarray
+    w: np.ndarray
+    W: np.ndarray | None
+    pair_psu: np.ndarray
+    pair_row: np.ndarray
+    pair_w: np.ndarray
+    n_used: int
+
+
+def glm_cells(
+    X: np.ndarray,
+    y: np.ndarray,
+    ok: np.ndarray,
+    w: np.ndarray,
+    psu: np.ndarray,
+    W: np.ndarray | None = None,
+    replicate_totals: Callable[[sp.csr_matrix], np.ndarray] | None = None,
+) -> GLMCells:
+    """The GLMCells of records (X, y, the complete-case mask ok; w their weights, psu their
+    PSU codes) with the replicate weights' sums from W (n x R) or replicate_totals (a design's:
+    R x m totals of the columns of an n x m matrix), when either is given."""
+    rows = np.flatnonzero(ok)
+    U, inv = distinct_rows(np.column_stack([X[rows], y[rows]]))
+    m = len(U)
+    G = group_indicator(inv, m)  # distinct rows x complete cases
+    wr = w[rows]
+    Wg = None
+    if W is not None:
+        Wg = np.asarray(G @ W[rows])
+    elif replicate_totals is not None:
+        Gn = sp.csr_matrix((np.ones(len(rows)), (rows, inv)), shape=(len(w), m))
+        Wg = np.ascontiguousarray(replicate_totals(Gn).T)
+    pair, of = dense_codes(psu[rows] * m + inv)
+    return GLMCells(
+        rows=U,
+        w=G @ wr,
+        W=Wg,
+        pair_psu=pair // m,
+        pair_row=pair % m,
+        pair_w=group_indicator(of, len(pair)) @ wr,
+        n_used=len(rows),
+    )
+
+
+def combine_cells(parts: Sequence[GLMCells]) -> GLMCells:
+    """The GLMCells of records in parts (partitions, in record order): rows merged by value in
+    order of first appearance, sums added."""
+    U, inv = distinct_rows(np.concatenate([c.rows for c in parts]))
+    m = len(U)
+    G = group_indicator(inv, m)
+    starts = np.cumsum([0, *(len(c.rows) for c in parts)])
+    row = np.concatenate([inv[a + c.pair_row] for a, c in zip(starts[:-1], parts, strict=True)])
+    psu = np.concatenate([c.pair_psu for c in parts])
+    pair, of = dense_codes(psu * m + row)
+    W = None if parts[0].W is None else G @ np.concatenate([c.W for c in parts])
+    return GLMCells(
+        rows=U,
+        w=G @ np.concatenate([c.w for c in parts]),
+        W=W,
+        pair_psu=pair // m,
+        pair_row=pair % m,
+        pair_w=group_indicator(of, len(pair)) @ np.concatenate([c.pair_w for c in parts]),
+        n_used=sum(c.n_used for c in parts),
+    )
+
+
+def fit_cells(
+    cells: GLMCells,
+    names: list[str],
+    design: SurveyDesign,
+    family: Family,
+    replicates: bool = True,
+) -> GLMFit:
+    """svyglm on a model's cells: the design gives its PSUs (strata, n_h) and replicate scales
+    only."""
+    U = cells.rows
+    p = U.shape[1] - 1
+    if family == "binomial" and ((U[:, p] < 0) | (U[:, p] > 1)).any():
+        raise ValueError("binomial family: the response must lie in [0, 1] (a 0/1 variable)")
+    # svyglm rescales the weights to mean 1 over the complete cases; fit and variance are
+    # invariant
+    scale = float(cells.w.sum()) / cells.n_used if cells.n_used else 1.0
+    wg = cells.w / scale
+    keep = independent_columns(weighted_gram(U[:, :p], wg))
+    Xg, yg = U[:, keep], U[:, p]
+    beta, _, converged, _ = irls(Xg, yg, wg, family)
+    mu = _logistic(Xg @ beta) if family == "binomial" else Xg @ beta
+    v = mu * (1.0 - mu) if family == "binomial" else np.ones_like(mu)
+    A_inv = np.linalg.inv(weighted_gram(Xg, wg * v))
+    # the score totals by PSU: sum over its (PSU, row) pairs of w x (y - mu)
+    P = sp.csr_matrix(
+        (cells.pair_w / scale, (cells.pair_psu, cells.pair_row)), shape=(design.n_psu, len(U))
+    )
+    zt = np.asarray(P @ (Xg * (yg - mu)[:, None]))
+    V = A_inv @ design.psu_covariance(zt) @ A_inv
+    coef = np.full(p, np.nan)
+    coef[keep] = beta
+    se_t = np.full(p, np.nan)
+    se_t[keep] = np.sqrt(np.maximum(np.diag(V), 0.0))
+    vcov = np.full((p, p), np.nan)
+    vcov[np.ix_(keep, keep)] = V
+    se_r = np.full(p, np.nan)
+    rep = None
+    if replicates and design.replicate_weights and cells.W is not None:
+        rep = np.full((cells.W.shape[1], p), np.nan)
+        rep[:, keep] = irls_many(Xg, yg, cells.W / scale, family, start=beta)
+        d = rep - coef[None, :]
+        se_r = np.sqrt(design.rscales @ (d * d))
+    return GLMFit(names, coef, se_t, se_r, vcov, converged, cells.n_used, rep)
+
+
 def svyglm(
     X: np.ndarray,
     y: np.ndarray,
@@ -333,36 +451,7 @@ def svyglm(
     replicate SEs of refits (warm-started at the full-sample fit), centred on it (mse).
 
     The fits run on the distinct rows of (x, y) with summed weights (the likelihood is the
-    same), so a model of categorical terms costs its cells, not its records."""
-    if family == "binomial" and ((y[ok] < 0) | (y[ok] > 1)).any():
-        raise ValueError("binomial family: the response must lie in [0, 1] (a 0/1 variable)")
-    p = X.shape[1]
-    rows = np.flatnonzero(ok)
-    scale = design.w[rows].mean()  # svyglm rescales the weights; fit and variance are invariant
-    w = np.where(ok, design.w, 0.0) / scale
-    U, inv = distinct_rows(np.column_stack([X[rows], y[rows]]))
-    G = sp.csr_matrix((np.ones(len(rows)), (rows, inv)), shape=(len(w), len(U)))
-    wg = G.T @ w
-    keep = independent_columns(weighted_gram(U[:, :p], wg))
-    Xg, yg = U[:, keep], U[:, p]
-    beta, _, converged, _ = irls(Xg, yg, wg, family)
-    Xk = X[:, keep]
-    mu = _logistic(Xk @ beta) if family == "binomial" else Xk @ beta
-    v = mu * (1.0 - mu) if family == "binomial" else np.ones_like(mu)
-    A_inv = np.linalg.inv(weighted_gram(Xk, w * v))
-    V = A_inv @ design.taylor_covariance(Xk * (w * (y - mu))[:, None]) @ A_inv
-    coef = np.full(p, np.nan)
-    coef[keep] = beta
-    se_t = np.full(p, np.nan)
-    se_t[keep] = np.sqrt(np.maximum(np.diag(V), 0.0))
-    vcov = np.full((p, p), np.nan)
-    vcov[np.ix_(keep, keep)] = V
-    se_r = np.full(p, np.nan)
-    rep = None
-    if replicates and design.replicate_weights:
-        Wg = np.ascontiguousarray(design.replicate_totals(G).T) / scale  # per (x, y) row
-        rep = np.full((Wg.shape[1], p), np.nan)
-        rep[:, keep] = irls_many(Xg, yg, Wg, family, start=beta)
-        d = rep - coef[None, :]
-        se_r = np.sqrt(design.rscales @ (d * d))
-    return GLMFit(names, coef, se_t, se_r, vcov, converged, int(ok.sum()), rep)
+    same; GLMCells), so a model of categorical terms costs its cells, not its records."""
+    reps = design.replicate_totals if replicates and design.replicate_weights else None
+    cells = glm_cells(X, y, ok, design.w, design.g, replicate_totals=reps)
+    return fit_cells(cells, names, design, family, replicates)

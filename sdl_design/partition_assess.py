@@ -23,17 +23,21 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.assess import (
+    MODEL_COLUMNS,
     Coding,
     StudyPlan,
     _cells,
     _domain_list,
     _epsilon_published,
     _key_specs,
+    _model_specs,
     _Pairs,
     _Study,
     domain_estimates_of,
     domain_metrics,
     domain_table,
+    model_metrics,
+    model_rows,
     published_coding,
     study_kind,
 )
@@ -44,6 +48,14 @@ from sdl_design.design import (
     dense_codes,
     group_indicator,
     resolve_replicates,
+)
+from sdl_design.glm import (
+    GLMCells,
+    combine_cells,
+    design_matrix,
+    fit_cells,
+    glm_cells,
+    parse_formula,
 )
 from sdl_design.partition import PartitionError, read_partition
 from sdl_design.spec import ReleaseSpec
@@ -77,16 +89,51 @@ class AssessRequest:
     groupings: tuple[tuple[str, ...], ...]
     study: tuple[str, ...]
     files: tuple[FileDesign, FileDesign]  # original, released
+    models: tuple[tuple[str, str], ...] = ()  # (formula, family) of utility.models
+
+    @property
+    def model_terms(self) -> list[str]:
+        """The models' variables other than their responses."""
+        out = []
+        for text, _ in self.models:
+            f = parse_formula(text)
+            out += [v for v in f.variables if v != f.response]
+        return list(dict.fromkeys(out))
+
+    def model_categorical(self, v: str, s: pd.Series) -> bool:
+        """Whether a model term's variable is coded (published_coding): C() or not numeric."""
+        cat = any(
+            t.name == v and t.categorical
+            for text, _ in self.models
+            for t in parse_formula(text).terms
+        )
+        return cat or not (pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s))
 
     @property
     def coded_all(self) -> list[str]:
         """The domain variables and the keys (the risk measures' profiles)."""
         return list(dict.fromkeys([*self.coded, *self.keys]))
 
+    @property
+    def model_vars(self) -> list[str]:
+        """The models' variables (responses and terms)."""
+        return list(
+            dict.fromkeys(v for text, _ in self.models for v in parse_formula(text).variables)
+        )
+
     def columns(self, f: int) -> list[str]:
         d = self.files[f]
         return list(
-            dict.fromkeys([d.weight, *d.labels(), *d.replicates, *self.coded_all, *self.study])
+            dict.fromkeys(
+                [
+                    d.weight,
+                    *d.labels(),
+                    *d.replicates,
+                    *self.coded_all,
+                    *self.study,
+                    *self.model_vars,
+                ]
+            )
         )
 
 
@@ -135,7 +182,12 @@ def assess_request(
         _file_design(spec, original_columns, None),
         _file_design(spec, released_columns, design_released),
     )
-    return AssessRequest(keys, coded, tuple(groupings), tuple(spec.variables.study), files)
+    models = tuple(_model_specs(getattr(utility, "models", None) if utility else None))
+    for i, (text, _) in enumerate(models):
+        gone = [v for v in parse_formula(text).variables if v not in original_columns]
+        if gone:
+            raise PartitionError(f"utility.models[{i}]: no column {gone} in the input; fix it")
+    return AssessRequest(keys, coded, tuple(groupings), tuple(spec.variables.study), files, models)
 
 
 # ---------------------------------------------------------------- pass 1
@@ -173,7 +225,11 @@ def assess_pass1(part: Any, spec: ReleaseSpec, req: AssessRequest, f: int) -> As
         psus = labels.drop_duplicates()
     return AssessPass1(
         n=len(df),
-        values={v: df[v].drop_duplicates() for v in req.coded_all},
+        values={
+            v: df[v].drop_duplicates()
+            for v in [*req.coded_all, *req.model_terms]
+            if v in req.coded_all or req.model_categorical(v, df[v])
+        },
         kinds=kinds,
         categories=cats,
         psus=psus,
@@ -232,7 +288,7 @@ def _psu_design(first: Sequence[AssessPass1], d: FileDesign) -> tuple[SurveyDesi
 def assess_plan(first: Sequence[Sequence[AssessPass1]], req: AssessRequest) -> AssessPlan:
     """Reduce: first[f] is file f's pass 1, in partition order."""
     universe, categories = {}, {}
-    for v in req.coded_all:
+    for v in first[0][0].values:
         per_file = [
             pd.DataFrame({v: pd.concat([p.values[v] for p in fp], ignore_index=True)})
             for fp in first
@@ -279,25 +335,35 @@ class AssessPass2:
     replicates: np.ndarray | None
 
 
+def _codes(df: pd.DataFrame, v: str, req: AssessRequest, plan: AssessPlan) -> np.ndarray:
+    """The records' codes of v in its published coding over both files (plan's categories)."""
+    both = pd.DataFrame({v: pd.concat([df[v], plan.universe[v]], ignore_index=True)})
+    c = published_coding([both], v, req.keys)
+    if c.categories != plan.categories[v]:
+        raise PartitionError(f"assess: {v}'s published categories differ by partition")
+    return c.codes[0][: len(df)]
+
+
+def _psu_codes(df: pd.DataFrame, plan: AssessPlan, f: int) -> np.ndarray:
+    """The records' PSU codes in file f's design (SurveyDesign's g)."""
+    labels = plan.request.files[f].labels()
+    where = pd.MultiIndex.from_frame(plan.psu_codes[f][labels])
+    g = where.get_indexer(pd.MultiIndex.from_frame(df[labels]))
+    if (g < 0).any():
+        raise PartitionError("assess: a record's PSU is not in pass 1's")
+    return plan.psu_codes[f]["__g"].to_numpy()[g]
+
+
 def assess_pass2(
     part: Any, spec: ReleaseSpec, req: AssessRequest, f: int, plan: AssessPlan
 ) -> AssessPass2:
     """Map (file f): the partition's records coded by profile and PSU, their sums."""
     df = read_partition(part, req.columns(f), spec)
     d = req.files[f]
-    n = len(df)
-    prof = np.zeros(n, dtype=np.int64)
+    prof = np.zeros(len(df), dtype=np.int64)
     for v, place in zip(req.coded, plan.radix, strict=True):
-        both = pd.DataFrame({v: pd.concat([df[v], plan.universe[v]], ignore_index=True)})
-        c = published_coding([both], v, req.keys)
-        if c.categories != plan.categories[v]:
-            raise PartitionError(f"assess: {v}'s published categories differ by partition")
-        prof += c.codes[0][:n] * int(place)
-    where = pd.MultiIndex.from_frame(plan.psu_codes[f][d.labels()])
-    g = where.get_indexer(pd.MultiIndex.from_frame(df[d.labels()]))
-    if (g < 0).any():
-        raise PartitionError("assess: a record's PSU is not in pass 1's")
-    g = plan.psu_codes[f]["__g"].to_numpy()[g]
+        prof += _codes(df, v, req, plan) * int(place)
+    g = _psu_codes(df, plan, f)
     st: _Study = plan.study.study(df)
     w = df[d.weight].to_numpy(dtype=float)[:, None]
     with single_blas_thread():
@@ -458,11 +524,7 @@ def _key_profiles(df: pd.DataFrame, req: AssessRequest, plan: AssessPlan) -> np.
     """Each record's key profile: the keys' published codes (plan's categories), mixed radix."""
     prof = np.zeros(len(df), dtype=np.int64)
     for v in req.keys:
-        both = pd.DataFrame({v: pd.concat([df[v], plan.universe[v]], ignore_index=True)})
-        c = published_coding([both], v, req.keys)
-        if c.categories != plan.categories[v]:
-            raise PartitionError(f"assess: {v}'s published categories differ by partition")
-        prof = prof * len(c.categories) + c.codes[0][: len(df)]
+        prof = prof * len(plan.categories[v]) + _codes(df, v, req, plan)
     return prof
 
 
@@ -537,3 +599,73 @@ def risk_metrics(
         "reid_share": hits / n_unique if n_unique else 0.0,
         "unique_share_published": float(u / n_released) if n_released else 0.0,
     }
+
+
+# ---------------------------------------------------------------- models
+
+MODEL_CELLS_MAX = 100_000  # distinct (x, y) rows of a model by partition (categorical terms)
+
+
+def _model_levels(plan: AssessPlan, text: str) -> dict[str, list]:
+    """term_levels of a model on both files: a coded term's published categories but
+    'missing' (every other one is some record's)."""
+    f = parse_formula(text)
+    return {
+        t.name: [c for c in plan.categories[t.name] if c != "missing"]
+        for t in f.terms
+        if t.name in plan.categories
+    }
+
+
+def model_pass(
+    part: Any, spec: ReleaseSpec, req: AssessRequest, f: int, plan: AssessPlan
+) -> list[tuple[list[str], GLMCells]]:
+    """Map (file f): each model's design matrix on the partition's records (its coded terms
+    in their published coding on both files), summed by distinct (x, y) row (GLMCells)."""
+    df = read_partition(part, req.columns(f), spec)
+    d = req.files[f]
+    g = _psu_codes(df, plan, f)
+    w = df[d.weight].to_numpy(dtype=float)
+    W = df[list(d.replicates)].to_numpy(dtype=float) if plan.designs[f].replicate_weights else None
+    out = []
+    for i, (text, _) in enumerate(req.models):
+        form = parse_formula(text)
+        data = pd.DataFrame(index=df.index)
+        for v in form.variables:
+            if v != form.response and v in plan.categories:
+                coded = Coding([_codes(df, v, req, plan)], plan.categories[v])
+                data[v] = coded.series(0, df.index, missing=False)
+            else:
+                data[v] = df[v]
+        X, y, ok, names = design_matrix(data, form, _model_levels(plan, text))
+        with single_blas_thread():
+            cells = glm_cells(X, y, ok, w, g, W=W)
+        if len(cells.rows) > MODEL_CELLS_MAX:
+            raise PartitionError(
+                f"utility.models[{i}]: {text!r} has {len(cells.rows):,} distinct (x, y) rows in "
+                f"one partition (more than {MODEL_CELLS_MAX:,}: a continuous term or response); "
+                "by partition a model's terms must be categorical (C(...)) and its response "
+                "take few values; assess it in memory (puf run)"
+            )
+        out.append((names, cells))
+    return out
+
+
+def model_fits(
+    plan: AssessPlan, got: Sequence[Sequence[list[tuple[list[str], GLMCells]]]]
+) -> tuple[pd.DataFrame, dict[str, float]]:
+    """Reduce: each model fitted on each file's cells (svyglm's fit), compared as assess
+    compares them: model_coefficients and its metrics. got[f]: file f's model_pass, in
+    partition order."""
+    has_rep = all(d.replicate_weights for d in plan.designs)
+    rows = []
+    for i, (text, family) in enumerate(plan.request.models):
+        fits = []
+        for f in (0, 1):
+            names = got[f][0][i][0]
+            cells = combine_cells([p[i][1] for p in got[f]])
+            with single_blas_thread():
+                fits.append(fit_cells(cells, names, plan.designs[f], family, has_rep))
+        rows.append(model_rows(text, family, *fits, "taylor", LEVEL))
+    coefs = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=MODEL_COLUMNS)
+    return coefs, model_metrics(coefs)

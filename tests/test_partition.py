@@ -731,9 +731,22 @@ def _same_assessment(folder, spec, whole, final):
         else:
             assert got[c].astype(str).tolist() == want[c].astype(str).tolist(), c
     assert want["se_replicate_released"].gt(0).any()  # replicate SEs on both sides
+    coefs = pd.read_csv(folder / "assess" / "model_coefficients.csv", float_precision="round_trip")
+    want = a.model_coefficients
+    assert list(coefs.columns) == list(want.columns) and len(want) == 13  # age, sex, race terms
+    for c in want.columns:
+        if want[c].dtype.kind in "fi":  # (the replicate SEs: refits on 70 replicate weights)
+            atol = 1e-12 if c in ("std_diff", "ci_overlap") else 1e-300
+            np.testing.assert_allclose(
+                coefs[c].to_numpy(float), want[c].to_numpy(float), rtol=1e-10, atol=atol, err_msg=c
+            )
+        else:
+            assert coefs[c].astype(str).tolist() == want[c].astype(str).tolist(), c
     run = json.loads((folder / "run.json").read_text())["stages"]["assess"]
     for k, v in a.metrics.items():
-        if not k.startswith("model_"):
+        if k.startswith("model_"):
+            assert run[k] == pytest.approx(v, rel=1e-10, abs=1e-12), k
+        else:
             assert run[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
     assert run["share_abs_std_bias_gt2"] < 0.5 and run["overlap_median"] > 0.5
     # the risk of the published file (AssessStage's)
