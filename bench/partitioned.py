@@ -127,6 +127,7 @@ t5 = time.perf_counter()
 from sdl_design.topcode import TopcodeStage
 coded = TopcodeStage.from_spec(spec).run(calibrated, StageContext(calibrated, spec, "topcode"))
 print('WHOLE', t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, time.perf_counter() - t5)
+df0 = df
 del df, ctx
 def same(folder, frame):
     got = pd.read_parquet(folder)
@@ -161,6 +162,26 @@ def same_treatment(folder):
     delta = pd.read_csv(folder + "/delta.csv", float_precision="round_trip")["delta_bar"].max()
     return (d1 == tr.substituted).all() and (d2 == tr.retained).all() and (
         phi.tobytes() == tr.phi.rates.tobytes()) and delta == dm.delta
+def assess_gap(final):  # the largest relative difference from assess on the same records
+    from sdl_design.assess import assess
+    from sdl_design.stage import design_columns
+    cols = list(final.columns)
+    rel = final[spec.published_columns(cols, True, [spec.design.segment], design_columns(spec.design, cols))]
+    a = assess(df0, rel, spec, design_released=spec.design, pmse=False)
+    gap = 0.0
+    for name, want in (("domain_estimates", a.domain_estimates), ("model_coefficients", a.model_coefficients)):
+        got = pd.read_csv(f"{sys.argv[2]}/assess/{name}.csv", float_precision="round_trip")
+        for c in ("estimate_released", "se_taylor_released", "se_replicate_released", "estimate_original", "se_taylor_original", "se_replicate_original", "coef_released", "se_released", "coef_original", "se_original"):
+            if c in want.columns:
+                x, y = got[c].to_numpy(float), want[c].to_numpy(float)
+                ok = np.isfinite(y) & (y != 0)
+                gap = max(gap, float(np.max(np.abs(x[ok] / y[ok] - 1), initial=0.0)))
+    import json
+    run = json.loads(Path(sys.argv[2], "run.json").read_text())["stages"]["assess"]
+    for k, v in a.metrics.items():
+        if v:
+            gap = max(gap, abs(run[k] / v - 1))
+    return gap
 def same_public(final):
     import tempfile
     from pathlib import Path
@@ -181,6 +202,7 @@ print('SAME', same(sys.argv[2] + "/swap/data", swap.data), same(sys.argv[2] + "/
           .to_numpy().tobytes() == rep_table[c].to_numpy().tobytes()
           for c in ("truth", "mean_estimate", "rrmse")),
       same(sys.argv[2] + "/topcode/data", coded.data), same_public(coded.data))
+print('ASSESS', assess_gap(coded.data))
 print('REVISIONS', len(revisions), dm.delta)
 """  # the in-memory swap and PRB stages (with their tables and baselines), MASSC's plan and
 # treatment (Steps I-III) and its calibration (Step IV), against the partitions
@@ -289,6 +311,13 @@ def main() -> None:
             f"{tc['groups_gathered']} group(s) gathered)",
             flush=True,
         )
+    if "assess" in run["stages"]:
+        a = run["stages"]["assess"]
+        print(
+            f"  assess: {a['seconds']:.1f} s ({int(a['n_estimates'])} domain estimates, the "
+            f"models' cells, re-identification; median CI overlap {a['overlap_median']:.3f})",
+            flush=True,
+        )
     if run.get("public_files"):
         pf = run["public_files"]
         print(
@@ -334,6 +363,11 @@ def main() -> None:
             f"phi, subsampling and delta {same[4]}, its calibrated records {same[5]}, its "
             f"replications' estimates and epsilon {same[6]}, the top-coded records {same[7]}; "
             f"the public data files (puf.parquet, puf.csv) byte for byte: {same[8]}"
+        )
+        gap = float(next(ln for ln in text.splitlines() if ln.startswith("ASSESS")).split()[1])
+        print(
+            "the assessment (domain estimates, model coefficients, their SEs and the metrics) "
+            f"against assess on the in-memory records: largest relative difference {gap:.1e}"
         )
 
 

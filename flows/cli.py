@@ -292,7 +292,8 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                 f"{a['reid_share']:.2%} of the original sample uniques re-identified, "
                 f"{a['unique_share_published']:.2%} sample uniques published; smallest CI "
                 f"overlap of a model coefficient {a.get('model_overlap_min', float('nan')):.3f} "
-                "(pMSE, delta and the PSU leak not by partition)"
+                f"; {a.get('psu_recoverable', 0.0):.1%} of the original PSUs recoverable from "
+                "the replicate weights (pMSE and delta not by partition)"
             )
         for name, res in st.items():
             se = res["tables"].get("se_ratios") if isinstance(res, dict) else None

@@ -738,7 +738,7 @@ def _assess_stage(
         columns, chain.masked, chain.drop_public, design_columns(spec.design, columns)
     )
     original = part.input_columns(spec.release.input)
-    req = pas.assess_request(spec, original, released)
+    req = pas.assess_request(spec, original, released, masked_design=chain.masked)
     t = time.perf_counter()
     first = [
         run_map(pas.assess_pass1, p, spec, req, f, what=f"assess pass 1, {name}")
@@ -779,8 +779,9 @@ def _assess_stage(
         f"{m.get('se_ratio_median', float('nan')):.3f}; epsilon {m['epsilon_published']:.4f}; "
         f"{m['reid_share']:.2%} of the original sample uniques re-identified, "
         f"{m['unique_share_published']:.2%} sample uniques published; smallest CI overlap of a "
-        f"model coefficient {m.get('model_overlap_min', float('nan')):.3f} (pMSE, delta and the "
-        "replicate weights' PSU leak not by partition)",
+        f"model coefficient {m.get('model_overlap_min', float('nan')):.3f}; "
+        f"{m.get('psu_recoverable', 0.0):.1%} of the original PSUs recoverable from the "
+        "replicate weights (pMSE and delta not by partition)",
         "partitioned",
     )
     return {

@@ -200,18 +200,24 @@ def drop_unused_levels(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def zero_words(df: pd.DataFrame, columns: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Each record's set of zero columns as 64-bit words (n x ceil(R / 64), bit j of word a:
+    column 64 a + j is 0), the columns read one at a time; and which records have a zero."""
+    n = len(df)
+    words = np.zeros((n, max(1, -(-len(columns) // 64))), dtype=np.uint64)
+    for a in range(0, len(columns), 64):
+        word = words[:, a // 64]
+        for j, c in enumerate(columns[a : a + 64]):
+            word |= (df[c].to_numpy(dtype=float) == 0).astype(np.uint64) << np.uint64(j)
+    return words, (words != 0).any(axis=1)
+
+
 def zero_patterns(df: pd.DataFrame, columns: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Codes 0..m-1 of the distinct sets of zero columns among the records with at least one
     zero, and which records have one: the columns read one at a time into 64-bit words, the
     words hashed (pd.factorize), never an n x R float copy or a sort of the rows."""
-    n = len(df)
-    words = []
-    for a in range(0, len(columns), 64):
-        word = np.zeros(n, dtype=np.uint64)
-        for j, c in enumerate(columns[a : a + 64]):
-            word |= (df[c].to_numpy(dtype=float) == 0).astype(np.uint64) << np.uint64(j)
-        words.append(word)
-    has_zero = np.logical_or.reduce([w != 0 for w in words])
+    words, has_zero = zero_words(df, columns)
+    words = [words[:, a] for a in range(words.shape[1])]
     code = np.zeros(int(has_zero.sum()), dtype=np.int64)
     for w in words:  # codes of (pattern so far, next word) pairs, renumbered densely
         w_codes, w_levels = pd.factorize(w[has_zero])
@@ -245,5 +251,19 @@ def psu_recoverable(
     g, q = pair // n_psu, pair % n_psu
     size_g = np.bincount(pattern, minlength=n_pat)[g]
     size_q = np.bincount(psu, minlength=n_psu)[q]
+    return recoverable_share(counts, size_g, q, size_q, len(np.unique(psu)), purity, coverage)
+
+
+def recoverable_share(
+    counts: np.ndarray,
+    size_g: np.ndarray,
+    q: np.ndarray,
+    size_q: np.ndarray,
+    n_psu: int,
+    purity: float = 0.9,
+    coverage: float = 0.5,
+) -> float:
+    """psu_recoverable from its (zero pattern, PSU) pairs: their records (counts), the records
+    of the pattern (size_g) and of the PSU (q, size_q); n_psu the PSUs with released records."""
     hit = (counts >= purity * size_g) & (counts >= coverage * size_q)
-    return float(len(np.unique(q[hit])) / len(np.unique(psu)))
+    return float(len(np.unique(q[hit])) / n_psu) if n_psu else 0.0

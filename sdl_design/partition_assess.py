@@ -90,6 +90,10 @@ class AssessRequest:
     study: tuple[str, ...]
     files: tuple[FileDesign, FileDesign]  # original, released
     models: tuple[tuple[str, str], ...] = ()  # (formula, family) of utility.models
+    # the published replicate weights whose zero patterns may give original PSUs away, and
+    # the original design's PSU labels (AssessStage's check; empty: not checked)
+    leak_replicates: tuple[str, ...] = ()
+    original_psu: tuple[str, ...] = ()
 
     @property
     def model_terms(self) -> list[str]:
@@ -161,6 +165,7 @@ def assess_request(
     original_columns: Sequence[str],
     released_columns: Sequence[str],
     design_released: Any = None,
+    masked_design: bool = False,
 ) -> AssessRequest:
     """The request of AssessStage's assess(original, released, spec, design_released): the
     spec's utility domains (default every key), its study variables. PartitionError names
@@ -187,7 +192,16 @@ def assess_request(
         gone = [v for v in parse_formula(text).variables if v not in original_columns]
         if gone:
             raise PartitionError(f"utility.models[{i}]: no column {gone} in the input; fix it")
-    return AssessRequest(keys, coded, tuple(groupings), tuple(spec.variables.study), files, models)
+    # AssessStage's PSU leak check (assess._psu_leak): with a masked design or the original
+    # labels not published on purpose
+    leak: tuple[str, ...] = ()
+    d = spec.design
+    if (masked_design or not d.publish_design_labels) and d.psu and d.psu in original_columns:
+        leak = files[1].replicates
+    labels = tuple(c for c in (d.strata, d.psu) if c and c in original_columns)
+    return AssessRequest(
+        keys, coded, tuple(groupings), tuple(spec.variables.study), files, models, leak, labels
+    )
 
 
 # ---------------------------------------------------------------- pass 1
@@ -518,6 +532,8 @@ class RiskPass:
     released: tuple[np.ndarray, np.ndarray]  # (profiles, counts)
     original: tuple[np.ndarray, np.ndarray]
     same: tuple[np.ndarray, np.ndarray]
+    # (records by zero pattern and original PSU, records by original PSU), when checked
+    leak: tuple[pd.DataFrame, pd.DataFrame] | None = None
 
 
 def _key_profiles(df: pd.DataFrame, req: AssessRequest, plan: AssessPlan) -> np.ndarray:
@@ -545,19 +561,32 @@ def risk_pass(
     from sdl_design.partition import _selected, profile_counts
 
     keys = list(req.keys)
-    rel = read_partition(linked.released, keys, spec)
+    rel = read_partition(linked.released, [*keys, *req.leak_replicates], spec)
     parts = []
     for p, lo, hi in linked.originals:
-        o = read_partition(p, keys, spec)
+        o = read_partition(p, [*keys, *req.original_psu], spec)
         kept = np.flatnonzero(_selected(p, selected)) if selected else np.arange(len(o))
         parts.append(o.iloc[kept[lo:hi]])
     orig = pd.concat(parts) if parts else rel.iloc[:0]
     po, pr = _key_profiles(orig, req, plan), _key_profiles(rel, req, plan)
+    leak = None
+    if req.leak_replicates:  # (zero pattern, original PSU) pairs and each PSU's records
+        from sdl_design.leaks import zero_words
+
+        words, has_zero = zero_words(rel, list(req.leak_replicates))
+        labels = orig[list(req.original_psu)].reset_index(drop=True)
+        named = [f"__z{j}" for j in range(words.shape[1])]
+        zeros = pd.concat([pd.DataFrame(words, columns=named), labels], axis=1)[has_zero]
+        leak = (
+            zeros.value_counts(sort=False, dropna=False).rename("n").reset_index(),
+            labels.value_counts(sort=False, dropna=False).rename("n").reset_index(),
+        )
     return RiskPass(
         profiles=profile_counts(rel, spec.variables.keys),
         released=_counted(pr),
         original=_counted(po),
         same=_counted(pr[pr == po]),
+        leak=leak,
     )
 
 
@@ -591,7 +620,10 @@ def risk_metrics(
     hits = int(same[(n_orig == 1) & (F == 1)].sum())
     n_o = int(n_orig.sum())
     u = strata_counts(combine_profiles([r.profiles for r in risk]))["U"]
-    return {
+    out = {}
+    if risk and risk[0].leak is not None:
+        out["psu_recoverable"] = _psu_recoverable([r.leak for r in risk])
+    return out | {
         "reid_expected_matches": expected,
         "reid_expected_match_rate": expected / n_o if n_o else 0.0,
         "reid_sample_uniques": float(n_unique),
@@ -669,3 +701,22 @@ def model_fits(
         rows.append(model_rows(text, family, *fits, "taylor", LEVEL))
     coefs = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=MODEL_COLUMNS)
     return coefs, model_metrics(coefs)
+
+
+def _psu_recoverable(leaks: Sequence[tuple[pd.DataFrame, pd.DataFrame]]) -> float:
+    """leaks.psu_recoverable from the partitions' counts by (zero pattern, original PSU)."""
+    from sdl_design.leaks import recoverable_share
+
+    pairs = pd.concat([z for z, _ in leaks], ignore_index=True)
+    sizes = pd.concat([q for _, q in leaks], ignore_index=True)
+    labels = [c for c in sizes.columns if c != "n"]
+    sizes = sizes.groupby(labels, sort=False, dropna=False)["n"].sum()
+    if not len(pairs):
+        return 0.0
+    words = [c for c in pairs.columns if c.startswith("__z")]
+    pairs = pairs.groupby([*words, *labels], sort=False, dropna=False)["n"].sum().reset_index()
+    size_g = pairs.groupby(words, sort=False)["n"].transform("sum").to_numpy()
+    at = sizes.index.get_indexer(
+        pd.MultiIndex.from_frame(pairs[labels]) if len(labels) > 1 else pairs[labels[0]]
+    )
+    return recoverable_share(pairs["n"].to_numpy(), size_g, at, sizes.to_numpy()[at], len(sizes))

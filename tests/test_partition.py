@@ -755,6 +755,10 @@ def _same_assessment(folder, spec, whole, final):
     unique = float((risk_strata(released, spec.variables.keys) == "U").mean())
     assert run["unique_share_published"] == pytest.approx(unique, rel=1e-15) and unique > 0
     assert a.metrics["reid_sample_uniques"] > 0 and a.metrics["reid_expected_matches"] > 0
+    from sdl_design.assess import _psu_leak
+
+    leak = _psu_leak(released, whole, spec, spec.design)["psu_recoverable"]
+    assert run["psu_recoverable"] == leak  # (a share of PSUs: exact)
 
 
 def _same_public(folder, spec, final, tmp_path):
