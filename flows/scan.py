@@ -765,6 +765,22 @@ def _assess_stage(
         pas.original_profiles, chain.inputs, spec, req, plan, what="assess risk, original"
     )
     m |= pas.risk_metrics(risk, originals, int(m["n_released"]))
+    # MASSC's delta of the published file against the original keys (any release)
+    from sdl_design.partition import combine_profiles, profile_scores
+
+    sensitive = spec.variables.sensitive
+    published = combine_profiles([r.profiles for r in risk])
+    profiles = chain.scan["profiles"]
+    deltas = run_map(
+        pas.delta_pass,
+        pas.link_back(chain.inputs, parts, retained),
+        spec, req, plan, chain.selected, profiles,
+        profile_scores(profiles, sensitive) if sensitive else np.zeros(0),
+        published,
+        profile_scores(published, sensitive) if sensitive else np.zeros(0),
+        what="assess delta",
+    )  # fmt: skip
+    m |= pas.delta_metrics(deltas, profiles)
     # the models (utility.models): each fitted on both files' cells
     got = [
         run_map(pas.model_pass, p, spec, req, f, plan, what=f"assess models, {name}")
@@ -781,7 +797,7 @@ def _assess_stage(
         f"{m['unique_share_published']:.2%} sample uniques published; smallest CI overlap of a "
         f"model coefficient {m.get('model_overlap_min', float('nan')):.3f}; "
         f"{m.get('psu_recoverable', 0.0):.1%} of the original PSUs recoverable from the "
-        "replicate weights (pMSE and delta not by partition)",
+        f"replicate weights; delta {m['delta_published']:.4f} (pMSE not by partition)",
         "partitioned",
     )
     return {

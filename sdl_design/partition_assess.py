@@ -94,6 +94,7 @@ class AssessRequest:
     # the original design's PSU labels (AssessStage's check; empty: not checked)
     leak_replicates: tuple[str, ...] = ()
     original_psu: tuple[str, ...] = ()
+    published_sensitive: tuple[str, ...] = ()  # the sensitive variables the file publishes
 
     @property
     def model_terms(self) -> list[str]:
@@ -199,8 +200,17 @@ def assess_request(
     if (masked_design or not d.publish_design_labels) and d.psu and d.psu in original_columns:
         leak = files[1].replicates
     labels = tuple(c for c in (d.strata, d.psu) if c and c in original_columns)
+    sens = tuple(s.name for s in spec.variables.sensitive if s.name in released_columns)
     return AssessRequest(
-        keys, coded, tuple(groupings), tuple(spec.variables.study), files, models, leak, labels
+        keys,
+        coded,
+        tuple(groupings),
+        tuple(spec.variables.study),
+        files,
+        models,
+        leak,
+        labels,
+        sens,
     )
 
 
@@ -561,7 +571,8 @@ def risk_pass(
     from sdl_design.partition import _selected, profile_counts
 
     keys = list(req.keys)
-    rel = read_partition(linked.released, [*keys, *req.leak_replicates], spec)
+    cols = list(dict.fromkeys([*keys, *req.published_sensitive, *req.leak_replicates]))
+    rel = read_partition(linked.released, cols, spec)
     parts = []
     for p, lo, hi in linked.originals:
         o = read_partition(p, [*keys, *req.original_psu], spec)
@@ -582,7 +593,9 @@ def risk_pass(
             labels.value_counts(sort=False, dropna=False).rename("n").reset_index(),
         )
     return RiskPass(
-        profiles=profile_counts(rel, spec.variables.keys),
+        profiles=profile_counts(
+            rel, spec.variables.keys, None, [v for v in spec.variables.sensitive if v.name in cols]
+        ),
         released=_counted(pr),
         original=_counted(po),
         same=_counted(pr[pr == po]),
@@ -720,3 +733,117 @@ def _psu_recoverable(leaks: Sequence[tuple[pd.DataFrame, pd.DataFrame]]) -> floa
         pd.MultiIndex.from_frame(pairs[labels]) if len(labels) > 1 else pairs[labels[0]]
     )
     return recoverable_share(pairs["n"].to_numpy(), size_g, at, sizes.to_numpy()[at], len(sizes))
+
+
+# ---------------------------------------------------------------- MASSC's delta of the release
+
+
+@dataclass(frozen=True)
+class Back:
+    """An original partition and where its retained records are in the published file: rows
+    lo..hi-1 of each published partition that holds some (in order)."""
+
+    start: int
+    stop: int
+    original: Any
+    spans: tuple[tuple[Any, int, int], ...]
+
+
+def link_back(
+    original: Sequence[Any], released: Sequence[Any], retained: Sequence[int]
+) -> list[Back]:
+    """Each original partition with the published rows of its retained records (link's
+    converse)."""
+    before = np.cumsum([0, *retained])
+    out = []
+    for p, a, c in zip(original, before[:-1].tolist(), retained, strict=True):
+        spans = []
+        for r in released:
+            lo, hi = max(r.start, a), min(r.stop, a + c)
+            if lo < hi:
+                spans.append((r, lo - r.start, hi - r.start))
+        out.append(Back(p.start, p.stop, p, tuple(spans)))
+    return out
+
+
+@dataclass
+class DeltaPass:
+    """One original partition's sums of delta_k by appearance class (0: its original profile
+    is not published; 1-4: u, d, t, o) with the class counts, and by original profile."""
+
+    totals: np.ndarray
+    counts: np.ndarray
+    profiles: tuple[np.ndarray, np.ndarray]  # (rows of the original's profile table, sums)
+
+
+def delta_pass(
+    back: Back,
+    spec: ReleaseSpec,
+    req: AssessRequest,
+    plan: AssessPlan,
+    selected: str | None,
+    profiles: pd.DataFrame,
+    scores: np.ndarray,
+    published: pd.DataFrame,
+    published_scores: np.ndarray,
+) -> DeltaPass:
+    """Map: assess.published_delta's delta_k (eq. 3) of the partition's original records:
+    d(2) = published, d(1) = the published key profile (in the published coding) is not the
+    original one, r = the larger GenMASSC score of the record's original profile (profiles,
+    scores: the input's) and of its published one (published, published_scores: the
+    published records' profiles); 1 for every record without sensitive variables."""
+    from sdl_design.partition import _selected, profile_rows
+
+    keys = spec.variables.keys
+    names = [k.name for k in keys]
+    sensitive = [s.name for s in spec.variables.sensitive]
+    b0 = read_partition(back.original, [*names, *sensitive], spec)
+    n = len(b0)
+    kept = _selected(back.original, selected) if selected else np.ones(n, dtype=bool)
+    cols = [*names, *(c for c in sensitive if c in req.published_sensitive)]
+    rel = [read_partition(r, cols, spec).iloc[lo:hi] for r, lo, hi in back.spans]
+    rel = pd.concat(rel) if rel else b0[cols].iloc[:0]
+    # each record's published value when it is published, else its original one (as
+    # published_delta takes them)
+    take = np.where(kept, np.cumsum(kept) - 1, len(rel) + np.arange(n))
+    treated = b0.copy(deep=False)
+    for c in cols:
+        both = pd.concat([rel[c], b0[c]], ignore_index=True)
+        treated[c] = pd.Series(both.array.take(take), index=b0.index, name=c)
+    changed = _key_profiles(b0, req, plan) != _key_profiles(treated, req, plan)
+    at0 = profile_rows(b0, keys, profiles)
+    in2 = profile_rows(b0, keys, published, missing_ok=True)
+    app = np.where(in2 >= 0, published["count"].to_numpy()[np.maximum(in2, 0)], 0)
+    r0 = scores[at0] if sensitive else np.ones(n)
+    r2 = np.zeros(n)
+    if kept.any():
+        at2 = profile_rows(treated[kept], keys, published)
+        r2[kept] = published_scores[at2] if sensitive else 1.0
+    delta_k = (~changed) * kept * np.maximum(r0, r2)  # eq. 3
+    cls = np.minimum(app, 4)
+    rows, of = np.unique(at0, return_inverse=True)
+    return DeltaPass(
+        totals=np.bincount(cls, weights=delta_k, minlength=5),
+        counts=np.bincount(cls, minlength=5),
+        profiles=(rows, np.bincount(of, weights=delta_k, minlength=len(rows))),
+    )
+
+
+def delta_metrics(parts: Sequence[DeltaPass], profiles: pd.DataFrame) -> dict[str, float]:
+    """Reduce: published_delta's metrics (delta, delta_u/d/t/o, delta_profile_max)."""
+    from sdl_design.massc.measures import appearance_table
+
+    n = int(sum(p.counts.sum() for p in parts))
+    table = appearance_table(
+        np.sum([p.totals for p in parts], axis=0), np.sum([p.counts for p in parts], axis=0), n
+    )
+    t_p = np.zeros(len(profiles))
+    for p in parts:
+        np.add.at(t_p, p.profiles[0], p.profiles[1])
+    n_p = profiles["count"].to_numpy(dtype=float)
+    t = table.set_index("appearance")["delta_bar"]
+    return {
+        "delta_published": float(table["delta_bar"].max()),
+        **{f"delta_{a}_published": float(t[a]) for a in "udto"},
+        "delta_profile_max_published": float(np.max(t_p / n_p, initial=0.0)),
+    }

@@ -759,6 +759,12 @@ def _same_assessment(folder, spec, whole, final):
 
     leak = _psu_leak(released, whole, spec, spec.design)["psu_recoverable"]
     assert run["psu_recoverable"] == leak  # (a share of PSUs: exact)
+    from sdl_design.assess import published_delta
+
+    delta = published_delta(whole, released, spec)
+    assert len(delta) == 6 and delta["delta_published"] > 0
+    for k, v in delta.items():
+        assert run[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
 
 
 def _same_public(folder, spec, final, tmp_path):
