@@ -284,6 +284,10 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
         if "assess" in st:
             a = st["assess"]
             print(
+                f"  assess gates: {int(a['gates_passed'])} of {int(a['gates'])} pass "
+                "(assess/gates.csv)"
+            )
+            print(
                 f"  assess      : {int(a['n_estimates'])} domain estimates of the published "
                 f"records against the input's ({int(a['n_reliable'])} reliable): median CI "
                 f"overlap {a.get('overlap_median', float('nan')):.3f}, "

@@ -788,6 +788,20 @@ def _assess_stage(
     ]
     coefs, model_m = pas.model_fits(plan, got)
     m |= model_m
+    # AssessStage's gates on these metrics, checked as the release checks them (its metric
+    # gate suite)
+    from expectations.suites import validate_metric_gates
+
+    gates = pas.assess_gates(spec, out.domain_estimates, coefs, m)
+    verdicts = validate_metric_gates([g.as_dict() for g in gates])
+    m["gates_passed"] = float(verdicts["passed"].sum())
+    m["gates"] = float(len(verdicts))
+    failed = verdicts.loc[~verdicts["passed"].astype(bool), "name"].tolist()
+    _say(
+        f"assessment gates: {int(m['gates_passed'])} of {len(verdicts)} pass"
+        + (f"; failed: {'; '.join(failed)}" if failed else ""),
+        "partitioned",
+    )
     _say(
         f"assessed {int(m['n_estimates'])} domain estimates ({int(m['n_reliable'])} reliable): "
         f"median CI overlap {m.get('overlap_median', float('nan')):.3f}, "
@@ -804,7 +818,11 @@ def _assess_stage(
         **m,
         "seconds": time.perf_counter() - t,
         "unchanged": True,  # it measures; the records stay as they are
-        "tables": {"domain_estimates": out.domain_estimates, "model_coefficients": coefs},
+        "tables": {
+            "domain_estimates": out.domain_estimates,
+            "model_coefficients": coefs,
+            "gates": verdicts,
+        },
     }
 
 

@@ -847,3 +847,20 @@ def delta_metrics(parts: Sequence[DeltaPass], profiles: pd.DataFrame) -> dict[st
         **{f"delta_{a}_published": float(t[a]) for a in "udto"},
         "delta_profile_max_published": float(np.max(t_p / n_p, initial=0.0)),
     }
+
+
+def assess_gates(
+    spec: ReleaseSpec, est: pd.DataFrame, coefs: pd.DataFrame, m: dict[str, float]
+) -> list:
+    """AssessStage's gates on the metrics made by partition, with its explanations (the worst
+    estimates, model terms and SE ratios)."""
+    from sdl_design.assess import (
+        Assessment,
+        _worst_se_text,
+        _worst_terms,
+        _worst_text,
+        assessment_gates,
+    )
+
+    worst = Assessment(est, coefs, m, {}).worst(20)
+    return assessment_gates(m, spec, _worst_text(worst), _worst_terms(coefs), _worst_se_text(est))

@@ -765,6 +765,24 @@ def _same_assessment(folder, spec, whole, final):
     assert len(delta) == 6 and delta["delta_published"] > 0
     for k, v in delta.items():
         assert run[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
+    # AssessStage's gates: the same checks on the same values, with the same verdicts
+    from sdl_design.assess import AssessStage
+    from sdl_design.stage import StageContext, StageResult
+
+    swap = StageResult("swap", None, masks_design=True, drop_public=[spec.design.segment])
+    stage = AssessStage.run(
+        AssessStage.from_spec(spec), final, StageContext(whole, spec, "assess", [swap])
+    )
+    got = pd.read_csv(folder / "assess" / "gates.csv", float_precision="round_trip")
+    assert got["name"].tolist() == [g.name for g in stage.gates] and len(got) >= 9
+    np.testing.assert_allclose(got["value"], [g.value for g in stage.gates], rtol=1e-10)
+    inside = [
+        (g.lower is None or g.value >= g.lower) and (g.upper is None or g.value <= g.upper)
+        for g in stage.gates
+    ]
+    assert got["passed"].tolist() == inside
+    for k in set(run) & set(stage.metrics):  # AssessStage's metrics (not its pMSE)
+        assert run[k] == pytest.approx(stage.metrics[k], rel=1e-10, abs=1e-12), k
 
 
 def _same_public(folder, spec, final, tmp_path):
