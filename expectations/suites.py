@@ -123,6 +123,13 @@ def edit_verdicts(rules: Sequence, failures: list, what: str = "row") -> pd.Data
     """The results table of edit rules from their failures (sdl_design.edits.rule_failures
     of the file, or its partitions' combined): GX gives each rule's verdict from a one-row
     table of the failing counts; what: the name of the examples' ids (row or a column)."""
+    return count_verdicts([rule.label(i) for i, rule in enumerate(rules)], failures, what)
+
+
+def count_verdicts(labels: Sequence[str], failures: list, what: str = "row") -> pd.DataFrame:
+    """The results table of record checks (labels) from their failures: per check (failing
+    records, examples) or the reason it could not be evaluated (text), as rule_failures gives
+    them; GX gives each check's verdict from a one-row table of the failing counts."""
     counts, details = [], []
     for f in failures:
         if isinstance(f, str):  # the rule could not be evaluated: the reason
@@ -133,7 +140,6 @@ def edit_verdicts(rules: Sequence, failures: list, what: str = "row") -> pd.Data
         counts.append(float(n))
         details.append("holds" if n == 0 else f"{n} records fail (e.g. {what} {examples})")
     _, gxe, _ = _gx()
-    labels = [rule.label(i) for i, rule in enumerate(rules)]
     table = pd.DataFrame({f"rule_{i}": [c] for i, c in enumerate(counts)}).assign(**{_ROW: [0]})
     checks = [
         (label, gxe.ExpectColumnValuesToBeInSet(column=f"rule_{i}", value_set=[0.0]))
@@ -262,18 +268,118 @@ def validate_output(
 ) -> pd.DataFrame:
     """Gates on the public file: no identifiers or original labels, required columns, weights, edits."""
     _, gxe, _ = _gx()
+    rows = _column_rows(list(puf.columns), spec, masked_design)
+    idx = _ROW
+    reps = [c for c in replicate_columns if c in puf.columns]
+    extra = {_ROW: np.arange(len(puf))}
+    if reps:
+        extra["__replicate_min"] = puf[reps].min(axis=1).to_numpy()
+    frame = puf.assign(**extra)
+    checks = []
+    for label, kind in output_record_checks(spec, list(puf.columns), reps):
+        if kind == "positive":
+            e = gxe.ExpectColumnValuesToBeBetween(
+                column=spec.design.weight, min_value=0, strict_min=True
+            )
+        elif kind == "not_null":
+            e = gxe.ExpectColumnValuesToNotBeNull(column=spec.design.weight)
+        else:
+            e = gxe.ExpectColumnValuesToBeBetween(column="__replicate_min", min_value=0)
+        checks.append((label, e))
+    for r in _run(frame, checks, "output_file", idx):
+        rows.append(
+            {
+                "name": r["label"],
+                "passed": r["success"],
+                "value": float(r["unexpected_count"]),
+                "threshold": "0 failing records",
+                "detail": "holds"
+                if r["success"]
+                else (
+                    r["error"]
+                    or f"{r['unexpected_count']} records fail (e.g. rows {r['examples']})"
+                ),
+            }
+        )
+    edits = validate_edits(puf, spec.edits)
+    edits["name"] = "output: " + edits["name"]
+    return pd.concat([pd.DataFrame(rows, columns=RESULT_COLUMNS), edits], ignore_index=True)
+
+
+def output_record_checks(
+    spec: ReleaseSpec, columns: Sequence[str], replicate_columns: Sequence[str]
+) -> list[tuple[str, str]]:
+    """(label, kind) of the public file's record checks: the weight positive ('positive') and
+    present ('not_null'), the replicate weights >= 0 ('replicate_min')."""
+    out = []
+    w = spec.design.weight
+    if w in columns:
+        out += [(f"output: weight {w} positive", "positive")]
+        out += [(f"output: weight {w} not missing", "not_null")]
+    reps = [c for c in replicate_columns if c in columns]
+    if reps:
+        label = f"output: replicate weights {reps[0]}..{reps[-1]} ({len(reps)}) >= 0"
+        out.append((label, "replicate_min"))
+    return out
+
+
+def record_failures(
+    df: pd.DataFrame,
+    spec: ReleaseSpec,
+    replicate_columns: Sequence[str],
+    ids: np.ndarray,
+    examples: int = 5,
+) -> list:
+    """output_record_checks' failures on df's records, as rule_failures gives them (failing
+    records and the ids of the first `examples`): missing values fail only 'not_null', as a
+    GX column check skips them."""
+    reps = [c for c in replicate_columns if c in df.columns]
+    out = []
+    for _, kind in output_record_checks(spec, list(df.columns), reps):
+        if kind == "replicate_min":
+            x = df[reps].min(axis=1).to_numpy(dtype=float)
+            bad = ~np.isnan(x) & (x < 0)
+        else:
+            x = pd.to_numeric(df[spec.design.weight], errors="coerce").to_numpy(dtype=float)
+            bad = np.isnan(x) if kind == "not_null" else ~np.isnan(x) & ~(x > 0)
+        out.append((int(bad.sum()), np.asarray(ids)[bad][:examples].tolist()))
+    return out
+
+
+def output_verdicts(
+    columns: Sequence[str],
+    spec: ReleaseSpec,
+    replicate_columns: Sequence[str],
+    masked_design: bool,
+    records: list,
+    edits: list,
+) -> pd.DataFrame:
+    """validate_output's table from the public file's columns and its record checks' and edit
+    rules' failures (record_failures, rule_failures: a file written by partition, combined)."""
+    reps = [c for c in replicate_columns if c in columns]
+    labels = [label for label, _ in output_record_checks(spec, columns, reps)]
+    checks = count_verdicts(labels, records, "row")
+    rules = edit_verdicts(spec.edits, edits)
+    rules["name"] = "output: " + rules["name"]
+    cols = pd.DataFrame(_column_rows(list(columns), spec, masked_design), columns=RESULT_COLUMNS)
+    return pd.concat([cols, checks, rules], ignore_index=True)
+
+
+def _column_rows(columns: list[str], spec: ReleaseSpec, masked_design: bool) -> list[dict]:
+    """The public file's column checks: no forbidden column, every required one."""
+    _, gxe, _ = _gx()
     forbidden, required = output_checks(spec, masked_design)
     rows = []
-    names = forbidden + [c for c in puf.columns if str(c).startswith("__")]
+    names = forbidden + [c for c in columns if str(c).startswith("__")]
     cols = pd.DataFrame(
         {
             "column": names + required,
-            "present": [c in puf.columns for c in names] + [c in puf.columns for c in required],
+            "present": [c in columns for c in names] + [c in columns for c in required],
             "kind": ["forbidden"] * len(names) + ["required"] * len(required),
         }
     )
     present = sorted(cols.loc[cols.present & (cols.kind == "forbidden"), "column"])
-    absent = [c for c in required if c not in puf.columns]
+    absent = [c for c in required if c not in columns]
     checks = [
         (
             "forbidden",
@@ -307,46 +413,4 @@ def validate_output(
             "detail": "all present" if req["success"] else f"missing: {absent}",
         }
     )
-    idx = _ROW
-    reps = [c for c in replicate_columns if c in puf.columns]
-    extra = {_ROW: np.arange(len(puf))}
-    if reps:
-        extra["__replicate_min"] = puf[reps].min(axis=1).to_numpy()
-    frame = puf.assign(**extra)
-    checks = []
-    w = spec.design.weight
-    if w in puf.columns:
-        checks.append(
-            (
-                f"output: weight {w} positive",
-                gxe.ExpectColumnValuesToBeBetween(column=w, min_value=0, strict_min=True),
-            )
-        )
-        checks.append(
-            (f"output: weight {w} not missing", gxe.ExpectColumnValuesToNotBeNull(column=w))
-        )
-    if reps:
-        checks.append(
-            (
-                f"output: replicate weights {reps[0]}..{reps[-1]} ({len(reps)}) >= 0",
-                gxe.ExpectColumnValuesToBeBetween(column="__replicate_min", min_value=0),
-            )
-        )
-    for r in _run(frame, checks, "output_file", idx):
-        rows.append(
-            {
-                "name": r["label"],
-                "passed": r["success"],
-                "value": float(r["unexpected_count"]),
-                "threshold": "0 failing records",
-                "detail": "holds"
-                if r["success"]
-                else (
-                    r["error"]
-                    or f"{r['unexpected_count']} records fail (e.g. rows {r['examples']})"
-                ),
-            }
-        )
-    edits = validate_edits(puf, spec.edits)
-    edits["name"] = "output: " + edits["name"]
-    return pd.concat([pd.DataFrame(rows, columns=RESULT_COLUMNS), edits], ignore_index=True)
+    return rows

@@ -312,12 +312,18 @@ def public_pieces(
     return len(df)
 
 
-def public_group(rows: Rows, plan: PublicPlan, folder: str) -> str:
+def public_group(
+    rows: Rows, plan: PublicPlan, folder: str, spec: ReleaseSpec, replicates: list[str]
+) -> tuple[str, list, list]:
     """Map: one row group of the public file from its pieces: <folder>/rows/c<group>.arrow
     (the records in the public order, as puf.parquet stores them) and
     <folder>/csv/c<group>.csv (as puf.csv has them, the header in the first); the pieces are
-    removed. Returns the Arrow file's path."""
+    removed. Returns the Arrow file's path and the failures of the output gates' record checks
+    and edit rules on its records (examples: public row numbers)."""
     import pyarrow as pa
+
+    from expectations.suites import record_failures
+    from sdl_design.edits import rule_failures
 
     g = rows.start // plan.rows
     src = Path(folder) / "pieces" / f"c{g:06d}"
@@ -339,7 +345,12 @@ def public_group(rows: Rows, plan: PublicPlan, folder: str) -> str:
     with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
         w.write_table(table)
     shutil.rmtree(src)
-    return str(out)
+    ids = np.arange(rows.start, rows.stop)
+    return (
+        str(out),
+        record_failures(df, spec, replicates, ids),
+        rule_failures(df, spec.edits, ids),
+    )
 
 
 def write_public_by_partition(
@@ -358,7 +369,8 @@ def write_public_by_partition(
     whole frame (rows: the records per row group). Workers write the pieces and row groups
     into folder/.work (removed at the end: the pieces hold each record's public row); this
     process writes puf.parquet a row group at a time and joins the CSV's chunks. Returns
-    {records, files: {name: sha256}}."""
+    {records, columns, files: {name: sha256}, gates: validate_output's table}. The design the
+    file is read with is the spec's (its replicate weights)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -375,11 +387,15 @@ def write_public_by_partition(
         public_pieces, parts, spec, keep, plan, str(work / "pieces"), what="public files: order"
     )
     groups = plan.row_groups()
-    made = run_map(public_group, groups, plan, str(work), what="public files: row groups")
+    rw = spec.design.replicate_weights
+    reps = rw.resolve(keep) if rw else []
+    made = run_map(
+        public_group, groups, plan, str(work), spec, reps, what="public files: row groups"
+    )
     writer = None
     try:
         with open(folder / "puf.csv", "wb") as csv:
-            for g, path in enumerate(made):
+            for g, (path, _, _) in enumerate(made):
                 with pa.memory_map(path) as src:
                     table = pa.ipc.open_file(src).read_all()
                 if writer is None:
@@ -401,4 +417,16 @@ def write_public_by_partition(
             writer.close()
         shutil.rmtree(work, ignore_errors=True)
     files = {name: sha256_file(folder / name) for name in ("puf.parquet", "puf.csv")}
-    return {"records": plan.n, "columns": len(keep), "files": files}
+    # the output gates (validate_output's): the columns, and the row groups' failures
+    from expectations.suites import output_verdicts
+    from sdl_design.edits import combine_rule_failures
+
+    gates = output_verdicts(
+        keep,
+        spec,
+        reps,
+        masked_design,
+        combine_rule_failures([m[1] for m in made]),
+        combine_rule_failures([m[2] for m in made]),
+    )
+    return {"records": plan.n, "columns": len(keep), "files": files, "gates": gates}

@@ -399,7 +399,16 @@ def _prb_stage(
     files = run_map(part.prb_apply, parts, spec, req, new, str(folder / "data"), what="prb")
     _lap(laps, "apply", t)
     metrics = pd.DataFrame({"metric": list(m), "value": list(m.values())})
-    return {**m, "files": [Path(f).name for f in files], **laps, "tables": {"metrics": metrics}}
+    from sdl_design.prb import identification_risk_gate
+
+    gate_rows = [identification_risk_gate(m["max_risk"], spec.gates.xi or st.xi).as_dict()]
+    return {
+        **m,
+        "files": [Path(f).name for f in files],
+        **laps,
+        "gate_rows": gate_rows,
+        "tables": {"metrics": metrics},
+    }
 
 
 def _massc_stage(
@@ -424,7 +433,7 @@ def _massc_stage(
     sdl_design.partition_calibration) and written to data/; the replications of the whole
     treatment (their own selections, the weight's calibration and study totals) and the
     empirical epsilon."""
-    from sdl_design.massc.stage import massc_config
+    from sdl_design.massc.stage import delta_gates, massc_config
     from sdl_design.massc.treatment import cost_from, revise_rates
 
     req = part.massc_request(spec, columns)
@@ -629,6 +638,7 @@ def _massc_stage(
         "n_substituted": n_sub,
         "n_subsampled_out": n_rows - n_kept,
         "delta": dm.delta,
+        "gate_rows": [g.as_dict() for g in delta_gates(spec, dm.delta)],
         "epsilon_formula": epsilon,
         "epsilon": max(epsilon, cal_metrics.get("epsilon_empirical", epsilon)),
         "n_delta_revisions": len(revisions),
@@ -823,6 +833,7 @@ def _assess_stage(
             "model_coefficients": coefs,
             "gates": verdicts,
         },
+        "gate_rows": [g.as_dict() for g in gates],
     }
 
 
@@ -951,14 +962,29 @@ def run_partitioned(
                 t = time.perf_counter()
                 public = _public_files(spec, cols, now, run_map, tmp / "puf", chain, done)
                 public["seconds"] = time.perf_counter() - t
+                # the release's gates as the flow checks them: the stages' and the
+                # assessment's metric gates, then the public file's
+                from expectations.suites import validate_metric_gates
+
+                rows = [
+                    g for r in done.values() if isinstance(r, dict) for g in r.get("gate_rows", [])
+                ]
+                gates = pd.concat(
+                    [validate_metric_gates(rows), public.pop("gates")], ignore_index=True
+                )
+                gates.to_csv(tmp / "gates.csv", index=False)
+                public["gates_passed"] = int(gates["passed"].sum())
+                public["gates"] = len(gates)
+                public["gates_failed"] = gates.loc[~gates["passed"].astype(bool), "name"].tolist()
         if public is not None:
             left = done.get("not_measured", [])
             _say(
                 "every stage that changes the records ran by partition; the public data files "
                 f"are in {folder / 'puf'} ({public['records']} records, {public['columns']} "
-                f"columns; {public['seconds']:.1f} s); not published: "
+                f"columns; {public['seconds']:.1f} s); gates: {public['gates_passed']} of "
+                f"{public['gates']} pass (gates.csv); not published: "
                 + (f"the measures of {', '.join(left)}, " if left else "")
-                + "the gates, the README and the codebook are not made by partition yet",
+                + "the README and the codebook are not made by partition yet, nor the approval",
                 "partitioned",
             )
         summary = {

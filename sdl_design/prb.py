@@ -46,6 +46,13 @@ def h_star(theta: float) -> float:
     return (1 - theta) / (1 - theta + theta**2)
 
 
+def identification_risk_gate(max_risk: float, xi: float) -> Any:
+    """The PRB stage's gate: the largest exact identification risk (eq. 2.2) at most xi."""
+    from sdl_design.stage import gate
+
+    return gate("prb.max_identification_risk", max_risk, upper=xi)
+
+
 def _check_xi(xi: float) -> None:
     if not 1 / 3 < xi < 0.5:
         raise PrbError(f"xi = {xi} must be in (1/3, 1/2) (stages.prb.xi)")
@@ -843,7 +850,7 @@ class PrbStage:
     def run(self, df: pd.DataFrame, ctx: Any) -> Any:
         from sdl_design.edits import check_edits
         from sdl_design.plots import histogram
-        from sdl_design.stage import StageResult, gate
+        from sdl_design.stage import StageResult
 
         cfg, spec = self.section, self.spec
         weight = spec.design.weight
@@ -949,7 +956,7 @@ class PrbStage:
                 "tvd",
                 *(["domains_not_kept"] if len(not_kept) else []),
             ],
-            gates=[gate("prb.max_identification_risk", max_risk, upper=xi)],
+            gates=[identification_risk_gate(max_risk, xi)],
             figures=figures,
             notes=notes,
         )

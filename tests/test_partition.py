@@ -625,8 +625,12 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
     if not restrictions:  # the revised rates too
         _same_replications(m, spec, prb, whole, (cfg, plan, tr, dm, revisions))
         final = _same_topcode(tmp_path / f"p{n}", spec, data)
-        _same_public(tmp_path / f"p{n}", spec, final, tmp_path)
-        _same_assessment(tmp_path / f"p{n}", spec, whole, final)
+        puf = _same_public(tmp_path / f"p{n}", spec, final, tmp_path)
+        assessed = _same_assessment(tmp_path / f"p{n}", spec, whole, final)
+        from sdl_design.massc.stage import delta_gates
+
+        gates = [*prb.gates, *delta_gates(spec, dm.delta), *assessed.gates]
+        _same_gates(tmp_path / f"p{n}", spec, gates, puf)
     assert not (tmp_path / f"p{n}" / "massc" / "replications").exists()
 
 
@@ -783,6 +787,30 @@ def _same_assessment(folder, spec, whole, final):
     assert got["passed"].tolist() == inside
     for k in set(run) & set(stage.metrics):  # AssessStage's metrics (not its pMSE)
         assert run[k] == pytest.approx(stage.metrics[k], rel=1e-10, abs=1e-12), k
+    return stage
+
+
+def _same_gates(folder, spec, metric_gates, puf):
+    """The partitioned release's gates.csv is the flow's gate table (gates_task: the metric
+    gates of PRB, MASSC and the assessment, then the public file's) on the in-memory records:
+    the same gates in order, verdicts, and values (to 1e-10)."""
+    from expectations.suites import validate_metric_gates, validate_output
+
+    reps = spec.design.replicate_weights.resolve(list(puf.columns))
+    want = pd.concat(
+        [
+            validate_metric_gates([g.as_dict() for g in metric_gates]),
+            validate_output(puf, spec, reps, True),
+        ],
+        ignore_index=True,
+    )
+    got = pd.read_csv(folder / "gates.csv", float_precision="round_trip")
+    assert got["name"].tolist() == want["name"].tolist() and len(got) == 27
+    assert got["passed"].tolist() == want["passed"].tolist()
+    np.testing.assert_allclose(got["value"], want["value"].astype(float), rtol=1e-10)
+    assert got["threshold"].tolist() == want["threshold"].tolist()
+    run = json.loads((folder / "run.json").read_text())["public_files"]
+    assert run["gates"] == 27 and run["gates_passed"] == int(want["passed"].sum())
 
 
 def _same_public(folder, spec, final, tmp_path):
@@ -802,6 +830,7 @@ def _same_public(folder, spec, final, tmp_path):
             tmp_path / "public-in-memory" / name
         ).read_bytes(), name
         assert run["files"][name] == ref[f"public/{name}"]
+    return puf
 
 
 def test_massc_calibration_by_partition_pools_drops_and_calibrates_replicates_to_domains(

@@ -29,7 +29,7 @@ from sdl_design.massc.treatment import OriginalMargins, meet_delta, original_row
 from sdl_design.plots import histogram
 from sdl_design.rng import stage_rng
 from sdl_design.spec import KeySpec
-from sdl_design.stage import SharedInput, StageResult, gate
+from sdl_design.stage import Gate, SharedInput, StageResult, gate
 
 
 class MasscStage:
@@ -106,6 +106,13 @@ class MasscStage:
             self._main = None
         return massc_epsilon(result, replications, self.spec)
 
+
+
+def delta_gates(spec: Any, delta: float) -> list[Gate]:
+    """MASSC's gate: delta (eq. 5-6) at most gates.delta_max, when the spec sets it."""
+    if spec.gates.delta_max is None:
+        return []
+    return [gate("massc.delta", delta, upper=spec.gates.delta_max)]
 
 def massc_config(spec, df: pd.DataFrame) -> MasscConfig:
     """The MASSC run the spec describes on df (nested selection when the design has PSUs)."""
@@ -294,9 +301,7 @@ def massc_result(
         **{f"phi_{h}": float(p) for h, p in zip(plan.labels, tr.phi.rates, strict=True)},
         **cal_metrics,
     }
-    gates = []
-    if spec.gates.delta_max is not None:
-        gates.append(gate("massc.delta", dm.delta, upper=spec.gates.delta_max))
+    gates = delta_gates(spec, dm.delta)
     labels = plan.zvars.labels
     study_totals = pd.DataFrame(labels, columns=["variable", "domain", "category"])
     study_totals["original_total"] = plan.truth
