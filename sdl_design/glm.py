@@ -274,25 +274,28 @@ def irls_many(
         H[dead] = np.eye(X.shape[1])
         B = _solve_many(H, (X.T @ (W * y[:, None])).T)
     else:
-        mu = _logistic(X @ B.T)
-        dev = _binomial_deviance(y, mu, W)
-        for _ in range(max_iter):
-            H = _grams(X, W * mu * (1.0 - mu))
-            H[dead] = np.eye(X.shape[1])
-            step = _solve_many(H, (X.T @ (W * (y[:, None] - mu))).T)
-            t = np.ones(R)
-            for _ in range(30):
-                b_new = B + t[:, None] * step
-                mu_new = _logistic(X @ b_new.T)
-                dev_new = _binomial_deviance(y, mu_new, W)
-                worse = dev_new > dev * (1 + 1e-12) + 1e-12
-                if not worse.any():
+        # a refit that diverges (a separated term in one replicate) goes to NaN, as a singular
+        # one does: said by its NaN coefficients, not by warnings
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            mu = _logistic(X @ B.T)
+            dev = _binomial_deviance(y, mu, W)
+            for _ in range(max_iter):
+                H = _grams(X, W * mu * (1.0 - mu))
+                H[dead] = np.eye(X.shape[1])
+                step = _solve_many(H, (X.T @ (W * (y[:, None] - mu))).T)
+                t = np.ones(R)
+                for _ in range(30):
+                    b_new = B + t[:, None] * step
+                    mu_new = _logistic(X @ b_new.T)
+                    dev_new = _binomial_deviance(y, mu_new, W)
+                    worse = dev_new > dev * (1 + 1e-12) + 1e-12
+                    if not worse.any():
+                        break
+                    t[worse] /= 2.0
+                done = np.abs(dev - dev_new) / (np.abs(dev_new) + 0.1) < tol
+                B, mu, dev = b_new, mu_new, dev_new
+                if done.all():
                     break
-                t[worse] /= 2.0
-            done = np.abs(dev - dev_new) / (np.abs(dev_new) + 0.1) < tol
-            B, mu, dev = b_new, mu_new, dev_new
-            if done.all():
-                break
     B[dead] = np.nan
     return B
 

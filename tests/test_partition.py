@@ -1030,3 +1030,25 @@ def test_puf_partitioned_names_the_field_of_a_numeric_calibration_control(clean,
 
     spec = load_spec(new)
     check_massc(spec, P.input_columns(spec.release.input))  # no error
+
+
+def test_assess_by_partition_refuses_a_model_of_a_continuous_response(clean, tmp_path, monkeypatch):
+    """A model whose distinct (x, y) rows are about its records (a continuous response) is
+    not fitted from cells on the driver: the run stops naming utility.models[i] and the fix,
+    and leaves nothing."""
+    from flows.scan import run_partitioned
+    from sdl_design import partition_assess as pas
+    from sdl_design.spec import SpecError
+
+    path, _, _ = clean
+    data = yaml.safe_load(path.read_text())
+    del data["stages"]["prb"]
+    data["stages"]["massc"]["enabled"] = False
+    data["stages"]["topcode"]["enabled"] = False
+    data["utility"]["models"] = [{"formula": "bmi ~ sex + C(age)", "family": "gaussian"}]
+    new = path.parent / "continuous-model.yaml"
+    new.write_text(yaml.safe_dump(data))
+    monkeypatch.setattr(pas, "MODEL_CELLS_MAX", 200)  # 3 partitions of 1,000 records
+    with pytest.raises(SpecError, match=r"utility\.models\[0\]: 'bmi ~ sex \+ C\(age\)' has"):
+        run_partitioned(new, "thread", partitions=3, out=tmp_path / "p")
+    assert not (tmp_path / "p").exists()
