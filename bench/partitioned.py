@@ -163,6 +163,7 @@ def same_treatment(folder):
     return (d1 == tr.substituted).all() and (d2 == tr.retained).all() and (
         phi.tobytes() == tr.phi.rates.tobytes()) and delta == dm.delta
 def assess_gap(final):  # the largest relative difference from assess on the same records
+    from pathlib import Path
     from sdl_design.assess import assess
     from sdl_design.stage import design_columns
     cols = list(final.columns)

@@ -190,10 +190,10 @@ def write_csv(
     if not plan.polars:
         df.to_csv(path, index=False, lineterminator="\n", header=header)
         return
-    ready = _polars_ready(df, plan.repr_floats)
     with open(path, "wb") as f:
-        for a in range(0, max(len(ready), 1), rows):  # an empty frame: its header
-            chunk = ready.iloc[a : a + rows].reset_index(drop=True)
+        for a in range(0, max(len(df), 1), rows):  # an empty frame: its header
+            # converted a chunk at a time (text and booleans as strings: copies)
+            chunk = _polars_ready(df.iloc[a : a + rows], plan.repr_floats).reset_index(drop=True)
             pl.from_pandas(chunk, nan_to_null=True).write_csv(
                 f, line_terminator="\n", include_header=header and a == 0
             )
@@ -328,12 +328,14 @@ def public_group(
     g = rows.start // plan.rows
     src = Path(folder) / "pieces" / f"c{g:06d}"
     files = sorted(src.glob("p*.arrow"))
-    df = pd.concat([pd.read_feather(f) for f in files], ignore_index=True)
+    pieces = [pd.read_feather(f) for f in files]
+    df = pd.concat(pieces, ignore_index=True)
+    del pieces  # (the peak: the pieces, their concatenation and its reordered copy at once)
     if len(df) != rows.stop - rows.start:
         raise ValueError(f"row group {g}: {len(df)} records, not {rows.stop - rows.start}")
     order = np.empty(len(df), dtype=np.int64)
-    order[df["__row"].to_numpy()] = np.arange(len(df))
-    df = df.drop(columns="__row").take(order).reset_index(drop=True)
+    order[df.pop("__row").to_numpy()] = np.arange(len(df))
+    df = df.take(order).reset_index(drop=True)
     for d in ("rows", "csv"):
         (Path(folder) / d).mkdir(exist_ok=True)
     write_csv(
