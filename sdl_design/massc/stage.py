@@ -107,12 +107,12 @@ class MasscStage:
         return massc_epsilon(result, replications, self.spec)
 
 
-
 def delta_gates(spec: Any, delta: float) -> list[Gate]:
     """MASSC's gate: delta (eq. 5-6) at most gates.delta_max, when the spec sets it."""
     if spec.gates.delta_max is None:
         return []
     return [gate("massc.delta", delta, upper=spec.gates.delta_max)]
+
 
 def massc_config(spec, df: pd.DataFrame) -> MasscConfig:
     """The MASSC run the spec describes on df (nested selection when the design has PSUs)."""
