@@ -715,7 +715,6 @@ def _public_files(
     run_map: Exchange,
     folder: Path,
     chain: Chain,
-    done: dict[str, Any],
 ) -> dict[str, Any]:
     """puf.parquet and puf.csv from the last stage's partitions, as the release writes them
     (its public columns and order): the design the public file is read with is the spec's
@@ -738,9 +737,12 @@ def _assess_stage(
     folder: Path,
     chain: Chain,
 ) -> dict[str, Any]:
-    """AssessStage's domain estimates by partition: the records after the last stage in
-    their public columns and design (the spec's: no pseudo design is built by partition)
-    against the input's (sdl_design.partition_assess; two passes over each)."""
+    """AssessStage's measures and gates by partition (sdl_design.partition_assess): the
+    records after the last stage in their public columns and design (the spec's: no pseudo
+    design is built by partition) against the input's: the domain estimates (two passes over
+    each file), the models (their cells), the re-identification, sample uniques, delta and
+    PSU leak of the published records (each linked to its original record by MASSC's d(2)),
+    and AssessStage's gates on them. pMSE is not made by partition."""
     from sdl_design import partition_assess as pas
     from sdl_design.stage import design_columns
 
@@ -960,7 +962,7 @@ def run_partitioned(
             public = None
             if "stopped_before" not in done:
                 t = time.perf_counter()
-                public = _public_files(spec, cols, now, run_map, tmp / "puf", chain, done)
+                public = _public_files(spec, cols, now, run_map, tmp / "puf", chain)
                 public["seconds"] = time.perf_counter() - t
                 # the release's gates as the flow checks them: the stages' and the
                 # assessment's metric gates, then the public file's
