@@ -179,18 +179,21 @@ def write_csv(
     rows: int = 100_000,
     plan: CsvPlan | None = None,
     header: bool = True,
+    append: bool = False,
 ) -> None:
     """Write df as CSV through polars (seconds at 1M records, where pandas.to_csv takes over a
     minute), byte for byte what `df.to_csv(index=False, lineterminator="\\n")` writes; `rows`
     records at a time (polars holds a copy of one chunk, not of the whole frame). plan: the
-    whole file's CsvPlan when df is one chunk of it (header: whether this chunk starts it)."""
+    whole file's CsvPlan when df is one chunk of it (header: whether this chunk starts it;
+    append: written after what path holds)."""
     import polars as pl
 
     plan = csv_plan(df) if plan is None else plan
     if not plan.polars:
-        df.to_csv(path, index=False, lineterminator="\n", header=header)
+        mode = "a" if append else "w"
+        df.to_csv(path, index=False, lineterminator="\n", header=header, mode=mode)
         return
-    with open(path, "wb") as f:
+    with open(path, "ab" if append else "wb") as f:
         for a in range(0, max(len(df), 1), rows):  # an empty frame: its header
             # converted a chunk at a time (text and booleans as strings: copies)
             chunk = _polars_ready(df.iloc[a : a + rows], plan.repr_floats).reset_index(drop=True)
@@ -203,6 +206,8 @@ def write_csv(
 
 # puf.parquet's row groups: pyarrow's (write_table's and DataFrame.to_parquet's default)
 PARQUET_ROWS = 1024 * 1024
+# the records a row group's task orders, converts and writes at a time (its memory)
+PUBLIC_SLICE = 131_072
 
 
 @dataclass(frozen=True)
@@ -323,36 +328,39 @@ def public_group(
     import pyarrow as pa
 
     from expectations.suites import record_failures
-    from sdl_design.edits import rule_failures
+    from sdl_design.edits import combine_rule_failures, rule_failures
 
     g = rows.start // plan.rows
     src = Path(folder) / "pieces" / f"c{g:06d}"
     files = sorted(src.glob("p*.arrow"))
     pieces = [pd.read_feather(f) for f in files]
     df = pd.concat(pieces, ignore_index=True)
-    del pieces  # (the peak: the pieces, their concatenation and its reordered copy at once)
+    del pieces
     if len(df) != rows.stop - rows.start:
         raise ValueError(f"row group {g}: {len(df)} records, not {rows.stop - rows.start}")
     order = np.empty(len(df), dtype=np.int64)
     order[df.pop("__row").to_numpy()] = np.arange(len(df))
-    df = df.take(order).reset_index(drop=True)
     for d in ("rows", "csv"):
         (Path(folder) / d).mkdir(exist_ok=True)
-    write_csv(
-        neutralize_formulas(df), Path(folder) / "csv" / f"c{g:06d}.csv", plan=plan.csv,
-        header=g == 0,
-    )  # fmt: skip
-    table = pa.Table.from_pandas(df, preserve_index=False)
+    # the row group's Arrow schema from all its records (as the whole frame's), its records
+    # taken in the public order a slice at a time (no reordered copy of the row group)
+    schema = pa.Schema.from_pandas(df, preserve_index=False)
     out = Path(folder) / "rows" / f"c{g:06d}.arrow"
-    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
-        w.write_table(table)
+    csv = Path(folder) / "csv" / f"c{g:06d}.csv"
+    records, edits = [], []
+    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
+        for a in range(0, len(df), PUBLIC_SLICE):
+            part = df.take(order[a : a + PUBLIC_SLICE]).reset_index(drop=True)
+            write_csv(
+                neutralize_formulas(part), csv, plan=plan.csv, header=g == 0 and a == 0,
+                append=a > 0,
+            )  # fmt: skip
+            w.write_table(pa.Table.from_pandas(part, schema=schema, preserve_index=False))
+            ids = np.arange(rows.start + a, rows.start + a + len(part))
+            records.append(record_failures(part, spec, replicates, ids))
+            edits.append(rule_failures(part, spec.edits, ids))
     shutil.rmtree(src)
-    ids = np.arange(rows.start, rows.stop)
-    return (
-        str(out),
-        record_failures(df, spec, replicates, ids),
-        rule_failures(df, spec.edits, ids),
-    )
+    return str(out), combine_rule_failures(records), combine_rule_failures(edits)
 
 
 def write_public_by_partition(
@@ -399,7 +407,9 @@ def write_public_by_partition(
         with open(folder / "puf.csv", "wb") as csv:
             for g, (path, _, _) in enumerate(made):
                 with pa.memory_map(path) as src:
-                    table = pa.ipc.open_file(src).read_all()
+                    # one contiguous table, as pandas hands the whole frame to pyarrow (a
+                    # row group from several batches is encoded otherwise at 5M records)
+                    table = pa.ipc.open_file(src).read_all().combine_chunks()
                 if writer is None:
                     writer = pq.ParquetWriter(folder / "puf.parquet", table.schema)
                 elif not table.schema.equals(writer.schema, check_metadata=True):

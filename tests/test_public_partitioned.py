@@ -50,10 +50,16 @@ def survey(tmp_path_factory):
 
 
 @pytest.mark.parametrize("rows", [PARQUET_ROWS, 700], ids=["one-group", "groups-of-700"])
-def test_public_files_by_partition_are_the_release_writers_bytes(survey, tmp_path, rows):
-    """7 partitions (by row group) into row groups of `rows` records: puf.parquet and puf.csv
-    equal, byte for byte, what the release writes from the whole frame (write_public_files,
-    or pyarrow with the same row groups), and the CSV is pandas.to_csv's."""
+def test_public_files_by_partition_are_the_release_writers_bytes(
+    survey, tmp_path, monkeypatch, rows
+):
+    """7 partitions (by row group) into row groups of `rows` records (each written in slices
+    of 256: its Arrow batches and CSV chunks): puf.parquet and puf.csv equal, byte for byte,
+    what the release writes from the whole frame (write_public_files, or pyarrow with the
+    same row groups), and the CSV is pandas.to_csv's."""
+    import flows.public_files as pf
+
+    monkeypatch.setattr(pf, "PUBLIC_SLICE", 256)
     spec, whole = survey
     cols = list(whole.columns)
     masked, drop = True, ["segment"]
