@@ -603,7 +603,9 @@ def risk_pass(
     )
 
 
-def original_profiles(part: Any, spec: ReleaseSpec, req: AssessRequest, plan: AssessPlan):
+def original_profiles(
+    part: Any, spec: ReleaseSpec, req: AssessRequest, plan: AssessPlan
+) -> tuple[np.ndarray, np.ndarray]:
     """Map: the original partition's key profiles with their record counts."""
     return _counted(_key_profiles(read_partition(part, list(req.keys), spec), req, plan))
 
