@@ -864,11 +864,13 @@ def run_partitioned(
     partitions: int | None = None,
     out: str | Path | None = None,
     workers: int = 2,
+    release: bool = True,
 ) -> dict[str, Any]:
     """The spec's release stages that have a partitioned path, in release order, each on the
     previous one's partitions (the swap, PRB, MASSC and top-coding); stops before the first
-    stage that has
-    none, and says which. First it scans the input as `puf scan` does (scan/: its edit rules,
+    stage that has none, and says which. When every stage ran (and release), the assessment,
+    the public data files (puf/) and the release's gates (gates.csv); release False: the
+    stages' records and tables only. First it scans the input as `puf scan` does (scan/: its edit rules,
     which stop the run when one fails, the risk stage's metrics, its SEs). out (default
     partitioned_folder) gets, per stage, <stage>/data/part-<first record>.parquet (the records
     after that stage, in record order: the same records, bit for bit, as the in-memory stages
@@ -908,6 +910,8 @@ def run_partitioned(
                 raise GateFailed("edit validation failed on the input file", scan["edits"])
             for stage in stages:
                 fn = PARTITIONED.get(stage.name)
+                if fn is None and stage.name in MEASURED and not release:
+                    continue
                 if fn is None and stage.name in MEASURED:
                     (tmp / stage.name).mkdir()
                     try:
@@ -960,7 +964,7 @@ def run_partitioned(
                     table.to_csv(tmp / stage.name / f"{name}.csv", index=False)
                 done[stage.name] = res
             public = None
-            if "stopped_before" not in done:
+            if "stopped_before" not in done and release:
                 t = time.perf_counter()
                 public = _public_files(spec, cols, now, run_map, tmp / "puf", chain)
                 public["seconds"] = time.perf_counter() - t

@@ -425,10 +425,11 @@ def test_swap_and_prb_by_partition_give_the_stages_records_to_the_bit(clean, tmp
     path.write_text(yaml.safe_dump(data))
     swap, prb = _in_memory(spec, whole)
     for n in (2, 7):
-        out = run_partitioned(path, "thread", partitions=n, out=tmp_path / f"p{n}")
+        out = run_partitioned(path, "thread", partitions=n, out=tmp_path / f"p{n}", release=False)
         st = out["stages"]
         # the swap masked the design: the pseudo design builds nothing, records unchanged
-        assert list(st) == ["swap", "prb", "pseudo_design", "not_measured", "assess"]
+        assert list(st) == ["swap", "prb", "pseudo_design", "not_measured"]
+        assert out["public_files"] is None and not (tmp_path / f"p{n}" / "puf").exists()
         assert st["pseudo_design"]["built"] is False and st["not_measured"] == ["final"]
         assert len(st["swap"]["files"]) == n
         _same_bits(
@@ -533,7 +534,7 @@ def test_prb_alone_by_partition_gives_the_stages_records(clean, tmp_path, change
     new.write_text(yaml.safe_dump(data))
     spec = load_spec(new)
     prb = PrbStage.from_spec(spec).run(whole, StageContext(whole, spec, "prb"))
-    out = run_partitioned(new, "thread", partitions=5, out=tmp_path / "p")
+    out = run_partitioned(new, "thread", partitions=5, out=tmp_path / "p", release=False)
     # no swap: the pseudo design would be built, which has no partitioned path
     assert list(out["stages"]) == ["prb", "stopped_before"]
     assert out["stages"]["stopped_before"] == "pseudo_design"
@@ -558,8 +559,8 @@ def test_swap_with_bootstrap_replicates_by_partition_gives_the_stages_records(cl
     new.write_text(yaml.safe_dump(data))
     spec = load_spec(new)
     swap = SwapStage.from_spec(spec).run(whole, StageContext(whole, spec, "swap"))
-    out = run_partitioned(new, "thread", partitions=3, out=tmp_path / "p")
-    assert list(out["stages"]) == ["swap", "pseudo_design", "not_measured", "assess"]
+    out = run_partitioned(new, "thread", partitions=3, out=tmp_path / "p", release=False)
+    assert list(out["stages"]) == ["swap", "pseudo_design", "not_measured"]
     assert out["stages"]["not_measured"] == ["final"]
     got = pd.read_parquet(tmp_path / "p" / "swap" / "data")
     assert sum(c.startswith("rw") for c in got.columns) == 100
@@ -610,7 +611,10 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
     assert moved.any(axis=1).all()
     n = 7  # partitions (2 partitions: the swap's and PRB's tests)
     monkeypatch.setattr(pcal, "REPLICATIONS_AT_ONCE", 1)  # the 2 replications in 2 batches
-    out = run_partitioned(path, "thread", partitions=n, out=tmp_path / f"p{n}")
+    # (the assessment, public files and gates: checked on the chains without restrictions)
+    out = run_partitioned(
+        path, "thread", partitions=n, out=tmp_path / f"p{n}", release=not restrictions
+    )
     m = out["stages"]["massc"]
     assert m["n_with_donor"] == int(has.sum()) and len(m["files"]) == n
     got = pd.read_parquet(tmp_path / f"p{n}" / "massc" / "donors")
@@ -919,7 +923,7 @@ def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monk
     assert plan.moments.S2_nu.tobytes() != one_block.S2_nu.tobytes()  # other sums, other bits
     assert plan.sampling_var.tobytes() != one_block_var.tobytes()
     np.testing.assert_allclose(plan.moments.theta, one_block.theta, rtol=1e-12)
-    out = run_partitioned(path, "thread", partitions=7, out=tmp_path / "p")
+    out = run_partitioned(path, "thread", partitions=7, out=tmp_path / "p", release=False)
     _same_moments(out["stages"]["massc"], plan)
     donor = pd.read_parquet(tmp_path / "p" / "massc" / "donors")["__donor"].to_numpy()
     _same_treatment(out["stages"]["massc"], tmp_path / "p" / "massc", donor, tr, dm, plan)
