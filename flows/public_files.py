@@ -36,8 +36,12 @@ def public_frame(
     release.year), never the confidential file's order. design_columns: those a stage built for
     the public design (pseudo strata, PSUs, replicate weights)."""
     keep = spec.published_columns(list(df.columns), masked_design, drop, design_columns)
-    rng = stage_rng(release_seed(spec.release.seed, spec.release.year), "publish-order")
-    return shuffle_rows(drop_unused_levels(df[keep]), rng)
+    return shuffle_rows(drop_unused_levels(df[keep]), _publish_rng(spec))
+
+
+def _publish_rng(spec: ReleaseSpec) -> np.random.Generator:
+    """The Generator of the public file's order: stream "publish-order" of the release seed."""
+    return stage_rng(release_seed(spec.release.seed, spec.release.year), "publish-order")
 
 
 # text cells a spreadsheet would run as a formula (OWASP "CSV injection")
@@ -283,9 +287,8 @@ def public_plan(first: Sequence[PublicPass1], rows: int = PARQUET_ROWS) -> Publi
 
 
 def _order(spec: ReleaseSpec, n: int) -> np.ndarray:
-    """The public file's order (public_frame's): its record r is the r-th of perm."""
-    rng = stage_rng(release_seed(spec.release.seed, spec.release.year), "publish-order")
-    return rng.permutation(n)
+    """The public file's order (public_frame's, shuffle_rows'): its row r holds record perm[r]."""
+    return _publish_rng(spec).permutation(n)
 
 
 def public_pieces(

@@ -118,6 +118,24 @@ def test_output_gates(data):
     assert not cols.passed and cols.value == 4  # id, h, p, __block
     assert "['__block', 'h', 'id', 'p']" in cols.detail
     assert res.loc["output: weight w positive", "value"] == 1
+    # the same verdicts from counts (a public file written by partition): output_verdicts of
+    # record_failures and rule_failures on two halves, combined
+    from expectations.suites import output_verdicts, record_failures
+    from sdl_design.edits import combine_rule_failures, rule_failures
+
+    bad.iloc[1, bad.columns.get_loc("w")] = np.nan
+    bad.iloc[2, bad.columns.get_loc("age")] = 120  # an edit rule broken
+    want = validate_output(bad, spec, [], masked_design=False)
+    halves = [(bad.iloc[:50], np.arange(50)), (bad.iloc[50:], np.arange(50, len(bad)))]
+    got = output_verdicts(
+        list(bad.columns), spec, [], False,
+        combine_rule_failures([record_failures(h, spec, [], i) for h, i in halves]),
+        combine_rule_failures([rule_failures(h, spec.edits, i) for h, i in halves]),
+    )  # fmt: skip
+    assert got["name"].tolist() == want["name"].tolist()
+    assert got["passed"].tolist() == want["passed"].tolist()
+    assert got["value"].tolist() == want["value"].tolist()
+    assert (~got["passed"]).sum() == 4  # columns, weight positive, weight missing, the edit
     # with a masked design the pseudo labels must be there
     res = validate_output(puf, spec, [], masked_design=True).set_index("name")
     req = res.loc[res.index.str.contains("columns present")].iloc[0]
