@@ -228,10 +228,17 @@ def irls(
     return beta, mu, False, max_iter
 
 
+# above this many terms X' diag(v) X is one matrix product per weight column (_grams)
+GRAM_KHATRI_RAO_MAX_TERMS = 24
+
+
 def _grams(X: np.ndarray, V: np.ndarray) -> np.ndarray:
-    """X' diag(V[:, r]) X for every column r of V (R x p x p): Khatri-Rao rows of X times V,
-    a block of rows at a time (one matrix product per block instead of R)."""
+    """X' diag(V[:, r]) X for every column r of V (R x p x p). Few terms: Khatri-Rao rows of X
+    times V, a block of rows at a time (one matrix product per block instead of R); many
+    terms (the Khatri-Rao rows would be p^2 long): one product per column."""
     m, p = X.shape
+    if p > GRAM_KHATRI_RAO_MAX_TERMS:
+        return np.stack([(X * V[:, r, None]).T @ X for r in range(V.shape[1])])
     G = np.zeros((p * p, V.shape[1]))
     step = max(1, (1 << 22) // (p * p))
     for a in range(0, m, step):
@@ -279,22 +286,32 @@ def irls_many(
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             mu = _logistic(X @ B.T)
             dev = _binomial_deviance(y, mu, W)
+            # each column stops at its own convergence, as irls, after one more Newton step:
+            # the deviance criterion leaves the coefficients ~sqrt(tol) from the optimum, and
+            # the step (quadratic convergence) takes them to the last bits
+            live = np.ones(R, dtype=bool)
+            met = np.zeros(R, dtype=bool)
             for _ in range(max_iter):
-                H = _grams(X, W * mu * (1.0 - mu))
-                H[dead] = np.eye(X.shape[1])
-                step = _solve_many(H, (X.T @ (W * (y[:, None] - mu))).T)
-                t = np.ones(R)
+                a = np.flatnonzero(live)
+                Wa, mua = W[:, a], mu[:, a]
+                H = _grams(X, Wa * mua * (1.0 - mua))
+                H[dead[a]] = np.eye(X.shape[1])
+                step = _solve_many(H, (X.T @ (Wa * (y[:, None] - mua))).T)
+                t = np.ones(len(a))
                 for _ in range(30):
-                    b_new = B + t[:, None] * step
+                    b_new = B[a] + t[:, None] * step
                     mu_new = _logistic(X @ b_new.T)
-                    dev_new = _binomial_deviance(y, mu_new, W)
-                    worse = dev_new > dev * (1 + 1e-12) + 1e-12
+                    dev_new = _binomial_deviance(y, mu_new, Wa)
+                    worse = dev_new > dev[a] * (1 + 1e-12) + 1e-12
                     if not worse.any():
                         break
                     t[worse] /= 2.0
-                done = np.abs(dev - dev_new) / (np.abs(dev_new) + 0.1) < tol
-                B, mu, dev = b_new, mu_new, dev_new
-                if done.all():
+                done = np.abs(dev[a] - dev_new) / (np.abs(dev_new) + 0.1) < tol
+                B[a], mu[:, a], dev[a] = b_new, mu_new, dev_new
+                # a diverged refit (NaN coefficients) stays NaN: no more steps for it
+                live[a[(done & met[a]) | ~np.isfinite(b_new).all(axis=1)]] = False
+                met[a] = done
+                if not live.any():
                     break
     B[dead] = np.nan
     return B

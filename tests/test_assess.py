@@ -258,6 +258,34 @@ def test_svyglm_equals_r_survey():
         np.testing.assert_allclose(fit.se_replicate, r["se_replicate"], rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("terms", [6, 40], ids=["khatri-rao", "per-column"])
+def test_replicate_refits_are_each_columns_own_fit(terms):
+    """irls_many on a weight matrix: every column's coefficients are irls' on that column
+    alone (1e-9), each stopping at its own convergence; a column that separates a term (its
+    weight zero on the term's y = 0 rows) diverges to NaN or to large coefficients there,
+    and does not hold the others back; a column with a term of no weight is NaN. 40 terms:
+    the Gram matrices one product per column (GRAM_KHATRI_RAO_MAX_TERMS)."""
+    from sdl_design import glm
+
+    rng = np.random.default_rng(3)
+    m, R = 400, 7
+    X = np.column_stack([np.ones(m), rng.normal(size=(m, terms - 1))])
+    g = rng.integers(0, 3, m)
+    X[:, 1] = g == 1  # a dummy the separating column can separate
+    y = (rng.random(m) < 1 / (1 + np.exp(-(X @ rng.normal(scale=0.3, size=terms))))).astype(float)
+    W = rng.uniform(0.5, 2.0, size=(m, R))
+    W[(g == 1) & (y == 0), 5] = 0.0  # column 5: y = 1 wherever the dummy is 1
+    W[g == 1, 6] = 0.0  # column 6: the dummy has no weight
+    start = glm.irls(X, y, W.mean(axis=1), "binomial")[0]
+    B = glm.irls_many(X, y, W, "binomial", start=start)
+    for r in range(5):
+        beta, _, converged, _ = glm.irls(X, y, W[:, r], "binomial", start=start)
+        assert converged
+        np.testing.assert_allclose(B[r], beta, rtol=1e-9, atol=1e-12)
+    assert np.isnan(B[6]).all()
+    assert np.isnan(B[5, 1]) or abs(B[5, 1]) > 10  # separated: the dummy's coefficient runs off
+
+
 # ------------------------------------------------------------------ pMSE
 
 
