@@ -193,15 +193,57 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _cli(spec: Path, env: dict[str, str], *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "run", str(spec), "--approve", "t", *args],
+# `puf run` processes started together as forks of one process that has imported what a run
+# imports (flows.cli's main, as `python -m flows.cli run`): each would otherwise spend ~8 s of
+# CPU importing Prefect, Great Expectations, pandas and pyarrow. The imports start no thread,
+# so the forks are safe; each fork is a process of its own, killed and exiting as one.
+_FORKS = r"""
+import json, os, sys
+runs = json.loads(sys.stdin.read())
+import flows.cli, flows.release, flows.report, flows.registry, flows.public_files  # noqa
+import expectations.suites, great_expectations.expectations, sdl_design.stages  # noqa
+import matplotlib.backends.backend_agg, matplotlib.figure, polars, pyarrow.parquet  # noqa
+pids = []
+for args, env, log in runs:
+    sys.stdout.flush(), sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the run: its own environment, stdout and stderr into its log
+        os.environ.update(env)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1), os.dup2(fd, 2)
+        raise SystemExit(flows.cli.main(args))
+    pids.append(pid)
+codes = []
+for pid in pids:
+    status = os.waitpid(pid, 0)[1]
+    codes.append(-os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+print(json.dumps(codes))
+"""
+
+
+def _cli_forked(
+    runs: list[tuple[Path, dict[str, str]]], env: dict[str, str], folder: Path
+) -> list[tuple[int, str]]:
+    """`puf run <spec> --approve t` for each (spec, its own environment variables), started
+    together (forks of one warm process, _FORKS): (exit code, -signal when killed; its
+    stdout and stderr) of each."""
+    logs = [folder / f"run-{i}.log" for i in range(len(runs))]
+    todo = [
+        (["run", str(spec), "--approve", "t"], extra, str(log))
+        for (spec, extra), log in zip(runs, logs, strict=True)
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKS],
         cwd=ROOT,
         env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        input=json.dumps(todo),
+        capture_output=True,
         text=True,
+        timeout=600,
     )
+    assert done.returncode == 0, done.stderr[-3000:]
+    codes = json.loads(done.stdout.strip().splitlines()[-1])
+    return [(c, log.read_text()) for c, log in zip(codes, logs, strict=True)]
 
 
 @pytest.mark.flow
@@ -231,7 +273,6 @@ def test_kill_9_at_each_publish_point_keeps_one_consistent_release(tmp_path):
         "after_publish_before_commit": True,
         "after_commit": True,
     }
-    api = {"PREFECT_API_URL": PREFECT_API_URL.value()}
     runs = {}
     for i, point in enumerate(expected):
         folder = tmp_path / point
@@ -242,11 +283,11 @@ def test_kill_9_at_each_publish_point_keeps_one_consistent_release(tmp_path):
         data["release"]["seed"] = SEED + i
         data["stages"]["topcode"]["income"]["upper"]["percentile"] = 99.0 - i / 2
         spec.write_text(yaml.safe_dump(data, sort_keys=False))
-        env = _env(**{txn.FAULT_ENV: point}, **api)
-        runs[point] = (spec, _cli(spec, env))
-    for point, (_, p) in runs.items():
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == -9, (point, err[-2000:])
+        runs[point] = (spec, {txn.FAULT_ENV: point})
+    env = _env(PREFECT_API_URL=PREFECT_API_URL.value())
+    done = _cli_forked(list(runs.values()), env, tmp_path)
+    for point, (code, err) in zip(runs, done, strict=True):
+        assert code == -9, (point, err[-2000:])
     for i, (point, (spec, _)) in enumerate(runs.items()):
         url, final, root, name, year = layout(spec)
         on_disk = disk_hashes(final)
@@ -279,11 +320,10 @@ def test_two_runs_started_together_one_publishes(tmp_path):
         specs.append(tmp_path / f"spec_{seed}.yaml")
         specs[-1].write_text(yaml.safe_dump(data, sort_keys=False))
     env = _env(PREFECT_API_URL=PREFECT_API_URL.value())
-    procs = [_cli(s, env) for s in specs]
-    results = [p.communicate(timeout=600) for p in procs]
-    codes = sorted(p.returncode for p in procs)
+    results = _cli_forked([(s, {}) for s in specs], env, tmp_path)
+    codes = sorted(c for c, _ in results)
     assert codes == [0, 2], [r[1][-1500:] for r in results]
-    loser = results[[p.returncode for p in procs].index(2)][1]
+    loser = results[[c for c, _ in results].index(2)][1]
     assert "another run is releasing this name and year" in loser and "Traceback" not in loser
     rows = reg.list_releases(url=url)
     assert (rows["status"] == "published").sum() == 1 and len(rows) == 1
