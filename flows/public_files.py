@@ -6,6 +6,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -376,14 +377,15 @@ def write_public_by_partition(
     design_columns: Sequence[str],
     folder: Path,
     rows: int = PARQUET_ROWS,
+    design: Any = None,
 ) -> dict[str, object]:
     """puf.parquet and puf.csv into folder (created here) from the partitions of the last
     stage's records, byte for byte what public_frame and write_public_files write from the
     whole frame (rows: the records per row group). Workers write the pieces and row groups
     into folder/.work (removed at the end: the pieces hold each record's public row); this
     process writes puf.parquet a row group at a time and joins the CSV's chunks. Returns
-    {records, columns, files: {name: sha256}, gates: validate_output's table}. The design the
-    file is read with is the spec's (its replicate weights)."""
+    {records, columns, files: {name: sha256}, gates: validate_output's table}. design: the
+    DesignSection the file is read with (its replicate weights; default the spec's)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -400,7 +402,7 @@ def write_public_by_partition(
         public_pieces, parts, spec, keep, plan, str(work / "pieces"), what="public files: order"
     )
     groups = plan.row_groups()
-    rw = spec.design.replicate_weights
+    rw = (design if design is not None else spec.design).replicate_weights
     reps = rw.resolve(keep) if rw else []
     made = run_map(
         public_group, groups, plan, str(work), spec, reps, what="public files: row groups"

@@ -331,6 +331,11 @@ class Chain:
     masked: bool = False  # an earlier stage masked the design (its result's masks_design)
     drop_public: list[str] = field(default_factory=list)  # columns the stages never publish
     selected: str | None = None  # MASSC's d(2): which original records the later ones are
+    design: Any = None  # the public file's design when a stage built one (else the spec's)
+
+    def public_design(self, spec: ReleaseSpec) -> Any:
+        """The DesignSection the records so far are read with (sdl_design.stage.public_design)."""
+        return self.design if self.design is not None else spec.design
 
 
 def _swap_stage(
@@ -694,16 +699,33 @@ def _pseudo_stage(
     run_map: Exchange,
     folder: Path,
     chain: Chain,
-) -> dict[str, Any] | None:
-    """The pseudo design by partition: when an earlier stage masked the design (the swap),
-    the stage builds nothing and the records stay as they are (PseudoDesignStage's); building
-    a pseudo design by partition is not built (None: the chain stops before it)."""
-    if not chain.masked:
-        return None
+) -> dict[str, Any]:
+    """The pseudo design by partition (PseudoDesignStage's records, bit for bit): when an
+    earlier stage masked the design (the swap) it builds nothing and the records stay as they
+    are; else pass 1 sends each partition's original PSUs, the driver deals them into pseudo
+    strata and PSUs and builds the replicate factors with the stage's Generator, and every
+    worker writes its records with their pseudo labels and replicate weights."""
+    from sdl_design import partition_pseudo as pps
+
+    if chain.masked:
+        return {
+            "built": False,
+            "unchanged": True,
+            "note": "The design was masked by an earlier stage: no pseudo design built.",
+            "tables": {},
+        }
+    t = time.perf_counter()
+    units = pps.combine_units(run_map(pps.pseudo_units, parts, spec, what="pseudo design: PSUs"))
+    plan, purity = pps.plan_of_units(spec, columns, units, _stage_rng(spec, "pseudo_design"))
+    args = (spec, units, plan, str(folder / "data"))
+    files = run_map(pps.pseudo_apply, parts, *args, what="pseudo design")
+    out = pps.pseudo_result(plan, purity)
+    _say(out["notes"][0], "partitioned")
     return {
-        "built": False,
-        "unchanged": True,
-        "note": "The design was masked by an earlier stage: no pseudo design built.",
+        **out,
+        "files": [Path(f).name for f in files],
+        "seconds": time.perf_counter() - t,
+        "masks_design": True,
         "tables": {},
     }
 
@@ -717,15 +739,15 @@ def _public_files(
     chain: Chain,
 ) -> dict[str, Any]:
     """puf.parquet and puf.csv from the last stage's partitions, as the release writes them
-    (its public columns and order): the design the public file is read with is the spec's
-    (no pseudo design is built by partition), the columns the stages drop (the swap's
-    segment) left out."""
+    (its public columns and order): the design the public file is read with is the spec's or
+    the pseudo design's, the columns the stages drop (the swap's segment) left out."""
     from flows.public_files import write_public_by_partition
     from sdl_design.stage import design_columns
 
-    built = design_columns(spec.design, columns)
+    design = chain.public_design(spec)
+    built = design_columns(design, columns)
     return write_public_by_partition(
-        run_map, parts, spec, columns, chain.masked, chain.drop_public, built, folder
+        run_map, parts, spec, columns, chain.masked, chain.drop_public, built, folder, design=design
     )
 
 
@@ -738,19 +760,22 @@ def _assess_stage(
     chain: Chain,
 ) -> dict[str, Any]:
     """AssessStage's measures and gates by partition (sdl_design.partition_assess): the
-    records after the last stage in their public columns and design (the spec's: no pseudo
-    design is built by partition) against the input's: the domain estimates (two passes over
+    records after the last stage in their public columns and design (the spec's, or the
+    pseudo design's) against the input's: the domain estimates (two passes over
     each file), the models (their cells), the re-identification, sample uniques, delta and
     PSU leak of the published records (each linked to its original record by MASSC's d(2)),
     and AssessStage's gates on them. pMSE is not made by partition."""
     from sdl_design import partition_assess as pas
     from sdl_design.stage import design_columns
 
+    design = chain.public_design(spec)
     released = spec.published_columns(
-        columns, chain.masked, chain.drop_public, design_columns(spec.design, columns)
+        columns, chain.masked, chain.drop_public, design_columns(design, columns)
     )
     original = part.input_columns(spec.release.input)
-    req = pas.assess_request(spec, original, released, masked_design=chain.masked)
+    req = pas.assess_request(
+        spec, original, released, design_released=chain.design, masked_design=chain.masked
+    )
     t = time.perf_counter()
     first = [
         run_map(pas.assess_pass1, p, spec, req, f, what=f"assess pass 1, {name}")
@@ -947,6 +972,10 @@ def run_partitioned(
                     break
                 chain.masked = chain.masked or bool(res.get("masks_design"))
                 chain.drop_public += res.get("drop_public", [])
+                if res.get("public_design"):  # a stage built the public file's design
+                    from sdl_design.stage import built_design
+
+                    chain.design = built_design(spec, res["public_design"])
                 if res.get("unchanged"):  # the records stay as the previous stage left them
                     shutil.rmtree(tmp / stage.name)
                     done[stage.name] = res
@@ -955,7 +984,7 @@ def run_partitioned(
                 cols = part.input_columns(tmp / stage.name / "data")
                 # the damage so far: the records after this stage against the input's
                 t = time.perf_counter()
-                after = part.means_request(spec, cols)
+                after = part.means_request(spec, cols, chain.public_design(spec))
                 res["tables"]["se_ratios"] = part.se_ratio_rows(
                     scan["se"], _domain_means(run_map, now, spec, after, stage.name)
                 )

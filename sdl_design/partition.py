@@ -642,10 +642,11 @@ def domain_means(req: MeansRequest, pass1: MeansPass1, pass2: Sequence[MeansPass
     return pd.concat(rows, ignore_index=True)
 
 
-def means_request(spec: ReleaseSpec, columns: Sequence[str]) -> MeansRequest:
+def means_request(spec: ReleaseSpec, columns: Sequence[str], design: Any = None) -> MeansRequest:
     """The SE request of a spec: its study variables, overall and in its utility domains (keys
-    in their published coding), under its design (replicate weights when it has them)."""
-    d, v = spec.design, spec.variables
+    in their published coding), under its design (replicate weights when it has them) or
+    `design` (a DesignSection: e.g. the pseudo design a stage built)."""
+    d, v = design if design is not None else spec.design, spec.variables
     if not d.psu:
         raise PartitionError(
             "design.psu: the partitioned SEs sum by PSU; give the PSU column (a file without "

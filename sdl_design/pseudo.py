@@ -139,12 +139,12 @@ def psu_purity(original_psu: np.ndarray, pseudo_psu: np.ndarray) -> np.ndarray:
     return best / np.bincount(p)
 
 
-def _replicate_names(spec: Any, df: pd.DataFrame, count: int) -> tuple[list[str], list[str]]:
+def _replicate_names(spec: Any, columns: list[str], count: int) -> tuple[list[str], list[str]]:
     """(new replicate column names, original replicate columns they replace). The spec's own
     names when it lists as many; its glob's prefix when the glob is 'prefix*'; else
     design.pseudo.replicate_prefix."""
     d = spec.design
-    old = spec.replicate_columns(df) if d.replicate_weights else []
+    old = d.replicate_weights.resolve(list(columns)) if d.replicate_weights else []
     given = d.replicate_weights.columns if d.replicate_weights else None
     if isinstance(given, list) and len(given) == count:
         return list(given), old
@@ -154,12 +154,35 @@ def _replicate_names(spec: Any, df: pd.DataFrame, count: int) -> tuple[list[str]
     return [f"{prefix}{i + 1:03d}" for i in range(count)], old
 
 
-def pseudo_frame(
-    df: pd.DataFrame, spec: Any, rng: np.random.Generator
-) -> tuple[pd.DataFrame, PseudoDesign, dict[str, Any]]:
-    """df with pseudo strata and PSUs (in the spec's strata/psu columns, or the pseudo section's
-    new columns when the design has none) and replicate weights of the pseudo design replacing
-    the original ones. Returns the frame, the design and the public design's columns."""
+@dataclass
+class PseudoPlan:
+    """A file's pseudo design: the pseudo stratum and PSU of each of its units (records, or
+    original PSUs when the records are in partitions), the replicate factors of each pseudo
+    PSU (constant within a pseudo PSU for JKn and the bootstrap: built on one row per pseudo
+    PSU, the values with_replicates gives on the whole file), and the columns they go in."""
+
+    design: PseudoDesign  # labels of each unit
+    unit_psu: np.ndarray  # each unit's row of factors
+    factors: np.ndarray  # pseudo PSUs x R
+    strata: str  # the pseudo strata's column
+    psu: str  # the pseudo PSUs' column
+    names: list[str]  # the replicate columns built
+    old: list[str]  # the original replicate columns they replace
+    public: dict[str, Any]  # the public file's design
+
+
+def pseudo_plan(
+    spec: Any,
+    columns: list[str],
+    strata: np.ndarray | None,
+    psu: np.ndarray | None,
+    rng: np.random.Generator,
+    n: int | None = None,
+) -> PseudoPlan:
+    """The spec's pseudo design (design.pseudo) of units with original labels strata and psu
+    (build_pseudo_design; a file's records, or one row per original PSU: the same labels per
+    unit and the same draws of rng), then its replicate factors (rng's next draws); columns:
+    the file's. SpecError names the field when a new column's name is taken."""
     from sdl_design.spec import SpecError
 
     d, p = spec.design, spec.design.pseudo
@@ -167,42 +190,28 @@ def pseudo_frame(
     clash = [
         f"design.pseudo.{f}: column '{c}' is already in the data; give the pseudo {f} another name"
         for f, c, own in (("strata", sc, d.strata), ("psu", pc, d.psu))
-        if own is None and c in df.columns
+        if own is None and c in columns
     ]
     if clash:
         raise SpecError(clash)
-    pd_ = build_pseudo_design(
-        df[d.strata].to_numpy() if d.strata else None,
-        df[d.psu].to_numpy() if d.psu else None,
-        rng,
-        p.psus_per_stratum,
-        p.max_psus,
-        p.min_units,
-        n=len(df),
-    )
-    data = df.copy()
-    data[sc] = pd_.stratum
-    data[pc] = pd_.psu
-    des = SurveyDesign(data, weight=d.weight, strata=sc, psu=pc)
-    reps = des.with_replicates(
+    des = build_pseudo_design(strata, psu, rng, p.psus_per_stratum, p.max_psus, p.min_units, n=n)
+    m = des.psus_per_stratum
+    key = des.stratum.astype(np.int64) * (m + 1) + des.psu
+    rows, unit_psu = np.unique(key, return_inverse=True)
+    one = pd.DataFrame({"h": rows // (m + 1), "p": rows % (m + 1), "w": np.ones(len(rows))})
+    f = SurveyDesign(one, weight="w", strata="h", psu="p").with_replicates(
         p.replicate_method, seed=rng, n_replicates=p.replicates, prefix="__rw"
     )
-    names, old = _replicate_names(spec, df, reps.shape[1])
-    clash = [c for c in names if c in data.columns and c not in old]
-    if clash:
+    names, old = _replicate_names(spec, columns, f.shape[1])
+    taken = [c for c in names if c in columns and c not in old]
+    if taken:
         raise SpecError(
             [
-                f"design.pseudo.replicate_prefix: replicate columns {clash[:3]} are already in "
+                f"design.pseudo.replicate_prefix: replicate columns {taken[:3]} are already in "
                 "the data; give another prefix"
             ]
         )
-    reps = reps.set_axis(names, axis=1)
-    cols = list(data.columns)
-    at = cols.index(old[0]) if old else len(cols)  # new columns where the old ones began
-    keep = [c for c in cols if c not in set(old)]
-    at = len([c for c in cols[:at] if c not in set(old)])
-    data = pd.concat([data[keep[:at]], reps, data[keep[at:]]], axis=1)
-    rscales = np.asarray(reps.attrs.get("rscales"), dtype=float)
+    rscales = np.asarray(f.attrs.get("rscales"), dtype=float)
     public = {
         "weight": d.weight,
         "strata": sc,
@@ -212,7 +221,91 @@ def pseudo_frame(
         "rscales": sorted({round(float(r), 12) for r in rscales}),
         "replaced_replicate_weights": old,
     }
-    return data, pd_, public
+    return PseudoPlan(des, unit_psu, f.to_numpy(), sc, pc, names, old, public)
+
+
+def apply_pseudo(df: pd.DataFrame, plan: PseudoPlan, unit: np.ndarray, weight: str) -> pd.DataFrame:
+    """df (a whole file or a partition; unit: each record's unit in the plan) with its pseudo
+    strata and PSUs and the pseudo design's replicate weights (w times the factors of the
+    record's pseudo PSU) where the original replicate weights began."""
+    data = df.copy()
+    data[plan.strata] = plan.design.stratum[unit]
+    data[plan.psu] = plan.design.psu[unit]
+    w = data[weight].to_numpy(dtype=float)
+    reps = pd.DataFrame(
+        w[:, None] * plan.factors[plan.unit_psu[unit]], index=data.index, columns=plan.names
+    )
+    old = set(plan.old)
+    cols = list(data.columns)
+    at = cols.index(plan.old[0]) if plan.old else len(cols)  # new columns where the old began
+    keep = [c for c in cols if c not in old]
+    at = len([c for c in cols[:at] if c not in old])
+    return pd.concat([data[keep[:at]], reps, data[keep[at:]]], axis=1)
+
+
+def pseudo_frame(
+    df: pd.DataFrame, spec: Any, rng: np.random.Generator
+) -> tuple[pd.DataFrame, PseudoDesign, dict[str, Any]]:
+    """df with pseudo strata and PSUs (in the spec's strata/psu columns, or the pseudo section's
+    new columns when the design has none) and replicate weights of the pseudo design replacing
+    the original ones. Returns the frame, the design and the public design's columns."""
+    d = spec.design
+    plan = pseudo_plan(
+        spec,
+        list(df.columns),
+        df[d.strata].to_numpy() if d.strata else None,
+        df[d.psu].to_numpy() if d.psu else None,
+        rng,
+        n=len(df),
+    )
+    data = apply_pseudo(df, plan, np.arange(len(df)), d.weight)
+    return data, plan.design, plan.public
+
+
+def pseudo_summary(
+    des: PseudoDesign, public: dict[str, Any], purity: np.ndarray
+) -> tuple[dict[str, Any], dict[str, float], list[str]]:
+    """PseudoDesignStage's params, metrics and notes of a built pseudo design (purity: of each
+    pseudo PSU, in order of its first record)."""
+    G, m = des.n_strata, des.psus_per_stratum
+    R = len(public["replicate_weights"])
+    params = {
+        "built": True,
+        "pseudo_strata": G,
+        "pseudo_psus": G * m,
+        "psus_per_stratum": m,
+        "units": des.units,
+        "units_per_pseudo_psu_min": des.units_per_psu_min,
+        "units_per_pseudo_psu_median": des.units_per_psu_median,
+        "original_strata_per_pseudo_stratum_min": des.strata_per_group_min,
+        "n_replicates": R,
+        "public_design": public,
+    }
+    metrics = {
+        "pseudo_strata": float(G),
+        "pseudo_psus": float(G * m),
+        "n_replicates": float(R),
+        "psu_purity_max": float(purity.max()),
+        "psu_purity_mean": float(purity.mean()),
+    }
+    unit = "original PSUs" if des.units == "PSU" else "records (each its own PSU)"
+    method = {"jkn": "JKn, delete one pseudo PSU", "bootstrap": "Rao-Wu bootstrap"}[
+        public["replicate_method"]
+    ]
+    notes = [
+        f"Pseudo design for the public file: {G} pseudo strata (each from at least "
+        f"{des.strata_per_group_min} original strata) of {m} pseudo PSUs, each a random "
+        f"group of at least {des.units_per_psu_min} {unit} balanced over the original "
+        f"strata; {R} replicate weights ({method}, scale {public['rscales']}) built from it"
+        + (
+            f" replace the {len(public['replaced_replicate_weights'])} original ones."
+            if public["replaced_replicate_weights"]
+            else "."
+        ),
+        f"Largest share of a pseudo PSU from one original PSU: {purity.max():.1%} "
+        "(no original PSU can be read off the pseudo labels or the replicate zero patterns).",
+    ]
+    return params, metrics, notes
 
 
 class PseudoDesignStage:
@@ -246,50 +339,14 @@ class PseudoDesignStage:
         spec = self.spec
         d = spec.design
         data, pdes, public = pseudo_frame(df, spec, ctx.rng(self.name))
-        G, m = pdes.n_strata, pdes.psus_per_stratum
-        R = len(public["replicate_weights"])
-        params = {
-            "built": True,
-            "pseudo_strata": G,
-            "pseudo_psus": G * m,
-            "psus_per_stratum": m,
-            "units": pdes.units,
-            "units_per_pseudo_psu_min": pdes.units_per_psu_min,
-            "units_per_pseudo_psu_median": pdes.units_per_psu_median,
-            "original_strata_per_pseudo_stratum_min": pdes.strata_per_group_min,
-            "n_replicates": R,
-            "public_design": public,
-        }
+        m = pdes.psus_per_stratum
         if d.psu:  # original PSUs nested in strata; else each record its own PSU
             nest = [df[d.strata], df[d.psu]] if d.strata else [df[d.psu], df[d.psu]]
             orig_psu = pd.factorize(pd.MultiIndex.from_arrays(nest))[0]
         else:
             orig_psu = np.arange(len(df))
         purity = psu_purity(orig_psu, pdes.stratum.astype(np.int64) * (m + 1) + pdes.psu)
-        metrics = {
-            "pseudo_strata": float(G),
-            "pseudo_psus": float(G * m),
-            "n_replicates": float(R),
-            "psu_purity_max": float(purity.max()),
-            "psu_purity_mean": float(purity.mean()),
-        }
-        unit = "original PSUs" if pdes.units == "PSU" else "records (each its own PSU)"
-        method = {"jkn": "JKn, delete one pseudo PSU", "bootstrap": "Rao-Wu bootstrap"}[
-            public["replicate_method"]
-        ]
-        notes = [
-            f"Pseudo design for the public file: {G} pseudo strata (each from at least "
-            f"{pdes.strata_per_group_min} original strata) of {m} pseudo PSUs, each a random "
-            f"group of at least {pdes.units_per_psu_min} {unit} balanced over the original "
-            f"strata; {R} replicate weights ({method}, scale {public['rscales']}) built from it"
-            + (
-                f" replace the {len(public['replaced_replicate_weights'])} original ones."
-                if public["replaced_replicate_weights"]
-                else "."
-            ),
-            f"Largest share of a pseudo PSU from one original PSU: {purity.max():.1%} "
-            "(no original PSU can be read off the pseudo labels or the replicate zero patterns).",
-        ]
+        params, metrics, notes = pseudo_summary(pdes, public, purity)
         return StageResult(
             name=self.name,
             data=data,

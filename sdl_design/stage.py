@@ -156,25 +156,29 @@ def public_design(spec: ReleaseSpec, results: list[StageResult]) -> Any:
     """The DesignSection of the public file after the given stages: the spec's own, or the
     columns of the last stage that built a design for the public file (a StageResult whose
     params carry 'public_design': weight, strata, psu, replicate_weights, replicate_method)."""
-    from sdl_design.spec import ReplicateSpec
-
     for r in reversed(results):
         pub = r.params.get("public_design") if r.params else None
         if pub:
-            rw = pub.get("replicate_weights") or []
-            return spec.design.model_copy(
-                update={
-                    "strata": pub["strata"],
-                    "psu": pub["psu"],
-                    "segment": None,
-                    "replicate_weights": ReplicateSpec(
-                        columns=list(rw), method=pub["replicate_method"]
-                    )
-                    if rw
-                    else None,
-                }
-            )
+            return built_design(spec, pub)
     return spec.design
+
+
+def built_design(spec: ReleaseSpec, pub: dict[str, Any]) -> Any:
+    """The DesignSection of a design a stage built for the public file (its 'public_design':
+    strata, psu, replicate_weights, replicate_method), the spec's weight."""
+    from sdl_design.spec import ReplicateSpec
+
+    rw = pub.get("replicate_weights") or []
+    return spec.design.model_copy(
+        update={
+            "strata": pub["strata"],
+            "psu": pub["psu"],
+            "segment": None,
+            "replicate_weights": ReplicateSpec(columns=list(rw), method=pub["replicate_method"])
+            if rw
+            else None,
+        }
+    )
 
 
 @runtime_checkable

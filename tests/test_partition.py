@@ -300,13 +300,32 @@ def _with_donors(clean, restrictions=(), delta_max=None):
     return new, load_spec(new), whole
 
 
+@pytest.fixture(scope="module")
+def domains_chain(clean, tmp_path_factory):
+    """The MASSC chain with donors in the declared domains (sex, region), every stage by
+    partition in this process (7 partitions, the replications one batch at a time): its
+    folder and run_partitioned's result. Shared by the chain's test against the in-memory
+    stages and the Dask test against this run."""
+    from flows.scan import run_partitioned
+
+    path, _, _ = _with_donors(clean)
+    folder = tmp_path_factory.mktemp("domains_chain") / "p7"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pcal, "REPLICATIONS_AT_ONCE", 1)  # the 2 replications in 2 batches
+        out = run_partitioned(path, "thread", partitions=7, out=folder)
+    return folder, out
+
+
 @pytest.mark.flow
-def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(clean, tmp_path):
-    """One local cluster of 2 worker processes: `puf scan` writes the same tables and `puf
-    partitioned` the same records after the swap and PRB, the same substituted file of MASSC's
-    donor search, the same selections (records exchanged between workers), the same
-    calibrated and top-coded records and the same tables, byte for byte, as in this
-    process."""
+def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
+    clean, domains_chain, tmp_path
+):
+    """One local cluster of 2 worker processes: `puf scan` writes the same tables as in this
+    process, and `puf partitioned` (7 partitions; the replications at once) the same files as
+    the thread runner's chain (domains_chain, the replications one at a time), byte for
+    byte: the records after the swap and PRB, MASSC's substituted file of its donor search,
+    its selections (records exchanged between workers), the calibrated and top-coded records,
+    the public data files and every table."""
     import logging
 
     from distributed import LocalCluster
@@ -319,24 +338,22 @@ def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
         dashboard_address=None,
         silence_logs=logging.WARNING,
     ) as cluster:
-        for runner in ("thread", "dask"):
-            where = ["--runner", runner]
-            if runner == "dask":
-                where += ["--dask-address", cluster.scheduler_address]
-            for cmd in ("scan", "partitioned"):
-                out = str(tmp_path / f"{cmd}-{runner}")
-                puf([cmd, str(path), "--partitions", "4", "--out", out, *where])
+        dask = ["--runner", "dask", "--dask-address", cluster.scheduler_address]
+        for cmd, where in (("scan", ["--runner", "thread"]), ("scan", dask), ("partitioned", dask)):
+            out = str(tmp_path / f"{cmd}-{where[1]}")
+            puf([cmd, str(path), "--partitions", "7", "--out", out, *where])
     for name in ("se", "edits", "risk_strata", "profiles"):
         a = (tmp_path / "scan-thread" / f"{name}.csv").read_bytes()
         assert a == (tmp_path / "scan-dask" / f"{name}.csv").read_bytes(), name
-    thread, dask = tmp_path / "partitioned-thread", tmp_path / "partitioned-dask"
+    thread, dask = domains_chain[0], tmp_path / "partitioned-dask"
     files = sorted(p.relative_to(thread) for p in thread.rglob("*.*") if p.name != "run.json")
+    assert files == sorted(p.relative_to(dask) for p in dask.rglob("*.*") if p.name != "run.json")
     parquet = [f for f in files if f.suffix == ".parquet"]
     # the swap's, PRB's, MASSC's donors, its two selections', its calibrated records, the
-    # top-coded ones and the public file (puf/puf.parquet; puf.csv is compared too)
-    assert len(parquet) == 29 and (thread / "puf" / "puf.csv").exists()
-    assert len([f for f in parquet if f.parts[:2] == ("massc", "data")]) == 4
-    assert json.loads((thread / "run.json").read_text())["stages"]["massc"]["n_with_donor"] > 0
+    # top-coded ones (7 each) and the public file (puf/puf.parquet; puf.csv is compared too)
+    assert len(parquet) == 7 * 7 + 1 and (thread / "puf" / "puf.csv").exists()
+    assert len([f for f in parquet if f.parts[:2] == ("massc", "data")]) == 7
+    assert json.loads((dask / "run.json").read_text())["stages"]["massc"]["n_with_donor"] > 0
     for f in files:
         assert (thread / f).read_bytes() == (dask / f).read_bytes(), f
 
@@ -535,9 +552,8 @@ def test_prb_alone_by_partition_gives_the_stages_records(clean, tmp_path, change
     spec = load_spec(new)
     prb = PrbStage.from_spec(spec).run(whole, StageContext(whole, spec, "prb"))
     out = run_partitioned(new, "thread", partitions=5, out=tmp_path / "p", release=False)
-    # no swap: the pseudo design would be built, which has no partitioned path
-    assert list(out["stages"]) == ["prb", "stopped_before"]
-    assert out["stages"]["stopped_before"] == "pseudo_design"
+    # no swap: the pseudo design is built after PRB (its test: pseudo_design_by_partition)
+    assert list(out["stages"]) == ["prb", "pseudo_design", "not_measured"]
     _same_bits(pd.read_parquet(tmp_path / "p" / "prb" / "data"), prb.data.reset_index(drop=True))
     assert out["stages"]["prb"]["n_changed"] == prb.metrics["n_changed"] > 0
 
@@ -586,7 +602,7 @@ def test_puf_partitioned_stops_on_the_inputs_edit_failures(survey, tmp_path, cap
     ids=["domains", "restricted", "revised"],
 )
 def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
-    clean, tmp_path, monkeypatch, restrictions, delta_max
+    clean, tmp_path, monkeypatch, request, restrictions, delta_max
 ):
     """MASSC by partition after the partitioned swap and PRB, on 7 partitions: every
     record's donor (global row), the substituted file tilde, the strata, moments, costs, psi,
@@ -610,32 +626,36 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
     moved = prb.data[keys].to_numpy()[has] != prb.data[keys].to_numpy()[donor[has]]
     assert moved.any(axis=1).all()
     n = 7  # partitions (2 partitions: the swap's and PRB's tests)
-    monkeypatch.setattr(pcal, "REPLICATIONS_AT_ONCE", 1)  # the 2 replications in 2 batches
-    # (the assessment, public files and gates: checked on the chains without restrictions)
-    out = run_partitioned(
-        path, "thread", partitions=n, out=tmp_path / f"p{n}", release=not restrictions
-    )
+    if not restrictions and delta_max is None:  # the chain the Dask test compares with
+        folder, out = request.getfixturevalue("domains_chain")
+    else:
+        folder = tmp_path / f"p{n}"
+        monkeypatch.setattr(pcal, "REPLICATIONS_AT_ONCE", 1)  # the 2 replications in 2 batches
+        # (the assessment, public files and gates: checked on the chains without restrictions)
+        out = run_partitioned(path, "thread", partitions=n, out=folder, release=not restrictions)
     m = out["stages"]["massc"]
     assert m["n_with_donor"] == int(has.sum()) and len(m["files"]) == n
-    got = pd.read_parquet(tmp_path / f"p{n}" / "massc" / "donors")
+    got = pd.read_parquet(folder / "massc" / "donors")
     assert got["__donor"].to_numpy().tobytes() == donor.tobytes()
     _same_bits(got.drop(columns="__donor"), plan.tilde.reset_index(drop=True))
-    levels = pd.read_csv(tmp_path / f"p{n}" / "massc" / "donor_levels.csv")
+    levels = pd.read_csv(folder / "massc" / "donor_levels.csv")
     assert levels["records"].tolist() == list(plan.donors.by_level.values())
     _same_moments(m, plan)
-    _same_treatment(m, tmp_path / f"p{n}" / "massc", got["__donor"].to_numpy(), tr, dm, plan)
+    _same_treatment(m, folder / "massc", got["__donor"].to_numpy(), tr, dm, plan)
     assert m["n_delta_revisions"] == len(revisions) and m["budget_scale"] == cfg.budget_scale
-    data = _same_calibration(m, tmp_path / f"p{n}" / "massc", spec, prb, whole, cfg, tr)
+    data = _same_calibration(m, folder / "massc", spec, prb, whole, cfg, tr)
     if not restrictions:  # the revised rates too
         _same_replications(m, spec, prb, whole, (cfg, plan, tr, dm, revisions))
-        final = _same_topcode(tmp_path / f"p{n}", spec, data)
-        puf = _same_public(tmp_path / f"p{n}", spec, final, tmp_path)
-        assessed = _same_assessment(tmp_path / f"p{n}", spec, whole, final)
+        final = _same_topcode(folder, spec, data)
+        puf = _same_public(folder, spec, final, tmp_path)
+        assert len(puf) < N  # MASSC's subsample
+        assessed = _same_assessment(folder, spec, whole, final)
+        assert assessed.metrics["psu_recoverable"] > 0  # the swap's labels leak some PSUs
         from sdl_design.massc.stage import delta_gates
 
         gates = [*prb.gates, *delta_gates(spec, dm.delta), *assessed.gates]
-        _same_gates(tmp_path / f"p{n}", spec, gates, puf)
-    assert not (tmp_path / f"p{n}" / "massc" / "replications").exists()
+        _same_gates(folder, spec, gates, puf)
+    assert not (folder / "massc" / "replications").exists()
 
 
 def _same_replications(m, spec, prb, whole, main):
@@ -715,18 +735,20 @@ def _same_topcode(folder, spec, calibrated):
     return res.data
 
 
-def _same_assessment(folder, spec, whole, final):
+def _same_assessment(folder, spec, whole, final, previous=None, rtol=1e-12, model_rtol=1e-10):
     """The assessment by partition equals AssessStage's on the in-memory original and
-    published records (the swap masked the design): the domain estimates (Taylor and
-    replicate SEs of both files, 1e-12), the model coefficients (1e-10), the metrics (the
-    published file's risk: re-identification, sample uniques, delta, PSU leak, 1e-12; not
-    its pMSE) and the gates, their values and verdicts."""
+    published records (previous: the stages before it; default the swap, which masked the
+    design): the domain estimates (Taylor and replicate SEs of both files, 1e-12), the model
+    coefficients (1e-10), the metrics (the published file's risk: re-identification, sample
+    uniques, delta, PSU leak, 1e-12; not its pMSE) and the gates, their values and
+    verdicts (rtol, model_rtol: the domain estimates' and the models' tolerances)."""
     from sdl_design.assess import AssessStage
     from sdl_design.stage import StageContext, StageResult
 
-    swap = StageResult("swap", None, masks_design=True, drop_public=[spec.design.segment])
+    if previous is None:
+        previous = [StageResult("swap", None, masks_design=True, drop_public=[spec.design.segment])]
     stage = AssessStage.run(
-        AssessStage.from_spec(spec), final, StageContext(whole, spec, "assess", [swap])
+        AssessStage.from_spec(spec), final, StageContext(whole, spec, "assess", previous)
     )
     got = pd.read_csv(folder / "assess" / "domain_estimates.csv", float_precision="round_trip")
     want = stage.tables["domain_estimates"]
@@ -735,7 +757,7 @@ def _same_assessment(folder, spec, whole, final):
         if want[c].dtype.kind in "fiub":  # differences of estimates: to 1e-12 absolute
             atol = 1e-12 if c in ("relative_bias", "std_bias", "ci_overlap") else 1e-300
             np.testing.assert_allclose(
-                got[c].to_numpy(float), want[c].to_numpy(float), rtol=1e-12, atol=atol, err_msg=c
+                got[c].to_numpy(float), want[c].to_numpy(float), rtol=rtol, atol=atol, err_msg=c
             )
         else:
             assert got[c].astype(str).tolist() == want[c].astype(str).tolist(), c
@@ -747,7 +769,11 @@ def _same_assessment(folder, spec, whole, final):
         if want[c].dtype.kind in "fi":  # (the replicate SEs: refits on 70 replicate weights)
             atol = 1e-12 if c in ("std_diff", "ci_overlap") else 1e-300
             np.testing.assert_allclose(
-                coefs[c].to_numpy(float), want[c].to_numpy(float), rtol=1e-10, atol=atol, err_msg=c
+                coefs[c].to_numpy(float),
+                want[c].to_numpy(float),
+                rtol=model_rtol,
+                atol=atol,
+                err_msg=c,
             )
         else:
             assert coefs[c].astype(str).tolist() == want[c].astype(str).tolist(), c
@@ -757,9 +783,9 @@ def _same_assessment(folder, spec, whole, final):
     assert {"reid_share", "delta_published", "delta_profile_max_published"} <= set(compared)
     assert {"psu_recoverable", "unique_share_published", "epsilon_published"} <= set(compared)
     for k in compared:
-        rel = 1e-10 if k.startswith("model_") else 1e-12
+        rel = model_rtol if k.startswith("model_") else rtol
         assert run[k] == pytest.approx(m[k], rel=rel, abs=1e-15), k
-    assert run["psu_recoverable"] == m["psu_recoverable"] > 0  # (a share of PSUs: exact)
+    assert run["psu_recoverable"] == m["psu_recoverable"]  # (a share of PSUs: exact)
     assert m["reid_sample_uniques"] > 0 and m["reid_expected_matches"] > 0
     assert m["delta_published"] > 0 and m["unique_share_published"] > 0
     assert run["share_abs_std_bias_gt2"] < 0.5 and run["overlap_median"] > 0.5
@@ -775,13 +801,15 @@ def _same_assessment(folder, spec, whole, final):
     return stage
 
 
-def _same_gates(folder, spec, metric_gates, puf):
+def _same_gates(folder, spec, metric_gates, puf, design=None, n=27):
     """The partitioned release's gates.csv is the flow's gate table (gates_task: the metric
-    gates of PRB, MASSC and the assessment, then the public file's) on the in-memory records:
-    the same gates in order, verdicts, and values (to 1e-10)."""
+    gates of PRB, MASSC and the assessment, then the public file's, read with its design:
+    default the spec's) on the in-memory records: the same n gates in order, verdicts, and
+    values (to 1e-10)."""
     from expectations.suites import validate_metric_gates, validate_output
 
-    reps = spec.design.replicate_weights.resolve(list(puf.columns))
+    design = design or spec.design
+    reps = design.replicate_weights.resolve(list(puf.columns))
     want = pd.concat(
         [
             validate_metric_gates([g.as_dict() for g in metric_gates]),
@@ -790,26 +818,28 @@ def _same_gates(folder, spec, metric_gates, puf):
         ignore_index=True,
     )
     got = pd.read_csv(folder / "gates.csv", float_precision="round_trip")
-    assert got["name"].tolist() == want["name"].tolist() and len(got) == 27
+    assert got["name"].tolist() == want["name"].tolist() and len(got) == n
     assert got["passed"].tolist() == want["passed"].tolist()
     np.testing.assert_allclose(got["value"], want["value"].astype(float), rtol=1e-10)
     assert got["threshold"].tolist() == want["threshold"].tolist()
     run = json.loads((folder / "run.json").read_text())["public_files"]
-    assert run["gates"] == 27 and run["gates_passed"] == int(want["passed"].sum())
+    assert run["gates"] == n and run["gates_passed"] == int(want["passed"].sum())
 
 
-def _same_public(folder, spec, final, tmp_path):
+def _same_public(folder, spec, final, tmp_path, design=None, drop=None):
     """The public data files the partitioned chain writes (puf/) are the release's, byte for
-    byte: public_frame of the in-memory records after the last stage (the swap masked the
-    design and drops the segment), written by write_public_files."""
+    byte: public_frame of the in-memory records after the last stage (the design masked:
+    by the swap, which drops the segment, by default; design: the public file's when a stage
+    built one), written by write_public_files."""
     from flows.public_files import public_frame, write_public_files
     from sdl_design.stage import design_columns
 
-    built = design_columns(spec.design, list(final.columns))
-    puf = public_frame(final, spec, True, [spec.design.segment], built)
+    built = design_columns(design or spec.design, list(final.columns))
+    drop = [spec.design.segment] if drop is None else drop
+    puf = public_frame(final, spec, True, drop, built)
     ref = write_public_files(puf, tmp_path / "public-in-memory", "")
     run = json.loads((folder / "run.json").read_text())["public_files"]
-    assert run["records"] == len(puf) < N  # MASSC's subsample
+    assert run["records"] == len(puf)
     for name in ("puf.parquet", "puf.csv"):
         assert (folder / "puf" / name).read_bytes() == (
             tmp_path / "public-in-memory" / name
@@ -841,7 +871,7 @@ def test_massc_calibration_by_partition_pools_drops_and_calibrates_replicates_to
     spec = load_spec(new)
     prb = PrbStage.from_spec(spec).run(whole, StageContext(whole, spec, "prb"))
     cfg, _, tr, _, _ = _release_massc(spec, prb, whole)
-    out = run_partitioned(new, "thread", partitions=7, out=tmp_path / "p")
+    out = run_partitioned(new, "thread", partitions=7, out=tmp_path / "p", release=False)
     m = out["stages"]["massc"]
     _same_calibration(m, tmp_path / "p" / "massc", spec, prb, whole, cfg, tr)
     status = m["tables"]["calibration_domains"]["status"].tolist()
@@ -850,6 +880,72 @@ def test_massc_calibration_by_partition_pools_drops_and_calibrates_replicates_to
     assert status[3].endswith("cells pooled")
     assert m["calibration_replicate_domains"] == 3.0  # the replicates take the margins
     assert (m["tables"]["replicate_calibration"]["status"] == "ok").all()
+
+
+@pytest.mark.parametrize(
+    ("method", "replicates", "per_stratum"),
+    [("jkn", None, None), ("bootstrap", 20, 3)],
+    ids=["jkn", "bootstrap"],
+)
+def test_pseudo_design_by_partition_is_the_stages_and_the_release_reads_it(
+    clean, tmp_path, method, replicates, per_stratum
+):
+    """Without the swap, PRB and MASSC, the pseudo design by partition (after top-coding, 7
+    partitions; the original PSUs of a stratum span partitions) gives PseudoDesignStage's
+    records bit for bit: pseudo strata and PSUs in place of the original labels, its
+    replicate weights in place of the original 70 (w times the factors of the record's pseudo
+    PSU: JKn, or Rao-Wu bootstrap draws from the stage's Generator), and its params, metrics
+    (PSU purity) and notes. The release then reads the file with the pseudo design: the public
+    data files are the release's, byte for byte; the assessment (domain estimates with the
+    pseudo design's replicate SEs) and the gates are the flow's."""
+    from flows.scan import run_partitioned
+    from sdl_design.pseudo import PseudoDesignStage
+    from sdl_design.stage import StageContext, public_design
+    from sdl_design.topcode import TopcodeStage
+
+    path, _, whole = clean
+    data = yaml.safe_load(path.read_text())
+    data["stages"]["swap"]["enabled"] = False
+    data["stages"]["prb"] = data["stages"]["massc"] = None
+    data["gates"]["xi"] = None  # no PRB: its gate is not checked
+    data["design"]["pseudo"] = {"replicate_method": method}
+    if replicates:
+        data["design"]["pseudo"] |= {"replicates": replicates, "psus_per_stratum": per_stratum}
+    new = path.parent / f"pseudo-{method}.yaml"
+    new.write_text(yaml.safe_dump(data))
+    spec = load_spec(new)
+    out = run_partitioned(new, "thread", partitions=7, out=tmp_path / "p")
+    assert list(out["stages"]) == ["topcode", "pseudo_design", "not_measured", "assess"]
+    assert out["stages"]["not_measured"] == ["final"]
+    ctx = StageContext(whole, spec, "topcode")
+    top = TopcodeStage.from_spec(spec).run(whole, ctx)
+    ps = PseudoDesignStage.from_spec(spec).run(top.data, ctx.for_stage("pseudo_design", [top]))
+    assert ps.params["built"] and ps.params["pseudo_strata"] > 1
+    got = pd.read_parquet(tmp_path / "p" / "pseudo_design" / "data")
+    _same_bits(got, ps.data.reset_index(drop=True))
+    reps = ps.params["public_design"]["replicate_weights"]
+    assert len(reps) == (replicates or ps.params["pseudo_psus"])
+    assert not (got[reps].to_numpy() == whole[reps[0]].to_numpy()[:, None]).all()
+    res = out["stages"]["pseudo_design"]
+    assert res["params"] == ps.params and res["notes"] == ps.notes
+    assert {k: res[k] for k in ps.metrics} == ps.metrics and res["psu_purity_max"] < 1
+    design = public_design(spec, [top, ps])
+    puf = _same_public(tmp_path / "p", spec, ps.data, tmp_path, design=design, drop=[])
+    assert set(reps) <= set(puf.columns)
+    # the pseudo design's SEs to 1e-11 (one Taylor SE of 6,370 near cancellation: 2.4e-12);
+    # a bootstrap replicate separates a model term (its refit runs off to |b| 31): its
+    # coefficients move by 2e-6 when the same records are only shuffled in memory
+    assessed = _same_assessment(
+        tmp_path / "p",
+        spec,
+        whole,
+        ps.data,
+        [top, ps],
+        rtol=1e-11,
+        model_rtol=1e-10 if method == "jkn" else 1e-5,
+    )
+    assert assessed.metrics["psu_recoverable"] == 0  # no original PSU in the pseudo design
+    _same_gates(tmp_path / "p", spec, assessed.gates, puf, design=design, n=24)
 
 
 def _release_massc(spec, prb, whole):
