@@ -1,0 +1,336 @@
+"""What the public README and codebook say about the public file, without the file: its record
+count, columns and dtypes, each column's missing values, exact distinct count, range and (for a
+text column with few values) its values, and one row per PSU of its design (the replicate
+weights' zero patterns give JKn's scale factors). Made from the whole frame in memory, or
+from the parts of a file (row groups) merged: small value sets are merged on the driver, the
+distinct values of a column with many are counted by hash bucket (each bucket's values from
+every part, read from disk by one task), so that no process holds a whole column's values.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+# a part sends the distinct values of a column when it has at most this many
+SMALL = 4096
+# a text column's values are listed in the codebook when it has at most this many
+VALUES_MAX = 60
+# the distinct values one bucket task holds, about (with every column's)
+BUCKET_VALUES = 1 << 23
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+@dataclass
+class ColumnStats:
+    """One column: dtype, numeric or not, missing values, exact distinct non-missing values,
+    min and max (numeric; None without a value) and the distinct values as sorted text (a
+    non-numeric column with at most VALUES_MAX of them, else None)."""
+
+    dtype: str
+    numeric: bool
+    n_missing: int
+    n_distinct: int
+    lo: float | None = None
+    hi: float | None = None
+    values: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class PsuKey:
+    """How the PSU rows are made: the weight, strata, PSU and replicate weight columns, and
+    whether each record is its own PSU (JKn without a PSU column: rows by public row)."""
+
+    weight: str
+    strata: str | None
+    psu: str | None
+    reps: tuple[str, ...]
+    per_record: bool = False
+
+
+@dataclass
+class PublicSummary:
+    """The public file as the README and codebook read it (see the module)."""
+
+    n: int
+    columns: list[str]
+    stats: dict[str, ColumnStats]  # every column (distinct counts: None when not asked for)
+    psus: pd.DataFrame | None = None  # one row per PSU (psu_rows), when a PsuKey was given
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, len(self.columns)
+
+    def numeric(self, column: str) -> bool:
+        return self.stats[column].numeric
+
+
+# ---------------------------------------------------------------- one part
+
+
+def _is_numeric(s: pd.Series) -> bool:
+    return bool(pd.api.types.is_numeric_dtype(s))
+
+
+def _numeric_stats(df: pd.DataFrame, num: list[str], batch: int = 16) -> dict[str, tuple]:
+    """(missing, distinct non-missing, min, max) of the numeric columns, polars' passes over
+    `batch` columns at a time (its threads, no GIL; NaN is missing)."""
+    import polars as pl
+
+    if not num or len(df) == 0:
+        return {c: (int(df[c].isna().sum()), 0, float("nan"), float("nan")) for c in num}
+    out: dict[str, tuple] = {}
+    for a in range(0, len(num), batch):
+        cols = num[a : a + batch]
+        frame = pl.from_pandas(df[cols].reset_index(drop=True), nan_to_null=True)
+        ex = [pl.col(c) for c in frame.columns]
+        row = frame.select(
+            *(c.null_count().alias(f"m{j}") for j, c in enumerate(ex)),
+            *(c.drop_nulls().n_unique().alias(f"u{j}") for j, c in enumerate(ex)),
+            *(c.min().cast(pl.Float64).alias(f"lo{j}") for j, c in enumerate(ex)),
+            *(c.max().cast(pl.Float64).alias(f"hi{j}") for j, c in enumerate(ex)),
+        ).row(0, named=True)
+        for j, c in enumerate(cols):
+            out[c] = (int(row[f"m{j}"]), int(row[f"u{j}"]), row[f"lo{j}"], row[f"hi{j}"])
+    return out
+
+
+def _numeric_values(s: pd.Series) -> np.ndarray:
+    """The column's distinct non-missing values as polars tells them apart (NaN missing, -0.0
+    equal to 0.0): floats as float64, integers as int64 (uint64 as it is), booleans 0/1."""
+    miss = s.isna().to_numpy()
+    if pd.api.types.is_bool_dtype(s):
+        v = s.to_numpy(dtype=np.int64, na_value=0)[~miss]
+    elif pd.api.types.is_float_dtype(s):
+        v = s.to_numpy(dtype=np.float64, na_value=np.nan)[~miss]
+        v = v[~np.isnan(v)] + 0.0  # -0.0 is 0.0
+    elif s.dtype.kind == "u" or str(s.dtype) == "UInt64":
+        v = s.to_numpy(dtype=np.uint64, na_value=0)[~miss]
+    else:
+        v = s.to_numpy(dtype=np.int64, na_value=0)[~miss]
+    return pd.unique(v)
+
+
+def _text_values(s: pd.Series) -> np.ndarray:
+    """The column's distinct non-missing values (pd.unique's), as objects."""
+    return np.asarray(pd.unique(s.dropna()), dtype=object)
+
+
+def _bucket_of(values: np.ndarray, numeric: bool, bits: int) -> np.ndarray:
+    """The hash bucket (0..2^bits-1) of each distinct value: equal values, equal buckets."""
+    if bits == 0:
+        return np.zeros(len(values), dtype=np.int64)
+    if numeric:
+        v = np.asarray(values)
+        u = v.view(np.uint64) if v.dtype.itemsize == 8 else v.astype(np.int64).view(np.uint64)
+        h = u * _GOLDEN  # Fibonacci hashing (wraps modulo 2^64)
+    else:
+        h = pd.util.hash_array(np.asarray([str(x) for x in values], dtype=object))
+    return (h >> np.uint64(64 - bits)).astype(np.int64)
+
+
+@dataclass
+class PartSummary:
+    """One part's columns: stats as of the part (the distinct count of the part alone), the
+    distinct values of the columns with at most `small` of them, and the columns whose values
+    went to the bucket files."""
+
+    n: int
+    stats: dict[str, ColumnStats]
+    small: dict[str, np.ndarray] = field(default_factory=dict)
+    bucketed: set[str] = field(default_factory=set)
+    psus: pd.DataFrame | None = None
+
+
+def _column_stats(df: pd.DataFrame) -> tuple[dict[str, ColumnStats], dict[str, np.ndarray]]:
+    """Every column's ColumnStats of df alone, and the distinct values of its text columns."""
+    ns = _numeric_stats(df, [c for c in df.columns if _is_numeric(df[c])])
+    stats: dict[str, ColumnStats] = {}
+    text: dict[str, np.ndarray] = {}
+    for c in df.columns:
+        s = df[c]
+        if c in ns:
+            miss, n_u, lo, hi = ns[c]
+            stats[c] = ColumnStats(str(s.dtype), True, miss, n_u, lo, hi)
+        else:
+            text[c] = values = _text_values(s)
+            listed = sorted(map(str, values)) if len(values) <= VALUES_MAX else None
+            stats[c] = ColumnStats(
+                str(s.dtype), False, int(s.isna().sum()), len(values), values=listed
+            )
+    return stats, text
+
+
+def summarize_part(
+    df: pd.DataFrame,
+    folder: str,
+    name: str,
+    bits: int = 0,
+    small: int = SMALL,
+    key: PsuKey | None = None,
+) -> PartSummary:
+    """The PartSummary of df, one part of a file: its columns' missing values, ranges and
+    distinct values; the distinct values of a column with more than `small` of them are
+    written to folder/b<bucket>/<name>.pkl (2^bits buckets by hash). key: its PSU rows too
+    (psu_rows: df's records in the public order when they are the PSUs)."""
+    stats, text = _column_stats(df)
+    out = PartSummary(len(df), stats)
+    spill: dict[str, np.ndarray] = {}
+    for c in df.columns:
+        values = text[c] if c in text else _numeric_values(df[c])
+        if len(values) <= small:
+            out.small[c] = values
+        else:
+            spill[c] = values
+    if spill:
+        b_of = {c: _bucket_of(v, stats[c].numeric, bits) for c, v in spill.items()}
+        for b in range(1 << bits):
+            where = Path(folder) / f"b{b:05d}"
+            where.mkdir(parents=True, exist_ok=True)
+            piece = {c: v[b_of[c] == b] for c, v in spill.items()}
+            with open(where / f"{name}.pkl", "wb") as f:
+                pickle.dump(piece, f, protocol=pickle.HIGHEST_PROTOCOL)
+        out.bucketed = set(spill)
+    if key is not None:
+        out.psus = psu_rows(df, key)
+    return out
+
+
+# ---------------------------------------------------------------- PSU rows
+
+
+def psu_rows(df: pd.DataFrame, key: PsuKey) -> pd.DataFrame:
+    """One row per PSU of df's records (per record, in df's order, when key.per_record): its
+    strata and PSU labels, the weight 1.0 and, per replicate weight, the largest weight of its
+    records (0: the replicate deletes the PSU; -1: a record's is missing or negative, which
+    SurveyDesign refuses). SurveyDesign on these rows has the replicate scale factors of the
+    whole file's design (JKn: the stratum of the first PSU, in label order, whose replicate
+    weights are all 0). The rows of several parts merge with merge_psus."""
+    by = [c for c in (key.strata, key.psu) if c]
+    reps = list(key.reps)
+    W = df[reps].to_numpy(dtype=float) if reps else np.zeros((len(df), 0))
+    frame = pd.DataFrame({c: df[c].to_numpy() for c in by})
+    frame[key.weight] = 1.0
+    vals = pd.DataFrame(np.where(W >= 0, W, -1.0), columns=reps)
+    frame = pd.concat([frame, vals], axis=1)
+    return frame if key.per_record else _by_psu(frame, key)
+
+
+def _by_psu(frame: pd.DataFrame, key: PsuKey) -> pd.DataFrame:
+    by, reps = [c for c in (key.strata, key.psu) if c], list(key.reps)
+    if not by:  # one row: the file has no strata and no PSUs, and the method is not JKn
+        by = ["__all"]
+        frame = frame.assign(__all=0)
+    g = frame.groupby(by, sort=False, dropna=False, observed=True)
+    hi, lo = g[reps].max(), g[reps].min()
+    out = hi.where(lo >= 0, -1.0).reset_index()
+    out.insert(len(by), key.weight, 1.0)
+    return out.drop(columns="__all", errors="ignore")
+
+
+def merge_psus(parts: Sequence[pd.DataFrame], key: PsuKey) -> pd.DataFrame:
+    """The PSU rows of a file from its parts' (in the file's order)."""
+    frame = pd.concat(list(parts), ignore_index=True)
+    return frame if key.per_record else _by_psu(frame, key)
+
+
+# ---------------------------------------------------------------- whole and merged
+
+
+def public_summary(
+    puf: pd.DataFrame, key: PsuKey | None = None, stats: bool = True
+) -> PublicSummary:
+    """The PublicSummary of a whole frame (stats False: columns and dtypes only)."""
+    if stats:
+        st, _ = _column_stats(puf)
+    else:
+        st = {c: ColumnStats(str(puf[c].dtype), _is_numeric(puf[c]), 0, 0) for c in puf.columns}
+    psus = psu_rows(puf, key) if key is not None else None
+    return PublicSummary(len(puf), list(puf.columns), st, psus)
+
+
+@dataclass
+class Bucket:
+    """One hash bucket of the distinct values (start, stop: for the runners' progress), with
+    the small value sets of the parts that did not write it, for the bucketed columns."""
+
+    start: int
+    stop: int
+    extra: dict[str, np.ndarray]
+
+
+def distinct_in_bucket(bucket: Bucket, folder: str) -> dict[str, int]:
+    """Map: the distinct values of each bucketed column in this bucket (every part's file)."""
+    got: dict[str, list[np.ndarray]] = {c: [v] for c, v in bucket.extra.items()}
+    for f in sorted((Path(folder) / f"b{bucket.start:05d}").glob("*.pkl")):
+        with open(f, "rb") as src:
+            for c, v in pickle.load(src).items():
+                got.setdefault(c, []).append(v)
+    return {c: len(pd.unique(np.concatenate(v))) for c, v in got.items()}
+
+
+def bucket_bits(n: int, columns: int, per_bucket: int = BUCKET_VALUES) -> int:
+    """Hash bits: 2^bits buckets of at most about per_bucket values (n records x columns)."""
+    need = -(-max(n, 1) * max(columns, 1) // per_bucket)
+    return int(max(0, need - 1).bit_length())
+
+
+def merge_parts(
+    parts: Sequence[PartSummary], columns: Sequence[str], bits: int, key: PsuKey | None = None
+) -> tuple[PublicSummary, list[Bucket]]:
+    """The file's summary from its parts' (in the file's order; the distinct counts of the
+    bucketed columns left at 0) and the buckets whose distinct_in_bucket counts add up to
+    them (none when every column's values were small: add_bucket_counts). Raises when the
+    parts type a column otherwise."""
+    stats: dict[str, ColumnStats] = {}
+    bucketed = set().union(*(p.bucketed for p in parts))
+    extra: list[dict[str, list]] = [{} for _ in range(1 << bits)]
+    for c in columns:
+        each = [p.stats[c] for p in parts]
+        kinds = {(s.dtype, s.numeric) for s in each}
+        if len(kinds) > 1:
+            raise ValueError(f"column {c!r} has dtypes {sorted(kinds)} in different parts")
+        dtype, numeric = each[0].dtype, each[0].numeric
+        los = [s.lo for s in each if s.lo is not None]
+        his = [s.hi for s in each if s.hi is not None]
+        st = ColumnStats(
+            dtype,
+            numeric,
+            sum(s.n_missing for s in each),
+            0,
+            min(los) if los else None,
+            max(his) if his else None,
+        )
+        small = [p.small[c] for p in parts if c in p.small]
+        if c in bucketed:
+            for v in small:
+                b = _bucket_of(v, numeric, bits)
+                for k in np.unique(b):
+                    extra[k].setdefault(c, []).append(v[b == k])
+        else:
+            values = pd.unique(np.concatenate(small)) if small else np.empty(0)
+            st.n_distinct = len(values)
+            if not numeric and st.n_distinct <= VALUES_MAX:
+                st.values = sorted(map(str, values))
+        stats[c] = st
+    buckets = [
+        Bucket(b, b + 1, {c: np.concatenate(v) for c, v in extra[b].items()})
+        for b in range(1 << bits)
+    ]
+    psus = None
+    if key is not None:
+        psus = merge_psus([p.psus for p in parts if p.psus is not None], key)
+    out = PublicSummary(sum(p.n for p in parts), list(columns), stats, psus)
+    return out, buckets if bucketed else []
+
+
+def add_bucket_counts(summary: PublicSummary, counts: Sequence[dict[str, int]]) -> None:
+    """The bucketed columns' distinct counts: the sums of their buckets' (in place)."""
+    for got in counts:
+        for c, k in got.items():
+            summary.stats[c].n_distinct += int(k)
