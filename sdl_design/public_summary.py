@@ -180,22 +180,26 @@ def summarize_part(
     (psu_rows: df's records in the public order when they are the PSUs)."""
     stats, text = _column_stats(df)
     out = PartSummary(len(df), stats)
-    spill: dict[str, np.ndarray] = {}
-    for c in df.columns:
-        values = text[c] if c in text else _numeric_values(df[c])
-        if len(values) <= small:
-            out.small[c] = values
-        else:
-            spill[c] = values
-    if spill:
-        b_of = {c: _bucket_of(v, stats[c].numeric, bits) for c, v in spill.items()}
-        for b in range(1 << bits):
-            where = Path(folder) / f"b{b:05d}"
-            where.mkdir(parents=True, exist_ok=True)
-            piece = {c: v[b_of[c] == b] for c, v in spill.items()}
-            with open(where / f"{name}.pkl", "wb") as f:
-                pickle.dump(piece, f, protocol=pickle.HIGHEST_PROTOCOL)
-        out.bucketed = set(spill)
+    sinks: list = []
+    try:
+        for c in df.columns:  # one column's values at a time
+            values = text.pop(c) if c in text else _numeric_values(df[c])
+            if len(values) <= small:
+                out.small[c] = values
+                continue
+            if not sinks:
+                for b in range(1 << bits):
+                    where = Path(folder) / f"b{b:05d}"
+                    where.mkdir(parents=True, exist_ok=True)
+                    sinks.append(open(where / f"{name}.pkl", "wb"))  # noqa: SIM115
+            b_of = _bucket_of(values, stats[c].numeric, bits)
+            for b, sink in enumerate(sinks):
+                pickle.dump((c, values[b_of == b]), sink, protocol=pickle.HIGHEST_PROTOCOL)
+            out.bucketed.add(c)
+            del values, b_of
+    finally:
+        for sink in sinks:
+            sink.close()
     if key is not None:
         out.psus = psu_rows(df, key)
     return out
@@ -269,7 +273,11 @@ def distinct_in_bucket(bucket: Bucket, folder: str) -> dict[str, int]:
     got: dict[str, list[np.ndarray]] = {c: [v] for c, v in bucket.extra.items()}
     for f in sorted((Path(folder) / f"b{bucket.start:05d}").glob("*.pkl")):
         with open(f, "rb") as src:
-            for c, v in pickle.load(src).items():
+            while True:
+                try:
+                    c, v = pickle.load(src)
+                except EOFError:
+                    break
                 got.setdefault(c, []).append(v)
     return {c: len(pd.unique(np.concatenate(v))) for c, v in got.items()}
 
