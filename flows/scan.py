@@ -397,17 +397,34 @@ def _prb_stage(
         "partitioned",
     )
     files = run_map(part.prb_apply, parts, spec, req, new, str(folder / "data"), what="prb")
-    _lap(laps, "apply", t)
+    t = _lap(laps, "apply", t)
+    # the public README's tables: the transition probabilities (the category sums by
+    # partition, in block sums) and the records each variable of C changed
+    trq = part.prb_transition_request(tables, plan, req)
+    sums = run_map(part.prb_transition_pass, parts, spec, req, tables, trq, what="prb transitions")
+    docs = part.prb_doc_tables(trq, sums, parts[-1].stop, plan, new, req)
+    _lap(laps, "transitions", t)
     metrics = pd.DataFrame({"metric": list(m), "value": list(m.values())})
     from sdl_design.prb import identification_risk_gate
 
     gate_rows = [identification_risk_gate(m["max_risk"], spec.gates.xi or st.xi).as_dict()]
+    n_rows = parts[-1].stop
     return {
         **m,
+        "share_changed": m["n_changed"] / max(n_rows, 1),
         "files": [Path(f).name for f in files],
         **laps,
         "gate_rows": gate_rows,
-        "tables": {"metrics": metrics},
+        # PrbStage's params (what the README reads of them)
+        "params": {
+            "xi": st.xi,
+            "theta": m["theta"],
+            "m0": int(m["m0"]),
+            "method": st.method,
+            "cells": list(req.names),
+            "domains": [" x ".join(d) for d in req.domains],
+        },
+        "tables": {"metrics": metrics, **docs},
     }
 
 

@@ -1012,7 +1012,8 @@ def prb_plan(
         "n_changed": float((draws.dest != u["__cell"].to_numpy()).sum()),
         "n_moved": float(len(new)),
     }
-    return new, {"metrics": metrics, "merges": draws.merges, "notes": draws.notes}
+    out = {"metrics": metrics, "merges": draws.merges, "notes": draws.notes}
+    return new, out | {"units": u, "block": draws.block}
 
 
 def prb_apply(
@@ -1033,6 +1034,104 @@ def prb_apply(
             data[c] = pd.Series(both.array.take(take), index=df.index, name=c)
     check_edits(data, spec.edits, "PRB output", EDIT_HINT)
     return _write_partition(data, part, folder)
+
+
+@dataclass
+class PrbTransitions:
+    """What the partitions need for expected_transitions' category sums: each cell's category
+    on every cell variable (with the categories), the in-block flows (the driver's, from the
+    units) and what each block unit keeps in its own category (by global row)."""
+
+    names: list[str]
+    codes: list[np.ndarray]
+    cats: list[list]
+    flows: list[np.ndarray]
+    keep: pd.DataFrame  # global row -> one column per cell variable
+
+
+def prb_transition_request(
+    tables: PrbTables, plan: dict[str, Any], req: PrbRequest
+) -> PrbTransitions:
+    """On the driver: expected_transitions' in-block part from the units and their blocks
+    (prb_plan's), on the whole input's cells (tables)."""
+    from sdl_design.prb import block_flows, transition_categories
+
+    u, block = plan["units"], np.asarray(plan["block"], dtype=np.int64)
+    cv = tables.cells[req.names]
+    theta = float(plan["metrics"]["theta"])
+    cell, w = u["__cell"].to_numpy(), u["__w"].to_numpy(dtype=float)
+    codes, cats, flows, keep = [], [], [], {}
+    for v in req.names:
+        c, k = transition_categories(cv, v)
+        f, kept = block_flows(c, cell, block, w, theta, len(k))
+        codes.append(c)
+        cats.append(k)
+        flows.append(f)
+        keep[v] = kept
+    return PrbTransitions(
+        list(req.names), codes, cats, flows, pd.DataFrame(keep, index=u["__row"].to_numpy())
+    )
+
+
+def prb_transition_pass(
+    part: Partition, spec: ReleaseSpec, req: PrbRequest, tables: PrbTables, tr: PrbTransitions
+) -> list[tuple[BlockPartial, BlockPartial, np.ndarray]]:
+    """Map: the partition's part of expected_transitions' category sums, per cell variable:
+    the block sums of the weight and of the weight kept in its category, and the records."""
+    df = read_partition(part, _prb_columns(req), spec)
+    coded, _ = prb_frames(df, req)
+    cell = _lookup(coded, tables.cells[req.names], "PRB cell (stages.prb)")
+    rows = df.index.to_numpy(dtype=np.int64)
+    w = df[req.weight].to_numpy(dtype=float)
+    mine = tr.keep.loc[(tr.keep.index >= part.start) & (tr.keep.index < part.stop)]
+    at = mine.index.to_numpy() - part.start
+    out = []
+    for j, v in enumerate(tr.names):
+        a = tr.codes[j][cell]
+        k = len(tr.cats[j])
+        bins = blocksum.block_bins(a, k, part.start, part.stop, rows)
+        d = w.copy()
+        d[at] = mine[v].to_numpy()
+        out.append((bins.of(w), bins.of(d), np.bincount(a, minlength=k)))
+    return out
+
+
+def prb_doc_tables(
+    tr: PrbTransitions,
+    partials: Sequence[list],
+    n_rows: int,
+    plan: dict[str, Any],
+    new: pd.DataFrame,
+    req: PrbRequest,
+) -> dict[str, pd.DataFrame]:
+    """On the driver: PrbStage's `transitions` (expected_transitions, the same bits) and
+    `changed_by_variable` (records and share whose value of each variable of C changed: only
+    moved records change, compared with their values as units) from the partitions' sums."""
+    from sdl_design.prb import TRANSITION_COLUMNS, transition_rows
+
+    rows = []
+    for j, v in enumerate(tr.names):
+        k = len(tr.cats[j])
+        total = blocksum.combine_partials([p[j][0] for p in partials], k, n_rows)
+        kept = blocksum.combine_partials([p[j][1] for p in partials], k, n_rows)
+        n = np.sum([p[j][2] for p in partials], axis=0)
+        rows.append(transition_rows(v, tr.cats[j], tr.flows[j], kept, total, n))
+    transitions = (
+        pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=TRANSITION_COLUMNS)
+    )
+    before = plan["units"].set_index("__row").loc[new.index]
+    changed = []
+    for v in req.variables:
+        x0, x1 = before[v], new[v]
+        ch = ((x0 != x1) & ~(x0.isna() & x1.isna())).to_numpy(dtype=bool)
+        changed.append(
+            {
+                "variable": v,
+                "n_changed": int(ch.sum()),
+                "share_changed": int(ch.sum()) / n_rows if n_rows else 0.0,
+            }
+        )
+    return {"transitions": transitions, "changed_by_variable": pd.DataFrame(changed)}
 
 
 def _write_partition(data: pd.DataFrame, part: Partition, folder: str) -> str:

@@ -440,9 +440,19 @@ def test_swap_and_prb_by_partition_give_the_stages_records_to_the_bit(clean, tmp
         )
         pairs = st["swap"]["tables"]["pairs"]
         pd.testing.assert_frame_equal(pairs, swap.tables["pairs"], check_exact=True)
-        for m in ("n_changed", "max_risk", "n_blocks", "theta"):
+        for m in ("n_changed", "max_risk", "n_blocks", "theta", "share_changed"):
             assert st["prb"][m] == prb.metrics[m], m
+        # the README's: PrbStage's params, transition probabilities (category sums by
+        # partition, the same bits) and changes by variable (not their weighted share)
+        assert st["prb"]["params"] == prb.params
+        got = st["prb"]["tables"]
+        pd.testing.assert_frame_equal(
+            got["transitions"], prb.tables["transitions"], check_exact=True
+        )
+        want = prb.tables["changed_by_variable"].drop(columns="weighted_share_changed")
+        pd.testing.assert_frame_equal(got["changed_by_variable"], want, check_exact=True)
     assert prb.metrics["n_changed"] > 0  # the chain moved records
+    assert (prb.tables["transitions"]["p"] < 1).any() and len(want) == 7
     se = st["swap"]["tables"]["se_ratios"].set_index(["domain", "level", "variable"])
     d = SurveyDesign.from_spec(swap.data, spec.design)
     for v in ("income", "diabetes"):
