@@ -1269,6 +1269,7 @@ class DonorPlan:
     route_before: np.ndarray  # records of the profile in earlier partitions
     n_profiles: int
     by_level: dict[int, int]
+    n_no_donor_domain: int = 0  # records without a partner only because of the domain cells
 
     def index(self, part: Partition) -> int:
         return int(np.searchsorted(self.starts, part.start))
@@ -1284,7 +1285,7 @@ def donor_plan(
     find_donors numbers them on the whole file), the donor search with rng, and the routes
     from a (donor profile, rank) draw to the partition holding that record. rng is left as
     find_donors leaves it (advanced past the records' draws, which the partitions make)."""
-    from sdl_design.massc.common import _codes
+    from sdl_design.massc.common import _codes, _combine
     from sdl_design.massc.donors import donor_search, search_profiles
 
     if not isinstance(rng.bit_generator, np.random.PCG64):
@@ -1325,6 +1326,17 @@ def donor_plan(
     N = int(size.sum())
     lev = np.bincount(search.n_changed, weights=size, minlength=len(req.keys) + 1)
     bounds = np.r_[0, np.cumsum([len(x) for x in tables])]
+    n_no_donor_domain = 0
+    if req.cells:  # records whose donor set has other key profiles but their cell none
+        r = len(req.restrictions)
+        base = _combine(codes[:r], len(units))
+        keys = _combine(codes[a:b], len(units))
+
+        def single(group: np.ndarray) -> np.ndarray:  # the group holds one key profile
+            return pd.Series(keys).groupby(group).transform("nunique").to_numpy() == 1
+
+        cell = _combine([base, _combine(codes[r:a], len(units))], len(units))
+        n_no_donor_domain = int(size[single(cell) & ~single(base)].sum())
     return DonorPlan(
         starts=np.array([int(x["first"].min()) if len(x) else -1 for x in tables]),
         local=[pid[bounds[i] : bounds[i + 1]] for i in range(n_parts)],
@@ -1338,6 +1350,7 @@ def donor_plan(
         route_before=before,
         n_profiles=prof.n_p,
         by_level={i: int(lev[i]) for i in range(len(req.keys) + 1)},
+        n_no_donor_domain=n_no_donor_domain,
     )
 
 
