@@ -100,9 +100,10 @@ def _numeric_stats(df: pd.DataFrame, num: list[str], batch: int = 16) -> dict[st
     return out
 
 
-def _numeric_values(s: pd.Series) -> np.ndarray:
+def _numeric_values(s: pd.Series, distinct: bool = True) -> np.ndarray:
     """The column's distinct non-missing values as polars tells them apart (NaN missing, -0.0
-    equal to 0.0): floats as float64, integers as int64 (uint64 as it is), booleans 0/1."""
+    equal to 0.0): floats as float64, integers as int64 (uint64 as it is), booleans 0/1
+    (distinct False: every record's non-missing value, in that form)."""
     miss = s.isna().to_numpy()
     if pd.api.types.is_bool_dtype(s):
         v = s.to_numpy(dtype=np.int64, na_value=0)[~miss]
@@ -113,7 +114,7 @@ def _numeric_values(s: pd.Series) -> np.ndarray:
         v = s.to_numpy(dtype=np.uint64, na_value=0)[~miss]
     else:
         v = s.to_numpy(dtype=np.int64, na_value=0)[~miss]
-    return pd.unique(v)
+    return pd.unique(v) if distinct else v
 
 
 def _text_values(s: pd.Series) -> np.ndarray:
@@ -183,8 +184,9 @@ def summarize_part(
     sinks: list = []
     try:
         for c in df.columns:  # one column's values at a time
-            values = text.pop(c) if c in text else _numeric_values(df[c])
-            if len(values) <= small:
+            few = stats[c].n_distinct <= small  # (the part's own count)
+            values = text.pop(c) if c in text else _numeric_values(df[c], distinct=few)
+            if few:
                 out.small[c] = values
                 continue
             if not sinks:
@@ -192,9 +194,13 @@ def summarize_part(
                     where = Path(folder) / f"b{b:05d}"
                     where.mkdir(parents=True, exist_ok=True)
                     sinks.append(open(where / f"{name}.pkl", "wb"))  # noqa: SIM115
-            b_of = _bucket_of(values, stats[c].numeric, bits)
+            # the values by bucket (a stable radix sort of the bucket numbers)
+            b_of = _bucket_of(values, stats[c].numeric, bits).astype(np.uint16)
+            values = values[np.argsort(b_of, kind="stable")]
+            ends = np.cumsum(np.bincount(b_of, minlength=len(sinks)))
             for b, sink in enumerate(sinks):
-                pickle.dump((c, values[b_of == b]), sink, protocol=pickle.HIGHEST_PROTOCOL)
+                piece = values[(ends[b - 1] if b else 0) : ends[b]]
+                pickle.dump((c, piece), sink, protocol=pickle.HIGHEST_PROTOCOL)
             out.bucketed.add(c)
             del values, b_of
     finally:
@@ -208,33 +214,46 @@ def summarize_part(
 # ---------------------------------------------------------------- PSU rows
 
 
-def psu_rows(df: pd.DataFrame, key: PsuKey) -> pd.DataFrame:
+def psu_rows(df: pd.DataFrame, key: PsuKey, batch: int = 8) -> pd.DataFrame:
     """One row per PSU of df's records (per record, in df's order, when key.per_record): its
     strata and PSU labels, the weight 1.0 and, per replicate weight, the largest weight of its
     records (0: the replicate deletes the PSU; -1: a record's is missing or negative, which
     SurveyDesign refuses). SurveyDesign on these rows has the replicate scale factors of the
     whole file's design (JKn: the stratum of the first PSU, in label order, whose replicate
-    weights are all 0). The rows of several parts merge with merge_psus."""
+    weights are all 0). The rows of several parts merge with merge_psus. The replicate
+    weights are read `batch` columns at a time (no copy of all of them)."""
     by = [c for c in (key.strata, key.psu) if c]
     reps = list(key.reps)
-    W = df[reps].to_numpy(dtype=float) if reps else np.zeros((len(df), 0))
-    frame = pd.DataFrame({c: df[c].to_numpy() for c in by})
-    frame[key.weight] = 1.0
-    vals = pd.DataFrame(np.where(W >= 0, W, -1.0), columns=reps)
-    frame = pd.concat([frame, vals], axis=1)
-    return frame if key.per_record else _by_psu(frame, key)
+    if key.per_record:
+        frame = pd.DataFrame({c: df[c].to_numpy() for c in by})
+        frame[key.weight] = 1.0
+        W = df[reps].to_numpy(dtype=float)
+        return pd.concat([frame, pd.DataFrame(np.where(W >= 0, W, -1.0), columns=reps)], axis=1)
+    return _by_psu(df, key, batch)
 
 
-def _by_psu(frame: pd.DataFrame, key: PsuKey) -> pd.DataFrame:
+def _by_psu(frame: pd.DataFrame, key: PsuKey, batch: int = 8) -> pd.DataFrame:
+    """The PSU rows of frame (records, or PSU rows of several parts): per PSU the largest
+    value of each replicate weight, -1 when one is missing or negative."""
     by, reps = [c for c in (key.strata, key.psu) if c], list(key.reps)
-    if not by:  # one row: the file has no strata and no PSUs, and the method is not JKn
-        by = ["__all"]
-        frame = frame.assign(__all=0)
-    g = frame.groupby(by, sort=False, dropna=False, observed=True)
-    hi, lo = g[reps].max(), g[reps].min()
-    out = hi.where(lo >= 0, -1.0).reset_index()
-    out.insert(len(by), key.weight, 1.0)
-    return out.drop(columns="__all", errors="ignore")
+    if by:
+        g = frame.groupby(by, sort=False, dropna=False, observed=True)
+        codes, first = g.ngroup().to_numpy(), g.head(1).index
+        out = frame.loc[first, by].reset_index(drop=True)
+    else:  # one row: no strata and no PSUs (the method is not JKn)
+        codes = np.zeros(len(frame), dtype=np.int64)
+        out = pd.DataFrame(index=range(1 if len(frame) else 0))
+    out[key.weight] = 1.0
+    cols = {}
+    for a in range(0, len(reps), batch):
+        names = reps[a : a + batch]
+        W = pd.DataFrame(frame[names].to_numpy(dtype=float), columns=names)
+        W[~(W >= 0)] = -1.0
+        gw = W.groupby(codes, sort=True)
+        hi, lo = gw.max(), gw.min()
+        for c in names:
+            cols[c] = np.where(lo[c].to_numpy() >= 0, hi[c].to_numpy(), -1.0)
+    return pd.concat([out, pd.DataFrame(cols, columns=reps)], axis=1)
 
 
 def merge_psus(parts: Sequence[pd.DataFrame], key: PsuKey) -> pd.DataFrame:
