@@ -233,9 +233,13 @@ def replicate_scales(
 ) -> np.ndarray:
     """The scale factor c_r of each replicate: V = sum_r c_r (theta_r - theta)^2 (the closed
     form of the method; JKn: (n_h-1)/n_h of the stratum of the PSU the replicate deletes).
-    puf: the public frame, or its PSU rows (sdl_design.public_summary.psu_rows: the same)."""
+    puf: the public frame, or its PSU rows (sdl_design.public_summary.psu_rows: the same
+    factors)."""
     from sdl_design.design import SurveyDesign
+    from sdl_design.public_summary import RECORDS, record_jkn_scales
 
+    if RECORDS in puf.columns and method == "jkn":  # one row per stratum: records are PSUs
+        return record_jkn_scales(puf, strata if strata in puf.columns else None, reps)
     des = SurveyDesign(
         puf,
         weight,

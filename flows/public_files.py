@@ -23,8 +23,6 @@ from sdl_design.public_summary import (
     bucket_bits,
     distinct_in_bucket,
     merge_parts,
-    merge_psus,
-    psu_rows,
     summarize_part,
 )
 from sdl_design.rng import release_seed, stage_rng
@@ -386,14 +384,10 @@ def public_group(
     schema = pa.Schema.from_pandas(df, preserve_index=False)
     out = Path(folder) / "rows" / f"c{g:06d}.arrow"
     csv = Path(folder) / "csv" / f"c{g:06d}.csv"
-    records, edits, psus = [], [], []
-    key = summary.key if summary is not None else None
-    ordered = key is not None and key.per_record  # PSU rows per record, in the public order
+    records, edits = [], []
     with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
         for a in range(0, len(df), PUBLIC_SLICE):
             part = df.take(order[a : a + PUBLIC_SLICE]).reset_index(drop=True)
-            if ordered:
-                psus.append(psu_rows(part, key))
             write_csv(
                 neutralize_formulas(part), csv, plan=plan.csv, header=g == 0 and a == 0,
                 append=a > 0,
@@ -407,12 +401,7 @@ def public_group(
     if summary is None:
         return got
     where = str(Path(folder) / "distinct")
-    s = summarize_part(
-        df, where, f"c{g:06d}", summary.bits, summary.small, None if ordered else key
-    )
-    if ordered:
-        s.psus = merge_psus(psus, key)
-    return (*got, s)
+    return (*got, summarize_part(df, where, f"c{g:06d}", summary.bits, summary.small, summary.key))
 
 
 def write_docs(

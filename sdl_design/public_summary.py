@@ -44,7 +44,7 @@ class ColumnStats:
 @dataclass(frozen=True)
 class PsuKey:
     """How the PSU rows are made: the weight, strata, PSU and replicate weight columns, and
-    whether each record is its own PSU (JKn without a PSU column: rows by public row)."""
+    whether each record is its own PSU (JKn without a PSU column: a row per stratum)."""
 
     weight: str
     strata: str | None
@@ -214,36 +214,37 @@ def summarize_part(
 # ---------------------------------------------------------------- PSU rows
 
 
+RECORDS = "__records"  # the records of a stratum, in the PSU rows of a design without PSUs
+
+
 def psu_rows(df: pd.DataFrame, key: PsuKey, batch: int = 8) -> pd.DataFrame:
-    """One row per PSU of df's records (per record, in df's order, when key.per_record): its
-    strata and PSU labels, the weight 1.0 and, per replicate weight, the largest weight of its
-    records (0: the replicate deletes the PSU; -1: a record's is missing or negative, which
-    SurveyDesign refuses). SurveyDesign on these rows has the replicate scale factors of the
-    whole file's design (JKn: the stratum of the first PSU, in label order, whose replicate
-    weights are all 0). The rows of several parts merge with merge_psus. The replicate
-    weights are read `batch` columns at a time (no copy of all of them)."""
-    by = [c for c in (key.strata, key.psu) if c]
-    reps = list(key.reps)
-    if key.per_record:
-        frame = pd.DataFrame({c: df[c].to_numpy() for c in by})
-        frame[key.weight] = 1.0
-        W = df[reps].to_numpy(dtype=float)
-        return pd.concat([frame, pd.DataFrame(np.where(W >= 0, W, -1.0), columns=reps)], axis=1)
+    """One row per PSU of df's records: its strata and PSU labels, the weight 1.0 and, per
+    replicate weight, the largest weight of its records (0: the replicate deletes the PSU; -1:
+    a record's is missing or negative, which SurveyDesign refuses). SurveyDesign on these rows
+    has the replicate scale factors of the whole file's design (JKn: the stratum of the first
+    PSU, in label order, whose replicate weights are all 0). When the records are the PSUs
+    (key.per_record: JKn without a PSU column) one row per stratum instead: its records
+    (RECORDS) and per replicate weight the smallest of its records' (0: a record of the
+    stratum is deleted; record_jkn_scales reads these). The rows of several parts merge with
+    merge_psus; the replicate weights are read `batch` columns at a time."""
     return _by_psu(df, key, batch)
 
 
 def _by_psu(frame: pd.DataFrame, key: PsuKey, batch: int = 8) -> pd.DataFrame:
-    """The PSU rows of frame (records, or PSU rows of several parts): per PSU the largest
-    value of each replicate weight, -1 when one is missing or negative."""
-    by, reps = [c for c in (key.strata, key.psu) if c], list(key.reps)
+    """psu_rows of frame: records, or the PSU rows of several parts."""
+    by = [c for c in (key.strata, None if key.per_record else key.psu) if c]
+    reps = list(key.reps)
     if by:
         g = frame.groupby(by, sort=False, dropna=False, observed=True)
         codes, first = g.ngroup().to_numpy(), g.head(1).index
         out = frame.loc[first, by].reset_index(drop=True)
-    else:  # one row: no strata and no PSUs (the method is not JKn)
+    else:  # one row: no strata (and no PSUs, or records that are the PSUs)
         codes = np.zeros(len(frame), dtype=np.int64)
         out = pd.DataFrame(index=range(1 if len(frame) else 0))
     out[key.weight] = 1.0
+    if key.per_record:
+        n = frame[RECORDS].to_numpy() if RECORDS in frame.columns else np.ones(len(frame))
+        out[RECORDS] = np.bincount(codes, weights=n, minlength=len(out)).astype(np.int64)
     cols = {}
     for a in range(0, len(reps), batch):
         names = reps[a : a + batch]
@@ -252,14 +253,44 @@ def _by_psu(frame: pd.DataFrame, key: PsuKey, batch: int = 8) -> pd.DataFrame:
         gw = W.groupby(codes, sort=True)
         hi, lo = gw.max(), gw.min()
         for c in names:
-            cols[c] = np.where(lo[c].to_numpy() >= 0, hi[c].to_numpy(), -1.0)
+            low = lo[c].to_numpy()
+            cols[c] = np.where(low >= 0, low if key.per_record else hi[c].to_numpy(), -1.0)
     return pd.concat([out, pd.DataFrame(cols, columns=reps)], axis=1)
 
 
 def merge_psus(parts: Sequence[pd.DataFrame], key: PsuKey) -> pd.DataFrame:
-    """The PSU rows of a file from its parts' (in the file's order)."""
-    frame = pd.concat(list(parts), ignore_index=True)
-    return frame if key.per_record else _by_psu(frame, key)
+    """The PSU rows of a file from its parts'."""
+    return _by_psu(pd.concat(list(parts), ignore_index=True), key)
+
+
+def record_jkn_scales(rows: pd.DataFrame, strata: str | None, reps: list[str]) -> np.ndarray:
+    """JKn's scale factors of a design whose records are its PSUs, from psu_rows' rows per
+    stratum: (n_h - 1)/n_h of the first stratum (in label order) with a record the replicate
+    deletes, n_h its records (SurveyDesign's, whose PSUs are then ordered by stratum and
+    record)."""
+    from sdl_design.design import DesignError, sorted_codes
+
+    if strata and rows[strata].isna().any():
+        raise DesignError(f"design: column '{strata}' has missing values; every record needs one")
+    h = sorted_codes(rows[strata]) if strata else np.zeros(len(rows), dtype=np.int64)
+    W = rows[reps].to_numpy(dtype=float)
+    bad = (W < 0).any(axis=0)
+    if bad.any():
+        cols = [c for c, b in zip(reps, bad, strict=True) if b][:5]
+        raise DesignError(
+            f"design.replicate_weights: columns {cols} have missing or negative weights; "
+            "replicate weights must be >= 0"
+        )
+    order = np.argsort(h, kind="stable")
+    zero = W[order] == 0
+    ok = zero.any(axis=0)
+    if not ok.all():
+        raise DesignError(
+            f"design.replicate_weights: jkn replicates {np.flatnonzero(~ok)[:5].tolist()} delete "
+            "no PSU; give rscales or check the method"
+        )
+    n_h = rows[RECORDS].to_numpy(dtype=float)[order][zero.argmax(axis=0)]
+    return (n_h - 1.0) / n_h
 
 
 # ---------------------------------------------------------------- whole and merged

@@ -104,7 +104,7 @@ def _jkn_frame() -> pd.DataFrame:
 def test_psu_rows_of_parts_give_the_whole_files_jkn_scales(psu):
     """JKn's c_r = (n_h - 1)/n_h of the deleted PSU's stratum: strata of 5, 5 and 2 PSUs (0.8
     and 0.5), from the PSU rows of 3 parts as from the whole frame; without a PSU column the
-    records are the PSUs (rows per record, in order)."""
+    records are the PSUs (a row per stratum: its records, the replicates deleting one)."""
     df = _jkn_frame()
     reps = [c for c in df.columns if c.startswith("rw_")]
     key = ps.PsuKey("w", "st", psu, tuple(reps), per_record=psu is None)
@@ -121,6 +121,7 @@ def test_psu_rows_of_parts_give_the_whole_files_jkn_scales(psu):
     assert got.tobytes() == want.tobytes()
     if psu:
         assert len(rows) == 12 and sorted(set(want.round(12))) == [0.5, 0.8]
-    else:
+    else:  # one row per stratum: its records, and whether a replicate deletes one of them
         n_h = df["st"].value_counts()
+        assert len(rows) == 3 and sorted(rows["__records"]) == sorted(n_h)
         assert set(want.round(12)) == {round((k - 1) / k, 12) for k in n_h}
