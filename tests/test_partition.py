@@ -552,6 +552,34 @@ def test_prb_alone_by_partition_gives_the_stages_records(clean, tmp_path, change
     assert out["stages"]["prb"]["n_changed"] == prb.metrics["n_changed"] > 0
 
 
+def test_prb_transitions_by_partition_in_blocks_across_partitions(clean, tmp_path, monkeypatch):
+    """PRB's transition probabilities (the public README's) by partition, with block sums of
+    256 records (12 blocks over 3,000 records, partitions of 450 records that begin and end
+    inside blocks): the in-memory stage's table, bit for bit, p and the category weights."""
+    from flows.scan import run_partitioned
+    from sdl_design import blocksum
+    from sdl_design.prb import PrbStage
+    from sdl_design.stage import StageContext
+
+    monkeypatch.setattr(blocksum, "BITS", 8)
+    monkeypatch.setattr(blocksum, "BLOCK", 256)
+    assert blocksum.n_blocks(N) == 12
+    path, _, whole = clean
+    data = yaml.safe_load(path.read_text())
+    del data["stages"]["swap"]
+    data["stages"]["massc"]["enabled"] = False
+    data["stages"]["topcode"]["enabled"] = False
+    new = path.parent / "prb-blocks.yaml"
+    new.write_text(yaml.safe_dump(data))
+    spec = load_spec(new)
+    prb = PrbStage.from_spec(spec).run(whole, StageContext(whole, spec, "prb"))
+    out = run_partitioned(new, "thread", partitions=7, out=tmp_path / "p", release=False)
+    got = out["stages"]["prb"]["tables"]["transitions"]
+    want = prb.tables["transitions"]
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
+    assert (want["p"] < 1).sum() > 10 and want["weight_original"].gt(0).all()
+
+
 def test_swap_with_bootstrap_replicates_by_partition_gives_the_stages_records(clean, tmp_path):
     """The swap rebuilding bootstrap replicate weights (100 resamples drawn on the driver from
     the swap's Generator) by partition: the in-memory stage's records, bit for bit."""
