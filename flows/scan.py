@@ -979,7 +979,8 @@ def run_partitioned(
     """The spec's release stages that have a partitioned path, in release order, each on the
     previous one's partitions (the swap, PRB, MASSC and top-coding); stops before the first
     stage that has none, and says which. When every stage ran (and release), the assessment,
-    the public data files (puf/) and the release's gates (gates.csv); release False: the
+    the public files (puf/: the data files, README.md and codebook.csv) and the release's
+    gates (gates.csv); release False: the
     stages' records and tables only. First it scans the input as `puf scan` does (scan/: its edit rules,
     which stop the run when one fails, the risk stage's metrics, its SEs). out (default
     partitioned_folder) gets, per stage, <stage>/data/part-<first record>.parquet (the records
