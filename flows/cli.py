@@ -316,12 +316,13 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
             pub = out["public_files"]
             print(
                 f"  public files: {pub['records']} records, {pub['columns']} columns in "
-                f"puf/puf.parquet and puf/puf.csv ({pub['seconds']:.1f} s); gates: "
+                f"puf/puf.parquet and puf/puf.csv, with puf/codebook.csv and puf/README.md "
+                f"({pub['seconds']:.1f} s); gates: "
                 f"{pub['gates_passed']} of {pub['gates']} pass (gates.csv"
                 + (f"; failed: {'; '.join(pub['gates_failed'])}" if pub["gates_failed"] else "")
                 + "); every stage that changes the records ran by partition; not published: "
                 + (f"the measures of {', '.join(left)}, " if left else "")
-                + "the README and the codebook are not made by partition yet, nor the approval"
+                + "the approval"
             )
         return 0
 

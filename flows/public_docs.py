@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from sdl_design.public_summary import VALUES_MAX, PsuKey, PublicSummary, public_summary
 from sdl_design.spec import ReleaseSpec
 
 if TYPE_CHECKING:
@@ -231,9 +232,14 @@ def replicate_scales(
     puf: pd.DataFrame, weight: str, reps: list[str], method: str, rho: float | None, strata, psu
 ) -> np.ndarray:
     """The scale factor c_r of each replicate: V = sum_r c_r (theta_r - theta)^2 (the closed
-    form of the method; JKn: (n_h-1)/n_h of the stratum of the PSU the replicate deletes)."""
+    form of the method; JKn: (n_h-1)/n_h of the stratum of the PSU the replicate deletes).
+    puf: the public frame, or its PSU rows (sdl_design.public_summary.psu_rows: the same
+    factors)."""
     from sdl_design.design import SurveyDesign
+    from sdl_design.public_summary import RECORDS, record_jkn_scales
 
+    if RECORDS in puf.columns and method == "jkn":  # one row per stratum: records are PSUs
+        return record_jkn_scales(puf, strata if strata in puf.columns else None, reps)
     des = SurveyDesign(
         puf,
         weight,
@@ -259,55 +265,32 @@ def _num_list(x: np.ndarray) -> str:
 # ---------------------------------------------------------------- codebook
 
 
-def _numeric_stats(puf: pd.DataFrame) -> dict[str, tuple[int, int, float, float]]:
-    """(missing, distinct non-missing values, min, max) of every numeric column, all columns in
-    one polars pass (its threads, no GIL): pandas hashes one column at a time."""
-    import polars as pl
-
-    num = [c for c in puf.columns if pd.api.types.is_numeric_dtype(puf[c])]
-    if not num or len(puf) == 0:
-        return {c: (int(puf[c].isna().sum()), 0, float("nan"), float("nan")) for c in num}
-    frame = pl.from_pandas(puf[num].reset_index(drop=True), nan_to_null=True)
-    cols = [pl.col(c) for c in frame.columns]
-    out = frame.select(
-        *(c.null_count().alias(f"m{j}") for j, c in enumerate(cols)),
-        *(c.drop_nulls().n_unique().alias(f"u{j}") for j, c in enumerate(cols)),
-        *(c.min().cast(pl.Float64).alias(f"lo{j}") for j, c in enumerate(cols)),
-        *(c.max().cast(pl.Float64).alias(f"hi{j}") for j, c in enumerate(cols)),
-    ).row(0, named=True)
-    return {
-        c: (int(out[f"m{j}"]), int(out[f"u{j}"]), out[f"lo{j}"], out[f"hi{j}"])
-        for j, c in enumerate(num)
-    }
-
-
-def codebook(puf: pd.DataFrame, notes: dict[str, dict[str, Any]] | None = None) -> pd.DataFrame:
+def codebook(
+    puf: pd.DataFrame | PublicSummary, notes: dict[str, dict[str, Any]] | None = None
+) -> pd.DataFrame:
     """One row per published variable: label, type, values/labels, missing codes, what was done
-    to it and its top-code flag (threshold, records coded)."""
+    to it and its top-code flag (threshold, records coded). puf: the public frame, or its
+    PublicSummary (the partitioned release's, merged from its row groups)."""
     notes = notes or {}
+    pub = puf if isinstance(puf, PublicSummary) else public_summary(puf)
     rows = []
-    stats = _numeric_stats(puf)
-    for c in puf.columns:
-        s = puf[c]
-        num = c in stats
-        if num:
-            n_missing, n_distinct, lo, hi = stats[c]
-        else:
-            vals = pd.unique(s.dropna())
-            n_missing, n_distinct, lo, hi = int(s.isna().sum()), len(vals), None, None
+    for c in pub.columns:
+        st = pub.stats[c]
         info = notes.get(c, {})
         rows.append(
             {
                 "variable": c,
                 "label": info.get("label", ""),
-                "type": "numeric" if num else "categorical",
-                "dtype": str(s.dtype),
-                "n_missing": n_missing,
+                "type": "numeric" if st.numeric else "categorical",
+                "dtype": st.dtype,
+                "n_missing": st.n_missing,
                 "missing_codes": info.get("missing_codes", ""),
-                "n_distinct": n_distinct,
-                "min": lo if n_distinct else None,
-                "max": hi if n_distinct else None,
-                "values": "" if num or n_distinct > 60 else "; ".join(sorted(map(str, vals))),
+                "n_distinct": st.n_distinct,
+                "min": st.lo if st.n_distinct else None,
+                "max": st.hi if st.n_distinct else None,
+                "values": ""
+                if st.numeric or st.n_distinct > VALUES_MAX
+                else "; ".join(st.values or []),
                 "treatment": info.get("treatment", ""),
                 "topcoded": info.get("topcoded", ""),
             }
@@ -338,26 +321,49 @@ def _missing_codes(spec: ReleaseSpec) -> dict[str, str]:
 # ---------------------------------------------------------------- README
 
 
+def _readme_design(
+    spec: ReleaseSpec, des: dict[str, Any], columns: list[str]
+) -> tuple[str, str | None, str | None, list[str]]:
+    """The published design the README's recipes use: weight, strata, PSU, replicate weights."""
+    rw = spec.design.replicate_weights
+    reps = [c for c in des["replicate_weights"] if c in columns] or (
+        rw.resolve(columns) if rw else []
+    )
+    strata = des["strata"] if des["strata"] in columns else None
+    psu = des["psu"] if des["psu"] in columns else None
+    return des["weight"], strata, psu, reps
+
+
+def psu_key(spec: ReleaseSpec, results: Sequence[StageResult], columns: list[str]) -> PsuKey | None:
+    """The PSU rows the README's replicate scale factors are read from (public_summary's),
+    for the public file's columns; None without replicate weights."""
+    des = design_facts(spec, results)
+    w, strata, psu, reps = _readme_design(spec, des, list(columns))
+    if not reps:
+        return None
+    return PsuKey(w, strata, psu, tuple(reps), per_record=psu is None and des["method"] == "jkn")
+
+
 def variance_notes(
-    spec: ReleaseSpec, results: Sequence[StageResult], puf: pd.DataFrame
+    spec: ReleaseSpec, results: Sequence[StageResult], puf: pd.DataFrame | PublicSummary
 ) -> PublicReadme:
     """The public README: files, what was done to each variable, the methods that ran with the
     parameters analysts may use, and variance estimation in R, Stata, SAS, SUDAAN and Python.
-    `.codebook_notes` carries the codebook's per-variable additions."""
+    `.codebook_notes` carries the codebook's per-variable additions. puf: the public frame, or
+    its PublicSummary with the PSU rows of psu_key (the partitioned release's)."""
     r = _by_name(results)
     des = design_facts(spec, results)
-    w = des["weight"]
-    rw = spec.design.replicate_weights
-    reps = [c for c in des["replicate_weights"] if c in puf.columns] or (
-        rw.resolve(list(puf.columns)) if rw else []
+    w, strata, psu, reps = _readme_design(spec, des, list(puf.columns))
+    pub = (
+        puf
+        if isinstance(puf, PublicSummary)
+        else public_summary(puf, psu_key(spec, results, list(puf.columns)), stats=False)
     )
-    strata = des["strata"] if des["strata"] in puf.columns else None
-    psu = des["psu"] if des["psu"] in puf.columns else None
-    treat = column_treatments(spec, results, list(puf.columns))
+    treat = column_treatments(spec, results, pub.columns)
     L: list[str] = [
         f"# {spec.release.name} {spec.release.year}: public-use file",
         "",
-        f"{len(puf):,} records, {puf.shape[1]} variables. Files: `puf.parquet` and `puf.csv` (the "
+        f"{pub.n:,} records, {len(pub.columns)} variables. Files: `puf.parquet` and `puf.csv` (the "
         "same records), `codebook.csv` (one row per variable: label, type, values, missing codes, "
         "what was done to it, top-code flag) and this README. The records are in a random order.",
         "",
@@ -381,7 +387,7 @@ def variance_notes(
     for name in ran:
         L += _method_section(name, r[name], spec, des)
     L += ["", "## Estimating variances", ""]
-    L += _variance_section(puf, w, strata, psu, reps, des, _example(spec, puf, w, reps))
+    L += _variance_section(pub, w, strata, psu, reps, des, _example(spec, pub, w, reps))
     L += [
         "",
         "## Disclaimer",
@@ -409,7 +415,7 @@ def variance_notes(
     }
     for i, c in enumerate(reps, 1):
         default[c] = f"replicate weight {i} of {len(reps)} ({des['method']})"
-    for c in puf.columns:
+    for c in pub.columns:
         given = labels.get(c) if isinstance(labels, dict) else None
         notes[c] = {
             "label": str(given or default.get(c) or default.get(role.get(c, ""), "")),
@@ -569,7 +575,7 @@ def _prb_vars(res: StageResult) -> list[str]:
 
 
 def _variance_section(
-    puf: pd.DataFrame,
+    pub: PublicSummary,
     w: str,
     strata: str | None,
     psu: str | None,
@@ -604,7 +610,7 @@ def _variance_section(
     if reps:
         method, rho = des["method"], des["rho"]
         R = len(reps)
-        c = replicate_scales(puf, w, reps, method, rho, strata, psu)
+        c = replicate_scales(pub.psus, w, reps, method, rho, strata, psu)
         const = bool(np.allclose(c, c[0], rtol=0, atol=0))
         L += [
             "",
@@ -676,14 +682,14 @@ def _variance_section(
     return L
 
 
-def _example(spec: ReleaseSpec, puf: pd.DataFrame, w: str, reps: list[str]) -> str:
+def _example(spec: ReleaseSpec, pub: PublicSummary, w: str, reps: list[str]) -> str:
     """The variable the recipes estimate: the first numeric study variable published."""
     skip = {w, *reps}
-    cands = [*spec.variables.study, *puf.columns]
+    cands = [*spec.variables.study, *pub.columns]
     for c in cands:
-        if c in puf.columns and c not in skip and pd.api.types.is_numeric_dtype(puf[c]):
+        if c in pub.stats and c not in skip and pub.numeric(c):
             return str(c)
-    return str(puf.columns[0])
+    return str(pub.columns[0])
 
 
 def _regex(reps: list[str]) -> str:

@@ -6,15 +6,30 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from flows.public_docs import codebook
 from sdl_design.leaks import drop_unused_levels, shuffle_rows
+from sdl_design.public_summary import (
+    BUCKET_VALUES,
+    SMALL,
+    PartSummary,
+    PsuKey,
+    PublicSummary,
+    add_bucket_counts,
+    bucket_bits,
+    distinct_in_bucket,
+    merge_parts,
+    summarize_part,
+)
 from sdl_design.rng import release_seed, stage_rng
 from sdl_design.spec import ReleaseSpec
+
+if TYPE_CHECKING:
+    from sdl_design.stage import StageResult
 
 
 def forbidden_columns(
@@ -321,14 +336,32 @@ def public_pieces(
     return len(df)
 
 
+@dataclass(frozen=True)
+class SummaryPlan:
+    """How the row groups summarize their records for the README and codebook: the PSU rows'
+    key (None: no replicate weights), the hash bits of the distinct values' buckets and the
+    largest value set a row group sends (sdl_design.public_summary)."""
+
+    key: PsuKey | None
+    bits: int
+    small: int = SMALL
+
+
 def public_group(
-    rows: Rows, plan: PublicPlan, folder: str, spec: ReleaseSpec, replicates: list[str]
-) -> tuple[str, list, list]:
+    rows: Rows,
+    plan: PublicPlan,
+    folder: str,
+    spec: ReleaseSpec,
+    replicates: list[str],
+    summary: SummaryPlan | None = None,
+) -> tuple:
     """Map: one row group of the public file from its pieces: <folder>/rows/c<group>.arrow
     (the records in the public order, as puf.parquet stores them) and
     <folder>/csv/c<group>.csv (as puf.csv has them, the header in the first); the pieces are
     removed. Returns the Arrow file's path and the failures of the output gates' record checks
-    and edit rules on its records (examples: public row numbers)."""
+    and edit rules on its records (examples: public row numbers); with a SummaryPlan, its
+    records' PartSummary too (their distinct values beyond summary.small in
+    <folder>/distinct)."""
     import pyarrow as pa
 
     from expectations.suites import record_failures
@@ -364,7 +397,39 @@ def public_group(
             records.append(record_failures(part, spec, replicates, ids))
             edits.append(rule_failures(part, spec.edits, ids))
     shutil.rmtree(src)
-    return str(out), combine_rule_failures(records), combine_rule_failures(edits)
+    got = (str(out), combine_rule_failures(records), combine_rule_failures(edits))
+    if summary is None:
+        return got
+    where = str(Path(folder) / "distinct")
+    return (*got, summarize_part(df, where, f"c{g:06d}", summary.bits, summary.small, summary.key))
+
+
+def write_docs(
+    run_map: Callable[..., list],
+    parts: Sequence[PartSummary],
+    columns: Sequence[str],
+    docs: SummaryPlan,
+    spec: ReleaseSpec,
+    results: Sequence[StageResult],
+    folder: Path,
+    work: Path,
+) -> PublicSummary:
+    """README.md and codebook.csv into folder from the row groups' PartSummaries (in public
+    order): merged here, the bucketed columns' distinct values counted by a task per bucket
+    (reading work/distinct), then the README and codebook as write_public_files writes them."""
+    from flows.public_docs import variance_notes
+
+    summary, buckets = merge_parts(parts, list(columns), docs.bits, docs.key)
+    if buckets:
+        where = str(work / "distinct")
+        counts = run_map(distinct_in_bucket, buckets, where, what="public files: distinct values")
+        add_bucket_counts(summary, counts)
+    notes = variance_notes(spec, results, summary)
+    neutralize_formulas(codebook(summary, notes.codebook_notes)).to_csv(
+        folder / "codebook.csv", index=False, lineterminator="\n"
+    )
+    (folder / "README.md").write_text(notes)
+    return summary
 
 
 def write_public_by_partition(
@@ -377,15 +442,20 @@ def write_public_by_partition(
     design_columns: Sequence[str],
     folder: Path,
     rows: int = PARQUET_ROWS,
+    results: Sequence[StageResult] | None = None,
     design: Any = None,
 ) -> dict[str, object]:
     """puf.parquet and puf.csv into folder (created here) from the partitions of the last
     stage's records, byte for byte what public_frame and write_public_files write from the
     whole frame (rows: the records per row group). Workers write the pieces and row groups
     into folder/.work (removed at the end: the pieces hold each record's public row); this
-    process writes puf.parquet a row group at a time and joins the CSV's chunks. Returns
-    {records, columns, files: {name: sha256}, gates: validate_output's table}. design: the
-    DesignSection the file is read with (its replicate weights; default the spec's)."""
+    process writes puf.parquet a row group at a time and joins the CSV's chunks. With the
+    stage results (data None) the README describes, README.md and codebook.csv too, as
+    write_public_files writes them: variance_notes and codebook on the PublicSummary merged
+    from the row groups' (the distinct values of a column with many counted by hash bucket,
+    a task per bucket). Returns {records, columns, files: {name: sha256}, gates:
+    validate_output's table}. design: the DesignSection the file is read with (its replicate
+    weights; default the spec's)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -404,13 +474,19 @@ def write_public_by_partition(
     groups = plan.row_groups()
     rw = (design if design is not None else spec.design).replicate_weights
     reps = rw.resolve(keep) if rw else []
+    docs = None
+    if results is not None:
+        from flows.public_docs import psu_key
+
+        bits = bucket_bits(plan.n, len(keep), BUCKET_VALUES)
+        docs = SummaryPlan(psu_key(spec, results, keep), bits, SMALL)
     made = run_map(
-        public_group, groups, plan, str(work), spec, reps, what="public files: row groups"
+        public_group, groups, plan, str(work), spec, reps, docs, what="public files: row groups"
     )
     writer = None
     try:
         with open(folder / "puf.csv", "wb") as csv:
-            for g, (path, _, _) in enumerate(made):
+            for g, (path, *_) in enumerate(made):
                 with pa.memory_map(path) as src:
                     # one contiguous table, as pandas hands the whole frame to pyarrow (a
                     # row group from several batches is encoded otherwise at 5M records)
@@ -429,11 +505,14 @@ def write_public_by_partition(
                 del table
                 with open(work / "csv" / f"c{g:06d}.csv", "rb") as part_csv:
                     shutil.copyfileobj(part_csv, csv, 1 << 24)
+        if docs is not None:
+            write_docs(run_map, [m[3] for m in made], keep, docs, spec, results, folder, work)
     finally:
         if writer is not None:
             writer.close()
         shutil.rmtree(work, ignore_errors=True)
-    files = {name: sha256_file(folder / name) for name in ("puf.parquet", "puf.csv")}
+    names = ("puf.parquet", "puf.csv") + (("codebook.csv", "README.md") if docs else ())
+    files = {name: sha256_file(folder / name) for name in sorted(names)}
     # the output gates (validate_output's): the columns, and the row groups' failures
     from expectations.suites import output_verdicts
     from sdl_design.edits import combine_rule_failures

@@ -367,10 +367,25 @@ def _swap_stage(
     args = (spec, req, design.segment_labels, masking, str(folder / "data"))
     files = run_map(part.swap_apply, parts, *args, what="swap masking")
     _lap(laps, "masking", t)
+    st = req.section
+    settings = {
+        "method": st.method,
+        "rate": st.rate,
+        "max_share": st.max_share,
+        "cumulative": st.cumulative,
+        "scope": st.scope,
+    }
     return {
         **counts,
         "files": [Path(f).name for f in files],
         **laps,
+        # SwapStage's params (its swap_segments' and the baseline's name)
+        "params": {
+            **settings,
+            **counts,
+            "replicate_method": st.replicate_method or req.dc["method"],
+            "baseline": "2a" if st.method == "2b" else "2b",
+        },
         "masks_design": True,  # pseudo strata and PSUs, rebuilt replicate weights
         "drop_public": [c for c in (spec.design.segment,) if c],  # SwapStage's
         "tables": tables,
@@ -402,17 +417,34 @@ def _prb_stage(
         "partitioned",
     )
     files = run_map(part.prb_apply, parts, spec, req, new, str(folder / "data"), what="prb")
-    _lap(laps, "apply", t)
+    t = _lap(laps, "apply", t)
+    # the public README's tables: the transition probabilities (the category sums by
+    # partition, in block sums) and the records each variable of C changed
+    trq = part.prb_transition_request(tables, plan, req)
+    sums = run_map(part.prb_transition_pass, parts, spec, req, tables, trq, what="prb transitions")
+    docs = part.prb_doc_tables(trq, sums, parts[-1].stop, plan, new, req)
+    _lap(laps, "transitions", t)
     metrics = pd.DataFrame({"metric": list(m), "value": list(m.values())})
     from sdl_design.prb import identification_risk_gate
 
     gate_rows = [identification_risk_gate(m["max_risk"], spec.gates.xi or st.xi).as_dict()]
+    n_rows = parts[-1].stop
     return {
         **m,
+        "share_changed": m["n_changed"] / max(n_rows, 1),
         "files": [Path(f).name for f in files],
         **laps,
         "gate_rows": gate_rows,
-        "tables": {"metrics": metrics},
+        # PrbStage's params (what the README reads of them)
+        "params": {
+            "xi": st.xi,
+            "theta": m["theta"],
+            "m0": int(m["m0"]),
+            "method": st.method,
+            "cells": list(req.names),
+            "domains": [" x ".join(d) for d in req.domains],
+        },
+        "tables": {"metrics": metrics, **docs},
     }
 
 
@@ -632,9 +664,36 @@ def _massc_stage(
         + f"; delta {dm.delta:.4f} after {len(revisions)} revision(s); epsilon {epsilon:.4f}",
         "partitioned",
     )
+    from sdl_design.massc.stage import calibration_params, selection_name
+
     return {
         "n_with_donor": n_has,
+        "n_no_donor": float(n_rows - n_has),
+        "n_no_donor_domain": float(plan.n_no_donor_domain),
+        "share_substituted": n_sub / n_rows,
         "n_profiles": plan.n_profiles,
+        # MasscStage's params (those made on the driver here)
+        "params": {
+            "strata": list(labels),
+            "psi": {h: float(p) for h, p in zip(labels, psi.rates, strict=True)},
+            "phi": {h: float(p) for h, p in zip(labels, phi.rates, strict=True)},
+            "loss_scale": cfg.loss_scale,
+            "alpha": cfg.alpha,
+            "beta": cfg.beta,
+            "budget_scale": cfg.budget_scale,
+            "epsilon_target": cfg.epsilon,
+            "negligible_risk": cfg.negligible_risk,
+            "domain_columns": [k.name for k in cfg.domain_columns],
+            "psi_method": psi.method,
+            "phi_method": phi.method,
+            "selection": selection_name(cfg),
+            "substitute_columns": cfg.substitute_columns,
+            "importance": cfg.importance,
+            "donor_restrictions": cfg.restrictions,
+            "risk_basis": cfg.risk_basis,
+            "replications": spec.stages.massc.replications,
+            "calibration": calibration_params(spec.stages.massc.calibration),
+        },
         "strata": {h: int(n) for h, n in zip(labels, mom.N, strict=True)},
         "psi": {h: float(p) for h, p in zip(labels, psi.rates, strict=True)},
         "psi_method": psi.method,
@@ -737,18 +796,69 @@ def _public_files(
     run_map: Exchange,
     folder: Path,
     chain: Chain,
+    results: list | None = None,
 ) -> dict[str, Any]:
     """puf.parquet and puf.csv from the last stage's partitions, as the release writes them
     (its public columns and order): the design the public file is read with is the spec's or
-    the pseudo design's, the columns the stages drop (the swap's segment) left out."""
+    the pseudo design's, the columns the stages drop (the swap's segment) left out; with the
+    stages' results (stage_results), README.md and codebook.csv as the release writes them."""
     from flows.public_files import write_public_by_partition
     from sdl_design.stage import design_columns
 
     design = chain.public_design(spec)
     built = design_columns(design, columns)
     return write_public_by_partition(
-        run_map, parts, spec, columns, chain.masked, chain.drop_public, built, folder, design=design
-    )
+        run_map, parts, spec, columns, chain.masked, chain.drop_public, built, folder,
+        results=results, design=design,
+    )  # fmt: skip
+
+
+def stage_results(spec: ReleaseSpec, done: dict[str, Any], columns: list[str]) -> list:
+    """The partitioned stages' results as StageResults (data None) with the params, metrics,
+    tables, notes, masks_design and drop_public the public README and codebook read (the
+    in-memory stages' for the same records); the assessment's params: the published and
+    dropped columns (column_record on the input's columns). columns: the last stage's."""
+    from sdl_design.assess import column_record
+    from sdl_design.stage import StageContext, StageResult, design_columns, public_design
+
+    out: list[StageResult] = []
+    for name, res in done.items():
+        if not isinstance(res, dict) or name in MEASURED:
+            continue
+        metrics = {
+            k: float(v)
+            for k, v in res.items()
+            if isinstance(v, int | float | np.number) and not isinstance(v, bool)
+        }
+        params = res.get("params") or ({"built": res["built"]} if "built" in res else {})
+        out.append(
+            StageResult(
+                name,
+                None,
+                params=params,
+                metrics=metrics,
+                tables=dict(res.get("tables", {})),
+                notes=list(res.get("notes") or ([res["note"]] if "note" in res else [])),
+                masks_design=bool(res.get("masks_design")),
+                drop_public=list(res.get("drop_public", [])),
+            )
+        )
+    if "assess" in done:
+        original = pd.DataFrame(columns=part.input_columns(spec.release.input))
+        ctx = StageContext(original, spec, "assess", out)
+        masked = any(r.masks_design for r in out)
+        drop = [c for r in out for c in r.drop_public]
+        released = spec.published_columns(
+            columns, masked, drop, design_columns(public_design(spec, out), columns)
+        )
+        a = done["assess"]
+        metrics = {
+            k: float(v) for k, v in a.items() if isinstance(v, int | float) and k != "seconds"
+        }
+        out.append(
+            StageResult("assess", None, params=column_record(spec, ctx, released), metrics=metrics)
+        )
+    return out
 
 
 def _assess_stage(
@@ -894,7 +1004,8 @@ def run_partitioned(
     """The spec's release stages that have a partitioned path, in release order, each on the
     previous one's partitions (the swap, PRB, MASSC and top-coding); stops before the first
     stage that has none, and says which. When every stage ran (and release), the assessment,
-    the public data files (puf/) and the release's gates (gates.csv); release False: the
+    the public files (puf/: the data files, README.md and codebook.csv) and the release's
+    gates (gates.csv); release False: the
     stages' records and tables only. First it scans the input as `puf scan` does (scan/: its edit rules,
     which stop the run when one fails, the risk stage's metrics, its SEs). out (default
     partitioned_folder) gets, per stage, <stage>/data/part-<first record>.parquet (the records
@@ -995,7 +1106,8 @@ def run_partitioned(
             public = None
             if "stopped_before" not in done and release:
                 t = time.perf_counter()
-                public = _public_files(spec, cols, now, run_map, tmp / "puf", chain)
+                results = stage_results(spec, done, cols)
+                public = _public_files(spec, cols, now, run_map, tmp / "puf", chain, results)
                 public["seconds"] = time.perf_counter() - t
                 # the release's gates as the flow checks them: the stages' and the
                 # assessment's metric gates, then the public file's
@@ -1019,7 +1131,7 @@ def run_partitioned(
                 f"columns; {public['seconds']:.1f} s); gates: {public['gates_passed']} of "
                 f"{public['gates']} pass (gates.csv); not published: "
                 + (f"the measures of {', '.join(left)}, " if left else "")
-                + "the README and the codebook are not made by partition yet, nor the approval",
+                + "the approval (README.md and codebook.csv are in puf/)",
                 "partitioned",
             )
         summary = {

@@ -1013,7 +1013,8 @@ def prb_plan(
         "n_changed": float((draws.dest != u["__cell"].to_numpy()).sum()),
         "n_moved": float(len(new)),
     }
-    return new, {"metrics": metrics, "merges": draws.merges, "notes": draws.notes}
+    out = {"metrics": metrics, "merges": draws.merges, "notes": draws.notes}
+    return new, out | {"units": u, "block": draws.block}
 
 
 def prb_apply(
@@ -1034,6 +1035,104 @@ def prb_apply(
             data[c] = pd.Series(both.array.take(take), index=df.index, name=c)
     check_edits(data, spec.edits, "PRB output", EDIT_HINT)
     return _write_partition(data, part, folder)
+
+
+@dataclass
+class PrbTransitions:
+    """What the partitions need for expected_transitions' category sums: each cell's category
+    on every cell variable (with the categories), the in-block flows (the driver's, from the
+    units) and what each block unit keeps in its own category (by global row)."""
+
+    names: list[str]
+    codes: list[np.ndarray]
+    cats: list[list]
+    flows: list[np.ndarray]
+    keep: pd.DataFrame  # global row -> one column per cell variable
+
+
+def prb_transition_request(
+    tables: PrbTables, plan: dict[str, Any], req: PrbRequest
+) -> PrbTransitions:
+    """On the driver: expected_transitions' in-block part from the units and their blocks
+    (prb_plan's), on the whole input's cells (tables)."""
+    from sdl_design.prb import block_flows, transition_categories
+
+    u, block = plan["units"], np.asarray(plan["block"], dtype=np.int64)
+    cv = tables.cells[req.names]
+    theta = float(plan["metrics"]["theta"])
+    cell, w = u["__cell"].to_numpy(), u["__w"].to_numpy(dtype=float)
+    codes, cats, flows, keep = [], [], [], {}
+    for v in req.names:
+        c, k = transition_categories(cv, v)
+        f, kept = block_flows(c, cell, block, w, theta, len(k))
+        codes.append(c)
+        cats.append(k)
+        flows.append(f)
+        keep[v] = kept
+    return PrbTransitions(
+        list(req.names), codes, cats, flows, pd.DataFrame(keep, index=u["__row"].to_numpy())
+    )
+
+
+def prb_transition_pass(
+    part: Partition, spec: ReleaseSpec, req: PrbRequest, tables: PrbTables, tr: PrbTransitions
+) -> list[tuple[BlockPartial, BlockPartial, np.ndarray]]:
+    """Map: the partition's part of expected_transitions' category sums, per cell variable:
+    the block sums of the weight and of the weight kept in its category, and the records."""
+    df = read_partition(part, _prb_columns(req), spec)
+    coded, _ = prb_frames(df, req)
+    cell = _lookup(coded, tables.cells[req.names], "PRB cell (stages.prb)")
+    rows = df.index.to_numpy(dtype=np.int64)
+    w = df[req.weight].to_numpy(dtype=float)
+    mine = tr.keep.loc[(tr.keep.index >= part.start) & (tr.keep.index < part.stop)]
+    at = mine.index.to_numpy() - part.start
+    out = []
+    for j, v in enumerate(tr.names):
+        a = tr.codes[j][cell]
+        k = len(tr.cats[j])
+        bins = blocksum.block_bins(a, k, part.start, part.stop, rows)
+        d = w.copy()
+        d[at] = mine[v].to_numpy()
+        out.append((bins.of(w), bins.of(d), np.bincount(a, minlength=k)))
+    return out
+
+
+def prb_doc_tables(
+    tr: PrbTransitions,
+    partials: Sequence[list],
+    n_rows: int,
+    plan: dict[str, Any],
+    new: pd.DataFrame,
+    req: PrbRequest,
+) -> dict[str, pd.DataFrame]:
+    """On the driver: PrbStage's `transitions` (expected_transitions, the same bits) and
+    `changed_by_variable` (records and share whose value of each variable of C changed: only
+    moved records change, compared with their values as units) from the partitions' sums."""
+    from sdl_design.prb import TRANSITION_COLUMNS, transition_rows
+
+    rows = []
+    for j, v in enumerate(tr.names):
+        k = len(tr.cats[j])
+        total = blocksum.combine_partials([p[j][0] for p in partials], k, n_rows)
+        kept = blocksum.combine_partials([p[j][1] for p in partials], k, n_rows)
+        n = np.sum([p[j][2] for p in partials], axis=0)
+        rows.append(transition_rows(v, tr.cats[j], tr.flows[j], kept, total, n))
+    transitions = (
+        pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=TRANSITION_COLUMNS)
+    )
+    before = plan["units"].set_index("__row").loc[new.index]
+    changed = []
+    for v in req.variables:
+        x0, x1 = before[v], new[v]
+        ch = ((x0 != x1) & ~(x0.isna() & x1.isna())).to_numpy(dtype=bool)
+        changed.append(
+            {
+                "variable": v,
+                "n_changed": int(ch.sum()),
+                "share_changed": int(ch.sum()) / n_rows if n_rows else 0.0,
+            }
+        )
+    return {"transitions": transitions, "changed_by_variable": pd.DataFrame(changed)}
 
 
 def _write_partition(data: pd.DataFrame, part: Partition, folder: str) -> str:
@@ -1171,6 +1270,7 @@ class DonorPlan:
     route_before: np.ndarray  # records of the profile in earlier partitions
     n_profiles: int
     by_level: dict[int, int]
+    n_no_donor_domain: int = 0  # records without a partner only because of the domain cells
 
     def index(self, part: Partition) -> int:
         return int(np.searchsorted(self.starts, part.start))
@@ -1186,7 +1286,7 @@ def donor_plan(
     find_donors numbers them on the whole file), the donor search with rng, and the routes
     from a (donor profile, rank) draw to the partition holding that record. rng is left as
     find_donors leaves it (advanced past the records' draws, which the partitions make)."""
-    from sdl_design.massc.common import _codes
+    from sdl_design.massc.common import _codes, _combine
     from sdl_design.massc.donors import donor_search, search_profiles
 
     if not isinstance(rng.bit_generator, np.random.PCG64):
@@ -1227,6 +1327,17 @@ def donor_plan(
     N = int(size.sum())
     lev = np.bincount(search.n_changed, weights=size, minlength=len(req.keys) + 1)
     bounds = np.r_[0, np.cumsum([len(x) for x in tables])]
+    n_no_donor_domain = 0
+    if req.cells:  # records whose donor set has other key profiles but their cell none
+        r = len(req.restrictions)
+        base = _combine(codes[:r], len(units))
+        keys = _combine(codes[a:b], len(units))
+
+        def single(group: np.ndarray) -> np.ndarray:  # the group holds one key profile
+            return pd.Series(keys).groupby(group).transform("nunique").to_numpy() == 1
+
+        cell = _combine([base, _combine(codes[r:a], len(units))], len(units))
+        n_no_donor_domain = int(size[single(cell) & ~single(base)].sum())
     return DonorPlan(
         starts=np.array([int(x["first"].min()) if len(x) else -1 for x in tables]),
         local=[pid[bounds[i] : bounds[i + 1]] for i in range(n_parts)],
@@ -1240,6 +1351,7 @@ def donor_plan(
         route_before=before,
         n_profiles=prof.n_p,
         by_level={i: int(lev[i]) for i in range(len(req.keys) + 1)},
+        n_no_donor_domain=n_no_donor_domain,
     )
 
 

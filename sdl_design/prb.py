@@ -503,63 +503,114 @@ def block_risk(block: pd.Series, cell: np.ndarray, theta: float) -> pd.DataFrame
     )
 
 
+TRANSITION_COLUMNS = ["variable", "original", "published", "p", "n_original", "weight_original"]
+
+
+def transition_categories(cell_values: pd.DataFrame, variable: str) -> tuple[np.ndarray, list]:
+    """The category code of each cell on one cell variable (its published coding, a missing
+    value a category of its own: the missing-value policy), and the categories, sorted."""
+    codes, cats = pd.factorize(cell_values[variable].astype(str), sort=True, use_na_sentinel=False)
+    return codes, list(cats)
+
+
+def block_flows(
+    cat_codes: np.ndarray,
+    cell: np.ndarray,
+    block: np.ndarray,
+    w: np.ndarray,
+    theta: float,
+    k: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The in-block part of one variable's expected flows (eq. 2.1), from the block units alone
+    (cell, block and weight, in record order): the weight expected to move from each category
+    to each other one (k x k, zero diagonal), and each unit's term of its own category's
+    diagonal (the weight it keeps, 1 - theta/t'_j, plus what moves to other cells of the same
+    category: theta/((m - 1) t'_j) to each other cell of its block)."""
+    flow = np.zeros((k, k))
+    if not len(cell):
+        return flow, np.zeros(0)
+    a = cat_codes[cell]
+    pairs, inv, tp, m, _ = _block_cells(block, cell)
+    pb = pairs[0]
+    C = np.zeros((len(m), k))  # cells of each category per block
+    np.add.at(C, (pb, cat_codes[pairs[1]]), 1.0)
+    tj = tp[inv].astype(float)
+    mb = m[pb[inv]].astype(float)
+    q = theta / ((mb - 1) * tj)  # to each other cell
+    own = np.zeros((len(cell), k))
+    at = np.arange(len(cell))
+    own[at, a] = 1.0
+    to = (C[block] - own) * (w * q)[:, None]  # expected weight moved to each category
+    keep = w * (1 - theta / tj) + to[at, a]
+    to[at, a] = 0.0
+    np.add.at(flow, a, to)
+    return flow, keep
+
+
+def transition_rows(
+    variable: str,
+    cats: Sequence,
+    flow: np.ndarray,
+    diagonal: np.ndarray,
+    total: np.ndarray,
+    n: np.ndarray,
+) -> pd.DataFrame:
+    """expected_transitions' rows of one variable: p(a, b) = flow / weight of category a (the
+    diagonal: the weight each category keeps), for p > 0."""
+    flow = flow.copy()
+    flow[np.diag_indices(len(cats))] = diagonal
+    p = flow / np.where(total > 0, total, 1.0)[:, None]
+    i, j = np.nonzero(p > 0)
+    return pd.DataFrame(
+        {
+            "variable": variable,
+            "original": np.asarray(cats, dtype=object)[i],
+            "published": np.asarray(cats, dtype=object)[j],
+            "p": p[i, j],
+            "n_original": n[i],
+            "weight_original": total[i],
+        }
+    )[TRANSITION_COLUMNS]
+
+
 def expected_transitions(res: PrbResult, weight: np.ndarray) -> pd.DataFrame:
     """The PRAM matrix of each cell variable in its published coding, implied by the IFPR draw
     (eq. 2.1) in the blocks of this run: p = P(published = b | original = a), weighted by the
     design weight (so that E[published total of b] = sum_a p(a, b) * original total of a).
     A unit of cell j in a block of m cells stays with 1 - theta/t'_j and moves to each other cell
     with theta/((m - 1) t'_j); units outside blocks stay. Columns: variable, original, published,
-    p, n_original (records), weight_original."""
+    p, n_original (records), weight_original. The category sums are block sums
+    (sdl_design.blocksum: the same bits by partition, prb_transition_pass)."""
+    from sdl_design.blocksum import group_sum
+
     cv = res.cell_values
-    cols = ["variable", "original", "published", "p", "n_original", "weight_original"]
     if cv is None or not len(cv.columns):
-        return pd.DataFrame(columns=cols)
+        return pd.DataFrame(columns=TRANSITION_COLUMNS)
     w = np.asarray(weight, dtype=float)
     bl = res.block.to_numpy(dtype="float64", na_value=np.nan)
-    inb = ~np.isnan(bl)
+    idx = np.flatnonzero(~np.isnan(bl))
+    n = len(w)
     rows = []
     for v in cv.columns:
-        # a missing value is a category of its own (the missing-value policy)
-        cat_codes, cats = pd.factorize(cv[v].astype(str), sort=True, use_na_sentinel=False)
+        cat_codes, cats = transition_categories(cv, v)
         k = len(cats)
         a = cat_codes[res.cell]  # original category per record
-        # moves: per unit, prob theta/((m-1) t'_j) to each other cell of its block
-        flow = np.zeros((k, k))
-        stay_w = w.copy()
-        if inb.any():
-            idx = np.flatnonzero(inb)
-            b = bl[idx].astype(np.int64)
-            pairs, inv, tp, m, _ = _block_cells(b, res.cell[idx])
-            pb = pairs[0]
-            # cells of each category per block: C[block, category]
-            C = np.zeros((len(m), k))
-            np.add.at(C, (pb, cat_codes[pairs[1]]), 1.0)
-            tj = tp[inv].astype(float)
-            mb = m[pb[inv]].astype(float)
-            q = res.theta / ((mb - 1) * tj)  # to each other cell
-            stay_w[idx] = w[idx] * (1 - res.theta / tj)
-            own = np.zeros((len(idx), k))
-            own[np.arange(len(idx)), a[idx]] = 1.0
-            to = (C[b] - own) * (w[idx] * q)[:, None]  # expected weight moved to each category
-            np.add.at(flow, a[idx], to)
-        np.add.at(flow, (a, a), stay_w)
-        tot = np.bincount(a, weights=w, minlength=k)
-        nrec = np.bincount(a, minlength=k)
-        p = flow / np.where(tot > 0, tot, 1.0)[:, None]
-        i, j = np.nonzero(p > 0)
+        flow, keep = block_flows(
+            cat_codes, res.cell[idx], bl[idx].astype(np.int64), w[idx], res.theta, k
+        )
+        d = w.copy()  # the weight each record keeps in its category (all, outside blocks)
+        d[idx] = keep
         rows.append(
-            pd.DataFrame(
-                {
-                    "variable": v,
-                    "original": np.asarray(cats, dtype=object)[i],
-                    "published": np.asarray(cats, dtype=object)[j],
-                    "p": p[i, j],
-                    "n_original": nrec[i],
-                    "weight_original": tot[i],
-                }
+            transition_rows(
+                v,
+                cats,
+                flow,
+                group_sum(a, d, k, n),
+                group_sum(a, w, k, n),
+                np.bincount(a, minlength=k),
             )
         )
-    return pd.concat(rows, ignore_index=True)[cols]
+    return pd.concat(rows, ignore_index=True)
 
 
 def changed_by_variable(

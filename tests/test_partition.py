@@ -457,9 +457,19 @@ def test_swap_and_prb_by_partition_give_the_stages_records_to_the_bit(clean, tmp
         )
         pairs = st["swap"]["tables"]["pairs"]
         pd.testing.assert_frame_equal(pairs, swap.tables["pairs"], check_exact=True)
-        for m in ("n_changed", "max_risk", "n_blocks", "theta"):
+        for m in ("n_changed", "max_risk", "n_blocks", "theta", "share_changed"):
             assert st["prb"][m] == prb.metrics[m], m
+        # the README's: PrbStage's params, transition probabilities (category sums by
+        # partition, the same bits) and changes by variable (not their weighted share)
+        assert st["prb"]["params"] == prb.params
+        got = st["prb"]["tables"]
+        pd.testing.assert_frame_equal(
+            got["transitions"], prb.tables["transitions"], check_exact=True
+        )
+        want = prb.tables["changed_by_variable"].drop(columns="weighted_share_changed")
+        pd.testing.assert_frame_equal(got["changed_by_variable"], want, check_exact=True)
     assert prb.metrics["n_changed"] > 0  # the chain moved records
+    assert (prb.tables["transitions"]["p"] < 1).any() and len(want) == 7
     se = st["swap"]["tables"]["se_ratios"].set_index(["domain", "level", "variable"])
     d = SurveyDesign.from_spec(swap.data, spec.design)
     for v in ("income", "diabetes"):
@@ -558,6 +568,34 @@ def test_prb_alone_by_partition_gives_the_stages_records(clean, tmp_path, change
     assert out["stages"]["prb"]["n_changed"] == prb.metrics["n_changed"] > 0
 
 
+def test_prb_transitions_by_partition_in_blocks_across_partitions(clean, tmp_path, monkeypatch):
+    """PRB's transition probabilities (the public README's) by partition, with block sums of
+    256 records (12 blocks over 3,000 records, partitions of 450 records that begin and end
+    inside blocks): the in-memory stage's table, bit for bit, p and the category weights."""
+    from flows.scan import run_partitioned
+    from sdl_design import blocksum
+    from sdl_design.prb import PrbStage
+    from sdl_design.stage import StageContext
+
+    monkeypatch.setattr(blocksum, "BITS", 8)
+    monkeypatch.setattr(blocksum, "BLOCK", 256)
+    assert blocksum.n_blocks(N) == 12
+    path, _, whole = clean
+    data = yaml.safe_load(path.read_text())
+    del data["stages"]["swap"]
+    data["stages"]["massc"]["enabled"] = False
+    data["stages"]["topcode"]["enabled"] = False
+    new = path.parent / "prb-blocks.yaml"
+    new.write_text(yaml.safe_dump(data))
+    spec = load_spec(new)
+    prb = PrbStage.from_spec(spec).run(whole, StageContext(whole, spec, "prb"))
+    out = run_partitioned(new, "thread", partitions=7, out=tmp_path / "p", release=False)
+    got = out["stages"]["prb"]["tables"]["transitions"]
+    want = prb.tables["transitions"]
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
+    assert (want["p"] < 1).sum() > 10 and want["weight_original"].gt(0).all()
+
+
 def test_swap_with_bootstrap_replicates_by_partition_gives_the_stages_records(clean, tmp_path):
     """The swap rebuilding bootstrap replicate weights (100 resamples drawn on the driver from
     the swap's Generator) by partition: the in-memory stage's records, bit for bit."""
@@ -614,7 +652,7 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
     from flows.scan import run_partitioned
 
     path, spec, whole = _with_donors(clean, restrictions, delta_max)
-    _, prb = _in_memory(spec, whole)
+    swap, prb = _in_memory(spec, whole)
     cfg, plan, tr, dm, revisions = _release_massc(spec, prb, whole)
     assert (len(revisions) > 0) == (delta_max is not None)  # delta_max 0.2 revises the rates
     donor = plan.donors.donor
@@ -655,6 +693,8 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
 
         gates = [*prb.gates, *delta_gates(spec, dm.delta), *assessed.gates]
         _same_gates(folder, spec, gates, puf)
+        main = (cfg, plan, tr, dm, revisions)
+        _same_docs(folder, spec, whole, out, (swap, prb, main, assessed), puf)
     assert not (folder / "massc" / "replications").exists()
 
 
@@ -826,6 +866,58 @@ def _same_gates(folder, spec, metric_gates, puf, design=None, n=27):
     assert run["gates"] == n and run["gates_passed"] == int(want["passed"].sum())
 
 
+def _same_docs(folder, spec, whole, out, memory, puf):
+    """The partitioned chain's README.md and codebook.csv are, byte for byte, what
+    write_public_files writes from variance_notes and codebook on the in-memory stages'
+    results (swap, PRB, MASSC, top-coding, assessment) and public frame, and run.json has
+    their digests; the partitioned StageResults carry the in-memory params and metrics
+    the README reads."""
+    import hashlib
+
+    from flows.public_docs import codebook, variance_notes
+    from flows.public_files import neutralize_formulas
+    from flows.scan import stage_results
+    from sdl_design.massc.stage import _release_margins, massc_result
+    from sdl_design.rng import release_seed
+    from sdl_design.stage import StageContext
+    from sdl_design.topcode import TopcodeStage
+
+    swap, prb, main, assessed = memory
+    seed = release_seed(spec.release.seed, spec.release.year)
+    margins = _release_margins(prb.data, spec, whole, main[0])
+    massc = massc_result(prb.data, spec, seed, whole, main=main, margins=margins)
+    topcode = TopcodeStage.from_spec(spec).run(massc.data, StageContext(whole, spec, "topcode"))
+    results = [swap, prb, massc, topcode, assessed]
+    readme = variance_notes(spec, results, puf)
+    book = neutralize_formulas(codebook(puf, readme.codebook_notes))
+    want = {
+        "README.md": str(readme).encode(),
+        "codebook.csv": book.to_csv(index=False, lineterminator="\n").encode(),
+    }
+    run = json.loads((folder / "run.json").read_text())["public_files"]["files"]
+    for name, data in want.items():
+        assert (folder / "puf" / name).read_bytes() == data, name
+        assert run[name] == hashlib.sha256(data).hexdigest(), name
+    # what they were made from: the partitioned stages' params and metrics
+    got = {r.name: r for r in stage_results(spec, out["stages"], list(topcode.data.columns))}
+    assert got["swap"].params == swap.params and got["swap"].masks_design
+    assert got["prb"].params == prb.params
+    assert {k: massc.params[k] for k in got["massc"].params} == got["massc"].params
+    for k in (
+        "n_substituted", "share_substituted", "n_subsampled_out", "calibration_factor_min",
+        "calibration_factor_max", "n_no_donor", "n_no_donor_domain",
+    ):  # fmt: skip
+        assert got["massc"].metrics[k] == massc.metrics[k], k
+    assert massc.metrics["n_substituted"] > 0
+    for k in ("published_columns", "dropped_columns"):
+        assert got["assess"].params[k] == assessed.params[k], k
+    # the README says what ran, with the numbers of the in-memory stages
+    text = str(readme)
+    assert "JKn" in text and "substituted by MASSC" in text and "top-coded at" in text
+    assert f"{int(massc.metrics['n_substituted']):,} records" in text
+    assert book.set_index("variable").loc["bmi", "n_missing"] == puf["bmi"].isna().sum() > 0
+
+
 def _same_public(folder, spec, final, tmp_path, design=None, drop=None):
     """The public data files the partitioned chain writes (puf/) are the release's, byte for
     byte: public_frame of the in-memory records after the last stage (the design masked:
@@ -946,6 +1038,18 @@ def test_pseudo_design_by_partition_is_the_stages_and_the_release_reads_it(
     )
     assert assessed.metrics["psu_recoverable"] == 0  # no original PSU in the pseudo design
     _same_gates(tmp_path / "p", spec, assessed.gates, puf, design=design, n=24)
+    # the public README and codebook: the in-memory docs of these stages, with the pseudo
+    # design's section and its replicate scales
+    from flows.public_docs import codebook, variance_notes
+    from flows.public_files import neutralize_formulas
+
+    readme = variance_notes(spec, [top, ps, assessed], puf)
+    book = neutralize_formulas(codebook(puf, readme.codebook_notes))
+    assert (tmp_path / "p" / "puf" / "README.md").read_text() == str(readme)
+    assert "Pseudo-design for variance estimation" in str(readme)
+    assert (tmp_path / "p" / "puf" / "codebook.csv").read_text() == book.to_csv(
+        index=False, lineterminator="\n"
+    )
 
 
 def _release_massc(spec, prb, whole):
@@ -1061,6 +1165,46 @@ def test_donor_draws_by_partition_continue_the_generator_as_find_donors(clean):
     assert sum(len(t) for t in tables) >= plan.n_profiles  # a profile may be in several parts
     with pytest.raises(P.PartitionError, match="PCG64"):
         P.donor_plan(tables, req, np.random.Generator(np.random.MT19937(1)))
+
+
+@pytest.mark.parametrize(
+    ("domains", "restrictions"),
+    [(None, ()), (["sex", ["age", "race", "region"]], ("education",))],
+    ids=["every-key", "age-race-region"],
+)
+def test_records_without_a_donor_in_their_domain_cell_by_partition(clean, domains, restrictions):
+    """The donor plan's count of records with no partner only because of the declared domain
+    cells (MASSC's n_no_donor_domain, for the README) is the in-memory count: records whose
+    cell (restrictions x domains) holds a single key profile while their restriction group
+    holds several, counted by pandas on the whole file."""
+    from sdl_design.massc.treatment import domain_cells
+
+    path, _, whole = clean
+    data = yaml.safe_load(path.read_text())
+    if domains is not None:
+        data["utility"]["domains"] = domains
+    data["stages"]["massc"]["donor_restrictions"] = list(restrictions)
+    new = path.parent / f"no-donor-{len(restrictions)}.yaml"
+    new.write_text(yaml.safe_dump(data))
+    spec = load_spec(new)
+    req = P.massc_request(spec, P.input_columns(spec.release.input))
+    parts = P.plan_partitions(spec.release.input, 3)
+    plan = P.donor_plan([P.donor_pass1(p, spec, req) for p in parts], req, _massc_rng(spec))
+    f = pd.DataFrame(
+        {
+            "r": whole[list(restrictions)].astype(str).agg("|".join, axis=1) if restrictions else 0,
+            "cell": domain_cells(whole, list(req.cells)),
+            "key": domain_cells(whole, list(req.keys)),
+        }
+    )
+    one = f.groupby(["r", "cell"])["key"].transform("nunique") == 1
+    several = f.groupby("r")["key"].transform("nunique") > 1
+    want = int((one & several).sum())
+    assert plan.n_no_donor_domain == want
+    if domains is None:  # every key a domain: no record has a partner
+        assert want == len(whole)
+    else:
+        assert 0 < want < len(whole)
 
 
 def test_advanced_generator_draws_the_stages_doubles_from_the_kth_on():

@@ -96,3 +96,40 @@ def test_public_files_by_partition_are_the_release_writers_bytes(
     assert ",3e-05," in text and "'=1+1" in text
     # the public order is not the input's
     assert not np.array_equal(back["age"].to_numpy(), whole["age"].to_numpy())
+
+
+def test_readme_and_codebook_by_partition_are_the_release_writers_bytes(
+    survey, tmp_path, monkeypatch
+):
+    """With the stage results (here none: the spec's design), README.md and codebook.csv
+    written from 5 row groups of 700 records (value sets of more than 40 values counted in 8
+    hash buckets) are what write_public_files writes from variance_notes and the whole frame;
+    run.json's digests are those files'."""
+    import hashlib
+
+    import flows.public_files as pf
+    from flows.public_docs import variance_notes
+
+    monkeypatch.setattr(pf, "SMALL", 40)
+    monkeypatch.setattr(pf, "BUCKET_VALUES", 3000 * 80 // 4)
+    spec, whole = survey
+    cols = list(whole.columns)
+    masked, drop = True, ["segment"]
+    built = design_columns(spec.design, cols)
+    parts = plan_partitions(spec.release.input, 7)
+    with _mapper("thread", None, 1, "partitioned") as run_map:
+        got = write_public_by_partition(
+            run_map, parts, spec, cols, masked, drop, built, tmp_path / "puf", 700, results=[]
+        )
+    assert sorted(got["files"]) == ["README.md", "codebook.csv", "puf.csv", "puf.parquet"]
+    puf = public_frame(whole, spec, masked, drop, built)
+    ref = write_public_files(puf, tmp_path / "ref", variance_notes(spec, [], puf))
+    for name in ("README.md", "codebook.csv"):
+        data = (tmp_path / "puf" / name).read_bytes()
+        assert data == (tmp_path / "ref" / name).read_bytes(), name
+        assert got["files"][name] == ref[f"public/{name}"] == hashlib.sha256(data).hexdigest()
+    cb = pd.read_csv(tmp_path / "puf" / "codebook.csv").set_index("variable")
+    assert cb.loc["wt", "n_distinct"] == puf["wt"].nunique() > 40  # counted in the buckets
+    assert cb.loc["income", "min"] == puf["income"].min()
+    assert cb.loc["education", "values"].split("; ") == sorted(puf["education"].dropna().unique())
+    assert "70 replicate weights" in (tmp_path / "puf" / "README.md").read_text()

@@ -414,20 +414,13 @@ def massc_result(
             "domain_columns": [k.name for k in cfg.domain_columns],
             "psi_method": plan.psi.method,
             "phi_method": tr.phi.method,
-            "selection": "nested within PSU (pps)" if cfg.nest else "stratified SRSWOR",
+            "selection": selection_name(cfg),
             "substitute_columns": cfg.substitute_columns,
             "importance": cfg.importance,
             "donor_restrictions": cfg.restrictions,
             "risk_basis": cfg.risk_basis,
             "replications": spec.stages.massc.replications,
-            "calibration": {
-                "method": cal.method,
-                "bounds": list(cal.bounds) if cal.bounds else None,
-                "controls": [k.model_dump(exclude_none=True) for k in cal.controls],
-                "infeasible_policy": cal.infeasible_policy,
-                "domain_margins": cal.domain_margins,
-                "domain_min_records": cal.domain_min_records,
-            },
+            "calibration": calibration_params(cal),
         },
         metrics=metrics,
         tables={
@@ -443,6 +436,23 @@ def massc_result(
         figures={"weight_factors": _weight_factor_figure(data, cfg.weight, tr)},
         notes=notes,
     )
+
+
+def selection_name(cfg: MasscConfig) -> str:
+    """The subsampling's selection, as the params and the public README name it."""
+    return "nested within PSU (pps)" if cfg.nest else "stratified SRSWOR"
+
+
+def calibration_params(cal: Any) -> dict[str, Any]:
+    """The calibration section as the params (and the public README) record it."""
+    return {
+        "method": cal.method,
+        "bounds": list(cal.bounds) if cal.bounds else None,
+        "controls": [k.model_dump(exclude_none=True) for k in cal.controls],
+        "infeasible_policy": cal.infeasible_policy,
+        "domain_margins": cal.domain_margins,
+        "domain_min_records": cal.domain_min_records,
+    }
 
 
 def _weight_factor_figure(data: pd.DataFrame, weight: str, tr) -> bytes:
