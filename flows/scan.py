@@ -900,12 +900,7 @@ def _assess_stage(
     m = out.metrics
     # the risk of the published records: each one linked to its original record (the
     # retained ones in record order)
-    if chain.selected:
-        retained = run_map(
-            pas.retained_in, chain.inputs, chain.selected, what="assess: retained records"
-        )
-    else:
-        retained = [p.stop - p.start for p in chain.inputs]
+    retained = _retained(chain, run_map, parts)
     linked = pas.link(chain.inputs, parts, retained)
     risk = run_map(pas.risk_pass, linked, spec, req, plan, chain.selected, what="assess risk")
     originals = run_map(
@@ -974,6 +969,70 @@ def _assess_stage(
     }
 
 
+def _retained(chain: Chain, run_map: Exchange, parts: list) -> list[int]:
+    """Each original partition's records in the published file (MASSC's d(2), else all)."""
+    from sdl_design import partition_assess as pas
+
+    if chain.selected:
+        return run_map(pas.retained_in, chain.inputs, chain.selected, what="retained records")
+    return [p.stop - p.start for p in chain.inputs]
+
+
+def _final_stage(
+    spec: ReleaseSpec,
+    columns: list[str],
+    parts: list,
+    run_map: Exchange,
+    folder: Path,
+    chain: Chain,
+) -> dict[str, Any]:
+    """FinalStage's SE table and measures by partition (sdl_design.partition_final): the
+    broad characteristics of each file decided over its partitions, their means with Taylor
+    and replicate SEs (the original in its design, the records so far in the public one), the
+    table as se_ratio_table makes it; the sample uniques before and after (profile counts) and
+    the records with a key changed (each linked to its original record)."""
+    from sdl_design import partition_assess as pas
+    from sdl_design import partition_final as pf
+    from sdl_design.partition import combine_profiles
+    from sdl_design.utility import final_measures, final_tables, se_ratio_merge
+
+    t = time.perf_counter()
+    original = part.input_columns(spec.release.input)
+    req = pf.final_request(spec, original, columns, chain.public_design(spec))
+    tables = []
+    for f, (p, name) in enumerate(((chain.inputs, "original"), (parts, "released"))):
+        plan = pf.final_plan(
+            run_map(pf.final_pass1, p, spec, req, f, what=f"final, {name}"), req, f
+        )
+        first = run_map(pf.final_means1, p, spec, plan, what=f"final SEs, {name}, pass 1")
+        agg = part.combine_pass1(first)
+        levels, R = agg.levels, part.ratios(agg)
+        second = run_map(
+            pf.final_means2, p, spec, plan, levels, R, what=f"final SEs, {name}, pass 2"
+        )
+        tables.append(pf.se_table(plan, first, second))
+    out = se_ratio_merge(*tables)
+    after = combine_profiles(run_map(pf.key_profiles, parts, spec, what="final: key profiles"))
+    linked = pas.link(chain.inputs, parts, _retained(chain, run_map, parts))
+    changed = run_map(pf.keys_changed, linked, spec, chain.selected, what="final: keys changed")
+    n = sum(c[0] for c in changed)
+    metrics, notes = final_measures(
+        out,
+        pf.unique_share(chain.scan["profiles"]),
+        pf.unique_share(after),
+        sum(c[1] for c in changed) / n if n else 0.0,
+        n / chain.inputs[-1].stop,
+    )
+    _say(notes[0], "partitioned")
+    return {
+        **metrics,
+        "notes": notes,
+        "seconds": time.perf_counter() - t,
+        "unchanged": True,
+        "tables": final_tables(out),
+    }
+
+
 # the release stages that have a partitioned path (sdl_design.partition's map and reduce);
 # a stage's function returns None where its partitioned path does not cover the spec
 PARTITIONED = {
@@ -986,7 +1045,7 @@ PARTITIONED = {
 # measuring stages whose measures the scan makes by partition (scan/risk.csv)
 MEASURED_BY_SCAN = ("risk",)
 # measuring stages with a partitioned path (their measures of the records so far)
-MEASURED = {"assess": _assess_stage}
+MEASURED = {"final": _final_stage, "assess": _assess_stage}
 # what a stage's partitioned path refuses in a spec, checked before anything runs
 # (PartitionError naming the field): (spec, input columns) -> None
 PARTITIONED_CHECKS = {"massc": pcal.check_massc, "topcode": ptc.topcode_request}

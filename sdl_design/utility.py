@@ -373,6 +373,12 @@ def se_ratio_table(
         rho=rho,
         rscales=masked_rscales,
     )
+    return se_ratio_merge(o, m)
+
+
+def se_ratio_merge(o: pd.DataFrame, m: pd.DataFrame) -> pd.DataFrame:
+    """se_ratio_table's rows from the original's and the masked file's domain_mean_se
+    tables (the characteristics both have; a zero original SE left out)."""
     key = ["variable", "domain", "kind"]
     t = o.merge(m, on=key, how="inner", suffixes=("_o", "_m"), sort=False)
     keep = t["se_o"].to_numpy() > 1e-12 * np.maximum(1.0, np.abs(t["estimate_o"].to_numpy()))
@@ -443,7 +449,6 @@ class FinalStage:
             masked_design=pub,
             original_se=original_se,
         )
-        metrics = se_ratio_metrics(out)
         keys = spec.variables.keys
         before = (risk_strata(original, keys) == "U").mean()
         after = (risk_strata(df, keys) == "U").mean()
@@ -452,38 +457,60 @@ class FinalStage:
         changed = (
             key_frame(df.loc[common, names], keys) != key_frame(original.loc[common, names], keys)
         ).any(axis=1)
-        metrics.update(
-            {
-                "n_characteristics": float(len(out)),
-                "unique_share_before": float(before),
-                "unique_share_after": float(after),
-                "share_keys_changed": float(changed.mean()) if len(common) else 0.0,
-                "share_records_retained": len(df) / len(original),
-            }
+        metrics, notes = final_measures(
+            out,
+            float(before),
+            float(after),
+            float(changed.mean()) if len(common) else 0.0,
+            len(df) / len(original),
         )
-        notes = [
-            f"{len(out)} characteristics: median SE ratio (released / original) "
-            f"{metrics.get('se_ratio_median', float('nan')):.3f}, 10th-90th percentile "
-            f"{metrics.get('se_ratio_p10', float('nan')):.3f}-"
-            f"{metrics.get('se_ratio_p90', float('nan')):.3f}",
-            f"sample uniques on the keys: {before:.1%} before, {after:.1%} after; "
-            f"{metrics['share_keys_changed']:.1%} of retained records have a changed key",
-        ]
-        if metrics.get("se_ratio_n_zero"):
-            zero = out.loc[out["ratio"] <= 0, "characteristic"].head(5).tolist()
-            notes.append(
-                f"{metrics['se_ratio_n_zero']:.0f} characteristics have SE 0 on the released file "
-                f"(e.g. {', '.join(zero)}): the treatment left no variation there"
-            )
         return StageResult(
             name=self.name,
             data=df,
             metrics=metrics,
-            tables={
-                "se_ratios": out,
-                "se_ratio_summary": deff_class_summary(out["ratio"], out["deff"]).reset_index(),
-            },
+            tables=final_tables(out),
             report_tables=["se_ratio_summary", "se_ratios"],
             se_ratio_table="se_ratios",
             notes=notes,
         )
+
+
+def final_tables(out: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """FinalStage's tables from its SE table."""
+    return {
+        "se_ratios": out,
+        "se_ratio_summary": deff_class_summary(out["ratio"], out["deff"]).reset_index(),
+    }
+
+
+def final_measures(
+    out: pd.DataFrame, before: float, after: float, keys_changed: float, retained: float
+) -> tuple[dict[str, float], list[str]]:
+    """FinalStage's metrics and notes: its SE table's ratios (se_ratio_metrics), the shares
+    of sample uniques on the keys before and after, of retained records with a changed key
+    and of records retained."""
+    metrics = se_ratio_metrics(out)
+    metrics.update(
+        {
+            "n_characteristics": float(len(out)),
+            "unique_share_before": before,
+            "unique_share_after": after,
+            "share_keys_changed": keys_changed,
+            "share_records_retained": retained,
+        }
+    )
+    notes = [
+        f"{len(out)} characteristics: median SE ratio (released / original) "
+        f"{metrics.get('se_ratio_median', float('nan')):.3f}, 10th-90th percentile "
+        f"{metrics.get('se_ratio_p10', float('nan')):.3f}-"
+        f"{metrics.get('se_ratio_p90', float('nan')):.3f}",
+        f"sample uniques on the keys: {before:.1%} before, {after:.1%} after; "
+        f"{keys_changed:.1%} of retained records have a changed key",
+    ]
+    if metrics.get("se_ratio_n_zero"):
+        zero = out.loc[out["ratio"] <= 0, "characteristic"].head(5).tolist()
+        notes.append(
+            f"{metrics['se_ratio_n_zero']:.0f} characteristics have SE 0 on the released file "
+            f"(e.g. {', '.join(zero)}): the treatment left no variation there"
+        )
+    return metrics, notes

@@ -445,9 +445,9 @@ def test_swap_and_prb_by_partition_give_the_stages_records_to_the_bit(clean, tmp
         out = run_partitioned(path, "thread", partitions=n, out=tmp_path / f"p{n}", release=False)
         st = out["stages"]
         # the swap masked the design: the pseudo design builds nothing, records unchanged
-        assert list(st) == ["swap", "prb", "pseudo_design", "not_measured"]
+        assert list(st) == ["swap", "prb", "pseudo_design"]  # (release False: no measures)
         assert out["public_files"] is None and not (tmp_path / f"p{n}" / "puf").exists()
-        assert st["pseudo_design"]["built"] is False and st["not_measured"] == ["final"]
+        assert st["pseudo_design"]["built"] is False
         assert len(st["swap"]["files"]) == n
         _same_bits(
             pd.read_parquet(tmp_path / f"p{n}" / "swap" / "data"), swap.data.reset_index(drop=True)
@@ -563,7 +563,7 @@ def test_prb_alone_by_partition_gives_the_stages_records(clean, tmp_path, change
     prb = PrbStage.from_spec(spec).run(whole, StageContext(whole, spec, "prb"))
     out = run_partitioned(new, "thread", partitions=5, out=tmp_path / "p", release=False)
     # no swap: the pseudo design is built after PRB (its test: pseudo_design_by_partition)
-    assert list(out["stages"]) == ["prb", "pseudo_design", "not_measured"]
+    assert list(out["stages"]) == ["prb", "pseudo_design"]
     _same_bits(pd.read_parquet(tmp_path / "p" / "prb" / "data"), prb.data.reset_index(drop=True))
     assert out["stages"]["prb"]["n_changed"] == prb.metrics["n_changed"] > 0
 
@@ -614,8 +614,7 @@ def test_swap_with_bootstrap_replicates_by_partition_gives_the_stages_records(cl
     spec = load_spec(new)
     swap = SwapStage.from_spec(spec).run(whole, StageContext(whole, spec, "swap"))
     out = run_partitioned(new, "thread", partitions=3, out=tmp_path / "p", release=False)
-    assert list(out["stages"]) == ["swap", "pseudo_design", "not_measured"]
-    assert out["stages"]["not_measured"] == ["final"]
+    assert list(out["stages"]) == ["swap", "pseudo_design"]
     got = pd.read_parquet(tmp_path / "p" / "swap" / "data")
     assert sum(c.startswith("rw") for c in got.columns) == 100
     _same_bits(got, swap.data.reset_index(drop=True))
@@ -689,6 +688,8 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
         assert len(puf) < N  # MASSC's subsample
         assessed = _same_assessment(folder, spec, whole, final)
         assert assessed.metrics["psu_recoverable"] > 0  # the swap's labels leak some PSUs
+        fin = _same_final(folder, spec, whole, final)
+        assert 0 < fin.metrics["share_keys_changed"] < 1  # PRB and MASSC changed keys
         from sdl_design.massc.stage import delta_gates
 
         gates = [*prb.gates, *delta_gates(spec, dm.delta), *assessed.gates]
@@ -839,6 +840,38 @@ def _same_assessment(folder, spec, whole, final, previous=None, rtol=1e-12, mode
     ]
     assert got["passed"].tolist() == inside
     return stage
+
+
+def _same_final(folder, spec, whole, final, previous=None, rtol=1e-11):
+    """FinalStage by partition equals FinalStage on the in-memory records after the last
+    stage (previous: the stages before it; default the swap): its SE table (every broad
+    characteristic of both files, the same rows in the same order, SEs and deffs to rtol),
+    its summary by design-effect class and its metrics (the SE ratios' quantiles, sample
+    uniques before and after, records with a changed key, records retained)."""
+    from sdl_design.stage import StageContext, StageResult
+    from sdl_design.utility import FinalStage
+
+    if previous is None:
+        previous = [StageResult("swap", None, masks_design=True, drop_public=[spec.design.segment])]
+    want = FinalStage(spec).run(final, StageContext(whole, spec, "final", previous))
+    for name, t in want.tables.items():
+        got = pd.read_csv(folder / "final" / f"{name}.csv", float_precision="round_trip")
+        assert list(got.columns) == list(t.columns), name
+        assert len(got) == len(t) > 0, name
+        for c in t.columns:
+            if t[c].dtype.kind in "fiu":
+                np.testing.assert_allclose(
+                    got[c].to_numpy(float), t[c].to_numpy(float), rtol=rtol, err_msg=(name, c)
+                )
+            else:
+                assert got[c].astype(str).tolist() == t[c].astype(str).tolist(), (name, c)
+    run = json.loads((folder / "run.json").read_text())["stages"]["final"]
+    assert set(want.metrics) <= set(run)
+    for k, v in want.metrics.items():
+        assert run[k] == pytest.approx(v, rel=rtol, abs=1e-15), k
+    assert run["notes"] == want.notes
+    assert len(want.tables["se_ratios"]) > 100
+    return want
 
 
 def _same_gates(folder, spec, metric_gates, puf, design=None, n=27):
@@ -1007,8 +1040,7 @@ def test_pseudo_design_by_partition_is_the_stages_and_the_release_reads_it(
     new.write_text(yaml.safe_dump(data))
     spec = load_spec(new)
     out = run_partitioned(new, "thread", partitions=7, out=tmp_path / "p")
-    assert list(out["stages"]) == ["topcode", "pseudo_design", "not_measured", "assess"]
-    assert out["stages"]["not_measured"] == ["final"]
+    assert list(out["stages"]) == ["topcode", "pseudo_design", "final", "assess"]
     ctx = StageContext(whole, spec, "topcode")
     top = TopcodeStage.from_spec(spec).run(whole, ctx)
     ps = PseudoDesignStage.from_spec(spec).run(top.data, ctx.for_stage("pseudo_design", [top]))
@@ -1037,6 +1069,8 @@ def test_pseudo_design_by_partition_is_the_stages_and_the_release_reads_it(
         model_rtol=1e-10 if method == "jkn" else 1e-5,
     )
     assert assessed.metrics["psu_recoverable"] == 0  # no original PSU in the pseudo design
+    fin = _same_final(tmp_path / "p", spec, whole, ps.data, [top, ps])
+    assert fin.metrics["share_keys_changed"] == 0  # top-coding changes no key
     _same_gates(tmp_path / "p", spec, assessed.gates, puf, design=design, n=24)
     # the public README and codebook: the in-memory docs of these stages, with the pseudo
     # design's section and its replicate scales
