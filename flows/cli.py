@@ -212,14 +212,28 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_partitioned(args: argparse.Namespace) -> int:
-    """The stages with a partitioned path a partition at a time, then the public data files."""
+    """The stages with a partitioned path a partition at a time, then the public data files
+    (published with --publish)."""
     from flows.scan import run_partitioned
+    from sdl_design.spec import SpecError, load_spec
 
     def go() -> int:
-        out = run_partitioned(args.spec, args.runner, args.dask_address, args.partitions, args.out)
+        manifest = None
+        if args.publish:
+            if args.out:
+                raise SpecError(["--out: a published run writes into its release's attempt"])
+            from flows.partitioned_release import publish_partitioned
+
+            manifest, out = publish_partitioned(
+                args.spec, args.approve, args.runner, args.dask_address, args.partitions
+            )
+        else:
+            out = run_partitioned(
+                args.spec, args.runner, args.dask_address, args.partitions, args.out
+            )
         print(
             f"{args.spec}: {out['records']} records in {out['partitions']} partition(s), "
-            f"{out['seconds']:.1f} s; written to {out['folder']}"
+            f"{out['seconds']:.1f} s" + ("" if manifest else f"; written to {out['folder']}")
         )
         sc = out["scan"]
         strata = ", ".join(f"{r.stratum} {r.records}" for r in sc["risk_strata"].itertuples())
@@ -320,10 +334,20 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                 f"({pub['seconds']:.1f} s); gates: "
                 f"{pub['gates_passed']} of {pub['gates']} pass (gates.csv"
                 + (f"; failed: {'; '.join(pub['gates_failed'])}" if pub["gates_failed"] else "")
-                + "); every stage that changes the records ran by partition; not published: "
-                + (f"the measures of {', '.join(left)}, " if left else "")
-                + "the approval"
+                + "); every stage that changes the records ran by partition"
+                + (f"; not measured: {', '.join(left)}" if left else "")
             )
+        if manifest is not None:
+            from flows.publish import release_dir
+
+            spec = load_spec(args.spec)
+            print(
+                f"release {manifest.release.release_id}: {manifest.status} (approved by "
+                f"{manifest.approval.approver or 'nobody: not required'}) to "
+                f"{release_dir(spec)}/public"
+            )
+        elif "stopped_before" not in st:
+            print("  not published: `puf partitioned --publish --approve NAME` publishes it")
         return 0
 
     return _guarded(go)
@@ -504,6 +528,13 @@ def main(argv: list[str] | None = None) -> int:
         "Parquet files, then the public data files (puf/puf.parquet, puf/puf.csv; not published)",
     )
     partition_opts(pa, "folder for each stage's records and tables (default: beside the release)")
+    pa.add_argument(
+        "--publish",
+        action="store_true",
+        help="publish the release when every gate passes (as `puf run`: staged, approved, "
+        "recorded in the registry); the records after each stage are deleted",
+    )
+    pa.add_argument("--approve", metavar="NAME", default=None, help="approve as NAME")
     pa.set_defaults(func=cmd_partitioned)
 
     t = sub.add_parser(

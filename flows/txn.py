@@ -49,6 +49,8 @@ FAULT_ENV = "PUF_FAULT_POINT"
 # where PUF_FAULT_POINT kills the process with SIGKILL (tests of recovery)
 FAULT_POINTS = ("staging", "before_publish", "after_publish_before_commit", "after_commit")
 LOCK_NAME = "release.lock"
+# the records after each stage of a partitioned release, in its attempt's folder while it runs
+PARTITIONED = "partitioned"
 # record-level tables (original-to-masked maps) never kept in the record of an unpublished attempt
 CONFIDENTIAL_TABLES = ("swap/pairs.csv", "risk/records.csv")
 REDACTED = "redacted: see the registry"
@@ -541,6 +543,7 @@ class Transaction:
                 done.append(f"{aid}: rolled back (its files were not in place)")
             elif state in ("running", "awaiting_approval"):
                 _rmtree(folder / PREPARED)
+                _rmtree(folder / PARTITIONED)
                 _rmtree(staged / "public")
                 strip_record(staged / "internal")
                 reason = f"interrupted while {state.replace('_', ' ')}; recovered {now()}"

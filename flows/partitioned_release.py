@@ -1,0 +1,215 @@
+"""The partitioned release published (`puf partitioned --publish --approve NAME`): the run of
+flows.scan.run_partitioned inside a release transaction (flows.txn), its public files staged
+with the release's record (manifest, stage tables, report) and published as the release flow
+publishes them: nothing reaches public/ unless every gate passes and a person approves.
+
+The records after each stage are written inside the attempt's folder and deleted when the
+attempt ends (published, rejected or failed; recovery deletes them after a crash): the record
+keeps the stages' tables, as the release flow's does."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from flows import publish as pub
+from flows.manifest import Manifest
+from flows.txn import PARTITIONED, Transaction, fault
+from sdl_design.spec import ReleaseSpec, SpecError, load_spec
+from sdl_design.stage import StageResult
+
+
+def input_digest(path: str | Path) -> str:
+    """The input's digest: sha256 of the file (as the release flow's), or of a folder of
+    Parquet files the sha256 of their names and digests in name order."""
+    from sdl_design.io import file_digest
+
+    path = Path(path)
+    if path.is_file():
+        return file_digest(path)
+    h = hashlib.sha256()
+    for f in sorted(path.glob("*.parquet")):
+        h.update(f"{f.name}:{file_digest(f)}\n".encode())
+    return h.hexdigest()
+
+
+def measured_results(spec: ReleaseSpec, out: dict[str, Any]) -> list[StageResult]:
+    """The partitioned run's StageResults for the record: the risk stage's (from the scan),
+    every stage's (flows.scan.stage_results), the final stage's and the assessment's with
+    their tables, in release order."""
+    from flows.scan import stage_results
+    from sdl_design.partition import input_columns
+
+    st = out["stages"]
+    folder = Path(out["folder"])
+    last = [k for k in st if isinstance(st[k], dict) and (folder / k / "data").exists()]
+    columns = (
+        input_columns(folder / last[-1] / "data") if last else input_columns(spec.release.input)
+    )
+    built = {r.name: r for r in stage_results(spec, st, columns)}
+    scan = out["scan"]
+    risk = scan["risk"]  # the risk stage's metrics, made by the scan
+    results = [
+        StageResult(
+            "risk",
+            None,
+            metrics=dict(zip(risk["metric"], risk["value"].astype(float), strict=True)),
+            tables={"risk_strata": scan["risk_strata"]},
+        )
+    ]
+    for name, res in st.items():
+        if name == "final":
+            results.append(
+                StageResult(
+                    "final",
+                    None,
+                    metrics=_numbers(res),
+                    tables=res["tables"],
+                    notes=list(res.get("notes", [])),
+                    report_tables=["se_ratio_summary", "se_ratios"],
+                    se_ratio_table="se_ratios",
+                )
+            )
+        elif name == "assess":
+            a = built["assess"]
+            a.tables = dict(res["tables"])
+            results.append(a)
+        elif name in built:
+            results.append(built[name])
+    return results
+
+
+def _numbers(res: dict[str, Any]) -> dict[str, float]:
+    return {
+        k: float(v)
+        for k, v in res.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and k != "seconds"
+    }
+
+
+def _move_public(puf: Path, public: Path) -> dict[str, str]:
+    """The partitioned run's public files moved into public (created here); their digests."""
+    public.mkdir(parents=True)
+    out = {}
+    for name in ("README.md", "codebook.csv", "puf.csv", "puf.parquet"):
+        shutil.move(str(puf / name), str(public / name))
+        out[f"public/{name}"] = pub.sha256_file(public / name)
+    return out
+
+
+def publish_partitioned(
+    spec_path: str | Path,
+    approve: str | None,
+    runner: str = "thread",
+    dask_address: str | None = None,
+    partitions: int | None = None,
+    workers: int = 2,
+) -> tuple[Manifest, dict[str, Any]]:
+    """Run the spec's release by partition and publish it: (the manifest, run_partitioned's
+    result). Raises GateFailed when a gate fails (nothing published), SpecError when the spec
+    needs an approval and none is given or a stage has no partitioned path, and what the
+    transaction raises (ReleaseLocked, RegistryError, PublishError)."""
+    from expectations.suites import GateFailed
+    from flows.registry import se_ratio_tables
+    from flows.release import _report_writer, _tables
+    from flows.scan import run_partitioned
+
+    spec = load_spec(spec_path)
+    if spec.approval.required and not approve:
+        raise SpecError(
+            [
+                "approval.required: the partitioned release does not pause for the board; give "
+                "the approver with --approve NAME, or run the release flow (`puf run`), which "
+                "waits for the decision"
+            ]
+        )
+    with Transaction.begin(spec) as txn:
+        manifest = Manifest.new(
+            spec, pub.sha256_file(Path(spec_path)), input_digest(spec.release.input)
+        )
+        txn.open(manifest)
+        work = txn.folder / PARTITIONED
+        results: list[StageResult] = []
+        gates = None
+        try:
+            out = run_partitioned(
+                spec_path, runner, dask_address, partitions, out=work, workers=workers
+            )
+            if out["public_files"] is None:
+                raise SpecError(
+                    [
+                        f"stages: {out['stages'].get('stopped_before')} has no partitioned path; "
+                        "publish this spec with the release flow (`puf run`)"
+                    ]
+                )
+            results = measured_results(spec, out)
+            for r in results:
+                manifest.absorb(r)
+            manifest.counts.n_input = int(out["records"])
+            manifest.counts.n_output = int(out["public_files"]["records"])
+            gates = pd.read_csv(work / "gates.csv", keep_default_na=False, na_values=[""])
+            manifest.set_gates(gates)
+            if not gates["passed"].all():
+                err = GateFailed("release gates failed; nothing was published", gates)
+                _end(txn, spec, manifest, results, gates, "rejected", str(err))
+                raise err
+            manifest.status = "gated"
+            txn.prepare_public(lambda folder: _move_public(work / "puf", folder))
+            tables, writer = _tables(results, gates), _report_writer(results, spec)
+            staged = txn.stage(
+                lambda folder: pub.write_stage(
+                    folder, manifest, tables, writer, fault=fault, prepared=txn.prepared_public
+                )
+            )
+            ratios = se_ratio_tables(results)
+            txn.awaiting_approval(manifest, ratios)
+            decision = {
+                "approver": approve,
+                "decision": "approved",
+                "comment": "approved on the command line"
+                if approve
+                else "approval not required by the spec",
+                "at": pub.now(),
+            }
+            manifest.approval = manifest.approval.model_copy(update=decision)
+            manifest.status = "published"
+            manifest.reason = None
+            pub.write_record(staged / "internal", manifest, {}, writer)
+            txn.publish(manifest, ratios)
+            return manifest, out
+        except GateFailed:
+            raise
+        except BaseException as e:
+            if txn.state in ("running", "awaiting_approval"):
+                try:
+                    _end(txn, spec, manifest, results, gates, "failed", f"{type(e).__name__}: {e}")
+                except Exception:  # noqa: BLE001 - keep the original error visible
+                    pass
+            raise
+        finally:
+            shutil.rmtree(work, ignore_errors=True)  # the records after each stage
+
+
+def _end(
+    txn: Transaction,
+    spec: ReleaseSpec,
+    manifest: Manifest,
+    results: list[StageResult],
+    gates: pd.DataFrame | None,
+    status: str,
+    reason: str,
+) -> None:
+    """An attempt that does not publish: its record (no public files), the registry told."""
+    from flows.registry import se_ratio_tables
+    from flows.release import _report_writer, _tables
+
+    manifest.status = status
+    manifest.reason = reason
+    pub.write_record(
+        txn.staged / "internal", manifest, _tables(results, gates), _report_writer(results, spec)
+    )
+    txn.close(status, reason, manifest, se_ratio_tables(results))

@@ -1,0 +1,115 @@
+"""The partitioned release published (flows.partitioned_release, `puf partitioned --publish`):
+the same release as the release flow's, its public files byte for byte; a failed gate
+publishes nothing; the records after each stage never outlive the attempt."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from expectations.suites import GateFailed
+from flows import registry as reg
+from flows.cli import main as puf
+from flows.cli import write_demo_spec
+from flows.partitioned_release import publish_partitioned
+from flows.publish import sha256_file
+from flows.txn import PARTITIONED
+from sdl_design.spec import SpecError, load_spec
+
+
+def _spec(tmp_path, **changes):
+    """The demo spec on 3,000 persons in row groups of 450 (7 partitions), its registry in
+    the folder; without the swap, PRB and MASSC (the publication is under test), design labels
+    published so that the gates hold; changes: dotted keys set."""
+    path = write_demo_spec(tmp_path, n_persons=3000)
+    data = yaml.safe_load(path.read_text())
+    src = load_spec(path).release.input
+    pq.write_table(pa.Table.from_pandas(pd.read_parquet(src)), src, row_group_size=450)
+    for s in ("massc", "prb", "swap"):
+        data["stages"][s] = None
+    data["gates"]["xi"] = None
+    data["design"]["publish_design_labels"] = True
+    data["release"]["registry"] = f"sqlite:///{tmp_path / 'registry.db'}"
+    for dotted, value in changes.items():
+        node = data
+        *head, last = dotted.split(".")
+        for h in head:
+            node = node[h]
+        node[last] = value
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    rel = data["release"]
+    final = tmp_path / rel["name"] / str(rel["year"])
+    return path, final, data["release"]["registry"], rel["name"], rel["year"]
+
+
+def _disk(final):
+    return {f"public/{p.name}": sha256_file(p) for p in sorted((final / "public").iterdir())}
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_server")
+def test_partitioned_release_publishes_the_release_flows_files(tmp_path, capsys):
+    """The release flow publishes the spec; `puf partitioned --publish --approve` then
+    publishes it again by partition: the same release id, the same four public files byte for
+    byte, the same gates and verdicts; the registry's current release is the partitioned one
+    with the files on disk, its record holds the final stage's SE table and the assessment,
+    and no record after a stage is left in the attempt's folder."""
+    from flows.release import release_flow
+
+    path, final, url, name, year = _spec(tmp_path)
+    first = release_flow(spec_path=str(path), approve="board")
+    assert first.status == "published"
+    memory = dict(first.hashes.outputs)
+    assert set(memory) == {
+        f"public/{f}" for f in ("README.md", "codebook.csv", "puf.csv", "puf.parquet")
+    }
+    kept = {k: (final / k).read_bytes() for k in memory}
+    assert (
+        puf(["partitioned", str(path), "--partitions", "7", "--publish", "--approve", "ana"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert f"release {first.release.release_id}: published (approved by ana)" in out
+    row = reg.current_release(name, year, url)
+    assert row["release_id"] == first.release.release_id
+    assert row["output_hashes"] == memory == _disk(final)
+    for k, data in kept.items():
+        assert (final / k).read_bytes() == data, k
+    manifest = json.loads((final / "internal" / "manifest.json").read_text())
+    assert manifest["status"] == "published" and manifest["approval"]["approver"] == "ana"
+    gates = [(g["name"], g["passed"]) for g in manifest["gates"]]
+    assert gates == [(g.name, g.passed) for g in first.gates] and all(p for _, p in gates)
+    assert manifest["counts"] == {"n_input": 3000, "n_output": 3000}
+    assert (final / "internal" / "final" / "se_ratios.csv").exists()
+    assert (final / "internal" / "assess" / "domain_estimates.csv").exists()
+    assert manifest["metrics"]["final.n_characteristics"] == pytest.approx(
+        first.metrics["final.n_characteristics"]
+    )
+    attempts = list((tmp_path / name / "internal" / str(year) / "attempts").iterdir())
+    assert len(attempts) == 2 and not any((a / PARTITIONED).exists() for a in attempts)
+
+
+def test_partitioned_release_with_a_failed_gate_publishes_nothing(tmp_path):
+    """With the pseudo design at 3,000 records the 10th percentile of the SE ratios is below
+    its bound: GateFailed, no public folder, the attempt recorded as rejected with its gates,
+    the records after each stage deleted. Without an approver the run is refused before any
+    work."""
+    path, final, url, name, year = _spec(tmp_path, **{"design.publish_design_labels": False})
+    with pytest.raises(SpecError, match="approval.required"):
+        publish_partitioned(path, None, partitions=7)
+    with pytest.raises(GateFailed) as ei:
+        publish_partitioned(path, "ana", partitions=7)
+    failed = ei.value.results.loc[~ei.value.results["passed"], "name"].tolist()
+    assert "utility: 10th percentile of published/original SE ratios" in failed
+    assert not final.exists()
+    attempts = reg.read_attempts(name, year, url=url)
+    assert attempts["state"].tolist() == ["rejected"]
+    folder = next((tmp_path / name / "internal" / str(year) / "attempts").iterdir())
+    assert not (folder / PARTITIONED).exists() and not (folder / "staged" / "public").exists()
+    record = json.loads((folder / "staged" / "internal" / "manifest.json").read_text())
+    assert record["status"] == "rejected"
+    assert {g["name"] for g in record["gates"] if not g["passed"]} == set(failed)
