@@ -113,3 +113,23 @@ def test_partitioned_release_with_a_failed_gate_publishes_nothing(tmp_path):
     record = json.loads((folder / "staged" / "internal" / "manifest.json").read_text())
     assert record["status"] == "rejected"
     assert {g["name"] for g in record["gates"] if not g["passed"]} == set(failed)
+
+
+def test_recovery_deletes_the_records_of_a_crashed_partitioned_attempt(tmp_path):
+    """An attempt that died while it ran (state running, its partitioned records in its
+    folder): the next run's recovery deletes those records and fails the attempt."""
+    from flows.manifest import Manifest
+    from flows.txn import Transaction
+
+    path, final, url, name, year = _spec(tmp_path)
+    spec = load_spec(path)
+    with Transaction.begin(spec) as t:
+        t.open(Manifest.new(spec, "s", "i"))
+        records = t.folder / PARTITIONED / "massc" / "data"
+        records.mkdir(parents=True)
+        (records / "part-000000000000.parquet").write_bytes(b"records")
+    # (the process died here: the attempt is still running)
+    with Transaction.begin(spec):
+        pass
+    assert not (t.folder / PARTITIONED).exists()
+    assert reg.read_attempts(name, year, url=url)["state"].tolist() == ["failed"]
