@@ -311,8 +311,8 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                 f"{a['unique_share_published']:.2%} sample uniques published; smallest CI "
                 f"overlap of a model coefficient {a.get('model_overlap_min', float('nan')):.3f} "
                 f"; {a.get('psu_recoverable', 0.0):.1%} of the original PSUs recoverable from "
-                f"the replicate weights; delta {a['delta_published']:.4f} (pMSE not by "
-                "partition)"
+                f"the replicate weights; delta {a['delta_published']:.4f}; pMSE ratio "
+                f"{a['pmse_ratio']:.3f}"
             )
         for name, res in st.items():
             se = res["tables"].get("se_ratios") if isinstance(res, dict) else None

@@ -874,7 +874,7 @@ def _assess_stage(
     pseudo design's) against the input's: the domain estimates (two passes over
     each file), the models (their cells), the re-identification, sample uniques, delta and
     PSU leak of the published records (each linked to its original record by MASSC's d(2)),
-    and AssessStage's gates on them. pMSE is not made by partition."""
+    the pMSE (its propensity model fitted by partition) and AssessStage's gates on them."""
     from sdl_design import partition_assess as pas
     from sdl_design.stage import design_columns
 
@@ -930,6 +930,8 @@ def _assess_stage(
     ]
     coefs, model_m = pas.model_fits(plan, got)
     m |= model_m
+    # pMSE: the propensity model of membership in the published file, fitted by partition
+    m |= pas.pmse_by_partition(run_map, (chain.inputs, parts), spec, req, plan)
     # AssessStage's gates on these metrics, checked as the release checks them (its metric
     # gate suite)
     from expectations.suites import validate_metric_gates
@@ -953,7 +955,8 @@ def _assess_stage(
         f"{m['unique_share_published']:.2%} sample uniques published; smallest CI overlap of a "
         f"model coefficient {m.get('model_overlap_min', float('nan')):.3f}; "
         f"{m.get('psu_recoverable', 0.0):.1%} of the original PSUs recoverable from the "
-        f"replicate weights; delta {m['delta_published']:.4f} (pMSE not by partition)",
+        f"replicate weights; delta {m['delta_published']:.4f}; pMSE ratio "
+        f"{m['pmse_ratio']:.3f}",
         "partitioned",
     )
     return {

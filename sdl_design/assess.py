@@ -463,28 +463,79 @@ def pmse_ratio(
     Snoke et al. and used by synthpop, (k - 1)(1 - c)^2 c / N, which is meant for synthetic data
     drawn from a model of the original and reads 1 / (1 - c) (2 for halves) at this null."""
     N, nb = len(a) + len(b), len(b)
-    # X as CSR with one stored entry per row and block (a dummy block's entry is its level's
-    # column, an explicit 0 at the reference level): (value, column) of each block first, then
-    # written straight into the row-major arrays CSR keeps (no stacking copies)
+    both = pd.concat([a, b], ignore_index=True)
+    levels = {v: pd.factorize(both[v], sort=True, use_na_sentinel=False)[1] for v in categorical}
+    stats = {}
+    for v in numeric:
+        x = _numeric(both[v])
+        seen = x[np.isfinite(x)]
+        if len(seen):
+            stats[v] = (seen.mean(), seen.std(), len(seen) < len(x))
+    layout = pmse_layout(categorical, levels, numeric, stats)
+    X = pmse_matrix(both, layout)
+    del both
+    y = np.r_[np.zeros(len(a)), np.ones(nb)]
+    keep = independent_columns(weighted_gram(X, np.ones(N)))
+    if len(keep) < X.shape[1]:
+        X = X[:, keep]
+    beta, p, converged, _ = irls(X, y, np.ones(N), "binomial", max_iter=PMSE_MAX_ITER)
+    c = nb / N
+    return pmse_metrics(float(np.mean((p - c) ** 2)), len(keep), N, nb, converged)
+
+
+PMSE_MAX_ITER = 50  # IRLS steps of the pMSE's propensity model
+
+
+@dataclass(frozen=True)
+class PmseLayout:
+    """The columns of the pMSE's propensity model: the intercept, treatment dummies of each
+    categorical column with more than one level (against its first), each numeric column
+    standardized (missing values at the mean, then a missing indicator when any is missing)."""
+
+    categorical: tuple[tuple[str, pd.Index], ...]
+    numeric: tuple[tuple[str, float, float, bool], ...]  # column, mean, sd, any missing
+    p: int
+
+
+def _numeric(s: pd.Series) -> np.ndarray:
+    return pd.to_numeric(s, errors="coerce").to_numpy(dtype=float)
+
+
+def pmse_layout(
+    categorical: Sequence[str],
+    levels: dict[str, Any],
+    numeric: Sequence[str],
+    stats: dict[str, tuple[float, float, bool]],
+) -> PmseLayout:
+    """The model's columns from the files' levels (sorted, a missing value last) and the
+    numeric columns' mean, SD and whether any value is missing (a column missing everywhere
+    has no stats and no column)."""
+    cat = tuple((v, pd.Index(levels[v])) for v in categorical if len(levels[v]) > 1)
+    num = tuple((v, *stats[v]) for v in numeric if v in stats)
+    p = 1 + sum(len(lv) - 1 for _, lv in cat) + sum(1 + int(m) for *_, m in num)
+    return PmseLayout(cat, num, p)
+
+
+def pmse_matrix(df: pd.DataFrame, layout: PmseLayout) -> sp.csr_matrix:
+    """The model matrix of df's records as CSR with one stored entry per row and block (a
+    dummy block's entry is its level's column, an explicit 0 at the reference level): (value,
+    column) of each block first, then written straight into the row-major arrays CSR keeps
+    (no stacking copies)."""
+    N = len(df)
     blocks: list[tuple[Any, Any]] = [(1.0, 0)]  # the intercept
     p = 1
-    for v in categorical:
-        s = pd.concat([a[v], b[v]], ignore_index=True)
-        codes = pd.factorize(s, sort=True, use_na_sentinel=False)[0]
-        m = int(codes.max(initial=0)) + 1
-        if m > 1:  # treatment dummies against the first level
-            blocks.append((codes > 0, p + np.maximum(codes - 1, 0)))
-            p += m - 1
-    for v in numeric:
-        x = pd.to_numeric(pd.concat([a[v], b[v]], ignore_index=True), errors="coerce")
-        x = x.to_numpy(dtype=float)
+    for v, lv in layout.categorical:
+        codes = lv.get_indexer(df[v])
+        if (codes < 0).any():
+            raise ValueError(f"pMSE: a value of {v} is not among the files' levels")
+        blocks.append((codes > 0, p + np.maximum(codes - 1, 0)))
+        p += len(lv) - 1
+    for v, mu, sd, has_missing in layout.numeric:
+        x = _numeric(df[v])
         miss = ~np.isfinite(x)
-        if miss.all():
-            continue
-        mu, sd = x[~miss].mean(), x[~miss].std()
         blocks.append(((np.where(miss, mu, x) - mu) / (sd or 1.0), p))
         p += 1
-        if miss.any():
+        if has_missing:
             blocks.append((miss, p))
             p += 1
     c = len(blocks)
@@ -492,19 +543,15 @@ def pmse_ratio(
     for j, (value, col) in enumerate(blocks):
         data[:, j], index[:, j] = value, col
     del blocks
-    X = sp.csr_matrix(
+    return sp.csr_matrix(
         (data.reshape(-1), index.reshape(-1), np.arange(0, N * c + 1, c, dtype=np.int64)),
-        shape=(N, p),
+        shape=(N, layout.p),
     )
-    del data, index
-    y = np.r_[np.zeros(len(a)), np.ones(nb)]
-    keep = independent_columns(weighted_gram(X, np.ones(N)))
-    if len(keep) < X.shape[1]:
-        X = X[:, keep]
-    beta, p, converged, _ = irls(X, y, np.ones(N), "binomial", max_iter=50)
+
+
+def pmse_metrics(pmse: float, k: int, N: int, nb: int, converged: bool) -> dict[str, float]:
+    """pmse_ratio's metrics from the pMSE (mean (p_i - c)^2) and the model's k parameters."""
     c = nb / N
-    pmse = float(np.mean((p - c) ** 2))
-    k = len(keep)
     null = (k - 1) * c * (1 - c) / N
     snoke = (k - 1) * (1 - c) ** 2 * c / N
     return {

@@ -866,3 +866,185 @@ def assess_gates(
 
     worst = Assessment(est, coefs, m, {}).worst(20)
     return assessment_gates(m, spec, _worst_text(worst), _worst_terms(coefs), _worst_se_text(est))
+
+
+# ---------------------------------------------------------------- pMSE (assess.pmse_ratio)
+
+
+@dataclass
+class PmsePass1:
+    """One partition's columns of the propensity model: each column's values (the keys'
+    published codes; a missing value kept), whether each is numeric (the original's dtype
+    decides) and each numeric column's finite values' count, mean and sum of squared
+    deviations (Chan's terms), and whether any is missing."""
+
+    values: dict[str, np.ndarray]
+    numeric: dict[str, bool]
+    moments: dict[str, tuple[int, float, float, bool]]
+
+
+def _pmse_frame(part: Any, spec: ReleaseSpec, req: AssessRequest, plan: AssessPlan) -> pd.DataFrame:
+    """The partition's keys as their published codes (both files' categories) beside its
+    study variables that are not keys: AssessStage's frames of pmse_ratio."""
+    keys = list(req.keys)
+    study = [v for v in req.study if v not in req.keys]
+    df = read_partition(part, list(dict.fromkeys([*keys, *study])), spec)
+    out = pd.DataFrame({v: _codes(df, v, req, plan) for v in keys}, index=df.index)
+    for v in study:
+        out[v] = df[v]
+    return out
+
+
+def pmse_pass1(part: Any, spec: ReleaseSpec, req: AssessRequest, plan: AssessPlan) -> PmsePass1:
+    """Map: the partition's values and numeric moments of the propensity model's columns."""
+    from sdl_design.assess import _numeric
+
+    df = _pmse_frame(part, spec, req, plan)
+    out = PmsePass1({}, {}, {})
+    for v in df.columns:
+        num = v not in req.keys and pd.api.types.is_numeric_dtype(df[v])
+        out.numeric[v] = num
+        if not num:
+            out.values[v] = pd.unique(df[v])
+            continue
+        x = _numeric(df[v])
+        seen = x[np.isfinite(x)]
+        mean = float(seen.mean()) if len(seen) else 0.0
+        out.moments[v] = (len(seen), mean, float(((seen - mean) ** 2).sum()), len(seen) < len(x))
+    return out
+
+
+def _chan(
+    a: tuple[int, float, float, bool], b: tuple[int, float, float, bool]
+) -> tuple[int, float, float, bool]:
+    """Count, mean and sum of squared deviations of two groups together (Chan, Golub and
+    LeVeque's pairwise update), and whether either has a missing value."""
+    n = a[0] + b[0]
+    if n == 0:
+        return 0, 0.0, 0.0, a[3] or b[3]
+    d = b[1] - a[1]
+    return n, a[1] + d * b[0] / n, a[2] + b[2] + d * d * a[0] * b[0] / n, a[3] or b[3]
+
+
+@dataclass(frozen=True)
+class PmsePlan:
+    """The propensity model's layout (assess.pmse_layout) and the files' sizes."""
+
+    layout: Any
+    n: tuple[int, int]
+
+
+def pmse_plan(first: Sequence[Sequence[PmsePass1]], plan: AssessPlan) -> PmsePlan:
+    """The model of pmse_ratio from both files' pass 1: the categorical columns (the keys,
+    the study variables the original does not hold as numbers) with their levels sorted (a
+    missing value last), the numeric ones standardized by their mean and SD over both files."""
+    from sdl_design.assess import pmse_layout
+
+    parts = [p for f in first for p in f]
+    cols = list(first[0][0].numeric)
+    numeric = [v for v in cols if first[0][0].numeric[v]]
+    categorical = [v for v in cols if v not in numeric]
+    levels = {}
+    for v in categorical:
+        vals = pd.Series(np.concatenate([np.asarray(p.values[v], dtype=object) for p in parts]))
+        levels[v] = pd.factorize(vals, sort=True, use_na_sentinel=False)[1]
+    stats = {}
+    for v in numeric:
+        if any(v not in p.moments for p in parts):
+            raise PartitionError(f"assess: {v} is numeric in one file and not in the other")
+        m = (0, 0.0, 0.0, False)
+        for p in parts:
+            m = _chan(m, p.moments[v])
+        if m[0]:
+            stats[v] = (m[1], float(np.sqrt(m[2] / m[0])), m[3])
+    return PmsePlan(pmse_layout(categorical, levels, numeric, stats), plan.n)
+
+
+@dataclass
+class PmsePass:
+    """One partition's terms of the propensity model at beta: deviance, X' W X and X'(y - mu)
+    (W = mu (1 - mu)), sum (mu - c)^2; with beta None, X'X of every column."""
+
+    dev: float
+    H: np.ndarray
+    g: np.ndarray
+    ss: float
+
+
+def pmse_pass(
+    part: Any,
+    spec: ReleaseSpec,
+    req: AssessRequest,
+    plan: AssessPlan,
+    pplan: PmsePlan,
+    f: int,
+    keep: np.ndarray | None,
+    beta: np.ndarray | None,
+) -> PmsePass:
+    """Map over file f's partition (y = f: membership in the released file)."""
+    from sdl_design.assess import pmse_matrix
+    from sdl_design.glm import _binomial_deviance, _logistic, weighted_gram
+
+    X = pmse_matrix(_pmse_frame(part, spec, req, plan), pplan.layout)
+    with single_blas_thread():
+        if beta is None:
+            return PmsePass(0.0, weighted_gram(X, np.ones(X.shape[0])), np.zeros(0), 0.0)
+        X = X[:, keep]
+        y = np.full(X.shape[0], float(f))
+        mu = _logistic(X @ beta)
+        c = pplan.n[1] / sum(pplan.n)
+        return PmsePass(
+            float(_binomial_deviance(y, mu, np.ones(len(y)))),
+            weighted_gram(X, mu * (1.0 - mu)),
+            X.T @ (y - mu),
+            float(((mu - c) ** 2).sum()),
+        )
+
+
+def pmse_by_partition(
+    run_map: Any,
+    files: Sequence[Sequence[Any]],
+    spec: ReleaseSpec,
+    req: AssessRequest,
+    plan: AssessPlan,
+    tol: float = 1e-12,
+) -> dict[str, float]:
+    """assess.pmse_ratio of the two files by partition: pass 1 for the model's columns, one
+    pass for X'X (its independent columns), then glm.irls' Newton steps, halved while the
+    deviance rises, each candidate one pass over both files; the pMSE from the last one."""
+    from sdl_design.assess import PMSE_MAX_ITER, pmse_metrics
+    from sdl_design.glm import independent_columns
+
+    first = [run_map(pmse_pass1, p, spec, req, plan, what="pMSE, columns") for p in files]
+    pplan = pmse_plan(first, plan)
+
+    def at(beta: np.ndarray | None, keep: np.ndarray | None) -> PmsePass:
+        got = [
+            x
+            for f, p in enumerate(files)
+            for x in run_map(pmse_pass, p, spec, req, plan, pplan, f, keep, beta, what="pMSE")
+        ]
+        return PmsePass(
+            sum(x.dev for x in got), sum(x.H for x in got), sum(x.g for x in got),
+            sum(x.ss for x in got),
+        )  # fmt: skip
+
+    keep = independent_columns(at(None, None).H)
+    beta = np.zeros(len(keep))
+    now, converged = at(beta, keep), False
+    for _ in range(PMSE_MAX_ITER):
+        step = np.linalg.solve(now.H, now.g)
+        t = 1.0
+        for _ in range(30):
+            b_new = beta + t * step
+            new = at(b_new, keep)
+            if new.dev <= now.dev * (1 + 1e-12) + 1e-12:
+                break
+            t /= 2.0
+        done = abs(now.dev - new.dev) / (abs(new.dev) + 0.1) < tol
+        beta, now = b_new, new
+        if done:
+            converged = True
+            break
+    N = sum(pplan.n)
+    return pmse_metrics(now.ss / N, len(keep), N, pplan.n[1], converged)

@@ -497,7 +497,8 @@ def test_puf_partitioned_leaves_nothing_when_a_partition_fails(
     assert puf(["partitioned", str(path), "--partitions", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "pairs in swap/pairs.csv (confidential)" in text
-    assert "every stage that changes the records ran by partition; not published: the " in text
+    assert "every stage that changes the records ran by partition" in text
+    assert "not published: `puf partitioned --publish --approve NAME` publishes it" in text
     assert "puf/puf.parquet and puf/puf.csv" in text and "domain estimates of the" in text
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     calls = []
@@ -781,7 +782,7 @@ def _same_assessment(folder, spec, whole, final, previous=None, rtol=1e-12, mode
     published records (previous: the stages before it; default the swap, which masked the
     design): the domain estimates (Taylor and replicate SEs of both files, 1e-12), the model
     coefficients (1e-10), the metrics (the published file's risk: re-identification, sample
-    uniques, delta, PSU leak, 1e-12; not its pMSE) and the gates, their values and
+    uniques, delta, PSU leak, 1e-12; its pMSE, 1e-9) and the gates, their values and
     verdicts (rtol, model_rtol: the domain estimates' and the models' tolerances)."""
     from sdl_design.assess import AssessStage
     from sdl_design.stage import StageContext, StageResult
@@ -820,11 +821,13 @@ def _same_assessment(folder, spec, whole, final, previous=None, rtol=1e-12, mode
             assert coefs[c].astype(str).tolist() == want[c].astype(str).tolist(), c
     run = json.loads((folder / "run.json").read_text())["stages"]["assess"]
     m = stage.metrics
-    compared = [k for k in m if not k.startswith("pmse")]
+    compared = list(m)
     assert {"reid_share", "delta_published", "delta_profile_max_published"} <= set(compared)
     assert {"psu_recoverable", "unique_share_published", "epsilon_published"} <= set(compared)
+    assert {"pmse_ratio", "pmse_k", "pmse_converged"} <= set(compared)
+    assert run["pmse_k"] == m["pmse_k"] > 10 and run["pmse_converged"] == 1.0
     for k in compared:
-        rel = model_rtol if k.startswith("model_") else rtol
+        rel = model_rtol if k.startswith("model_") else 1e-9 if k.startswith("pmse") else rtol
         assert run[k] == pytest.approx(m[k], rel=rel, abs=1e-15), k
     assert run["psu_recoverable"] == m["psu_recoverable"]  # (a share of PSUs: exact)
     assert m["reid_sample_uniques"] > 0 and m["reid_expected_matches"] > 0
