@@ -168,7 +168,7 @@ def assess_gap(final):  # the largest relative difference from assess on the sam
     from sdl_design.stage import design_columns
     cols = list(final.columns)
     rel = final[spec.published_columns(cols, True, [spec.design.segment], design_columns(spec.design, cols))]
-    a = assess(df0, rel, spec, design_released=spec.design, pmse=False)
+    a = assess(df0, rel, spec, design_released=spec.design)  # with its pMSE
     gap = 0.0
     for name, want in (("domain_estimates", a.domain_estimates), ("model_coefficients", a.model_coefficients)):
         got = pd.read_csv(f"{sys.argv[2]}/assess/{name}.csv", float_precision="round_trip")
@@ -180,6 +180,28 @@ def assess_gap(final):  # the largest relative difference from assess on the sam
     import json
     run = json.loads(Path(sys.argv[2], "run.json").read_text())["stages"]["assess"]
     for k, v in a.metrics.items():
+        if v:
+            gap = max(gap, abs(run[k] / v - 1))
+    return gap
+def final_gap(final):  # the largest relative difference from FinalStage on the same records
+    import json
+    from pathlib import Path
+    from sdl_design.stage import StageResult
+    from sdl_design.utility import FinalStage
+    masked = StageResult("swap", None, masks_design=True, drop_public=[spec.design.segment])
+    want = FinalStage(spec).run(final, StageContext(df0, spec, "final", [masked]))
+    got = pd.read_csv(f"{sys.argv[2]}/final/se_ratios.csv", float_precision="round_trip")
+    t = want.tables["se_ratios"]
+    if list(got["characteristic"]) != list(t["characteristic"]):
+        return float("inf")
+    gap = 0.0
+    for c in t.columns:
+        if t[c].dtype.kind == "f":
+            x, y = got[c].to_numpy(float), t[c].to_numpy(float)
+            ok = np.isfinite(y) & (y != 0)
+            gap = max(gap, float(np.max(np.abs(x[ok] / y[ok] - 1), initial=0.0)))
+    run = json.loads(Path(sys.argv[2], "run.json").read_text())["stages"]["final"]
+    for k, v in want.metrics.items():
         if v:
             gap = max(gap, abs(run[k] / v - 1))
     return gap
@@ -204,6 +226,7 @@ print('SAME', same(sys.argv[2] + "/swap/data", swap.data), same(sys.argv[2] + "/
           for c in ("truth", "mean_estimate", "rrmse")),
       same(sys.argv[2] + "/topcode/data", coded.data), same_public(coded.data))
 print('ASSESS', assess_gap(coded.data))
+print('FINAL', final_gap(coded.data))
 print('REVISIONS', len(revisions), dm.delta)
 """  # the in-memory swap and PRB stages (with their tables and baselines), MASSC's plan and
 # treatment (Steps I-III) and its calibration (Step IV), against the partitions
@@ -313,18 +336,26 @@ def main() -> None:
             f"{tc['groups_gathered']} group(s) gathered)",
             flush=True,
         )
+    if "final" in run["stages"]:
+        fs = run["stages"]["final"]
+        print(
+            f"  final: {fs['seconds']:.1f} s ({int(fs['n_characteristics'])} characteristics' "
+            f"SEs on both files; median SE ratio {fs.get('se_ratio_median', float('nan')):.3f})",
+            flush=True,
+        )
     if "assess" in run["stages"]:
         a = run["stages"]["assess"]
         print(
             f"  assess: {a['seconds']:.1f} s ({int(a['n_estimates'])} domain estimates, the "
-            f"models' cells, re-identification; median CI overlap {a['overlap_median']:.3f})",
+            f"models' cells, re-identification, pMSE ratio {a['pmse_ratio']:.3f}; median CI "
+            f"overlap {a['overlap_median']:.3f})",
             flush=True,
         )
     if run.get("public_files"):
         pf = run["public_files"]
         print(
-            f"  public data files (columns, order, row groups by worker; puf.parquet and the "
-            f"CSV joined on the driver): {pf['seconds']:.1f} s, {pf['records']:,} records, "
+            f"  public files (columns, order, row groups by worker; puf.parquet and the CSV "
+            f"joined on the driver; codebook.csv and README.md): {pf['seconds']:.1f} s, {pf['records']:,} records, "
             f"{pf['columns']} columns; gates: {pf['gates_passed']} of {pf['gates']} pass",
             flush=True,
         )
@@ -370,9 +401,12 @@ def main() -> None:
             f"the public data files (puf.parquet, puf.csv) byte for byte: {same[8]}"
         )
         gap = float(next(ln for ln in text.splitlines() if ln.startswith("ASSESS")).split()[1])
+        fin = float(next(ln for ln in text.splitlines() if ln.startswith("FINAL")).split()[1])
         print(
-            "the assessment (domain estimates, model coefficients, their SEs and the metrics) "
-            f"against assess on the in-memory records: largest relative difference {gap:.1e}"
+            "the assessment (domain estimates, model coefficients, their SEs and the metrics, "
+            f"pMSE included) against assess on the in-memory records: largest relative "
+            f"difference {gap:.1e}; the final stage's SE table and metrics against FinalStage: "
+            f"{fin:.1e}"
         )
 
 
