@@ -41,7 +41,7 @@ def measured_results(spec: ReleaseSpec, out: dict[str, Any]) -> list[StageResult
     """The partitioned run's StageResults for the record: the risk stage's (from the scan),
     every stage's (flows.scan.stage_results), the final stage's and the assessment's with
     their tables, in release order."""
-    from flows.scan import stage_results
+    from flows.scan import MEASURED, stage_results
     from sdl_design.partition import input_columns
 
     st = out["stages"]
@@ -62,22 +62,15 @@ def measured_results(spec: ReleaseSpec, out: dict[str, Any]) -> list[StageResult
         )
     ]
     for name, res in st.items():
-        if name == "final":
-            results.append(
-                StageResult(
-                    "final",
-                    None,
-                    metrics=_numbers(res),
-                    tables=res["tables"],
-                    notes=list(res.get("notes", [])),
-                    report_tables=["se_ratio_summary", "se_ratios"],
-                    se_ratio_table="se_ratios",
-                )
-            )
-        elif name == "assess":
-            a = built["assess"]
-            a.tables = dict(res["tables"])
-            results.append(a)
+        if name not in built and not isinstance(res, dict):
+            continue  # (what the run noted: not measured, stopped before)
+        if name in MEASURED:  # measures of the records: their tables with their metrics
+            r = built.get(name) or StageResult(name, None, metrics=_numbers(res))
+            r.tables = dict(res["tables"])
+            r.notes = list(res.get("notes", r.notes))
+            r.report_tables = list(res.get("report_tables", []))
+            r.se_ratio_table = res.get("se_ratio_table")
+            results.append(r)
         elif name in built:
             results.append(built[name])
     return results

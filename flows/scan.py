@@ -664,7 +664,7 @@ def _massc_stage(
         + f"; delta {dm.delta:.4f} after {len(revisions)} revision(s); epsilon {epsilon:.4f}",
         "partitioned",
     )
-    from sdl_design.massc.stage import calibration_params, selection_name
+    from sdl_design.massc.stage import massc_params
 
     return {
         "n_with_donor": n_has,
@@ -673,27 +673,7 @@ def _massc_stage(
         "share_substituted": n_sub / n_rows,
         "n_profiles": plan.n_profiles,
         # MasscStage's params (those made on the driver here)
-        "params": {
-            "strata": list(labels),
-            "psi": {h: float(p) for h, p in zip(labels, psi.rates, strict=True)},
-            "phi": {h: float(p) for h, p in zip(labels, phi.rates, strict=True)},
-            "loss_scale": cfg.loss_scale,
-            "alpha": cfg.alpha,
-            "beta": cfg.beta,
-            "budget_scale": cfg.budget_scale,
-            "epsilon_target": cfg.epsilon,
-            "negligible_risk": cfg.negligible_risk,
-            "domain_columns": [k.name for k in cfg.domain_columns],
-            "psi_method": psi.method,
-            "phi_method": phi.method,
-            "selection": selection_name(cfg),
-            "substitute_columns": cfg.substitute_columns,
-            "importance": cfg.importance,
-            "donor_restrictions": cfg.restrictions,
-            "risk_basis": cfg.risk_basis,
-            "replications": spec.stages.massc.replications,
-            "calibration": calibration_params(spec.stages.massc.calibration),
-        },
+        "params": massc_params(spec, cfg, labels, psi, phi),
         "strata": {h: int(n) for h, n in zip(labels, mom.N, strict=True)},
         "psi": {h: float(p) for h, p in zip(labels, psi.rates, strict=True)},
         "psi_method": psi.method,
@@ -1033,6 +1013,8 @@ def _final_stage(
         "seconds": time.perf_counter() - t,
         "unchanged": True,
         "tables": final_tables(out),
+        "report_tables": ["se_ratio_summary", "se_ratios"],  # as FinalStage's result
+        "se_ratio_table": "se_ratios",
     }
 
 

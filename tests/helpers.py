@@ -14,6 +14,36 @@ DEFAULT_SPEC = ROOT / "flows" / "default_spec.yaml"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+def set_dotted(data: dict, changes: dict) -> None:
+    """Set each dotted key of changes ('stages.prb.theta': value) in a spec's YAML data."""
+    for dotted, value in changes.items():
+        node = data
+        *head, last = dotted.split(".")
+        for h in head:
+            node = node[h]
+        node[last] = value
+
+
+def fast_spec(tmp: Path, n_persons: int = 3000, **changes) -> Path:
+    """The demo spec on n_persons without the slow treatments (the lifecycle or publication is
+    under test, not the methods); design labels published so the gates that remain hold; its
+    registry in tmp; changes: dotted keys set."""
+    import yaml
+
+    from flows.cli import write_demo_spec
+
+    path = write_demo_spec(tmp, n_persons=n_persons)
+    data = yaml.safe_load(path.read_text())
+    for s in ("massc", "prb", "swap"):
+        data["stages"][s] = None
+    data["gates"]["xi"] = None
+    data["design"]["publish_design_labels"] = True
+    data["release"]["registry"] = f"sqlite:///{tmp / 'registry.db'}"
+    set_dotted(data, changes)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
 def paper000_table1() -> pd.DataFrame:
     """Paper 000, Table 1: obs 1..10, age category (1: 12-16, 2: 17-20, 3: 21-24, 4: 25-29),
     gender, binge drinking (alc)."""

@@ -11,11 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from helpers import fast_spec
 
 from expectations.suites import GateFailed
 from flows import registry as reg
 from flows.cli import main as puf
-from flows.cli import write_demo_spec
 from flows.partitioned_release import publish_partitioned
 from flows.publish import sha256_file
 from flows.txn import PARTITIONED
@@ -23,28 +23,16 @@ from sdl_design.spec import SpecError, load_spec
 
 
 def _spec(tmp_path, **changes):
-    """The demo spec on 3,000 persons in row groups of 450 (7 partitions), its registry in
-    the folder; without the swap, PRB and MASSC (the publication is under test), design labels
-    published so that the gates hold; changes: dotted keys set."""
-    path = write_demo_spec(tmp_path, n_persons=3000)
-    data = yaml.safe_load(path.read_text())
+    """helpers.fast_spec (3,000 persons, no swap, PRB or MASSC: the publication is under
+    test; design labels published so that the gates hold) with its input in row groups of 450
+    (7 partitions); changes: dotted keys set."""
+    path = fast_spec(tmp_path, **changes)
     src = load_spec(path).release.input
     pq.write_table(pa.Table.from_pandas(pd.read_parquet(src)), src, row_group_size=450)
-    for s in ("massc", "prb", "swap"):
-        data["stages"][s] = None
-    data["gates"]["xi"] = None
-    data["design"]["publish_design_labels"] = True
-    data["release"]["registry"] = f"sqlite:///{tmp_path / 'registry.db'}"
-    for dotted, value in changes.items():
-        node = data
-        *head, last = dotted.split(".")
-        for h in head:
-            node = node[h]
-        node[last] = value
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    data = yaml.safe_load(path.read_text())
     rel = data["release"]
     final = tmp_path / rel["name"] / str(rel["year"])
-    return path, final, data["release"]["registry"], rel["name"], rel["year"]
+    return path, final, rel["registry"], rel["name"], rel["year"]
 
 
 def _disk(final):

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from helpers import PNG, SECTIONS, STAGE_TABLES, Parsed, run_until_paused
+from helpers import PNG, SECTIONS, STAGE_TABLES, Parsed, run_until_paused, set_dotted
 
 from expectations.suites import GateFailed
 from flows.cli import main as puf
@@ -26,12 +26,7 @@ def small_spec(tmp_path, **changes):
     data = yaml.safe_load(path.read_text())
     if data["stages"].get("massc"):
         data["stages"]["massc"]["replications"] = 4
-    for dotted, value in changes.items():
-        node = data
-        *head, last = dotted.split(".")
-        for h in head:
-            node = node[h]
-        node[last] = value
+    set_dotted(data, changes)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 

@@ -12,13 +12,13 @@ import threading
 import time
 from pathlib import Path
 
+import helpers
 import pytest
 import yaml
 from helpers import paused_run, run_until_paused
 
 from flows import registry as reg
 from flows import txn
-from flows.cli import write_demo_spec
 from flows.publish import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,23 +34,8 @@ SEED = 7319004  # seeds of the reruns: long enough never to occur by chance in a
 
 
 def fast_spec(tmp: Path, **changes) -> Path:
-    """The demo spec on 3,000 persons without the slow treatments (the lifecycle is under test,
-    not the methods); design labels published so the gates that remain hold."""
-    path = write_demo_spec(tmp, n_persons=N)
-    data = yaml.safe_load(path.read_text())
-    for s in ("massc", "prb", "swap"):
-        data["stages"][s] = None
-    data["gates"]["xi"] = None
-    data["design"]["publish_design_labels"] = True
-    data["release"]["registry"] = f"sqlite:///{tmp / 'registry.db'}"
-    for dotted, value in changes.items():
-        node = data
-        *head, last = dotted.split(".")
-        for h in head:
-            node = node[h]
-        node[last] = value
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    """helpers.fast_spec on N persons (the lifecycle is under test, not the methods)."""
+    return helpers.fast_spec(tmp, N, **changes)
 
 
 def layout(path: Path) -> tuple[str, Path, Path, str, int]:

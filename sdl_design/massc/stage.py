@@ -400,28 +400,7 @@ def massc_result(
     return StageResult(
         name="massc",
         data=data,
-        params={
-            "strata": plan.labels,
-            "psi": {h: float(p) for h, p in zip(plan.labels, plan.psi.rates, strict=True)},
-            "phi": {h: float(p) for h, p in zip(plan.labels, tr.phi.rates, strict=True)},
-            "cost_a": {h: float(a) for h, a in zip(plan.labels, plan.cost, strict=True)},
-            "loss_scale": cfg.loss_scale,
-            "alpha": cfg.alpha,
-            "beta": cfg.beta,
-            "budget_scale": cfg.budget_scale,
-            "epsilon_target": cfg.epsilon,
-            "negligible_risk": cfg.negligible_risk,
-            "domain_columns": [k.name for k in cfg.domain_columns],
-            "psi_method": plan.psi.method,
-            "phi_method": tr.phi.method,
-            "selection": selection_name(cfg),
-            "substitute_columns": cfg.substitute_columns,
-            "importance": cfg.importance,
-            "donor_restrictions": cfg.restrictions,
-            "risk_basis": cfg.risk_basis,
-            "replications": spec.stages.massc.replications,
-            "calibration": calibration_params(cal),
-        },
+        params=massc_params(spec, cfg, plan.labels, plan.psi, tr.phi, plan.cost),
         metrics=metrics,
         tables={
             "rates": rates,
@@ -436,6 +415,39 @@ def massc_result(
         figures={"weight_factors": _weight_factor_figure(data, cfg.weight, tr)},
         notes=notes,
     )
+
+
+def massc_params(
+    spec: Any, cfg: Any, labels: Any, psi: Any, phi: Any, cost: Any = None
+) -> dict[str, Any]:
+    """MasscStage's params: the strata, the rates psi and phi (and the disclosure costs, when
+    given) with their methods, the configuration and the calibration section (the partitioned
+    stage's too, without the costs)."""
+    costs = (
+        {} if cost is None else {"cost_a": {h: float(a) for h, a in zip(labels, cost, strict=True)}}
+    )
+    return {
+        "strata": list(labels),
+        "psi": {h: float(p) for h, p in zip(labels, psi.rates, strict=True)},
+        "phi": {h: float(p) for h, p in zip(labels, phi.rates, strict=True)},
+        **costs,
+        "loss_scale": cfg.loss_scale,
+        "alpha": cfg.alpha,
+        "beta": cfg.beta,
+        "budget_scale": cfg.budget_scale,
+        "epsilon_target": cfg.epsilon,
+        "negligible_risk": cfg.negligible_risk,
+        "domain_columns": [k.name for k in cfg.domain_columns],
+        "psi_method": psi.method,
+        "phi_method": phi.method,
+        "selection": selection_name(cfg),
+        "substitute_columns": cfg.substitute_columns,
+        "importance": cfg.importance,
+        "donor_restrictions": cfg.restrictions,
+        "risk_basis": cfg.risk_basis,
+        "replications": spec.stages.massc.replications,
+        "calibration": calibration_params(spec.stages.massc.calibration),
+    }
 
 
 def selection_name(cfg: MasscConfig) -> str:
