@@ -179,7 +179,9 @@ def publish_partitioned(
             pub.write_record(staged / "internal", manifest, {}, writer)
             txn.publish(manifest, ratios)
             return manifest, out
-        except GateFailed:
+        except GateFailed as e:  # the input's edit rules (the gates closed the attempt)
+            if txn.state == "running":
+                _end(txn, spec, manifest, results, e.results, "rejected", str(e))
             raise
         except BaseException as e:
             if txn.state in ("running", "awaiting_approval"):
@@ -207,6 +209,8 @@ def _end(
 
     manifest.status = status
     manifest.reason = reason
+    if gates is not None:
+        manifest.set_gates(gates)
     pub.write_record(
         txn.staged / "internal", manifest, _tables(results, gates), _report_writer(results, spec)
     )

@@ -103,6 +103,15 @@ def test_partitioned_release_with_a_failed_gate_publishes_nothing(tmp_path):
     record = json.loads((folder / "staged" / "internal" / "manifest.json").read_text())
     assert record["status"] == "rejected"
     assert {g["name"] for g in record["gates"] if not g["passed"]} == set(failed)
+    # an input that breaks an edit rule: rejected after the scan, as the release flow does
+    src = load_spec(path).release.input
+    df = pd.read_parquet(src)
+    df.loc[[5, 700], "age"] = 95  # the demo's rule age <= 90
+    pq.write_table(pa.Table.from_pandas(df), src, row_group_size=450)
+    with pytest.raises(GateFailed, match="edit validation failed"):
+        publish_partitioned(path, "ana", partitions=7)
+    attempts = reg.read_attempts(name, year, url=url)
+    assert attempts["state"].tolist() == ["rejected", "rejected"] and not final.exists()
 
 
 def test_recovery_deletes_the_records_of_a_crashed_partitioned_attempt(tmp_path):
