@@ -59,13 +59,13 @@ def _print_release(manifest: Manifest, out_dir: Path) -> None:
     print(f"  gates       : {n - manifest.n_failed_gates} of {n} passed")
 
 
-def _no_approver(spec, spec_path: str) -> str:
+def _no_approver(spec, spec_path: str, command: str = "run") -> str:
     """Why a run that needs approval cannot get it here, and the two ways to give it."""
     return (
         f"puf: approval.required: {spec.release.name} {spec.release.year} needs the review board's "
         "approval, and this run has neither --approve nor a Prefect server to pause on "
         "(PREFECT_API_URL is not set), so nobody could approve it. Either\n"
-        f"  puf run {spec_path} --approve NAME            (NAME: the approver, recorded)\n"
+        f"  puf {command} {spec_path} --approve NAME            (NAME: the approver, recorded)\n"
         "or start a server and run against it, then approve in the Prefect UI form:\n"
         "  prefect server start &  export PREFECT_API_URL=http://127.0.0.1:4200/api"
     )
@@ -222,8 +222,21 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
         if args.publish:
             if args.out:
                 raise SpecError(["--out: a published run writes into its release's attempt"])
-            from flows.partitioned_release import publish_partitioned
+            from flows.partitioned_release import partitioned_release_flow, publish_partitioned
 
+            spec = load_spec(args.spec)
+            if spec.approval.required and not args.approve:  # the board decides in a flow run
+                if not os.environ.get("PREFECT_API_URL"):
+                    print(_no_approver(spec, args.spec, "partitioned --publish"), file=sys.stderr)
+                    return 2
+                manifest = partitioned_release_flow(
+                    spec_path=str(args.spec),
+                    runner=args.runner,
+                    dask_address=args.dask_address,
+                    partitions=args.partitions,
+                )
+                _print_release(manifest, Path(spec.release.output_dir))
+                return 0
             manifest, out = publish_partitioned(
                 args.spec, args.approve, args.runner, args.dask_address, args.partitions
             )

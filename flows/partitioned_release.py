@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from prefect import flow
 
 from flows import publish as pub
 from flows.manifest import Manifest
@@ -101,23 +103,27 @@ def publish_partitioned(
     dask_address: str | None = None,
     partitions: int | None = None,
     workers: int = 2,
+    decide: Callable[[Path, list[str]], dict] | None = None,
+    post: Callable[..., list[str]] | None = None,
 ) -> tuple[Manifest, dict[str, Any]]:
     """Run the spec's release by partition and publish it: (the manifest, run_partitioned's
-    result). Raises GateFailed when a gate fails (nothing published), SpecError when the spec
-    needs an approval and none is given or a stage has no partitioned path, and what the
-    transaction raises (ReleaseLocked, RegistryError, PublishError)."""
+    result). decide(staged, artifact keys): the board's decision (default: approve's name on
+    the command line); post(manifest, ...): the run's artifacts (in a flow run). Raises
+    GateFailed when a gate fails (nothing published), ReleaseRejected when the board rejects,
+    SpecError when the spec needs an approval and neither decide nor approve is given or a
+    stage has no partitioned path, and what the transaction raises (ReleaseLocked,
+    RegistryError, PublishError)."""
     from expectations.suites import GateFailed
     from flows.registry import se_ratio_tables
-    from flows.release import _report_writer, _tables
+    from flows.release import ReleaseRejected, _report_writer, _tables
     from flows.scan import run_partitioned
 
     spec = load_spec(spec_path)
-    if spec.approval.required and not approve:
+    if decide is None and spec.approval.required and not approve:
         raise SpecError(
             [
-                "approval.required: the partitioned release does not pause for the board; give "
-                "the approver with --approve NAME, or run the release flow (`puf run`), which "
-                "waits for the decision"
+                "approval.required: give the approver (--approve NAME), or run "
+                "partitioned_release_flow, which pauses for the board's decision"
             ]
         )
     with Transaction.begin(spec) as txn:
@@ -165,20 +171,34 @@ def publish_partitioned(
             )
             ratios = se_ratio_tables(results)
             txn.awaiting_approval(manifest, ratios)
-            decision = {
-                "approver": approve,
-                "decision": "approved",
-                "comment": "approved on the command line"
-                if approve
-                else "approval not required by the spec",
-                "at": pub.now(),
-            }
+            keys = post(manifest, staged=staged, results=results) if post else []
+            if decide is not None:
+                decision = decide(staged, keys)
+            else:
+                decision = {
+                    "approver": approve,
+                    "decision": "approved",
+                    "comment": "approved on the command line"
+                    if approve
+                    else "approval not required by the spec",
+                    "at": pub.now(),
+                }
             manifest.approval = manifest.approval.model_copy(update=decision)
+            if decision["decision"] != "approved":
+                reason = f"rejected by {decision['approver']}: {decision['comment']}"
+                _end(txn, spec, manifest, results, gates, "rejected", reason)
+                if post:
+                    post(manifest)
+                raise ReleaseRejected(f"release {reason}")
             manifest.status = "published"
             manifest.reason = None
             pub.write_record(staged / "internal", manifest, {}, writer)
             txn.publish(manifest, ratios)
+            if post:
+                post(manifest)
             return manifest, out
+        except ReleaseRejected:
+            raise
         except GateFailed as e:  # the input's edit rules (the gates closed the attempt)
             if txn.state == "running":
                 _end(txn, spec, manifest, results, e.results, "rejected", str(e))
@@ -215,3 +235,34 @@ def _end(
         txn.staged / "internal", manifest, _tables(results, gates), _report_writer(results, spec)
     )
     txn.close(status, reason, manifest, se_ratio_tables(results))
+
+
+def _run_name() -> str:
+    from flows.release import _run_name as name
+
+    return name()
+
+
+@flow(name="puf-partitioned-release", log_prints=True, flow_run_name=_run_name)
+def partitioned_release_flow(
+    spec_path: str,
+    approve: str | None = None,
+    runner: str = "thread",
+    dask_address: str | None = None,
+    partitions: int | None = None,
+    approval_poll_s: int = 10,
+) -> Manifest:
+    """publish_partitioned as a Prefect flow: the run's artifacts posted and, without an
+    approver, a pause for the board's decision (the release flow's form: approved or rejected,
+    a non-blank approver), as `puf run` waits."""
+    from flows.release import _approval, _post
+
+    spec = load_spec(spec_path)
+
+    def decide(staged: Path, keys: list[str]) -> dict:
+        return _approval(spec, approve, approval_poll_s, staged, keys)
+
+    manifest, _ = publish_partitioned(
+        spec_path, approve, runner, dask_address, partitions, decide=decide, post=_post
+    )
+    return manifest

@@ -174,19 +174,21 @@ def paused_run():
     return runs[0] if runs else None
 
 
-def run_until_paused(spec_path, wait_s: float = 300.0):
-    """Start release_flow(spec_path) without an approver in a thread and wait for its pause:
-    (thread, box, paused run or None); box gets 'manifest' or 'error' when the flow ends."""
+def run_until_paused(spec_path, wait_s: float = 300.0, flow=None):
+    """Start flow(spec_path) (default release_flow) without an approver in a thread and wait
+    for its pause: (thread, box, paused run or None); box gets 'manifest' or 'error' when the
+    flow ends."""
     import threading
     import time
 
     from flows.release import release_flow
 
+    flow = flow or release_flow
     box: dict = {}
 
     def run():
         try:
-            box["manifest"] = release_flow(spec_path=str(spec_path), approval_poll_s=1)
+            box["manifest"] = flow(spec_path=str(spec_path), approval_poll_s=1)
         except Exception as e:  # noqa: BLE001 - the test inspects it
             box["error"] = e
 

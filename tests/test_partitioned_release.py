@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers import fast_spec
+from helpers import fast_spec, run_until_paused
 
 from expectations.suites import GateFailed
 from flows import registry as reg
@@ -132,3 +132,36 @@ def test_recovery_deletes_the_records_of_a_crashed_partitioned_attempt(tmp_path)
         pass
     assert not (t.folder / PARTITIONED).exists()
     assert reg.read_attempts(name, year, url=url)["state"].tolist() == ["failed"]
+
+
+@pytest.mark.flow
+@pytest.mark.usefixtures("prefect_server")
+def test_partitioned_release_flow_pauses_for_the_board(tmp_path):
+    """Without an approver the partitioned release flow stages the release and pauses for the
+    board: rejected, nothing is published and the attempt is recorded as the board's
+    rejection; run again and approved, it is published by partition (the approver recorded)."""
+    from functools import partial
+
+    from prefect.flow_runs import resume_flow_run
+
+    from flows.partitioned_release import partitioned_release_flow
+    from flows.release import ReleaseRejected
+
+    path, final, url, name, year = _spec(tmp_path)
+    run = partial(partitioned_release_flow, partitions=7)
+    for decision in ("rejected", "approved"):
+        th, box, fr = run_until_paused(path, wait_s=120, flow=run)
+        assert fr is not None, box
+        assert not final.exists()  # staged, not published, while the board decides
+        resume_flow_run(
+            fr.id, run_input={"decision": decision, "approver": "board", "comment": "seen"}
+        )
+        th.join(120)
+        if decision == "rejected":
+            assert isinstance(box.get("error"), ReleaseRejected), box
+            assert not final.exists()
+            assert reg.read_attempts(name, year, url=url)["state"].tolist() == ["rejected"]
+    manifest = box["manifest"]
+    assert manifest.status == "published" and manifest.approval.approver == "board"
+    assert reg.current_release(name, year, url)["output_hashes"] == _disk(final)
+    assert len(_disk(final)) == 4
