@@ -532,6 +532,21 @@ def link(original: Sequence[Any], released: Sequence[Any], retained: Sequence[in
     return out
 
 
+def linked_originals(
+    linked: Linked, columns: list[str], spec: ReleaseSpec, selected: str | None
+) -> pd.DataFrame:
+    """The original records a published partition holds (columns of them), in its order:
+    the retained records lo..hi-1 of each original partition (MASSC's d(2) in `selected`)."""
+    from sdl_design.partition import _selected
+
+    parts = []
+    for p, lo, hi in linked.originals:
+        o = read_partition(p, columns, spec)
+        kept = np.flatnonzero(_selected(p, selected)) if selected else np.arange(len(o))
+        parts.append(o.iloc[kept[lo:hi]])
+    return pd.concat(parts) if parts else pd.DataFrame(columns=columns)
+
+
 @dataclass
 class RiskPass:
     """One published partition: profile counts of its keys (risk strata), and by key profile
@@ -568,17 +583,12 @@ def risk_pass(
 ) -> RiskPass:
     """Map: the published partition's risk counts, its original records read from the
     original partitions they come from (MASSC's selection: which records were retained)."""
-    from sdl_design.partition import _selected, profile_counts
+    from sdl_design.partition import profile_counts
 
     keys = list(req.keys)
     cols = list(dict.fromkeys([*keys, *req.published_sensitive, *req.leak_replicates]))
     rel = read_partition(linked.released, cols, spec)
-    parts = []
-    for p, lo, hi in linked.originals:
-        o = read_partition(p, [*keys, *req.original_psu], spec)
-        kept = np.flatnonzero(_selected(p, selected)) if selected else np.arange(len(o))
-        parts.append(o.iloc[kept[lo:hi]])
-    orig = pd.concat(parts) if parts else rel.iloc[:0]
+    orig = linked_originals(linked, [*keys, *req.original_psu], spec, selected)
     po, pr = _key_profiles(orig, req, plan), _key_profiles(rel, req, plan)
     leak = None
     if req.leak_replicates:  # (zero pattern, original PSU) pairs and each PSU's records

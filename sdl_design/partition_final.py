@@ -299,17 +299,12 @@ def keys_changed(linked: Any, spec: ReleaseSpec, selected: str | None) -> tuple[
     """Map: (records, records with a key changed) of a published partition against the
     original records they are (partition_assess.link), keys in their recodes (key_frame)."""
     from sdl_design.keys import key_frame
-    from sdl_design.partition import _selected
+    from sdl_design.partition_assess import linked_originals
 
     keys = spec.variables.keys
     names = [k if isinstance(k, str) else k.name for k in keys]
     rel = read_partition(linked.released, names, spec)
-    parts = []
-    for p, lo, hi in linked.originals:
-        o = read_partition(p, names, spec)
-        kept = np.flatnonzero(_selected(p, selected)) if selected else np.arange(len(o))
-        parts.append(o.iloc[kept[lo:hi]])
-    orig = pd.concat(parts, ignore_index=True) if parts else rel.iloc[:0]
+    orig = linked_originals(linked, names, spec, selected)
     a = key_frame(rel.reset_index(drop=True), keys)
-    b = key_frame(orig, keys)
+    b = key_frame(orig.reset_index(drop=True), keys)
     return len(rel), int((a != b).any(axis=1).sum())
