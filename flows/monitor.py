@@ -345,7 +345,7 @@ def _plain_y(ax, values: np.ndarray) -> None:
 
 def trend_plot(table: pd.DataFrame, survey: str) -> bytes:
     """PNG: median SE ratio and each monitored quantity by year, thresholds dashed."""
-    from sdl_design.plots import png, pyplot
+    from sdl_design.plots import png, pyplot, tight
 
     plt = pyplot()
     t = table[table["survey"] == survey].sort_values("year")
@@ -358,7 +358,7 @@ def trend_plot(table: pd.DataFrame, survey: str) -> bytes:
         ax.set_title(label)
         ax.set_xticks(t["year"].tolist())
         _plain_y(ax, t[[c for c in (key, f"{key}_max") if c in t]].to_numpy(dtype=float))
-    fig.tight_layout()
+    tight(fig)
     return png(fig, dpi=90)
 
 

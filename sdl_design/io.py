@@ -70,7 +70,7 @@ def numeric_columns(spec: ReleaseSpec, columns: list[str]) -> dict[str, str]:
     """Columns the spec needs as numbers -> the field that says so."""
     d, v, s = spec.design, spec.variables, spec.stages
     out: dict[str, str] = {d.weight: "design.weight"}
-    for c in spec.replicate_columns(pd.DataFrame(columns=columns)):
+    for c in spec.replicate_columns(columns):
         out.setdefault(c, "design.replicate_weights")
     for i, c in enumerate(v.study):
         out.setdefault(c, f"variables.study[{i}]")

@@ -41,11 +41,14 @@ def key_frame(df: pd.DataFrame, keys: Sequence[KeySpec | str]) -> pd.DataFrame:
     cols = {}
     for k in keys:
         k = KeySpec(name=k) if isinstance(k, str) else k
-        c = coarsen(df[k.name], k.bins, k.map)
-        if c.isna().any():
-            c = c.astype(object).where(c.notna(), MISSING)
-        cols[k.name] = c
+        cols[k.name] = _recoded(df[k.name], k)
     return pd.DataFrame(cols, index=df.index)
+
+
+def _recoded(s: pd.Series, key: KeySpec) -> pd.Series:
+    """One key column recoded, a missing value as the category MISSING."""
+    c = coarsen(s, key.bins, key.map)
+    return c.astype(object).where(c.notna(), MISSING) if c.isna().any() else c
 
 
 def key_levels(s: pd.Series, key: KeySpec | str) -> tuple[np.ndarray, np.ndarray]:
@@ -54,7 +57,7 @@ def key_levels(s: pd.Series, key: KeySpec | str) -> tuple[np.ndarray, np.ndarray
     key_frame(df, [key]) without a string per record."""
     key = KeySpec(name=key) if isinstance(key, str) else key
     raw, uniq = pd.factorize(s, use_na_sentinel=False)
-    rec = key_frame(pd.DataFrame({key.name: pd.Series(uniq, dtype=object)}), [key])[key.name]
+    rec = _recoded(pd.Series(uniq, dtype=object, name=key.name), key)
     rc, levels = pd.factorize(rec, use_na_sentinel=False)
     return rc.astype(np.int64)[raw], np.asarray(levels, dtype=object)
 

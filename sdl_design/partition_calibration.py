@@ -85,7 +85,7 @@ def calibration_request(spec: ReleaseSpec, columns: Sequence[str]) -> Calibratio
         bounds=None if cal.bounds is None else (float(cal.bounds[0]), float(cal.bounds[1])),
         policy=cal.infeasible_policy,
         min_records=cal.domain_min_records,
-        replicates=tuple(spec.replicate_columns(pd.DataFrame(columns=list(columns)))),
+        replicates=tuple(spec.replicate_columns(list(columns))),
     )
     missing = [c for c in req.columns() if c not in columns]
     if missing:

@@ -562,7 +562,7 @@ class ReleaseSpec(_Strict):
         out: dict[str, str] = {}
         for c in v.other.keep:
             out[c] = "keep"
-        for c in self.replicate_columns(pd.DataFrame(columns=list(columns))):
+        for c in self.replicate_columns(list(columns)):
             out[c] = "replicate"
         for f in ("weight", "strata", "psu", "segment", "household"):
             if getattr(d, f):
@@ -603,9 +603,11 @@ class ReleaseSpec(_Strict):
             and not str(c).startswith("__")
         ]
 
-    def replicate_columns(self, df: pd.DataFrame) -> list[str]:
+    def replicate_columns(self, df: pd.DataFrame | Sequence[str]) -> list[str]:
+        """The replicate weight columns of a frame (or of a list of column names)."""
         rw = self.design.replicate_weights
-        return rw.resolve(list(df.columns)) if rw else []
+        cols = df.columns if isinstance(df, pd.DataFrame) else df
+        return rw.resolve(list(cols)) if rw else []
 
     def check_data(self, df: pd.DataFrame) -> None:
         """Raise SpecError listing every way the data does not fit the spec."""

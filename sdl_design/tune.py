@@ -988,7 +988,7 @@ def risk_utility_map(
     point per candidate (its row in candidates.csv, from 1) coloured by the gates it passes,
     the Pareto front as a staircase, the risk limit (1) with the region beyond it shaded, the
     spec's own setting and the recommended candidate marked and labelled."""
-    from sdl_design.plots import png, subplots
+    from sdl_design.plots import png, subplots, tight
 
     t = table[np.isfinite(table["risk_index"]) & np.isfinite(table["utility"])]
     fig, ax = subplots(figsize=(10.5, 5.8))
@@ -1081,7 +1081,7 @@ def risk_utility_map(
     ax.set_title(title or "Risk-utility map of the candidate settings", fontsize=11)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    fig.tight_layout()
+    tight(fig)
     return png(fig, dpi=dpi)
 
 
