@@ -215,22 +215,27 @@ def type_input(df: pd.DataFrame, spec: ReleaseSpec, text: bool) -> pd.DataFrame:
     out = {}
     numeric = numeric_columns(spec, cols)
     categorical = text_columns(spec)
-    changed = False
+    dtypes = df.dtypes
     for c in df.columns:
-        s = s0 = df[c]  # (df[c] is a new Series at every access: compare with this one)
         codes = missing.get(c)
+        as_text = pd.api.types.is_string_dtype(dtypes[c]) or pd.api.types.is_object_dtype(dtypes[c])
+        if not codes and not (as_text and (c in numeric or (text and c not in categorical))):
+            continue  # kept as read (a Series per column and partition cost 1 ms)
+        s = s0 = df[c]  # (df[c] is a new Series at every access: compare with this one)
         if codes:
             s = s.where(~_missing_mask(s, codes))
         if c in numeric:
             s = _to_numeric(s, c, numeric[c], problems)
         elif text and c not in categorical:
             s = _infer(s)
-        out[c] = s
-        changed |= s is not s0
+        if s is not s0:
+            out[c] = s
     if problems:
         raise SpecError(problems)
     # an unchanged frame is returned as it is (rebuilding it copied every column: 2 s at 1M)
-    return pd.DataFrame(out, index=df.index) if changed else df
+    if not out:
+        return df
+    return pd.DataFrame({c: out[c] if c in out else df[c] for c in df.columns}, index=df.index)
 
 
 def read_input(spec: ReleaseSpec) -> tuple[pd.DataFrame, str]:

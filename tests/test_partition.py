@@ -320,8 +320,9 @@ def domains_chain(clean, tmp_path_factory):
 def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
     clean, domains_chain, tmp_path
 ):
-    """One local cluster of 2 worker processes: `puf scan` writes the same tables as in this
-    process, and `puf partitioned` (7 partitions; the replications at once) the same files as
+    """One local cluster of 2 worker processes: `puf scan` writes the same tables as the thread
+    runner's scan (domains_chain's scan/), and `puf partitioned` (7 partitions; the
+    replications at once) the same files as
     the thread runner's chain (domains_chain, the replications one at a time), byte for
     byte: the records after the swap and PRB, MASSC's substituted file of its donor search,
     its selections (records exchanged between workers), the calibrated and top-coded records,
@@ -339,13 +340,13 @@ def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
         silence_logs=logging.WARNING,
     ) as cluster:
         dask = ["--runner", "dask", "--dask-address", cluster.scheduler_address]
-        for cmd, where in (("scan", ["--runner", "thread"]), ("scan", dask), ("partitioned", dask)):
-            out = str(tmp_path / f"{cmd}-{where[1]}")
-            puf([cmd, str(path), "--partitions", "7", "--out", out, *where])
-    for name in ("se", "edits", "risk_strata", "profiles"):
-        a = (tmp_path / "scan-thread" / f"{name}.csv").read_bytes()
-        assert a == (tmp_path / "scan-dask" / f"{name}.csv").read_bytes(), name
+        for cmd in ("scan", "partitioned"):
+            out = str(tmp_path / f"{cmd}-dask")
+            puf([cmd, str(path), "--partitions", "7", "--out", out, *dask])
     thread, dask = domains_chain[0], tmp_path / "partitioned-dask"
+    for name in ("se", "edits", "risk_strata", "profiles"):  # the thread runner's scan
+        a = (thread / "scan" / f"{name}.csv").read_bytes()
+        assert a == (tmp_path / "scan-dask" / f"{name}.csv").read_bytes(), name
     files = sorted(p.relative_to(thread) for p in thread.rglob("*.*") if p.name != "run.json")
     assert files == sorted(p.relative_to(dask) for p in dask.rglob("*.*") if p.name != "run.json")
     parquet = [f for f in files if f.suffix == ".parquet"]
