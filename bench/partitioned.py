@@ -31,6 +31,21 @@ def _maxrss_gib() -> float:
     return kb / 2**20
 
 
+def _driver_peak(run: dict) -> float:
+    """The driver's peak over the run: run_partitioned restarts VmHWM at every step and
+    reports each step's (driver_peak_gib); this process's VmHWM where it could not."""
+    steps = [v for v in run.get("driver_peak_gib", {}).values() if v is not None]
+    return max(steps) if steps else _maxrss_gib()
+
+
+def _driver_steps(run: dict) -> str:
+    """'scan 1.20, swap 1.31, ...' GiB: the driver's peak resident set in each step."""
+    steps = run.get("driver_peak_gib", {})
+    if not steps or any(v is None for v in steps.values()):
+        return "not measured (no /proc/self/clear_refs)"
+    return ", ".join(f"{k} {v:.2f}" for k, v in steps.items()) + " GiB"
+
+
 def _child(code: str, *args: str) -> tuple[float, float, str]:
     """Run code in a fresh interpreter: (wall seconds, its peak RSS in GiB, its stdout)."""
     peak = "next(int(x.split()[1]) for x in open('/proc/self/status') if x.startswith('VmHWM:'))"
@@ -40,7 +55,8 @@ def _child(code: str, *args: str) -> tuple[float, float, str]:
         [sys.executable, "-c", wrapped, *args], capture_output=True, text=True, check=True
     ).stdout
     wall = time.perf_counter() - t0
-    peak = float(next(line for line in out.splitlines() if line.startswith("PEAK")).split()[1])
+    # the largest PEAK line: a run_partitioned child prints its steps' (it restarts VmHWM)
+    peak = max(float(line.split()[1]) for line in out.splitlines() if line.startswith("PEAK"))
     return wall, peak, out
 
 
@@ -48,6 +64,7 @@ PARTITIONED_IN_PROCESS = """
 from flows.scan import run_partitioned
 out = run_partitioned(sys.argv[1], "thread", out=sys.argv[2])
 print('RUN', out['seconds'])
+print('PEAK', max([v for v in out['driver_peak_gib'].values() if v is not None], default=0))
 """
 
 IN_PROCESS = """
@@ -300,7 +317,8 @@ def main() -> None:
         f"gates) on Dask: {run['seconds']:.1f} s (the scan "
         f"{run['scan_seconds']:.1f} s); per-worker peak RSS "
         + ", ".join(f"{v:.2f} GiB" for v in peaks.values())
-        + f" (at start {max(start.values()):.2f} GiB); driver peak {_maxrss_gib():.2f} GiB\n"
+        + f" (at start {max(start.values()):.2f} GiB); driver peak {_driver_peak(run):.2f} GiB\n"
+        f"  the driver's peak by step: {_driver_steps(run)}\n"
         f"  swap: pass 1 {sw['pass1_seconds']:.1f} s, pass 2 {sw['pass2_seconds']:.1f} s, plan "
         f"on the driver {sw['plan_seconds']:.1f} s, masking and writing "
         f"{sw['masking_seconds']:.1f} s, SEs of the masked records {sw['se_seconds']:.1f} s; "

@@ -57,6 +57,25 @@ class Exchange:
         return self._exchange((send, serve, receive), parts, args, what)
 
 
+def _peak_reset() -> bool:
+    """Start this process's peak resident set (VmHWM) anew, Linux >= 4.0; False elsewhere."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_gib() -> float | None:
+    """This process's peak resident set (VmHWM) in GiB, None where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) / 2**20
+    except (OSError, StopIteration):
+        return None
+
+
 def _say(text: str, command: str = "scan") -> None:
     print(f"[puf {command}] {text}", file=sys.stderr, flush=True)
 
@@ -1077,6 +1096,14 @@ def run_partitioned(
     def fill(tmp: Path) -> dict[str, Any]:
         done: dict[str, Any] = {}
         cols, now = columns, parts
+        # the driver's peak resident set by step (only small aggregates should reach it)
+        peaks: dict[str, float | None] = {}
+        resets = _peak_reset()
+
+        def peak(step: str) -> None:
+            peaks[step] = _peak_gib() if resets else None
+            _peak_reset()
+
         with _mapper(runner, dask_address, workers, "partitioned") as run_map:
             # the input first, as the release flow: its edit rules (a failing one stops the
             # run), the risk stage's metrics, and the SEs every stage's damage is measured by
@@ -1086,6 +1113,7 @@ def run_partitioned(
             (tmp / "scan").mkdir()
             _write_tables(tmp / "scan", scan)
             chain = Chain(parts, scan, scan_info["psus"])
+            peak("scan")
             if not scan["edits"]["passed"].all():
                 raise GateFailed("edit validation failed on the input file", scan["edits"])
             for stage in stages:
@@ -1103,6 +1131,7 @@ def run_partitioned(
                     for name, table in res["tables"].items():
                         table.to_csv(tmp / stage.name / f"{name}.csv", index=False)
                     done[stage.name] = res
+                    peak(stage.name)
                     continue
                 if fn is None and reads_only(stage):
                     if stage.name not in MEASURED_BY_SCAN:
@@ -1134,6 +1163,7 @@ def run_partitioned(
                 if res.get("unchanged"):  # the records stay as the previous stage left them
                     shutil.rmtree(tmp / stage.name)
                     done[stage.name] = res
+                    peak(stage.name)
                     continue
                 now = part.plan_partitions(tmp / stage.name / "data")
                 cols = part.input_columns(tmp / stage.name / "data")
@@ -1147,6 +1177,7 @@ def run_partitioned(
                 for name, table in res["tables"].items():
                     table.to_csv(tmp / stage.name / f"{name}.csv", index=False)
                 done[stage.name] = res
+                peak(stage.name)
             public = None
             if "stopped_before" not in done and release:
                 t = time.perf_counter()
@@ -1167,6 +1198,7 @@ def run_partitioned(
                 public["gates_passed"] = int(gates["passed"].sum())
                 public["gates"] = len(gates)
                 public["gates_failed"] = gates.loc[~gates["passed"].astype(bool), "name"].tolist()
+                peak("public_files")
         if public is not None:
             left = done.get("not_measured", [])
             _say(
@@ -1184,6 +1216,7 @@ def run_partitioned(
             "runner": runner,
             "edit_rules_passed": int(scan["edits"]["passed"].sum()),
             "scan_seconds": scan_seconds,
+            "driver_peak_gib": peaks,
             "public_files": public,
             "stages": {
                 k: {m: v for m, v in r.items() if m != "tables"} if isinstance(r, dict) else r
@@ -1191,9 +1224,9 @@ def run_partitioned(
             },
         }
         (tmp / "run.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
-        return done, scan, scan_seconds, public
+        return done, scan, scan_seconds, public, peaks
 
-    stages_done, scan, scan_seconds, public = _replace(folder, fill)
+    stages_done, scan, scan_seconds, public, peaks = _replace(folder, fill)
     return {
         "records": parts[-1].stop,
         "partitions": len(parts),
@@ -1203,4 +1236,5 @@ def run_partitioned(
         "scan_seconds": scan_seconds,
         "stages": stages_done,
         "public_files": public,
+        "driver_peak_gib": peaks,
     }

@@ -689,6 +689,17 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
         _same_replications(m, spec, prb, whole, (cfg, plan, tr, dm, revisions))
         final = _same_topcode(folder, spec, data)
     if not restrictions and delta_max is None:
+        # the driver's peak resident set by step: each at most the process's lifetime peak
+        import resource
+
+        steps = out["driver_peak_gib"]
+        assert list(steps) == [
+            "scan", "swap", "prb", "massc", "topcode", "pseudo_design", "final", "assess",
+            "public_files",
+        ]  # fmt: skip
+        if all(v is not None for v in steps.values()):  # (None: no /proc/self/clear_refs)
+            life = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            assert all(0 < v <= life + 1e-9 for v in steps.values()), (steps, life)
         puf = _same_public(folder, spec, final, tmp_path)
         assert len(puf) < N  # MASSC's subsample
         assessed = _same_assessment(folder, spec, whole, final)
