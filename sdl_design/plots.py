@@ -169,27 +169,41 @@ def _interval_plot(rows, title: str, xlabel: str) -> bytes:
         est = rows[f"estimate_{col}"].to_numpy(dtype=float)
         half = 1.96 * rows[f"se_{col}"].to_numpy(dtype=float)
         ax.errorbar(est, y + off, xerr=half, fmt="o", ms=3, lw=1, color=c, label=lab)
-    labels = rows["label"].astype(str).tolist()
+    labels = _forest_margins(fig, rows["label"].astype(str).tolist(), 7)
     ax.set_yticks(y, labels, fontsize=7)
     ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=10)
     ax.legend(loc="best", fontsize=8)
-    _forest_margins(fig, labels, 7)
     return png(fig)
 
 
-def _forest_margins(fig, labels: list[str], fontsize: float) -> None:
-    """The margins of a forest plot from its widest row label, measured once per distinct
-    label (tight layout measures every artist, twice the time of drawing the plot)."""
+def _forest_margins(fig, labels: list[str], fontsize: float, most: float = 0.6) -> list[str]:
+    """Set a forest plot's margins from its widest row label, measured once per distinct label
+    (tight layout measures every artist: twice the time of drawing the plot). The labels take
+    at most `most` of the width: a longer one is shortened with '...'. Returns the labels."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.font_manager import FontProperties
 
     renderer = FigureCanvasAgg(fig).get_renderer()
     prop = FontProperties(size=fontsize)
-    widths = [renderer.get_text_width_height_descent(s, prop, ismath=False)[0] for s in set(labels)]
     w, h = fig.get_size_inches()
-    left = max(widths, default=0.0) / fig.dpi + 0.2  # inches: the labels, the ticks and a pad
+    room = (most * w - 0.2) * fig.dpi  # pixels for the labels
+
+    def width(s: str) -> float:
+        return renderer.get_text_width_height_descent(s, prop, ismath=False)[0]
+
+    widths = {s: width(s) for s in set(labels)}
+    for s, x in list(widths.items()):
+        cut = s
+        while x > room and len(cut) > 1:  # shortened until it fits
+            cut = cut[: max(1, int(len(cut) * room / x) - 1)]
+            x = width(cut + "...")
+        if cut != s:
+            widths[s] = x
+            labels = [cut + "..." if v == s else v for v in labels]
+    left = max(widths.values(), default=0.0) / fig.dpi + 0.2  # inches: labels, ticks, a pad
     fig.subplots_adjust(left=left / w, right=1 - 0.25 / w, bottom=0.6 / h, top=1 - 0.4 / h)
+    return labels
 
 
 @_drawn(dict)

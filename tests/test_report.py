@@ -402,3 +402,38 @@ def test_risk_section_prefers_the_published_file_delta(tmp_path):
     )
     risk = text[text.index("Risk of the published file") : text.index("Analytic validity")]
     assert "0.1200" in risk
+
+
+@pytest.mark.parametrize("longest", [8, 70])
+def test_forest_plot_keeps_every_row_label_inside_the_figure(monkeypatch, longest):
+    """The forest plot's left margin (measured from its widest row label, not by tight layout)
+    holds every label: none cut at the figure's edge or running into the axes; a label too
+    wide for 60% of the figure is shortened with '...'."""
+    from sdl_design import plots
+
+    figs = []
+    monkeypatch.setattr(plots, "png", lambda fig, dpi=100: figs.append(fig) or b"")
+    n = 25
+    labels = [f"d{i} = " + "W" * (longest if i == 7 else 3) for i in range(n)]
+    rng = np.random.default_rng(3)
+    rows = pd.DataFrame(
+        {
+            "label": labels,
+            **{f"estimate_{c}": rng.normal(size=n) for c in ("original", "released")},
+            **{f"se_{c}": rng.random(n) for c in ("original", "released")},
+        }
+    )
+    plots._interval_plot(rows, "mean of y: published vs original", "mean")
+    fig = figs[0]
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    boxes = [t.get_window_extent(r) for t in ax.get_yticklabels() if t.get_text()]
+    assert len(boxes) == n
+    assert min(b.x0 for b in boxes) >= 0  # nothing cut at the left edge
+    assert max(b.x1 for b in boxes) <= ax.get_window_extent(r).x0  # left of the axes
+    assert max(b.x1 - b.x0 for b in boxes) > (longest - 3) * 5  # the widest one is measured
+    # a label wider than 60% of the figure is shortened, the others are as given
+    shown = [t.get_text() for t in ax.get_yticklabels()]
+    assert [s.endswith("...") for s in shown] == [longest == 70 and i == 7 for i in range(n)]
+    assert all(s == v for s, v in zip(shown, labels, strict=True) if not s.endswith("..."))
