@@ -202,8 +202,22 @@ def _partitioned_input(
         _say(
             f"{len(parts)} partition(s), not {partitions}: the input has {groups} row group(s) "
             "and a row group is never split; write it with smaller row groups (e.g. "
-            "pyarrow.parquet.write_table(table, path, row_group_size=250_000)) to read it in "
+            "pyarrow.parquet.write_table(table, path, row_group_size=262_144)) to read it in "
             "more parts",
+            command,
+        )
+    from sdl_design.blocksum import BLOCK, split_blocks
+
+    split = split_blocks([p.start for p in parts])
+    if split and parts[-1].stop > BLOCK:
+        _say(
+            f"{split} of {len(parts)} partitions begin inside a block of {BLOCK:,} records: "
+            "the driver receives those blocks' terms (with every replicate weight's) to add them "
+            "in record order (at 1M records in partitions of 125,000, MASSC's driver peak was 0.95 GiB, "
+            "0.47 GiB with row groups of 131,072); write the "
+            f"input with row groups of a multiple of {BLOCK:,} records (e.g. "
+            "pyarrow.parquet.write_table(table, path, row_group_size=262_144)) to keep them on "
+            "the workers",
             command,
         )
     return spec, columns, parts

@@ -285,6 +285,32 @@ def test_puf_scan_writes_its_tables_whole(survey, tmp_path, capsys):
     assert "not 50: the input has 7 row group(s)" in capsys.readouterr().err
 
 
+def test_split_blocks_counts_partitions_that_begin_inside_a_block():
+    from sdl_design.blocksum import BLOCK, split_blocks
+
+    assert BLOCK == 65_536
+    assert split_blocks([0, BLOCK, 100_000, 2 * BLOCK, 4 * BLOCK + 1]) == 2
+    assert split_blocks([0]) == 0
+
+
+def test_puf_scan_says_when_partitions_split_blocks(survey, tmp_path, capsys, monkeypatch):
+    """Partitions that begin inside a block of blocksum.BLOCK records (here 1,024, so that
+    3,000 records span 3 blocks): the run says how many, and how to write the input so that
+    none does; one partition: nothing said."""
+    from sdl_design import blocksum
+
+    monkeypatch.setattr(blocksum, "BITS", 10)
+    monkeypatch.setattr(blocksum, "BLOCK", 1 << 10)
+    path = survey[0]
+    puf(["scan", str(path), "--partitions", "7", "--out", str(tmp_path / "a")])
+    err = capsys.readouterr().err
+    # partitions begin at 450, 900, 1350, 1800, 2250, 2700: none a multiple of 1,024
+    assert "6 of 7 partitions begin inside a block of 1,024 records" in err
+    assert "row groups of a multiple of 1,024 records" in err
+    puf(["scan", str(path), "--partitions", "1", "--out", str(tmp_path / "b")])
+    assert "begin inside a block" not in capsys.readouterr().err
+
+
 def _with_donors(clean, restrictions=(), delta_max=None):
     """The clean survey's spec with declared domains sex and region only (the default declares
     every key, so that no record has a donor): donors share the recipient's sex and region
