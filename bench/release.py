@@ -50,6 +50,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from flows.env import peak_reset
+
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("MPLBACKEND", "Agg")
@@ -74,16 +76,6 @@ def _cpu() -> float:
 def _sys() -> float:
     """CPU seconds the kernel spent for the process so far (page faults, mostly)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_stime
-
-
-def _reset_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False when not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 class _RssSampler:
@@ -158,7 +150,7 @@ class _Recorder:
         self.rows: dict[str, dict] = {}
         self.overhead = 0.0  # bench bookkeeping inside the current step (subtracted)
         self.touch: dict[str, int] = {}
-        self.use_hwm = _reset_peak()
+        self.use_hwm = peak_reset()
         self.sampler = None if self.use_hwm else _RssSampler()
         self.start_rss = 0
 
@@ -166,7 +158,7 @@ class _Recorder:
         self.t_start = time.perf_counter()
         self.overhead = 0.0
         if self.use_hwm:
-            _reset_peak()
+            peak_reset()
         else:
             self.sampler.reset()
         self.start_rss = _status_kb("VmRSS")

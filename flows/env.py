@@ -30,6 +30,25 @@ def quiet_env() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def peak_reset() -> bool:
+    """Start this process's peak resident set (VmHWM) anew, Linux >= 4.0; False elsewhere."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_gib() -> float | None:
+    """This process's peak resident set (VmHWM) in GiB, None where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) / 2**20
+    except (OSError, StopIteration):
+        return None
+
+
 def return_freed_memory() -> None:
     """Hand the memory freed by a finished step back to the system (glibc's malloc_trim):
     numpy's column-sized temporaries otherwise stay in the heap and the next step's peak starts

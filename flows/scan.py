@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from flows.env import return_freed_memory
+from flows.env import peak_gib, peak_reset, return_freed_memory
 from sdl_design import partition as part
 from sdl_design import partition_calibration as pcal
 from sdl_design import partition_topcode as ptc
@@ -56,25 +56,6 @@ class Exchange:
         what: str,
     ) -> list:
         return self._exchange((send, serve, receive), parts, args, what)
-
-
-def _peak_reset() -> bool:
-    """Start this process's peak resident set (VmHWM) anew, Linux >= 4.0; False elsewhere."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_gib() -> float | None:
-    """This process's peak resident set (VmHWM) in GiB, None where /proc is not there."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) / 2**20
-    except (OSError, StopIteration):
-        return None
 
 
 def _say(text: str, command: str = "scan") -> None:
@@ -1113,15 +1094,15 @@ def run_partitioned(
         cols, now = columns, parts
         # the driver's peak resident set by step (only small aggregates should reach it)
         peaks: dict[str, float | None] = {}
-        resets = _peak_reset()
+        resets = peak_reset()
 
         def peak(step: str) -> None:
-            peaks[step] = _peak_gib() if resets else None
+            peaks[step] = peak_gib() if resets else None
             # what the step freed goes back to the system before the next one (at 5M records
             # the driver stayed at 2.4 GiB after MASSC without it); no gc.collect(): 0.3-0.5 s
             # a step in a process holding many objects, and the frames are freed by refcount
             return_freed_memory()
-            _peak_reset()
+            peak_reset()
 
         with _mapper(runner, dask_address, workers, "partitioned") as run_map:
             # the input first, as the release flow: its edit rules (a failing one stops the
