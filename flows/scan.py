@@ -192,10 +192,9 @@ def _partitioned_input(
     if split and parts[-1].stop > BLOCK:
         _say(
             f"{split} of {len(parts)} partitions begin inside a block of {BLOCK:,} records: "
-            "the driver receives those blocks' terms (with every replicate weight's) to add them "
-            "in record order (at 1M records in partitions of 125,000, MASSC's driver peak was 0.95 GiB, "
-            "0.47 GiB with row groups of 131,072); write the "
-            f"input with row groups of a multiple of {BLOCK:,} records (e.g. "
+            "the driver receives those blocks' terms (every replicate weight's with them) to "
+            "add them in record order, memory that grows with the file; write the input with "
+            f"row groups of a multiple of {BLOCK:,} records (e.g. "
             "pyarrow.parquet.write_table(table, path, row_group_size=262_144)) to keep them on "
             "the workers",
             command,
