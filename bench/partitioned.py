@@ -8,8 +8,9 @@ must equal the partitioned ones, bit for bit).
 
 Usage: python bench/partitioned.py SPEC [row_group_records] (SPEC: a spec whose release.input
 is a Parquet file, e.g. the default_spec.yaml that bench/release.py leaves in its output
-folder; the input is copied once into row groups of row_group_records, default 250,000, beside
-the bench's output). Run it with PYTHONPATH set to the checkout.
+folder; the input is copied once into row groups of row_group_records, default 262,144: 4
+blocks of 65,536, so that no partition begins inside a block, see `puf partitioned`, beside the
+bench's output). Run it with PYTHONPATH set to the checkout.
 """
 
 from __future__ import annotations
@@ -268,7 +269,7 @@ data["release"]["output_dir"] = str(work)
 
 def main() -> None:
     spec_path = Path(sys.argv[1]).resolve()
-    rows = int(sys.argv[2]) if len(sys.argv) > 2 else 250_000
+    rows = int(sys.argv[2]) if len(sys.argv) > 2 else 262_144
     work = Path(tempfile.mkdtemp(prefix="puf_bench_scan_"))
     t0 = time.perf_counter()
     _child(COPY, str(spec_path), str(work), str(rows))  # its memory is not this process's
