@@ -96,7 +96,11 @@ def write_public_files(puf: pd.DataFrame, public: Path, notes: str) -> dict[str,
     """Write the public folder (created here); returns {'public/<file>': sha256}."""
     from concurrent.futures import ThreadPoolExecutor
 
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from flows.publish import sha256_file
+    from sdl_design.io import parquet_options
 
     public.mkdir()
 
@@ -108,7 +112,9 @@ def write_public_files(puf: pd.DataFrame, public: Path, notes: str) -> dict[str,
 
     with ThreadPoolExecutor(1) as pool:
         csv = pool.submit(csv_file, public / "puf.csv")
-        puf.to_parquet(public / "puf.parquet", index=False)
+        table = pa.Table.from_pandas(puf, preserve_index=False)  # as pandas' to_parquet
+        pq.write_table(table, public / "puf.parquet", **parquet_options(table.schema))
+        del table
         neutralize_formulas(codebook(puf, getattr(notes, "codebook_notes", None))).to_csv(
             public / "codebook.csv", index=False, lineterminator="\n"
         )
@@ -460,6 +466,7 @@ def write_public_by_partition(
     import pyarrow.parquet as pq
 
     from flows.publish import sha256_file
+    from sdl_design.io import parquet_options
 
     keep = spec.published_columns(list(columns), masked_design, drop, design_columns)
     first = run_map(public_pass1, parts, spec, keep, what="public files: columns")
@@ -492,7 +499,9 @@ def write_public_by_partition(
                     # row group from several batches is encoded otherwise at 5M records)
                     table = pa.ipc.open_file(src).read_all().combine_chunks()
                 if writer is None:
-                    writer = pq.ParquetWriter(folder / "puf.parquet", table.schema)
+                    writer = pq.ParquetWriter(
+                        folder / "puf.parquet", table.schema, **parquet_options(table.schema)
+                    )
                 elif not table.schema.equals(writer.schema, check_metadata=True):
                     diff = [
                         f.name for f in table.schema if f.type != writer.schema.field(f.name).type

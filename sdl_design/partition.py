@@ -43,7 +43,7 @@ from sdl_design.design import (
 )
 from sdl_design.edits import combine_rule_failures, rule_failures
 from sdl_design.exactsum import add_limbs_at
-from sdl_design.io import type_input
+from sdl_design.io import parquet_options, type_input
 from sdl_design.keys import key_levels
 from sdl_design.massc.moments import StudyVariables, ZMoments, ZParts, moment_terms, moments_of
 from sdl_design.prb import (
@@ -1143,10 +1143,7 @@ def _write_partition(data: pd.DataFrame, part: Partition, folder: str) -> str:
     path = Path(folder) / f"part-{part.start:012d}.parquet"
     tmp = path.with_suffix(".parquet.tmp")
     table = pa.Table.from_pandas(data, preserve_index=False)
-    # dictionary pages for text and integers only: float columns (weights, replicate weights)
-    # rarely repeat, and their dictionaries took two thirds of the write
-    coded = [f.name for f in table.schema if not pa.types.is_floating(f.type)]
-    pq.write_table(table, tmp, use_dictionary=coded)
+    pq.write_table(table, tmp, **parquet_options(table.schema))
     tmp.replace(path)
     return str(path)
 

@@ -6,7 +6,9 @@ default spec's utility domains, county not published and its sensitivity scores)
 hashes below are those of that change, then of issue 13's public README and codebook (the
 methods that ran with their parameters, variance recipes, labels and top-code flags) and issue
 15's leaks (release year in the seed derivation, records shuffled, formula cells quoted, one BLAS
-thread per stage: the same on any CPU count). A change that alters the public file on purpose
+thread per stage: the same on any CPU count). puf.parquet's hash changed with issue 14's
+Parquet options (no dictionary pages for float columns): the same table, read back and written
+with pyarrow's defaults, gives the hash before it (a609215...). A change that alters the public file on purpose
 updates them and says why in its commit."""
 
 import hashlib
@@ -21,7 +23,7 @@ RECORDED = {
     "README.md": "523f66ad3b249b607c9b7d5b4e3d2ded6faf6595bdf8c0f99174e954ef8adbed",
     "codebook.csv": "f15b45b779abe10dd2328cf478b1f4cc45b2925da4ab2ca2dd00d743cc5abbe8",
     "puf.csv": "89d7ed662d34c64581f091e244e53390dd942f606b5874f73352f5389d6c88f7",
-    "puf.parquet": "a60921562697688614e46694ce7aacabc8d24fc78eb9cbcf4470683d7aa5fa72",
+    "puf.parquet": "81d1f014514c1d15bd1647400f00c05af389ca2c7029a75d15ff4ef258f9bb9e",
 }
 
 

@@ -1,6 +1,6 @@
 """The public data files written by partition (flows.public_files.write_public_by_partition)
-are the release writer's bytes: puf.parquet as DataFrame.to_parquet writes the whole public
-frame (pyarrow's row groups), puf.csv as pandas.to_csv writes it, for the records in the
+are the release writer's bytes: puf.parquet as pyarrow writes the whole public frame (its row
+groups; sdl_design.io.parquet_options), puf.csv as pandas.to_csv writes it, for the records in the
 release's public order."""
 
 import numpy as np
@@ -19,7 +19,7 @@ from flows.public_files import (
     write_public_files,
 )
 from flows.scan import _mapper
-from sdl_design.io import read_input
+from sdl_design.io import parquet_options, read_input
 from sdl_design.partition import plan_partitions
 from sdl_design.spec import load_spec
 from sdl_design.stage import design_columns
@@ -81,13 +81,20 @@ def test_public_files_by_partition_are_the_release_writers_bytes(
         want_parquet = (tmp_path / "ref" / "puf.parquet").read_bytes()
     else:
         sink = pa.BufferOutputStream()
-        pq.write_table(pa.Table.from_pandas(puf, preserve_index=False), sink, row_group_size=700)
+        table = pa.Table.from_pandas(puf, preserve_index=False)
+        pq.write_table(table, sink, row_group_size=700, **parquet_options(table.schema))
         want_parquet = sink.getvalue().to_pybytes()
     assert (tmp_path / "puf" / "puf.parquet").read_bytes() == want_parquet
     md = pq.ParquetFile(tmp_path / "puf" / "puf.parquet").metadata
     assert [md.row_group(i).num_rows for i in range(md.num_row_groups)] == (
         [3000] if rows == PARQUET_ROWS else [700, 700, 700, 700, 200]
     )
+    # dictionary pages for the columns that are not floats, none for the floats
+    floats = {c for c in puf.columns if pd.api.types.is_float_dtype(puf[c])}
+    assert {spec.design.weight, "rw_001", "income"} <= floats and "age" not in floats
+    for g in range(md.num_row_groups):
+        chunks = [md.row_group(g).column(i) for i in range(md.num_columns)]
+        assert {c.path_in_schema for c in chunks if not c.has_dictionary_page} == floats
     text = neutralize_formulas(puf).to_csv(index=False, lineterminator="\n")
     assert (tmp_path / "puf" / "puf.csv").read_text() == text
     # what the writers decided over the whole file held in every part of it
