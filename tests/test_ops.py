@@ -211,3 +211,32 @@ def test_preload_imports_in_its_thread_and_leaves_a_failure_to_the_step(tmp_path
     with pytest.raises(RuntimeError, match="broken module"):
         importlib.import_module("puf_preload_bad")
     sys.modules.pop("puf_preload_ok", None)
+
+
+def test_preload_freezes_what_its_imports_made_once_per_process(tmp_path, monkeypatch):
+    """After the first preload of a process, the objects its imports made (a module's list)
+    are out of the cyclic collector's generations (frozen); a second preload freezes nothing."""
+    import gc
+    import importlib
+    import sys
+    import threading
+
+    import flows.env as env
+
+    (tmp_path / "puf_preload_made.py").write_text("MADE = [object() for _ in range(3)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "puf_preload_made", raising=False)
+    monkeypatch.setattr(env, "_FROZEN", threading.Event())  # as in a fresh process
+    try:
+        t = env.preload(("puf_preload_made",))
+        t.join(30)
+        made = importlib.import_module("puf_preload_made").MADE
+        assert gc.is_tracked(made) and not any(o is made for o in gc.get_objects())
+        frozen = gc.get_freeze_count()
+        later = [[1]]  # made after the first preload: not frozen by a second one
+        env.preload(()).join(30)
+        assert gc.get_freeze_count() == frozen
+        assert any(o is later for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
+        sys.modules.pop("puf_preload_made", None)
