@@ -176,12 +176,13 @@ def _partitioned_input(
         parts = part.plan_partitions(spec.release.input, partitions)
     except part.PartitionError as e:
         raise SpecError([str(e)]) from e
-    groups = sum(len(p.row_groups) for p in parts)
+    groups = len({(p.path, g) for p in parts for g in p.row_groups})
     _say(f"{parts[-1].stop} records in {len(parts)} partition(s) ({runner})", command)
     if partitions and len(parts) < partitions and groups < partitions:
         _say(
             f"{len(parts)} partition(s), not {partitions}: the input has {groups} row group(s) "
-            "and a row group is never split; write it with smaller row groups (e.g. "
+            "and a row group is split only at a block boundary; write it with smaller row "
+            "groups (e.g. "
             "pyarrow.parquet.write_table(table, path, row_group_size=262_144)) to read it in "
             "more parts",
             command,
@@ -191,10 +192,11 @@ def _partitioned_input(
     split = split_blocks([p.start for p in parts])
     if split and parts[-1].stop > BLOCK:
         _say(
-            f"{split} of {len(parts)} partitions begin inside a block of {BLOCK:,} records: "
-            "the driver receives those blocks' terms (every replicate weight's with them) to "
-            "add them in record order, memory that grows with the file; write the input with "
-            f"row groups of a multiple of {BLOCK:,} records (e.g. "
+            f"{split} of {len(parts)} partitions begin inside a block of {BLOCK:,} records "
+            "(partitions shorter than a block, or files that end inside one): the driver "
+            "receives those blocks' terms (every replicate weight's with them) to add them in "
+            "record order, memory that grows with the file; ask for fewer partitions, or write "
+            f"the input with row groups (and files) of a multiple of {BLOCK:,} records (e.g. "
             "pyarrow.parquet.write_table(table, path, row_group_size=262_144)) to keep them on "
             "the workers",
             command,

@@ -3,8 +3,9 @@ reduce functions on the partitions of a Parquet input (its row groups), so a fil
 one process's memory is read a partition at a time, in one process or on Dask workers
 (flows/scan.py runs them; only small aggregates come back to the driver).
 
-- plan_partitions / read_partition: row groups in file order; every record keeps its global
-  row number; columns are typed as read_input types them.
+- plan_partitions / read_partition: row groups in file order, cut at a block boundary of
+  sdl_design.blocksum where one lies near (no partition then begins inside a block); every
+  record keeps its global row number; columns are typed as read_input types them.
 - Key-profile counts (risk strata U/D/T/O, paper 000 section 2.3): the distinct recoded key
   profiles with their counts and first record, numbered in first-appearance order as
   risk.profile_codes numbers them; profile_sizes gives each record its cell count.
@@ -100,12 +101,14 @@ class PartitionError(ValueError):
 
 @dataclass(frozen=True)
 class Partition:
-    """Row groups of one Parquet file holding the records start..stop-1 of the input."""
+    """Row groups of one Parquet file holding the records start..stop-1 of the input, from
+    the skip-th record of the first of them on (a row group cut at a block boundary)."""
 
     path: str
     row_groups: tuple[int, ...]
     start: int
     stop: int
+    skip: int = 0
 
 
 def _files(path: Path) -> list[Path]:
@@ -140,32 +143,62 @@ def input_columns(path: str | Path) -> list[str]:
 
 def plan_partitions(path: str | Path, n: int | None = None) -> list[Partition]:
     """The input (a Parquet file, or a folder of them read in name order) as about n
-    partitions of consecutive row groups with about equal record counts (n None: one per row
-    group). A row group is never split and a partition never spans two files."""
+    partitions of consecutive records with about equal counts (n None: one per row group).
+    A partition ends where a row group ends, moved to the nearest multiple of blocksum.BLOCK
+    records when one lies between its neighbouring ends: then no partition begins inside a
+    block, and the driver receives block sums only (blocksum), not a block's terms. A partition
+    never spans two files."""
     import pyarrow.parquet as pq
 
     files = _files(Path(path))
     input_columns(path)
-    units = []  # (file, row group, rows)
+    units = []  # (file, row group, rows, its first record in the input)
+    at = 0
     for f in files:
         md = pq.ParquetFile(f).metadata
-        units += [(str(f), i, md.row_group(i).num_rows) for i in range(md.num_row_groups)]
-    units = [u for u in units if u[2] > 0]
+        for i in range(md.num_row_groups):
+            r = md.row_group(i).num_rows
+            if r > 0:
+                units.append((str(f), i, r, at))
+                at += r
     if not units:
         raise PartitionError(f"release.input: {path} holds no records")
-    total = sum(u[2] for u in units)
+    total = at
     n = len(units) if n is None else max(1, min(int(n), len(units)))
-    parts: list[Partition] = []
-    start, groups, rows = 0, [], 0
-    for j, (f, i, r) in enumerate(units):
-        groups.append(i)
+    ends, file_ends, rows = [], set(), 0
+    for j, (f, _, r, _) in enumerate(units):
         rows += r
         nxt = units[j + 1][0] if j + 1 < len(units) else None
+        if nxt != f:
+            file_ends.add(rows)
         # close at the next multiple of total / n records, at a file's end, or at the input's
-        if nxt != f or (start + rows) * n >= total * (len(parts) + 1):
-            parts.append(Partition(f, tuple(groups), start, start + rows))
-            start, groups, rows = start + rows, [], 0
+        if nxt != f or rows * n >= total * (len(ends) + 1):
+            ends.append(rows)
+    ends = _block_aligned(ends, file_ends)
+    parts, start = [], 0
+    for stop in ends:
+        mine = [u for u in units if u[3] < stop and u[3] + u[2] > start]
+        f = mine[0][0]
+        parts.append(Partition(f, tuple(u[1] for u in mine), start, stop, start - mine[0][3]))
+        start = stop
     return parts
+
+
+def _block_aligned(ends: list[int], fixed: set[int]) -> list[int]:
+    """The partitions' ends, each not in `fixed` (files' ends) moved to the nearest multiple
+    of blocksum.BLOCK strictly between the previous (moved) end and the next end; kept where
+    no multiple lies there (partitions shorter than a block)."""
+    B = blocksum.BLOCK
+    out, prev = [], 0
+    for i, e in enumerate(ends):
+        if e % B and e not in fixed:
+            nxt = ends[i + 1]  # the last end is the input's, in fixed
+            near = [x for x in ((e // B) * B, (e // B + 1) * B) if prev < x < nxt]
+            if near:
+                e = min(near, key=lambda x: abs(x - e))
+        out.append(e)
+        prev = e
+    return out
 
 
 def read_partition(
@@ -180,7 +213,10 @@ def read_partition(
     if spec is not None and cols is not None:
         have = set(pf.schema_arrow.names)
         cols += [c for c in spec.variables.missing if c in have and c not in cols]
-    df = pf.read_row_groups(list(part.row_groups), columns=cols).to_pandas()
+    table = pf.read_row_groups(list(part.row_groups), columns=cols)
+    if part.skip or table.num_rows != part.stop - part.start:  # row groups cut at a block
+        table = table.slice(part.skip, part.stop - part.start)
+    df = table.to_pandas()
     df.index = pd.RangeIndex(part.start, part.stop)
     if spec is None:
         return df

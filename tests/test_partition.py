@@ -26,6 +26,12 @@ N = 3000
 GROUP = 450  # records per row group: 7 row groups, PSUs cut at their edges
 
 
+def _cut_at_row_groups(monkeypatch):
+    """Partitions end where row groups end (plan_partitions' move to a block boundary off):
+    with small blocks they begin inside blocks, whose terms the driver continues."""
+    monkeypatch.setattr(P, "_block_aligned", lambda ends, fixed: ends)
+
+
 @pytest.fixture(scope="module")
 def survey(tmp_path_factory):
     """The default survey (3,000 persons) with missing bmi values and records that break
@@ -84,6 +90,40 @@ def test_plan_partitions_cover_the_file_in_order(survey):
         assert flat == list(range(groups))  # every row group once, in file order
         for p in parts:  # a partition holds exactly its row groups' records
             assert p.stop - p.start == sum(min(GROUP, N - g * GROUP) for g in p.row_groups)
+
+
+def test_plan_moves_partition_ends_to_block_boundaries_and_reads_cut_row_groups(
+    survey, monkeypatch
+):
+    """Blocks of 256 records, row groups of 450: 3 partitions end at 1,280 and 2,304 (the
+    multiples of 256 nearest the row-group ends 1,350 and 2,250), read from the middle of row
+    groups 2 and 5; blocks of 1,024 and 7 partitions: only the ends with a multiple of 1,024
+    between their neighbours move (900 -> 1,024, 1,800 -> 2,048). Every partition reads
+    exactly its records, with their global row numbers."""
+    from sdl_design import blocksum
+
+    _, spec, whole = survey
+    monkeypatch.setattr(blocksum, "BITS", 8)
+    monkeypatch.setattr(blocksum, "BLOCK", 256)
+    parts = P.plan_partitions(spec.release.input, 3)
+    assert [(p.start, p.stop, p.row_groups, p.skip) for p in parts] == [
+        (0, 1280, (0, 1, 2), 0),
+        (1280, 2304, (2, 3, 4, 5), 1280 - 900),
+        (2304, N, (5, 6), 2304 - 2250),
+    ]
+    for n in (None, 2, 3, 5, 7):
+        parts = P.plan_partitions(spec.release.input, n)
+        assert blocksum.split_blocks([p.start for p in parts]) == 0
+        assert parts[0].start == 0 and parts[-1].stop == N
+        assert all(a.stop == b.start for a, b in zip(parts, parts[1:], strict=False))
+        for p in parts:
+            df = P.read_partition(p, ["age", "wt"])
+            assert df.index.equals(pd.RangeIndex(p.start, p.stop))
+            pd.testing.assert_frame_equal(df, whole[["age", "wt"]].iloc[p.start : p.stop])
+    monkeypatch.setattr(blocksum, "BITS", 10)
+    monkeypatch.setattr(blocksum, "BLOCK", 1024)
+    parts = P.plan_partitions(spec.release.input, 7)
+    assert [p.start for p in parts] == [0, 450, 1024, 1350, 2048, 2250, 2700]
 
 
 def test_plan_of_a_folder_never_spans_files_and_refuses_other_columns(tmp_path, survey):
@@ -304,10 +344,14 @@ def test_puf_scan_says_when_partitions_split_blocks(survey, tmp_path, capsys, mo
     path = survey[0]
     puf(["scan", str(path), "--partitions", "7", "--out", str(tmp_path / "a")])
     err = capsys.readouterr().err
-    # partitions begin at 450, 900, 1350, 1800, 2250, 2700: none a multiple of 1,024
-    assert "6 of 7 partitions begin inside a block of 1,024 records" in err
-    assert "row groups of a multiple of 1,024 records" in err
-    puf(["scan", str(path), "--partitions", "1", "--out", str(tmp_path / "b")])
+    # ends moved to 1,024 and 2,048 (from 900 and 1,800); 450, 1,350, 2,250 and 2,700 have
+    # no multiple of 1,024 between their neighbouring ends
+    assert "4 of 7 partitions begin inside a block of 1,024 records" in err
+    assert "row groups (and files) of a multiple of 1,024 records" in err
+    _cut_at_row_groups(monkeypatch)  # partitions begin at 450, 900, ..., 2700
+    puf(["scan", str(path), "--partitions", "7", "--out", str(tmp_path / "b")])
+    assert "6 of 7 partitions begin inside a block" in capsys.readouterr().err
+    puf(["scan", str(path), "--partitions", "1", "--out", str(tmp_path / "c")])
     assert "begin inside a block" not in capsys.readouterr().err
 
 
@@ -596,10 +640,14 @@ def test_prb_alone_by_partition_gives_the_stages_records(clean, tmp_path, change
     assert out["stages"]["prb"]["n_changed"] == prb.metrics["n_changed"] > 0
 
 
-def test_prb_transitions_by_partition_in_blocks_across_partitions(clean, tmp_path, monkeypatch):
+@pytest.mark.parametrize("cuts", ["row groups", "blocks"])
+def test_prb_transitions_by_partition_in_blocks_across_partitions(
+    clean, tmp_path, monkeypatch, cuts
+):
     """PRB's transition probabilities (the public README's) by partition, with block sums of
-    256 records (12 blocks over 3,000 records, partitions of 450 records that begin and end
-    inside blocks): the in-memory stage's table, bit for bit, p and the category weights."""
+    256 records (12 blocks over 3,000 records; partitions of 450 records that begin and end
+    inside blocks, or moved to the blocks' boundaries): the in-memory stage's table, bit for
+    bit, p and the category weights."""
     from flows.scan import run_partitioned
     from sdl_design import blocksum
     from sdl_design.prb import PrbStage
@@ -608,6 +656,8 @@ def test_prb_transitions_by_partition_in_blocks_across_partitions(clean, tmp_pat
     monkeypatch.setattr(blocksum, "BITS", 8)
     monkeypatch.setattr(blocksum, "BLOCK", 256)
     assert blocksum.n_blocks(N) == 12
+    if cuts == "row groups":
+        _cut_at_row_groups(monkeypatch)
     path, _, whole = clean
     data = yaml.safe_load(path.read_text())
     del data["stages"]["swap"]
@@ -618,6 +668,8 @@ def test_prb_transitions_by_partition_in_blocks_across_partitions(clean, tmp_pat
     spec = load_spec(new)
     prb = PrbStage.from_spec(spec).run(whole, StageContext(whole, spec, "prb"))
     out = run_partitioned(new, "thread", partitions=7, out=tmp_path / "p", release=False)
+    starts = P.plan_partitions(spec.release.input, 7)
+    assert blocksum.split_blocks([p.start for p in starts]) == (6 if cuts == "row groups" else 0)
     got = out["stages"]["prb"]["tables"]["transitions"]
     want = prb.tables["transitions"]
     pd.testing.assert_frame_equal(got, want, check_exact=True)
@@ -1197,6 +1249,7 @@ def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monk
     one_block, one_block_var = first.moments, first.sampling_var
     monkeypatch.setattr(blocksum, "BITS", 6)
     monkeypatch.setattr(blocksum, "BLOCK", 64)
+    _cut_at_row_groups(monkeypatch)  # partitions that begin inside blocks
     cfg, plan, tr, dm, _ = _release_massc(spec, prb, whole)
     assert plan.moments.S2_nu.tobytes() != one_block.S2_nu.tobytes()  # other sums, other bits
     assert plan.sampling_var.tobytes() != one_block_var.tobytes()

@@ -62,20 +62,25 @@ RULES = {
 }
 
 
+@pytest.mark.parametrize("cuts", ["row groups", "blocks"])
 @pytest.mark.parametrize("unit_weights", [False, True], ids=["weights", "unit_weights"])
-def test_topcode_by_partition_is_the_stages_to_the_bit(tmp_path, monkeypatch, unit_weights):
+def test_topcode_by_partition_is_the_stages_to_the_bit(tmp_path, monkeypatch, unit_weights, cuts):
     """Weighted percentiles by group and alone, a fixed value, the k-th most extreme value,
     both sides, mean and threshold replacements, a column with missing values, an integer
-    column kept integer: on 7 partitions of unequal size cut by blocks of 64 records, the coded
-    records and the thresholds table equal topcode_frame's on the whole file, bit for bit.
-    With unit weights cumulative weights land on q W exactly: those groups' values are
-    gathered and the stage's rule decides."""
+    column kept integer: on 5 partitions of unequal size cut inside blocks of 64 records (or
+    moved to their boundaries), the coded records and the thresholds table equal
+    topcode_frame's on the whole file, bit for bit. With unit weights cumulative weights land
+    on q W exactly: those groups' values are gathered and the stage's rule decides."""
     monkeypatch.setattr(blocksum, "BITS", 6)
     monkeypatch.setattr(blocksum, "BLOCK", 64)
+    if cuts == "row groups":  # plan_partitions' move to a block boundary off
+        monkeypatch.setattr(P, "_block_aligned", lambda ends, fixed: ends)
     rng = np.random.default_rng(11 + unit_weights)
     df = _survey(3000, rng, unit_weights)
     (tmp_path / "out").mkdir()
     got, out = _by_partition(tmp_path, df, [100, 650, 50, 900, 300, 700, 300], RULES)
+    starts = [p.start for p in P.plan_partitions(tmp_path / "input.parquet")]
+    assert blocksum.split_blocks(starts) == (4 if cuts == "row groups" else 0)  # of 5
     want, table = topcode_frame(df, RULES, "w")
     pd.testing.assert_frame_equal(got, want, check_exact=True)
     assert got["k"].dtype == df["k"].dtype  # coded at a data value: stays an integer
