@@ -8,9 +8,10 @@ must equal the partitioned ones, bit for bit).
 
 Usage: python bench/partitioned.py SPEC [row_group_records] (SPEC: a spec whose release.input
 is a Parquet file, e.g. the default_spec.yaml that bench/release.py leaves in its output
-folder; the input is copied once into row groups of row_group_records, default 262,144: 4
-blocks of 65,536, so that no partition begins inside a block, see `puf partitioned`, beside the
-bench's output). Run it with PYTHONPATH set to the checkout.
+folder; the input is copied once into row groups of row_group_records, default 262,144,
+beside the bench's output; with any size the partitions end at a multiple of 65,536 records
+where one lies near, so that none begins inside a block of the exact sums). Run it with
+PYTHONPATH set to the checkout.
 """
 
 from __future__ import annotations
