@@ -22,6 +22,7 @@ which order its partitions ran.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,9 +176,10 @@ def plan_partitions(path: str | Path, n: int | None = None) -> list[Partition]:
         if nxt != f or rows * n >= total * (len(ends) + 1):
             ends.append(rows)
     ends = _block_aligned(ends, file_ends)
+    firsts = [u[3] for u in units]
     parts, start = [], 0
-    for stop in ends:
-        mine = [u for u in units if u[3] < stop and u[3] + u[2] > start]
+    for stop in ends:  # the row groups holding records start..stop-1 (of one file)
+        mine = units[bisect_right(firsts, start) - 1 : bisect_left(firsts, stop)]
         f = mine[0][0]
         parts.append(Partition(f, tuple(u[1] for u in mine), start, stop, start - mine[0][3]))
         start = stop
