@@ -8,8 +8,8 @@ methods that ran with their parameters, variance recipes, labels and top-code fl
 15's leaks (release year in the seed derivation, records shuffled, formula cells quoted, one BLAS
 thread per stage: the same on any CPU count). puf.parquet's hash changed with issue 14's
 Parquet options (no dictionary pages for float columns): the same table, read back and written
-with pyarrow's defaults, gives the hash before it (a609215...). A change that alters the public file on purpose
-updates them and says why in its commit."""
+with pyarrow's defaults, gives the hash before it (a609215...). A change that alters the public
+file on purpose updates them and says why in its commit."""
 
 import hashlib
 

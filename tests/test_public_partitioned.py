@@ -1,7 +1,7 @@
 """The public data files written by partition (flows.public_files.write_public_by_partition)
 are the release writer's bytes: puf.parquet as pyarrow writes the whole public frame (its row
-groups; sdl_design.io.parquet_options), puf.csv as pandas.to_csv writes it, for the records in the
-release's public order."""
+groups; sdl_design.io.parquet_options), puf.csv as pandas.to_csv writes it, for the records in
+the release's public order."""
 
 import numpy as np
 import pandas as pd
