@@ -180,7 +180,8 @@ class _Recorder:
         }
         r = self.rows[name]
         sys.__stderr__.write(  # not print: the flow's log_prints would swallow it
-            f"[bench {time.strftime('%H:%M:%S')}] {name}: {r['time']:.1f} s, cpu {r['cpu']:.1f} s, peak {r['peak']:.2f} GiB\n"
+            f"[bench {time.strftime('%H:%M:%S')}] {name}: {r['time']:.1f} s, "
+            f"cpu {r['cpu']:.1f} s, peak {r['peak']:.2f} GiB\n"
         )
         sys.__stderr__.flush()
 
