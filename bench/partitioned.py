@@ -9,9 +9,10 @@ must equal the partitioned ones, bit for bit).
 Usage: python bench/partitioned.py SPEC [row_group_records] (SPEC: a spec whose release.input
 is a Parquet file, e.g. the default_spec.yaml that bench/release.py leaves in its output
 folder; the input is copied once into row groups of row_group_records, default 262,144,
-beside the bench's output; with any size the partitions end at a multiple of 65,536 records
-where one lies near, so that none begins inside a block of the exact sums). Run it with
-PYTHONPATH set to the checkout.
+beside the bench's output; PUF_BENCH_FILES=k: into a folder of k files of equal record
+counts. With any sizes the partitions end at multiples of 65,536 records, spanning files
+where needed, so that none begins inside a block of the exact sums). Run it with PYTHONPATH
+set to the checkout.
 """
 
 from __future__ import annotations
@@ -254,18 +255,29 @@ print('REVISIONS', len(revisions), dm.delta)
 COPY = """
 from pathlib import Path
 import pyarrow.parquet as pq, yaml
-spec_path, work, rows = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+spec_path, work, rows, files = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 data = yaml.safe_load(spec_path.read_text())
 src = Path(data["release"]["input"])
 src = src if src.is_absolute() else spec_path.parent / src
-pf = pq.ParquetFile(src)
-with pq.ParquetWriter(work / "input.parquet", pf.schema_arrow) as w:
-    for batch in pf.iter_batches(batch_size=rows):
-        w.write_batch(batch, row_group_size=rows)
-data["release"]["input"] = str(work / "input.parquet")
 data["release"]["output_dir"] = str(work)
+data["release"]["input"] = str(src.resolve())
+(work / "spec-whole.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+pf = pq.ParquetFile(src)
+if files > 1:
+    (work / "input").mkdir()
+    table, n = pf.read(), pf.metadata.num_rows
+    for i in range(files):
+        a, b = n * i // files, n * (i + 1) // files
+        pq.write_table(table.slice(a, b - a), work / "input" / f"{i:03d}.parquet", row_group_size=rows)
+    data["release"]["input"] = str(work / "input")
+else:
+    with pq.ParquetWriter(work / "input.parquet", pf.schema_arrow) as w:
+        for batch in pf.iter_batches(batch_size=rows):
+            w.write_batch(batch, row_group_size=rows)
+    data["release"]["input"] = str(work / "input.parquet")
 (work / "spec.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
-"""  # the spec's input rewritten in row groups of `rows` records, and a spec reading it
+"""  # the spec's input rewritten in row groups of `rows` records (in `files` files of equal
+# record counts when more than 1), a spec reading it, and spec-whole.yaml reading the source
 
 
 def main() -> None:
@@ -273,15 +285,18 @@ def main() -> None:
     rows = int(sys.argv[2]) if len(sys.argv) > 2 else 262_144
     work = Path(tempfile.mkdtemp(prefix="puf_bench_scan_"))
     t0 = time.perf_counter()
-    _child(COPY, str(spec_path), str(work), str(rows))  # its memory is not this process's
+    files = int(os.environ.get("PUF_BENCH_FILES", "1"))
+    _child(COPY, str(spec_path), str(work), str(rows), str(files))  # not this process's memory
     spec = work / "spec.yaml"
     import pyarrow.parquet as pq
 
-    md = pq.ParquetFile(work / "input.parquet").metadata
-    n = md.num_rows
+    mds = [pq.ParquetFile(f).metadata for f in sorted(work.glob("input*/*.parquet"))] or [
+        pq.ParquetFile(work / "input.parquet").metadata
+    ]
+    n = sum(md.num_rows for md in mds)
     print(
-        f"records: {n:,} in {md.num_row_groups} row groups of {rows:,}; "
-        f"copy {time.perf_counter() - t0:.1f} s; output {work}",
+        f"records: {n:,} in {len(mds)} file(s), {sum(md.num_row_groups for md in mds)} row "
+        f"groups of at most {rows:,}; copy {time.perf_counter() - t0:.1f} s; output {work}",
         flush=True,
     )
 
@@ -397,13 +412,13 @@ def main() -> None:
     )
     print(f"tables of the two runs byte-identical: {same}")
     if n <= 2_000_000:
-        wall, peak, text = _child(WHOLE, str(spec))
+        wall, peak, text = _child(WHOLE, str(work / "spec-whole.yaml"))
         secs = float(next(ln for ln in text.splitlines() if ln.startswith("WHOLE")).split()[1])
         print(
             f"whole file in memory (read_input + SurveyDesign, same SEs): {secs:.1f} s; "
             f"peak RSS {peak:.2f} GiB"
         )
-        wall, peak, text = _child(STAGES_WHOLE, str(spec), str(work / "p"))
+        wall, peak, text = _child(STAGES_WHOLE, str(work / "spec-whole.yaml"), str(work / "p"))
         secs = next(ln for ln in text.splitlines() if ln.startswith("WHOLE")).split()[1:]
         same = next(ln for ln in text.splitlines() if ln.startswith("SAME")).split()[1:]
         print(

@@ -176,31 +176,24 @@ def _partitioned_input(
         parts = part.plan_partitions(spec.release.input, partitions)
     except part.PartitionError as e:
         raise SpecError([str(e)]) from e
-    groups = len({(p.path, g) for p in parts for g in p.row_groups})
-    _say(f"{parts[-1].stop} records in {len(parts)} partition(s) ({runner})", command)
-    if partitions and len(parts) < partitions and groups < partitions:
-        _say(
-            f"{len(parts)} partition(s), not {partitions}: the input has {groups} row group(s) "
-            "and a row group is split only at a block boundary; write it with smaller row "
-            "groups (e.g. "
-            "pyarrow.parquet.write_table(table, path, row_group_size=262_144)) to read it in "
-            "more parts",
-            command,
-        )
-    from sdl_design.blocksum import BLOCK, split_blocks
+    from sdl_design.blocksum import BLOCK, n_blocks
 
-    split = split_blocks([p.start for p in parts])
-    if split and parts[-1].stop > BLOCK:
-        _say(
-            f"{split} of {len(parts)} partitions begin inside a block of {BLOCK:,} records "
-            "(partitions shorter than a block, or files that end inside one): the driver "
-            "receives those blocks' terms (every replicate weight's with them) to add them in "
-            "record order, memory that grows with the file; ask for fewer partitions, or write "
-            f"the input with row groups (and files) of a multiple of {BLOCK:,} records (e.g. "
-            "pyarrow.parquet.write_table(table, path, row_group_size=262_144)) to keep them on "
-            "the workers",
-            command,
+    groups = len({(q.path, g) for p in parts for q in p.pieces for g in q.row_groups})
+    blocks = n_blocks(parts[-1].stop)
+    _say(f"{parts[-1].stop} records in {len(parts)} partition(s) ({runner})", command)
+    if partitions and len(parts) < partitions:
+        why = (
+            f"the input has {groups} row group(s) and a row group is split only at a block "
+            "boundary; write it with smaller row groups (e.g. "
+            "pyarrow.parquet.write_table(table, path, row_group_size=262_144)) to read it in "
+            "more parts"
+            if groups < partitions
+            else f"a partition holds whole blocks of {BLOCK:,} records (the input has "
+            f"{blocks}), so that the driver receives block sums, not records' terms"
+            if blocks > 1
+            else "a partition ends where a row group ends, and the row groups are of unequal sizes"
         )
+        _say(f"{len(parts)} partition(s), not {partitions}: {why}", command)
     return spec, columns, parts
 
 

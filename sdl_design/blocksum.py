@@ -29,7 +29,8 @@ def n_blocks(n_rows: int) -> int:
 
 def split_blocks(starts: Sequence[int]) -> int:
     """Partitions (given by their first records) that begin inside a block begun in an
-    earlier one: each sends that block's terms, not their sums, for the driver to continue."""
+    earlier one: each sends that block's terms, not their sums, for the driver to continue
+    (partition.plan_partitions makes none in an input of more than one block)."""
     return sum(1 for s in starts if int(s) % BLOCK)
 
 

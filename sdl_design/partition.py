@@ -3,9 +3,10 @@ reduce functions on the partitions of a Parquet input (its row groups), so a fil
 one process's memory is read a partition at a time, in one process or on Dask workers
 (flows/scan.py runs them; only small aggregates come back to the driver).
 
-- plan_partitions / read_partition: row groups in file order, cut at a block boundary of
-  sdl_design.blocksum where one lies near (no partition then begins inside a block); every
-  record keeps its global row number; columns are typed as read_input types them.
+- plan_partitions / read_partition: row groups in file order (a folder's files one after
+  the other), a partition of an input longer than a block of sdl_design.blocksum ending at a
+  block boundary (none then begins inside a block); every record keeps its global row
+  number; columns are typed as read_input types them.
 - Key-profile counts (risk strata U/D/T/O, paper 000 section 2.3): the distinct recoded key
   profiles with their counts and first record, numbered in first-appearance order as
   risk.profile_codes numbers them; profile_sizes gives each record its cell count.
@@ -25,6 +26,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -101,15 +103,23 @@ class PartitionError(ValueError):
 
 
 @dataclass(frozen=True)
-class Partition:
-    """Row groups of one Parquet file holding the records start..stop-1 of the input, from
-    the skip-th record of the first of them on (a row group cut at a block boundary)."""
+class Piece:
+    """The records of one Parquet file in a partition: its row groups, read from the skip-th
+    record of the first of them (a row group cut at a block boundary), `rows` records."""
 
     path: str
     row_groups: tuple[int, ...]
+    skip: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The records start..stop-1 of the input: pieces of one or more consecutive files."""
+
+    pieces: tuple[Piece, ...]
     start: int
     stop: int
-    skip: int = 0
 
 
 def _files(path: Path) -> list[Path]:
@@ -127,28 +137,38 @@ def _files(path: Path) -> list[Path]:
 
 
 def input_columns(path: str | Path) -> list[str]:
-    """The input's column names (every file of a folder must have the same ones)."""
+    """The input's column names (every file of a folder must have the same ones, of the same
+    types: a partition may read two files as one)."""
     import pyarrow.parquet as pq
 
     files = _files(Path(path))
-    names = list(pq.read_schema(files[0]).names)
+    first = pq.read_schema(files[0])
+    names = list(first.names)
     for f in files[1:]:
-        other = list(pq.read_schema(f).names)
+        schema = pq.read_schema(f)
+        other = list(schema.names)
         if other != names:
             raise PartitionError(
                 f"release.input: {f.name} has columns {other[:6]}..., {files[0].name} has "
                 f"{names[:6]}...; every file of the folder needs the same columns"
             )
+        for a, b in zip(first, schema, strict=True):
+            if a.type != b.type:
+                raise PartitionError(
+                    f"release.input: column {a.name} is {a.type} in {files[0].name} and "
+                    f"{b.type} in {f.name}; write every file of the folder with the same "
+                    "schema (e.g. pyarrow.parquet.write_table(table.cast(schema), path))"
+                )
     return names
 
 
 def plan_partitions(path: str | Path, n: int | None = None) -> list[Partition]:
-    """The input (a Parquet file, or a folder of them read in name order) as about n
-    partitions of consecutive records with about equal counts (n None: one per row group).
-    A partition ends where a row group ends, moved to the nearest multiple of blocksum.BLOCK
-    records when one lies between its neighbouring ends: then no partition begins inside a
-    block, and the driver receives block sums only (blocksum), not a block's terms. A partition
-    never spans two files."""
+    """The input (a Parquet file, or a folder of them read in name order as one file) as
+    about n partitions of consecutive records with about equal counts (n None: one per row
+    group). A partition ends where a row group ends; in an input longer than a block of
+    blocksum.BLOCK records that end moves to the nearest multiple of the block (partitions
+    whose ends meet are one), so no partition begins inside a block and the driver receives
+    block sums only, not a block's terms. A partition may span files."""
     import pyarrow.parquet as pq
 
     files = _files(Path(path))
@@ -166,41 +186,36 @@ def plan_partitions(path: str | Path, n: int | None = None) -> list[Partition]:
         raise PartitionError(f"release.input: {path} holds no records")
     total = at
     n = len(units) if n is None else max(1, min(int(n), len(units)))
-    ends, file_ends, rows = [], set(), 0
-    for j, (f, _, r, _) in enumerate(units):
+    ends, rows = [], 0
+    for j, (_, _, r, _) in enumerate(units):
         rows += r
-        nxt = units[j + 1][0] if j + 1 < len(units) else None
-        if nxt != f:
-            file_ends.add(rows)
-        # close at the next multiple of total / n records, at a file's end, or at the input's
-        if nxt != f or rows * n >= total * (len(ends) + 1):
+        # close at the next multiple of total / n records, or at the input's end
+        if j + 1 == len(units) or rows * n >= total * (len(ends) + 1):
             ends.append(rows)
-    ends = _block_aligned(ends, file_ends)
+    ends = _block_aligned(ends)
     firsts = [u[3] for u in units]
     parts, start = [], 0
-    for stop in ends:  # the row groups holding records start..stop-1 (of one file)
+    for stop in ends:  # the row groups holding records start..stop-1, by file
         mine = units[bisect_right(firsts, start) - 1 : bisect_left(firsts, stop)]
-        f = mine[0][0]
-        parts.append(Partition(f, tuple(u[1] for u in mine), start, stop, start - mine[0][3]))
+        pieces = []
+        for f, group in groupby(mine, key=lambda u: u[0]):
+            group = list(group)
+            a, b = max(start, group[0][3]), min(stop, group[-1][3] + group[-1][2])
+            pieces.append(Piece(f, tuple(u[1] for u in group), a - group[0][3], b - a))
+        parts.append(Partition(tuple(pieces), start, stop))
         start = stop
     return parts
 
 
-def _block_aligned(ends: list[int], fixed: set[int]) -> list[int]:
-    """The partitions' ends, each not in `fixed` (files' ends) moved to the nearest multiple
-    of blocksum.BLOCK strictly between the previous (moved) end and the next end; kept where
-    no multiple lies there (partitions shorter than a block)."""
-    B = blocksum.BLOCK
-    out, prev = [], 0
-    for i, e in enumerate(ends):
-        if e % B and e not in fixed:
-            nxt = ends[i + 1]  # the last end is the input's, in fixed
-            near = [x for x in ((e // B) * B, (e // B + 1) * B) if prev < x < nxt]
-            if near:
-                e = min(near, key=lambda x: abs(x - e))
-        out.append(e)
-        prev = e
-    return out
+def _block_aligned(ends: list[int]) -> list[int]:
+    """The partitions' ends (the last the input's) moved to the nearest multiple of
+    blocksum.BLOCK, ends that meet merged; kept as they are in an input of at most one block
+    (its partitions send that block's terms, at most BLOCK records')."""
+    B, total = blocksum.BLOCK, ends[-1]
+    if total <= B:
+        return ends
+    moved = sorted({(e + B // 2) // B * B for e in ends[:-1]} - {0})
+    return [e for e in moved if e < total] + [total]
 
 
 def read_partition(
@@ -208,16 +223,21 @@ def read_partition(
 ) -> pd.DataFrame:
     """The partition's records (index: global row numbers), typed as read_input types a
     Parquet file when a spec is given (its declared missing codes read along)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(part.path)
     cols = None if columns is None else list(dict.fromkeys(columns))
-    if spec is not None and cols is not None:
-        have = set(pf.schema_arrow.names)
-        cols += [c for c in spec.variables.missing if c in have and c not in cols]
-    table = pf.read_row_groups(list(part.row_groups), columns=cols)
-    if part.skip or table.num_rows != part.stop - part.start:  # row groups cut at a block
-        table = table.slice(part.skip, part.stop - part.start)
+    tables = []
+    for piece in part.pieces:
+        pf = pq.ParquetFile(piece.path)
+        if spec is not None and cols is not None and not tables:
+            have = set(pf.schema_arrow.names)
+            cols += [c for c in spec.variables.missing if c in have and c not in cols]
+        table = pf.read_row_groups(list(piece.row_groups), columns=cols)
+        if piece.skip or table.num_rows != piece.rows:  # row groups cut at a block
+            table = table.slice(piece.skip, piece.rows)
+        tables.append(table)
+    table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
     df = table.to_pandas()
     df.index = pd.RangeIndex(part.start, part.stop)
     if spec is None:

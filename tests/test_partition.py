@@ -29,7 +29,7 @@ GROUP = 450  # records per row group: 7 row groups, PSUs cut at their edges
 def _cut_at_row_groups(monkeypatch):
     """Partitions end where row groups end (plan_partitions' move to a block boundary off):
     with small blocks they begin inside blocks, whose terms the driver continues."""
-    monkeypatch.setattr(P, "_block_aligned", lambda ends, fixed: ends)
+    monkeypatch.setattr(P, "_block_aligned", lambda ends: ends)
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +86,12 @@ def test_plan_partitions_cover_the_file_in_order(survey):
         assert len(parts) == (groups if n is None else min(n, groups))
         assert parts[0].start == 0 and parts[-1].stop == N
         assert all(a.stop == b.start for a, b in zip(parts, parts[1:], strict=False))
-        flat = [g for p in parts for g in p.row_groups]
+        assert all(len(p.pieces) == 1 and p.pieces[0].skip == 0 for p in parts)
+        flat = [g for p in parts for g in p.pieces[0].row_groups]
         assert flat == list(range(groups))  # every row group once, in file order
         for p in parts:  # a partition holds exactly its row groups' records
-            assert p.stop - p.start == sum(min(GROUP, N - g * GROUP) for g in p.row_groups)
+            sizes = [min(GROUP, N - g * GROUP) for g in p.pieces[0].row_groups]
+            assert p.stop - p.start == p.pieces[0].rows == sum(sizes)
 
 
 def test_plan_moves_partition_ends_to_block_boundaries_and_reads_cut_row_groups(
@@ -97,19 +99,20 @@ def test_plan_moves_partition_ends_to_block_boundaries_and_reads_cut_row_groups(
 ):
     """Blocks of 256 records, row groups of 450: 3 partitions end at 1,280 and 2,304 (the
     multiples of 256 nearest the row-group ends 1,350 and 2,250), read from the middle of row
-    groups 2 and 5; blocks of 1,024 and 7 partitions: only the ends with a multiple of 1,024
-    between their neighbours move (900 -> 1,024, 1,800 -> 2,048). Every partition reads
-    exactly its records, with their global row numbers."""
+    groups 2 and 5; blocks of 1,024 and 7 partitions asked: the ends 450, ..., 2,700 move to
+    0, 1,024, 1,024, 2,048, 2,048 and 3,072 (past the end), 3 partitions of whole blocks
+    remain. Every partition reads exactly its records, with their global row numbers."""
     from sdl_design import blocksum
 
     _, spec, whole = survey
     monkeypatch.setattr(blocksum, "BITS", 8)
     monkeypatch.setattr(blocksum, "BLOCK", 256)
     parts = P.plan_partitions(spec.release.input, 3)
-    assert [(p.start, p.stop, p.row_groups, p.skip) for p in parts] == [
-        (0, 1280, (0, 1, 2), 0),
-        (1280, 2304, (2, 3, 4, 5), 1280 - 900),
-        (2304, N, (5, 6), 2304 - 2250),
+    path = str(spec.release.input)
+    assert parts == [
+        P.Partition((P.Piece(path, (0, 1, 2), 0, 1280),), 0, 1280),
+        P.Partition((P.Piece(path, (2, 3, 4, 5), 1280 - 900, 1024),), 1280, 2304),
+        P.Partition((P.Piece(path, (5, 6), 2304 - 2250, N - 2304),), 2304, N),
     ]
     for n in (None, 2, 3, 5, 7):
         parts = P.plan_partitions(spec.release.input, n)
@@ -123,19 +126,50 @@ def test_plan_moves_partition_ends_to_block_boundaries_and_reads_cut_row_groups(
     monkeypatch.setattr(blocksum, "BITS", 10)
     monkeypatch.setattr(blocksum, "BLOCK", 1024)
     parts = P.plan_partitions(spec.release.input, 7)
-    assert [p.start for p in parts] == [0, 450, 1024, 1350, 2048, 2250, 2700]
+    assert [(p.start, p.stop) for p in parts] == [(0, 1024), (1024, 2048), (2048, N)]
+    monkeypatch.setattr(blocksum, "BITS", 12)  # one block of 4,096: the ends stay
+    monkeypatch.setattr(blocksum, "BLOCK", 4096)
+    parts = P.plan_partitions(spec.release.input, 7)
+    assert [p.start for p in parts] == list(range(0, N, GROUP))
 
 
-def test_plan_of_a_folder_never_spans_files_and_refuses_other_columns(tmp_path, survey):
+def test_plan_of_a_folder_spans_files_at_block_boundaries_and_refuses_other_columns(
+    tmp_path, survey, monkeypatch
+):
+    """Files of 1,000, 1,300 and 700 records read as one input: in blocks of 256 the partitions end at 1,024 and 2,304, the multiples nearest the
+    files' ends, each reading the end of one file and the start of the next; in one block
+    (the default 65,536) they end at the files' ends. Every partition reads exactly the whole
+    file's records, typed as read_input types them. A file that stores a column with another
+    type, or other columns, is refused."""
+    from sdl_design import blocksum
+
     _, spec, whole = survey
     folder = tmp_path / "parts"
     folder.mkdir()
     whole.iloc[:1000].to_parquet(folder / "a.parquet", index=False)
-    whole.iloc[1000:].to_parquet(folder / "b.parquet", index=False)
-    parts = P.plan_partitions(folder, 1)
-    assert [(p.start, p.stop) for p in parts] == [(0, 1000), (1000, N)]
-    df = P.read_partition(parts[1], ["age", "wt"])
-    assert df.index[0] == 1000 and df["wt"].tolist() == whole["wt"].iloc[1000:].tolist()
+    whole.iloc[1000:2300].to_parquet(folder / "b.parquet", index=False)
+    whole.iloc[2300:].to_parquet(folder / "c.parquet", index=False)
+    a, b, c = (str(folder / f"{x}.parquet") for x in "abc")
+    parts = P.plan_partitions(folder)
+    assert [(p.start, p.stop) for p in parts] == [(0, 1000), (1000, 2300), (2300, N)]
+    assert all(len(p.pieces) == 1 for p in parts)
+    monkeypatch.setattr(blocksum, "BITS", 8)
+    monkeypatch.setattr(blocksum, "BLOCK", 256)
+    parts = P.plan_partitions(folder)
+    assert parts == [
+        P.Partition((P.Piece(a, (0,), 0, 1000), P.Piece(b, (0,), 0, 24)), 0, 1024),
+        P.Partition((P.Piece(b, (0,), 24, 1276), P.Piece(c, (0,), 0, 4)), 1024, 2304),
+        P.Partition((P.Piece(c, (0,), 4, 696),), 2304, N),
+    ]
+    one = P.plan_partitions(folder, 1)
+    assert len(one) == 1 and [q.rows for q in one[0].pieces] == [1000, 1300, 700]
+    for p in parts + one:
+        df = P.read_partition(p, None, spec)
+        assert df.index.equals(pd.RangeIndex(p.start, p.stop))
+        pd.testing.assert_frame_equal(df, whole.iloc[p.start : p.stop])
+    whole.iloc[2300:].astype({"age": float}).to_parquet(folder / "c.parquet", index=False)
+    with pytest.raises(P.PartitionError, match="column age is int64 in a.parquet and double in c"):
+        P.plan_partitions(folder)
     whole.iloc[:10, :5].to_parquet(folder / "c.parquet", index=False)
     with pytest.raises(P.PartitionError, match="same columns"):
         P.plan_partitions(folder)
@@ -333,10 +367,11 @@ def test_split_blocks_counts_partitions_that_begin_inside_a_block():
     assert split_blocks([0]) == 0
 
 
-def test_puf_scan_says_when_partitions_split_blocks(survey, tmp_path, capsys, monkeypatch):
-    """Partitions that begin inside a block of blocksum.BLOCK records (here 1,024, so that
-    3,000 records span 3 blocks): the run says how many, and how to write the input so that
-    none does; one partition: nothing said."""
+def test_puf_scan_says_why_it_reads_fewer_partitions_than_asked(
+    survey, tmp_path, capsys, monkeypatch
+):
+    """Blocks of 1,024 (3,000 records span 3 blocks): 7 partitions asked, 3 of whole blocks
+    read, and the run says why (more than the row groups: test_puf_scan_writes_its_tables_whole)."""
     from sdl_design import blocksum
 
     monkeypatch.setattr(blocksum, "BITS", 10)
@@ -344,15 +379,8 @@ def test_puf_scan_says_when_partitions_split_blocks(survey, tmp_path, capsys, mo
     path = survey[0]
     puf(["scan", str(path), "--partitions", "7", "--out", str(tmp_path / "a")])
     err = capsys.readouterr().err
-    # ends moved to 1,024 and 2,048 (from 900 and 1,800); 450, 1,350, 2,250 and 2,700 have
-    # no multiple of 1,024 between their neighbouring ends
-    assert "4 of 7 partitions begin inside a block of 1,024 records" in err
-    assert "row groups (and files) of a multiple of 1,024 records" in err
-    _cut_at_row_groups(monkeypatch)  # partitions begin at 450, 900, ..., 2700
-    puf(["scan", str(path), "--partitions", "7", "--out", str(tmp_path / "b")])
-    assert "6 of 7 partitions begin inside a block" in capsys.readouterr().err
-    puf(["scan", str(path), "--partitions", "1", "--out", str(tmp_path / "c")])
-    assert "begin inside a block" not in capsys.readouterr().err
+    assert "3 partition(s), not 7: a partition holds whole blocks of 1,024 records (the " in err
+    assert "input has 3)" in err
 
 
 def _with_donors(clean, restrictions=(), delta_max=None):
@@ -640,14 +668,15 @@ def test_prb_alone_by_partition_gives_the_stages_records(clean, tmp_path, change
     assert out["stages"]["prb"]["n_changed"] == prb.metrics["n_changed"] > 0
 
 
-@pytest.mark.parametrize("cuts", ["row groups", "blocks"])
+@pytest.mark.parametrize("cuts", ["row groups", "blocks", "files"])
 def test_prb_transitions_by_partition_in_blocks_across_partitions(
     clean, tmp_path, monkeypatch, cuts
 ):
     """PRB's transition probabilities (the public README's) by partition, with block sums of
     256 records (12 blocks over 3,000 records; partitions of 450 records that begin and end
-    inside blocks, or moved to the blocks' boundaries): the in-memory stage's table, bit for
-    bit, p and the category weights."""
+    inside blocks, or moved to the blocks' boundaries; or the input as files of 1,000, 1,300
+    and 700 records, read in 3 partitions that end at 1,024 and 2,304, inside the files): the
+    in-memory stage's table, bit for bit, p and the category weights."""
     from flows.scan import run_partitioned
     from sdl_design import blocksum
     from sdl_design.prb import PrbStage
@@ -663,13 +692,21 @@ def test_prb_transitions_by_partition_in_blocks_across_partitions(
     del data["stages"]["swap"]
     data["stages"]["massc"]["enabled"] = False
     data["stages"]["topcode"]["enabled"] = False
-    new = path.parent / "prb-blocks.yaml"
+    if cuts == "files":
+        table = pq.read_table(load_spec(path).release.input)
+        (tmp_path / "in").mkdir()
+        for name, a, b in [("a", 0, 1000), ("b", 1000, 2300), ("c", 2300, N)]:
+            pq.write_table(table.slice(a, b - a), tmp_path / "in" / f"{name}.parquet")
+        data["release"]["input"] = str(tmp_path / "in")
+    new = path.parent / f"prb-{cuts.replace(' ', '-')}.yaml"
     new.write_text(yaml.safe_dump(data))
     spec = load_spec(new)
     prb = PrbStage.from_spec(spec).run(whole, StageContext(whole, spec, "prb"))
     out = run_partitioned(new, "thread", partitions=7, out=tmp_path / "p", release=False)
     starts = P.plan_partitions(spec.release.input, 7)
     assert blocksum.split_blocks([p.start for p in starts]) == (6 if cuts == "row groups" else 0)
+    if cuts == "files":
+        assert [(p.start, len(p.pieces)) for p in starts] == [(0, 2), (1024, 2), (2304, 1)]
     got = out["stages"]["prb"]["tables"]["transitions"]
     want = prb.tables["transitions"]
     pd.testing.assert_frame_equal(got, want, check_exact=True)

@@ -2,6 +2,8 @@
 (topcode_frame, TopcodeStage's): the same records and thresholds table, bit for bit, on
 files cut into partitions inside groups and blocks."""
 
+import itertools
+
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -19,16 +21,22 @@ def _local_map(fn, parts, *args, what=""):
     return [fn(p, *args) for p in parts]
 
 
-def _file(tmp_path, df, sizes):
-    """df as a Parquet file of row groups of these sizes, and its partitions (one each)."""
-    path = tmp_path / "input.parquet"
+def _file(tmp_path, df, sizes, files=False):
+    """df as a Parquet file of row groups of these sizes (files: a folder of files of these
+    sizes), and its partitions (one each where no block boundary lies near)."""
     table = pa.Table.from_pandas(df, preserve_index=False)
-    with pq.ParquetWriter(path, table.schema) as w:
-        start = 0
-        for n in sizes:
-            w.write_table(table.slice(start, n))
-            start += n
-    assert start == len(df)
+    bounds = np.cumsum([0, *sizes])
+    assert bounds[-1] == len(df)
+    if files:
+        path = tmp_path / "input"
+        path.mkdir()
+        for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+            pq.write_table(table.slice(a, b - a), path / f"{i:02d}.parquet")
+    else:
+        path = tmp_path / "input.parquet"
+        with pq.ParquetWriter(path, table.schema) as w:
+            for a, b in itertools.pairwise(bounds):
+                w.write_table(table.slice(a, b - a))
     return P.plan_partitions(path)
 
 
@@ -41,8 +49,8 @@ def _survey(n, rng, unit_weights=False):
     return pd.DataFrame({"x": x, "w": w, "grp": grp, "k": k, "z": rng.normal(size=n)})
 
 
-def _by_partition(tmp_path, df, sizes, rules):
-    parts = _file(tmp_path, df, sizes)
+def _by_partition(tmp_path, df, sizes, rules, files=False):
+    parts = _file(tmp_path, df, sizes, files)
     treq = T.TopcodeRequest(
         "w", tuple((c, TopcodeRule.model_validate(r)) for c, r in rules.items())
     )
@@ -62,25 +70,35 @@ RULES = {
 }
 
 
-@pytest.mark.parametrize("cuts", ["row groups", "blocks"])
+@pytest.mark.parametrize("cuts", ["row groups", "blocks", "files"])
 @pytest.mark.parametrize("unit_weights", [False, True], ids=["weights", "unit_weights"])
 def test_topcode_by_partition_is_the_stages_to_the_bit(tmp_path, monkeypatch, unit_weights, cuts):
     """Weighted percentiles by group and alone, a fixed value, the k-th most extreme value,
     both sides, mean and threshold replacements, a column with missing values, an integer
     column kept integer: on 5 partitions of unequal size cut inside blocks of 64 records (or
-    moved to their boundaries), the coded records and the thresholds table equal
-    topcode_frame's on the whole file, bit for bit. With unit weights cumulative weights land
-    on q W exactly: those groups' values are gathered and the stage's rule decides."""
+    moved to their boundaries; or files of those sizes, the partitions then spanning files),
+    the coded records and the thresholds table equal topcode_frame's on the whole file, bit
+    for bit. With unit weights cumulative weights land on q W exactly: those groups' values
+    are gathered and the stage's rule decides."""
     monkeypatch.setattr(blocksum, "BITS", 6)
     monkeypatch.setattr(blocksum, "BLOCK", 64)
     if cuts == "row groups":  # plan_partitions' move to a block boundary off
-        monkeypatch.setattr(P, "_block_aligned", lambda ends, fixed: ends)
+        monkeypatch.setattr(P, "_block_aligned", lambda ends: ends)
     rng = np.random.default_rng(11 + unit_weights)
     df = _survey(3000, rng, unit_weights)
     (tmp_path / "out").mkdir()
-    got, out = _by_partition(tmp_path, df, [100, 650, 50, 900, 300, 700, 300], RULES)
-    starts = [p.start for p in P.plan_partitions(tmp_path / "input.parquet")]
-    assert blocksum.split_blocks(starts) == (4 if cuts == "row groups" else 0)  # of 5
+    sizes = [100, 650, 50, 900, 300, 700, 300]
+    got, out = _by_partition(tmp_path, df, sizes, RULES, files=cuts == "files")
+    parts = P.plan_partitions(tmp_path / ("input" if cuts == "files" else "input.parquet"))
+    # partitions of about 600 records end at 750, 1,700, 2,000 and 2,700, moved to 768,
+    # 1,728, 1,984 and 2,688
+    starts = [p.start for p in parts]
+    assert starts == (
+        [0, 750, 1700, 2000, 2700] if cuts == "row groups" else [0, 768, 1728, 1984, 2688]
+    )
+    assert blocksum.split_blocks(starts) == (4 if cuts == "row groups" else 0)
+    if cuts == "files":
+        assert [len(p.pieces) for p in parts] == [3, 3, 1, 2, 2]
     want, table = topcode_frame(df, RULES, "w")
     pd.testing.assert_frame_equal(got, want, check_exact=True)
     assert got["k"].dtype == df["k"].dtype  # coded at a data value: stays an integer
