@@ -185,12 +185,13 @@ def plan_partitions(path: str | Path, n: int | None = None) -> list[Partition]:
     if not units:
         raise PartitionError(f"release.input: {path} holds no records")
     total = at
+    every = n is None  # one per row group (a stage's folder: the partitions it was written in)
     n = len(units) if n is None else max(1, min(int(n), len(units)))
     ends, rows = [], 0
     for j, (_, _, r, _) in enumerate(units):
         rows += r
-        # close at the next multiple of total / n records, or at the input's end
-        if j + 1 == len(units) or rows * n >= total * (len(ends) + 1):
+        # close at every row group, at the next multiple of total / n records, or at the end
+        if every or j + 1 == len(units) or rows * n >= total * (len(ends) + 1):
             ends.append(rows)
     ends = _block_aligned(ends)
     firsts = [u[3] for u in units]
@@ -1194,14 +1195,16 @@ def prb_doc_tables(
 
 
 def _write_partition(data: pd.DataFrame, part: Partition, folder: str) -> str:
-    """data as folder/part-<first record>.parquet, written whole (a temporary name, renamed)."""
+    """data as folder/part-<first record>.parquet in one row group (plan_partitions then
+    reads a stage's folder in the partitions that wrote it, where they end at block
+    boundaries), written whole (a temporary name, renamed)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = Path(folder) / f"part-{part.start:012d}.parquet"
     tmp = path.with_suffix(".parquet.tmp")
     table = pa.Table.from_pandas(data, preserve_index=False)
-    pq.write_table(table, tmp, **parquet_options(table.schema))
+    pq.write_table(table, tmp, row_group_size=max(1, len(data)), **parquet_options(table.schema))
     tmp.replace(path)
     return str(path)
 

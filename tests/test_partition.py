@@ -178,6 +178,22 @@ def test_plan_of_a_folder_spans_files_at_block_boundaries_and_refuses_other_colu
         P.plan_partitions(tmp_path / "x.csv")
 
 
+def test_a_stages_folder_is_read_in_the_partitions_it_was_written_in(tmp_path):
+    """A partition's records are written in one row group, past pyarrow's default of
+    1,048,576 rows too, and the folder is planned one partition per row group: the partitions
+    that wrote it (ends 17 blocks of 65,536 and 5 records later)."""
+    import pyarrow.parquet as pq
+
+    end = 17 * 65_536
+    for part in (P.Partition((), 0, end), P.Partition((), end, end + 5)):
+        n = part.stop - part.start
+        P._write_partition(pd.DataFrame({"x": np.arange(n, dtype=np.int32)}), part, tmp_path)
+    files = sorted(tmp_path.glob("part-*.parquet"))
+    assert [pq.ParquetFile(f).metadata.num_row_groups for f in files] == [1, 1]
+    got = P.plan_partitions(tmp_path)
+    assert [(p.start, p.stop) for p in got] == [(0, end), (end, end + 5)]
+
+
 def test_profile_counts_by_partition_are_the_risk_stage_counts(survey):
     _, spec, whole = survey
     keys = spec.variables.keys
@@ -1269,9 +1285,12 @@ def _same_moments(m, plan):
         assert t[col].to_numpy().reshape(len(mom.strata), k).tobytes() == ref.tobytes(), col
 
 
-def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monkeypatch):
+@pytest.mark.parametrize("cuts", ["row groups", "files"])
+def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monkeypatch, cuts):
     """With blocks of 64 records (sdl_design.blocksum) the 3,000 records are 47 blocks, cut by
-    the 7 partitions inside blocks: the moments, original totals and variances, psi, the
+    the 7 partitions inside blocks (or the input as files of 760, 270, 1,000 and 970 records,
+    read in partitions of 768, 256, 1,024 and 952 that span files, and each stage's records
+    read back in those partitions): the moments, original totals and variances, psi, the
     selections and phi by partition are still massc_plan's and massc_treat's bits (memory
     sums in the same blocks), and the sums differ from one bincount's."""
     from flows.scan import run_partitioned
@@ -1286,12 +1305,26 @@ def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monk
     one_block, one_block_var = first.moments, first.sampling_var
     monkeypatch.setattr(blocksum, "BITS", 6)
     monkeypatch.setattr(blocksum, "BLOCK", 64)
-    _cut_at_row_groups(monkeypatch)  # partitions that begin inside blocks
+    n = 7
+    if cuts == "row groups":
+        _cut_at_row_groups(monkeypatch)  # partitions that begin inside blocks
+    else:
+        table = pq.read_table(spec.release.input)
+        (tmp_path / "in").mkdir()
+        for i, (a, b) in enumerate([(0, 760), (760, 1030), (1030, 2030), (2030, N)]):
+            pq.write_table(table.slice(a, b - a), tmp_path / "in" / f"{i}.parquet")
+        data = yaml.safe_load(path.read_text())
+        data["release"]["input"] = str(tmp_path / "in")
+        path = tmp_path / "files.yaml"
+        path.write_text(yaml.safe_dump(data))
+        parts = P.plan_partitions(tmp_path / "in")
+        assert [(p.start, len(p.pieces)) for p in parts] == [(0, 2), (768, 1), (1024, 3), (2048, 1)]
+        n = None
     cfg, plan, tr, dm, _ = _release_massc(spec, prb, whole)
     assert plan.moments.S2_nu.tobytes() != one_block.S2_nu.tobytes()  # other sums, other bits
     assert plan.sampling_var.tobytes() != one_block_var.tobytes()
     np.testing.assert_allclose(plan.moments.theta, one_block.theta, rtol=1e-12)
-    out = run_partitioned(path, "thread", partitions=7, out=tmp_path / "p", release=False)
+    out = run_partitioned(path, "thread", partitions=n, out=tmp_path / "p", release=False)
     _same_moments(out["stages"]["massc"], plan)
     donor = pd.read_parquet(tmp_path / "p" / "massc" / "donors")["__donor"].to_numpy()
     _same_treatment(out["stages"]["massc"], tmp_path / "p" / "massc", donor, tr, dm, plan)

@@ -75,7 +75,7 @@ RULES = {
 def test_topcode_by_partition_is_the_stages_to_the_bit(tmp_path, monkeypatch, unit_weights, cuts):
     """Weighted percentiles by group and alone, a fixed value, the k-th most extreme value,
     both sides, mean and threshold replacements, a column with missing values, an integer
-    column kept integer: on 5 partitions of unequal size cut inside blocks of 64 records (or
+    column kept integer: on 7 partitions of unequal size cut inside blocks of 64 records (or
     moved to their boundaries; or files of those sizes, the partitions then spanning files),
     the coded records and the thresholds table equal topcode_frame's on the whole file, bit
     for bit. With unit weights cumulative weights land on q W exactly: those groups' values
@@ -90,15 +90,17 @@ def test_topcode_by_partition_is_the_stages_to_the_bit(tmp_path, monkeypatch, un
     sizes = [100, 650, 50, 900, 300, 700, 300]
     got, out = _by_partition(tmp_path, df, sizes, RULES, files=cuts == "files")
     parts = P.plan_partitions(tmp_path / ("input" if cuts == "files" else "input.parquet"))
-    # partitions of about 600 records end at 750, 1,700, 2,000 and 2,700, moved to 768,
-    # 1,728, 1,984 and 2,688
+    # one partition per row group: ends 100, 750, 800, 1,700, 2,000 and 2,700, moved to
+    # 128, 768, 832, 1,728, 1,984 and 2,688
     starts = [p.start for p in parts]
     assert starts == (
-        [0, 750, 1700, 2000, 2700] if cuts == "row groups" else [0, 768, 1728, 1984, 2688]
+        [0, 100, 750, 800, 1700, 2000, 2700]
+        if cuts == "row groups"
+        else [0, 128, 768, 832, 1728, 1984, 2688]
     )
-    assert blocksum.split_blocks(starts) == (4 if cuts == "row groups" else 0)
+    assert blocksum.split_blocks(starts) == (6 if cuts == "row groups" else 0)
     if cuts == "files":
-        assert [len(p.pieces) for p in parts] == [3, 3, 1, 2, 2]
+        assert [len(p.pieces) for p in parts] == [2, 2, 2, 2, 1, 2, 2]
     want, table = topcode_frame(df, RULES, "w")
     pd.testing.assert_frame_equal(got, want, check_exact=True)
     assert got["k"].dtype == df["k"].dtype  # coded at a data value: stays an integer
