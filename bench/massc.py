@@ -13,6 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+import sdl_design  # noqa: F401 (first: the CPU kernels pinned before numpy loads)
+
+# isort: split
+
 import numpy as np
 
 from sdl_design.massc import (

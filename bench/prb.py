@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import time
 
+import sdl_design  # noqa: F401 (first: the CPU kernels pinned before numpy loads)
+
+# isort: split
+
 import numpy as np
 import pandas as pd
 

@@ -47,6 +47,10 @@ import threading
 import time
 from pathlib import Path
 
+import sdl_design  # noqa: F401 (first: the CPU kernels pinned before numpy loads)
+
+# isort: split
+
 import numpy as np
 import yaml
 

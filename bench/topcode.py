@@ -24,6 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import sdl_design  # noqa: F401, E402 (first: the CPU kernels pinned before numpy loads)
+
+# isort: split
+
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 

@@ -17,6 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import sdl_design  # noqa: F401 (first: the CPU kernels pinned before numpy loads)
+
+# isort: split
+
 import numpy as np
 import pandas as pd
 import polars as pl
