@@ -227,13 +227,13 @@ def read_partition(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    files = [pq.ParquetFile(piece.path) for piece in part.pieces]
     cols = None if columns is None else list(dict.fromkeys(columns))
+    if spec is not None and cols is not None:  # every file has the same columns
+        have = set(files[0].schema_arrow.names)
+        cols += [c for c in spec.variables.missing if c in have and c not in cols]
     tables = []
-    for piece in part.pieces:
-        pf = pq.ParquetFile(piece.path)
-        if spec is not None and cols is not None and not tables:
-            have = set(pf.schema_arrow.names)
-            cols += [c for c in spec.variables.missing if c in have and c not in cols]
+    for pf, piece in zip(files, part.pieces, strict=True):
         table = pf.read_row_groups(list(piece.row_groups), columns=cols)
         if piece.skip or table.num_rows != piece.rows:  # row groups cut at a block
             table = table.slice(piece.skip, piece.rows)
