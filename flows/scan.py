@@ -182,17 +182,20 @@ def _partitioned_input(
     blocks = n_blocks(parts[-1].stop)
     _say(f"{parts[-1].stop} records in {len(parts)} partition(s) ({runner})", command)
     if partitions and len(parts) < partitions:
-        why = (
-            f"the input has {groups} row group(s) and a row group is split only at a block "
-            "boundary; write it with smaller row groups (e.g. "
-            "pyarrow.parquet.write_table(table, path, row_group_size=262_144)) to read it in "
-            "more parts"
-            if groups < partitions
-            else f"a partition holds whole blocks of {BLOCK:,} records (the input has "
-            f"{blocks}), so that the driver receives block sums, not records' terms"
-            if blocks > 1
-            else "a partition ends where a row group ends, and the row groups are of unequal sizes"
-        )
+        if groups < partitions:
+            why = (
+                f"the input has {groups} row group(s) and a row group is split only at a block "
+                "boundary; write it with smaller row groups (e.g. "
+                "pyarrow.parquet.write_table(table, path, row_group_size=262_144)) to read it "
+                "in more parts"
+            )
+        elif blocks > 1:
+            why = (
+                f"a partition holds whole blocks of {BLOCK:,} records (the input has {blocks}), "
+                "so that the driver receives block sums, not records' terms"
+            )
+        else:
+            why = "a partition ends where a row group ends, and the row groups are of unequal sizes"
         _say(f"{len(parts)} partition(s), not {partitions}: {why}", command)
     return spec, columns, parts
 

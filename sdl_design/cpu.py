@@ -22,14 +22,18 @@ from importlib.metadata import PackageNotFoundError, version
 AVX512 = "X86_V4 AVX512_ICL AVX512_SPR"  # numpy >= 2.4's AVX-512 dispatch groups
 
 
-def _has_avx2() -> bool:
-    """The CPU's flags (Linux's /proc/cpuinfo) name avx2."""
+def cpu_flags() -> set[str]:
+    """The CPU's flags (Linux's /proc/cpuinfo; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return False
-    return "avx2" in flags.split()
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def _has_avx2() -> bool:
+    return "avx2" in cpu_flags()
 
 
 def _numpy_at_least(major: int, minor: int) -> bool:

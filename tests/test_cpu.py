@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from sdl_design.cpu import AVX512, _has_avx2
+from sdl_design.cpu import AVX512, _has_avx2, cpu_flags
 
 pytestmark = [
     pytest.mark.flow,  # subprocess runs
@@ -42,8 +42,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def _avx512() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return "avx512f" in next(line for line in f if line.startswith("flags")).split()
+    return "avx512f" in cpu_flags()
 
 
 def test_importing_sdl_design_first_pins_the_kernels():
