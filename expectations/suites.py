@@ -264,9 +264,15 @@ def output_checks(spec: ReleaseSpec, masked_design: bool) -> tuple[list[str], li
 
 
 def validate_output(
-    puf: pd.DataFrame, spec: ReleaseSpec, replicate_columns: Sequence[str], masked_design: bool
+    puf: pd.DataFrame,
+    spec: ReleaseSpec,
+    replicate_columns: Sequence[str],
+    masked_design: bool,
+    detail: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
-    """Gates on the public file: no identifiers or original labels, required columns, weights, edits."""
+    """Gates on the public file: no identifiers or original labels, required columns, weights,
+    edits. detail: the public records with each coded key's values before its published coding
+    (the edit rules read values, and a coding only coarsens them)."""
     _, gxe, _ = _gx()
     rows = _column_rows(list(puf.columns), spec, masked_design)
     idx = _ROW
@@ -304,7 +310,7 @@ def validate_output(
                 ),
             }
         )
-    edits = validate_edits(puf, spec.edits)
+    edits = validate_edits(puf if detail is None else detail, spec.edits)
     edits["name"] = "output: " + edits["name"]
     return pd.concat([pd.DataFrame(rows, columns=RESULT_COLUMNS), edits], ignore_index=True)
 

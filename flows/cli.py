@@ -32,10 +32,7 @@ def write_demo_spec(workdir: Path, n_persons: int | None = None) -> Path:
 
     workdir.mkdir(parents=True, exist_ok=True)
     data = yaml.safe_load(default_spec_text())
-    kwargs = {"seed": data["release"]["seed"]}
-    if n_persons:
-        kwargs["n_persons"] = n_persons
-    survey = make_survey(**kwargs)
+    survey = make_survey(**({"n_persons": n_persons} if n_persons else {}))
     (workdir / "input").mkdir(exist_ok=True)
     survey.to_parquet(workdir / "input" / "default_survey.parquet", index=False)
     data["release"]["input"] = "input/default_survey.parquet"
@@ -320,7 +317,8 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                 f"overlap {a.get('overlap_median', float('nan')):.3f}, "
                 f"{a['share_abs_std_bias_gt2']:.1%} more than 2 SEs off, epsilon "
                 f"{a['epsilon_published']:.4f} (assess/domain_estimates.csv); "
-                f"{a['reid_share']:.2%} of the original sample uniques re-identified, "
+                f"{a.get('reid_share_worst', a['reid_share']):.2%} of the original sample "
+                "uniques re-identified (worst attack), "
                 f"{a['unique_share_published']:.2%} sample uniques published; smallest CI "
                 f"overlap of a model coefficient {a.get('model_overlap_min', float('nan')):.3f} "
                 f"; {a.get('psu_recoverable', 0.0):.1%} of the original PSUs recoverable from "

@@ -164,10 +164,17 @@ def publish_partitioned(
             manifest.status = "gated"
             txn.prepare_public(lambda folder: _move_public(work / "puf", folder))
             tables, writer = _tables(results, gates), _report_writer(results, spec)
+            records = pd.read_parquet(work / "internal" / "record_map.parquet")
             staged = txn.stage(
                 lambda folder: pub.write_stage(
-                    folder, manifest, tables, writer, fault=fault, prepared=txn.prepared_public
-                )
+                    folder,
+                    manifest,
+                    tables,
+                    writer,
+                    fault=fault,
+                    prepared=txn.prepared_public,
+                    record_map=records,
+                )  # fmt: skip
             )
             ratios = se_ratio_tables(results)
             txn.awaiting_approval(manifest, ratios)

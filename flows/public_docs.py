@@ -415,6 +415,14 @@ def variance_notes(
     }
     for i, c in enumerate(reps, 1):
         default[c] = f"replicate weight {i} of {len(reps)} ({des['method']})"
+    for k in spec.variables.keys:  # published in its coding (global recoding)
+        if k.bins is not None:
+            default[k.name] = (
+                "key variable in groups [a, b) labelled a-b (the exact values are not "
+                "published; identifying; may be perturbed)"
+            )
+        elif k.map:
+            default[k.name] = "key variable in grouped categories (identifying; may be perturbed)"
     for c in pub.columns:
         given = labels.get(c) if isinstance(labels, dict) else None
         notes[c] = {
@@ -492,8 +500,7 @@ def _method_section(name: str, res: StageResult, spec: ReleaseSpec, des: dict) -
                 L += [
                     "",
                     f"{', '.join(f'`{v}`' for v in within)}: never moved to another published "
-                    "category (PRB partitions on it); raw values may still change inside "
-                    "a category (e.g. exact age within its age group).",
+                    "category (PRB partitions on it).",
                 ]
         if ch is not None and len(ch):
             L += [

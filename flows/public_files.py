@@ -12,7 +12,8 @@ import numpy as np
 import pandas as pd
 
 from flows.public_docs import codebook
-from sdl_design.leaks import drop_unused_levels, shuffle_rows
+from sdl_design.keys import coded_keys, publish_coding
+from sdl_design.leaks import drop_unused_levels, publish_order
 from sdl_design.public_summary import (
     BUCKET_VALUES,
     SMALL,
@@ -25,7 +26,6 @@ from sdl_design.public_summary import (
     merge_parts,
     summarize_part,
 )
-from sdl_design.rng import release_seed, stage_rng
 from sdl_design.spec import ReleaseSpec
 
 if TYPE_CHECKING:
@@ -45,19 +45,65 @@ def public_frame(
     masked_design: bool,
     drop: Sequence[str] = (),
     design_columns: Sequence[str] = (),
+    labels: Sequence[str] = (),
 ) -> pd.DataFrame:
+    """The public file's frame (public_records without the records' input labels)."""
+    return public_records(df, spec, masked_design, drop, design_columns, labels)[0]
+
+
+def public_records(
+    df: pd.DataFrame,
+    spec: ReleaseSpec,
+    masked_design: bool,
+    drop: Sequence[str] = (),
+    design_columns: Sequence[str] = (),
+    labels: Sequence[str] = (),
+) -> tuple[pd.DataFrame, pd.Index]:
     """The public file's frame: only the columns the spec classifies as publishable
-    (ReleaseSpec.published_columns), categorical levels no record has dropped, and the records
-    in an order drawn from the release's Generator (stream "publish-order" of release.seed and
-    release.year), never the confidential file's order. design_columns: those a stage built for
-    the public design (pseudo strata, PSUs, replicate weights)."""
+    (ReleaseSpec.published_columns), every coded key in its published coding
+    (keys.publish_coding), categorical levels no record has dropped, and the records sorted by
+    their published values (the design labels `labels` first, then the columns in file order:
+    leaks.publish_order), never in the confidential file's order; and each row's index label
+    in df (the input's). design_columns: those a stage built for the public design (pseudo
+    strata, PSUs, replicate weights)."""
     keep = spec.published_columns(list(df.columns), masked_design, drop, design_columns)
-    return shuffle_rows(drop_unused_levels(df[keep]), _publish_rng(spec))
+    out = drop_unused_levels(publish_coding(df[keep], spec.variables.keys))
+    order = publish_order(
+        [*[c for c in labels if c in keep], *[c for c in keep if c not in labels]],
+        lambda c: out[c],
+        len(out),
+    )
+    return out.iloc[order].reset_index(drop=True), df.index[order]
 
 
-def _publish_rng(spec: ReleaseSpec) -> np.random.Generator:
-    """The Generator of the public file's order: stream "publish-order" of the release seed."""
-    return stage_rng(release_seed(spec.release.seed, spec.release.year), "publish-order")
+def record_map(original_index: pd.Index, published: pd.Index) -> pd.DataFrame:
+    """The confidential record map (internal/record_map.parquet): input_row (0-based row of the
+    input file), public_row (0-based row of puf.parquet, null when the record is not
+    published). published: each public row's index label in the input (public_records)."""
+    pos = original_index.get_indexer(published)
+    if (pos < 0).any():
+        raise ValueError("record map: a public record has no row in the input file")
+    public_row = np.full(len(original_index), -1, dtype=np.int64)
+    public_row[pos] = np.arange(len(published))
+    row = pd.array(public_row, dtype="Int64")
+    row[public_row < 0] = pd.NA
+    return pd.DataFrame(
+        {"input_row": np.arange(len(original_index), dtype=np.int64), "public_row": row}
+    )
+
+
+def detail_frame(
+    puf: pd.DataFrame, df: pd.DataFrame, rows: pd.Index, spec: ReleaseSpec
+) -> pd.DataFrame | None:
+    """The public records (puf) with each coded key's values before its published coding, read
+    from df at the records' index labels rows (None when no key is coded)."""
+    from sdl_design.keys import coded_keys
+
+    coded = [k.name for k in coded_keys(spec.variables.keys) if k.name in puf.columns]
+    if not coded:
+        return None
+    pos = df.index.get_indexer(rows)
+    return puf.assign(**{c: df[c].to_numpy()[pos] for c in coded})
 
 
 # text cells a spreadsheet would run as a formula (OWASP "CSV injection")
@@ -269,10 +315,43 @@ class PublicPlan:
         return [Rows(a, min(a + self.rows, self.n)) for a in range(0, self.n, self.rows)]
 
 
-def _published(part: object, spec: ReleaseSpec, keep: list[str]) -> pd.DataFrame:
+# a coded key's values before its published coding, beside it in a row group's pieces
+DETAIL = "__detail:"
+
+
+def _detail(part: object, spec: ReleaseSpec, keep: list[str]) -> pd.DataFrame:
+    """The partition's published columns (keep) as the records have them (keys not coded)."""
     from sdl_design.partition import read_partition
 
     return read_partition(part, keep, spec)[keep]
+
+
+def _published(part: object, spec: ReleaseSpec, keep: list[str]) -> pd.DataFrame:
+    """The partition's published columns (keep), every coded key in its published coding."""
+    return publish_coding(_detail(part, spec, keep), spec.variables.keys)
+
+
+def public_column(part: object, spec: ReleaseSpec, keep: list[str], column: str) -> pd.Series:
+    """Map: one published column of the partition (the public order's sort key)."""
+    from sdl_design.partition import read_partition
+
+    df = read_partition(part, [column], spec)[[column]]
+    return publish_coding(df, spec.variables.keys)[column]
+
+
+def public_order(
+    run_map: Callable[..., list], parts: Sequence, spec: ReleaseSpec, keep: list[str],
+    labels: Sequence[str], n: int,
+) -> np.ndarray:  # fmt: skip
+    """The public file's order over the partitions (public_records'): each column read from
+    every partition only while records are still tied on the columns before it."""
+    cols = [*[c for c in labels if c in keep], *[c for c in keep if c not in labels]]
+
+    def column(c: str) -> pd.Series:
+        got = run_map(public_column, parts, spec, keep, c, what=f"public files: order by {c}")
+        return pd.concat(got, ignore_index=True)
+
+    return publish_order(cols, column, n)
 
 
 def public_pass1(part: object, spec: ReleaseSpec, keep: list[str]) -> PublicPass1:
@@ -308,27 +387,27 @@ def public_plan(first: Sequence[PublicPass1], rows: int = PARQUET_ROWS) -> Publi
     return PublicPlan(sum(p.n for p in first), unused, csv, rows)
 
 
-def _order(spec: ReleaseSpec, n: int) -> np.ndarray:
-    """The public file's order (public_frame's, shuffle_rows'): its row r holds record perm[r]."""
-    return _publish_rng(spec).permutation(n)
-
-
 def public_pieces(
-    part: object, spec: ReleaseSpec, keep: list[str], plan: PublicPlan, folder: str
+    part: object, spec: ReleaseSpec, keep: list[str], plan: PublicPlan, folder: str, order: str
 ) -> int:
     """Map: the partition's published records, without the unused categories, split by the
-    row group each goes to in the public order (a regenerated permutation of all records),
-    written as <folder>/c<group>/p<first record>.arrow with '__row' (the row in its group).
+    row group each goes to in the public order (order: the .npy file of public_order's
+    positions), written as <folder>/c<group>/p<first record>.arrow with '__row' (the row in
+    its group) and each coded key's values before its coding (DETAIL, for the edit rules).
     Returns the records written."""
-    df = _published(part, spec, keep)
+    detail = _detail(part, spec, keep)
+    df = publish_coding(detail, spec.variables.keys)
     for c, gone in plan.unused.items():
         if gone:
             df[c] = df[c].cat.remove_categories(gone)
+    for k in coded_keys(spec.variables.keys):
+        if k.name in keep:
+            df[DETAIL + k.name] = detail[k.name].to_numpy()
     a, b = part.start, part.stop
-    perm = _order(spec, plan.n)
+    perm = np.load(order, mmap_mode="r")
     mine = (perm >= a) & (perm < b)
     at = np.empty(b - a, dtype=np.int64)  # each record's row in the public file
-    at[perm[mine] - a] = np.flatnonzero(mine)
+    at[np.asarray(perm[mine]) - a] = np.flatnonzero(mine)
     del perm, mine
     group = at // plan.rows
     df = df.reset_index(drop=True)
@@ -383,6 +462,7 @@ def public_group(
         raise ValueError(f"row group {g}: {len(df)} records, not {rows.stop - rows.start}")
     order = np.empty(len(df), dtype=np.int64)
     order[df.pop("__row").to_numpy()] = np.arange(len(df))
+    detail = {c.removeprefix(DETAIL): df.pop(c) for c in list(df.columns) if c.startswith(DETAIL)}
     for d in ("rows", "csv"):
         (Path(folder) / d).mkdir(exist_ok=True)
     # the row group's Arrow schema from all its records (as the whole frame's), its records
@@ -401,7 +481,8 @@ def public_group(
             w.write_table(pa.Table.from_pandas(part, schema=schema, preserve_index=False))
             ids = np.arange(rows.start + a, rows.start + a + len(part))
             records.append(record_failures(part, spec, replicates, ids))
-            edits.append(rule_failures(part, spec.edits, ids))
+            values = {c: v.take(order[a : a + PUBLIC_SLICE]).to_numpy() for c, v in detail.items()}
+            edits.append(rule_failures(part.assign(**values), spec.edits, ids))
     shutil.rmtree(src)
     got = (str(out), combine_rule_failures(records), combine_rule_failures(edits))
     if summary is None:
@@ -438,6 +519,32 @@ def write_docs(
     return summary
 
 
+def _order_file(
+    run_map: Callable[..., list],
+    parts: Sequence,
+    spec: ReleaseSpec,
+    keep: list[str],
+    labels: Sequence[str],
+    n: int,
+    work: Path,
+    input_rows: tuple[np.ndarray, int] | None,
+) -> str:
+    """public_order saved as work/order.npy (its path returned) and, with input_rows, the
+    confidential record map in work/../internal/record_map.parquet."""
+    work.mkdir()
+    order = str(work / "order.npy")
+    perm = public_order(run_map, parts, spec, keep, labels, n)
+    np.save(order, perm)
+    if input_rows is not None:
+        rows, n_input = input_rows
+        internal = work.parent.parent / "internal"
+        internal.mkdir(exist_ok=True)
+        record_map(pd.RangeIndex(n_input), pd.Index(rows[perm])).to_parquet(
+            internal / "record_map.parquet", index=False
+        )
+    return order
+
+
 def write_public_by_partition(
     run_map: Callable[..., list],
     parts: Sequence,
@@ -450,6 +557,8 @@ def write_public_by_partition(
     rows: int = PARQUET_ROWS,
     results: Sequence[StageResult] | None = None,
     design: Any = None,
+    labels: Sequence[str] = (),
+    input_rows: tuple[np.ndarray, int] | None = None,
 ) -> dict[str, object]:
     """puf.parquet and puf.csv into folder (created here) from the partitions of the last
     stage's records, byte for byte what public_frame and write_public_files write from the
@@ -461,7 +570,9 @@ def write_public_by_partition(
     from the row groups' (the distinct values of a column with many counted by hash bucket,
     a task per bucket). Returns {records, columns, files: {name: sha256}, gates:
     validate_output's table}. design: the DesignSection the file is read with (its replicate
-    weights; default the spec's)."""
+    weights; default the spec's); labels: its strata/PSU columns (the public order's first);
+    input_rows: (each record's row in the input, the input's records): the confidential record
+    map is written to folder/../internal/record_map.parquet."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -475,9 +586,11 @@ def write_public_by_partition(
         raise ValueError("no record is left to publish")
     folder.mkdir()
     work = folder / ".work"
+    order = _order_file(run_map, parts, spec, keep, labels, plan.n, work, input_rows)
     run_map(
-        public_pieces, parts, spec, keep, plan, str(work / "pieces"), what="public files: order"
-    )
+        public_pieces, parts, spec, keep, plan, str(work / "pieces"), order,
+        what="public files: order",
+    )  # fmt: skip
     groups = plan.row_groups()
     rw = (design if design is not None else spec.design).replicate_weights
     reps = rw.resolve(keep) if rw else []

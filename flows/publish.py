@@ -71,10 +71,14 @@ def write_record(
     manifest: Manifest,
     tables: dict[str, pd.DataFrame],
     report_writer: Callable[[Manifest, Path], Any],
+    record_map: pd.DataFrame | None = None,
 ) -> None:
     """Write a release's internal record into `internal`: each 'stage/table' frame as CSV,
-    manifest.json, report.html (report_writer(manifest, path))."""
+    manifest.json, report.html (report_writer(manifest, path)) and, when given, the
+    confidential record map (record_map.parquet: input_row, public_row)."""
     internal.mkdir(parents=True, exist_ok=True)
+    if record_map is not None:
+        record_map.to_parquet(internal / "record_map.parquet", index=False)
     for key, frame in tables.items():
         path = internal / f"{key}.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,6 +96,7 @@ def write_stage(
     notes: str | None = None,
     fault: Callable[[str], None] | None = None,
     prepared: Callable[[Path], dict[str, str]] | None = None,
+    record_map: pd.DataFrame | None = None,
 ) -> None:
     """Write a whole release into a staging folder: public/ (when puf is given, or moved there
     by prepared(public), which returns the digests of files written before; their hashes go
@@ -105,7 +110,7 @@ def write_stage(
     if fault is not None:
         fault("staging")
     manifest.hashes.outputs = outputs
-    write_record(staged / "internal", manifest, tables, report_writer)
+    write_record(staged / "internal", manifest, tables, report_writer, record_map)
 
 
 def now() -> str:

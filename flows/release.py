@@ -21,10 +21,10 @@ from flows.env import preload, return_freed_memory
 from flows.manifest import Manifest
 from flows.progress import PROGRESS
 from flows.public_docs import variance_notes
-from flows.public_files import public_frame, write_public_files
+from flows.public_files import detail_frame, public_records, record_map, write_public_files
 from flows.server_guard import install as _guard_prefect_server
 from flows.txn import PublishError, RegistryError, ReleaseLocked, Transaction, fault
-from sdl_design.spec import ReleaseSpec, load_spec
+from sdl_design.spec import ReleaseSpec, load_spec, seed_warnings
 from sdl_design.stage import (
     SharedInput,
     StageContext,
@@ -212,6 +212,9 @@ def _release(
     approval_poll_s: int,
 ) -> Manifest:
     stages = build_stages(spec)
+    weak = seed_warnings(spec.release.seed)
+    if weak:
+        PROGRESS.say("warning: " + "; ".join(weak))
     import pyarrow.parquet  # noqa: F401 - the reader's modules, before the preload thread starts
 
     preload()  # Great Expectations and matplotlib, while the input is read
@@ -271,10 +274,15 @@ def _release(
         masked = any(o.masks_design for o in outputs)
         drop = [c for o in outputs for c in o.drop_public]
         pdesign = public_design(spec, outputs)  # the spec's, or a stage's pseudo design
-        puf = public_frame(df, spec, masked, drop, design_columns(pdesign, list(df.columns)))
+        labels = [c for c in (pdesign.strata, pdesign.psu) if c]
+        puf, rows = public_records(
+            df, spec, masked, drop, design_columns(pdesign, list(df.columns)), labels
+        )
+        records = record_map(original.index, rows)
+        detail = detail_frame(puf, df, rows, spec)
         # the working and original frames are not read past here: freed before the public
         # files are written (at 1M records, 1.5 GB of the files step's peak)
-        df = original = base_ctx = ctx = None
+        df = original = base_ctx = ctx = rows = None
         replicate_cols = (
             pdesign.replicate_weights.resolve(list(puf.columns))
             if pdesign.replicate_weights
@@ -286,7 +294,8 @@ def _release(
         notes = variance_notes(spec, outputs, puf)
         txn.prepare_public(lambda folder: write_public_files(puf, folder, notes))
         gate_rows = [g.as_dict() for o in outputs for g in o.gates]
-        gates = gates_task(quote(puf), quote(spec), gate_rows, replicate_cols, masked)
+        gates = gates_task(quote(puf), quote(spec), gate_rows, replicate_cols, masked, detail)
+        detail = None
         fault("gates")  # recovery tests: the public files may be half written here
         _lap(manifest, "gates", t0)
         _progress(step, total, "gates", t0)
@@ -304,8 +313,14 @@ def _release(
         writer = _report_writer(outputs, spec)
         staged = txn.stage(
             lambda folder: pub.write_stage(
-                folder, manifest, tables, writer, fault=fault, prepared=txn.prepared_public
-            )
+                folder,
+                manifest,
+                tables,
+                writer,
+                fault=fault,
+                prepared=txn.prepared_public,
+                record_map=records,
+            )  # fmt: skip
         )
         ratios = _se_ratios(outputs)
         txn.awaiting_approval(manifest, ratios)

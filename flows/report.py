@@ -117,7 +117,9 @@ def _verdict(m: Manifest, results: Sequence[StageResult]) -> str:
     elif not gates:
         text = "No decision possible: no check was evaluated on this release."
     else:
-        reid = _metric(results, "assess", "reid_share")
+        reid = _metric(results, "assess", "reid_share_worst")
+        if reid is None:
+            reid = _metric(results, "assess", "reid_share")
         uniq = _metric(results, "assess", "unique_share_published")
         uniq0 = _metric(results, "risk", "unique_share")
         overlap = _metric(results, "assess", "overlap_median")
@@ -134,8 +136,8 @@ def _verdict(m: Manifest, results: Sequence[StageResult]) -> str:
         ]
         if reid is not None:
             parts.append(
-                f"An intruder who knows the key variables would correctly re-identify "
-                f"{_pct(reid)} of the people who were unique in the survey"
+                f"An intruder who knows the intruder's key ({_intruder(results)}) would "
+                f"correctly re-identify {_pct(reid)} of the people who were unique in the survey"
                 + (f" (the limit is {_pct(xi)})" if xi is not None else "")
                 + "."
             )
@@ -215,12 +217,25 @@ def _ok(v: float | None, lo: float | None = None, hi: float | None = None) -> st
     return "pass" if good else "fail"
 
 
+def _intruder(results: Sequence[StageResult]) -> str:
+    """The intruder's key in a few words (the assessment's params), for the verdict."""
+    for r in results:
+        if r.name == "assess" and r.params.get("intruder_key"):
+            lines = r.params["intruder_key"]
+            keys = [ln.split(": ", 1)[1] for ln in lines if ln.startswith(("declared", "other"))]
+            labels = any(ln.startswith("published design labels") for ln in lines)
+            return ", ".join(keys) + (", the design labels" if labels else "")
+    return "the key variables"
+
+
 def _risk(m: Manifest, results: Sequence[StageResult]) -> str:
     g = m.parameters.gates
     xi = g.xi if g else None
     dmax = g.delta_max if g else None
     umax = g.max_unique_share if g else None
-    reid = _metric(results, "assess", "reid_share")
+    reid = _metric(results, "assess", "reid_share_worst")
+    if reid is None:
+        reid = _metric(results, "assess", "reid_share")
     delta = _metric(results, "assess", "delta_published")  # on the published file, if measured
     if delta is None:
         delta = _metric(results, "massc", "delta")
@@ -230,7 +245,7 @@ def _risk(m: Manifest, results: Sequence[StageResult]) -> str:
     rows = [
         (
             "share of the survey's sample uniques an intruder re-identifies in the published "
-            "file (matching on the keys)",
+            "file (worst exact-match or nearest-neighbour attack on the intruder's key)",
             _num(reid, ".4f"),
             f"<= xi = {xi}" if xi is not None else "none",
             _ok(reid, hi=xi),

@@ -795,13 +795,17 @@ def _public_files(
     the pseudo design's, the columns the stages drop (the swap's segment) left out; with the
     stages' results (stage_results), README.md and codebook.csv as the release writes them."""
     from flows.public_files import write_public_by_partition
+    from sdl_design import partition_assess as pas
     from sdl_design.stage import design_columns
 
     design = chain.public_design(spec)
     built = design_columns(design, columns)
+    linked = pas.link(chain.inputs, parts, _retained(chain, run_map, parts))
+    rows = run_map(pas.input_rows, linked, chain.selected, what="public files: record map")
     return write_public_by_partition(
         run_map, parts, spec, columns, chain.masked, chain.drop_public, built, folder,
-        results=results, design=design,
+        results=results, design=design, labels=[c for c in (design.strata, design.psu) if c],
+        input_rows=(np.concatenate(rows), chain.inputs[-1].stop),
     )  # fmt: skip
 
 
@@ -899,6 +903,8 @@ def _assess_stage(
         pas.original_profiles, chain.inputs, spec, req, plan, what="assess risk, original"
     )
     m |= pas.risk_metrics(risk, originals, int(m["n_released"]))
+    attacks = _attacks(spec, design, released, original, chain, run_map, linked)
+    m |= attacks
     # MASSC's delta of the published file against the original keys (any release)
     from sdl_design.partition import combine_profiles, profile_scores
 
@@ -943,7 +949,8 @@ def _assess_stage(
         f"median CI overlap {m.get('overlap_median', float('nan')):.3f}, "
         f"{m['share_abs_std_bias_gt2']:.1%} more than 2 SEs off, SE ratio median "
         f"{m.get('se_ratio_median', float('nan')):.3f}; epsilon {m['epsilon_published']:.4f}; "
-        f"{m['reid_share']:.2%} of the original sample uniques re-identified, "
+        f"{m.get('reid_share_worst', m['reid_share']):.2%} of the original sample uniques "
+        "re-identified (worst attack), "
         f"{m['unique_share_published']:.2%} sample uniques published; smallest CI overlap of a "
         f"model coefficient {m.get('model_overlap_min', float('nan')):.3f}; "
         f"{m.get('psu_recoverable', 0.0):.1%} of the original PSUs recoverable from the "
@@ -958,10 +965,36 @@ def _assess_stage(
         "tables": {
             "domain_estimates": out.domain_estimates,
             "model_coefficients": coefs,
+            "attacks": attacks.table,
             "gates": verdicts,
         },
         "gate_rows": [g.as_dict() for g in gates],
     }
+
+
+def _attacks(
+    spec: ReleaseSpec,
+    design: Any,
+    released: list[str],
+    original: list[str],
+    chain: Chain,
+    run_map: Exchange,
+    linked: list,
+) -> Any:
+    """AssessStage's attacks on the published file (assess.published_attacks) on the columns
+    they read, gathered from the partitions with each published record's original record."""
+    from sdl_design import partition_assess as pas
+    from sdl_design.assess import published_attacks
+
+    rel_cols, orig_cols = pas.attack_columns(spec, released, original)
+    got = run_map(pas.attack_released, linked, spec, rel_cols, chain.selected, what="attacks")
+    rel = pd.concat([g[0] for g in got], ignore_index=True)
+    rel.index = pd.Index(np.concatenate([g[1] for g in got]))
+    orig = pd.concat(
+        run_map(pas.attack_original, chain.inputs, spec, orig_cols, what="attacks, original"),
+        ignore_index=True,
+    )
+    return published_attacks(orig, rel, spec, design)[0]
 
 
 def _retained(chain: Chain, run_map: Exchange, parts: list) -> list[int]:

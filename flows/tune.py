@@ -191,7 +191,7 @@ def write_outputs(
             else "All gates hold."
         )
     )
-    text = tune.recommended_yaml(spec_path.read_text(), changes, reasons, header)
+    text = tune.redact_seed(tune.recommended_yaml(spec_path.read_text(), changes, reasons, header))
     rec_path.write_text(text)
     out["recommended_spec"] = str(rec_path)
     out["recommended"] = _summary(row)

@@ -28,6 +28,7 @@ import pandas as pd
 import scipy.sparse as sp
 from scipy.stats import norm
 
+from sdl_design.attack import IntruderKey, attack_battery, intruder_key
 from sdl_design.design import (
     DesignError,
     SurveyDesign,
@@ -47,7 +48,7 @@ from sdl_design.glm import (
     term_levels,
     weighted_gram,
 )
-from sdl_design.keys import coarsen
+from sdl_design.keys import bin_codes, bin_labels, coarsen, publish_coding
 from sdl_design.spec import KeySpec, ReleaseSpec
 
 Variance = Literal["taylor", "replicate"]
@@ -147,15 +148,11 @@ def published_coding(
     uses are left out."""
     k = keys.get(name)
     if k is not None and k.bins is not None:
-        e = np.asarray(k.bins, dtype=float)
-        cats: list = [f"{e[i]:g}-{e[i + 1]:g}" for i in range(len(e) - 1)]
+        cats: list = [*bin_labels(k.bins), "out_of_range", "missing"]
         codes = []
-        for f in frames:
-            x = pd.to_numeric(f[name], errors="coerce").to_numpy(dtype=float)
-            c = np.searchsorted(e, x, side="right") - 1
-            c = np.where((c >= 0) & (c < len(cats)), c, len(cats))  # 'out_of_range'
-            codes.append(np.where(np.isnan(x), len(cats) + 1, c))
-        cats += ["out_of_range", "missing"]
+        for f in frames:  # raw values or bin labels (a published file)
+            c = bin_codes(f[name], k.bins)
+            codes.append(np.where(c < 0, len(cats) - 1, c))
     else:
         vals = [
             coarsen(f[name], None, k.map) if k is not None and k.map else f[name] for f in frames
@@ -1024,19 +1021,20 @@ class AssessStage:
 
     def run(self, df: pd.DataFrame, ctx: Any) -> Any:
         from sdl_design.plots import estimate_plots
-        from sdl_design.risk import risk_strata
         from sdl_design.stage import StageResult
 
         spec = self.spec
-        released = df[ctx.published(list(df.columns))]
+        # the file as published: its columns, every coded key in its published coding
+        released = publish_coding(df[ctx.published(list(df.columns))], spec.variables.keys)
         pdesign = ctx.public_design()
         a = assess(ctx.original, released, spec, design_released=pdesign)
         a.params.update(column_record(spec, ctx, list(released.columns)))
         m = dict(a.metrics)
-        keys = spec.variables.keys
-        # risk of the published file whatever stages ran: its own keys, and MASSC's delta of
-        # the published records against the original keys
-        m["unique_share_published"] = float((risk_strata(released, keys) == "U").mean())
+        # risk of the published file whatever stages ran: the intruder's attacks on it record
+        # by record, and MASSC's delta of the published records against the original keys
+        attacks, key = published_attacks(ctx.original, released, spec, pdesign)
+        m |= attacks
+        a.params["intruder_key"] = key.describe()
         m |= published_delta(ctx.original, released, spec)
         m["epsilon_published"] = _epsilon_published(a.domain_estimates)
         if ctx.masked_design or not spec.design.publish_design_labels:
@@ -1048,8 +1046,8 @@ class AssessStage:
             data=df,
             params=a.params,
             metrics=m,
-            tables={**a.tables, "worst_estimates": worst},
-            report_tables=["worst_estimates", "model_coefficients"],
+            tables={**a.tables, "worst_estimates": worst, "attacks": attacks.table},
+            report_tables=["attacks", "worst_estimates", "model_coefficients"],
             section="Analytic validity and risk of the published file",
             gates=assessment_gates(
                 m,
@@ -1061,6 +1059,35 @@ class AssessStage:
             figures=estimate_plots(a.domain_estimates, a.model_coefficients),
             notes=_notes(m, worst),
         )
+
+
+class Attacks(dict):
+    """The attack battery's metrics (a dict) with its table of attacks."""
+
+    table: pd.DataFrame
+
+
+def published_attacks(
+    original: pd.DataFrame, released: pd.DataFrame, spec: ReleaseSpec, public: Any
+) -> tuple[Attacks, IntruderKey]:
+    """The intruder's attacks on the published file (sdl_design.attack.attack_battery), each
+    published record linked to its original record by its index label. public: the design
+    section the file is published with (its strata/PSU labels and replicate weights)."""
+    d = spec.design
+    labels = [c for c in (public.strata, public.psu) if c and c in released.columns]
+    reps = (
+        public.replicate_weights.resolve(list(released.columns)) if public.replicate_weights else []
+    )
+    key = intruder_key(spec, released, labels, [public.weight, *reps])
+    link = original.index.get_indexer(released.index)
+    if (link < 0).any():
+        raise ValueError("assess: a published record has no original record (index labels)")
+    orig_labels = [c for c in (d.strata, d.psu) if c and c in original.columns]
+    sensitive = [s.name for s in spec.variables.sensitive]
+    m, table = attack_battery(original, released, link, key, orig_labels, public.weight, sensitive)
+    out = Attacks(m)
+    out.table = table
+    return out, key
 
 
 def published_delta(
@@ -1237,9 +1264,10 @@ def assessment_gates(
     if g.xi is not None:
         out.append(
             gate(
-                "risk: share of original sample uniques re-identified",
-                m.get("reid_share", 0.0),
+                "risk: share of original sample uniques re-identified (worst exact-match attack)",
+                m.get("reid_share_worst", m.get("reid_share", 0.0)),
                 upper=g.xi,
+                explain=_attack_text(m),
             )
         )
     if g.delta_max is not None and "delta_published" in m:
@@ -1271,6 +1299,21 @@ def assessment_gates(
     return out
 
 
+def _attack_text(m: Mapping[str, float]) -> str:
+    """The exact-match attacks in words, for the risk gate."""
+    parts = [
+        f"{what}: {m[f'reid_share{s}']:.1%} of {m[f'reid_sample_uniques{s}']:.0f} sample uniques "
+        f"(precision {m[f'reid_precision{s}']:.1%})"
+        for what, s in (
+            ("declared keys", "_keys"),
+            ("intruder's key", ""),
+            ("with the design labels", "_design"),
+        )
+        if f"reid_share{s}" in m
+    ]
+    return "; ".join(parts)
+
+
 def _notes(m: Mapping[str, float], worst: pd.DataFrame) -> list[str]:
     notes = [
         f"{int(m['n_reliable'])} reliable domain estimates of the study variables (of "
@@ -1280,7 +1323,8 @@ def _notes(m: Mapping[str, float], worst: pd.DataFrame) -> list[str]:
         f"{m.get('se_ratio_p10', np.nan):.3f}-{m.get('se_ratio_p90', np.nan):.3f}.",
         f"Published file: {int(m['n_released'])} of {int(m['n_original'])} records; "
         f"{m['unique_share_published']:.1%} sample uniques on the keys; "
-        f"{m.get('reid_share', 0.0):.1%} of the original sample uniques re-identified; "
+        f"{m.get('reid_share_worst', 0.0):.1%} of the original sample uniques re-identified "
+        f"(worst attack: {_attack_text(m)}); "
         f"pMSE ratio {m.get('pmse_ratio', np.nan):.2f}.",
     ]
     if "model_overlap_min" in m:

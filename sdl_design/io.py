@@ -255,7 +255,7 @@ def read_input(spec: ReleaseSpec) -> tuple[pd.DataFrame, str]:
     if path is None:
         from sdl_design.synth import make_survey
 
-        df = make_survey(seed=spec.release.seed)
+        df = make_survey()  # its own data seed: the release seed stays with the release
         return type_input(df, spec, text=False), frame_digest(df)
     path = Path(path)
     if not path.is_file():

@@ -13,26 +13,86 @@ from sdl_design.spec import KeySpec
 MISSING = "(missing)"
 
 
+def bin_labels(bins: Sequence[float]) -> list[str]:
+    """The labels of left-closed bins [a, b): 'a-b', in bin order."""
+    e = np.asarray(bins, dtype=float)
+    return [f"{e[i]:g}-{e[i + 1]:g}" for i in range(len(e) - 1)]
+
+
+def bin_codes(s: pd.Series, bins: Sequence[float]) -> np.ndarray:
+    """Each value's bin (0..len(bins)-2), len(bins)-1 outside the bins, -1 missing. A value that
+    is already a bin label (a published, coded column) is its own bin: the coding is
+    idempotent, so a published file and its original read the same through every measure."""
+    labels = bin_labels(bins)
+    codes, uniq = pd.factorize(s, use_na_sentinel=True)  # recode the distinct values only
+    u = pd.Series(np.asarray(uniq, dtype=object))
+    at = {lab: i for i, lab in enumerate([*labels, "out_of_range"])}
+    coded = u.map(lambda v: at.get(v, -1) if isinstance(v, str) else -1).to_numpy(np.int64)
+    x = pd.to_numeric(u.where(coded < 0), errors="coerce").to_numpy(dtype=float)
+    e = np.asarray(bins, dtype=float)
+    b = np.searchsorted(e, x, side="right") - 1
+    b = np.where((b >= 0) & (b < len(labels)), b, len(labels))
+    b = np.where(np.isnan(x), -1, b)
+    rec = np.append(np.where(coded >= 0, coded, b), -1)
+    return rec[codes]
+
+
 def coarsen(
     s: pd.Series, bins: Sequence[float] | None = None, mapping: dict | None = None
 ) -> pd.Series:
     """Left-closed bins ([a, b) labelled 'a-b') or a category map; unmapped values keep their own
-    label. A missing value stays missing (NaN): the missing-value policy keeps it as a category of
-    its own wherever keys are counted, never as 'out_of_range' (values outside the bins)."""
+    label, bin labels and mapped values stay what they are (idempotent). A missing value stays
+    missing (NaN): the missing-value policy keeps it as a category of its own wherever keys are
+    counted, never as 'out_of_range' (values outside the bins)."""
     if bins is not None:
-        edges = np.asarray(bins, dtype=float)
-        x = s.to_numpy(dtype=float, na_value=np.nan)
-        codes = np.searchsorted(edges, x, side="right") - 1
-        labels = [f"{edges[i]:g}-{edges[i + 1]:g}" for i in range(len(edges) - 1)]
-        out = np.where((codes >= 0) & (codes < len(labels)), codes, -1)
-        lab = np.array(labels + ["out_of_range", np.nan], dtype=object)[
-            np.where(np.isnan(x), len(labels) + 1, np.where(out >= 0, out, len(labels)))
-        ]
+        labels = np.array([*bin_labels(bins), "out_of_range", np.nan], dtype=object)
+        lab = labels[bin_codes(s, bins)]  # -1 (missing) -> the last, NaN
         return pd.Series(lab, index=s.index, name=s.name)
     if mapping is not None:
         m = {str(k): v for k, v in mapping.items()}
-        return s.map(lambda v: v if pd.isna(v) else m.get(str(v), str(v))).rename(s.name)
+        coded = {str(v) for v in m.values()} - set(m)
+        return s.map(
+            lambda v: v if pd.isna(v) or str(v) in coded else m.get(str(v), str(v))
+        ).rename(s.name)
     return s
+
+
+def published_key(s: pd.Series, key: KeySpec | None = None) -> pd.Series:
+    """A column in the coding it is published in and the intruder sees (the key's bins or map;
+    as it is without a recode, or with publish: detail). Bins give an ordered categorical in
+    bin order, a map a categorical of the mapped values in sorted order."""
+    if key is None or (key.bins is None and key.map is None):
+        return s
+    if key.bins is not None:
+        cats = [*bin_labels(key.bins), "out_of_range"]
+        return pd.Series(
+            pd.Categorical.from_codes(bin_codes(s, key.bins), categories=cats, ordered=True),
+            index=s.index,
+            name=s.name,
+        )
+    codes, uniq = pd.factorize(s, use_na_sentinel=False)  # recode distinct values only
+    rec = coarsen(pd.Series(uniq, dtype=object), mapping=key.map).to_numpy(dtype=object)
+    cats = sorted({str(v) for v in rec if not pd.isna(v)})  # a map's values are text
+    return pd.Series(pd.Categorical(rec[codes], categories=cats), index=s.index, name=s.name)
+
+
+def coded_keys(spec_keys: Sequence[KeySpec]) -> list[KeySpec]:
+    """The keys published in a coding other than their values (bins or map)."""
+    return [k for k in spec_keys if k.bins is not None or k.map is not None]
+
+
+def publish_coding(df: pd.DataFrame, spec_keys: Sequence[KeySpec]) -> pd.DataFrame:
+    """df with every coded key (bins or map) in its published coding (global recoding): the
+    public file carries the keys in the coding every risk measure reads; other columns as they
+    are (a shallow copy; df untouched). Every label of a coding is a category, used or not (the
+    same categories in every partition of a file)."""
+    coded = [k for k in coded_keys(spec_keys) if k.name in df.columns]
+    if not coded:
+        return df
+    out = df.copy(deep=False)
+    for k in coded:
+        out[k.name] = published_key(df[k.name], k)
+    return out
 
 
 def key_frame(df: pd.DataFrame, keys: Sequence[KeySpec | str]) -> pd.DataFrame:

@@ -7,6 +7,7 @@ confidential file's record order and unused categorical levels."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -183,9 +184,47 @@ def column_problems(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
 # ---------------------------------------------------------------- the public file's rows
 
 
-def shuffle_rows(df: pd.DataFrame, rng: np.random.Generator) -> pd.DataFrame:
-    """The records in a random order (no trace of the confidential file's order), index reset."""
-    return df.iloc[rng.permutation(len(df))].reset_index(drop=True)
+def sortable(s: pd.Series) -> np.ndarray:
+    """A column's values as integer ranks in the order the public file is sorted in: numbers by
+    value, a categorical by its categories' order, text by its sorted values; missing last."""
+    if isinstance(s.dtype, pd.CategoricalDtype):
+        c = s.cat.codes.to_numpy().astype(np.int64)
+        return np.where(c < 0, len(s.cat.categories), c)
+    if pd.api.types.is_bool_dtype(s) or pd.api.types.is_numeric_dtype(s):
+        x = s.to_numpy(dtype=float, na_value=np.nan)
+        return np.unique(x, return_inverse=True)[1].astype(np.int64)  # NaN last
+    try:
+        c, u = pd.factorize(s, sort=True)
+    except TypeError:  # mixed types: as text
+        c, u = pd.factorize(s.astype(str).where(s.notna()), sort=True)
+    return np.where(c < 0, len(u), c).astype(np.int64)
+
+
+def publish_order(columns: Sequence[str], column: Callable[[str], pd.Series], n: int) -> np.ndarray:
+    """The public file's order: its records sorted by their published values, column by column
+    in the order given (the design labels first, then the file's columns), so that the order is
+    a function of what is published and nothing else. column(c): the whole column c (read only
+    while records are still tied). Returns the records' positions, row by row."""
+    rank = np.zeros(n, dtype=np.int64)
+    groups = 1 if n else 0
+    for c in columns:
+        if groups == n:
+            break
+        v = sortable(column(c))
+        order = np.lexsort((v, rank))
+        rs, vs = rank[order], v[order]
+        new = np.r_[True, (rs[1:] != rs[:-1]) | (vs[1:] != vs[:-1])] if n else np.ones(0, bool)
+        rank[order] = np.cumsum(new) - 1
+        groups = int(new.sum())
+    return np.argsort(rank, kind="stable")
+
+
+def sorted_rows(df: pd.DataFrame, first: Sequence[str] = ()) -> tuple[pd.DataFrame, np.ndarray]:
+    """The records sorted by their published values (publish_order: the columns `first`, then
+    every column in file order), index reset; and each row's position in df."""
+    cols = [*[c for c in first if c in df.columns], *[c for c in df.columns if c not in first]]
+    order = publish_order(cols, lambda c: df[c], len(df))
+    return df.iloc[order].reset_index(drop=True), order
 
 
 def drop_unused_levels(df: pd.DataFrame) -> pd.DataFrame:

@@ -1058,3 +1058,41 @@ def pmse_by_partition(
             break
     N = sum(pplan.n)
     return pmse_metrics(now.ss / N, len(keep), N, pplan.n[1], converged)
+
+
+# ---------------------------------------------------------------- the intruder's attacks
+
+
+def input_rows(linked: Linked, selected: str | None) -> np.ndarray:
+    """Map: each record of a published partition's original record, as its row in the input
+    (the retained records lo..hi-1 of each original partition it comes from, MASSC's d(2) in
+    `selected`)."""
+    from sdl_design.partition import _selected
+
+    at = []
+    for p, lo, hi in linked.originals:
+        kept = np.flatnonzero(_selected(p, selected)) if selected else np.arange(p.stop - p.start)
+        at.append(p.start + kept[lo:hi])
+    return np.concatenate(at) if at else np.zeros(0, dtype=np.int64)
+
+
+def attack_released(
+    linked: Linked, spec: ReleaseSpec, columns: list[str], selected: str | None
+) -> tuple[pd.DataFrame, np.ndarray]:
+    """Map: a published partition's columns the attacks read, and each record's row in the
+    input (input_rows)."""
+    rel = read_partition(linked.released, columns, spec)[columns].reset_index(drop=True)
+    return rel, input_rows(linked, selected)
+
+
+def attack_original(part: Any, spec: ReleaseSpec, columns: list[str]) -> pd.DataFrame:
+    """Map: an original partition's columns the attacks read."""
+    return read_partition(part, columns, spec)[columns].reset_index(drop=True)
+
+
+def attack_columns(spec: ReleaseSpec, released: Sequence[str], original: Sequence[str]) -> tuple:
+    """The columns the attacks read: (of the published file, of the original file)."""
+    d = spec.design
+    rel = [c for c in released if not str(c).startswith("__")]
+    orig = [c for c in dict.fromkeys([*rel, d.strata, d.psu]) if c and c in original]
+    return rel, orig

@@ -22,7 +22,7 @@ import pandas as pd
 import scipy.sparse as sp
 from scipy.optimize import brentq
 
-from sdl_design.keys import coarsen, shared_categories
+from sdl_design.keys import coarsen, published_key, shared_categories
 from sdl_design.spec import KeySpec
 from sdl_design.utility import tvd, weighted_distribution
 
@@ -101,11 +101,7 @@ def published(s: pd.Series, key: KeySpec | None = None) -> pd.Series:
     if key is None or (key.bins is None and key.map is None):
         return s
     if key.bins is not None:
-        lab = coarsen(s, key.bins)
-        edges = np.asarray(key.bins, dtype=float)
-        cats = [f"{edges[i]:g}-{edges[i + 1]:g}" for i in range(len(edges) - 1)]
-        cats = [*cats, "out_of_range"]
-        return pd.Series(pd.Categorical(lab, categories=cats, ordered=True), s.index, name=s.name)
+        return published_key(s, key)
     codes, uniq = pd.factorize(s, use_na_sentinel=False)  # recode distinct values only
     rec = coarsen(pd.Series(uniq, dtype=object), mapping=key.map).to_numpy(dtype=object)
     return pd.Series(rec[codes], index=s.index, name=s.name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from datetime import datetime
 from numbers import Number
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -146,16 +147,24 @@ class DesignSection(_Strict):
 
 
 class KeySpec(_Strict):
-    """A key variable, optionally coarsened: bins (left-closed intervals) or a category map."""
+    """A key variable, optionally coarsened: bins (left-closed intervals) or a category map.
+    The public file carries a coarsened key in that coding (global recoding), the coding every
+    risk measure reads; publish: detail publishes the values, and then nothing may coarsen it."""
 
     name: str
     bins: list[float] | None = None
     map: dict[str, str] | None = None
+    publish: Literal["coded", "detail"] = "coded"
 
     @model_validator(mode="after")
     def _one_recode(self) -> KeySpec:
         if self.bins is not None and self.map is not None:
             raise ValueError("give either bins or map for a key, not both")
+        if self.publish == "detail" and (self.bins is not None or self.map is not None):
+            raise ValueError(
+                f"key '{self.name}': publish: detail publishes its exact values, so its risk is "
+                "measured on them: remove bins/map, or publish it coded (drop publish: detail)"
+            )
         if self.bins is not None and (len(self.bins) < 2 or np.any(np.diff(self.bins) <= 0)):
             raise ValueError("bins must be at least two strictly increasing numbers")
         return self
@@ -220,6 +229,29 @@ class VariablesSection(_Strict):
     @property
     def key_names(self) -> list[str]:
         return [k.name for k in self.keys]
+
+
+class IntruderSection(_Strict):
+    """What the intruder is assumed to know besides the declared keys (sdl_design.attack): every
+    other published column with at most max_levels values (and every text column), and the
+    published design labels, unless said here why an intruder cannot know it."""
+
+    unknown: dict[str, str] = {}  # published column -> why an intruder cannot know it
+    max_levels: int = Field(default=25, ge=2, le=10_000)
+    # why an intruder cannot map the published strata/PSUs to places (None: they are known)
+    design_labels_unknown: str | None = None
+
+    @model_validator(mode="after")
+    def _reasons(self) -> IntruderSection:
+        blank = [c for c, why in self.unknown.items() if not str(why).strip()]
+        if blank:
+            raise ValueError(
+                f"unknown: {blank} need a reason why an intruder cannot know them "
+                "(e.g. smoker: self-reported in the interview, in no register)"
+            )
+        if self.design_labels_unknown is not None and not self.design_labels_unknown.strip():
+            raise ValueError("design_labels_unknown: say why, or remove it")
+        return self
 
 
 # edit rules (EditRule): sdl_design/edits.py
@@ -470,6 +502,7 @@ class ReleaseSpec(_Strict):
     gates: GatesSection = GatesSection()
     utility: UtilitySection = UtilitySection()
     approval: ApprovalSection = ApprovalSection()
+    intruder: IntruderSection = IntruderSection()
 
     @model_validator(mode="after")
     def _stages_have_their_design(self) -> ReleaseSpec:
@@ -531,6 +564,8 @@ class ReleaseSpec(_Strict):
                 named.setdefault(c, "stages.massc.donor_restrictions")
             for i, c in enumerate(s.massc.substrata.variables if s.massc.substrata else []):
                 named.setdefault(c, f"stages.massc.substrata.variables[{i}]")
+        for c in self.intruder.unknown:
+            named.setdefault(c, f"intruder.unknown.{c}")
         for i, dom in enumerate(self.utility.domains or []):
             for c in [dom] if isinstance(dom, str) else dom:
                 named.setdefault(c, f"utility.domains[{i}]")
@@ -818,6 +853,29 @@ def spec_problems(spec: ReleaseSpec) -> list[str]:
             "its sensitivity scores (its disclosure costs come from GenMASSC risk scores, e.g. "
             "{name: diabetes, sensitivity: {1: 1.0, 0: 0.0}}); add one, or set "
             "stages.massc.enabled: false"
+        )
+    return out
+
+
+def seed_warnings(seed: int) -> list[str]:
+    """Why a release seed is guessable: under 32 bits of entropy, or a date (YYYYMMDD,
+    YYMMDD or a year). The seed orders and draws every treatment; one that can be guessed
+    lets an intruder re-run the draws."""
+    text = str(seed)
+    out = []
+    if seed < 2**32:
+        out.append(f"release.seed has under 32 bits ({seed.bit_length()} bits)")
+    for fmt in ("%Y%m%d", "%y%m%d", "%Y"):
+        try:
+            datetime.strptime(text, fmt)
+        except ValueError:
+            continue
+        out.append("release.seed reads as a date")
+        break
+    if out:
+        out.append(
+            "draw a seed an intruder cannot guess, e.g. python -c 'import secrets; "
+            "print(secrets.randbits(64))', and keep it confidential"
         )
     return out
 

@@ -232,6 +232,35 @@ def _partition_ladder(spec: ReleaseSpec) -> list[dict]:
     return ladder
 
 
+def _cells_ladder(spec: ReleaseSpec, original: pd.DataFrame | None) -> list[dict]:
+    """PRB sections whose cells take the intruder's known columns (sdl_design.attack's
+    intruder_key on the published columns of the original) one more at a time, each joining
+    the set C: the uniques on the intruder's key are then post-randomized too."""
+    if original is None:
+        return []
+    from sdl_design.attack import intruder_key
+
+    prb = spec.stages.prb
+    keys = spec.variables.key_names
+    cells = list(prb.cells or [c for c in prb.variables if c in keys])
+    published = spec.published_columns(list(original.columns), True)
+    labels = [c for c in (spec.design.strata, spec.design.psu) if c]
+    key = intruder_key(spec, original[published], labels, spec.replicate_columns(original))
+    more = [c for c in key.known if c not in cells]
+    section = prb.model_dump(mode="json")
+    ladder = []
+    for i in range(1, len(more) + 1):
+        add = more[:i]
+        ladder.append(
+            {
+                **section,
+                "variables": list(dict.fromkeys([*prb.variables, *add])),
+                "cells": [*cells, *add],
+            }
+        )
+    return ladder
+
+
 GRIDS = {  # coarse ladders: refinement bisects between evaluated levels
     "stages.swap.rate": [0.05, 0.1, 0.2, 0.3, 0.5],
     "stages.massc.epsilon": [0.05, 0.1, 0.15, 0.2, 0.3],
@@ -286,6 +315,16 @@ def factors(spec: ReleaseSpec, original: pd.DataFrame | None = None) -> list[Fac
             ),
         )
     if st.active("prb"):
+        add(
+            "stages.prb",
+            _cells_ladder(spec, original),
+            False,
+            lambda o, v: (
+                f"PRB cells take {', '.join(c for c in v['cells'] if c not in (o['cells'] or []))}"
+                " of the intruder's key: its uniques are post-randomized too"
+            ),
+            +1,
+        )
         add(
             "stages.prb.partition",
             _partition_ladder(spec),
@@ -976,6 +1015,21 @@ def recommended_yaml(
     if yaml.safe_load(out) != want:
         raise ValueError("the rewritten YAML does not load to the changed spec")
     return out
+
+
+def redact_seed(spec_text: str) -> str:
+    """The spec's YAML with release.seed's value removed (null, and a comment that says to set
+    it): a recommended spec is shared, and the seed orders and draws every treatment."""
+    matched, pair = _locate(yaml.compose(spec_text), "release.seed")
+    if len(matched) < 2 or pair is None:
+        return spec_text
+    lines = spec_text.split("\n")
+    line = _replace_value(lines, pair[0], pair[1], "null")
+    lines[line] = (
+        lines[line].split("#")[0].rstrip()
+        + "  # set your release seed here: it is confidential, never in a shared file"
+    )
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- the Duncan map

@@ -37,9 +37,14 @@ def gates_task(
     gates: list[dict],
     replicate_columns: list[str],
     masked: bool,
+    detail: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
-    """Output-file gates and metric threshold gates, one results table."""
+    """Output-file gates and metric threshold gates, one results table (detail: the public
+    records before the keys' published coding, for the edit rules)."""
     return pd.concat(
-        [validate_metric_gates(gates), validate_output(puf, spec, replicate_columns, masked)],
+        [
+            validate_metric_gates(gates),
+            validate_output(puf, spec, replicate_columns, masked, detail),
+        ],
         ignore_index=True,
     )

@@ -117,7 +117,7 @@ STAGE_TABLES = {
     ],
     "topcode": ["thresholds"],
     "final": ["se_ratios", "se_ratio_summary"],
-    "assess": ["domain_estimates", "model_coefficients", "worst_estimates"],
+    "assess": ["domain_estimates", "model_coefficients", "worst_estimates", "attacks"],
 }
 # the report's sections (element ids), in order
 SECTIONS = [
@@ -145,6 +145,7 @@ def county_key_spec():
     data = yaml.safe_load(DEFAULT_SPEC.read_text())
     data["variables"]["keys"].append("county")
     data["stages"]["prb"]["variables"].insert(5, "county")
+    data["stages"]["prb"]["cells"] = None  # the keys of C: the cells these tests were written for
     data["variables"]["other"] = {"keep": ["education", "pregnant"]}
     sens = {s["name"]: s for s in data["variables"]["sensitive"]}  # the earlier, higher scores
     sens["hypertension"]["sensitivity"] = {1: 0.7, 0: 0.0}

@@ -4,6 +4,7 @@ the problem said once, nothing under public/."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
@@ -86,7 +87,7 @@ def _lonely_psu(df):
 
 
 def _dup_seed(text):
-    return text.replace("  seed: 20261122\n", "  seed: 20261122\n  seed: 7\n", 1)
+    return re.sub(r"(?m)^(  seed: .*)$", r"\1\n  seed: 7", text, count=1)
 
 
 CASES = {

@@ -223,10 +223,14 @@ def test_topcoding_only_release_fails_its_risk_gates(demo):
     assert set(res) == {"risk", "topcode", "pseudo_design", "final", "assess"}
     gates = {g.name: g for g in res["assess"].gates}
     uniq = gates["risk: share of sample uniques on the published keys"]
-    # the published keys are the input's: the unique share equals the risk stage's (input)
-    assert uniq.value == pytest.approx(res["risk"].metrics["unique_share"])
-    assert uniq.value > 0.05
-    xi = gates["risk: share of original sample uniques re-identified"]
+    # nothing perturbed: the unique share is the input's on the intruder's key (the keys in
+    # their published coding, education, household size and pregnancy), counted here by pandas
+    age = pd.cut(df["age"], [0, 18, 25, 35, 45, 55, 65, 75, 91], right=False).astype(str)
+    key = [age, *(df[c] for c in ("sex", "race", "marital", "region", "education", "hh_size"))]
+    sizes = df.groupby([*key, df["pregnant"]], dropna=False, observed=True)["age"].transform("size")
+    assert uniq.value == pytest.approx(float((sizes == 1).mean()))
+    assert uniq.value > res["risk"].metrics["unique_share"] > 0.05
+    xi = gates["risk: share of original sample uniques re-identified (worst exact-match attack)"]
     assert xi.value == pytest.approx(1.0)  # nothing perturbed: every unique re-identified
     delta = gates["risk: delta (MASSC) of the published file against the original keys"]
     assert delta.value > 0.05

@@ -4,6 +4,7 @@ failures as validate_edits', and domain means with Taylor SE, deff and replicate
 SurveyDesign's on the whole file (1e-12)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -465,8 +466,10 @@ def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
     assert files == sorted(p.relative_to(dask) for p in dask.rglob("*.*") if p.name != "run.json")
     parquet = [f for f in files if f.suffix == ".parquet"]
     # the swap's, PRB's, MASSC's donors, its two selections', its calibrated records, the
-    # top-coded ones (7 each) and the public file (puf/puf.parquet; puf.csv is compared too)
-    assert len(parquet) == 7 * 7 + 1 and (thread / "puf" / "puf.csv").exists()
+    # top-coded ones (7 each), the public file (puf/puf.parquet; puf.csv is compared too) and
+    # the confidential record map (internal/record_map.parquet)
+    assert len(parquet) == 7 * 7 + 2 and (thread / "puf" / "puf.csv").exists()
+    assert Path("internal/record_map.parquet") in parquet
     assert len([f for f in parquet if f.parts[:2] == ("massc", "data")]) == 7
     assert json.loads((dask / "run.json").read_text())["stages"]["massc"]["n_with_donor"] > 0
     for f in files:
@@ -584,7 +587,9 @@ def test_swap_and_prb_by_partition_give_the_stages_records_to_the_bit(clean, tmp
         want = prb.tables["changed_by_variable"].drop(columns="weighted_share_changed")
         pd.testing.assert_frame_equal(got["changed_by_variable"], want, check_exact=True)
     assert prb.metrics["n_changed"] > 0  # the chain moved records
-    assert (prb.tables["transitions"]["p"] < 1).any() and len(want) == 7
+    assert (prb.tables["transitions"]["p"] < 1).any() and len(want) == len(
+        spec.stages.prb.variables
+    )
     se = st["swap"]["tables"]["se_ratios"].set_index(["domain", "level", "variable"])
     d = SurveyDesign.from_spec(swap.data, spec.design)
     for v in ("income", "diabetes"):
@@ -831,8 +836,8 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
         if all(v is not None for v in steps.values()):  # (None: no /proc/self/clear_refs)
             life = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             assert all(0 < v <= life + 1e-9 for v in steps.values()), (steps, life)
-        puf = _same_public(folder, spec, final, tmp_path)
-        assert len(puf) < N  # MASSC's subsample
+        public = _same_public(folder, spec, final, tmp_path)
+        assert len(public[0]) < N  # MASSC's subsample
         assessed = _same_assessment(folder, spec, whole, final)
         assert assessed.metrics["psu_recoverable"] > 0  # the swap's labels leak some PSUs
         fin = _same_final(folder, spec, whole, final)
@@ -840,9 +845,9 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
         from sdl_design.massc.stage import delta_gates
 
         gates = [*prb.gates, *delta_gates(spec, dm.delta), *assessed.gates]
-        _same_gates(folder, spec, gates, puf)
+        _same_gates(folder, spec, gates, public)
         main = (cfg, plan, tr, dm, revisions)
-        _same_docs(folder, spec, whole, out, (swap, prb, main, assessed), puf)
+        _same_docs(folder, spec, whole, out, (swap, prb, main, assessed), public[0])
     assert not (folder / "massc" / "replications").exists()
 
 
@@ -1023,19 +1028,20 @@ def _same_final(folder, spec, whole, final, previous=None, rtol=1e-11):
     return want
 
 
-def _same_gates(folder, spec, metric_gates, puf, design=None, n=27):
+def _same_gates(folder, spec, metric_gates, public, design=None, n=27):
     """The partitioned release's gates.csv is the flow's gate table (gates_task: the metric
     gates of PRB, MASSC and the assessment, then the public file's, read with its design:
     default the spec's) on the in-memory records: the same n gates in order, verdicts, and
     values (to 1e-10)."""
     from expectations.suites import validate_metric_gates, validate_output
 
+    puf, detail = public
     design = design or spec.design
     reps = design.replicate_weights.resolve(list(puf.columns))
     want = pd.concat(
         [
             validate_metric_gates([g.as_dict() for g in metric_gates]),
-            validate_output(puf, spec, reps, True),
+            validate_output(puf, spec, reps, True, detail),
         ],
         ignore_index=True,
     )
@@ -1105,12 +1111,19 @@ def _same_public(folder, spec, final, tmp_path, design=None, drop=None):
     byte: public_frame of the in-memory records after the last stage (the design masked:
     by the swap, which drops the segment, by default; design: the public file's when a stage
     built one), written by write_public_files."""
-    from flows.public_files import public_frame, write_public_files
+    from flows.public_files import detail_frame, public_records, write_public_files
     from sdl_design.stage import design_columns
 
-    built = design_columns(design or spec.design, list(final.columns))
+    d = design or spec.design
+    built = design_columns(d, list(final.columns))
     drop = [spec.design.segment] if drop is None else drop
-    puf = public_frame(final, spec, True, drop, built)
+    puf, rows = public_records(final, spec, True, drop, built, [c for c in (d.strata, d.psu) if c])
+    detail = detail_frame(puf, final, rows, spec)  # the edit rules' values (_same_gates)
+    # the confidential record map: each public row's input row, as the release's
+    rm = pd.read_parquet(folder / "internal" / "record_map.parquet")
+    got = rm.dropna().sort_values("public_row")
+    assert got["public_row"].tolist() == list(range(len(puf)))
+    assert got["input_row"].tolist() == list(rows)
     ref = write_public_files(puf, tmp_path / "public-in-memory", "")
     run = json.loads((folder / "run.json").read_text())["public_files"]
     assert run["records"] == len(puf)
@@ -1119,7 +1132,7 @@ def _same_public(folder, spec, final, tmp_path, design=None, drop=None):
             tmp_path / "public-in-memory" / name
         ).read_bytes(), name
         assert run["files"][name] == ref[f"public/{name}"]
-    return puf
+    return puf, detail
 
 
 def test_massc_calibration_by_partition_pools_drops_and_calibrates_replicates_to_domains(
@@ -1140,6 +1153,7 @@ def test_massc_calibration_by_partition_pools_drops_and_calibrates_replicates_to
     data["stages"]["massc"]["donor_restrictions"] = []
     data["stages"]["swap"]["enabled"] = False
     data["stages"]["massc"]["calibration"]["bounds"] = [0.8, 1.25]
+    data["stages"]["prb"]["cells"] = None  # the keys of C: the setting this case was built on
     new = path.parent / "calibration-pools-drops.yaml"
     new.write_text(yaml.safe_dump(data))
     spec = load_spec(new)
@@ -1203,7 +1217,8 @@ def test_pseudo_design_by_partition_is_the_stages_and_the_release_reads_it(
     assert res["params"] == ps.params and res["notes"] == ps.notes
     assert {k: res[k] for k in ps.metrics} == ps.metrics and res["psu_purity_max"] < 1
     design = public_design(spec, [top, ps])
-    puf = _same_public(tmp_path / "p", spec, ps.data, tmp_path, design=design, drop=[])
+    public = _same_public(tmp_path / "p", spec, ps.data, tmp_path, design=design, drop=[])
+    puf = public[0]
     assert set(reps) <= set(puf.columns)
     # the pseudo design's SEs to 1e-11 (one Taylor SE of 6,370 near cancellation: 2.4e-12);
     # a bootstrap replicate separates a model term (its refit runs off to |b| 31): its
@@ -1220,7 +1235,7 @@ def test_pseudo_design_by_partition_is_the_stages_and_the_release_reads_it(
     assert assessed.metrics["psu_recoverable"] == 0  # no original PSU in the pseudo design
     fin = _same_final(tmp_path / "p", spec, whole, ps.data, [top, ps])
     assert fin.metrics["share_keys_changed"] == 0  # top-coding changes no key
-    _same_gates(tmp_path / "p", spec, assessed.gates, puf, design=design, n=24)
+    _same_gates(tmp_path / "p", spec, assessed.gates, public, design=design, n=24)
     # the public README and codebook: the in-memory docs of these stages, with the pseudo
     # design's section and its replicate scales
     from flows.public_docs import codebook, variance_notes

@@ -192,6 +192,7 @@ def test_task_gate_and_edit_failure():
     # marital left out of C and age groups no longer kept (only sex is a declared domain):
     # married adults take the age of a child record of their block
     bad.stages.prb.variables = [c for c in C if c != "marital"]
+    bad.stages.prb.cells = None
     bad.stages.prb.partition = {"sex": None}
     bad.utility = UtilitySection(domains=["sex"])
     with pytest.raises(EditFailure, match=r"edits\[\d+\]"):

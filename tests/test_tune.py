@@ -81,11 +81,13 @@ def test_one_factor_candidates_change_one_setting_each(spec):
 
 def test_partition_ladder_adds_one_variable_of_c_per_rung(spec):
     # the declared domains already refine the partition by every key in C: the rungs add
-    # the carried variables of C (education, then pregnant)
+    # the cells that are not declared domains, in the cells' order (education, hh_size,
+    # pregnant: the intruder's key beyond the declared keys)
     f = next(f for f in tune.factors(spec) if f.path == "stages.prb.partition")
     assert f.levels == [
         {"age": None, "sex": None, "education": None},
-        {"age": None, "sex": None, "education": None, "pregnant": None},
+        {"age": None, "sex": None, "education": None, "hh_size": None},
+        {"age": None, "sex": None, "education": None, "hh_size": None, "pregnant": None},
     ]
 
 
@@ -339,7 +341,7 @@ def test_tune_demo_beats_the_spec_within_risk_and_reproduces(tmp_path, spec):
     (no shared stage results, every stage, figures drawn), gives the same assessment."""
     from sdl_design.synth import make_survey
 
-    df = make_survey(seed=spec.release.seed)
+    df = make_survey()  # the demo survey (its own data seed)
     res = tune.search(spec, df, budget=13)
     t = res.table
     assert len(t) == 13
@@ -405,6 +407,12 @@ def test_puf_tune_flow_outputs_artifacts_and_a_spec_that_reproduces(tmp_path, ca
     from flows.release import release_flow
 
     path = write_demo_spec(tmp_path, n_persons=4000)
+    # tune's run and reproduction under test, on a small survey: the intruder knows the
+    # declared keys only (tests/test_release_flow.small_spec says why)
+    data = yaml.safe_load(path.read_text())
+    data["intruder"]["unknown"].update(dict.fromkeys(["education", "hh_size", "pregnant"], "test"))
+    data["stages"]["prb"]["cells"] = None
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     code = puf(["tune", str(path), "--budget", "4"])
     out, err = capsys.readouterr()
     assert len([ln for ln in err.splitlines() if ln.startswith("[puf] tune (")]) == 4
@@ -424,6 +432,11 @@ def test_puf_tune_flow_outputs_artifacts_and_a_spec_that_reproduces(tmp_path, ca
     rec_path = folder / "recommended_spec.yaml"
     assert str(rec_path) in out
     rec = t.loc[tune.recommend(t)]
+    # the recommended spec is shared: the seed is not in it; the user sets theirs back
+    seed = str(load_spec(path).release.seed)
+    text = rec_path.read_text()
+    assert seed not in text and "  seed: null  # set your release seed here" in text
+    rec_path.write_text(text.replace("  seed: null", f"  seed: {seed}", 1))
     spec2 = load_spec(rec_path)  # validates; its input and output folder made absolute
     assert spec2.release.input == (tmp_path / "input" / "default_survey.parquet").resolve()
     try:
@@ -453,3 +466,26 @@ def test_puf_tune_flow_outputs_artifacts_and_a_spec_that_reproduces(tmp_path, ca
 
 def _nan(x) -> bool:
     return x is None or (isinstance(x, float) and np.isnan(x))
+
+
+def test_tune_adds_the_intruders_key_to_the_prb_cells():
+    """A spec whose PRB treats the declared keys only fails the re-identification gate on the
+    intruder's key (education, household size and pregnancy published as well); tune's PRB
+    factor adds those columns to the cells one at a time, and the last level passes every
+    risk gate."""
+    from sdl_design.spec import parse_spec
+    from sdl_design.synth import make_survey
+
+    data = yaml.safe_load(DEFAULT.read_text())
+    data["stages"]["prb"]["cells"] = None
+    data["stages"]["prb"]["variables"].remove("hh_size")
+    old = parse_spec(data, DEFAULT.parent)
+    df = make_survey(8000)
+    f = next(f for f in tune.factors(old, df) if f.path == "stages.prb")
+    added = [[c for c in v["cells"] if c not in old.variables.key_names] for v in f.levels]
+    assert added == [["education"], ["education", "hh_size"], ["education", "hh_size", "pregnant"]]
+    assert "of the intruder's key" in f.reason(f.levels[0])
+    own = tune.evaluate(old, df)
+    assert not own["passes_risk"] and "re-identified" in own["failed_gates"]
+    best = tune.evaluate(old, df, [("stages.prb", f.levels[-1])])
+    assert best["passes_risk"], best["failed_gates"]

@@ -69,6 +69,7 @@ def test_final_stage_reads_the_original_se_table_the_swap_computed(monkeypatch):
     data = yaml.safe_load(DEFAULT_SPEC.read_text())
     data["variables"]["other"] = {"keep": ["education"], "drop": ["county", "pregnant"]}
     data["stages"]["prb"]["variables"].remove("pregnant")
+    data["stages"]["prb"]["cells"].remove("pregnant")
     spec = parse_spec(data)
     df = make_survey(3000, seed=2)
     calls = []
