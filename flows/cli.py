@@ -189,7 +189,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     """Dry run: the spec, the data and every enabled stage's preconditions, nothing treated."""
     from expectations.suites import validate_edits
-    from sdl_design.spec import load_spec
+    from sdl_design.spec import load_spec, seed_warnings
     from sdl_design.stage import build_stages
     from tasks.core import load_task
 
@@ -201,6 +201,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         stages = ", ".join(s.name for s in build_stages(spec))
         print(f"spec {args.spec}: valid; {len(df)} records, {len(df.columns)} columns")
         print(f"  stages      : {stages}; every stage's preconditions hold on the input")
+        weak = seed_warnings(spec.release.seed)
+        if weak:
+            print(f"  [warning] {'; '.join(weak)}")
         for r in res.itertuples():
             print(f"  [{'ok' if r.passed else 'FAIL'}] {r.name}: {r.detail}")
         return 0 if res["passed"].all() else 1

@@ -28,7 +28,8 @@ class IntruderKey:
     unknown: dict[str, str] = field(default_factory=dict)  # published, not in the key: why
     continuous: list[str] = field(default_factory=list)  # known: nearest-neighbour attack
     # published continuous columns an intruder is not assumed to know (sensitive or declared
-    # unknown): the informed intruder's nearest-neighbour attack, reported, not gated
+    # unknown, and the weight): the informed intruder's nearest-neighbour attack, reported,
+    # not gated
     informed: list[str] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)  # published design labels, known or not
 
@@ -93,6 +94,8 @@ def intruder_key(
             unknown[c] = it.design_labels_unknown
         design = []
     labels = [c for c in design_labels if c in published.columns]
+    if d.weight in published.columns:  # an insider holding the original weights
+        informed.append(d.weight)
     return IntruderKey(list(v.keys), known, design, unknown, continuous, informed, labels)
 
 

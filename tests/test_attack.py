@@ -162,6 +162,7 @@ def test_intruder_key_takes_every_published_column_an_intruder_may_know():
     key = intruder_key(spec, orig, ["h", "p"], ["w"])
     assert key.known == ["hhs"] and key.design == ["h", "p"]
     assert set(key.unknown) == {"edu", "y"} and key.continuous == ["inc"]
+    assert key.informed == ["w"]  # the insider's nearest neighbour on the original weights
     hidden = _spec(intruder={"design_labels_unknown": "relabelled at random"})
     assert intruder_key(hidden, orig, ["h", "p"], ["w"]).design == []
     with pytest.raises((SpecError, ValueError), match="reason"):
@@ -188,3 +189,11 @@ def test_record_map_is_exact_and_the_order_is_the_published_values():
     pd.testing.assert_frame_equal(puf, shuffled)
     key = list(zip(puf["h"], puf["p"], puf["w"], strict=True))
     assert key == sorted(key)
+
+
+def test_a_guessable_seed_draws_a_warning():
+    from sdl_design.spec import seed_warnings
+
+    assert any("date" in w for w in seed_warnings(20261122))
+    assert any("32 bits" in w for w in seed_warnings(123456))
+    assert seed_warnings(1710067952095484995) == []

@@ -375,3 +375,17 @@ def test_real_releases_in_registry_and_monitor(tmp_path, monkeypatch):
         "median SE ratio 1.1" in s.report.read_text()
         or "median SE ratio 1.2" in s.report.read_text()
     )
+
+
+def test_seed_and_record_map_stay_internal(published):
+    """The seed is in no file outside internal/; the record map (input_row, public_row) is in
+    internal/ and every public row has exactly one input row."""
+    path, _ = published
+    out = folder(path)
+    seed = str(yaml.safe_load(path.read_text())["release"]["seed"]).encode()
+    outside = [f for f in out.rglob("*") if f.is_file() and "internal" not in f.parts]
+    assert outside and not [f for f in outside if seed in f.read_bytes()]
+    rm = pd.read_parquet(out / "internal" / "record_map.parquet")
+    n_public = len(pd.read_parquet(out / "public" / "puf.parquet"))
+    rows = rm["public_row"].dropna().astype(int)
+    assert sorted(rows) == list(range(n_public)) and rm["input_row"].is_unique
