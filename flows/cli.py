@@ -16,6 +16,8 @@ import yaml
 from flows.env import quiet_env
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from flows.manifest import Manifest
     from sdl_design.spec import ReleaseSpec
 
@@ -204,11 +206,29 @@ def cmd_validate(args: argparse.Namespace) -> int:
         weak = seed_warnings(spec.release.seed)
         if weak:
             print(f"  [warning] {'; '.join(weak)}")
+        for line in intruder_lines(spec, df):
+            print(f"  intruder    : {line}")
         for r in res.itertuples():
             print(f"  [{'ok' if r.passed else 'FAIL'}] {r.name}: {r.detail}")
         return 0 if res["passed"].all() else 1
 
     return _guarded(go)
+
+
+def intruder_lines(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
+    """What the release will assume the intruder knows, from the input's published columns
+    (sdl_design.attack.intruder_key): the decision `intruder.unknown` records."""
+    from sdl_design.attack import intruder_key
+
+    d = spec.design
+    published = spec.published_columns(list(df.columns), True)
+    labels = [c for c in (d.strata, d.psu) if c]
+    key = intruder_key(spec, df[published], labels, spec.replicate_columns(df))
+    return [
+        *key.describe(),
+        "declare a column an intruder cannot know, with why: intruder.unknown "
+        "(intruder.design_labels_unknown for the strata and PSUs)",
+    ]
 
 
 def cmd_partitioned(args: argparse.Namespace) -> int:

@@ -121,7 +121,7 @@ def _verdict(m: Manifest, results: Sequence[StageResult]) -> str:
         if reid is None:
             reid = _metric(results, "assess", "reid_share")
         uniq = _metric(results, "assess", "unique_share_published")
-        uniq0 = _metric(results, "risk", "unique_share")
+        uniq0 = _survey_uniques(results)
         overlap = _metric(results, "assess", "overlap_median")
         ser = _metric(results, "assess", "se_ratio_median")
         xi = m.parameters.gates.xi if m.parameters.gates else None
@@ -141,9 +141,10 @@ def _verdict(m: Manifest, results: Sequence[StageResult]) -> str:
                 + (f" (the limit is {_pct(xi)})" if xi is not None else "")
                 + "."
             )
+        parts.append(_ungated(results))
         if uniq is not None:
             parts.append(
-                f"{_pct(uniq)} of published records are unique on the keys"
+                f"{_pct(uniq)} of published records are unique on the intruder's key"
                 + (f" (in the survey file: {_pct(uniq0)})" if uniq0 is not None else "")
                 + "."
             )
@@ -217,6 +218,39 @@ def _ok(v: float | None, lo: float | None = None, hi: float | None = None) -> st
     return "pass" if good else "fail"
 
 
+def _survey_uniques(results: Sequence[StageResult]) -> float | None:
+    """The share of the survey file's records unique on the intruder's key (the attack's
+    sample uniques), else the risk stage's share on the declared keys."""
+    n = _metric(results, "assess", "reid_sample_uniques")
+    n0 = _metric(results, "assess", "n_original")
+    if n is not None and n0:
+        return n / n0
+    return _metric(results, "risk", "unique_share")
+
+
+def _ungated(results: Sequence[StageResult]) -> str:
+    """The attacks reported but not gated, for the verdict: the board sees what the spec
+    declared out of the intruder's reach."""
+    a = next((r for r in results if r.name == "assess"), None)
+    if a is None:
+        return ""
+    m, lines = a.metrics, a.params.get("intruder_key") or []
+    out = []
+    design = m.get("reid_share_design")
+    if design is not None and not any(ln.startswith("published design labels") for ln in lines):
+        out.append(
+            f"With the design labels as well (declared unknown to an intruder) the same attack "
+            f"would re-identify {_pct(design)}."
+        )
+    informed = m.get("nn_informed_share")
+    if informed is not None:
+        out.append(
+            f"An insider holding the original continuous values and weights would link "
+            f"{_pct(informed)} of the records by nearest neighbour (reported, not gated)."
+        )
+    return " ".join(out)
+
+
 def _intruder(results: Sequence[StageResult]) -> str:
     """The intruder's key in a few words (the assessment's params), for the verdict."""
     for r in results:
@@ -240,7 +274,7 @@ def _risk(m: Manifest, results: Sequence[StageResult]) -> str:
     if delta is None:
         delta = _metric(results, "massc", "delta")
     uniq = _metric(results, "assess", "unique_share_published")
-    uniq0 = _metric(results, "risk", "unique_share")
+    uniq0 = _survey_uniques(results)
     prb = _metric(results, "prb", "max_risk")
     rows = [
         (
@@ -258,7 +292,7 @@ def _risk(m: Manifest, results: Sequence[StageResult]) -> str:
             _ok(delta, hi=dmax),
         ),
         (
-            "records unique on the keys, published file"
+            "records unique on the intruder's key, published file"
             + (f" (survey file: {_pct(uniq0)})" if uniq0 is not None else ""),
             _pct(uniq),
             f"<= {_pct(umax)}" if umax is not None else "none",

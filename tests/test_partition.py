@@ -976,6 +976,9 @@ def _same_assessment(folder, spec, whole, final, previous=None, rtol=1e-12, mode
     assert {"reid_share", "delta_published", "delta_profile_max_published"} <= set(compared)
     assert {"psu_recoverable", "unique_share_published", "epsilon_published"} <= set(compared)
     assert {"pmse_ratio", "pmse_k", "pmse_converged"} <= set(compared)
+    # the intruder's attacks (sdl_design.attack), gathered from the partitions: the same numbers
+    attacks = {"reid_share_worst", "reid_share_keys", "reid_precision", "nn_informed_share"}
+    assert attacks | {"records_violating_2_anonymity", "global_risk_expected"} <= set(compared)
     assert run["pmse_k"] == m["pmse_k"] > 10 and run["pmse_converged"] == 1.0
     for k in compared:
         rel = model_rtol if k.startswith("model_") else 1e-9 if k.startswith("pmse") else rtol
