@@ -24,7 +24,8 @@ class GateFailed(RuntimeError):
 
     def __init__(self, title: str, results: pd.DataFrame):
         self.title, self.results = title, results
-        failed = results[~results["passed"]]
+        # a verdict stored as object (a gate that could not be evaluated: None) is a failure
+        failed = results[~results["passed"].astype("boolean").fillna(False).to_numpy(bool)]
         lines = [f"{title}: {len(failed)} of {len(results)} checks failed"]
         lines += [f"  - {r.name}: {r.detail}" for r in failed.itertuples()]
         super().__init__("\n".join(lines))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec
 
 DEFAULT_SPEC = "default_spec.yaml"
+# errors of writing the output (exit 3): permission, read-only, file size limit, disk full
+OUTPUT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG, errno.ENOSPC, errno.EDQUOT}
 
 
 def default_spec_text() -> str:
@@ -601,7 +604,25 @@ def main(argv: list[str] | None = None) -> int:
     sh.set_defaults(func=cmd_show)
 
     args = p.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("puf: interrupted; nothing was published", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `puf validate ... | head`: the reader has gone, end quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 141
+    except OSError as e:
+        if e.errno not in OUTPUT_ERRNOS:
+            raise
+        where = f" ({e.filename})" if e.filename else ""
+        print(
+            f"puf: cannot write the output{where}: {e.strerror or e}; nothing was published: "
+            "free the disk, lift the file-size limit or make the folder writable, and run again",
+            file=sys.stderr,
+        )
+        return 3
 
 
 if __name__ == "__main__":

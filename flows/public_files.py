@@ -119,8 +119,19 @@ def _neutralize(values: pd.Series) -> pd.Series:
 
 
 def neutralize_formulas(df: pd.DataFrame) -> pd.DataFrame:
-    """The frame with every formula-leading text cell (FORMULA_PREFIXES) prefixed by a single
-    quote, for the CSV files; numeric columns are left as they are (-3 stays a number)."""
+    """The frame with every formula-leading text cell and column name (FORMULA_PREFIXES)
+    prefixed by a single quote, for the CSV files; numeric columns are left as they are (-3
+    stays a number)."""
+    names = {
+        c: "'" + c for c in df.columns if isinstance(c, str) and c.startswith(FORMULA_PREFIXES)
+    }
+    if names:
+        return _neutralize_cells(df).rename(columns=names)
+    return _neutralize_cells(df)
+
+
+def _neutralize_cells(df: pd.DataFrame) -> pd.DataFrame:
+    """neutralize_formulas' cells."""
     out = None
     for c in df.columns:
         s = df[c]

@@ -27,6 +27,12 @@ from sdl_design.design import ReplicateMethod, resolve_replicates
 from sdl_design.edits import EditRule
 from sdl_design.edits import parse_condition as parse_condition  # re-exported
 
+# a spec's YAML, aliases expanded, at most this many nodes (an alias bomb is refused, not run)
+SPEC_NODES_MAX = 200_000
+# and at most this many bytes and edit rules (a hostile spec is refused before any work)
+SPEC_BYTES_MAX = 2_000_000
+EDITS_MAX = 5_000
+
 
 class SpecError(ValueError):
     """A release spec (or the data it names) is not usable; `problems` lists 'field: what and fix'."""
@@ -497,7 +503,7 @@ class ReleaseSpec(_Strict):
     release: ReleaseSection
     design: DesignSection
     variables: VariablesSection
-    edits: list[EditRule] = []
+    edits: list[EditRule] = Field(default=[], max_length=EDITS_MAX)
     stages: StagesSection = StagesSection()
     gates: GatesSection = GatesSection()
     utility: UtilitySection = UtilitySection()
@@ -650,6 +656,13 @@ class ReleaseSpec(_Strict):
         if len(df) == 0:
             raise SpecError(
                 ["release.input: the input file has no records; point it at the survey file"]
+            )
+        reserved = [str(c) for c in df.columns if str(c).startswith("__")]
+        if reserved:
+            problems.append(
+                f"release.input: columns {_short(reserved)} begin with '__', which the release "
+                "keeps for its own working columns (they would vanish from the public file); "
+                "rename them in the input"
             )
         for col, field in self.columns_named().items():
             if col not in df.columns:
@@ -910,8 +923,32 @@ _SpecLoader.add_implicit_resolver(
 )
 
 
-def _duplicate_keys(node: yaml.Node, path: str = "") -> list[str]:
-    """Keys given twice in a mapping of the composed YAML tree, with their lines."""
+def _expanded_nodes(node: yaml.Node, memo: dict[int, int] | None = None) -> int:
+    """The nodes of the YAML tree with every alias expanded, each shared node counted once per
+    use but walked once (an alias bomb of 9 levels is counted in microseconds)."""
+    memo = {} if memo is None else memo
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = 1  # a recursive alias counts once
+    if isinstance(node, yaml.MappingNode):
+        n = 1 + sum(_expanded_nodes(k, memo) + _expanded_nodes(v, memo) for k, v in node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        n = 1 + sum(_expanded_nodes(v, memo) for v in node.value)
+    else:
+        n = 1
+    memo[id(node)] = n
+    return n
+
+
+def _duplicate_keys(
+    node: yaml.Node, path: str = "", seen_nodes: set[int] | None = None
+) -> list[str]:
+    """Keys given twice in a mapping of the composed YAML tree, with their lines (a node shared
+    through aliases is checked once)."""
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if id(node) in seen_nodes:
+        return []
+    seen_nodes.add(id(node))
     out: list[str] = []
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, int] = {}
@@ -927,20 +964,35 @@ def _duplicate_keys(node: yaml.Node, path: str = "") -> list[str]:
                     )
                 else:
                     seen[key] = line
-            out += _duplicate_keys(v, here)
+            out += _duplicate_keys(v, here, seen_nodes)
     elif isinstance(node, yaml.SequenceNode):
         for i, v in enumerate(node.value):
-            out += _duplicate_keys(v, f"{path}[{i}]")
+            out += _duplicate_keys(v, f"{path}[{i}]", seen_nodes)
     return out
 
 
 def read_spec_yaml(text: str) -> Any:
     """The spec's YAML text as Python data (see _SpecLoader); SpecError on a duplicated key."""
+    if len(text) > SPEC_BYTES_MAX:
+        raise SpecError(
+            [
+                f"<spec>: the file has {len(text):,} characters, more than a spec needs "
+                f"({SPEC_BYTES_MAX:,} at most); check that the right file is given"
+            ]
+        )
     loader = _SpecLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None
+        n = _expanded_nodes(node)
+        if n > SPEC_NODES_MAX:
+            raise SpecError(
+                [
+                    f"<spec>: its aliases expand to {n:,} YAML nodes (at most "
+                    f"{SPEC_NODES_MAX:,}); write the values out or remove the aliases (&, *)"
+                ]
+            )
         dup = _duplicate_keys(node)
         if dup:
             raise SpecError(dup)
