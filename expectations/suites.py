@@ -102,9 +102,9 @@ def _col(name: str):
 
 
 def validate_edits(df: pd.DataFrame, rules: Sequence, id_column: str | None = None) -> pd.DataFrame:
-    """Results table of the edit rules on df (examples are id_column values, else row numbers).
-    The release flow gives no id_column: its results reach Prefect's logs and artifacts, where
-    a record's identifier must never go (only `puf validate` on the terminal shows ids).
+    """Results table of the edit rules on df (examples are id_column values, else row numbers
+    counted from 1, as in a spreadsheet). The release and `puf validate` give no id_column: a
+    direct identifier's values never reach a message, a log or an artifact.
 
     Each rule evaluates itself once in pandas (sdl_design.edits: violations(), the one edit-rule
     implementation); GX gives each rule's verdict from a one-row table of the failing counts
@@ -116,7 +116,7 @@ def validate_edits(df: pd.DataFrame, rules: Sequence, id_column: str | None = No
     from sdl_design.edits import rule_failures
 
     idx = id_column if id_column and id_column in df.columns else _ROW
-    ids = df[idx].to_numpy() if idx != _ROW else np.arange(len(df))
+    ids = df[idx].to_numpy() if idx != _ROW else np.arange(1, len(df) + 1)
     return edit_verdicts(rules, rule_failures(df, rules, ids), idx.strip("_"))
 
 
@@ -282,7 +282,7 @@ def validate_output(
     # column (its batch fingerprint, under 1 GB), 3 s of the gates at 1M records
     w = spec.design.weight
     frame = pd.DataFrame({w: puf[w]} if w in puf.columns else {}, index=puf.index)
-    frame[_ROW] = np.arange(len(puf))
+    frame[_ROW] = np.arange(1, len(puf) + 1)  # rows counted from 1
     if reps:
         frame["__replicate_min"] = puf[reps].min(axis=1).to_numpy()
     checks = []

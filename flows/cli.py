@@ -201,8 +201,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     def go() -> int:
         spec = load_spec(args.spec)
         df, _ = load_task.fn(spec)  # check_data and preflight: SpecError lists every problem
-        ids = spec.variables.direct_identifiers
-        res = validate_edits(df, spec.edits, ids[0] if ids else None)
+        res = validate_edits(df, spec.edits)  # examples by row (from 1), never by identifier
         stages = ", ".join(s.name for s in build_stages(spec))
         print(f"spec {args.spec}: valid; {len(df)} records, {len(df.columns)} columns")
         print(f"  stages      : {stages}; every stage's preconditions hold on the input")

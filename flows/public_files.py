@@ -490,7 +490,7 @@ def public_group(
                 append=a > 0,
             )  # fmt: skip
             w.write_table(pa.Table.from_pandas(part, schema=schema, preserve_index=False))
-            ids = np.arange(rows.start + a, rows.start + a + len(part))
+            ids = np.arange(rows.start + a, rows.start + a + len(part)) + 1  # from 1
             records.append(record_failures(part, spec, replicates, ids))
             values = {c: v.take(order[a : a + PUBLIC_SLICE]).to_numpy() for c, v in detail.items()}
             edits.append(rule_failures(part.assign(**values), spec.edits, ids))

@@ -39,6 +39,7 @@ from sdl_design.design import (
     resolve_replicates,
 )
 from sdl_design.glm import (
+    FormulaError,
     GLMFit,
     design_matrix,
     independent_columns,
@@ -711,28 +712,49 @@ def _fit_models(
 ) -> pd.DataFrame:
     rows = []
     for text, family in models:
-        f = parse_formula(text)
-        frames = [original, released]
-        data = [pd.DataFrame(index=x.index) for x in frames]
-        for v in f.variables:
-            cat = any(t.name == v and t.categorical for t in f.terms)
-            numeric = pd.api.types.is_numeric_dtype(original[v]) or pd.api.types.is_bool_dtype(
-                original[v]
-            )
-            if v != f.response and (cat or not numeric):
-                coded = published_coding(frames, v, keys)
-                for j, d in enumerate(data):
-                    d[v] = coded.series(j, d.index, missing=False)
-            else:
-                for d, x in zip(data, frames, strict=True):
-                    d[v] = x[v]
-        lv = term_levels(f, data)
-        fits: list[GLMFit] = []
-        for d, des in zip(data, designs, strict=True):
-            X, y, ok, names = design_matrix(d, f, lv)
-            fits.append(svyglm(X, y, ok, names, des, family, replicates=replicates))
+        fits = model_fits([original, released], designs, text, family, keys, replicates)
         rows.append(model_rows(text, family, *fits, variance, level))
     return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=MODEL_COLUMNS)
+
+
+def model_fits(
+    frames: Sequence[pd.DataFrame],
+    designs: Sequence[SurveyDesign],
+    text: str,
+    family: str,
+    keys: Mapping[str, KeySpec],
+    replicates: bool = True,
+) -> list[GLMFit]:
+    """One declared model fitted on each file under its design (categorical terms in their
+    published coding, with the same levels on every file); a singular fit is a FormulaError
+    that names the model and its largest term, not a linear-algebra traceback."""
+    f = parse_formula(text)
+    data = [pd.DataFrame(index=x.index) for x in frames]
+    for v in f.variables:
+        cat = any(t.name == v and t.categorical for t in f.terms)
+        s = frames[0][v]
+        numeric = pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s)
+        if v != f.response and (cat or not numeric):
+            coded = published_coding(frames, v, keys)
+            for j, d in enumerate(data):
+                d[v] = coded.series(j, d.index, missing=False)
+        else:
+            for d, x in zip(data, frames, strict=True):
+                d[v] = x[v]
+    lv = term_levels(f, data)
+    fits: list[GLMFit] = []
+    for d, des in zip(data, designs, strict=True):
+        X, y, ok, names = design_matrix(d, f, lv)
+        try:
+            fits.append(svyglm(X, y, ok, names, des, family, replicates=replicates))
+        except np.linalg.LinAlgError:
+            big = max(lv.items(), key=lambda kv: len(kv[1]), default=("", []))
+            raise FormulaError(
+                f"utility.models: '{text}' cannot be fitted: its equations are singular "
+                f"({len(X)} records, {X.shape[1]} coefficients; '{big[0]}' has {len(big[1])} "
+                "levels); coarsen that term (bins or map) or drop it from the model"
+            ) from None
+    return fits
 
 
 def _quantiles(x: np.ndarray, prefix: str, qs: Mapping[str, float]) -> dict[str, float]:

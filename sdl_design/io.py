@@ -126,9 +126,79 @@ def _duplicates(names: list[str], path: Path) -> None:
         )
 
 
-def _csv_header(path: Path) -> list[str]:
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        return next(csv.reader(f), [])
+def _codec(encoding: str) -> str:
+    """The codec a CSV is read with: UTF-8 with or without a byte-order mark."""
+    import codecs
+
+    return "utf-8-sig" if codecs.lookup(encoding).name == "utf-8" else encoding
+
+
+def _not_text(path: Path, encoding: str, where: str) -> SpecError:
+    return SpecError(
+        [
+            f"release.input: {path.name} is not {encoding} text ({where} cannot be decoded); "
+            "save it as UTF-8, or declare its encoding in release.encoding (e.g. latin-1)"
+        ]
+    )
+
+
+def _csv_header(path: Path, encoding: str = "utf-8") -> list[str]:
+    if path.stat().st_size == 0:
+        raise SpecError(
+            [f"release.input: {path.name} is empty (0 bytes); give the survey file itself"]
+        )
+    try:
+        with open(path, newline="", encoding=_codec(encoding)) as f:
+            return next(csv.reader(f), [])
+    except UnicodeDecodeError as e:
+        raise _not_text(path, encoding, f"byte {e.start} of its header") from None
+
+
+def _ragged_row(path: Path, encoding: str, n: int) -> tuple[int, int] | None:
+    """The first row (counted from 1 after the header) whose cell count is not n, and its
+    count; read only after the CSV parser has refused the file."""
+    with open(path, newline="", encoding=_codec(encoding), errors="replace") as f:
+        rows = csv.reader(f)
+        next(rows, None)
+        for i, row in enumerate(rows, 1):
+            if row and len(row) != n:
+                return i, len(row)
+    return None
+
+
+def _read_csv(path: Path, header: list[str], encoding: str) -> pd.DataFrame:
+    """The CSV as text columns (pyarrow); every parse error as a SpecError that names the file,
+    the row or what to do, and never a value of the data."""
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+
+    every_text = pcsv.ConvertOptions(
+        column_types=dict.fromkeys(header, pa.string()),
+        strings_can_be_null=False,
+        quoted_strings_can_be_null=False,
+        null_values=[],
+    )
+    read = pcsv.ReadOptions(encoding=_codec(encoding).replace("utf-8-sig", "utf8"))
+    try:
+        return pcsv.read_csv(path, read_options=read, convert_options=every_text).to_pandas()
+    except UnicodeDecodeError as e:
+        raise _not_text(path, encoding, f"byte {e.start}") from None
+    except pa.ArrowInvalid as e:
+        text = str(e)
+        if "UTF8" in text or "utf8" in text.lower():
+            raise _not_text(path, encoding, "a byte after the header") from None
+        bad = _ragged_row(path, encoding, len(header))
+        if bad is not None:
+            raise SpecError(
+                [
+                    f"release.input: row {bad[0]} of {path.name} has {bad[1]} cells where the "
+                    f"header names {len(header)} columns; fix that row (a delimiter inside a "
+                    "value needs quotes)"
+                ]
+            ) from None
+        raise SpecError(
+            [f"release.input: {path.name} cannot be read as CSV: {text.split(':')[0]}"]
+        ) from None
 
 
 def _missing_mask(s: pd.Series, codes: list[Any]) -> pd.Series:
@@ -248,6 +318,48 @@ def type_input(df: pd.DataFrame, spec: ReleaseSpec, text: bool) -> pd.DataFrame:
     return pd.DataFrame({c: out[c] if c in out else df[c] for c in df.columns}, index=df.index)
 
 
+def _not_parquet(path: Path, e: Exception) -> SpecError:
+    reason = str(e).split(".")[0][:200]
+    return SpecError(
+        [
+            f"release.input: {path.name} is not a readable Parquet file ({reason}); it may be "
+            "truncated: copy or write it again, or give the CSV"
+        ]
+    )
+
+
+def _parquet_schema(path: Path) -> Any:
+    import pyarrow.parquet as pq
+
+    if path.stat().st_size == 0:
+        raise SpecError(
+            [f"release.input: {path.name} is empty (0 bytes); give the survey file itself"]
+        )
+    try:
+        return pq.read_schema(path)
+    except (OSError, ValueError) as e:
+        raise _not_parquet(path, e) from None
+
+
+def _nested(schema: Any, spec: ReleaseSpec, path: Path) -> None:
+    """Columns of lists, structs or maps are refused unless never published (other.drop or a
+    direct identifier): a public file carries one value per cell."""
+    import pyarrow as pa
+
+    gone = set(spec.variables.other.drop) | set(spec.variables.direct_identifiers)
+    nested = [
+        f"{f.name} ({f.type})" for f in schema if pa.types.is_nested(f.type) and f.name not in gone
+    ]
+    if nested:
+        raise SpecError(
+            [
+                f"release.input: {path.name} has columns of lists or records ({', '.join(nested)});"
+                " a public file holds one value per cell: flatten them, or list them in "
+                "variables.other.drop"
+            ]
+        )
+
+
 def read_input(spec: ReleaseSpec) -> tuple[pd.DataFrame, str]:
     """The input file as the spec declares it, and its digest (sha256 of the file; of the frame
     for the embedded default survey when release.input is null). Raises SpecError."""
@@ -264,27 +376,22 @@ def read_input(spec: ReleaseSpec) -> tuple[pd.DataFrame, str]:
         )
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        _duplicates(list(pq.read_schema(path).names), path)
+        schema = _parquet_schema(path)
+        _duplicates(list(schema.names), path)
+        _nested(schema, spec, path)
         # the digest in a second thread while the file is parsed (hashlib and pyarrow leave
         # the interpreter free): 0.4 s of a 600 MB file no longer after the read
         with ThreadPoolExecutor(1, thread_name_prefix="puf-digest") as pool:
             digest = pool.submit(file_digest, path)
-            df = pd.read_parquet(path)
+            try:
+                df = pd.read_parquet(path)
+            except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+                raise _not_parquet(path, e) from None
         return type_input(df, spec, False), digest.result()
     elif suffix == ".csv":
-        import pyarrow as pa
-        import pyarrow.csv as pcsv
-
-        header = _csv_header(path)
+        enc = spec.release.encoding
+        header = _csv_header(path, enc)
         _duplicates(header, path)
-        every_text = pcsv.ConvertOptions(
-            column_types=dict.fromkeys(header, pa.string()),
-            strings_can_be_null=False,
-            quoted_strings_can_be_null=False,
-            null_values=[],
-        )
-        df = pcsv.read_csv(path, convert_options=every_text).to_pandas()
+        df = _read_csv(path, header, enc)
         return type_input(df, spec, True), file_digest(path)
     raise SpecError([f"release.input: {path.name} is neither .parquet nor .csv; convert it"])

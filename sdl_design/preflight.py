@@ -40,7 +40,73 @@ def preflight(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
         out += _replicates(spec, df)
     if spec.stages.active("massc") is not None:
         out += _subsampling(spec, df)
+        out += _controls(spec, df)
+    risk = spec.stages.active("risk")
+    if risk is not None and risk.loglinear:
+        out += _key_cells(spec, df)
+    out += _models(spec, df)
     return list(dict.fromkeys(out))
+
+
+def _key_cells(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
+    """The risk stage's log-linear table: at most MAX_CELLS cells of the keys' published
+    levels (risk.loglinear_risk refuses more, after the work before it)."""
+    from sdl_design.keys import key_levels
+    from sdl_design.risk import MAX_CELLS
+
+    keys = [k for k in spec.variables.keys if k.name in df.columns]
+    sizes = {k.name: len(key_levels(df[k.name], k)[1]) for k in keys}
+    cells = float(np.prod(np.array(list(sizes.values()), dtype=float)))
+    if cells <= MAX_CELLS:
+        return []
+    worst = max(sizes, key=sizes.get)
+    return [
+        f"variables.keys: the keys' full table would have {cells:,.0f} cells (levels {sizes}), "
+        f"more than the risk stage's {MAX_CELLS:,}; coarsen '{worst}' ({sizes[worst]:,} "
+        "levels) with bins or map, or drop a key"
+    ]
+
+
+def _controls(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
+    """MASSC's calibration controls: every record needs its value (a missing value is a margin
+    of its own, and a margin of a record or two becomes infeasible once subsampling draws)."""
+    out = []
+    for i, k in enumerate(spec.stages.massc.calibration.controls):
+        if k.name not in df.columns:
+            continue
+        miss = df[k.name].isna().to_numpy()
+        if miss.any():
+            rows = ", ".join(str(r + 1) for r in np.flatnonzero(miss)[:5])
+            out.append(
+                f"stages.massc.calibration.controls[{i}]: '{k.name}' is missing in "
+                f"{int(miss.sum())} records (rows {rows}); calibration needs every record's "
+                "value: correct or impute them, or drop the control"
+            )
+    return out
+
+
+def _models(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
+    """Every declared model fits on the input under its design (the assessment fits it on the
+    input and the published file; a singular fit there stopped the run after its work)."""
+    from sdl_design.assess import model_fits
+    from sdl_design.design import DesignError, SurveyDesign
+    from sdl_design.glm import FormulaError
+
+    models = spec.utility.models
+    if not models or any(c not in df.columns for m in models for c in m.columns()):
+        return []  # (missing columns: check_data names them)
+    try:
+        design = SurveyDesign.from_spec(df, spec.design)
+    except (DesignError, ValueError):
+        return []  # (the design's own problems are named by check_data)
+    keys = {k.name: k for k in spec.variables.keys}
+    out = []
+    for i, m in enumerate(models):
+        try:
+            model_fits([df], [design], m.formula, m.family, keys, replicates=False)
+        except FormulaError as e:
+            out.append(str(e).replace("utility.models:", f"utility.models[{i}]:", 1))
+    return out
 
 
 def raise_problems(problems: list[str]) -> None:

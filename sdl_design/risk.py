@@ -38,6 +38,10 @@ class RiskInputError(ValueError):
 # ---------------------------------------------------------------- key profiles
 
 
+# the log-linear model's table of key cells, at most (preflight checks it before any work)
+MAX_CELLS = 3_000_000
+
+
 def _key_specs(keys: Sequence[KeyLike]) -> list[KeySpec]:
     if isinstance(keys, (str, KeySpec)):
         keys = [keys]
@@ -479,7 +483,7 @@ def loglinear_risk(
     weight: str | None = None,
     interactions: bool | Sequence[tuple[str, str]] = False,
     pi: float | None = None,
-    max_cells: int = 3_000_000,
+    max_cells: int = MAX_CELLS,
     _codes: tuple[list[np.ndarray], list[int]] | None = None,
 ) -> LoglinearRisk:
     """tau1, tau2 and per-record P(F=1|f=1), E(1/F|f=1) for sample uniques (paper 001, eq. 1-7).

@@ -74,9 +74,23 @@ class ReleaseSection(_Strict):
     input: Path | None = None  # None: the embedded default survey (sdl_design.synth)
     output_dir: Path = Path("releases")
     seed: int = Field(ge=0)
+    encoding: str = "utf-8"  # of a CSV input (a BOM is fine); e.g. latin-1, cp1252
     registry: str | None = (
         None  # SQLAlchemy URL; default PUF_REGISTRY_URL or <output_dir>/registry.db
     )
+
+    @field_validator("encoding")
+    @classmethod
+    def _known_codec(cls, v: str) -> str:
+        import codecs
+
+        try:
+            codecs.lookup(v)
+        except LookupError:
+            raise ValueError(
+                f"{v!r} is not an encoding Python knows; give e.g. utf-8, latin-1 or cp1252"
+            ) from None
+        return v
 
     @field_validator("name")
     @classmethod
@@ -1029,7 +1043,14 @@ def load_spec(path: str | Path) -> ReleaseSpec:
     if not path.is_file():
         raise SpecError([f"<spec>: no file at {path}; give the path of a release spec YAML"])
     try:
-        data = read_spec_yaml(path.read_text())
+        data = read_spec_yaml(path.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise SpecError(
+            [
+                f"<spec>: {path} is not UTF-8 text (byte {e.start} cannot be decoded); save it "
+                "as UTF-8 (any editor's 'save with encoding')"
+            ]
+        ) from None
     except yaml.YAMLError as e:
         raise SpecError([f"<spec>: {path} is not valid YAML: {e}"]) from None
     return parse_spec(data, base_dir=path.parent.resolve())

@@ -264,9 +264,9 @@ def test_gx_suite_agrees_with_violations():
             assert r.detail == f"{int(bad.sum())} records fail (e.g. id {first})", row
         else:
             assert r.detail == "holds"
-    # without an id column the examples are row numbers
+    # without an id column the examples are row numbers, counted from 1
     res = validate_edits(df.drop(columns="id"), rs[:1])
-    bad = np.flatnonzero(rs[0].violations(df))
+    bad = np.flatnonzero(rs[0].violations(df)) + 1
     assert res.detail[0] == f"{len(bad)} records fail (e.g. row {bad[:5].tolist()})"
 
 
@@ -403,7 +403,7 @@ def test_cli_input_breaking_an_edit_exits_1(tmp_path, capsys):
     said = err[err.index("puf: edit validation failed on the input file") :]  # after Prefect's log
     assert "edit[1] marital in ['never'] when age < 15: 3 records fail" in said
     # row positions, never a person id: the message reaches Prefect's logs (issue 15 item 8)
-    assert f"(e.g. row {[int(k) for k in kids]})" in said
+    assert f"(e.g. row {[int(k) + 1 for k in kids]})" in said  # rows counted from 1
     assert not any(pid in err for pid in df.loc[kids, "id"])
     assert "Traceback" not in said
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -94,3 +95,134 @@ def test_closed_pipe_ends_quietly(tmp_path):
     out = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=300)
     assert out.stdout.startswith("spec ") and len(out.stdout.splitlines()) == 1
     assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+
+
+# ---------------------------------------------------------------- unreadable inputs
+
+
+def _bad_inputs(tmp):
+    """(case, spec path, words the message must hold) for each way an input cannot be read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from flows.cli import write_demo_spec
+
+    spec = write_demo_spec(tmp / "base", n_persons=1500)
+    data = yaml.safe_load(spec.read_text())
+    df = pd.read_parquet(tmp / "base" / "input" / "default_survey.parquet")
+    text = df.to_csv(index=False)
+    lines = text.split("\n")
+    files = {}
+    files["latin1_header.csv"] = text.replace("region", "régïon", 1).encode("latin-1")
+    deep = lines.copy()
+    cells = deep[700].split(",")
+    cells[1] += "é"
+    deep[700] = ",".join(cells)
+    files["latin1_deep.csv"] = "\n".join(deep).encode("latin-1")
+    ragged = lines.copy()
+    ragged[300] += ",x,y"
+    files["ragged.csv"] = "\n".join(ragged).encode()
+    files["empty.csv"] = b""
+    whole = (tmp / "base" / "input" / "default_survey.parquet").read_bytes()
+    files["trunc.parquet"] = whole[: len(whole) // 2]
+    table = pa.Table.from_pandas(df.assign(tags=[[1, 2]] * len(df)), preserve_index=False)
+    pq.write_table(table, tmp / "lists.parquet")
+    out = []
+    for name, blob in files.items():
+        (tmp / name).write_bytes(blob)
+    expect = {
+        "latin1_header.csv": ["latin1_header.csv", "not utf-8 text", "release.encoding"],
+        "latin1_deep.csv": ["latin1_deep.csv", "not utf-8 text", "release.encoding"],
+        "ragged.csv": ["row 300 of ragged.csv", "94 cells", "92 columns"],
+        "empty.csv": ["empty.csv is empty"],
+        "trunc.parquet": ["trunc.parquet is not a readable Parquet file"],
+        "lists.parquet": ["tags (list<", "variables.other.drop"],
+    }
+    for name, words in expect.items():
+        d = {**data, "release": {**data["release"], "input": str(tmp / name)}}
+        if name == "lists.parquet":
+            d["variables"] = {**data["variables"], "other": {"keep": ["tags", "education"]}}
+        path = tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(d, sort_keys=False))
+        out.append((name, path, words))
+    latin_spec = tmp / "latin1_spec.yaml"
+    latin_spec.write_bytes((spec.read_text() + "# café\n").encode("latin-1"))
+    out.append(("latin1_spec.yaml", latin_spec, ["is not UTF-8 text", "save it as UTF-8"]))
+    return out, df
+
+
+def test_unreadable_inputs_exit_2_naming_the_file_without_values(tmp_path, capsys):
+    """Each unreadable file or spec: `puf validate` and `puf run` exit 2 with one named
+    message, no traceback, no value of the data, nothing written."""
+    from flows.cli import main
+
+    cases, df = _bad_inputs(tmp_path)
+    values = [str(v) for v in df["person_id"].head(400)] + [str(df["name"].iloc[299])]
+    for name, path, words in cases:
+        for cmd in (["validate", str(path)], ["run", str(path), "--approve", "x"]):
+            assert main(cmd) == 2, (name, cmd)
+            err = capsys.readouterr().err
+            assert all(w in err for w in words), (name, err)
+            assert "Traceback" not in err and not any(v in err for v in values), (name, err)
+    assert not list(tmp_path.rglob("public"))
+
+
+def test_declared_encoding_reads_a_latin1_file(tmp_path, capsys):
+    from flows.cli import main
+
+    cases, _ = _bad_inputs(tmp_path)
+    path = next(p for n, p, _ in cases if n == "latin1_deep.csv")
+    data = yaml.safe_load(path.read_text())
+    data["release"]["encoding"] = "latin-1"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert main(["validate", str(path)]) == 0
+    data["release"]["encoding"] = "no-such-codec"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert main(["validate", str(path)]) == 2
+    assert "release.encoding" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- preconditions run meets
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from sdl_design.synth import make_survey
+
+    return parse_spec(yaml.safe_load(DEFAULT_SPEC.read_text())), make_survey(1500)
+
+
+def test_validate_names_a_missing_calibration_control(demo):
+    """One missing age: `run` stopped in MASSC's calibration (the missing margin of one record
+    infeasible after subsampling); preflight names the control and the row."""
+    from sdl_design.preflight import preflight
+
+    spec, df = demo
+    df = df.copy()
+    df.loc[5, "age"] = np.nan
+    got = [p for p in preflight(spec, df) if "calibration.controls" in p]
+    assert got == [
+        "stages.massc.calibration.controls[1]: 'age' is missing in 1 records (rows 6); "
+        "calibration needs every record's value: correct or impute them, or drop the control"
+    ]
+
+
+def test_validate_names_a_model_that_cannot_be_fitted(demo):
+    """A key of one level per record: the declared model's equations are singular; preflight
+    fits it on the input and names the model and the term (run stopped in the assessment)."""
+    from sdl_design.preflight import preflight
+
+    spec, df = demo
+    df = df.assign(race=[f"r{i}" for i in range(len(df))])
+    got = [p for p in preflight(spec, df) if p.startswith("utility.models[0]")]
+    assert len(got) == 1 and "'race' has 1500 levels" in got[0] and "singular" in got[0]
+
+
+def test_validate_names_a_key_table_too_large(demo, monkeypatch):
+    import sdl_design.risk as risk
+    from sdl_design.preflight import preflight
+
+    spec, df = demo
+    monkeypatch.setattr(risk, "MAX_CELLS", 1000)
+    got = [p for p in preflight(spec, df) if p.startswith("variables.keys")]
+    assert len(got) == 1 and "more than the risk stage's 1,000" in got[0] and "'age'" in got[0]

@@ -164,7 +164,7 @@ def test_edit_failure_publishes_nothing(tmp_path):
     msg = str(ei.value)
     assert "marital in ['never_married'] when age < 15: 3 records fail" in msg
     # row positions, never a person id: the message reaches Prefect's logs (issue 15 item 8)
-    assert f"(e.g. row {[int(k) for k in kids]})" in msg
+    assert f"(e.g. row {[int(k) + 1 for k in kids]})" in msg  # counted from 1
     for pid in df.loc[kids, "person_id"]:
         assert pid not in msg
     out = folder(path)
