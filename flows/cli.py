@@ -236,7 +236,7 @@ def intruder_lines(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
 def cmd_partitioned(args: argparse.Namespace) -> int:
     """The stages with a partitioned path a partition at a time, then the public data files
     (published with --publish)."""
-    from flows.scan import run_partitioned
+    from flows.scan import REFUSED, run_partitioned
     from sdl_design.spec import SpecError, load_spec
 
     def go() -> int:
@@ -281,7 +281,7 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
             sw = st["swap"]
             print(
                 f"  swap        : {sw['n_pairs']} segment pairs swapped ({sw['share_swapped']:.1%} "
-                f"of {sw['n_segments']} segments); pairs in swap/pairs.csv (confidential)"
+                f"of {sw['n_segments']} segments); pairs in internal/swap/pairs.csv (confidential)"
             )
         if "prb" in st:
             p = st["prb"]
@@ -294,7 +294,7 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
             strata = ", ".join(f"{h} {n}" for h, n in m["strata"].items())
             print(
                 f"  massc       : {m['n_with_donor']} records have a donor ({m['n_profiles']} "
-                "search profiles); the substituted values in massc/donors/ (confidential); "
+                "search profiles); the substituted values in internal/massc/donors/ (confidential); "
                 f"risk strata {strata}; moments of eq. 8a in massc/moments.csv; psi "
                 + ", ".join(f"{h} {p:.4g}" for h, p in m["psi"].items())
                 + " (massc/rates.csv)"
@@ -364,9 +364,10 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
         else:
             left = st.get("not_measured", [])
             pub = out["public_files"]
+            d = REFUSED if pub["gates_failed"] and manifest is None else "puf"
             print(
                 f"  public files: {pub['records']} records, {pub['columns']} columns in "
-                f"puf/puf.parquet and puf/puf.csv, with puf/codebook.csv and puf/README.md "
+                f"{d}/puf.parquet and {d}/puf.csv, with {d}/codebook.csv and {d}/README.md "
                 f"({pub['seconds']:.1f} s); gates: "
                 f"{pub['gates_passed']} of {pub['gates']} pass (gates.csv"
                 + (f"; failed: {'; '.join(pub['gates_failed'])}" if pub["gates_failed"] else "")
@@ -382,6 +383,13 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
                 f"{manifest.approval.approver or 'nobody: not required'}) to "
                 f"{release_dir(spec)}/public"
             )
+        elif "stopped_before" not in st and out["public_files"]["gates_failed"]:
+            print(
+                f"puf: release gates failed; nothing may be published (the files are in "
+                f"{out['folder']}/{REFUSED}): {'; '.join(out['public_files']['gates_failed'])}",
+                file=sys.stderr,
+            )
+            return 1
         elif "stopped_before" not in st:
             print("  not published: `puf partitioned --publish --approve NAME` publishes it")
         return 0

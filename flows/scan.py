@@ -284,6 +284,24 @@ def _domain_means(
     return part.domain_means(req, agg, second)
 
 
+def _confidential(folder: Path, name: str) -> Path:
+    """Where a stage's record-level map goes in a run's folder: under internal/ (a stage's
+    folder <run>/<stage>/name -> <run>/internal/<stage>/name), never beside the public files."""
+    return folder.parent / "internal" / folder.name / name
+
+
+def _stage_table(folder: Path, name: str, table: pd.DataFrame) -> None:
+    """A stage's table as CSV in its folder; a record-level map (txn.CONFIDENTIAL_TABLES)
+    under internal/."""
+    from flows.txn import CONFIDENTIAL_TABLES
+
+    path = folder / f"{name}.csv"
+    if f"{folder.name}/{name}.csv" in CONFIDENTIAL_TABLES:
+        path = _confidential(folder, f"{name}.csv")
+        path.parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(path, index=False)
+
+
 def _write_tables(folder: Path, tables: dict[str, pd.DataFrame]) -> None:
     for name, t in tables.items():
         t.to_csv(folder / f"{name}.csv", index=False)
@@ -495,8 +513,9 @@ def _massc_stage(
     t = _lap(laps, "search", t)
     n_has = int(plan.size[plan.donor_p >= 0].sum())
     _say(f"{n_has} records have a donor ({plan.n_profiles} search profiles)", "partitioned")
-    (folder / "donors").mkdir(parents=True)
-    receive = partial(part.donor_receive, folder=str(folder / "donors"))
+    donors = _confidential(folder, "donors")
+    donors.mkdir(parents=True)
+    receive = partial(part.donor_receive, folder=str(donors))
     files = run_map.exchange(
         part.donor_send, part.donor_serve, receive, parts, spec, req, plan, what="massc donors"
     )
@@ -507,7 +526,7 @@ def _massc_stage(
     scores = part.profile_scores(profiles, req.sensitive) if req.sensitive else np.zeros(0)
     m = part.MasscInputs(spec, req, chain.inputs, profiles, labels)
     partials = run_map(
-        part.moments_pass, parts, m, chain.psus, zvars, scores, str(folder / "donors"),
+        part.moments_pass, parts, m, chain.psus, zvars, scores, str(donors),
         what="massc moments",
     )  # fmt: skip
     sums = part.combine_moments(partials, zvars, labels, chain.psus, parts[-1].stop)
@@ -525,7 +544,7 @@ def _massc_stage(
     cfg = massc_config(spec, pd.DataFrame(columns=list(columns)))
     n_rows, n_parts = parts[-1].stop, len(parts)
     groups = part.select_groups(run_map(part.select_pass1, parts, m, what="groups"))
-    donors = str(folder / "donors")
+    donors = str(_confidential(folder, "donors"))
     chosen = (str(folder / "select_psi"), str(folder / "select_phi"))
     chain.selected = chosen[1]
 
@@ -1063,6 +1082,9 @@ def _final_stage(
     }
 
 
+# the public files of a partitioned run whose gates failed (puf/ is never left looking ready)
+REFUSED = "puf-gates-failed"
+
 # the release stages that have a partitioned path (sdl_design.partition's map and reduce);
 # a stage's function returns None where its partitioned path does not cover the spec
 PARTITIONED = {
@@ -1159,7 +1181,7 @@ def run_partitioned(
                     except part.PartitionError as e:
                         raise SpecError([str(e)]) from e
                     for name, table in res["tables"].items():
-                        table.to_csv(tmp / stage.name / f"{name}.csv", index=False)
+                        _stage_table(tmp / stage.name, name, table)
                     done[stage.name] = res
                     peak(stage.name)
                     continue
@@ -1205,7 +1227,7 @@ def run_partitioned(
                 )
                 res["se_seconds"] = time.perf_counter() - t
                 for name, table in res["tables"].items():
-                    table.to_csv(tmp / stage.name / f"{name}.csv", index=False)
+                    _stage_table(tmp / stage.name, name, table)
                 done[stage.name] = res
                 peak(stage.name)
             public = None
@@ -1228,8 +1250,17 @@ def run_partitioned(
                 public["gates_passed"] = int(gates["passed"].sum())
                 public["gates"] = len(gates)
                 public["gates_failed"] = gates.loc[~gates["passed"].astype(bool), "name"].tolist()
+                if public["gates_failed"]:  # nothing that looks publishable is left behind
+                    (tmp / "puf").rename(tmp / REFUSED)
                 peak("public_files")
-        if public is not None:
+        if public is not None and public["gates_failed"]:
+            _say(
+                f"{len(public['gates_failed'])} of {public['gates']} gates failed "
+                f"({'; '.join(public['gates_failed'])}): the files stay in {folder / REFUSED}, "
+                "not to be published",
+                "partitioned",
+            )
+        elif public is not None:
             left = done.get("not_measured", [])
             _say(
                 "every stage that changes the records ran by partition; the public data files "

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -52,7 +53,7 @@ LOCK_NAME = "release.lock"
 # the records after each stage of a partitioned release, in its attempt's folder while it runs
 PARTITIONED = "partitioned"
 # record-level tables (original-to-masked maps) never kept in the record of an unpublished attempt
-CONFIDENTIAL_TABLES = ("swap/pairs.csv", "risk/records.csv")
+CONFIDENTIAL_TABLES = ("swap/pairs.csv", "risk/records.csv", "record_map.parquet")
 REDACTED = "redacted: see the registry"
 
 
@@ -152,6 +153,42 @@ def release_lock(path: Path) -> Iterator[None]:
             _held.pop(str(path.resolve()), None)
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+@contextmanager
+def registry_lock(url: str | None, output_dir: Path, name: str, year: int) -> Iterator[None]:
+    """Hold the registry's lock on a release's name and year for the block, so that two output
+    folders sharing one registry never release the same name and year at once: an flock on a
+    file beside a SQLite registry, a session advisory lock on a PostgreSQL one (both released
+    when the process dies). Raises ReleaseLocked at once when another run holds it."""
+    import sqlalchemy as sa
+
+    from flows import registry as reg
+
+    full = sa.engine.make_url(reg._resolve(url, output_dir))
+    if full.get_backend_name() == "sqlite":
+        db = Path(full.database or "registry.db")
+        lock = db.parent / f"{db.name}.locks" / f"{name}-{year}.lock"
+        with release_lock(lock):
+            yield
+        return
+    key = int.from_bytes(
+        hashlib.sha256(f"puf:{name}:{year}".encode()).digest()[:8], "big", signed=True
+    )
+    conn = _registry("locking the release", lambda: reg.get_engine(url, output_dir).connect())
+    try:
+        got = conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar()
+        if not got:
+            raise ReleaseLocked(
+                f"another run is releasing {name} {year} into the same registry; wait for it "
+                "to end (or approve or reject its pending approval), then run again"
+            )
+        try:
+            yield
+        finally:
+            conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+    finally:
+        conn.close()
 
 
 # ---------------------------------------------------------------- filesystem steps
@@ -296,8 +333,10 @@ class Transaction:
             if not os.access(t.root, os.W_OK) or not os.access(t.final.parent, os.W_OK):
                 raise PublishError(f"the output folder {t.output_dir} is not writable")
             check_registry(t.url, t.output_dir)
-            t.recover()
-            yield t
+            rel = spec.release
+            with registry_lock(t.url, t.output_dir, rel.name, rel.year):
+                t.recover()
+                yield t
 
     def open(self, manifest: Manifest) -> None:
         """Create the attempt's folder and its registry row (state running)."""

@@ -70,6 +70,14 @@ def clean(tmp_path_factory):
     return path, spec, whole
 
 
+def _puf(folder: Path) -> Path:
+    """A partitioned run's public files: puf/, or puf-gates-failed/ when a gate failed (the
+    3,000-person chains here fail the SE-ratio gates; their files are compared all the same)."""
+    from flows.scan import REFUSED
+
+    return folder / "puf" if (folder / "puf").exists() else folder / REFUSED
+
+
 def scan(spec, parts, req=None):
     """Both passes by partition, in process: the combined pass 1 and the SE table."""
     req = req or P.means_request(spec, P.input_columns(spec.release.input))
@@ -468,7 +476,7 @@ def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
     # the swap's, PRB's, MASSC's donors, its two selections', its calibrated records, the
     # top-coded ones (7 each), the public file (puf/puf.parquet; puf.csv is compared too) and
     # the confidential record map (internal/record_map.parquet)
-    assert len(parquet) == 7 * 7 + 2 and (thread / "puf" / "puf.csv").exists()
+    assert len(parquet) == 7 * 7 + 2 and (_puf(thread) / "puf.csv").exists()
     assert Path("internal/record_map.parquet") in parquet
     assert len([f for f in parquet if f.parts[:2] == ("massc", "data")]) == 7
     assert json.loads((dask / "run.json").read_text())["stages"]["massc"]["n_with_donor"] > 0
@@ -613,13 +621,26 @@ def test_puf_partitioned_leaves_nothing_when_a_partition_fails(
     from flows.scan import run_partitioned
 
     path, _, _ = clean
+    # the run's life is under test: the intruder knows the declared keys only (on 3,000
+    # persons the default intruder's key makes the SE-ratio gates refuse the file)
+    data = yaml.safe_load(path.read_text())
+    data["intruder"]["unknown"].update(dict.fromkeys(["education", "hh_size", "pregnant"], "t"))
+    data["stages"]["prb"]["cells"] = None
+    data["stages"]["prb"]["variables"].remove("hh_size")
+    path = path.parent / "keys-only.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     out = tmp_path / "run"
     assert puf(["partitioned", str(path), "--partitions", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "pairs in swap/pairs.csv (confidential)" in text
+    assert "pairs in internal/swap/pairs.csv (confidential)" in text
     assert "every stage that changes the records ran by partition" in text
     assert "not published: `puf partitioned --publish --approve NAME` publishes it" in text
     assert "puf/puf.parquet and puf/puf.csv" in text and "domain estimates of the" in text
+    # the record-level maps only under internal/ (issue 35 item 3)
+    assert (out / "internal" / "swap" / "pairs.csv").exists()
+    assert (out / "internal" / "massc" / "donors").exists()
+    assert (out / "internal" / "record_map.parquet").exists()
+    assert not (out / "swap" / "pairs.csv").exists() and not (out / "massc" / "donors").exists()
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     calls = []
 
@@ -812,7 +833,7 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
         out = run_partitioned(path, "thread", partitions=n, out=folder, release=False)
     m = out["stages"]["massc"]
     assert m["n_with_donor"] == int(has.sum()) and len(m["files"]) == n
-    got = pd.read_parquet(folder / "massc" / "donors")
+    got = pd.read_parquet(folder / "internal" / "massc" / "donors")
     assert got["__donor"].to_numpy().tobytes() == donor.tobytes()
     _same_bits(got.drop(columns="__donor"), plan.tilde.reset_index(drop=True))
     levels = pd.read_csv(folder / "massc" / "donor_levels.csv")
@@ -1087,7 +1108,7 @@ def _same_docs(folder, spec, whole, out, memory, puf):
     }
     run = json.loads((folder / "run.json").read_text())["public_files"]["files"]
     for name, data in want.items():
-        assert (folder / "puf" / name).read_bytes() == data, name
+        assert (_puf(folder) / name).read_bytes() == data, name
         assert run[name] == hashlib.sha256(data).hexdigest(), name
     # what they were made from: the partitioned stages' params and metrics
     got = {r.name: r for r in stage_results(spec, out["stages"], list(topcode.data.columns))}
@@ -1131,7 +1152,7 @@ def _same_public(folder, spec, final, tmp_path, design=None, drop=None):
     run = json.loads((folder / "run.json").read_text())["public_files"]
     assert run["records"] == len(puf)
     for name in ("puf.parquet", "puf.csv"):
-        assert (folder / "puf" / name).read_bytes() == (
+        assert (_puf(folder) / name).read_bytes() == (
             tmp_path / "public-in-memory" / name
         ).read_bytes(), name
         assert run["files"][name] == ref[f"public/{name}"]
@@ -1246,9 +1267,9 @@ def test_pseudo_design_by_partition_is_the_stages_and_the_release_reads_it(
 
     readme = variance_notes(spec, [top, ps, assessed], puf)
     book = neutralize_formulas(codebook(puf, readme.codebook_notes))
-    assert (tmp_path / "p" / "puf" / "README.md").read_text() == str(readme)
+    assert (_puf(tmp_path / "p") / "README.md").read_text() == str(readme)
     assert "Pseudo-design for variance estimation" in str(readme)
-    assert (tmp_path / "p" / "puf" / "codebook.csv").read_text() == book.to_csv(
+    assert (_puf(tmp_path / "p") / "codebook.csv").read_text() == book.to_csv(
         index=False, lineterminator="\n"
     )
 
@@ -1344,7 +1365,7 @@ def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monk
     np.testing.assert_allclose(plan.moments.theta, one_block.theta, rtol=1e-12)
     out = run_partitioned(path, "thread", partitions=n, out=tmp_path / "p", release=False)
     _same_moments(out["stages"]["massc"], plan)
-    donor = pd.read_parquet(tmp_path / "p" / "massc" / "donors")["__donor"].to_numpy()
+    donor = pd.read_parquet(tmp_path / "p" / "internal" / "massc" / "donors")["__donor"].to_numpy()
     _same_treatment(out["stages"]["massc"], tmp_path / "p" / "massc", donor, tr, dm, plan)
     _same_calibration(out["stages"]["massc"], tmp_path / "p" / "massc", spec, prb, whole, cfg, tr)
     from sdl_design.massc.stage import _calibrate
@@ -1496,3 +1517,19 @@ def test_assess_by_partition_refuses_a_model_of_a_continuous_response(clean, tmp
     with pytest.raises(SpecError, match=r"utility\.models\[0\]: 'bmi ~ sex \+ C\(age\)' has"):
         run_partitioned(new, "thread", partitions=3, out=tmp_path / "p")
     assert not (tmp_path / "p").exists()
+
+
+def test_puf_partitioned_with_a_failed_gate_exits_1_and_leaves_no_puf(clean, tmp_path, capsys):
+    """Issue 35 item 3: an unpublished partitioned run whose gates fail exits 1, names the
+    failed gate, and leaves its files in puf-gates-failed/, never a puf/ that looks ready."""
+    path, _, _ = clean
+    data = yaml.safe_load(path.read_text())
+    data["gates"].setdefault("utility", {})["overlap_median_min"] = 0.999
+    strict = path.parent / "strict.yaml"
+    strict.write_text(yaml.safe_dump(data, sort_keys=False))
+    out = tmp_path / "run"
+    assert puf(["partitioned", str(strict), "--partitions", "2", "--out", str(out)]) == 1
+    cap = capsys.readouterr()
+    assert "median CI overlap of domain estimates" in cap.err and "Traceback" not in cap.err
+    assert "puf-gates-failed/puf.parquet" in cap.out
+    assert not (out / "puf").exists() and (out / "puf-gates-failed" / "puf.parquet").exists()

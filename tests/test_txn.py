@@ -469,3 +469,46 @@ def test_temporary_server_dies_with_a_killed_parent(tmp_path, migrated_prefect_d
         if _alive(s):
             os.kill(s, signal.SIGKILL)
     assert left == {"guarded": False, "control": True}
+
+
+def test_one_registry_serializes_a_name_and_year_across_output_folders(tmp_path):
+    """Two output folders sharing one registry: while one run holds the release of a name and
+    year, a run from the other folder stops at the registry's lock (ReleaseLocked); another
+    year goes ahead, and the lock is free again when the first run ends."""
+    import threading
+
+    import yaml
+
+    from flows.cli import write_demo_spec
+    from sdl_design.spec import parse_spec
+
+    path = write_demo_spec(tmp_path / "demo", n_persons=1500)
+    data = yaml.safe_load(path.read_text())
+    shared = f"sqlite:///{tmp_path / 'shared.db'}"
+
+    def spec(folder: str, year: int = 2026):
+        d = {**data, "release": {**data["release"], "output_dir": str(tmp_path / folder)}}
+        d["release"].update(registry=shared, year=year)
+        return parse_spec(d, path.parent)
+
+    inside, done = threading.Event(), threading.Event()
+
+    def hold():
+        with txn.Transaction.begin(spec("a")):
+            inside.set()
+            done.wait(60)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert inside.wait(60)
+    try:
+        with pytest.raises(txn.ReleaseLocked, match="same name and year|releasing"):
+            with txn.Transaction.begin(spec("b")):
+                pass
+        with txn.Transaction.begin(spec("b", 2027)):  # another year: its own lock
+            pass
+    finally:
+        done.set()
+        t.join(60)
+    with txn.Transaction.begin(spec("b")):  # free again
+        pass
