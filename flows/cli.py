@@ -125,6 +125,8 @@ class _KnownErrorFilter(logging.Filter):
         if exc is not None and type(exc).__name__ in self.names:
             return False
         msg = str(record.msg)
+        if "aborted by an interrupt signal" in msg:  # Ctrl-C: the CLI says it in one line
+            return False
         return not any(f"{n}(" in msg or f"{n}:" in msg for n in self.names)
 
 
@@ -500,6 +502,14 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     return summary.status if args.gate_on_drift else 0
 
 
+def _prefect_api_errors() -> tuple[type[BaseException], ...]:
+    """Failures of the Prefect API under a run (its database full or over the file-size limit):
+    an output fault, exit 3."""
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    return (PrefectHTTPStatusError,)
+
+
 def main(argv: list[str] | None = None) -> int:
     quiet_env()
     p = argparse.ArgumentParser(
@@ -616,6 +626,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("puf: interrupted; nothing was published", file=sys.stderr)
         return 130
+    except _prefect_api_errors() as e:
+        print(
+            f"puf: the Prefect API failed ({str(e).splitlines()[0][:160]}); nothing was "
+            "published: check the disk and the file-size limit of PREFECT_HOME, or the server",
+            file=sys.stderr,
+        )
+        return 3
     except BrokenPipeError:  # `puf validate ... | head`: the reader has gone, end quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout

@@ -226,3 +226,52 @@ def test_validate_names_a_key_table_too_large(demo, monkeypatch):
     monkeypatch.setattr(risk, "MAX_CELLS", 1000)
     got = [p for p in preflight(spec, df) if p.startswith("variables.keys")]
     assert len(got) == 1 and "more than the risk stage's 1,000" in got[0] and "'age'" in got[0]
+
+
+@pytest.mark.flow  # a subprocess and a release started
+def test_ctrl_c_during_a_run_exits_130_in_one_line(tmp_path):
+    """SIGINT while the release runs: exit 130, one line, no traceback, nothing published."""
+    import signal
+
+    from flows.cli import write_demo_spec
+
+    path = write_demo_spec(tmp_path, n_persons=1500)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "run", str(path), "--approve", "x"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 120
+    seen = ""
+    while "edit validation" not in seen and time.time() < deadline:  # the run has begun
+        seen += proc.stderr.readline()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "Crash detected" not in err, err
+    assert err.strip().splitlines()[-1] == "puf: interrupted; nothing was published"
+    assert not list(tmp_path.rglob("public"))
+
+
+def test_thousands_of_rules_get_their_own_verdicts():
+    """2,000 rules (every tenth failing) judged through one GX expectation over their counts:
+    each verdict and count is the rule's own (was one expectation per rule: 4 minutes for
+    5,000 rules in `puf validate`)."""
+    from expectations.suites import validate_edits
+    from sdl_design.spec import parse_spec
+
+    data = yaml.safe_load(DEFAULT_SPEC.read_text())
+    data["edits"] = [
+        {"rule": "between", "column": "bmi", "min": 10, "max": 80 if i % 10 else 30}
+        for i in range(2000)
+    ]
+    spec = parse_spec(data)
+    from sdl_design.synth import make_survey
+
+    df = make_survey(1500)
+    res = validate_edits(df, spec.edits)
+    bad = int(((df["bmi"] < 10) | (df["bmi"] > 30)).sum())
+    assert bad > 0 and len(res) == 2000
+    assert res["passed"].tolist() == [bool(i % 10) for i in range(2000)]
+    assert res["value"].tolist() == [0.0 if i % 10 else float(bad) for i in range(2000)]
