@@ -626,7 +626,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("puf: interrupted; nothing was published", file=sys.stderr)
         return 130
-    except _prefect_api_errors() as e:
+    except (*_prefect_api_errors(), RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "Prefect API server" not in str(e):
+            raise
         print(
             f"puf: the Prefect API failed ({str(e).splitlines()[0][:160]}); nothing was "
             "published: check the disk and the file-size limit of PREFECT_HOME, or the server",

@@ -12,6 +12,9 @@ from collections.abc import Sequence
 QUIET = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_LOGGING_LEVEL": "WARNING",
+    # the temporary server's own tracebacks (its database over a file-size limit) stay off the
+    # terminal: the CLI says in one line that the API failed (exit 3)
+    "PREFECT_SERVER_LOGGING_LEVEL": "CRITICAL",
     "GX_ANALYTICS_ENABLED": "false",
     "MPLBACKEND": "Agg",
     # Prefect's temporary server gets 20 s to start by default: too short on a loaded 2-core box

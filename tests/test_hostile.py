@@ -275,3 +275,34 @@ def test_thousands_of_rules_get_their_own_verdicts():
     assert bad > 0 and len(res) == 2000
     assert res["passed"].tolist() == [bool(i % 10) for i in range(2000)]
     assert res["value"].tolist() == [0.0 if i % 10 else float(bad) for i in range(2000)]
+
+
+@pytest.mark.flow  # a subprocess under a file-size limit
+def test_file_size_limit_exits_3_in_one_line(tmp_path):
+    """`ulimit -f`: what cannot be written (the temporary Prefect server's database first)
+    ends the run with exit 3 and one line, no traceback, nothing published."""
+    import os
+    import resource
+
+    from flows.cli import write_demo_spec
+
+    path = write_demo_spec(tmp_path / "demo", n_persons=1500)
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "15"  # its database cannot grow
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", str(path), "--approve", "x"],
+        capture_output=True,
+        text=True,
+        env=env,
+        preexec_fn=limit,
+        timeout=300,
+    )
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    said = [ln for ln in out.stderr.splitlines() if ln.startswith("puf:")]
+    assert len(said) == 1 and "nothing was published" in said[0], out.stderr[-2000:]
+    assert not list(tmp_path.rglob("public"))
