@@ -306,3 +306,19 @@ def test_file_size_limit_exits_3_in_one_line(tmp_path):
     said = [ln for ln in out.stderr.splitlines() if ln.startswith("puf:")]
     assert len(said) == 1 and "nothing was published" in said[0], out.stderr[-2000:]
     assert not list(tmp_path.rglob("public"))
+
+
+def test_validate_names_failing_rows_from_1_never_identifiers(tmp_path, capsys):
+    """A failing edit rule in `puf validate`: its example rows counted from 1, never the values
+    of the declared direct identifier (person_id)."""
+    from flows.cli import main, write_demo_spec
+
+    path = write_demo_spec(tmp_path, n_persons=1500)
+    data = yaml.safe_load(path.read_text())
+    df = pd.read_parquet(path.parent / data["release"]["input"])
+    df.loc[[3, 7], "bmi"] = 5.0
+    df.to_parquet(path.parent / data["release"]["input"], index=False)
+    assert main(["validate", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "edit[2] bmi between 10 and 80: 2 records fail (e.g. row [4, 8])" in out
+    assert not any(pid in out for pid in df["person_id"])
