@@ -197,3 +197,30 @@ def test_a_guessable_seed_draws_a_warning():
     assert any("date" in w for w in seed_warnings(20261122))
     assert any("32 bits" in w for w in seed_warnings(123456))
     assert seed_warnings(1710067952095484995) == []
+
+
+def test_design_label_attack_is_gated_only_when_the_labels_are_known():
+    """Records alike on every column but their design cell: no unique on the intruder's key,
+    every record unique with the design labels, which the intruder reads through the map from
+    original to published labels (relabelled here). The gate's worst share is 1 when the labels
+    are in the key and 0 when the spec declares them unknown; the attack is reported both ways."""
+    n = 40
+    orig = pd.DataFrame(
+        {
+            "h": np.repeat(np.arange(20), 2), "p": np.tile([0, 1], 20), "w": 100.0,
+            "age": 30, "sex": "f", "edu": "a", "hhs": 2, "inc": 1000.0, "y": 0,
+        }
+    )  # fmt: skip
+    pub = orig.sample(frac=1.0, random_state=1)
+    pub["h"] = pub["h"] + 100  # published labels: a one-to-one map of the original ones
+    link = orig.index.get_indexer(pub.index)
+    got = {}
+    for name, intr in (("known", None), ("hidden", {"design_labels_unknown": "relabelled"})):
+        s = _spec(intruder=intr)
+        key = intruder_key(s, pub, ["h", "p"], ["w"])
+        got[name], _ = attack_battery(orig, pub, link, key, ["h", "p"], "w", ["y"])
+    k, h = got["known"], got["hidden"]
+    assert k["reid_share"] == h["reid_share"] == 0.0 and k["reid_sample_uniques"] == 0
+    assert k["reid_share_design"] == h["reid_share_design"] == 1.0
+    assert k["reid_sample_uniques_design"] == n and k["reid_precision_design"] == 1.0
+    assert k["reid_share_worst"] == 1.0 and h["reid_share_worst"] == 0.0
