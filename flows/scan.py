@@ -1013,7 +1013,7 @@ def _attacks(
         run_map(pas.attack_original, chain.inputs, spec, orig_cols, what="attacks, original"),
         ignore_index=True,
     )
-    return published_attacks(orig, rel, spec, design)[0]
+    return published_attacks(orig, rel, spec, design, chain.masked)[0]
 
 
 def _retained(chain: Chain, run_map: Exchange, parts: list) -> list[int]:

@@ -1054,7 +1054,7 @@ class AssessStage:
         m = dict(a.metrics)
         # risk of the published file whatever stages ran: the intruder's attacks on it record
         # by record, and MASSC's delta of the published records against the original keys
-        attacks, key = published_attacks(ctx.original, released, spec, pdesign)
+        attacks, key = published_attacks(ctx.original, released, spec, pdesign, ctx.masked_design)
         m |= attacks
         a.params["intruder_key"] = key.describe()
         m |= published_delta(ctx.original, released, spec)
@@ -1090,17 +1090,24 @@ class Attacks(dict):
 
 
 def published_attacks(
-    original: pd.DataFrame, released: pd.DataFrame, spec: ReleaseSpec, public: Any
+    original: pd.DataFrame,
+    released: pd.DataFrame,
+    spec: ReleaseSpec,
+    public: Any,
+    masked_design: bool = True,
 ) -> tuple[Attacks, IntruderKey]:
     """The intruder's attacks on the published file (sdl_design.attack.attack_battery), each
     published record linked to its original record by its index label. public: the design
-    section the file is published with (its strata/PSU labels and replicate weights)."""
+    section the file is published with (its strata/PSU labels and replicate weights);
+    masked_design False with design.publish_design_labels: the labels are the original ones,
+    which an intruder knows whatever intruder.design_labels_unknown says."""
     d = spec.design
     labels = [c for c in (public.strata, public.psu) if c and c in released.columns]
     reps = (
         public.replicate_weights.resolve(list(released.columns)) if public.replicate_weights else []
     )
-    key = intruder_key(spec, released, labels, [public.weight, *reps])
+    original_labels = not masked_design and spec.design.publish_design_labels
+    key = intruder_key(spec, released, labels, [public.weight, *reps], original_labels)
     link = original.index.get_indexer(released.index)
     if (link < 0).any():
         raise ValueError("assess: a published record has no original record (index labels)")
@@ -1313,7 +1320,7 @@ def assessment_gates(
     if g.max_unique_share is not None:
         out.append(
             gate(
-                "risk: share of sample uniques on the published keys",
+                "risk: share of published records unique on the intruder's key",
                 m["unique_share_published"],
                 upper=g.max_unique_share,
             )

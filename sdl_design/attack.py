@@ -62,13 +62,15 @@ def intruder_key(
     published: pd.DataFrame,
     design_labels: Sequence[str] = (),
     weights: Sequence[str] = (),
+    original_labels: bool = False,
 ) -> IntruderKey:
     """The intruder's key of a published file: the declared keys at their published values,
     every other published column with at most intruder.max_levels values (any text column),
     and the published design labels, except what spec.intruder declares unknown (with why).
     Weights (weights: the weight and replicate weights) are never in it; sensitive variables
     are what the intruder seeks; numeric columns with more values are matched by nearest
-    neighbour."""
+    neighbour. original_labels: the published design labels are the original ones (places an
+    intruder knows), in the key whatever intruder.design_labels_unknown says."""
     d, v, it = spec.design, spec.variables, spec.intruder
     skip = {d.weight, *weights, *design_labels, *v.key_names}
     sensitive = {s.name for s in v.sensitive}
@@ -89,7 +91,7 @@ def intruder_key(
         else:
             continuous.append(c)
     design = [c for c in design_labels if c in published.columns]
-    if design and it.design_labels_unknown:
+    if design and it.design_labels_unknown and not original_labels:
         for c in design:
             unknown[c] = it.design_labels_unknown
         design = []

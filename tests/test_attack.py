@@ -165,6 +165,8 @@ def test_intruder_key_takes_every_published_column_an_intruder_may_know():
     assert key.informed == ["w"]  # the insider's nearest neighbour on the original weights
     hidden = _spec(intruder={"design_labels_unknown": "relabelled at random"})
     assert intruder_key(hidden, orig, ["h", "p"], ["w"]).design == []
+    # the original labels published (no masking): places an intruder knows, whatever is said
+    assert intruder_key(hidden, orig, ["h", "p"], ["w"], original_labels=True).design == ["h", "p"]
     with pytest.raises((SpecError, ValueError), match="reason"):
         _spec(intruder={"unknown": {"edu": " "}})
 

@@ -222,7 +222,7 @@ def test_topcoding_only_release_fails_its_risk_gates(demo):
     res = {r.name: r for r in run_stages(spec, df)}
     assert set(res) == {"risk", "topcode", "pseudo_design", "final", "assess"}
     gates = {g.name: g for g in res["assess"].gates}
-    uniq = gates["risk: share of sample uniques on the published keys"]
+    uniq = gates["risk: share of published records unique on the intruder's key"]
     # nothing perturbed: the unique share is the input's on the intruder's key (the keys in
     # their published coding, education, household size and pregnancy), counted here by pandas
     age = pd.cut(df["age"], [0, 18, 25, 35, 45, 55, 65, 75, 91], right=False).astype(str)

@@ -179,7 +179,7 @@ def test_failed_gate_publishes_nothing(tmp_path):
     url = f"sqlite:///{tmp_path / 'registry.db'}"
     # (gates.xi below stages.prb.xi is now refused before the run: a unique-share gate fails)
     path = small_spec(tmp_path, **{"gates.max_unique_share": 0.001, "release.registry": url})
-    with pytest.raises(GateFailed, match="sample uniques"):
+    with pytest.raises(GateFailed, match="unique on the intruder.s key"):
         release_flow(spec_path=str(path), approve="tester")
     out = folder(path)
     assert not out.exists()
@@ -191,7 +191,7 @@ def test_failed_gate_publishes_nothing(tmp_path):
     assert failed and all(g["value"] > 0.001 for g in failed)
     # the registry has it as rejected, with the failed gate as the reason
     rec = reg.show_release(manifest["release"]["release_id"], url=url)
-    assert rec["status"] == "rejected" and "sample uniques" in rec["reason"]
+    assert rec["status"] == "rejected" and "unique on the intruder's key" in rec["reason"]
     assert {g["name"] for g in rec["gates"] if not g["passed"]} == {g["name"] for g in failed}
 
 
