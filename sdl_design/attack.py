@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from sdl_design.keys import bin_codes
+from sdl_design.keys import bin_codes, coarsen
 from sdl_design.spec import KeySpec, ReleaseSpec
 
 # pairs (original record, published record in its key cell) the nearest-neighbour attack
@@ -111,8 +111,6 @@ def _codes(original: pd.Series, released: pd.Series, key: KeySpec | None) -> tup
         return bin_codes(original, key.bins), bin_codes(released, key.bins)
     both = pd.concat([original, released], ignore_index=True)
     if key is not None and key.map:
-        from sdl_design.keys import coarsen
-
         both = coarsen(both.astype(object), None, key.map)
     if isinstance(both.dtype, pd.CategoricalDtype):
         both = both.astype(object)
@@ -132,14 +130,9 @@ def profiles(
     """Each record's key profile (one integer, equal across files when every column's value is
     equal in the published coding) for the original and the released file."""
     keys = keys or {}
-    po = np.zeros(len(original), dtype=np.int64)
-    pr = np.zeros(len(released), dtype=np.int64)
-    for c in columns:
-        a, b = _codes(original[c], released[c], keys.get(c))
-        m = int(max(a.max(initial=-1), b.max(initial=-1))) + 2  # -1 (missing) -> 0
-        both = np.unique(np.concatenate([po * m + a + 1, pr * m + b + 1]), return_inverse=True)[1]
-        po, pr = both[: len(po)], both[len(po) :]
-    return po, pr
+    if not columns:
+        return np.zeros(len(original), dtype=np.int64), np.zeros(len(released), dtype=np.int64)
+    return combine(*(_codes(original[c], released[c], keys.get(c)) for c in columns))
 
 
 def design_profiles(
@@ -165,11 +158,12 @@ def design_profiles(
 
 
 def combine(*pairs: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Profiles of several parts of a key combined into one (original, released)."""
+    """Profiles of several parts of a key (codes, -1 missing or unmatched) combined into one
+    (original, released): equal exactly where every part is equal."""
     po = np.zeros(len(pairs[0][0]), dtype=np.int64)
     pr = np.zeros(len(pairs[0][1]), dtype=np.int64)
     for a, b in pairs:
-        m = int(max(a.max(initial=-1), b.max(initial=-1))) + 2
+        m = int(max(a.max(initial=-1), b.max(initial=-1))) + 2  # -1 -> 0
         both = np.unique(np.concatenate([po * m + a + 1, pr * m + b + 1]), return_inverse=True)[1]
         po, pr = both[: len(po)], both[len(po) :]
     return po, pr
