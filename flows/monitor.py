@@ -74,47 +74,96 @@ class MonitorSummary:
     flags: list[dict] = field(default_factory=list)
     report: Path | None = None
     notes: list[str] = field(default_factory=list)  # e.g. quantities without a threshold
+    unpublished: pd.DataFrame = field(default_factory=pd.DataFrame)  # runs that published nothing
+    band: tuple[float, float] = (0.9, 1.1)
 
     @property
     def status(self) -> int:
         return 1 if self.flags else 0
 
     def __str__(self) -> str:
-        lines = [f"monitored {len(self.releases)} release(s); {len(self.flags)} drift flag(s)"]
-        for r in self.releases.itertuples():
-            lines.append(
-                f"  {r.survey} {r.year} {r.release_id} [{r.status}] "
-                f"median SE ratio {_fmt(r.se_ratio_median)}, delta {_fmt(r.delta)}, "
-                f"epsilon {_fmt(r.epsilon)}, id risk {_fmt(r.id_risk)}, "
-                f"unique share {_fmt(r.unique_share)}"
-            )
+        return self.render()
+
+    def render(self, wide: bool = False, width: int = reg.WIDTH) -> str:
+        """Terminal text: drift flags first, then one table per survey of its published
+        releases (only its own columns), the runs that published nothing apart, the notes.
+        Lines fit in width unless wide (every column, values whole)."""
+        t, runs = self.releases, self.unpublished
+        surveys = sorted(
+            set(t["survey"] if len(t) else []) | set(runs["name"] if len(runs) else [])
+        )
+        n_pub = int((t["status"] == "published").sum()) if len(t) else 0
+        lines = reg.wrap(
+            f"monitored {len(t)} release(s), {n_pub} published, of {len(surveys)} survey(s); "
+            f"{len(self.flags)} drift flag(s); {len(runs)} run(s) not published",
+            width,
+        )
+        lines += flag_lines(self.flags, width) if self.flags else ["no drift flag"]
+        for survey in surveys:
+            lines += ["", *survey_lines(t, survey, self.band, wide, width)]
+        lines += ["", *reg.unpublished_text(runs, wide, width)]
         for n in self.notes:
-            lines.append(f"  NOTE {n}")
-        for f in self.flags:
-            lines.append(f"  DRIFT {f['survey']} {f['year']} {f['kind']}: {f['detail']}")
+            lines += reg.wrap(f"NOTE {n}", width, "  ")
         if self.report:
-            lines.append(f"  report: {self.report}")
+            lines.append(f"report: {self.report}")
         return "\n".join(lines)
 
 
-def _fmt(x) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and not np.isfinite(x)) else f"{x:.3f}"
+def flag_lines(flags: list[dict], width: int = reg.WIDTH) -> list[str]:
+    """The drift flags as wrapped lines, under a header; a flag on a release that was not
+    published says its status."""
+    lines = [f"DRIFT FLAGS ({len(flags)})"]
+    for f in flags:
+        st = f.get("status")
+        where = f"{f['survey']} {f['year']}" + (f" ({st})" if st and st != "published" else "")
+        lines += reg.wrap(f"DRIFT {where} {f['kind']}: {f['detail']}", width, "  ")
+    return lines
+
+
+def survey_lines(
+    table: pd.DataFrame,
+    survey: str,
+    band: tuple[float, float],
+    wide: bool = False,
+    width: int = reg.WIDTH,
+) -> list[str]:
+    """A survey's section of the terminal text: its published releases with only its own
+    columns (narrow: the monitored quantities, then the share treated by stage; wide: every
+    column of the release table), and the gates they were held to."""
+    t = published_rows(table, survey)
+    if not len(t):
+        return reg.wrap(f"{survey}: no published release (its runs are listed below)", width)
+    lines = reg.wrap(f"{survey}: {len(t)} published release(s)", width)
+    if wide:
+        lines += reg.text_table(wide_view(table, survey), True, width)
+    else:
+        main, treated = survey_views(table, survey)
+        lines += reg.text_table(main, False, width, floors={"release": 28}, keep=2)
+        if len(treated.columns) > 1:
+            lines.append("  share treated by stage:")
+            lines += reg.text_table(treated, False, width, floors={"year": 4}, keep=1)
+    lines += reg.wrap(gates_text(table, survey, band), width, "  ")
+    return lines
 
 
 # ---------------------------------------------------------------- pure statistics
 
 
-def pick_releases(rel: pd.DataFrame) -> pd.DataFrame:
+def pick_releases(rel: pd.DataFrame, measured: set[str] | None = None) -> pd.DataFrame:
     """One release per survey and year: the published one when there is one, else the latest
-    recorded (a rejected release is monitored too: that is where drift shows first)."""
+    recorded, one with metrics (release ids in `measured`) first (a rejected release is
+    monitored too: that is where drift shows first)."""
     if rel.empty:
         return rel
     current = rel["status"].eq("published")
     if "replaced_by" in rel.columns:  # a newer published release of the year replaced it
         current &= rel["replaced_by"].isna()
-    r = rel.assign(_pub=current.astype(int))
-    r = r.sort_values(["name", "year", "_pub", "updated"], ascending=[True, True, False, False])
-    return r.drop_duplicates(["name", "year"]).drop(columns="_pub").reset_index(drop=True)
+    has = rel["release_id"].isin(measured) if measured is not None else True
+    r = rel.assign(_pub=current.astype(int), _has=pd.Series(has, index=rel.index).astype(int))
+    r = r.sort_values(
+        ["name", "year", "_pub", "_has", "updated"], ascending=[True, True, False, False, False]
+    )
+    return r.drop_duplicates(["name", "year"]).drop(columns=["_pub", "_has"]).reset_index(drop=True)
 
 
 def preferred_se(se: pd.DataFrame) -> pd.DataFrame:
@@ -160,6 +209,74 @@ def treated_shares(m: pd.Series) -> dict[str, float]:
         if hit and pd.notna(v):
             out[f"treated:topcode {hit['column']} ({hit['side']})"] = float(v)
     return out
+
+
+# short column headers of the monitored quantities (terminal and report tables)
+SHORT = {
+    "se_ratio_median": "median SE ratio",
+    "delta": "delta",
+    "epsilon": "epsilon",
+    "id_risk": "id risk",
+    "unique_share": "unique share",
+    "overlap_median": "CI overlap",
+    "beyond_2se": "beyond 2 SE",
+}
+
+
+def published_rows(table: pd.DataFrame, survey: str) -> pd.DataFrame:
+    """A survey's published releases (the trend), oldest year first."""
+    if not len(table):
+        return table
+    t = table[(table["survey"] == survey) & (table["status"] == "published")]
+    return t.sort_values("year").reset_index(drop=True)
+
+
+def _present(t: pd.DataFrame, cols: Sequence[str]) -> list[str]:
+    """The columns of cols that t has with at least one value."""
+    return [c for c in cols if c in t.columns and t[c].notna().any()]
+
+
+def survey_views(table: pd.DataFrame, survey: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A survey's published releases as two tables with only the columns that survey has: the
+    monitored quantities (year, release, median SE ratio, delta...) and the share of records
+    treated by each of its stages (year and one column per stage)."""
+    t = published_rows(table, survey)
+    keys = _present(t, list(SHORT))
+    main = t[["year", "release_id", *keys]].rename(
+        columns={"release_id": "release", **{k: SHORT[k] for k in keys}}
+    )
+    treated = _present(t, [c for c in t.columns if str(c).startswith("treated:")])
+    tr = t[["year", *treated]].rename(columns=lambda c: str(c).removeprefix("treated:"))
+    return main.reset_index(drop=True), tr.reset_index(drop=True)
+
+
+def wide_view(table: pd.DataFrame, survey: str) -> pd.DataFrame:
+    """Every column of a survey's published releases that has a value there (thresholds, SE
+    source and treated shares included)."""
+    t = published_rows(table, survey)
+    cols = [c for c in t.columns if c not in ("survey", "status") and t[c].notna().any()]
+    # a threshold without its quantity (a gate of a stage the survey does not run) is not its own
+    return t[[c for c in cols if not (c.endswith("_max") and c.removesuffix("_max") not in cols)]]
+
+
+def gates_text(table: pd.DataFrame, survey: str, band: tuple[float, float]) -> str:
+    """The drift band and the gates a survey's published releases were held to; a threshold that
+    changed between years is given with its years."""
+    t = published_rows(table, survey)
+    parts = []
+    for key, label in LABELS.items():
+        col = f"{key}_max"
+        if not _present(t, [key]) or not _present(t, [col]):  # the survey measures it, gated
+            continue
+        op = ">=" if key in LOWER_BOUNDS else "<="
+        by = [(v, g["year"].tolist()) for v, g in t[t[col].notna()].groupby(col, sort=False)]
+        if len(by) == 1:
+            parts.append(f"{label} {op} {by[0][0]:g}")
+        else:
+            years = ", ".join(f"{op} {v:g} ({', '.join(map(str, ys))})" for v, ys in by)
+            parts.append(f"{label} {years}")
+    band_text = f"drift band: median SE ratio in [{band[0]:g}, {band[1]:g}]"
+    return f"{band_text}; gates: " + ("; ".join(parts) or "none recorded")
 
 
 def release_table(rel: pd.DataFrame, metrics: pd.DataFrame, se: pd.DataFrame) -> pd.DataFrame:
@@ -269,6 +386,7 @@ def drift_flags(
                 "survey": r.survey,
                 "year": int(r.year),
                 "release_id": r.release_id,
+                "status": getattr(r, "status", None),
                 "kind": kind,
                 "value": float(value),
                 "limit": str(limit),
@@ -344,33 +462,147 @@ def _plain_y(ax, values: np.ndarray) -> None:
 
 
 def trend_plot(table: pd.DataFrame, survey: str) -> bytes:
-    """PNG: median SE ratio and each monitored quantity by year, thresholds dashed."""
+    """PNG: a survey's median SE ratio and each quantity it measured, by year of its published
+    releases, thresholds dashed; at most four panels a row."""
     from sdl_design.plots import png, pyplot, tight
 
     plt = pyplot()
-    t = table[table["survey"] == survey].sort_values("year")
+    t = published_rows(table, survey)
     panels = [("se_ratio_median", "median SE ratio"), *LABELS.items()]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3 * len(panels), 3.2))
-    for ax, (key, label) in zip(axes, panels, strict=True):
+    panels = [(k, lab) for k, lab in panels if _present(t, [k])] or panels[:1]
+    ncol = min(4, len(panels))
+    nrow = -(-len(panels) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3.2 * ncol, 2.7 * nrow), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (key, label) in zip(axes.flat, panels, strict=False):
         ax.plot(t["year"], t[key], "o-")
         if f"{key}_max" in t and t[f"{key}_max"].notna().any():
             ax.plot(t["year"], t[f"{key}_max"], "r--", lw=1, label="threshold")
-        ax.set_title(label)
+        ax.set_title(label, fontsize=10)
         ax.set_xticks(t["year"].tolist())
+        ax.tick_params(labelsize=8)
         _plain_y(ax, t[[c for c in (key, f"{key}_max") if c in t]].to_numpy(dtype=float))
     tight(fig)
     return png(fig, dpi=90)
 
 
-def _table(df: pd.DataFrame | None) -> str:
-    return html_table(df, empty="none")
+def _table(df: pd.DataFrame | None, cls: str = "") -> str:
+    """An HTML table in a container that scrolls sideways: nothing is cut off."""
+    names = " ".join(["scroll", *([cls] if cls else [])])
+    return f"<div class='{names}' style='overflow-x:auto'>{html_table(df, empty='none')}</div>"
 
 
 CSS = (
-    "body{font-family:sans-serif;margin:2em;max-width:1200px}table.t{border-collapse:collapse;"
-    "font-size:13px}table.t td,table.t th{border:1px solid #ccc;padding:3px 6px;text-align:right}"
-    ".flag{color:#b00;font-weight:bold}.ok{color:#070}img{max-width:100%}"
+    "body{font-family:sans-serif;margin:1.5em auto;padding:0 1em;max-width:1200px}"
+    "h1{margin:0 0 .3em}h2{margin-top:1.4em;border-bottom:1px solid #ddd}"
+    ".scroll{overflow-x:auto;max-width:100%;margin:.3em 0}"
+    "table.t{border-collapse:collapse;font-size:13px}"
+    "table.t td,table.t th{border:1px solid #ccc;padding:3px 6px;text-align:right;"
+    "white-space:nowrap}table.t th{background:#f4f4f4}"
+    ".runs table.t td:last-child{white-space:normal;min-width:22em;font-size:12px}"
+    ".rel table.t td:nth-child(2),.rel table.t th:nth-child(2),.runs table.t td,.runs table.t th"
+    "{text-align:left}"
+    ".flags{border:2px solid #b00;background:#fff4f4;padding:.2em 1em;margin:.6em 0}"
+    ".noflag{border:2px solid #070;background:#f4fff4;padding:.2em 1em;margin:.6em 0}"
+    ".flags h2,.noflag h2{margin:.4em 0;border:0;font-size:1.2em}.flags ul{margin:.3em 0}"
+    ".flag{color:#b00;font-weight:bold}.ok{color:#070}.note{color:#555;font-size:13px}"
+    "img{max-width:100%}nav a{margin-right:1em}"
 )
+
+
+def _flags_html(flags: list[dict], notes: Sequence[str]) -> list[str]:
+    """The drift flags box (first on the page) and the notes on quantities never flagged."""
+    from html import escape
+
+    if flags:
+        items = []
+        for f in flags:
+            st = f.get("status")
+            tag = f" ({escape(st)}, not published)" if st and st != "published" else ""
+            items.append(
+                f"<li class='flag'>{escape(f['survey'])} {f['year']}{tag}: "
+                f"{escape(f['detail'])}</li>"
+            )
+        parts = [
+            f"<div class='flags'><h2 id='flags'>Drift flags ({len(flags)})</h2>"
+            f"<ul>{''.join(items)}</ul></div>"
+        ]
+    else:
+        parts = ["<div class='noflag'><h2 id='flags'>Drift flags</h2>"]
+        parts.append("<p class='ok'>No drift flag.</p></div>")
+    if notes:
+        parts.append(
+            "<ul class='note'>" + "".join(f"<li>{escape(n)}</li>" for n in notes) + "</ul>"
+        )
+    return parts
+
+
+def _survey_html(
+    survey: str,
+    table: pd.DataFrame,
+    dist: pd.DataFrame,
+    changes: pd.DataFrame,
+    se: pd.DataFrame,
+    band: tuple[float, float],
+) -> list[str]:
+    """A survey's section: its published releases and the share treated by its own stages
+    (only its columns), the gates, then the plots, the SE-ratio distribution and changes."""
+    from html import escape
+
+    sid = artifact_key(survey, default="survey")
+    parts = [f"<h2 id='survey-{escape(sid)}'>{escape(survey)}</h2>"]
+    main, treated = survey_views(table, survey)
+    if not len(main):
+        parts.append("<p class='note'>No published release; its runs are listed below.</p>")
+        return parts
+    parts += [f"<h3>Published releases ({len(main)})</h3>", _table(main, f"rel releases-{sid}")]
+    parts.append(f"<p class='note'>{escape(gates_text(table, survey, band))}</p>")
+    if len(treated.columns) > 1:
+        parts += ["<h3>Share of records treated by stage</h3>", _table(treated, f"treated-{sid}")]
+    parts.append("<h3>Risk and variance bias by year</h3>")
+    parts.append(img(trend_plot(table, survey), f"trends {survey}"))
+    parts.append("<h3>SE ratios by design-effect class</h3>")
+    if len(se) and (se["name"] == survey).any():
+        parts.append(img(boxplot_by_year(se, survey), f"SE ratio box plots {survey}"))
+    parts.append(_table(dist[dist["name"] == survey].drop(columns="name")))
+    c = changes[changes["survey"] == survey] if len(changes) else changes
+    if len(c):
+        parts.append("<h3>Largest year-on-year changes of SE ratios</h3>")
+        top = c.reindex(c["change"].abs().sort_values(ascending=False).index).head(20)
+        of = table[table["survey"] == survey].set_index("year")["status"]
+        top = top.drop(columns="survey").assign(status=top["year"].map(of))  # rejected: said
+        parts.append(_table(top))
+    return parts
+
+
+def _runs_html(runs: pd.DataFrame) -> str:
+    """The runs that published nothing as a table (scrolling sideways), each reason with its
+    own line breaks."""
+    from html import escape
+
+    if not len(runs):
+        return "<p class='note'>none</p>"
+    head = ["survey", "year", "release", "attempt", "state", "updated", "reason"]
+    rows = []
+    for r in runs.itertuples():
+        reason = "" if r.reason is None or pd.isna(r.reason) else str(r.reason)
+        lines = [escape(" ".join(x.split())) for x in reason.splitlines() if x.strip()]
+        cells = [
+            r.name,
+            str(r.year),
+            r.release_id,
+            r.attempt_id,
+            r.state,
+            reg.short_time(r.updated),
+        ]
+        tds = "".join(f"<td>{escape(reg.one_line(c))}</td>" for c in cells)
+        rows.append(f"<tr>{tds}<td>{'<br>'.join(lines) or '-'}</td></tr>")
+    ths = "".join(f"<th>{h}</th>" for h in head)
+    return (
+        "<div class='scroll runs' style='overflow-x:auto'><table class='t'>"
+        f"<thead><tr>{ths}</tr></thead><tbody>{''.join(rows)}</tbody></table></div>"
+    )
 
 
 def render_monitor_html(
@@ -381,50 +613,47 @@ def render_monitor_html(
     se: pd.DataFrame,
     params: dict,
     notes: Sequence[str] = (),
+    unpublished: pd.DataFrame | None = None,
 ) -> str:
+    """The monitoring page: drift flags first, then one section per survey (its published
+    releases, only its own columns, and its plots), then the runs that published nothing with
+    their reasons. Every table scrolls sideways in its container."""
     from html import escape
 
+    runs = unpublished if unpublished is not None else pd.DataFrame()
+    surveys = sorted(
+        set(table["survey"] if len(table) else []) | set(runs["name"] if len(runs) else [])
+    )
+    n_pub = int((table["status"] == "published").sum()) if len(table) else 0
+    lo, hi = params["band"]
+    nav = "".join(
+        f"<a href='#survey-{escape(artifact_key(s, default='survey'))}'>{escape(s)}</a>"
+        for s in surveys
+    )
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>",
         f"<title>PUF release monitoring</title><style>{CSS}</style></head><body>",
         "<h1>PUF release monitoring</h1>",
-        f"<p>Drift band for the median SE ratio {params['band']}, largest allowed year-on-year change of a "
-        f"characteristic's SE ratio {params['max_change']}; delta, epsilon, identification risk and "
-        "sample-unique share against each release's own gates.</p>",
-        "<h2 id='flags'>Drift flags</h2>",
+        f"<p id='summary'>{n_pub} published release(s) of {len(surveys)} survey(s); "
+        f"<b>{len(flags)} drift flag(s)</b>; {len(runs)} run(s) not published.</p>",
+        *_flags_html(flags, notes),
+        f"<nav>{nav}<a href='#unpublished'>runs not published</a></nav>",
+        f"<p class='note'>Drift band of the median SE ratio [{lo:g}, {hi:g}]; largest allowed "
+        f"year-on-year change of a characteristic's SE ratio {params['max_change']:g}; delta, "
+        "epsilon, identification risk, sample-unique share and utility against each release's "
+        "own gates. Trends and tables show published releases only.</p>",
+        "<section id='releases'>",
     ]
-    if flags:
-        parts.append(
-            "<ul>"
-            + "".join(
-                f"<li class='flag'>{escape(f['survey'])} {f['year']}: {escape(f['detail'])}</li>"
-                for f in flags
-            )
-            + "</ul>"
-        )
-    else:
-        parts.append("<p class='ok'>No drift flag.</p>")
-    if notes:
-        parts.append("<ul>" + "".join(f"<li>{escape(n)}</li>" for n in notes) + "</ul>")
-    parts += ["<h2 id='releases'>Releases monitored</h2>", _table(table)]
-    for survey in sorted(table["survey"].unique()) if len(table) else []:
-        parts.append(f"<h2 id='survey-{escape(survey)}'>{escape(survey)}</h2>")
-        parts.append("<h3>SE ratios by design-effect class</h3>")
-        if len(se) and (se["name"] == survey).any():
-            parts.append(img(boxplot_by_year(se, survey), f"SE ratio box plots {survey}"))
-        parts.append(_table(dist[dist["name"] == survey]))
-        parts.append("<h3>Risk and variance bias by year</h3>")
-        parts.append(img(trend_plot(table, survey), f"trends {survey}"))
-        treated = [c for c in table.columns if c.startswith("treated:")]
-        if treated:
-            parts.append("<h3>Share of records treated by stage</h3>")
-            t = table.loc[table["survey"] == survey, ["year", *treated]]
-            parts.append(_table(t.rename(columns=lambda c: c.removeprefix("treated:"))))
-        c = changes[changes["survey"] == survey] if len(changes) else changes
-        if len(c):
-            parts.append("<h3>Largest year-on-year changes of SE ratios</h3>")
-            top = c.reindex(c["change"].abs().sort_values(ascending=False).index).head(20)
-            parts.append(_table(top))
+    for survey in surveys:
+        parts += _survey_html(survey, table, dist, changes, se, (lo, hi))
+    parts.append("</section>")
+    parts.append(f"<h2 id='unpublished'>Runs that published nothing ({len(runs)})</h2>")
+    parts.append(
+        "<p class='note'>Failed, rejected, rolled back or unfinished runs, with their reasons; "
+        "not part of the trends above.</p>"
+    )
+    parts.append(_runs_html(runs))
     parts.append("</body></html>")
     return "\n".join(parts)
 
@@ -479,24 +708,36 @@ def monitor(
     if max_change <= 0:
         raise ValueError(f"max_change {max_change}: must be > 0, e.g. 0.1")
     url = reg._resolve(url)
-    rel = pick_releases(reg.load_releases(url, survey))
-    ids = set(rel["release_id"]) if len(rel) else set()
+    every = reg.load_releases(url, survey)
     metrics = reg.load_metrics(url, survey)
+    rel = pick_releases(every, set(metrics["release_id"]))
+    ids = set(rel["release_id"]) if len(rel) else set()
     metrics = metrics[metrics["release_id"].isin(ids)]
     se_all = reg.load_se_ratios(url, survey)
     se_all = se_all[se_all["release_id"].isin(ids)]
     se = preferred_se(se_all)
     table = release_table(rel, metrics, se)
-    dist = ratio_distribution(se)
+    pub = set(table.loc[table["status"] == "published", "release_id"]) if len(table) else set()
+    se_pub = se[se["release_id"].isin(pub)] if len(se) else se  # the trend: published only
+    dist = ratio_distribution(se_pub)
     changes = ratio_changes(se_all)
     flags = drift_flags(table, changes, band, max_change) if len(table) else []
+    runs = reg.unpublished(every, reg.list_attempts(url, survey))
     out = Path(out_dir) if out_dir else _default_out_dir(url)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"monitor-{artifact_key(survey or 'all', default='all')}.html"
     params = {"band": list(band), "max_change": max_change}
     notes = unchecked(table)
-    path.write_text(render_monitor_html(table, dist, changes, flags, se, params, notes))
-    return MonitorSummary(releases=table, flags=flags, report=path, notes=notes)
+    html = render_monitor_html(table, dist, changes, flags, se_pub, params, notes, runs)
+    path.write_text(html)
+    return MonitorSummary(
+        releases=table,
+        flags=flags,
+        report=path,
+        notes=notes,
+        unpublished=runs,
+        band=(float(lo), float(hi)),
+    )
 
 
 @flow(name="puf-monitor", log_prints=True)

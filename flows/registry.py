@@ -753,3 +753,249 @@ def load_releases(url: str | None = None, survey: str | None = None) -> pd.DataF
         df = _frame(conn, q.order_by(releases.c.name, releases.c.year))
     df["manifest"] = [Manifest.model_validate(json.loads(t)) if t else None for t in df["manifest"]]
     return df
+
+
+def list_attempts(url: str | None = None, survey: str | None = None) -> pd.DataFrame:
+    """One row per attempt (oldest first): attempt_id, release_id, name, year, state, reason,
+    started, updated (no payload)."""
+    a = attempts
+    q = sa.select(
+        a.c.attempt_id,
+        a.c.release_id,
+        a.c.name,
+        a.c.year,
+        a.c.state,
+        a.c.reason,
+        a.c.started,
+        a.c.updated,
+    ).order_by(a.c.name, a.c.year, a.c.started, a.c.attempt_id)
+    if survey:
+        q = q.where(a.c.name == survey)
+    with get_engine(url).connect() as conn:
+        return _frame(conn, q)
+
+
+def unpublished(rel: pd.DataFrame, att: pd.DataFrame) -> pd.DataFrame:
+    """The runs that published nothing: every attempt not in state published, and every release
+    recorded not published that has no attempt (recorded directly, or before attempts existed).
+    Columns: name, year, release_id, attempt_id (None for a release without attempt), state,
+    updated, reason; by name, year and time."""
+    cols = ["name", "year", "release_id", "attempt_id", "state", "updated", "reason"]
+    parts = []
+    if len(att):
+        a = att[att["state"] != "published"]
+        parts.append(a[cols])
+    if len(rel):
+        known = set(att["release_id"]) if len(att) else set()
+        r = rel[(rel["status"] != "published") & ~rel["release_id"].isin(known)]
+        parts.append(r.assign(attempt_id=None).rename(columns={"status": "state"})[cols])
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return pd.DataFrame(columns=cols)
+    out = pd.concat(parts, ignore_index=True).astype({"year": "int64"})
+    return out.sort_values(["name", "year", "updated"], kind="stable").reset_index(drop=True)
+
+
+# ---------------------------------------------------------------- display (terminal)
+
+WIDTH = 120  # a terminal line, unless --wide
+ELLIPSIS = "..."  # ASCII: three characters in any terminal and in any byte count
+
+
+def one_line(v: Any) -> str:
+    """A value as one line of terminal text: line breaks and tabs become ' / ', runs of spaces
+    one space; missing values '-'; floats to 4 significant digits."""
+    if v is None or (isinstance(v, float | np.floating) and not math.isfinite(float(v))):
+        return "-"
+    if v is pd.NA or v is pd.NaT:
+        return "-"
+    if isinstance(v, bool | np.bool_):
+        return str(bool(v))
+    if isinstance(v, int | np.integer):
+        return str(int(v))
+    if isinstance(v, float | np.floating):
+        x = float(v)
+        return str(int(x)) if x.is_integer() and abs(x) < 1e6 else f"{x:.4g}"
+    lines = [" ".join(part.split()) for part in str(v).splitlines()]
+    return " / ".join(p for p in lines if p) or ("-" if not str(v).strip() else "")
+
+
+def clip_middle(text: str, width: int) -> str:
+    """text cut to width characters in its middle (an id keeps its distinctive end)."""
+    if len(text) <= width:
+        return text
+    if width <= 2 * len(ELLIPSIS):
+        return clip(text, width)
+    head = (width - len(ELLIPSIS)) // 3
+    return text[:head] + ELLIPSIS + text[len(text) - (width - len(ELLIPSIS) - head) :]
+
+
+def clip(text: str, width: int) -> str:
+    """text cut to width characters, ending in an ellipsis when cut."""
+    if len(text) <= width:
+        return text
+    return text[: max(width - len(ELLIPSIS), 0)] + ELLIPSIS[: max(width, 0)]
+
+
+def _fit_widths(
+    natural: list[int], floors: list[int], width: int, keep: int
+) -> tuple[list[int], list[int]]:
+    """Column widths that fit in width (2 spaces between columns): the widest columns cut down
+    to their floors first, then columns dropped from the right (the first `keep` never).
+    Returns (widths, indexes of the columns shown)."""
+    widths = list(natural)
+    shown = list(range(len(widths)))
+
+    def total() -> int:
+        return sum(widths[i] for i in shown) + 2 * (len(shown) - 1)
+
+    while total() > width:
+        cut = [i for i in shown if widths[i] > floors[i]]
+        if not cut:
+            if len(shown) <= keep:
+                break
+            shown.pop()
+            continue
+        i = max(reversed(cut), key=lambda j: widths[j])  # the widest, the rightmost on a tie
+        widths[i] = max(floors[i], widths[i] - (total() - width))
+    return widths, shown
+
+
+def text_table(
+    df: pd.DataFrame,
+    wide: bool = False,
+    width: int = WIDTH,
+    floors: dict[str, int] | None = None,
+    keep: int = 1,
+    indent: str = "  ",
+    detail: str | None = None,
+    detail_lines: int = 2,
+    middle: Sequence[str] = ("release", "release_id", "attempt", "attempt_id"),
+) -> list[str]:
+    """A frame as lines of an aligned text table (numbers right-aligned). Unless wide, the lines
+    fit in width: the widest text columns are cut (ellipsis) to their floor (default 10 or the
+    whole column, if shorter; `floors` per column), then the rightmost columns are left out,
+    named in a last line; ids (`middle` columns) are cut in their middle; the `detail` column
+    (a long text) goes under its row, wrapped to at most detail_lines lines. Wide: every
+    column whole, on one line."""
+    notes = df[detail].map(one_line).tolist() if detail and not wide else None
+    if notes is not None:
+        df = df.drop(columns=detail)
+    cols = [str(c) for c in df.columns]
+    heads = [one_line(c) for c in cols]
+    cells = [[one_line(v) for v in row] for row in df.itertuples(index=False, name=None)]
+    right = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
+    natural = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(heads)]
+    if wide:
+        widths, shown = natural, list(range(len(cols)))
+    else:
+        fl = [
+            min(n, (floors or {}).get(c, max(10, len(h) if right[i] else 10)))
+            for i, (c, h, n) in enumerate(zip(cols, heads, natural, strict=True))
+        ]
+        widths, shown = _fit_widths(natural, fl, width - len(indent), keep)
+
+    def line(values: list[str]) -> str:
+        out = []
+        for i in shown:
+            v = (clip_middle if cols[i] in middle else clip)(values[i], widths[i])
+            out.append(v.rjust(widths[i]) if right[i] else v.ljust(widths[i]))
+        return (indent + "  ".join(out)).rstrip()
+
+    lines = [line(heads)]
+    for k, r in enumerate(cells):
+        lines.append(line(r))
+        if notes is not None and notes[k] != "-":
+            lines += _detail(notes[k], width, indent + "    ", detail_lines)
+    hidden = [heads[i] for i in range(len(cols)) if i not in shown]
+    if hidden:
+        note = f"({len(hidden)} more column(s): {', '.join(hidden)}; --wide shows every column)"
+        lines += wrap(note, width, indent)
+    return lines
+
+
+def _detail(text: str, width: int, indent: str, max_lines: int) -> list[str]:
+    """A long value under its row: wrapped, at most max_lines lines, the last one ending in an
+    ellipsis when the text goes on."""
+    lines = wrap(text, width, indent, more="")
+    if len(lines) <= max_lines:
+        return lines
+    last = lines[max_lines - 1][: width - len(ELLIPSIS)].rstrip() + ELLIPSIS
+    return [*lines[: max_lines - 1], last]
+
+
+def wrap(text: str, width: int = WIDTH, indent: str = "", more: str = "    ") -> list[str]:
+    """text (made one line) wrapped to width, continuation lines indented further."""
+    import textwrap
+
+    return textwrap.wrap(
+        one_line(text),
+        width=width,
+        initial_indent=indent,
+        subsequent_indent=indent + more,
+        break_long_words=True,
+        break_on_hyphens=False,
+    ) or [indent.rstrip()]
+
+
+def releases_text(
+    rel: pd.DataFrame, att: pd.DataFrame, wide: bool = False, width: int = WIDTH
+) -> str:
+    """`puf releases`: one table per survey of its published releases (newest year first), then
+    the runs that published nothing (failed, rejected, rolled back, under way) with their
+    reasons. Lines fit in width unless wide (every column, values whole)."""
+    if not len(rel) and not len(att):
+        return "no releases recorded"
+    out: list[str] = []
+    pub = rel[rel["status"] == "published"] if len(rel) else rel
+    for name in sorted(set(rel["name"]) if len(rel) else set()):
+        t = pub[pub["name"] == name]
+        n_replaced = int(t["replaced_by"].notna().sum())
+        head = f"{name}: {len(t)} published release(s)"
+        out += wrap(head + (f", {n_replaced} replaced by a newer one" if n_replaced else ""), width)
+        if not len(t):
+            continue
+        view = t.drop(columns=["name", "status"])
+        if not wide:
+            view = view.assign(
+                gates=[f"{p}/{n}" for p, n in zip(view["gates_passed"], view["gates"], strict=True)]
+            )
+            view = view[
+                ["year", "release_id", "approver", "gates", "updated", "replaced_by", "reason"]
+            ]
+            view = view.assign(updated=view["updated"].map(short_time))
+            view = view.rename(columns={"release_id": "release", "gates": "gates passed"})
+        view = view.loc[
+            :,
+            [
+                c
+                for c in view.columns
+                if c in ("year", "release", "release_id") or view[c].notna().any()
+            ],
+        ]
+        out += text_table(view, wide, width, floors={"release": 72}, keep=2)
+        out.append("")
+    out += unpublished_text(unpublished(rel, att), wide, width)
+    return "\n".join(out).rstrip()
+
+
+def short_time(ts: Any) -> str:
+    """An ISO timestamp to the minute, in UTC as recorded ('2026-11-27 13:40')."""
+    s = one_line(ts)
+    return s[:16].replace("T", " ") if len(s) >= 16 else s
+
+
+def unpublished_text(runs: pd.DataFrame, wide: bool = False, width: int = WIDTH) -> list[str]:
+    """The runs that published nothing, apart from the releases: a header and a table with each
+    run's state, its reason under it (two lines at most unless wide: `puf show` has it whole)."""
+    if not len(runs):
+        return ["not published: none (no failed, rejected or unfinished run)"]
+    lines = wrap(
+        f"not published: {len(runs)} run(s) (failed, rejected, rolled back or under way)", width
+    )
+    view = runs.rename(columns={"name": "survey", "release_id": "release", "attempt_id": "attempt"})
+    if not wide:  # the release id names the survey and year
+        view = view[["release", "attempt", "state", "updated", "reason"]]
+        view = view.assign(updated=view["updated"].map(short_time))
+    floors = {"release": 72, "attempt": 29}
+    return lines + text_table(view, wide, width, floors=floors, keep=2, detail="reason")

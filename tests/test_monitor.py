@@ -304,3 +304,240 @@ def test_flat_trend_axis_reads_as_plain_numbers():
     shown = [t for t in ticks if lo <= t <= hi]
     assert 3 <= len(shown) <= 6 and all(abs(t - 0.15) <= 0.0075 for t in shown)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------- display: two surveys, failures
+
+LONG = "national-health-and-nutrition-examination-survey"  # long name: long release ids
+SMALL = "small-survey"  # no MASSC: no massc metric, no delta, top-coded bmi only
+FAILED_ID = f"{LONG}-2027-0000004d"
+ATTEMPT = "20270201T060000000000Z-abc123"
+EDIT_REASON = (
+    "edit validation failed on the input file: 1 of 11 checks failed\n"
+    "  - edit[10] age between 30 and 90: 8425 records fail (e.g. row [3, 4, 10, 11, 12]) "
+    + "and a long explanation of the rule "
+    * 8
+)
+GATE_REASON = (
+    "release gates failed; nothing was published: 2 of 20 checks failed\n"
+    "  - utility: median CI overlap of domain estimates: 0.82 is below 0.9 by 0.08; worst "
+    "estimates: " + "; ".join(f"mean of income in region x age = west, {a}" for a in range(20))
+)
+TOPCODED_VARS = [f"variable_{i}" for i in range(8)]  # many top-coded columns: more than 120
+
+
+def _small_manifest(year: int, seed: int, status: str = "published") -> dict:
+    m = manifest(year, seed, status=status, name=SMALL)
+    m["metrics"] = {
+        k: v for k, v in m["metrics"].items() if not k.startswith(("massc.", "topcode.income"))
+    }
+    m["metrics"]["topcode.bmi.share_upper"] = 0.001
+    return m
+
+
+@pytest.fixture
+def two_surveys(tmp_path, monkeypatch) -> str:
+    """LONG (MASSC, 9 top-coded columns) published 2024-2026 and a failed 2027 attempt (edit
+    rules: no metric) recorded through the attempts table; SMALL (no MASSC) published 2025 and
+    2026 and rejected in 2027 (SE ratios lost the design: drift flags) with a long reason."""
+    from flows.manifest import Manifest
+
+    monkeypatch.delenv(reg.ENV_URL, raising=False)
+    u = reg.registry_url(tmp_path)
+    for year in (2024, 2025, 2026):
+        m = manifest(year, year, name=LONG)
+        m["metrics"].update({f"topcode.{v}.share_upper": 0.01 for v in TOPCODED_VARS})
+        reg.record_release(m, {"final": se_table(year)}, url=u)
+    failed = manifest(2027, 77, status="failed", name=LONG)
+    failed["metrics"], failed["reason"] = {}, EDIT_REASON
+    m = Manifest.model_validate(failed)
+    reg.open_attempt(ATTEMPT, m, tmp_path / "attempt", url=u)
+    reg.set_attempt(ATTEMPT, "failed", EDIT_REASON, manifest=m, url=u)
+    for year in (2025, 2026):
+        reg.record_release(_small_manifest(year, year), {"final": se_table(year)}, url=u)
+    rejected = _small_manifest(2027, 99, status="rejected")
+    rejected["reason"] = GATE_REASON
+    reg.record_release(rejected, {"final": se_table(99, distort=True)}, url=u)
+    return u
+
+
+def _section(lines: list[str], start: str, stops: tuple[str, ...]) -> list[str]:
+    """The lines from the one starting with `start` to the next starting with one of stops."""
+    i = next(k for k, x in enumerate(lines) if x.startswith(start))
+    j = next((k for k in range(i + 1, len(lines)) if lines[k].startswith(stops)), len(lines))
+    return lines[i:j]
+
+
+def test_terminal_text_fits_and_keeps_surveys_apart(two_surveys, tmp_path):
+    s = mon.monitor(url=two_surveys, out_dir=tmp_path / "m")
+    text = s.render()
+    lines = text.splitlines()
+    assert max(len(x) for x in lines) <= 120
+    assert "\\n" not in text and "n/a" not in text
+    # drift flags first: every DRIFT line before the first survey's table
+    first_table = next(k for k, x in enumerate(lines) if x.startswith((LONG, SMALL)))
+    drift = [k for k, x in enumerate(lines) if x.startswith("  DRIFT ")]
+    assert drift and max(drift) < first_table
+    assert lines[1] == f"DRIFT FLAGS ({len(s.flags)})"
+    assert {f["survey"] for f in s.flags} == {SMALL}
+    assert all(f"{SMALL} 2027 (rejected)" in lines[k] for k in drift)
+    stops = (LONG, SMALL, "not published")
+    big, small = _section(lines, LONG, stops), _section(lines, SMALL, stops)
+    # each survey's table has only its own columns
+    assert "delta" in big[1].split() and "delta" not in small[1]
+    assert "massc" in " ".join(big) and "massc" not in " ".join(small)
+    assert "income" in " ".join(big) and "income" not in " ".join(small)
+    assert "bmi" in " ".join(small) and "bmi" not in " ".join(big)
+    assert "delta <=" in " ".join(big) and "delta" not in " ".join(small[-2:])
+    # the trend: published releases only; the failed and rejected runs are listed apart
+    assert [x.split()[0] for x in big[2:5]] == ["2024", "2025", "2026"]
+    assert not any("2027" in x for x in big + small)
+    runs = _section(lines, "not published", ("  NOTE", "report:"))
+    assert runs[0].startswith("not published: 2 run(s)")
+    assert any(FAILED_ID in x and ATTEMPT in x and "failed" in x for x in runs)
+    assert any("edit validation failed on the input file" in x for x in runs)
+    assert any(x.startswith(f"  {SMALL}-2027-") and "rejected" in x for x in runs)
+    # the top-coded columns that do not fit are named, not cut off silently
+    note = " ".join(x for x in big if "more column(s)" in x or x.startswith("      "))
+    assert "--wide shows every column" in note and "topcode variable_7 (upper)" in note
+
+
+def test_terminal_wide_has_every_column(two_surveys, tmp_path):
+    s = mon.monitor(url=two_surveys, out_dir=tmp_path / "m")
+    text = s.render(wide=True)
+    lines = text.splitlines()
+    assert max(len(x) for x in lines) > 120 and "\\n" not in text
+    stops = (LONG, SMALL, "not published")
+    big, small = _section(lines, LONG, stops), _section(lines, SMALL, stops)
+    head = big[1].split("  ")
+    for col in (
+        "delta",
+        "delta_max",
+        "se_source",
+        "treated:massc",
+        "treated:topcode income (upper)",
+    ):
+        assert col in [h.strip() for h in head if h.strip()], col
+    assert all(f"treated:topcode {v} (upper)" in big[1] for v in TOPCODED_VARS)
+    assert "delta" not in small[1] and "massc" not in small[1]  # a gate without its quantity
+    runs = "\n".join(_section(lines, "not published", ("  NOTE", "report:")))
+    assert reg.one_line(GATE_REASON) in runs and reg.one_line(EDIT_REASON) in runs
+
+
+def _tables(html: str) -> dict[str, list[str]]:
+    """The header cells of each table, by the classes of its scroll container; asserts that
+    every table sits in a container with overflow-x:auto."""
+    from html.parser import HTMLParser
+
+    class P(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.stack, self.out, self.cur, self.in_th = [], {}, None, False
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            if tag == "div":
+                self.stack.append(a)
+            elif tag == "table":
+                assert any("overflow-x:auto" in (d.get("style") or "") for d in self.stack)
+                names = " ".join(d.get("class") or "" for d in self.stack)
+                self.cur = self.out.setdefault(names, [])
+            elif tag == "th":
+                self.in_th = True
+
+        def handle_endtag(self, tag):
+            if tag == "div":
+                self.stack.pop()
+            elif tag == "th":
+                self.in_th = False
+
+        def handle_data(self, data):
+            if self.in_th and self.cur is not None:
+                self.cur.append(data.strip())
+
+    p = P()
+    p.feed(html)
+    return p.out
+
+
+def test_report_one_table_per_survey_flags_first(two_surveys, tmp_path):
+    s = mon.monitor(url=two_surveys, out_dir=tmp_path / "m")
+    html = s.report.read_text()
+    assert "\\n" not in html and ">n/a<" not in html
+    # drift flags at the top, before the first plot and the first survey
+    assert html.index("id='flags'") < html.index("<img") < html.index("id='unpublished'")
+    assert html.index("id='flags'") < html.index(f"id='survey-{LONG}'")
+    tables = _tables(html)
+    key = {name: next(k for k in tables if f"releases-{name}" in k) for name in (LONG, SMALL)}
+    assert "delta" in tables[key[LONG]] and "delta" not in tables[key[SMALL]]
+    treated = {name: tables[next(k for k in tables if f"treated-{name}" in k)] for name in key}
+    assert {"massc", "topcode income (upper)", "topcode variable_7 (upper)"} <= set(treated[LONG])
+    assert treated[SMALL] == ["year", "swap", "topcode bmi (upper)"]
+    runs = next(k for k in tables if "runs" in k.split())
+    assert tables[runs][:3] == ["survey", "year", "release"]
+    # the failed and rejected runs are apart, with their reasons (line breaks kept as <br>)
+    trend, rest = html.split("id='unpublished'")
+    assert (
+        FAILED_ID not in trend
+        and f"{SMALL}-2027" not in trend.split("id='flags'")[1].split("</div>")[-1]
+    )
+    assert FAILED_ID in rest and "edit validation failed on the input file: 1 of 11 checks " in rest
+    assert "checks failed<br>- edit[10] age between 30 and 90" in rest
+    # the page fits 1,280 px: body capped, tables in scroll containers, images scaled
+    assert "max-width:1200px" in html and "img{max-width:100%}" in html
+
+
+def test_cli_monitor_narrow_and_wide(two_surveys, tmp_path, monkeypatch, capsys):
+    """`puf monitor` prints the same text as the summary (the flow replaced by its
+    computation: no Prefect server in a unit test)."""
+    from flows.cli import main
+
+    def fake_flow(survey=None, url=None, out_dir=None, gate_on_drift=False):
+        return mon.monitor(survey, url, out_dir)
+
+    monkeypatch.setattr(mon, "monitor_flow", fake_flow)
+    out_dir = str(tmp_path / "m")
+    assert main(["monitor", "--registry", two_surveys, "--out", out_dir]) == 0
+    narrow = capsys.readouterr().out
+    assert max(len(x) for x in narrow.splitlines()) <= 120 and "\\n" not in narrow
+    assert narrow.index("DRIFT FLAGS") < narrow.index(f"\n{LONG}: 3 published release(s)")
+    assert main(["monitor", "--registry", two_surveys, "--out", out_dir, "--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert "delta_max" in wide and "delta_max" not in narrow
+    assert max(len(x) for x in wide.splitlines()) > 120
+    args = ["monitor", "--registry", two_surveys, "--out", out_dir, "--gate-on-drift"]
+    assert main(args) == 1
+    capsys.readouterr()
+
+
+def test_cli_releases_narrow_and_wide(two_surveys, capsys):
+    from flows.cli import main
+
+    assert main(["releases", "--registry", two_surveys]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert max(len(x) for x in lines) <= 120 and "\\n" not in text
+    # one table per survey with its published releases, the runs that published nothing apart
+    heads = [x for x in lines if x and not x.startswith(" ")]
+    assert heads == [
+        f"{LONG}: 3 published release(s)",
+        f"{SMALL}: 2 published release(s)",
+        "not published: 2 run(s) (failed, rejected, rolled back or under way)",
+    ]
+    stops = (LONG, SMALL, "not published")
+    big = _section(lines, LONG, stops)
+    assert [x.split()[0] for x in big[2:5]] == ["2026", "2025", "2024"]  # newest first
+    assert all(f"{LONG}-{y}-" in x for x, y in zip(big[2:5], (2026, 2025, 2024), strict=True))
+    assert FAILED_ID not in "\n".join(big)
+    runs = _section(lines, "not published", ("zzz",))
+    assert any(FAILED_ID in x and "failed" in x for x in runs)
+    reason = [x for x in runs if x.startswith("      ")]  # the reasons, under their runs
+    assert reason[0].strip().startswith("edit validation failed on the input file: 1 of 11")
+    assert any(x.endswith("...") for x in reason)  # cut: --wide has it whole
+    assert main(["releases", "--registry", two_surveys, "--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert reg.one_line(EDIT_REASON) in wide and "\\n" not in wide
+    assert max(len(x) for x in wide.splitlines()) > 120
+    assert main(["releases", "--registry", two_surveys, "--survey", SMALL]) == 0
+    only = capsys.readouterr().out
+    assert LONG not in only and f"{SMALL}: 2 published release(s)" in only

@@ -348,3 +348,72 @@ def test_concurrent_processes_fresh_sqlite(tmp_path, monkeypatch):
         assert c.execute(sa.text("SELECT count(*) FROM schema_version")).scalar() == len(
             reg.MIGRATIONS
         )
+
+
+# ---------------------------------------------------------------- display (terminal text)
+
+
+def test_one_line_and_clips():
+    assert reg.one_line("gates failed\n  - delta: 0.3\r\n\t- xi:  0.5\n") == (
+        "gates failed / - delta: 0.3 / - xi: 0.5"
+    )
+    assert reg.one_line(None) == reg.one_line(float("nan")) == reg.one_line(pd.NA) == "-"
+    assert reg.one_line(np.float64(0.123456)) == "0.1235" and reg.one_line(3.0) == "3"
+    assert reg.clip("abcdefghij", 7) == "abcd..." and reg.clip("abc", 7) == "abc"
+    rid = "national-health-survey-2027-0000004d"
+    cut = reg.clip_middle(rid, 24)
+    assert len(cut) == 24 and cut.endswith("2027-0000004d") and "..." in cut
+
+
+def test_text_table_fits_or_names_what_it_leaves_out():
+    df = pd.DataFrame(
+        {
+            "release": ["a-very-long-survey-name-2026-0000abcd", "s-2025-1"],
+            "note": ["x" * 300, "line one\nline two"],
+            **{f"metric_{i}": [0.5 + i, np.nan] for i in range(14)},
+        }
+    )
+    lines = reg.text_table(df, width=100, floors={"release": 40})
+    assert max(len(x) for x in lines) <= 100 and not any("\n" in x for x in lines)
+    assert lines[1].split()[0] == "a-very-long-survey-name-2026-0000abcd"  # its floor: whole
+    cut = reg.text_table(df, width=100)[1].split()[0]  # default floor 10, cut in the middle
+    assert cut == "a-...0abcd"
+    assert "  line on...  " in lines[2] and "x" * 7 + "..." in lines[1]  # cut to 10
+    assert "--wide shows every column" in lines[-1] and "metric_13" in " ".join(lines[-2:])
+    wide = reg.text_table(df, wide=True)
+    assert "x" * 300 in wide[1] and "metric_13" in wide[0] and len(wide) == 3
+    # a long text under its row, at most two lines, unless wide
+    lines = reg.text_table(df[["release", "note"]], width=80, detail="note")
+    assert lines[0].split() == ["release"] and lines[2].startswith("      xxx")
+    assert (
+        lines[3].endswith("...") and len(lines) == 6 and lines[5].strip() == "line one / line two"
+    )
+
+
+def test_unpublished_runs_apart_from_releases(tmp_path, monkeypatch):
+    """An attempt that failed is listed with its reason; a release recorded rejected without
+    attempts is listed from its release row; published releases and attempts are not."""
+    from flows.manifest import Manifest
+
+    monkeypatch.delenv(reg.ENV_URL, raising=False)
+    url = reg.registry_url(tmp_path)
+    reg.record_release(manifest(year=2025), url=url)
+    reg.record_release(
+        manifest(year=2026, status="rejected", reason="gates failed\n - delta"), url=url
+    )
+    m = Manifest.model_validate(manifest(year=2027, status="failed", reason="disk full"))
+    reg.open_attempt("A1", m, tmp_path / "a1", url=url)
+    reg.set_attempt("A1", "failed", "edit rules failed\n  - age", manifest=m, url=url)
+    runs = reg.unpublished(reg.list_releases(url=url), reg.list_attempts(url=url))
+    assert runs[["year", "attempt_id", "state"]].values.tolist() == [
+        [2026, None, "rejected"],
+        [2027, "A1", "failed"],
+    ]
+    text = reg.releases_text(reg.list_releases(url=url), reg.list_attempts(url=url))
+    lines = text.splitlines()
+    assert lines[0] == "survey-a: 1 published release(s)" and "2025" in lines[2]
+    assert "not published: 2 run(s)" in text and "edit rules failed / - age" in text
+    assert "gates failed / - delta" in text and "\\n" not in text
+    assert reg.releases_text(reg.list_releases(url=url)[:0], reg.list_attempts(url=url)[:0]) == (
+        "no releases recorded"
+    )
