@@ -83,17 +83,28 @@ def evaluate_task(
     return tune.evaluate(spec, original, [tuple(c) for c in changes], cache, paths, skip)
 
 
-def _progress(i: int, budget: int, c: tune.Candidate, r: dict) -> None:
+def progress_line(i: int, budget: int, c: tune.Candidate, r: dict) -> str:
+    """One candidate's line: its risk index with the risk gate that sets it, its utility."""
     if r.get("error"):
         state = f"error: {r['error']}"
     else:
+        by = tune.binding_text(r)
         state = (
-            f"risk {r['risk_index']:.3f}  utility {r['utility']:.4f} (overlap median "
-            f"{r['overlap_median']:.4f}, beyond 2 SE {r['share_abs_std_bias_gt2']:.4f})  "
+            f"risk index {r['risk_index']:.3f}{f' ({by})' if by else ''}  utility "
+            f"{r['utility']:.4f} (overlap median {r['overlap_median']:.4f}, beyond 2 SE "
+            f"{r['share_abs_std_bias_gt2']:.4f})  "
             + ("passes every risk gate" if r["passes_risk"] else "fails a risk gate")
         )
+    return f"[puf] tune ({i}/{budget}) {c.label}: {state}  [{r['seconds']:.1f} s]"
+
+
+def _progress(i: int, budget: int, c: tune.Candidate, r: dict) -> None:
+    """The candidate's line on stderr; after the first (the spec's own), what the numbers are."""
+    lines = [progress_line(i, budget, c, r)]
+    if i == 1 and not r.get("error"):
+        lines += [f"[puf] tune: {ln}" for ln in tune.axis_lines(r)]
     # written, not printed: log_prints would turn a print into a log record below the level
-    sys.stderr.write(f"[puf] tune ({i}/{budget}) {c.label}: {state}  [{r['seconds']:.1f} s]\n")
+    sys.stderr.write("".join(ln + "\n" for ln in lines))
     sys.stderr.flush()
 
 
@@ -165,6 +176,7 @@ def write_outputs(
         "recommended_spec": None,
         "recommended": None,
         "own": _summary(own),
+        "axes": tune.axis_lines(own),
         "n_candidates": len(t),
         "seconds": round(result.seconds, 1),
     }
@@ -181,8 +193,8 @@ def write_outputs(
         f"Recommended by `puf tune` from {spec_path} ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC), "
         f"{len(t)} candidates.\n"
         f"Candidate: {cand.label}\n"
-        f"Risk index {row['risk_index']:.4f} (every risk gate holds; spec's own "
-        f"{own['risk_index']:.4f}); overlap median {row['overlap_median']:.4f} (own "
+        f"Risk index {row['risk_index']:.4f}, {tune.binding_text(row)} (every risk gate holds; "
+        f"spec's own {own['risk_index']:.4f}); overlap median {row['overlap_median']:.4f} (own "
         f"{own['overlap_median']:.4f}); share beyond 2 SE {row['share_abs_std_bias_gt2']:.4f} "
         f"(own {own['share_abs_std_bias_gt2']:.4f}).\n"
         + (
@@ -190,6 +202,7 @@ def write_outputs(
             if row["failed_gates"]
             else "All gates hold."
         )
+        + f"\n{tune.RISK_AXIS}.\n{tune.UTILITY_AXIS}."
     )
     text = tune.redact_seed(tune.recommended_yaml(spec_path.read_text(), changes, reasons, header))
     rec_path.write_text(text)
@@ -221,7 +234,9 @@ def _rebase(
 def _summary(row: pd.Series) -> dict[str, Any]:
     keys = ["candidate", "risk_index", "utility", "overlap_median", "overlap_p5"]
     keys += ["share_abs_std_bias_gt2", "passes_risk", "passes_all", "failed_gates"]
-    return {k: (row[k].item() if hasattr(row[k], "item") else row[k]) for k in keys if k in row}
+    out = {k: (row[k].item() if hasattr(row[k], "item") else row[k]) for k in keys if k in row}
+    out["risk_set_by"] = tune.binding_text(row)
+    return out
 
 
 TABLE_COLUMNS = [  # the artifact's columns: the candidate, its risk and utility, its verdict
@@ -260,6 +275,8 @@ def post_tune_artifacts(result: tune.TuneResult, spec: ReleaseSpec, out: dict) -
             if rec
             else "**No candidate passes every risk gate**: no spec is recommended."
         ),
+        "",
+        *[f"- {ln.strip()}" for ln in out.get("axes", [])],
         "",
         f"![risk-utility map](data:image/png;base64,{png})",
         "",

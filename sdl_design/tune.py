@@ -19,12 +19,14 @@ section 4), as a small design (no Prefect here; flows/tune.py runs it in paralle
 
 Risk (x of the map): the largest share of its limit a risk gate uses, max(value / upper) over
 the gates named 'risk: ...', prb.max_identification_risk and massc.delta (1 = at the limit;
-a candidate passes every risk gate when each holds). Utility (y): the median Karr CI overlap of
-the domain estimates minus the share of them more than 2 original SEs off
-(overlap_median - share_abs_std_bias_gt2). Recommended: among the candidates that pass every
-risk gate, those that pass every gate first, then those no worse than the spec's own on both
-overlap_median and share beyond 2 SE, then the highest utility (then overlap_p5, then fewer
-changes).
+a candidate passes every risk gate when each holds; RISK_TERMS names each gate's metric and
+the spec field of its limit, and the console and the map say which gate sets the index).
+Utility (y): the median Karr CI overlap of the domain estimates minus the share of them more
+than 2 original SEs off (overlap_median - share_abs_std_bias_gt2). Recommended: among the
+candidates that pass every risk gate, those that pass every gate first, then those no worse
+than the spec's own on both overlap_median and share beyond 2 SE, then the highest utility
+(then overlap_p5, then fewer changes). Each change's reason starts with what its stage does
+(stage_does, in the spec's own units: the swap's segment column, PRB's cells).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +49,8 @@ import yaml
 from sdl_design.blas import single_blas_thread
 from sdl_design.plots import figures_off
 from sdl_design.spec import ReleaseSpec
-from sdl_design.stage import Gate, StageContext, StageResult, build_stages
+from sdl_design.stage import Gate, StageContext, StageResult
+from sdl_design.stages import build_stages
 
 Change = tuple[str, Any]  # (dotted path in the spec YAML, value)
 
@@ -192,13 +195,6 @@ class Candidate:
         return Candidate((*ch, (path, value)), (*rs, reason), "refine")
 
 
-def _more_less(more: str, less: str) -> Callable[[Any, Any], str]:
-    def why(own: Any, v: Any) -> str:
-        return more if v > own else less
-
-    return why
-
-
 def _numeric_study(spec: ReleaseSpec, original: pd.DataFrame | None) -> list[str]:
     """Study variables that are numeric and not 0/1 (for MASSC substrata)."""
     if original is None:
@@ -271,141 +267,220 @@ GRIDS = {  # coarse ladders: refinement bisects between evaluated levels
 }
 
 
-def factors(spec: ReleaseSpec, original: pd.DataFrame | None = None) -> list[Factor]:
-    """The factors of the enabled stages, in release order: only paths the spec model has,
-    levels that validate (original: to find the numeric study variables for substrata)."""
-    data = spec.model_dump()
-    st = spec.stages
-    out: list[Factor] = []
+def stage_does(spec: ReleaseSpec, stage: str, column: str = "", side: str = "upper") -> str:
+    """What a stage does to the file, in its method's words and the spec's own units (the
+    subject of every reason the tuner gives for a change of that stage's settings)."""
+    if stage == "swap":
+        seg = spec.design.segment
+        unit = f"segments (`{seg}`)" if seg else "segments"
+        return f"the swap exchanges whole {unit} between PSUs"
+    if stage == "prb":
+        prb = spec.stages.prb
+        cells = prb.cells or [c for c in prb.variables if c in spec.variables.key_names]
+        return f"PRB post-randomizes the keys ({', '.join(cells)}) in weight-homogeneous blocks"
+    if stage == "massc":
+        return "MASSC substitutes key values from donors and subsamples records"
+    if stage == "topcode":
+        what = ("top", "above") if side == "upper" else ("bottom", "below")
+        return f"{what[0]}-coding replaces the values of {column} {what[1]} a weighted percentile"
+    raise ValueError(f"no description of stage {stage!r}")
 
-    def add(path: str, levels: list, numeric: bool, why, risk_down: int = 0) -> None:
-        if not has_path(data, path):
+
+def _more_less(does: str, more: str, less: str) -> Callable[[Any, Any], str]:
+    """A reason: the stage's description, then `more` for a higher value, else `less`."""
+
+    def why(own: Any, v: Any) -> str:
+        return f"{does}: {more if v > own else less}"
+
+    return why
+
+
+class _Factors:
+    """The factors found so far and the spec they vary (add: a factor when its path is in
+    the spec model and one of its levels validates)."""
+
+    def __init__(self, spec: ReleaseSpec):
+        self.spec, self.data = spec, spec.model_dump()
+        self.out: list[Factor] = []
+
+    def add(
+        self,
+        path: str,
+        levels: list,
+        numeric: bool,
+        why: Callable[[Any, Any], str],
+        risk_down: int = 0,
+    ) -> None:
+        if not has_path(self.data, path):
             return
-        own = get_path(data, path)
-        ok = []
+        own = get_path(self.data, path)
+        ok: list = []
         for v in levels:
             if v == own or v in ok:
                 continue
             try:
-                spec_with(spec, [(path, v)])
+                spec_with(self.spec, [(path, v)])
             except ValueError:  # pydantic ValidationError: outside the field's range
                 continue
             ok.append(v)
         if ok:
-            out.append(Factor(path, own, ok, numeric, why, risk_down))
+            self.out.append(Factor(path, own, ok, numeric, why, risk_down))
 
-    if st.active("swap"):
-        add(
-            "stages.swap.rate",
-            GRIDS["stages.swap.rate"],
-            True,
-            _more_less(
-                "more households swapped, lower re-identification risk",
-                "fewer households swapped, less damage to the matching variables",
-            ),
-            +1,
-        )
-        add(
-            "stages.swap.cumulative",
-            [not st.swap.cumulative],
-            False,
-            lambda o, v: (
-                f"swap criterion eq. {'6b (cumulative)' if v else '6a'} instead of "
-                f"{'6b' if o else '6a'}"
-            ),
-        )
-    if st.active("prb"):
-        add(
-            "stages.prb",
-            _cells_ladder(spec, original),
-            False,
-            lambda o, v: (
-                f"PRB cells take {', '.join(c for c in v['cells'] if c not in (o['cells'] or []))}"
-                " of the intruder's key: its uniques are post-randomized too"
-            ),
-            +1,
-        )
-        add(
-            "stages.prb.partition",
-            _partition_ladder(spec),
-            False,
-            lambda o, v: (
-                f"finer PRB partition (adds {', '.join(c for c in v if c not in o)}): "
-                "fewer units move across its sets"
-            ),
-        )
-        add(
-            "stages.prb.tuned",
-            [not st.prb.tuned],
-            False,
-            lambda o, v: (
-                "tuned theta, h*(theta) = xi (paper 002 section 6), kept where the exact "
-                "risk check passes"
+
+def _swap_factors(f: _Factors) -> None:
+    does = stage_does(f.spec, "swap")
+    f.add(
+        "stages.swap.rate",
+        GRIDS["stages.swap.rate"],
+        True,
+        _more_less(
+            does,
+            "more of them change PSU, so the published pseudo-PSUs tell less about where a "
+            "record was sampled",
+            "fewer of them change PSU, so the published design stays closer to the original "
+            "and its SEs change less",
+        ),
+        +1,
+    )
+    f.add(
+        "stages.swap.cumulative",
+        [not f.spec.stages.swap.cumulative],
+        False,
+        lambda o, v: (
+            f"{does}, each pair chosen by "
+            + (
+                "eq. 6b (the cumulative change of the variances from the original) instead of "
+                "eq. 6a (each swap's own change)"
                 if v
-                else "theta0(xi) instead of the tuned theta"
-            ),
-        )
-    if st.active("massc"):
-        m = st.massc
-        add(
-            "stages.massc.epsilon",
-            GRIDS["stages.massc.epsilon"],
-            True,
-            _more_less(
-                "larger target RRMSE: more substitution and subsampling, lower delta",
-                "smaller target RRMSE: less substitution and subsampling, better estimates",
-            ),
-            +1,
-        )
-        add(
-            "stages.massc.psi_max",
-            GRIDS["stages.massc.psi_max"],
-            True,
-            _more_less("higher cap on substitution rates", "lower cap on substitution rates"),
-            +1,
-        )
-        add(
-            "stages.massc.phi_min",
-            GRIDS["stages.massc.phi_min"],
-            True,
-            _more_less(
-                "higher floor on retention rates: fewer records sampled out, smaller SEs",
-                "lower floor on retention rates: more records may be sampled out",
-            ),
-            -1,
-        )
-        num = _numeric_study(spec, original)
-        if m.substrata is not None:
-            add("stages.massc.substrata", [None], False, lambda o, v: "no MASSC substrata")
-        elif num:
-            add(
-                "stages.massc.substrata",
-                [{"variables": num}],
-                False,
-                lambda o, v: (
-                    f"MASSC substrata by k-means on {', '.join(v['variables'])}: donors "
-                    "closer in the study variables"
-                ),
+                else "eq. 6a (each swap's own change of the variances) instead of eq. 6b "
+                "(the cumulative change)"
             )
-    if st.active("topcode"):
-        for col, rule in st.topcode.columns.items():
-            for side in ("upper", "lower"):
-                b = getattr(rule, side)
-                if b is None or b.percentile is None:
-                    continue
+        ),
+    )
 
-                def why(o, v, s=side):
-                    fewer = (v > o) == (s == "upper")
-                    return "fewer values coded" if fewer else "more values coded"
 
-                add(
-                    f"stages.topcode.{col}.{side}.percentile",
-                    GRIDS[f"{side}.percentile"],
-                    True,
-                    why,
-                    -1 if side == "upper" else +1,
-                )
-    return out
+def _prb_factors(f: _Factors, original: pd.DataFrame | None) -> None:
+    does = stage_does(f.spec, "prb")
+    f.add(
+        "stages.prb",
+        _cells_ladder(f.spec, original),
+        False,
+        lambda o, v: (
+            f"{does}; the cells take "
+            f"{', '.join(c for c in v['cells'] if c not in (o['cells'] or []))} of the "
+            "intruder's key too: its uniques are post-randomized as well"
+        ),
+        +1,
+    )
+    f.add(
+        "stages.prb.partition",
+        _partition_ladder(f.spec),
+        False,
+        lambda o, v: (
+            f"{does}, inside the sets of a finer partition (adds "
+            f"{', '.join(c for c in v if c not in o)}): those columns keep their published "
+            "values"
+        ),
+    )
+    f.add(
+        "stages.prb.tuned",
+        [not f.spec.stages.prb.tuned],
+        False,
+        lambda o, v: (
+            f"{does} with the tuned theta, h*(theta) = xi (paper 002 section 6), kept where "
+            "the exact risk check passes"
+            if v
+            else f"{does} with theta0(xi) instead of the tuned theta"
+        ),
+    )
+
+
+def _massc_factors(f: _Factors, original: pd.DataFrame | None) -> None:
+    does = stage_does(f.spec, "massc")
+    f.add(
+        "stages.massc.epsilon",
+        GRIDS["stages.massc.epsilon"],
+        True,
+        _more_less(
+            does,
+            "a larger target RRMSE allows higher substitution and subsampling rates, a lower delta",
+            "a smaller target RRMSE keeps substitution and subsampling rates lower, better "
+            "estimates",
+        ),
+        +1,
+    )
+    f.add(
+        "stages.massc.psi_max",
+        GRIDS["stages.massc.psi_max"],
+        True,
+        _more_less(
+            does,
+            "a higher cap on the substitution rates (more key values may be substituted)",
+            "a lower cap on the substitution rates (fewer key values substituted)",
+        ),
+        +1,
+    )
+    f.add(
+        "stages.massc.phi_min",
+        GRIDS["stages.massc.phi_min"],
+        True,
+        _more_less(
+            does,
+            "a higher floor on the retention rates (fewer records sampled out, smaller SEs)",
+            "a lower floor on the retention rates (more records may be sampled out)",
+        ),
+        -1,
+    )
+    num = _numeric_study(f.spec, original)
+    if f.spec.stages.massc.substrata is not None:
+        f.add("stages.massc.substrata", [None], False, lambda o, v: f"{does}, without substrata")
+    elif num:
+        f.add(
+            "stages.massc.substrata",
+            [{"variables": num}],
+            False,
+            lambda o, v: (
+                f"{does}, within k-means substrata on {', '.join(v['variables'])}: donors "
+                "closer in the study variables"
+            ),
+        )
+
+
+def _topcode_factors(f: _Factors) -> None:
+    for col, rule in f.spec.stages.topcode.columns.items():
+        for side in ("upper", "lower"):
+            b = getattr(rule, side)
+            if b is None or b.percentile is None:
+                continue
+            does = stage_does(f.spec, "topcode", col, side)
+
+            def why(o: Any, v: Any, s: str = side, d: str = does) -> str:
+                fewer = (v > o) == (s == "upper")
+                more = "fewer" if fewer else "more"
+                return f"{d}: the {v:g}th instead of the {o:g}th, {more} values coded"
+
+            f.add(
+                f"stages.topcode.{col}.{side}.percentile",
+                GRIDS[f"{side}.percentile"],
+                True,
+                why,
+                -1 if side == "upper" else +1,
+            )
+
+
+def factors(spec: ReleaseSpec, original: pd.DataFrame | None = None) -> list[Factor]:
+    """The factors of the enabled stages, in release order: only paths the spec model has,
+    levels that validate (original: to find the numeric study variables for substrata)."""
+    f = _Factors(spec)
+    if spec.stages.active("swap"):
+        _swap_factors(f)
+    if spec.stages.active("prb"):
+        _prb_factors(f, original)
+    if spec.stages.active("massc"):
+        _massc_factors(f, original)
+    if spec.stages.active("topcode"):
+        _topcode_factors(f)
+    return f.out
 
 
 def one_factor_candidates(facs: Sequence[Factor], toward: str | None = None) -> list[Candidate]:
@@ -572,6 +647,7 @@ def evaluate(
     row.update(
         risk_index=max(ratios) if ratios else m.get("reid_share", np.nan),
         risk_ratios=json.dumps({g.name: g.value / g.upper for g in risk if g.upper}),
+        risk_gates=json.dumps({g.name: [g.value, g.upper] for g in risk if g.upper}),
         prb_max_risk=by["prb"].metrics.get("max_risk", np.nan) if "prb" in by else np.nan,
         massc_delta=by["massc"].metrics.get("delta", np.nan) if "massc" in by else np.nan,
         utility=utility_score(m),
@@ -1032,116 +1108,171 @@ def redact_seed(spec_text: str) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- what the numbers are
+
+
+@dataclass(frozen=True)
+class RiskTerm:
+    """A risk gate in words: short (a progress line), what it measures (the metric it reads)
+    and the spec field of its limit."""
+
+    short: str
+    what: str
+    limit: str
+
+
+RISK_TERMS = {
+    "prb.max_identification_risk": RiskTerm(
+        "PRB identification risk",
+        "PRB's largest exact identification risk of a record (prb.max_identification_risk, "
+        "eq. 2.2 of Zhang and Nayak)",
+        "stages.prb.xi",
+    ),
+    "massc.delta": RiskTerm(
+        "MASSC delta",
+        "MASSC's post-treatment risk delta of the treated keys (massc.delta, Singh eq. 5-6)",
+        "gates.delta_max",
+    ),
+    "risk: share of original sample uniques re-identified (worst exact-match attack)": RiskTerm(
+        "re-identified uniques",
+        "the share of the original's sample uniques re-identified by the worst exact-match "
+        "attack on the published file (reid_share_worst)",
+        "gates.xi",
+    ),
+    "risk: delta (MASSC) of the published file against the original keys": RiskTerm(
+        "published delta",
+        "MASSC's delta of the published file against the original keys (delta_published)",
+        "gates.delta_max",
+    ),
+    "risk: share of original PSUs given away by replicate-weight zero patterns": RiskTerm(
+        "PSUs given away",
+        "the share of original PSUs given away by replicate-weight zero patterns (psu_recoverable)",
+        "gates.max_psu_recoverable",
+    ),
+    "risk: share of published records unique on the intruder's key": RiskTerm(
+        "unique share",
+        "the share of published records unique on the intruder's key (unique_share_published)",
+        "gates.max_unique_share",
+    ),
+}
+
+RISK_AXIS = (
+    "risk index = the largest value / limit over the risk gates (at most 1: every risk gate "
+    "holds; 1: a gate at its limit)"
+)
+UTILITY_AXIS = (
+    "utility = the median CI overlap (Karr) of the domain estimates minus the share of them "
+    "more than 2 original SEs off (1: no damage; the damage is 1 - utility)"
+)
+
+
+def risk_term(name: str) -> RiskTerm:
+    """The words of a risk gate (a gate not in RISK_TERMS: its own name)."""
+    return RISK_TERMS.get(name) or RiskTerm(name.removeprefix("risk: "), name, "its limit")
+
+
+def risk_gates(row: Mapping[str, Any]) -> list[tuple[str, float, float]]:
+    """The risk gates of a candidate's row as (name, value, limit), the largest share of its
+    limit first (the one that sets risk_index)."""
+    text = row.get("risk_gates")
+    gates = json.loads(text) if isinstance(text, str) and text else {}
+    out = [(n, float(v), float(u)) for n, (v, u) in gates.items() if u]
+    return sorted(out, key=lambda g: -g[1] / g[2])
+
+
+def binding_text(row: Mapping[str, Any]) -> str:
+    """The risk gate that sets a row's risk index, briefly: 'PRB identification risk 0.391 /
+    stages.prb.xi 0.395' ('' when the row has none)."""
+    gates = risk_gates(row)
+    if not gates:
+        return ""
+    name, v, u = gates[0]
+    term = risk_term(name)
+    return f"{term.short} {v:.4f} / {term.limit} {u:.4g}"
+
+
+def axis_lines(own: Mapping[str, Any] | None = None) -> list[str]:
+    """What the two numbers of a candidate are, for the console: the risk index with every
+    risk gate of the spec's own row (its value, its limit and their ratio), and utility."""
+    lines = [RISK_AXIS + "; for the spec's own setting:"]
+    for name, v, u in risk_gates({} if own is None else own):
+        term = risk_term(name)
+        lines.append(f"  {v / u:.4f} = {term.what}: {v:.4f} of its limit {term.limit} = {u:.4g}")
+    if len(lines) == 1:  # no risk gate with a limit: evaluate falls back on the share itself
+        lines[0] = (
+            "risk index = the share of the original's sample uniques re-identified "
+            "(reid_share): no risk gate has a limit"
+        )
+    return [*lines, UTILITY_AXIS]
+
+
+def map_note(table: pd.DataFrame) -> str:
+    """The line under the map: which risk gate sets the risk index, for how many candidates."""
+    counts: dict[str, int] = {}
+    for _, row in table.iterrows():
+        gates = risk_gates(row)
+        if gates:
+            counts[gates[0][0]] = counts.get(gates[0][0], 0) + 1
+    parts = [
+        f"{risk_term(n).short} / {risk_term(n).limit} ({k} of {len(table)})"
+        for n, k in sorted(counts.items(), key=lambda kv: -kv[1])
+    ]
+    return "Risk index = the largest value / limit over the risk gates; set by " + (
+        ", ".join(parts) if parts else "no gate with a limit"
+    )
+
+
+def _change_text(path: str, value: Any, own: Any) -> str:
+    """One change, short: a section shows only the settings that differ from the spec's own,
+    a list that only grows shows what it adds."""
+    name = path.removeprefix("stages.")
+    if isinstance(value, dict) and isinstance(own, dict):
+        return "; ".join(
+            _change_text(f"{name}.{k}", v, own.get(k))
+            for k, v in value.items()
+            if k not in own or v != own[k]
+        )
+    if isinstance(value, list) and isinstance(own, list) and all(x in value for x in own):
+        added = [x for x in value if x not in own]
+        if added and len(value) == len(own) + len(added):
+            return f"{name} + {_text(added)}"
+    return f"{name}={_text(value)}"
+
+
+def short_labels(table: pd.DataFrame, n: int = 56) -> list[str]:
+    """Each candidate's changes in at most n characters (the map's table)."""
+    own = table[table["changes"] == "[]"]
+    out = []
+    for _, row in table.iterrows():
+        changes = json.loads(row["changes"])
+        if not changes:
+            out.append("spec's own")
+            continue
+        parts = []
+        for path, value in changes:
+            text = own[path].iloc[0] if len(own) and path in own.columns else None
+            try:
+                before = yaml.safe_load(text) if isinstance(text, str) else None
+            except yaml.YAMLError:
+                before = None
+            parts.append(_change_text(path, value, before))
+        label = "; ".join(parts)
+        out.append(label if len(label) <= n else label[: n - 1] + "…")
+    return out
+
+
 # ---------------------------------------------------------------- the Duncan map
 
 
 def risk_utility_map(
     table: pd.DataFrame, recommended: int | None = None, title: str = "", dpi: int = 110
 ) -> bytes:
-    """PNG of the Duncan risk-utility map: risk_index (x) against utility (y), one numbered
-    point per candidate (its row in candidates.csv, from 1) coloured by the gates it passes,
-    the Pareto front as a staircase, the risk limit (1) with the region beyond it shaded, the
-    spec's own setting and the recommended candidate marked and labelled."""
-    from sdl_design.plots import png, subplots, tight
+    """PNG of the Duncan risk-utility map (sdl_design.plots.risk_utility_map): risk_index
+    against utility, each candidate numbered as its row in candidates.csv (from 1) and listed
+    by number beside the map, the gate that sets the risk index said under it."""
+    from sdl_design.plots import risk_utility_map as draw
 
-    t = table[np.isfinite(table["risk_index"]) & np.isfinite(table["utility"])]
-    fig, ax = subplots(figsize=(10.5, 5.8))
-    risk_ok = t["passes_risk"].astype(bool)
-    all_ok = t["passes_all"].astype(bool) & risk_ok
-    groups = (
-        (all_ok, dict(color="#31a354"), "passes every gate"),
-        (risk_ok & ~all_ok, dict(color="#3182bd"), "passes every risk gate (a utility gate fails)"),
-        (~risk_ok, dict(facecolors="none", edgecolors="#e6550d"), "fails a risk gate"),
-    )
-    for mask, style, label in groups:
-        if mask.any():
-            ax.scatter(
-                t.loc[mask, "risk_index"],
-                t.loc[mask, "utility"],
-                s=40,
-                zorder=3,
-                label=label,
-                **style,
-            )
-    front = t[t["pareto"].astype(bool)].sort_values("risk_index")
-    if len(front):
-        ax.step(
-            front["risk_index"],
-            front["utility"],
-            where="post",
-            color="#636363",
-            lw=1.3,
-            ls="-",
-            zorder=2,
-            label="Pareto front (none safer and more useful)",
-        )
-    x0, x1 = ax.get_xlim()
-    ax.axvspan(1.0, max(x1, 1.0 + 0.02 * (x1 - x0)), color="#fee0d2", alpha=0.5, zorder=0)
-    ax.axvline(1.0, color="crimson", ls="--", lw=1, label="risk limit (a risk gate's bound)")
-    ax.set_xlim(min(x0, 0.99), max(x1, 1.0 + 0.02 * (x1 - x0)))
-    for i, r in t.iterrows():
-        ax.annotate(
-            str(i + 1),
-            (r["risk_index"], r["utility"]),
-            xytext=(4, 3),
-            textcoords="offset points",
-            fontsize=6.5,
-            color="#525252",
-        )
-    own = t[t["changes"] == "[]"]
-    if len(own):
-        ax.scatter(
-            own["risk_index"],
-            own["utility"],
-            marker="*",
-            s=280,
-            color="black",
-            zorder=4,
-            label="spec's own setting",
-        )
-        ax.annotate(
-            "spec's own",
-            (own["risk_index"].iloc[0], own["utility"].iloc[0]),
-            xytext=(8, -13),
-            textcoords="offset points",
-            fontsize=8,
-        )
-    if recommended is not None and recommended in t.index:
-        r = t.loc[recommended]
-        ax.scatter(
-            [r["risk_index"]],
-            [r["utility"]],
-            marker="D",
-            s=120,
-            facecolors="none",
-            edgecolors="purple",
-            lw=2,
-            zorder=5,
-            label="recommended",
-        )
-        ax.annotate(
-            f"recommended: {_short_label(str(r['candidate']))}",
-            (r["risk_index"], r["utility"]),
-            xytext=(0.45, 0.05),  # the lower right: high risk and low utility, seldom crowded
-            textcoords="axes fraction",
-            fontsize=8,
-            color="purple",
-            bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "purple", "alpha": 0.9},
-            arrowprops={"arrowstyle": "->", "color": "purple", "lw": 1},
-            zorder=6,
-        )
-    ax.set_xlabel("risk: largest share of its limit a risk gate uses (1 = at the limit)")
-    ax.set_ylabel("utility: median CI overlap - share beyond 2 SE")
-    ax.set_title(title or "Risk-utility map of the candidate settings", fontsize=11)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    tight(fig)
-    return png(fig, dpi=dpi)
-
-
-def _short_label(label: str, n: int = 48) -> str:
-    label = label.replace("massc.", "").replace("swap.", "swap ").replace("prb.", "prb ")
-    return label if len(label) <= n else label[: n - 1] + "…"
+    return draw(table, short_labels(table), recommended, title, map_note(table), dpi)
 
 
 def change_reasons(result: TuneResult, index: int) -> list[str]:
@@ -1157,7 +1288,7 @@ def change_reasons(result: TuneResult, index: int) -> list[str]:
             a, o = alone.iloc[0], own.iloc[0]
             why += (
                 f"; alone: overlap median {o['overlap_median']:.3f} -> {a['overlap_median']:.3f}, "
-                f"risk {o['risk_index']:.3f} -> {a['risk_index']:.3f}"
+                f"risk index {o['risk_index']:.3f} -> {a['risk_index']:.3f}"
             )
         out.append(why)
     return out

@@ -416,6 +416,10 @@ def test_puf_tune_flow_outputs_artifacts_and_a_spec_that_reproduces(tmp_path, ca
     code = puf(["tune", str(path), "--budget", "4"])
     out, err = capsys.readouterr()
     assert len([ln for ln in err.splitlines() if ln.startswith("[puf] tune (")]) == 4
+    # what the numbers are: on stderr after the spec's own line, and in the summary
+    assert "[puf] tune: risk index = the largest value / limit over the risk gates" in err
+    assert "  risk index = the largest value / limit over the risk gates" in out
+    assert "of its limit stages.prb.xi = " in out and "  utility = the median CI overlap" in out
     folder = tmp_path / "default-survey" / "tune" / "2026"
     t = pd.read_csv(folder / "candidates.csv", keep_default_na=False, na_values=[""])
     assert len(t) == 4 and t["candidate"].iloc[0] == "spec's own"
@@ -436,6 +440,7 @@ def test_puf_tune_flow_outputs_artifacts_and_a_spec_that_reproduces(tmp_path, ca
     seed = str(load_spec(path).release.seed)
     text = rec_path.read_text()
     assert seed not in text and "  seed: null  # set your release seed here" in text
+    assert f"# {tune.RISK_AXIS}." in text and f"# {tune.UTILITY_AXIS}." in text
     rec_path.write_text(text.replace("  seed: null", f"  seed: {seed}", 1))
     spec2 = load_spec(rec_path)  # validates; its input and output folder made absolute
     assert spec2.release.input == (tmp_path / "input" / "default_survey.parquet").resolve()
@@ -489,3 +494,224 @@ def test_tune_adds_the_intruders_key_to_the_prb_cells():
     assert not own["passes_risk"] and "re-identified" in own["failed_gates"]
     best = tune.evaluate(old, df, [("stages.prb", f.levels[-1])])
     assert best["passes_risk"], best["failed_gates"]
+
+
+# ---------------------------------------------------------------- the map's labels
+
+
+def _apart(a, b) -> bool:
+    """Boxes (x0, y0, x1, y1) that share no area."""
+    return min(a[2], b[2]) <= max(a[0], b[0]) or min(a[3], b[3]) <= max(a[1], b[1])
+
+
+def _boxes_disjoint(boxes, others=None) -> bool:
+    """No two of boxes overlap (others given: no box overlaps one of others)."""
+    if others is not None:
+        return all(_apart(a, b) for a in boxes for b in others)
+    return all(_apart(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+
+
+def test_number_ranges_collapse_runs_of_three_or_more():
+    from sdl_design.plots import number_ranges
+
+    assert number_ranges([9, 1, 5, 4, 6, 7, 2]) == ["1", "2", "4–7", "9"]
+    assert number_ranges([3]) == ["3"] and number_ranges([]) == []
+
+
+def test_labels_of_candidates_at_one_place_never_overprint():
+    """Seven of eight candidates at the same (risk, utility), as a user measured on the demo:
+    they get one label naming all seven, each number appears once over all labels, and no
+    label box overlaps another label or a point."""
+    from sdl_design.plots import place_labels
+
+    xy = [(100.0, 300.0)] * 8
+    xy[3] = (60.0, 100.0)
+    labels = place_labels(xy, list(range(1, 9)), radius=4.0, fontsize=7.0)
+    assert sorted(n for lab in labels for n in lab.members) == list(range(1, 9))
+    shared = next(lab for lab in labels if 1 in lab.members)
+    assert shared.members == (1, 2, 3, 5, 6, 7, 8) and shared.text == "1–3, 5–8"
+    assert _boxes_disjoint([lab.box for lab in labels])
+    points = [(x - 4, y - 4, x + 4, y + 4) for x, y in set(xy)]
+    assert _boxes_disjoint([lab.box for lab in labels], points)
+
+
+def test_labels_of_nearby_candidates_are_placed_apart():
+    """Points a few points apart (each its own label) in a tight cluster: every label at a
+    distinct place, no two boxes overlapping, none over a point, all inside the bounds;
+    the same input gives the same layout."""
+    from sdl_design.plots import place_labels
+
+    xy = [(200.0 + 5 * (i % 4), 200.0 + 5 * (i // 4)) for i in range(12)]
+    bounds = (0.0, 0.0, 400.0, 400.0)
+    labels = place_labels(xy, list(range(1, 13)), radius=3.0, fontsize=7.0, bounds=bounds)
+    assert [lab.members for lab in labels] == [(i,) for i in range(1, 13)]
+    boxes = [lab.box for lab in labels]
+    assert len({b[:2] for b in boxes}) == 12
+    points = [(x - 3, y - 3, x + 3, y + 3) for x, y in xy]
+    assert _boxes_disjoint(boxes) and _boxes_disjoint(boxes, points)
+    assert all(b[0] >= 0 and b[1] >= 0 and b[2] <= 400 and b[3] <= 400 for b in boxes)
+    assert any(lab.leader for lab in labels)  # the crowd pushes some away: a line to each
+    assert place_labels(xy, list(range(1, 13)), 3.0, 7.0, bounds) == labels
+
+
+def _map_table(n_same: int = 7) -> pd.DataFrame:
+    """A tuning table: the spec's own and n_same - 1 others at its (risk, utility), one apart."""
+    gates = json.dumps({"prb.max_identification_risk": [0.3903, 0.395], "massc.delta": [0.2, 0.25]})
+    rows = [
+        {
+            "candidate": "spec's own" if i == 0 else f"massc.epsilon={0.05 * i:g}",
+            "changes": "[]" if i == 0 else json.dumps([["stages.massc.epsilon", 0.05 * i]]),
+            "risk_index": 0.988 if i < n_same else 0.9,
+            "utility": 0.94 if i < n_same else 0.91,
+            "passes_risk": True,
+            "passes_all": True,
+            "risk_gates": gates,
+        }
+        for i in range(n_same + 1)
+    ]
+    t = pd.DataFrame(rows)
+    t["pareto"] = tune.pareto_front(t["risk_index"], t["utility"])
+    return t
+
+
+def test_the_map_numbers_each_candidate_once_and_lists_them_beside_it():
+    """The drawn map: the annotations name every candidate number once (points at one place
+    share one), no two annotation boxes overlap (placed by place_labels), and the table
+    beside it lists each number with its changes."""
+    from matplotlib.figure import Figure
+
+    from sdl_design import plots
+
+    t = _map_table()
+    fig = Figure(figsize=(12.5, 5.8))
+    ax = fig.add_axes((0.065, 0.16, 0.525, 0.76))
+    plots._map_draw(ax, t, 0)
+    plots._map_labels(ax, t, 0, 7.0)
+    texts = [a.get_text() for a in ax.texts]
+    numbers = [p for s in texts for p in s.replace("\n", " ").split(", ")]
+    assert sorted(numbers) == ["1–7", "8"]
+    labels = tune.short_labels(t)
+    plots._map_table(fig, t, labels, 0, 0.7, 0.02)
+    rows = [x.get_text() for x in fig.texts]
+    for i in range(len(t)):
+        assert any(r.split()[0] == str(i + 1) and labels[i] in r for r in rows[1:])
+    assert rows[1].startswith(" 1 ★◆ 0.9880") and "spec's own" in rows[1]  # own, recommended
+    assert all("★" not in r and "◆" not in r for r in rows[2:])
+    png = tune.risk_utility_map(t, 0, "x")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_short_labels_show_what_a_section_change_changes():
+    t = pd.DataFrame(
+        [
+            {"changes": "[]", "stages.prb": "{cells: [age, sex], tuned: false}"},
+            {
+                "changes": json.dumps(
+                    [["stages.prb", {"cells": ["age", "sex", "educ"], "tuned": False}]]
+                ),
+                "stages.prb": "",
+            },
+            {"changes": json.dumps([["stages.swap.rate", 0.2]]), "stages.prb": ""},
+            {"changes": json.dumps([["stages.prb.partition", {"age": None, "sex": None}]])},
+        ]
+    )
+    t.loc[0, "stages.prb.partition"] = "{age: null}"
+    assert tune.short_labels(t) == [
+        "spec's own",
+        "prb.cells + [educ]",
+        "swap.rate=0.2",
+        "prb.partition.sex=null",
+    ]
+    assert all(len(s) <= 20 for s in tune.short_labels(t, 20))
+
+
+# ---------------------------------------------------------------- what the numbers are
+
+
+def test_axis_lines_name_the_risk_gate_its_metric_and_limit():
+    """The console says what the risk index is: the largest value / limit over the risk
+    gates, each gate of the spec's own named with its metric, value and limit (the one that
+    sets the index first); and what utility is. A progress line names the gate that sets it."""
+    from flows.tune import progress_line
+
+    row = {
+        "risk_index": 0.9881,
+        "utility": 0.94,
+        "overlap_median": 0.95,
+        "share_abs_std_bias_gt2": 0.01,
+        "passes_risk": True,
+        "seconds": 1.0,
+        "risk_gates": json.dumps(
+            {
+                "risk: share of original sample uniques re-identified (worst exact-match attack)": [
+                    0.088,
+                    0.395,
+                ],
+                "prb.max_identification_risk": [0.3903, 0.395],
+            }
+        ),
+    }
+    lines = tune.axis_lines(row)
+    assert lines[0].startswith("risk index = the largest value / limit over the risk gates")
+    assert "0.9881 = PRB's largest exact identification risk" in lines[1]
+    assert "0.3903 of its limit stages.prb.xi = 0.395" in lines[1]
+    assert "(reid_share_worst)" in lines[2] and "gates.xi = 0.395" in lines[2]
+    assert lines[-1].startswith("utility = the median CI overlap")
+    assert "2 original SEs" in lines[-1]
+    line = progress_line(1, 8, tune.Candidate((), ()), row)
+    assert "risk index 0.988 (PRB identification risk 0.3903 / stages.prb.xi 0.395)" in line
+    assert tune.axis_lines({})[0].startswith("risk index = the share")
+    assert "set by PRB identification risk / stages.prb.xi (8 of 8)" in tune.map_note(_map_table())
+
+
+def test_every_risk_gate_of_a_run_has_words():
+    """Each risk gate a run of the default spec sets is in RISK_TERMS (a renamed gate fails
+    here, not silently in the console), and the row records its value and limit."""
+    from sdl_design.synth import make_survey
+
+    row = tune.evaluate(load_spec(DEFAULT), make_survey(3000))
+    gates = tune.risk_gates(row)
+    names = {g[0] for g in gates}
+    assert names == set(json.loads(row["risk_ratios"]))
+    assert "prb.max_identification_risk" in names and len(names) >= 4
+    assert names <= set(tune.RISK_TERMS)
+    assert gates[0][1] / gates[0][2] == pytest.approx(row["risk_index"])
+
+
+# ---------------------------------------------------------------- what each stage does
+
+
+def test_reasons_say_what_each_stage_does(spec):
+    """Every reason names what its stage does: the swap exchanges segments (the design's
+    segment column), never households; PRB post-randomizes keys; MASSC substitutes and
+    subsamples; top-coding replaces values beyond a weighted percentile."""
+    facs = tune.factors(spec, _small_frame())
+    words = {
+        "swap": "the swap exchanges whole segments (`segment`) between PSUs",
+        "prb": "PRB post-randomizes the keys (",
+        "massc": "MASSC substitutes key values from donors and subsamples records",
+        "topcode": "top-coding replaces the values of income above a weighted percentile",
+    }
+    seen = set()
+    for f in facs:
+        stage = f.path.split(".")[1]
+        for v in f.levels:
+            reason = f.reason(v)
+            assert reason.startswith(words[stage]), reason
+            assert "household" not in reason.lower(), reason
+            seen.add(stage)
+    assert seen == set(words)
+    rate = next(f for f in facs if f.path == "stages.swap.rate")
+    lower = max(v for v in rate.levels if v < rate.own)
+    assert "fewer of them change PSU" in rate.reason(lower)
+    assert "more of them change PSU" in rate.reason(min(v for v in rate.levels if v > rate.own))
+    top = next(f for f in facs if f.path.startswith("stages.topcode"))
+    assert top.reason(99.9).endswith("the 99.9th instead of the 99.5th, fewer values coded")
+
+
+def test_swap_reasons_name_the_spec_segment_column(spec):
+    """A design whose segments are in another column: the reasons name that column."""
+    design = spec.design.model_copy(update={"segment": "block"})
+    other = spec.model_copy(update={"design": design})
+    f = next(f for f in tune.factors(other) if f.path == "stages.swap.rate")
+    assert "whole segments (`block`) between PSUs" in f.reason(f.levels[0])
