@@ -18,31 +18,48 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from flows.html import artifact_key, img, png_b64, table, value
+from flows.html import artifact_key, fold, img, png_b64, scroll, table, value
 from flows.manifest import Manifest
+from sdl_design.stage import NEAR_ROOM, NEAR_RULE
 
 if TYPE_CHECKING:
-    from sdl_design.stage import StageResult
+    from sdl_design.stage import Gate, StageResult
 
-__all__ = ["MAX_ROWS", "artifact_key", "post_artifacts", "render_html", "render_report"]
+__all__ = [
+    "MAX_ROWS",
+    "artifact_key",
+    "near_gates",
+    "post_artifacts",
+    "render_html",
+    "render_report",
+]
 
 MAX_ROWS = 60
+NOTE_CHARS = 360  # a longer stage note folds under its beginning
 CSS = (
-    "body{font-family:sans-serif;margin:2em;max-width:1200px;color:#222}"
+    "*,*::before,*::after{box-sizing:border-box}"
+    "body{font-family:sans-serif;margin:0 auto;padding:1.5em 2em;max-width:1200px;color:#222;"
+    "overflow-wrap:break-word}"
+    ".scroll{overflow-x:auto;max-width:100%}"
+    "details{margin:.4em 0}summary{cursor:pointer;font-weight:bold;padding:2px 0}"
+    "details[open]>summary{margin-bottom:.3em}"
     "table.t{border-collapse:collapse;font-size:13px;margin:.5em 0}"
     "table.t td,table.t th{border:1px solid #ccc;padding:3px 6px;text-align:right}"
     "table.t th{background:#f3f3f3}.pass{color:#070}.fail{color:#b00;font-weight:bold}"
     "img{max-width:100%;border:1px solid #eee}.note{color:#555;font-size:12px}"
     "h2{border-bottom:2px solid #ddd;padding-bottom:3px}"
-    ".verdict{font-size:16px;padding:.8em;border-left:6px solid}"
-    "p.verdict.pass{border-color:#070;background:#f1f8f1;color:#222;font-weight:normal}"
-    "p.verdict.fail{border-color:#b00;background:#fbf1f1;color:#222;font-weight:normal}"
+    ".verdict{font-size:16px;padding:.4em .8em;border-left:6px solid}.verdict p{margin:.5em 0}"
+    ".verdict.pass{border-color:#070;background:#f1f8f1;color:#222;font-weight:normal}"
+    ".verdict.fail{border-color:#b00;background:#fbf1f1;color:#222;font-weight:normal}"
+    "ul.why li{margin:.3em 0}.near{color:#a60;font-weight:bold}"
+    "details.long{margin:0}details.long>summary{font-weight:normal}details.long p{margin:.2em 0}"
     "table.t td:first-child,table.t th:first-child{text-align:left}"
     "#leaves table.t td,#leaves table.t th{text-align:left}"
 )
 
 
-def _kv(d: dict, caption: str) -> str:
+def _kv(d: dict, caption: str, folded: bool = False) -> str:
+    """A dict as a two-column table in the scroll container; folded: under a <details>."""
     if not d:
         return ""
     rows = "".join(
@@ -50,7 +67,10 @@ def _kv(d: dict, caption: str) -> str:
         f"{escape(value(v))}</td></tr>"
         for k, v in d.items()
     )
-    return f"<p><b>{escape(caption)}</b></p><table class='t'>{rows}</table>"
+    html = scroll(f"<table class='t'>{rows}</table>")
+    if folded:
+        return fold(f"{caption} ({len(d)})", html)
+    return f"<p><b>{escape(caption)}</b></p>{html}"
 
 
 def _section(sid: str, title: str, body: list[str], absent: str) -> str:
@@ -91,10 +111,10 @@ def _num(v: float | None, fmt: str = ".3f") -> str:
 
 
 def _verdict(m: Manifest, results: Sequence[StageResult]) -> str:
-    """One paragraph in plain words: publish or not, and why."""
+    """The verdict in plain words: publish or not, and why; the worst single estimate and
+    every gate near its limit (NEAR_RULE)."""
     gates = m.gates
     failed = [g for g in gates if not g.passed]
-    n_in, n_out = m.counts.n_input, m.counts.n_output
     ap = m.approval
     if m.status == "failed":
         head = "Do not publish: the release did not complete"
@@ -117,53 +137,170 @@ def _verdict(m: Manifest, results: Sequence[StageResult]) -> str:
     elif not gates:
         text = "No decision possible: no check was evaluated on this release."
     else:
-        reid = _metric(results, "assess", "reid_share_worst")
-        if reid is None:
-            reid = _metric(results, "assess", "reid_share")
-        uniq = _metric(results, "assess", "unique_share_published")
-        uniq0 = _survey_uniques(results)
-        overlap = _metric(results, "assess", "overlap_median")
-        ser = _metric(results, "assess", "se_ratio_median")
-        xi = m.parameters.gates.xi if m.parameters.gates else None
-        done = "published" if m.status == "published" else "ready to publish"
-        parts = [
-            f"Publish: the file is {done}, and all {len(gates)} checks pass.",
-            (
-                f"It holds {n_out:,} of the {n_in:,} survey records."
-                if n_in is not None and n_out is not None
-                else ""
-            ),
-        ]
-        if reid is not None:
-            parts.append(
-                f"An intruder who knows the intruder's key ({_intruder(results)}) would "
-                f"correctly re-identify {_pct(reid)} of the people who were unique in the survey"
-                + (f" (the limit is {_pct(xi)})" if xi is not None else "")
-                + "."
-            )
-        parts.append(_ungated(results))
-        if uniq is not None:
-            parts.append(
-                f"{_pct(uniq)} of published records are unique on the intruder's key"
-                + (f" (in the survey file: {_pct(uniq0)})" if uniq0 is not None else "")
-                + "."
-            )
-        if overlap is not None:
-            parts.append(
-                f"Estimates from the public file agree with the confidential file within sampling "
-                f"error: their confidence intervals overlap by {_pct(overlap)} at the median"
-                + (
-                    f", and standard errors are {ser:.2f} times the original at the median"
-                    if ser
-                    else ""
-                )
-                + "."
-            )
-        if ap.decision == "approved" and ap.approver:
-            parts.append(f"Approved by {ap.approver}.")
-        text = " ".join(p for p in parts if p)
+        text = _publish_text(m, results)
     cls = "pass" if (gates and not failed and m.status not in ("failed", "rejected")) else "fail"
-    return _section("verdict", "Verdict", [f"<p class='verdict {cls}'>{escape(text)}</p>"], "")
+    paras = [escape(text)]
+    if m.status != "failed":
+        paras += [_worst_estimate(results), _near_text(m, results)]
+    box = "".join(f"<p>{p}</p>" for p in paras if p)
+    return _section("verdict", "Verdict", [f"<div class='verdict {cls}'>{box}</div>"], "")
+
+
+def _publish_text(m: Manifest, results: Sequence[StageResult]) -> str:
+    """The verdict of a release whose every gate passed."""
+    n_in, n_out = m.counts.n_input, m.counts.n_output
+    reid = _metric(results, "assess", "reid_share_worst")
+    if reid is None:
+        reid = _metric(results, "assess", "reid_share")
+    uniq = _metric(results, "assess", "unique_share_published")
+    uniq0 = _survey_uniques(results)
+    overlap = _metric(results, "assess", "overlap_median")
+    ser = _metric(results, "assess", "se_ratio_median")
+    xi = m.parameters.gates.xi if m.parameters.gates else None
+    done = "published" if m.status == "published" else "ready to publish"
+    parts = [
+        f"Publish: the file is {done}, and all {len(m.gates)} checks pass.",
+        (
+            f"It holds {n_out:,} of the {n_in:,} survey records."
+            if n_in is not None and n_out is not None
+            else ""
+        ),
+    ]
+    if reid is not None:
+        parts.append(
+            f"An intruder who knows the intruder's key ({_intruder(results)}) would "
+            f"correctly re-identify {_pct(reid)} of the people who were unique in the survey"
+            + (f" (the limit is {_pct(xi)})" if xi is not None else "")
+            + "."
+        )
+    parts.append(_ungated(results))
+    if uniq is not None:
+        parts.append(
+            f"{_pct(uniq)} of published records are unique on the intruder's key"
+            + (f" (in the survey file: {_pct(uniq0)})" if uniq0 is not None else "")
+            + "."
+        )
+    if overlap is not None:
+        parts.append(
+            f"Estimates from the public file agree with the confidential file within sampling "
+            f"error: their confidence intervals overlap by {_pct(overlap)} at the median"
+            + (
+                f", and standard errors are {ser:.2f} times the original at the median"
+                if ser
+                else ""
+            )
+            + "."
+        )
+    if m.approval.decision == "approved" and m.approval.approver:
+        parts.append(f"Approved by {m.approval.approver}.")
+    return " ".join(p for p in parts if p)
+
+
+def _table_of(results: Sequence[StageResult], name: str) -> tuple[str, pd.DataFrame] | None:
+    """(stage, table) of the first result with a nonempty table of that name."""
+    for r in results:
+        t = r.tables.get(name)
+        if t is not None and len(t):
+            return r.name, t
+    return None
+
+
+def _fmt(v: Any) -> str:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    return f"{f:,.4g}" if abs(f) < 1e4 else f"{f:,.0f}"
+
+
+def _worst_estimate(results: Sequence[StageResult]) -> str:
+    """The estimate furthest from the survey file's (the assessment's worst-estimates table,
+    largest |standardized bias| first) and the model coefficient with the smallest CI overlap,
+    as escaped HTML with a link to the figure of its variable."""
+    found = _table_of(results, "worst_estimates")
+    out = []
+    if found is not None and {"variable", "domain"} <= set(found[1].columns):
+        stage, t = found
+        w = t.iloc[0]
+        what = f"the {w['statistic']} of {w['variable']}" if "statistic" in t else w["variable"]
+        where = f"{w['domain']}" + (f" = {w['level']}" if "level" in t else "")
+        detail = []
+        if {"estimate_released", "estimate_original"} <= set(t.columns):
+            detail.append(
+                f"{_fmt(w['estimate_released'])} published vs {_fmt(w['estimate_original'])} "
+                "in the survey file"
+            )
+        if "std_bias" in t and np.isfinite(w["std_bias"]):
+            detail.append(f"{w['std_bias']:+.1f} survey SEs apart")
+        if "ci_overlap" in t and np.isfinite(w["ci_overlap"]):
+            detail.append(f"95% intervals overlap {w['ci_overlap']:.2f}")
+        text = escape(f"Worst single estimate: {what} in {where}: {', '.join(detail)}.")
+        fig = _figure_of(results, str(w["variable"]))
+        if fig:
+            text += f" (<a href='#{escape(fig)}'>figure</a>)"
+        out.append(text)
+    coefs = _table_of(results, "model_coefficients")
+    if coefs is not None and {"term", "model", "ci_overlap"} <= set(coefs[1].columns):
+        c = coefs[1].sort_values("ci_overlap", kind="stable").iloc[0]
+        sd = (
+            f", {c['std_diff']:+.1f} SEs apart"
+            if "std_diff" in c and np.isfinite(c["std_diff"])
+            else ""
+        )
+        out.append(
+            escape(
+                f"Worst model coefficient: {c['term']} in {c['model']}: 95% intervals overlap "
+                f"{c['ci_overlap']:.2f}{sd}."
+            )
+        )
+    return " ".join(out)
+
+
+def _figure_of(results: Sequence[StageResult], variable: str) -> str:
+    """The id of the figure of a variable (a figure key ending in '_<variable>'), else ''."""
+    for r in results:
+        for k in r.figures:
+            if k == variable or k.endswith(f"_{variable}"):
+                return _fig_id(r.name, k)
+    return ""
+
+
+def _fig_id(stage: str, key: str) -> str:
+    return artifact_key(f"fig-{stage}-{key}", "fig")
+
+
+def _gate_objects(results: Sequence[StageResult]) -> dict[str, Gate]:
+    """The gates the results made, by name (their why, ideal value and limits)."""
+    return {g.name: g for r in results for g in r.gates}
+
+
+def near_gates(m: Manifest, results: Sequence[StageResult]) -> list[tuple[str, float, float]]:
+    """(name, value, limit) of every evaluated, passing gate near its limit (NEAR_RULE)."""
+    objs = _gate_objects(results)
+    out = []
+    for g in m.gates:
+        o = objs.get(g.name)
+        if not g.passed or o is None:
+            continue
+        lim = o.near_limit()
+        if lim is not None:
+            out.append((g.name, o.value, lim))
+    return out
+
+
+def _near_text(m: Manifest, results: Sequence[StageResult]) -> str:
+    """The gates near their limits, in one sentence with the rule (escaped HTML)."""
+    if not _gate_objects(results) or not m.gates:
+        return ""
+    near = near_gates(m, results)
+    rule = (
+        f"passing with at most {NEAR_ROOM:.0%} of the room between the ideal value and the "
+        "limit left; the rule is under the gate table"
+    )
+    if not near:
+        return escape(f"No check is near its limit ({rule}).")
+    items = "; ".join(f"{n}: {v:.4g} (limit {lim:.4g})" for n, v, lim in near)
+    return escape(f"Near their limits ({rule}): {items}.")
 
 
 def _leaves(m: Manifest, results: Sequence[StageResult]) -> str:
@@ -205,9 +342,35 @@ def _check_rows(m: Manifest, rows: list[tuple[str, float | None, str, str]]) -> 
         f"<td>{escape(lim)}</td><td class='{ok}'>{escape(ok)}</td></tr>"
         for w, v, lim, ok in rows
     )
-    return (
+    return scroll(
         "<table class='t'><tr><th>measure</th><th>value</th><th>limit</th><th></th></tr>"
         f"{html}</table>"
+    )
+
+
+def _whys(m: Manifest, results: Sequence[StageResult], risk: bool) -> str:
+    """Each evaluated risk gate (risk=True) or other gate with its why sentence: what it
+    protects against and why its limit is what it is (from the gate that made it)."""
+    from sdl_design.tune import is_risk_gate
+
+    objs = _gate_objects(results)
+    near = {n for n, _, _ in near_gates(m, results)}
+    items = []
+    for g in m.gates:
+        o = objs.get(g.name)
+        if o is None or not o.why or is_risk_gate(g.name) != risk:
+            continue
+        flag = " <span class='near'>near its limit</span>" if g.name in near else ""
+        items.append(
+            f"<li><b>{escape(g.name)}</b>: {escape(value(g.value))} against "
+            f"{escape(str(g.threshold))}{flag}. {escape(o.why)}</li>"
+        )
+    if not items:
+        return ""
+    what = "risk gate" if risk else "utility gate"
+    return (
+        f"<p><b>What each {what} protects against, and why its limit</b></p>"
+        f"<ul class='why'>{''.join(items)}</ul>"
     )
 
 
@@ -305,7 +468,7 @@ def _risk(m: Manifest, results: Sequence[StageResult]) -> str:
             _ok(prb, hi=xi),
         ),
     ]
-    body = [_check_rows(m, rows), _strata_counts(results)]
+    body = [_check_rows(m, rows), _whys(m, results, risk=True), _strata_counts(results)]
     return _section("risk", "Risk of the published file", body, "")
 
 
@@ -407,22 +570,31 @@ def _validity(m: Manifest, results: Sequence[StageResult]) -> str:
     ]
     if get("overlap_median") is None:
         return _section("validity", "Analytic validity", [], "The published file was not assessed.")
-    return _section("validity", "Analytic validity", [_check_rows(m, rows)], "")
+    body = [_check_rows(m, rows), _whys(m, results, risk=False)]
+    return _section("validity", "Analytic validity", body, "")
 
 
-def _gates(m: Manifest) -> str:
+def _gates(m: Manifest, results: Sequence[StageResult] = ()) -> str:
+    """Every gate: result, value, threshold, and whether it is near its limit (NEAR_RULE)."""
     if not m.gates:
         return _section("gates", "Gates", [], "No gate was evaluated.")
+    near = {n: lim for n, _, lim in near_gates(m, results)}
     rows = "".join(
         f"<tr><td style='text-align:left'>{escape(g.name)}</td>"
         f"<td class='{'pass' if g.passed else 'fail'}'>{'passed' if g.passed else 'FAILED'}</td>"
-        f"<td>{escape(value(g.value))}</td><td>{escape(str(g.threshold))}</td></tr>"
+        f"<td>{escape(value(g.value))}</td><td>{escape(str(g.threshold))}</td>"
+        f"<td class='near'>{'near ' + escape(value(near[g.name])) if g.name in near else ''}"
+        "</td></tr>"
         for g in m.gates
     )
     n_fail = m.n_failed_gates
     html = (
-        f"<p>{len(m.gates) - n_fail} passed, {n_fail} failed.</p><table class='t'><tr>"
-        f"<th>gate</th><th>result</th><th>value</th><th>threshold</th></tr>{rows}</table>"
+        f"<p>{len(m.gates) - n_fail} passed, {n_fail} failed, {len(near)} near their limit.</p>"
+        + scroll(
+            "<table class='t'><tr><th>gate</th><th>result</th><th>value</th><th>threshold</th>"
+            f"<th>near limit</th></tr>{rows}</table>"
+        )
+        + f"<p class='note'>Near the limit: {escape(NEAR_RULE)}.</p>"
     )
     return _section("gates", "Gates", [html], "")
 
@@ -462,7 +634,7 @@ def _se_ratios(results: Sequence[StageResult]) -> str:
     body = [img(png, "se-ratios/by-stage")]
     for r in declared:
         caption = f"{r.name}: SE ratios by design-effect class"
-        body.append(table(_se_summary(groups[r.name]), caption))
+        body.append(table(_se_summary(groups[r.name]), caption, folded=True))
         body.append(
             f"<p class='note'>one row per characteristic in "
             f"internal/{escape(r.name)}/{escape(str(r.se_ratio_table))}.csv</p>"
@@ -470,20 +642,27 @@ def _se_ratios(results: Sequence[StageResult]) -> str:
     return _section("se-ratios", "Standard-error ratios", body, "")
 
 
-def _stage(r: StageResult) -> str:
-    """What one stage did: notes, parameters, metrics, all its figures, its declared tables;
-    the other tables are named with their CSV."""
+def _stage(r: StageResult, open_figures: Sequence[str] = ()) -> str:
+    """What one stage did: notes (open), then folded: parameters, metrics, its figures (those in
+    open_figures stay open: the figure the verdict links to), its declared tables; the other
+    tables are named with their CSV."""
     name = escape(r.name)
     body = [f"<h3 id='stage-{name}'>{name}</h3>"]
     if r.notes:
-        body.append("<ul>" + "".join(f"<li>{escape(str(n))}</li>" for n in r.notes) + "</ul>")
-    body.append(_kv(r.params, "Parameters"))
-    body.append(_kv(r.metrics, "Metrics"))
-    body += [img(png, f"{r.name}/{k}") for k, png in r.figures.items()]
+        body.append("<ul>" + "".join(f"<li>{_note(str(n))}</li>" for n in r.notes) + "</ul>")
+    shown = [k for k in r.figures if k in open_figures]
+    body += [img(r.figures[k], f"{r.name}/{k}", _fig_id(r.name, k)) for k in shown]
+    rest = [k for k in r.figures if k not in shown]
+    if rest:
+        figs = "".join(img(r.figures[k], f"{r.name}/{k}", _fig_id(r.name, k)) for k in rest)
+        what = "Figures" if not shown else "Other figures"
+        body.append(fold(f"{what} ({len(rest)}): {', '.join(rest)}", figs))
+    body.append(_kv(r.params, "Parameters", folded=True))
+    body.append(_kv(r.metrics, "Metrics", folded=True))
     for k in r.report_tables:
         where = f"internal/{r.name}/{k}.csv"
         if k in r.tables:
-            body.append(table(r.tables[k], f"{r.name}: {k}", where, MAX_ROWS))
+            body.append(table(r.tables[k], f"{r.name}: {k}", where, MAX_ROWS, folded=True))
         else:
             body.append(f"<p class='note'>{escape(k)}: not produced by this run.</p>")
     csv_only = [k for k in r.tables if k not in r.report_tables]
@@ -491,6 +670,14 @@ def _stage(r: StageResult) -> str:
         files = ", ".join(f"internal/{r.name}/{k}.csv" for k in csv_only)
         body.append(f"<p class='note'>Tables in CSV only: {escape(files)}</p>")
     return "\n".join(b for b in body if b)
+
+
+def _note(text: str, limit: int = NOTE_CHARS) -> str:
+    """A stage note as HTML: a note longer than limit characters folds under its beginning."""
+    if len(text) <= limit:
+        return escape(text)
+    head = text[: limit // 2].rsplit(" ", 1)[0]
+    return fold(f"{head} ... ({len(text):,} characters)", f"<p>{escape(text)}</p>", cls="long")
 
 
 def _not_run(name: str, m: Manifest) -> str:
@@ -514,11 +701,20 @@ def _stages(m: Manifest, results: Sequence[StageResult], stages: Sequence[str] |
 def _provenance(m: Manifest) -> str:
     hashes = {"spec": m.hashes.spec, "input": m.hashes.input}
     body = [
-        _kv({k: v for k, v in hashes.items() if v is not None}, "Hashes"),
-        _kv(m.hashes.outputs, "Published files"),
-        _kv(m.versions, "Versions"),
+        _kv({k: v for k, v in hashes.items() if v is not None}, "Hashes", folded=True),
+        _kv(m.hashes.outputs, "Published files", folded=True),
+        _kv(m.versions, "Versions", folded=True),
     ]
     return _section("provenance", "Provenance", body, "")
+
+
+def _verdict_figures(results: Sequence[StageResult]) -> list[str]:
+    """The figure keys the verdict links to (the worst estimate's variable): kept open."""
+    found = _table_of(results, "worst_estimates")
+    if found is None or "variable" not in found[1]:
+        return []
+    var = str(found[1]["variable"].iloc[0])
+    return [k for r in results for k in r.figures if k == var or k.endswith(f"_{var}")]
 
 
 def render_html(
@@ -533,13 +729,18 @@ def render_html(
         f"<title>{escape(title)}</title><style>{CSS}</style></head><body>",
         f"<h1>{escape(title)}</h1>",
     ]
-    own = [_section(f"section-{r.name}", r.section, [_stage(r)], "") for r in results if r.section]
+    linked = _verdict_figures(results)
+    own = [
+        _section(f"section-{r.name}", r.section, [_stage(r, linked)], "")
+        for r in results
+        if r.section
+    ]
     sections = [
         _verdict(manifest, results),
         _leaves(manifest, results),
         _risk(manifest, results),
         _validity(manifest, results),
-        _gates(manifest),
+        _gates(manifest, results),
         _approval(manifest),
         "<h2 style='margin-top:2em'>Detail</h2>",
         _summary(manifest, results),

@@ -127,7 +127,7 @@ def test_published_release(published):
     # the analytic-validity section: estimate plots per study variable, the model's coefficients
     assert "section-assess" in rep.ids
     assert {f"assess/estimates_{v}" for v in spec.variables.study} | {"assess/model_1"} <= alts
-    assert all(s.startswith("data:") for s in rep.srcs)
+    assert all(s.startswith(("data:", "#")) for s in rep.srcs)  # self-contained; in-page links
     for img in rep.imgs:
         assert base64.b64decode(img["src"].split(",", 1)[1]).startswith(PNG)
     assert (out / "internal" / "gates.csv").is_file()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import base64
 import json
+import re
+from html.parser import HTMLParser
 
 import numpy as np
 import pandas as pd
 import pytest
-from helpers import PNG, SECTIONS, Parsed
+from helpers import DEFAULT_SPEC, PNG, SECTIONS, Parsed
 
 from flows.manifest import Manifest
 from flows.report import MAX_ROWS, artifact_key, post_artifacts, render_report
@@ -437,3 +439,277 @@ def test_forest_plot_keeps_every_row_label_inside_the_figure(monkeypatch, longes
     shown = [t.get_text() for t in ax.get_yticklabels()]
     assert [s.endswith("...") for s in shown] == [longest == 70 and i == 7 for i in range(n)]
     assert all(s == v for s, v in zip(shown, labels, strict=True) if not s.endswith("..."))
+
+
+# ---------------------------------------------------------------- layout, verdict, gate sentences
+
+VOID = {"img", "meta", "br", "hr", "input", "link", "wbr", "source"}
+
+
+class Tree(HTMLParser):
+    """Each <table>, <details> and text run of a page with the open elements around it."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.stack: list[tuple[str, dict]] = []
+        self.tables: list[list[tuple[str, dict]]] = []
+        self.texts: list[tuple[str, list[tuple[str, dict]]]] = []
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self.tables.append(list(self.stack))
+        if tag not in VOID:
+            self.stack.append((tag, dict(attrs)))
+
+    def handle_endtag(self, tag):
+        for i in range(len(self.stack) - 1, -1, -1):
+            if self.stack[i][0] == tag:
+                del self.stack[i:]
+                return
+
+    def handle_data(self, data):
+        if data.strip():
+            self.texts.append((data, list(self.stack)))
+
+    def around(self, needle: str) -> list[tuple[str, dict]]:
+        """The open elements around the first text run containing needle."""
+        return next(stack for text, stack in self.texts if needle in text)
+
+    def section_text(self, sid: str) -> str:
+        return " ".join(t for t, st in self.texts if any(a.get("id") == sid for _, a in st))
+
+
+def _scrolls(stack: list[tuple[str, dict]]) -> bool:
+    return any(
+        tag == "div" and "scroll" in a.get("class", "") and "overflow-x:auto" in a.get("style", "")
+        for tag, a in stack
+    )
+
+
+def _folded(stack: list[tuple[str, dict]]) -> bool:
+    return any(tag == "details" for tag, _ in stack)
+
+
+def _gate(name, value, lower=None, upper=None, ideal=None, why="Protects X; limit Y."):
+    from sdl_design.stage import gate
+
+    return gate(name, value, lower, upper, why=why, ideal=ideal)
+
+
+def _assessed_with_gates() -> tuple[Manifest, list[StageResult]]:
+    """A published release whose assessment has wide worst-estimate and model tables, a figure
+    per study variable and gates: two near their limits, two not."""
+    results = _assessed()
+    a = results[-1]
+    worst = pd.DataFrame(
+        {
+            "variable": ["income", "bmi"],
+            "statistic": ["mean", "mean"],
+            "domain": ["race x marital", "age"],
+            "level": ["asian, separated", "18-25"],
+            "estimate_original": [48100.0, 26.1],
+            "estimate_released": [52300.0, 26.4],
+            "std_bias": [4.2, 1.1],
+            "ci_overlap": [0.12, 0.72],
+            **{f"wide_column_{i}": [1.23456789e6, 2.0] for i in range(25)},
+        }
+    )
+    coefs = pd.DataFrame(
+        {
+            "model": ["y ~ age", "y ~ age"],
+            "term": ["Intercept", "age[T.18-25]"],
+            "ci_overlap": [0.97, 0.61],
+            "std_diff": [0.05, -0.9],
+            **{f"se_column_{i}": [0.1, 0.2] for i in range(25)},
+        }
+    )
+    a.tables = {"worst_estimates": worst, "model_coefficients": coefs}
+    a.report_tables = ["worst_estimates", "model_coefficients"]
+    a.figures = {"estimates_bmi": PNG + b"b", "estimates_income": PNG + b"i", "model_1": PNG}
+    a.gates = [
+        _gate("risk: re-identified share", 0.36, upper=0.395, ideal=0.0),  # 0.035 <= 0.0395
+        _gate("risk: PSUs given away", 0.23, upper=0.5, ideal=0.0),  # far
+        _gate("utility: median CI overlap", 0.905, lower=0.9, ideal=1.0),  # 0.005 <= 0.01
+        _gate("utility: 90th percentile SE ratio", 1.2, 0.8, 1.25, ideal=1.0),  # 0.05 > 0.025
+    ]
+    gates = [
+        {"name": g.name, "passed": True, "value": g.value, "threshold": "t"} for g in a.gates
+    ] + [{"name": "output: no direct identifiers", "passed": True, "value": 0.0, "threshold": "0"}]
+    return manifest(gates=gates), results
+
+
+def test_every_table_scrolls_inside_its_container_and_long_sections_fold(tmp_path):
+    from flows.report import CSS
+
+    m, results = _assessed_with_gates()
+    long_note = "partition sets merged: " + ", ".join(f"age=0-18, race=r{i}" for i in range(40))
+    results[2].notes = [long_note, "PRB changed 4491 records"]
+    html = render_report(m, results, tmp_path / "r.html", FLOW).read_text()
+    t = Tree(html)
+    assert len(t.tables) > 15
+    assert all(_scrolls(stack) for stack in t.tables)  # every table scrolls inside its box
+    assert "max-width:1200px" in CSS and ".scroll{overflow-x:auto;max-width:100%}" in CSS
+    assert "box-sizing:border-box" in CSS  # padding inside the max-width
+    # the verdict, the gate table and the board's sections stay open ...
+    for needle in ("Publish: the file is published", "output: no direct identifiers"):
+        assert not _folded(t.around(needle)), needle
+    assert not _folded(t.around("Published columns"))
+    # ... the long tables, parameters, metrics and stage figures are folded
+    for needle in ("wide_column_0", "se_column_0", "adj_max", "v29", "theta0", "3.8.8"):
+        assert _folded(t.around(needle)), needle
+    # a long stage note folds under its beginning, a short one stays open
+    assert _folded(t.around("race=r39")) and not _folded(t.around("PRB changed 4491 records"))
+    summaries = [s for s, st in t.texts if st and st[-1][0] == "summary"]
+    assert "partition sets merged: age=0-18, race=r0, age=0-18, race=r1, age=0-18," in (
+        " ".join(summaries)
+    )
+    assert "assess: worst_estimates (2 rows)" in summaries
+    assert "massc: calibration (1 row)" in summaries
+    # the figure of the worst estimate's variable stays open, the others are folded
+    imgs = {a["alt"]: stack for a, stack in _img_stacks(html)}
+    assert not _folded(imgs["assess/estimates_income"])
+    assert _folded(imgs["assess/estimates_bmi"]) and _folded(imgs["assess/model_1"])
+    assert _folded(imgs["swap/se_ratio_boxplot"])
+
+
+def _img_stacks(html: str) -> list[tuple[dict, list]]:
+    out = []
+
+    class P(Tree):
+        def handle_starttag(self, tag, attrs):
+            if tag == "img":
+                out.append((dict(attrs), list(self.stack)))
+            super().handle_starttag(tag, attrs)
+
+    P(html)
+    return out
+
+
+def test_verdict_names_the_worst_estimate_and_the_gates_near_their_limits(tmp_path):
+    from sdl_design.stage import NEAR_RULE
+
+    m, results = _assessed_with_gates()
+    t = Tree(render_report(m, results, tmp_path / "r.html", FLOW).read_text())
+    verdict = t.section_text("verdict")
+    assert (
+        "Worst single estimate: the mean of income in race x marital = asian, separated: "
+        "52,300 published vs 48,100 in the survey file, +4.2 survey SEs apart, 95% intervals "
+        "overlap 0.12." in verdict
+    )
+    assert "Worst model coefficient: age[T.18-25] in y ~ age: 95% intervals overlap 0.61" in verdict
+    near = verdict[verdict.index("Near their limits") :]
+    assert "at most 10% of the room between the ideal value and the limit left" in near
+    assert "risk: re-identified share: 0.36 (limit 0.395)" in near
+    assert "utility: median CI overlap: 0.905 (limit 0.9)" in near
+    assert "PSUs given away" not in near and "SE ratio" not in near
+    gates = t.section_text("gates")
+    assert "5 passed, 0 failed, 2 near their limit." in gates and "near 0.395" in gates
+    assert f"Near the limit: {NEAR_RULE}." in gates  # the rule, stated in full
+    # the verdict's figure link points at the open figure of income
+    assert (
+        "href='#fig-assess-estimates-income'"
+        in render_report(m, results, tmp_path / "s.html", FLOW).read_text()
+    )
+    # the worst estimate is named on a failed release too; nothing when nothing was assessed
+    m.gates[0] = m.gates[0].model_copy(update={"passed": False})
+    t = Tree(render_report(m, results, tmp_path / "f.html", FLOW).read_text())
+    assert "Do not publish: 1 of 5 checks failed" in t.section_text("verdict")
+    assert "mean of income in race x marital" in t.section_text("verdict")
+    t = Tree(render_report(manifest(), outputs(), tmp_path / "n.html", FLOW).read_text())
+    assert "Worst single estimate" not in t.section_text("verdict")
+
+
+@pytest.mark.parametrize(
+    ("value", "lower", "upper", "ideal", "near"),
+    [
+        (0.36, None, 0.395, 0.0, 0.395),  # 0.035 left of 0.395: within 10%
+        (0.35, None, 0.395, 0.0, None),  # 0.045 left
+        (0.395, None, 0.395, 0.0, 0.395),  # at the limit, passing
+        (0.40, None, 0.395, 0.0, None),  # failing: not "near", failed
+        (float("nan"), None, 0.395, 0.0, None),
+        (0.905, 0.9, None, 1.0, 0.9),  # overlap: room 0.1, 0.005 left
+        (0.92, 0.9, None, 1.0, None),
+        (0.81, 0.8, 1.25, 1.0, 0.8),  # SE ratio: 0.01 of 0.2 left below
+        (0.83, 0.8, 1.25, 1.0, None),
+        (1.23, 0.8, 1.25, 1.0, 1.25),  # 0.02 of 0.25 left above
+        (1.22, 0.8, 1.25, 1.0, None),
+        (0.24, None, 0.25, None, 0.25),  # no ideal: within 5% of the limit
+        (0.23, None, 0.25, None, None),
+    ],
+)
+def test_near_limit_rule(value, lower, upper, ideal, near):
+    assert _gate("g", value, lower, upper, ideal).near_limit() == near
+
+
+def test_near_gates_picks_the_passing_gates_near_their_limits():
+    from flows.report import near_gates
+
+    m, results = _assessed_with_gates()
+    assert [n for n, _, _ in near_gates(m, results)] == [
+        "risk: re-identified share",
+        "utility: median CI overlap",
+    ]
+    m.gates[2] = m.gates[2].model_copy(update={"passed": False})  # the manifest's verdict rules
+    assert [n for n, _, _ in near_gates(m, results)] == ["risk: re-identified share"]
+
+
+def _all_gates_spec():
+    import yaml
+
+    from sdl_design.spec import parse_spec
+
+    data = yaml.safe_load(DEFAULT_SPEC.read_text())
+    data["gates"].update(max_unique_share=0.2, max_psu_recoverable=0.5)
+    return parse_spec(data, DEFAULT_SPEC.parent)
+
+
+def test_every_risk_gate_says_what_it_protects_against_and_why_its_limit(tmp_path):
+    from sdl_design.assess import assessment_gates
+    from sdl_design.massc.stage import delta_gates
+    from sdl_design.prb import identification_risk_gate
+    from sdl_design.tune import is_risk_gate
+
+    spec = _all_gates_spec()
+    metrics = {
+        "overlap_median": 0.95,
+        "overlap_p5": 0.7,
+        "share_abs_std_bias_gt2": 0.01,
+        "model_overlap_min": 0.9,
+        "se_ratio_p10": 0.9,
+        "se_ratio_p90": 1.1,
+        "epsilon_published": 0.01,
+        "reid_share_worst": 0.088,
+        "delta_published": 0.22,
+        "psu_recoverable": 0.23,
+        "unique_share_published": 0.1,
+    }
+    gates = [
+        *assessment_gates(metrics, spec),
+        identification_risk_gate(0.391, spec.gates.xi),
+        *delta_gates(spec, 0.23),
+    ]
+    risk = [g for g in gates if is_risk_gate(g.name)]
+    assert len(risk) == 6  # xi, delta, PSUs, uniques on the published file; PRB; MASSC
+    for g in gates:
+        assert g.why.startswith("Protects") and g.why.endswith("."), g.name
+        assert not re.search(r"\. [A-Z]", g.why), g.name  # one sentence
+        assert g.ideal is not None, g.name
+        assert g.as_dict()["why"] == g.why
+    limits = {g.name: g.why for g in risk}
+    assert "xi = 0.395" in limits["prb.max_identification_risk"]
+    assert "gates.delta_max = 0.25" in limits["massc.delta"]
+    psu = next(w for n, w in limits.items() if "PSUs" in n)
+    assert "50% (gates.max_psu_recoverable) is acceptable because" in psu
+    assert "at least 50% of the original PSUs stay hidden" in psu
+    # the report shows each risk gate's sentence in the risk section, the others in validity
+    m = manifest(
+        gates=[{"name": g.name, "passed": True, "value": g.value, "threshold": "t"} for g in gates]
+    )
+    res = [*outputs(), StageResult("assess", None, metrics=metrics, gates=gates)]
+    t = Tree(render_report(m, res, tmp_path / "r.html", FLOW).read_text())
+    risk_text, validity = t.section_text("risk"), t.section_text("validity")
+    for g in gates:
+        where, other = (risk_text, validity) if is_risk_gate(g.name) else (validity, risk_text)
+        assert g.why in where and g.why not in other, g.name
