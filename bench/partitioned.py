@@ -281,13 +281,27 @@ else:
 
 
 def main() -> None:
+    """The bench: the input copied into row groups, the scan and the partitioned chain on
+    Dask and in one process, and (up to 2M records) the same on the whole file in memory."""
     spec_path = Path(sys.argv[1]).resolve()
     rows = int(sys.argv[2]) if len(sys.argv) > 2 else 262_144
+    work, n = _copy_input(spec_path, rows)
+    spec = work / "spec.yaml"
+    _bench_scan_dask(spec, work)
+    _bench_partitioned_dask(spec, work)
+    _bench_in_process(spec, work)
+    if n <= 2_000_000:
+        _bench_whole_file(work)
+
+
+def _copy_input(spec_path: Path, rows: int) -> tuple[Path, int]:
+    """The spec's input copied (in a child process) into row groups of `rows` records in a
+    fresh work folder (PUF_BENCH_FILES=k: k files), with spec.yaml reading it. Returns the
+    folder and the number of records."""
     work = Path(tempfile.mkdtemp(prefix="puf_bench_scan_"))
     t0 = time.perf_counter()
     files = int(os.environ.get("PUF_BENCH_FILES", "1"))
     _child(COPY, str(spec_path), str(work), str(rows), str(files))  # not this process's memory
-    spec = work / "spec.yaml"
     import pyarrow.parquet as pq
 
     mds = [pq.ParquetFile(f).metadata for f in sorted(work.glob("input*/*.parquet"))] or [
@@ -299,18 +313,25 @@ def main() -> None:
         f"groups of at most {rows:,}; copy {time.perf_counter() - t0:.1f} s; output {work}",
         flush=True,
     )
+    return work, n
 
+
+def _cluster_and_client() -> tuple:
+    """A local Dask cluster of 2 single-threaded worker processes and its client (fresh
+    worker processes: their peaks are one run's)."""
     from distributed import Client, LocalCluster
 
-    from flows.scan import run_partitioned, run_scan
+    cluster = LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+    )
+    return cluster, Client(cluster)
 
-    def cluster_and_client() -> tuple:  # fresh worker processes: their peaks are one run's
-        cluster = LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
-        )
-        return cluster, Client(cluster)
 
-    cluster, client = cluster_and_client()
+def _bench_scan_dask(spec: Path, work: Path) -> None:
+    """The scan on Dask: time by pass and per-worker peak memory."""
+    from flows.scan import run_scan
+
+    cluster, client = _cluster_and_client()
     with cluster, client:
         start = client.run(_maxrss_gib)
         out = run_scan(str(spec), "dask", cluster.scheduler_address, out=str(work / "dask"))
@@ -323,7 +344,14 @@ def main() -> None:
         + ", ".join(f"{v:.2f} GiB" for v in peaks.values())
         + f" (at start {max(start.values()):.2f} GiB); driver peak {_maxrss_gib():.2f} GiB"
     )
-    cluster, client = cluster_and_client()
+
+
+def _bench_partitioned_dask(spec: Path, work: Path) -> None:
+    """The partitioned chain on Dask: time, per-worker and driver peak memory, the swap and
+    PRB stages' steps, then the later stages' (_print_later_stages)."""
+    from flows.scan import run_partitioned
+
+    cluster, client = _cluster_and_client()
     with cluster, client:
         start = client.run(_maxrss_gib)
         run = run_partitioned(str(spec), "dask", cluster.scheduler_address, out=str(work / "p"))
@@ -348,22 +376,33 @@ def main() -> None:
         flush=True,
     )
     if "massc" in run["stages"]:
-        ms = run["stages"]["massc"]
-        print(
-            f"  MASSC: donors pass 1 {ms['pass1_seconds']:.1f} s, search on the driver "
-            f"{ms['search_seconds']:.1f} s, draws and exchange of the donor records between "
-            f"the workers, writing the substituted file {ms['exchange_seconds']:.1f} s; strata "
-            f"and moments {ms['moments_seconds']:.1f} s, psi {ms['psi_seconds']:.1f} s, the "
-            f"treatment (two selections exchanging records, phi, delta; "
-            f"{ms['n_delta_revisions']} revision(s)) {ms['treatment_seconds']:.1f} s, the "
-            f"calibration (three passes, the solve on the driver, writing the retained records) "
-            f"{ms['calibration_seconds']:.1f} s, {int(ms.get('n_replications', 0))} replications "
-            f"(per batch of 5: one exchange of selections, the calibrations' passes and the "
-            f"totals) {ms['replications_seconds']:.1f} s; epsilon formula "
-            f"{ms['epsilon_formula']:.4f}, empirical {ms.get('epsilon_empirical', float('nan')):.4f}; "
-            f"{ms['n_with_donor']:,} records with a donor, {ms['n_profiles']:,} search profiles",
-            flush=True,
-        )
+        _print_massc(run["stages"]["massc"])
+    _print_later_stages(run)
+
+
+def _print_massc(ms: dict) -> None:
+    """MASSC's steps in the partitioned chain: donors, moments, psi, the treatment, the
+    calibration, the replications; epsilon."""
+    print(
+        f"  MASSC: donors pass 1 {ms['pass1_seconds']:.1f} s, search on the driver "
+        f"{ms['search_seconds']:.1f} s, draws and exchange of the donor records between "
+        f"the workers, writing the substituted file {ms['exchange_seconds']:.1f} s; strata "
+        f"and moments {ms['moments_seconds']:.1f} s, psi {ms['psi_seconds']:.1f} s, the "
+        f"treatment (two selections exchanging records, phi, delta; "
+        f"{ms['n_delta_revisions']} revision(s)) {ms['treatment_seconds']:.1f} s, the "
+        f"calibration (three passes, the solve on the driver, writing the retained records) "
+        f"{ms['calibration_seconds']:.1f} s, {int(ms.get('n_replications', 0))} replications "
+        f"(per batch of 5: one exchange of selections, the calibrations' passes and the "
+        f"totals) {ms['replications_seconds']:.1f} s; epsilon formula "
+        f"{ms['epsilon_formula']:.4f}, empirical {ms.get('epsilon_empirical', float('nan')):.4f}; "
+        f"{ms['n_with_donor']:,} records with a donor, {ms['n_profiles']:,} search profiles",
+        flush=True,
+    )
+
+
+def _print_later_stages(run: dict) -> None:
+    """The partitioned chain's top-coding, final and assess stages and public files, when
+    it ran them."""
     if "topcode" in run["stages"]:
         tc = run["stages"]["topcode"]
         print(
@@ -394,6 +433,11 @@ def main() -> None:
             f"{pf['columns']} columns; gates: {pf['gates_passed']} of {pf['gates']} pass",
             flush=True,
         )
+
+
+def _bench_in_process(spec: Path, work: Path) -> None:
+    """The scan and (unless PUF_BENCH_DASK_ONLY) the partitioned chain in one process, a
+    partition at a time; the scan's tables against the Dask run's, byte for byte."""
     wall, peak, text = _child(IN_PROCESS, str(spec), str(work / "thread"))
     secs = float(next(ln for ln in text.splitlines() if ln.startswith("SCAN")).split()[1])
     print(f"one process, a partition at a time: {secs:.1f} s; peak RSS {peak:.2f} GiB")
@@ -411,38 +455,43 @@ def main() -> None:
         for f in ("se.csv", "edits.csv", "risk_strata.csv", "profiles.csv")
     )
     print(f"tables of the two runs byte-identical: {same}")
-    if n <= 2_000_000:
-        wall, peak, text = _child(WHOLE, str(work / "spec-whole.yaml"))
-        secs = float(next(ln for ln in text.splitlines() if ln.startswith("WHOLE")).split()[1])
-        print(
-            f"whole file in memory (read_input + SurveyDesign, same SEs): {secs:.1f} s; "
-            f"peak RSS {peak:.2f} GiB"
-        )
-        wall, peak, text = _child(STAGES_WHOLE, str(work / "spec-whole.yaml"), str(work / "p"))
-        secs = next(ln for ln in text.splitlines() if ln.startswith("WHOLE")).split()[1:]
-        same = next(ln for ln in text.splitlines() if ln.startswith("SAME")).split()[1:]
-        print(
-            f"the stages on the whole file in memory (SwapStage with its SE tables and the 2a "
-            f"baseline; PrbStage with its tables and the NZY baseline; MASSC's plan and "
-            f"treatment with meet_delta's revisions, its calibration and replications; TopcodeStage): read + swap {float(secs[0]):.1f} s, PRB "
-            f"{float(secs[1]):.1f} s, MASSC plan and treatment {float(secs[2]):.1f} s, its "
-            f"calibration {float(secs[3]):.1f} s, its replications {float(secs[4]):.1f} s, "
-            f"top-coding {float(secs[5]):.1f} s; peak "
-            f"RSS {peak:.2f} GiB; records equal to the partitioned ones, bit for bit: swap "
-            f"{same[0]}, PRB {same[1]}, MASSC's donors and substituted file {same[2]}, its "
-            f"moments, original totals and SEs, costs and psi {same[3]}, its substitution, "
-            f"phi, subsampling and delta {same[4]}, its calibrated records {same[5]}, its "
-            f"replications' estimates and epsilon {same[6]}, the top-coded records {same[7]}; "
-            f"the public data files (puf.parquet, puf.csv) byte for byte: {same[8]}"
-        )
-        gap = float(next(ln for ln in text.splitlines() if ln.startswith("ASSESS")).split()[1])
-        fin = float(next(ln for ln in text.splitlines() if ln.startswith("FINAL")).split()[1])
-        print(
-            "the assessment (domain estimates, model coefficients, their SEs and the metrics, "
-            f"pMSE included) against assess on the in-memory records: largest relative "
-            f"difference {gap:.1e}; the final stage's SE table and metrics against FinalStage: "
-            f"{fin:.1e}"
-        )
+
+
+def _bench_whole_file(work: Path) -> None:
+    """The whole file in memory: the scan's SEs (read_input + SurveyDesign), then the stages
+    (swap, PRB, MASSC, top-coding) against the partitioned chain's records, bit for bit, and
+    the assessment and final stage against theirs."""
+    wall, peak, text = _child(WHOLE, str(work / "spec-whole.yaml"))
+    secs = float(next(ln for ln in text.splitlines() if ln.startswith("WHOLE")).split()[1])
+    print(
+        f"whole file in memory (read_input + SurveyDesign, same SEs): {secs:.1f} s; "
+        f"peak RSS {peak:.2f} GiB"
+    )
+    wall, peak, text = _child(STAGES_WHOLE, str(work / "spec-whole.yaml"), str(work / "p"))
+    secs = next(ln for ln in text.splitlines() if ln.startswith("WHOLE")).split()[1:]
+    same = next(ln for ln in text.splitlines() if ln.startswith("SAME")).split()[1:]
+    print(
+        f"the stages on the whole file in memory (SwapStage with its SE tables and the 2a "
+        f"baseline; PrbStage with its tables and the NZY baseline; MASSC's plan and "
+        f"treatment with meet_delta's revisions, its calibration and replications; TopcodeStage): read + swap {float(secs[0]):.1f} s, PRB "
+        f"{float(secs[1]):.1f} s, MASSC plan and treatment {float(secs[2]):.1f} s, its "
+        f"calibration {float(secs[3]):.1f} s, its replications {float(secs[4]):.1f} s, "
+        f"top-coding {float(secs[5]):.1f} s; peak "
+        f"RSS {peak:.2f} GiB; records equal to the partitioned ones, bit for bit: swap "
+        f"{same[0]}, PRB {same[1]}, MASSC's donors and substituted file {same[2]}, its "
+        f"moments, original totals and SEs, costs and psi {same[3]}, its substitution, "
+        f"phi, subsampling and delta {same[4]}, its calibrated records {same[5]}, its "
+        f"replications' estimates and epsilon {same[6]}, the top-coded records {same[7]}; "
+        f"the public data files (puf.parquet, puf.csv) byte for byte: {same[8]}"
+    )
+    gap = float(next(ln for ln in text.splitlines() if ln.startswith("ASSESS")).split()[1])
+    fin = float(next(ln for ln in text.splitlines() if ln.startswith("FINAL")).split()[1])
+    print(
+        "the assessment (domain estimates, model coefficients, their SEs and the metrics, "
+        f"pMSE included) against assess on the in-memory records: largest relative "
+        f"difference {gap:.1e}; the final stage's SE table and metrics against FinalStage: "
+        f"{fin:.1e}"
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from flows import publish as pub
+from flows.publish import _json_default
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -106,7 +109,6 @@ class Counts(_Part):
 
 def jsonable(obj: Any) -> Any:
     """obj as plain JSON values, exactly as write_json writes it (numpy scalars, tuples, paths)."""
-    from flows.publish import _json_default
 
     return json.loads(json.dumps(obj, default=_json_default))
 
@@ -131,7 +133,6 @@ class Manifest(_Part):
     @classmethod
     def new(cls, spec: ReleaseSpec, spec_hash: str, input_hash: str) -> Manifest:
         """A drafted release of spec: its id hashes the spec, the input and the year."""
-        from flows import publish as pub
 
         rel = spec.release
         rid = hashlib.sha256(f"{spec_hash}{input_hash}{rel.year}".encode()).hexdigest()[:8]

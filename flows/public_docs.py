@@ -11,8 +11,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from sdl_design.public_summary import VALUES_MAX, PsuKey, PublicSummary, public_summary
+from sdl_design.describe import REPLICATES
+from sdl_design.design import SurveyDesign
+from sdl_design.public_summary import (
+    RECORDS,
+    VALUES_MAX,
+    PsuKey,
+    PublicSummary,
+    public_summary,
+    record_jkn_scales,
+)
 from sdl_design.spec import ReleaseSpec
+from sdl_design.stages import RELEASE_STAGES
 
 if TYPE_CHECKING:
     from sdl_design.stage import StageResult
@@ -59,14 +69,6 @@ def _by_name(results: Sequence[StageResult]) -> dict[str, StageResult]:
     return {r.name: r for r in results}
 
 
-def _fmt(x: float) -> str:
-    return f"{x:,.6g}"
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
-
-
 def _span(cols: list[str]) -> str:
     return cols[0] if len(cols) == 1 else f"{cols[0]} .. {cols[-1]} ({len(cols)} columns)"
 
@@ -79,7 +81,7 @@ def design_facts(spec: ReleaseSpec | None, results: Sequence[StageResult]) -> di
     stage made them, replicate method and rho. spec None (the report): from the results alone."""
     mask = next((r for r in results if r.masks_design), None)
     p = mask.params if mask is not None else {}
-    a = _by_name(results).get("assess")
+    a = _assessment(results)
     roles = a.params.get("published_columns", {}) if a is not None else {}
 
     def role(name: str) -> str | None:
@@ -110,70 +112,42 @@ def design_facts(spec: ReleaseSpec | None, results: Sequence[StageResult]) -> di
     }
 
 
+def _assessment(results: Sequence[StageResult]) -> StageResult | None:
+    """The result that recorded the published and dropped columns (the assessment's)."""
+    return next((r for r in results if "published_columns" in (r.params or {})), None)
+
+
+def _describing(results: Sequence[StageResult]) -> list[tuple[Any, StageResult]]:
+    """(stage class, result) of the results that ran, the stage that masked the design first,
+    then the others in release order."""
+
+    by_name = _by_name(results)
+    ran = [(c, by_name[c.name]) for c in RELEASE_STAGES if c.name in by_name]
+    return sorted(ran, key=lambda cr: not cr[1].masks_design)
+
+
 def column_treatments(
     spec: ReleaseSpec | None,
     results: Sequence[StageResult],
     columns: Sequence[str] | None = None,
 ) -> pd.DataFrame:
     """One row per published column (replicate weights as one row): its role and what was done
-    to it, from the stage results that ran. columns: the published columns (default: those the
-    assessment recorded). Columns: column, role, treatment."""
-    r = _by_name(results)
-    roles: dict[str, list[str]] = (
-        r["assess"].params.get("published_columns", {}) if "assess" in r else {}
-    )
+    to it, as the stages that ran describe it. columns: the published columns (default: those
+    the assessment recorded). Columns: column, role, treatment."""
+    a = _assessment(results)
+    roles: dict[str, list[str]] = a.params.get("published_columns", {}) if a is not None else {}
     role_of = {c: role for role, cols in roles.items() for c in cols}
     if columns is None:
         columns = [c for cols in roles.values() for c in cols]
     des = design_facts(spec, results)
     done: dict[str, list[str]] = {c: [] for c in columns}
-    if "swap" in r:
-        p = r["swap"].params
-        for c in (des["strata"], des["psu"]):
-            if c in done:
-                done[c].append(
-                    f"pseudo-design label: {p.get('n_swapped', '?')} of {p.get('n_segments', '?')} "
-                    f"segments ({_pct(p.get('share_swapped', 0.0))}) swapped between PSUs "
-                    "(paper 003, method " + str(p.get("method", "")) + "), labels renumbered"
-                )
-    elif des["masked_by"]:
-        for c in (des["strata"], des["psu"]):
-            if c in done:
-                done[c].append(f"pseudo-design label built by the {des['masked_by']} stage")
-    if "prb" in r:
-        res = r["prb"]
-        ch = res.tables.get("changed_by_variable")
-        shares = {} if ch is None else dict(zip(ch["variable"], ch["share_changed"], strict=True))
-        theta = res.params.get("theta", float("nan"))
-        for c in done:
-            if c in shares:
-                done[c].append(
-                    f"post-randomized by PRB (paper 002; theta {theta:.4f}): "
-                    f"{_pct(shares[c])} of records changed"
-                )
-    if "massc" in r:
-        res = r["massc"]
-        m, p = res.metrics, res.params
-        n_sub = int(m.get("n_substituted", 0))
-        for c in p.get("substitute_columns") or []:
-            if c in done:
-                done[c].append(
-                    f"substituted by MASSC (paper 000): {n_sub} records "
-                    f"({_pct(m.get('share_substituted', 0.0))}) took a donor's values"
-                    if n_sub
-                    else "eligible for MASSC substitution; no record was substituted"
-                )
-        cal = p.get("calibration") or {}
-        if des["weight"] in done:
-            done[des["weight"]].append(
-                f"divided by the MASSC retention rate and calibrated ({cal.get('method', '?')}) "
-                f"to the original totals; factors {m.get('calibration_factor_min', float('nan')):.3f}"
-                f" to {m.get('calibration_factor_max', float('nan')):.3f}"
-            )
-    if "topcode" in r:
-        for c, _n, text in _topcodes(r["topcode"]):
-            if c in done:
-                done[c].append(text)
+    replicates = ""
+    for cls, res in _describing(results):
+        for c, texts in cls.public_treatments(res, des).items():
+            if c == REPLICATES:
+                replicates += "".join(texts)
+            elif c in done:
+                done[c] += texts
     reps = [c for c in columns if role_of.get(c) == "replicate weight"]
     rows = []
     for c in columns:
@@ -183,15 +157,7 @@ def column_treatments(
         what = done[c]
         if c in reps[:1]:
             what = [
-                f"{METHOD_NAME.get(des['method'], des['method'])} replicate weights"
-                + (
-                    " rebuilt for the masked design"
-                    if des["masked_by"] == "swap"
-                    else f" built by the {des['masked_by']} stage"
-                    if des["masked_by"]
-                    else ""
-                )
-                + ("; each recalibrated as the full-sample weight" if "massc" in r else "")
+                f"{METHOD_NAME.get(des['method'], des['method'])} replicate weights{replicates}"
             ]
         rows.append(
             {"column": name, "role": role or "", "treatment": "; ".join(what) or "unchanged"}
@@ -199,30 +165,10 @@ def column_treatments(
     return pd.DataFrame(rows, columns=["column", "role", "treatment"])
 
 
-def _topcodes(res: StageResult) -> list[tuple[str, int, str]]:
-    """(column, records coded, sentence) for every coded side of every top-coded column."""
-    t = res.tables.get("thresholds")
-    if t is None or not len(t):
-        return []
-    out = []
-    for row in t.itertuples():
-        n = int(row.n_coded)
-        word = "top-coded" if row.side == "upper" else "bottom-coded"
-        rep = getattr(row, "replacement", np.nan)
-        if row.replace == "mean" and n and pd.notna(rep):
-            how = f"; those values replaced by their weighted mean {_fmt(rep)} (total preserved)"
-        elif n:
-            how = "; those values set to the threshold"
-        else:
-            how = ""
-        out.append((row.column, n, f"{word} at {_fmt(row.threshold)}: {n} records{how}"))
-    return out
-
-
 def dropped_columns(results: Sequence[StageResult]) -> dict[str, str]:
     """Input columns not published, with why (as the assessment recorded them)."""
-    r = _by_name(results)
-    return dict(r["assess"].params.get("dropped_columns", {})) if "assess" in r else {}
+    a = _assessment(results)
+    return dict(a.params.get("dropped_columns", {})) if a is not None else {}
 
 
 # ---------------------------------------------------------------- replicate scale factors
@@ -235,8 +181,6 @@ def replicate_scales(
     form of the method; JKn: (n_h-1)/n_h of the stratum of the PSU the replicate deletes).
     puf: the public frame, or its PSU rows (sdl_design.public_summary.psu_rows: the same
     factors)."""
-    from sdl_design.design import SurveyDesign
-    from sdl_design.public_summary import RECORDS, record_jkn_scales
 
     if RECORDS in puf.columns and method == "jkn":  # one row per stratum: records are PSUs
         return record_jkn_scales(puf, strata if strata in puf.columns else None, reps)
@@ -351,7 +295,6 @@ def variance_notes(
     parameters analysts may use, and variance estimation in R, Stata, SAS, SUDAAN and Python.
     `.codebook_notes` carries the codebook's per-variable additions. puf: the public frame, or
     its PublicSummary with the PSU rows of psu_key (the partitioned release's)."""
-    r = _by_name(results)
     des = design_facts(spec, results)
     w, strata, psu, reps = _readme_design(spec, des, list(puf.columns))
     pub = (
@@ -379,13 +322,10 @@ def variance_notes(
     if dropped:
         L += ["", "Not published: " + "; ".join(f"`{c}` ({why})" for c, why in dropped.items())]
     L += ["", "## Disclosure limitation methods applied", ""]
-    ran = [n for n in ("swap", "prb", "massc", "topcode") if n in r]
-    if des["masked_by"] and des["masked_by"] != "swap":
-        ran.insert(0, des["masked_by"])
-    if not ran:
+    methods = [line for cls, res in _describing(results) for line in cls.public_method(res, des)]
+    if not methods:
         L.append("No record or value was perturbed; only the columns listed above were removed.")
-    for name in ran:
-        L += _method_section(name, r[name], spec, des)
+    L += methods
     L += ["", "## Estimating variances", ""]
     L += _variance_section(pub, w, strata, psu, reps, des, _example(spec, pub, w, reps))
     L += [
@@ -398,10 +338,10 @@ def variance_notes(
     notes: dict[str, dict[str, Any]] = {}
     miss = _missing_codes(spec)
     labels = getattr(spec.variables, "labels", None) or {}
-    tc = {}
-    if "topcode" in r:
-        for c, _n, text in _topcodes(r["topcode"]):
-            tc.setdefault(c, []).append(text)
+    tc: dict[str, list[str]] = {}
+    for cls, res in _describing(results):
+        for c, fields in cls.public_codebook(res).items():
+            tc.setdefault(c, []).extend(fields.get("topcoded", []))
     per_col = {t.column: t.treatment for t in treat.itertuples()}
     role = {t.column: t.role for t in treat.itertuples()}
     pseudo = "pseudo-" if des["masked_by"] else ""
@@ -434,153 +374,6 @@ def variance_notes(
     return PublicReadme("\n".join(L) + "\n", notes)
 
 
-def _method_section(name: str, res: StageResult, spec: ReleaseSpec, des: dict) -> list[str]:
-    p, m = res.params, res.metrics
-    if name == "swap":
-        return [
-            "### Masked design (segment swapping, paper 003)",
-            "",
-            f"{p.get('n_swapped')} of {p.get('n_segments')} segments "
-            f"({_pct(p.get('share_swapped', 0.0))}) were swapped between PSUs, each partner chosen "
-            "so that the variances of the matching characteristics change as little as possible "
-            f"(method {p.get('method')}). The published `{des['strata']}` and `{des['psu']}` are "
-            "pseudo-strata and pseudo-PSUs, renumbered; replicate weights were rebuilt for them. "
-            "Use them as ordinary strata and PSUs (below); standard errors stay close to those "
-            "of the original design (the release's SE-ratio gate checks them).",
-            "",
-        ]
-    if name == "prb":
-        L = [
-            "### Post-randomization of key variables (PRB, paper 002)",
-            "",
-            f"Records in key cells (combinations of {', '.join(p.get('cells', []))}) held by one or "
-            "two records were grouped in blocks of similar weight; within a block each record kept "
-            f"its cell with probability 1 - theta/t_j and moved to each of the m - 1 other cells "
-            f"with probability theta/((m-1) t_j) (t_j: the records of its cell in the block; "
-            f"theta = {p.get('theta', float('nan')):.6f}; at least m0 = {p.get('m0')} cells per "
-            f"block). A record that moved took all of {', '.join(_prb_vars(res))} from a record of "
-            f"its new cell. {int(m.get('n_changed', 0)):,} records ({_pct(m.get('share_changed', 0.0))}) "
-            "changed; the exact identification risk of every block is at most "
-            f"xi = {p.get('xi')}.",
-            "",
-            "Transition probabilities for inference (P[a, b] = P(published = b | original = a), "
-            "weighted by the design weight, on each variable's published coding; a misclassification "
-            "model or the estimator T_original = (P')^-1 T_published of weighted category totals "
-            "uses them). Diagonal by category (the share of each category's weight left unchanged):",
-            "",
-        ]
-        tr = res.tables.get("transitions")
-        if tr is not None and len(tr):
-            diag = tr[tr["original"] == tr["published"]]
-            for v, g in diag.groupby("variable", sort=False):
-                L.append(
-                    f"- `{v}`: "
-                    + "; ".join(
-                        f"{a} {pv:.4f}" for a, pv in zip(g["original"], g["p"], strict=True)
-                    )
-                )
-            L += ["", "Full matrices (off-diagonal entries > 0):", ""]
-            for v, g in tr.groupby("variable", sort=False):
-                off = g[g["original"] != g["published"]]
-                if len(off):
-                    L.append(
-                        f"- `{v}`: "
-                        + "; ".join(
-                            f"{a}->{b} {pv:.4f}"
-                            for a, b, pv in zip(
-                                off["original"], off["published"], off["p"], strict=True
-                            )
-                        )
-                    )
-        ch = res.tables.get("changed_by_variable")
-        if tr is not None and len(tr):
-            kept = tr[tr["original"] == tr["published"]].groupby("variable")["p"].min()
-            within = [v for v, pv in kept.items() if pv >= 1.0 - 1e-12]
-            if within:
-                L += [
-                    "",
-                    f"{', '.join(f'`{v}`' for v in within)}: never moved to another published "
-                    "category (PRB partitions on it).",
-                ]
-        if ch is not None and len(ch):
-            L += [
-                "",
-                "Share of records whose value changed: "
-                + "; ".join(
-                    f"`{v}` {_pct(s)}"
-                    for v, s in zip(ch["variable"], ch["share_changed"], strict=True)
-                )
-                + ".",
-            ]
-        return [*L, ""]
-    if name == "massc":
-        cal = p.get("calibration") or {}
-        controls = [c["name"] if isinstance(c, dict) else str(c) for c in cal.get("controls", [])]
-        phi = p.get("phi") or {}
-        n_out = int(m.get("n_subsampled_out", 0))
-        n_sub = int(m.get("n_substituted", 0))
-        L = [
-            "### Substitution, subsampling and calibration (MASSC, paper 000)",
-            "",
-            "Records were grouped by risk: U, D, T, O = the record's key combination is held by "
-            "1, 2, 3, or 4 and more records. "
-            + (
-                f"{n_sub:,} records ({_pct(m.get('share_substituted', 0.0))}) had their "
-                f"{', '.join(p.get('substitute_columns') or [])} replaced by a similar donor's. "
-                if n_sub
-                else "No record was substituted"
-                + (
-                    " (no donor within the record's cell of the declared domains). "
-                    if int(m.get("n_no_donor_domain", 0)) >= int(m.get("n_no_donor", -1)) > 0
-                    else ". "
-                )
-            )
-            + f"{n_out:,} records were removed by subsampling at the retention rates "
-            + ", ".join(f"{h} {v:.3f}" for h, v in phi.items())
-            + f" ({p.get('selection', '')}); the weight `{des['weight']}` was divided by the rate and then "
-            f"calibrated ({cal.get('method', '?')}"
-            + (f", bounds {cal['bounds']}" if cal.get("bounds") else "")
-            + ") so that the weighted totals of "
-            + (", ".join(f"`{c}`" for c in controls) or "no control")
-            + " equal those of the original file"
-            + (" (and of the declared domains)" if cal.get("domain_margins") else "")
-            + ". Each replicate weight was recalibrated the same way, so replicate variances "
-            "include the calibration.",
-            "",
-        ]
-        return L
-    if name == "topcode":
-        L = ["### Top- and bottom-coding (paper 004)", ""]
-        for c, _, text in _topcodes(res):
-            L.append(f"- `{c}`: {text}.")
-        L += [
-            "",
-            "The codebook's `topcoded` column repeats these; a coded record is recognised by its "
-            "value (the threshold, or the replacement mean).",
-            "",
-        ]
-        return L
-    said = " ".join(str(n) for n in res.notes) or (
-        "Pseudo-strata and pseudo-PSUs were formed for this file and replicate weights built "
-        "from them."
-    )
-    return [
-        "### Pseudo-design for variance estimation",
-        "",
-        f"The published `{des['strata']}` and `{des['psu']}` are not the survey's strata and PSUs: "
-        + said
-        + " Use them as ordinary strata and PSUs (below).",
-        "",
-    ]
-
-
-def _prb_vars(res: StageResult) -> list[str]:
-    ch = res.tables.get("changed_by_variable")
-    if ch is not None and len(ch):
-        return list(ch["variable"])
-    return list(res.params.get("cells", []))
-
-
 def _variance_section(
     pub: PublicSummary,
     w: str,
@@ -590,95 +383,14 @@ def _variance_section(
     des: dict,
     ex: str,
 ) -> list[str]:
+    """The README's variance estimation lines: the weight, Taylor linearization recipes (with
+    strata or PSUs), replicate-weight recipes (with replicates), else the independent-records
+    warning. ex: the variable the recipes estimate."""
     L = [f"Every estimate must use the weight `{w}`."]
     if strata or psu:
-        L += [
-            "",
-            "### Taylor linearization",
-            "",
-            "With-replacement (ultimate cluster) design: "
-            + (f"strata `{strata}`, " if strata else "no strata, ")
-            + (f"PSUs `{psu}` (numbered within strata)." if psu else "each record a PSU."),
-            "",
-            "```r",
-            "library(survey)",
-            'puf <- arrow::read_parquet("puf.parquet")',
-            f"des <- svydesign(ids = ~{psu or 1}, strata = {'~' + strata if strata else 'NULL'}, "
-            f"weights = ~{w}, nest = TRUE, data = puf)",
-            f"svymean(~{ex}, des)",
-            "```",
-            "",
-            f"Stata: `svyset {psu or '_n'} [pw = {w}]{', strata(' + strata + ')' if strata else ''} vce(linearized)`  ",
-            f"SAS: `proc surveymeans data=puf; {'strata ' + strata + '; ' if strata else ''}"
-            f"{'cluster ' + psu + '; ' if psu else ''}weight {w}; var {ex}; run;`  ",
-            f"SUDAAN: `proc descript data=puf design=wr; nest {strata or '_one_'} {psu or '_minus1_'}; "
-            f"weight {w}; var {ex};`",
-        ]
+        L += _taylor_recipes(w, strata, psu, ex)
     if reps:
-        method, rho = des["method"], des["rho"]
-        R = len(reps)
-        c = replicate_scales(pub.psus, w, reps, method, rho, strata, psu)
-        const = bool(np.allclose(c, c[0], rtol=0, atol=0))
-        L += [
-            "",
-            "### Replicate weights",
-            "",
-            f"{R} replicate weights `{_span(reps)}`, {METHOD_NAME.get(method, method)}"
-            + (f" with rho = {rho}" if method == "fay" else "")
-            + f". Variance: V = sum over r of c_r (theta_r - theta)^2, centred on the full-sample "
-            f"estimate theta (mse), with c_r = {CLOSED_FORM.get(method, '?')}"
-            + (
-                f" = {float(c[0])!r} for every replicate."
-                if const
-                else " (one value per replicate, below)."
-            ),
-            "",
-        ]
-        vals, runs = _runs(c)
-        cvec = (
-            f"{float(c[0])!r}"
-            if const
-            else f"rep(c({_num_list(vals)}), c({', '.join(map(str, runs))}))"
-        )
-        rlist = f"{reps[0]}-{reps[-1]}"
-        L += [
-            "R (survey):",
-            "",
-            "```r",
-            f"rscales <- {cvec}",
-            f'des <- svrepdesign(data = puf, weights = ~{w}, repweights = "{_regex(reps)}",',
-            '                   type = "other", scale = 1, rscales = rscales, mse = TRUE,',
-            "                   combined.weights = TRUE)",
-            f"svymean(~{ex}, des)",
-            "```",
-            "",
-            "Stata (the jackknife formula with one multiplier c_r per replicate gives the same V "
-            "for every method):",
-            "",
-            "```stata",
-            f"svyset [pw = {w}], jkrweight({rlist}, multiplier({_stata_mult(c, R)})) vce(jackknife) mse",
-            f"svy: mean {ex}",
-            "```",
-            "",
-            "SAS (JKCOEFS are the c_r):",
-            "",
-            "```sas",
-            "proc surveymeans data=puf varmethod=jackknife mean;",
-            f"  weight {w};",
-            f"  repweights {reps[0]}--{reps[-1]} / jkcoefs=({' '.join(repr(float(v)) for v in c)});",
-            f"  var {ex};",
-            "run;",
-            "```",
-            "",
-            f"SUDAAN: `design=jackknife; weight {w}; jackwgts {reps[0]}--{reps[-1]} / adjjack="
-            f"{' '.join(repr(float(v)) for v in c)};`",
-            "",
-            "Python (numpy and pandas; the release's own checks run exactly this code):",
-            "",
-            "```python",
-            *_python_recipe(w, reps, c, const, strata, psu, ex),
-            "```",
-        ]
+        L += _replicate_recipes(pub, w, strata, psu, reps, des, ex)
     elif not (strata or psu):
         L += [
             "",
@@ -687,6 +399,125 @@ def _variance_section(
             "when the original sample was clustered).",
         ]
     return L
+
+
+def _taylor_recipes(w: str, strata: str | None, psu: str | None, ex: str) -> list[str]:
+    """Taylor linearization of the with-replacement design: R, Stata, SAS and SUDAAN."""
+    return [
+        "",
+        "### Taylor linearization",
+        "",
+        "With-replacement (ultimate cluster) design: "
+        + (f"strata `{strata}`, " if strata else "no strata, ")
+        + (f"PSUs `{psu}` (numbered within strata)." if psu else "each record a PSU."),
+        "",
+        "```r",
+        "library(survey)",
+        'puf <- arrow::read_parquet("puf.parquet")',
+        f"des <- svydesign(ids = ~{psu or 1}, strata = {'~' + strata if strata else 'NULL'}, "
+        f"weights = ~{w}, nest = TRUE, data = puf)",
+        f"svymean(~{ex}, des)",
+        "```",
+        "",
+        f"Stata: `svyset {psu or '_n'} [pw = {w}]{', strata(' + strata + ')' if strata else ''} vce(linearized)`  ",
+        f"SAS: `proc surveymeans data=puf; {'strata ' + strata + '; ' if strata else ''}"
+        f"{'cluster ' + psu + '; ' if psu else ''}weight {w}; var {ex}; run;`  ",
+        f"SUDAAN: `proc descript data=puf design=wr; nest {strata or '_one_'} {psu or '_minus1_'}; "
+        f"weight {w}; var {ex};`",
+    ]
+
+
+def _replicate_recipes(
+    pub: PublicSummary,
+    w: str,
+    strata: str | None,
+    psu: str | None,
+    reps: list[str],
+    des: dict,
+    ex: str,
+) -> list[str]:
+    """Replicate weights: the variance formula with its multipliers c_r, then the recipes in
+    R, Stata, SAS, SUDAAN and Python."""
+    method, rho = des["method"], des["rho"]
+    R = len(reps)
+    c = replicate_scales(pub.psus, w, reps, method, rho, strata, psu)
+    const = bool(np.allclose(c, c[0], rtol=0, atol=0))
+    L = [
+        "",
+        "### Replicate weights",
+        "",
+        f"{R} replicate weights `{_span(reps)}`, {METHOD_NAME.get(method, method)}"
+        + (f" with rho = {rho}" if method == "fay" else "")
+        + f". Variance: V = sum over r of c_r (theta_r - theta)^2, centred on the full-sample "
+        f"estimate theta (mse), with c_r = {CLOSED_FORM.get(method, '?')}"
+        + (
+            f" = {float(c[0])!r} for every replicate."
+            if const
+            else " (one value per replicate, below)."
+        ),
+        "",
+    ]
+    L += _replicate_r_recipe(w, reps, c, const, ex)
+    L += _replicate_jackknife_recipes(w, reps, c, ex)
+    L += [
+        "",
+        "Python (numpy and pandas; the release's own checks run exactly this code):",
+        "",
+        "```python",
+        *_python_recipe(w, reps, c, const, strata, psu, ex),
+        "```",
+    ]
+    return L
+
+
+def _replicate_r_recipe(w: str, reps: list[str], c: np.ndarray, const: bool, ex: str) -> list[str]:
+    """R (survey): svrepdesign with the multipliers c_r as rscales (mse)."""
+    vals, runs = _runs(c)
+    cvec = (
+        f"{float(c[0])!r}"
+        if const
+        else f"rep(c({_num_list(vals)}), c({', '.join(map(str, runs))}))"
+    )
+    return [
+        "R (survey):",
+        "",
+        "```r",
+        f"rscales <- {cvec}",
+        f'des <- svrepdesign(data = puf, weights = ~{w}, repweights = "{_regex(reps)}",',
+        '                   type = "other", scale = 1, rscales = rscales, mse = TRUE,',
+        "                   combined.weights = TRUE)",
+        f"svymean(~{ex}, des)",
+        "```",
+        "",
+    ]
+
+
+def _replicate_jackknife_recipes(w: str, reps: list[str], c: np.ndarray, ex: str) -> list[str]:
+    """Stata, SAS and SUDAAN: the jackknife formula with one multiplier c_r per replicate
+    (the same V for every replication method)."""
+    rlist = f"{reps[0]}-{reps[-1]}"
+    return [
+        "Stata (the jackknife formula with one multiplier c_r per replicate gives the same V "
+        "for every method):",
+        "",
+        "```stata",
+        f"svyset [pw = {w}], jkrweight({rlist}, multiplier({_stata_mult(c, len(reps))})) vce(jackknife) mse",
+        f"svy: mean {ex}",
+        "```",
+        "",
+        "SAS (JKCOEFS are the c_r):",
+        "",
+        "```sas",
+        "proc surveymeans data=puf varmethod=jackknife mean;",
+        f"  weight {w};",
+        f"  repweights {reps[0]}--{reps[-1]} / jkcoefs=({' '.join(repr(float(v)) for v in c)});",
+        f"  var {ex};",
+        "run;",
+        "```",
+        "",
+        f"SUDAAN: `design=jackknife; weight {w}; jackwgts {reps[0]}--{reps[-1]} / adjjack="
+        f"{' '.join(repr(float(v)) for v in c)};`",
+    ]
 
 
 def _example(spec: ReleaseSpec, pub: PublicSummary, w: str, reps: list[str]) -> str:

@@ -11,9 +11,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from flows.public_docs import codebook
+from expectations.suites import output_verdicts, record_failures
+from flows.public_docs import codebook, psu_key, variance_notes
+from sdl_design.edits import combine_rule_failures, rule_failures
+from sdl_design.io import parquet_options
 from sdl_design.keys import coded_keys, publish_coding
 from sdl_design.leaks import drop_unused_levels, publish_order
+from sdl_design.partition import read_partition
 from sdl_design.public_summary import (
     BUCKET_VALUES,
     SMALL,
@@ -97,7 +101,6 @@ def detail_frame(
 ) -> pd.DataFrame | None:
     """The public records (puf) with each coded key's values before its published coding, read
     from df at the records' index labels rows (None when no key is coded)."""
-    from sdl_design.keys import coded_keys
 
     coded = [k.name for k in coded_keys(spec.variables.keys) if k.name in puf.columns]
     if not coded:
@@ -157,7 +160,6 @@ def write_public_files(puf: pd.DataFrame, public: Path, notes: str) -> dict[str,
     import pyarrow.parquet as pq
 
     from flows.publish import sha256_file
-    from sdl_design.io import parquet_options
 
     public.mkdir()
 
@@ -332,7 +334,6 @@ DETAIL = "__detail:"
 
 def _detail(part: object, spec: ReleaseSpec, keep: list[str]) -> pd.DataFrame:
     """The partition's published columns (keep) as the records have them (keys not coded)."""
-    from sdl_design.partition import read_partition
 
     return read_partition(part, keep, spec)[keep]
 
@@ -344,7 +345,6 @@ def _published(part: object, spec: ReleaseSpec, keep: list[str]) -> pd.DataFrame
 
 def public_column(part: object, spec: ReleaseSpec, keep: list[str], column: str) -> pd.Series:
     """Map: one published column of the partition (the public order's sort key)."""
-    from sdl_design.partition import read_partition
 
     df = read_partition(part, [column], spec)[[column]]
     return publish_coding(df, spec.variables.keys)[column]
@@ -460,9 +460,6 @@ def public_group(
     <folder>/distinct)."""
     import pyarrow as pa
 
-    from expectations.suites import record_failures
-    from sdl_design.edits import combine_rule_failures, rule_failures
-
     g = rows.start // plan.rows
     src = Path(folder) / "pieces" / f"c{g:06d}"
     files = sorted(src.glob("p*.arrow"))
@@ -515,7 +512,6 @@ def write_docs(
     """README.md and codebook.csv into folder from the row groups' PartSummaries (in public
     order): merged here, the bucketed columns' distinct values counted by a task per bucket
     (reading work/distinct), then the README and codebook as write_public_files writes them."""
-    from flows.public_docs import variance_notes
 
     summary, buckets = merge_parts(parts, list(columns), docs.bits, docs.key)
     if buckets:
@@ -588,7 +584,6 @@ def write_public_by_partition(
     import pyarrow.parquet as pq
 
     from flows.publish import sha256_file
-    from sdl_design.io import parquet_options
 
     keep = spec.published_columns(list(columns), masked_design, drop, design_columns)
     first = run_map(public_pass1, parts, spec, keep, what="public files: columns")
@@ -607,8 +602,6 @@ def write_public_by_partition(
     reps = rw.resolve(keep) if rw else []
     docs = None
     if results is not None:
-        from flows.public_docs import psu_key
-
         bits = bucket_bits(plan.n, len(keep), BUCKET_VALUES)
         docs = SummaryPlan(psu_key(spec, results, keep), bits, SMALL)
     made = run_map(
@@ -647,8 +640,6 @@ def write_public_by_partition(
     names = ("puf.parquet", "puf.csv") + (("codebook.csv", "README.md") if docs else ())
     files = {name: sha256_file(folder / name) for name in sorted(names)}
     # the output gates (validate_output's): the columns, and the row groups' failures
-    from expectations.suites import output_verdicts
-    from sdl_design.edits import combine_rule_failures
 
     gates = output_verdicts(
         keep,

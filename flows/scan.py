@@ -25,11 +25,34 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from flows.env import peak_gib, peak_reset, return_freed_memory
+from expectations.suites import GateFailed, edit_verdicts, validate_metric_gates
+from flows.env import peak_gib, peak_reset, preload, return_freed_memory
+from flows.public_files import write_public_by_partition
+from flows.txn import CONFIDENTIAL_TABLES
+from sdl_design import blocksum
 from sdl_design import partition as part
+from sdl_design import partition_assess as pas
 from sdl_design import partition_calibration as pcal
+from sdl_design import partition_final as pf
+from sdl_design import partition_pseudo as pps
 from sdl_design import partition_topcode as ptc
+from sdl_design.assess import column_record, published_attacks
+from sdl_design.massc.stage import delta_gates, massc_config, massc_params
+from sdl_design.massc.treatment import cost_from, revise_rates
+from sdl_design.partition import combine_profiles, profile_scores
+from sdl_design.prb import identification_risk_gate
+from sdl_design.rng import release_seed, stage_rng
 from sdl_design.spec import ReleaseSpec, SpecError, load_spec
+from sdl_design.stage import (
+    StageContext,
+    StageResult,
+    built_design,
+    design_columns,
+    public_design,
+    reads_only,
+)
+from sdl_design.stages import RELEASE_STAGES
+from sdl_design.utility import final_measures, final_tables, se_ratio_merge
 
 Mapper = Callable[..., list]
 
@@ -176,10 +199,9 @@ def _partitioned_input(
         parts = part.plan_partitions(spec.release.input, partitions)
     except part.PartitionError as e:
         raise SpecError([str(e)]) from e
-    from sdl_design.blocksum import BLOCK, n_blocks
 
     groups = len({(q.path, g) for p in parts for q in p.pieces for g in q.row_groups})
-    blocks = n_blocks(parts[-1].stop)
+    blocks = blocksum.n_blocks(parts[-1].stop)
     _say(f"{parts[-1].stop} records in {len(parts)} partition(s) ({runner})", command)
     if partitions and len(parts) < partitions:
         if groups < partitions:
@@ -191,7 +213,7 @@ def _partitioned_input(
             )
         elif blocks > 1:
             why = (
-                f"a partition holds whole blocks of {BLOCK:,} records (the input has {blocks}), "
+                f"a partition holds whole blocks of {blocksum.BLOCK:,} records (the input has {blocks}), "
                 "so that the driver receives block sums, not records' terms"
             )
         else:
@@ -229,7 +251,6 @@ def _scan(
     spec: ReleaseSpec, columns: list[str], parts: list, run_map: Mapper, runner: str
 ) -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
     """The scan's tables (se, edits, risk_strata, risk, profiles) and its counts and laps."""
-    from expectations.suites import edit_verdicts
 
     try:
         req = part.means_request(spec, columns)
@@ -240,8 +261,6 @@ def _scan(
         raise SpecError([f"the spec names columns {missing} that are not in the input; fix them"])
     t0 = time.perf_counter()
     if runner == "dask":  # the edit verdicts' Great Expectations, imported while workers map
-        from flows.env import preload
-
         preload(("great_expectations", "great_expectations.expectations"))
     first = run_map(part.scan_pass1, parts, spec, req, what="pass 1")
     t1 = time.perf_counter()
@@ -293,7 +312,6 @@ def _confidential(folder: Path, name: str) -> Path:
 def _stage_table(folder: Path, name: str, table: pd.DataFrame) -> None:
     """A stage's table as CSV in its folder; a record-level map (txn.CONFIDENTIAL_TABLES)
     under internal/."""
-    from flows.txn import CONFIDENTIAL_TABLES
 
     path = folder / f"{name}.csv"
     if f"{folder.name}/{name}.csv" in CONFIDENTIAL_TABLES:
@@ -339,7 +357,6 @@ def partitioned_folder(spec: ReleaseSpec) -> Path:
 
 
 def _stage_rng(spec: ReleaseSpec, stage: str) -> Any:
-    from sdl_design.rng import release_seed, stage_rng
 
     return stage_rng(release_seed(spec.release.seed, spec.release.year), stage)
 
@@ -455,7 +472,6 @@ def _prb_stage(
     docs = part.prb_doc_tables(trq, sums, parts[-1].stop, plan, new, req)
     _lap(laps, "transitions", t)
     metrics = pd.DataFrame({"metric": list(m), "value": list(m.values())})
-    from sdl_design.prb import identification_risk_gate
 
     gate_rows = [identification_risk_gate(m["max_risk"], spec.gates.xi or st.xi).as_dict()]
     n_rows = parts[-1].stop
@@ -500,8 +516,6 @@ def _massc_stage(
     sdl_design.partition_calibration) and written to data/; the replications of the whole
     treatment (their own selections, the weight's calibration and study totals) and the
     empirical epsilon."""
-    from sdl_design.massc.stage import delta_gates, massc_config
-    from sdl_design.massc.treatment import cost_from, revise_rates
 
     req = part.massc_request(spec, columns)
     laps: dict[str, float] = {}
@@ -695,7 +709,6 @@ def _massc_stage(
         + f"; delta {dm.delta:.4f} after {len(revisions)} revision(s); epsilon {epsilon:.4f}",
         "partitioned",
     )
-    from sdl_design.massc.stage import massc_params
 
     return {
         "n_with_donor": n_has,
@@ -775,7 +788,6 @@ def _pseudo_stage(
     are; else pass 1 sends each partition's original PSUs, the driver deals them into pseudo
     strata and PSUs and builds the replicate factors with the stage's Generator, and every
     worker writes its records with their pseudo labels and replicate weights."""
-    from sdl_design import partition_pseudo as pps
 
     if chain.masked:
         return {
@@ -813,9 +825,6 @@ def _public_files(
     (its public columns and order): the design the public file is read with is the spec's or
     the pseudo design's, the columns the stages drop (the swap's segment) left out; with the
     stages' results (stage_results), README.md and codebook.csv as the release writes them."""
-    from flows.public_files import write_public_by_partition
-    from sdl_design import partition_assess as pas
-    from sdl_design.stage import design_columns
 
     design = chain.public_design(spec)
     built = design_columns(design, columns)
@@ -833,8 +842,6 @@ def stage_results(spec: ReleaseSpec, done: dict[str, Any], columns: list[str]) -
     tables, notes, masks_design and drop_public the public README and codebook read (the
     in-memory stages' for the same records); the assessment's params: the published and
     dropped columns (column_record on the input's columns). columns: the last stage's."""
-    from sdl_design.assess import column_record
-    from sdl_design.stage import StageContext, StageResult, design_columns, public_design
 
     out: list[StageResult] = []
     for name, res in done.items():
@@ -890,8 +897,6 @@ def _assess_stage(
     each file), the models (their cells), the re-identification, sample uniques, delta and
     PSU leak of the published records (each linked to its original record by MASSC's d(2)),
     the pMSE (its propensity model fitted by partition) and AssessStage's gates on them."""
-    from sdl_design import partition_assess as pas
-    from sdl_design.stage import design_columns
 
     design = chain.public_design(spec)
     released = spec.published_columns(
@@ -925,7 +930,6 @@ def _assess_stage(
     attacks = _attacks(spec, design, released, original, chain, run_map, linked)
     m |= attacks
     # MASSC's delta of the published file against the original keys (any release)
-    from sdl_design.partition import combine_profiles, profile_scores
 
     sensitive = spec.variables.sensitive
     published = combine_profiles([r.profiles for r in risk])
@@ -951,7 +955,6 @@ def _assess_stage(
     m |= pas.pmse_by_partition(run_map, (chain.inputs, parts), spec, req, plan)
     # AssessStage's gates on these metrics, checked as the release checks them (its metric
     # gate suite)
-    from expectations.suites import validate_metric_gates
 
     gates = pas.assess_gates(spec, out.domain_estimates, coefs, m)
     verdicts = validate_metric_gates([g.as_dict() for g in gates])
@@ -1002,8 +1005,6 @@ def _attacks(
 ) -> Any:
     """AssessStage's attacks on the published file (assess.published_attacks) on the columns
     they read, gathered from the partitions with each published record's original record."""
-    from sdl_design import partition_assess as pas
-    from sdl_design.assess import published_attacks
 
     rel_cols, orig_cols = pas.attack_columns(spec, released, original)
     got = run_map(pas.attack_released, linked, spec, rel_cols, chain.selected, what="attacks")
@@ -1018,7 +1019,6 @@ def _attacks(
 
 def _retained(chain: Chain, run_map: Exchange, parts: list) -> list[int]:
     """Each original partition's records in the published file (MASSC's d(2), else all)."""
-    from sdl_design import partition_assess as pas
 
     if chain.selected:
         return run_map(pas.retained_in, chain.inputs, chain.selected, what="retained records")
@@ -1038,10 +1038,6 @@ def _final_stage(
     and replicate SEs (the original in its design, the records so far in the public one), the
     table as se_ratio_table makes it; the sample uniques before and after (profile counts) and
     the records with a key changed (each linked to its original record)."""
-    from sdl_design import partition_assess as pas
-    from sdl_design import partition_final as pf
-    from sdl_design.partition import combine_profiles
-    from sdl_design.utility import final_measures, final_tables, se_ratio_merge
 
     t = time.perf_counter()
     original = part.input_columns(spec.release.input)
@@ -1125,9 +1121,6 @@ def run_partitioned(
     SE of every study variable's mean overall and in every utility domain on the records after
     the stage, against the input's (Taylor and replicate); run.json says what ran, its counts
     and metrics and where it stopped. Workers on other machines need out on a disk they share."""
-    from expectations.suites import GateFailed
-    from sdl_design.stage import reads_only
-    from sdl_design.stages import RELEASE_STAGES
 
     spec, columns, parts = _partitioned_input(spec_path, runner, partitions, "partitioned")
     folder = Path(out) if out else partitioned_folder(spec)
@@ -1209,8 +1202,6 @@ def run_partitioned(
                 chain.masked = chain.masked or bool(res.get("masks_design"))
                 chain.drop_public += res.get("drop_public", [])
                 if res.get("public_design"):  # a stage built the public file's design
-                    from sdl_design.stage import built_design
-
                     chain.design = built_design(spec, res["public_design"])
                 if res.get("unchanged"):  # the records stay as the previous stage left them
                     shutil.rmtree(tmp / stage.name)
@@ -1238,7 +1229,6 @@ def run_partitioned(
                 public["seconds"] = time.perf_counter() - t
                 # the release's gates as the flow checks them: the stages' and the
                 # assessment's metric gates, then the public file's
-                from expectations.suites import validate_metric_gates
 
                 rows = [
                     g for r in done.values() if isinstance(r, dict) for g in r.get("gate_rows", [])

@@ -40,6 +40,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flows import registry as reg
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -163,8 +165,6 @@ def registry_lock(url: str | None, output_dir: Path, name: str, year: int) -> It
     when the process dies). Raises ReleaseLocked at once when another run holds it."""
     import sqlalchemy as sa
 
-    from flows import registry as reg
-
     full = sa.engine.make_url(reg._resolve(url, output_dir))
     if full.get_backend_name() == "sqlite":
         db = Path(full.database or "registry.db")
@@ -270,8 +270,6 @@ def check_registry(url: str | None, output_dir: Path) -> None:
     unreachable or not a database."""
     import sqlalchemy as sa
 
-    from flows import registry as reg
-
     def probe() -> None:
         with reg.get_engine(url, output_dir).connect() as conn:
             conn.execute(sa.select(sa.func.count()).select_from(reg.attempts)).scalar_one()
@@ -280,7 +278,6 @@ def check_registry(url: str | None, output_dir: Path) -> None:
 
 
 def _where(url: str | None, output_dir: Path) -> str:
-    from flows import registry as reg
 
     full = reg._resolve(url, output_dir)
     try:
@@ -340,7 +337,6 @@ class Transaction:
 
     def open(self, manifest: Manifest) -> None:
         """Create the attempt's folder and its registry row (state running)."""
-        from flows import registry as reg
 
         self.release_id = manifest.release.release_id
         try:
@@ -381,7 +377,6 @@ class Transaction:
         manifest: Manifest | None = None,
         se_ratios: dict[str, pd.DataFrame] | None = None,
     ) -> None:
-        from flows import registry as reg
 
         self._set_file(state, reason)
         _registry(
@@ -473,7 +468,6 @@ class Transaction:
     def publish(self, manifest: Manifest, se_ratios: dict | None = None) -> Path:
         """Intent row, atomic exchange of the staged tree with the release folder, commit row;
         then the previous release's tree (now in the staging folder) is deleted."""
-        from flows import registry as reg
 
         if not (self.staged / "public").is_dir():
             raise PublishError(f"nothing staged in {self.staged}")
@@ -524,8 +518,24 @@ class Transaction:
     def recover(self) -> list[str]:
         """Settle what dead runs of this name and year left (called under the lock). Returns
         one line per action taken."""
-        from flows import registry as reg
 
+        done = self._clear_hidden_folders()
+        root = self.root / "attempts"
+        seen: set[str] = set()
+        on_disk = _published_attempt(self.final)
+        for folder in sorted(root.iterdir()) if root.is_dir() else []:
+            if not folder.is_dir() or folder == self.folder:
+                continue
+            seen.add(folder.name)
+            action = self._recover_attempt(folder, on_disk)
+            if action is not None:
+                done.append(action)
+        done += self._roll_back_attempts_without_files(seen)
+        return done
+
+    def _clear_hidden_folders(self) -> list[str]:
+        """Delete the hidden folders of the publish before transactions, and settle an
+        exchange fallback interrupted between its renames (restore the release from it)."""
         done: list[str] = []
         parent = self.final.parent
         for p in list(parent.glob(f".{self.year}.tmp-*")) + list(
@@ -540,69 +550,86 @@ class Transaction:
             else:
                 _rmtree(p)
                 done.append(f"removed {p.name}")
-        root = self.root / "attempts"
-        seen: set[str] = set()
-        on_disk = _published_attempt(self.final)
-        for folder in sorted(root.iterdir()) if root.is_dir() else []:
-            if not folder.is_dir() or folder == self.folder:
-                continue
-            aid = folder.name
-            seen.add(aid)
-            info = _read_json(folder / "attempt.json") or {"state": "running"}
-            state = info.get("state")
-            staged = folder / "staged"
-            if state == "published":
-                _rmtree(staged)  # killed after its commit: the previous release's tree
-                continue
-            if state == "publishing":
-                if on_disk == aid:  # the exchange happened: roll forward
-                    _registry(
-                        "committing a recovered publication",
-                        reg.commit_attempt,
-                        aid,
-                        self.url,
-                        self.output_dir,
-                    )
-                    _rmtree(staged)
-                    _write_attempt_state(folder, "published", "committed at recovery")
-                    done.append(f"{aid}: committed (its files were in place)")
-                    continue
-                _rmtree(staged / "public")
-                strip_record(staged / "internal")
-                _write_attempt_state(folder, "rolled_back", "rolled back at recovery")
-                _registry(
-                    "rolling back an interrupted publication",
-                    reg.set_attempt,
-                    aid,
-                    "rolled_back",
-                    "interrupted before its files were in place; rolled back at recovery",
-                    url=self.url,
-                    output_dir=self.output_dir,
-                )
-                done.append(f"{aid}: rolled back (its files were not in place)")
-            elif state in ("running", "awaiting_approval"):
-                _rmtree(folder / PREPARED)
-                _rmtree(folder / PARTITIONED)
-                _rmtree(staged / "public")
-                strip_record(staged / "internal")
-                reason = f"interrupted while {state.replace('_', ' ')}; recovered {now()}"
-                _write_attempt_state(folder, "failed", reason)
-                _registry(
-                    "failing an interrupted attempt",
-                    reg.set_attempt,
-                    aid,
-                    "failed",
-                    reason,
-                    url=self.url,
-                    output_dir=self.output_dir,
-                )
-                done.append(f"{aid}: failed ({reason})")
-            elif (staged / "public").exists() or (folder / PREPARED).exists():
-                # closed, but its strip was interrupted
-                _rmtree(folder / PREPARED)
-                _rmtree(staged / "public")
-                strip_record(staged / "internal")
-                done.append(f"{aid}: staged public files removed")
+        return done
+
+    def _recover_attempt(self, folder: Path, on_disk: str | None) -> str | None:
+        """Settle one dead attempt by its state (on_disk: the attempt whose files are
+        published). Returns the action taken, None when there was nothing to do."""
+        aid = folder.name
+        info = _read_json(folder / "attempt.json") or {"state": "running"}
+        state = info.get("state")
+        staged = folder / "staged"
+        if state == "published":
+            _rmtree(staged)  # killed after its commit: the previous release's tree
+            return None
+        if state == "publishing":
+            return self._settle_publishing(folder, on_disk)
+        if state in ("running", "awaiting_approval"):
+            return self._fail_interrupted(folder, state)
+        if (staged / "public").exists() or (folder / PREPARED).exists():
+            # closed, but its strip was interrupted
+            _rmtree(folder / PREPARED)
+            _rmtree(staged / "public")
+            strip_record(staged / "internal")
+            return f"{aid}: staged public files removed"
+        return None
+
+    def _settle_publishing(self, folder: Path, on_disk: str | None) -> str:
+        """An attempt killed while publishing: committed when the exchange happened (its
+        files are in place: roll forward), else rolled back."""
+        aid = folder.name
+        staged = folder / "staged"
+        if on_disk == aid:  # the exchange happened: roll forward
+            _registry(
+                "committing a recovered publication",
+                reg.commit_attempt,
+                aid,
+                self.url,
+                self.output_dir,
+            )
+            _rmtree(staged)
+            _write_attempt_state(folder, "published", "committed at recovery")
+            return f"{aid}: committed (its files were in place)"
+        _rmtree(staged / "public")
+        strip_record(staged / "internal")
+        _write_attempt_state(folder, "rolled_back", "rolled back at recovery")
+        _registry(
+            "rolling back an interrupted publication",
+            reg.set_attempt,
+            aid,
+            "rolled_back",
+            "interrupted before its files were in place; rolled back at recovery",
+            url=self.url,
+            output_dir=self.output_dir,
+        )
+        return f"{aid}: rolled back (its files were not in place)"
+
+    def _fail_interrupted(self, folder: Path, state: str) -> str:
+        """An attempt killed while running or awaiting approval: its prepared, partitioned and
+        staged public files deleted, its record stripped, failed."""
+        aid = folder.name
+        staged = folder / "staged"
+        _rmtree(folder / PREPARED)
+        _rmtree(folder / PARTITIONED)
+        _rmtree(staged / "public")
+        strip_record(staged / "internal")
+        reason = f"interrupted while {state.replace('_', ' ')}; recovered {now()}"
+        _write_attempt_state(folder, "failed", reason)
+        _registry(
+            "failing an interrupted attempt",
+            reg.set_attempt,
+            aid,
+            "failed",
+            reason,
+            url=self.url,
+            output_dir=self.output_dir,
+        )
+        return f"{aid}: failed ({reason})"
+
+    def _roll_back_attempts_without_files(self, seen: set[str]) -> list[str]:
+        """Roll back the registry's open attempts of this name and year that have no folder
+        (seen: the attempts found on disk)."""
+        done: list[str] = []
         rows = _registry(
             "reading open attempts",
             reg.read_attempts,

@@ -29,6 +29,7 @@ import scipy.sparse as sp
 from scipy.stats import norm
 
 from sdl_design.attack import IntruderKey, attack_battery, intruder_key
+from sdl_design.describe import Describes
 from sdl_design.design import (
     DesignError,
     SurveyDesign,
@@ -50,7 +51,11 @@ from sdl_design.glm import (
     weighted_gram,
 )
 from sdl_design.keys import bin_codes, bin_labels, coarsen, publish_coding
+from sdl_design.leaks import psu_recoverable
+from sdl_design.massc.measures import delta_measures
+from sdl_design.plots import estimate_plots
 from sdl_design.spec import KeySpec, ReleaseSpec
+from sdl_design.stage import StageResult, gate
 
 Variance = Literal["taylor", "replicate"]
 DomainArg = str | Sequence[str]
@@ -873,6 +878,56 @@ def assess(
     """
     keys = _key_specs(spec)
     key_names = list(keys)
+    _check_assess_columns(original, released, spec, key_names)
+    des, has_rep = _assess_designs(original, released, spec, variance, replicates, design_released)
+    frames = [original, released]
+
+    # ------------------------------------------------ domain estimates
+    domains, models = _utility_defaults(spec, domains, models)
+    groupings = _domain_list(domains, key_names)
+    coding = _groupings_coding(frames, groupings, keys)
+    est = _domain_estimates(
+        frames, des, spec.variables.study, groupings, coding, has_rep, variance, min_n, level
+    )
+
+    # ------------------------------------------------ models
+    coefs = _fit_models(
+        original, released, des, _model_specs(models), keys, variance, has_rep, level
+    )
+    described = [_describe(d) for d in des]
+    del des  # the designs' replicate matrices are not needed past here
+
+    # ------------------------------------------------ metrics
+    metrics = domain_metrics(est, has_rep, variance)
+    metrics |= model_metrics(coefs)
+    common = released.index.intersection(original.index)
+    metrics |= {
+        "n_original": float(len(original)),
+        "n_released": float(len(released)),
+        "share_retained": len(common) / len(original) if len(original) else 0.0,
+    }
+    if pmse:
+        metrics |= _pmse_of_files(original, released, spec, frames, coding, keys)
+    if reid:
+        ko, kr = _published_keys(original, released, frames, coding, keys)
+        metrics |= reidentification(ko, kr)
+    params = {
+        "variance": variance,
+        "replicates": bool(has_rep),
+        "min_n": min_n,
+        "level": level,
+        "domains": [list(g) for g in groupings[1:]],
+        "models": [{"formula": t, "family": f} for t, f in _model_specs(models)],
+        "design_original": described[0],
+        "design_released": described[1],
+    }
+    return Assessment(est, coefs, metrics, params)
+
+
+def _check_assess_columns(
+    original: pd.DataFrame, released: pd.DataFrame, spec: ReleaseSpec, key_names: list[str]
+) -> None:
+    """Both files hold the weight, the keys and the study variables (else ValueError)."""
     need = [spec.design.weight, *key_names, *spec.variables.study]
     for name, f in (("original", original), ("released", released)):
         gone = [c for c in need if c not in f.columns]
@@ -880,6 +935,18 @@ def assess(
             raise ValueError(
                 f"assess: the {name} file has no column {gone}; it needs the weight, keys and study variables"
             )
+
+
+def _assess_designs(
+    original: pd.DataFrame,
+    released: pd.DataFrame,
+    spec: ReleaseSpec,
+    variance: Variance,
+    replicates: bool,
+    design_released: Any,
+) -> tuple[tuple[SurveyDesign, SurveyDesign], bool]:
+    """Each file's design (the released file's read with design_released) and whether both
+    carry replicate weights (replicates True); variance 'replicate' needs them."""
     des = (
         file_design(original, spec, replicates),
         file_design(released, spec, replicates, design_released),
@@ -887,21 +954,47 @@ def assess(
     has_rep = replicates and all(d.replicate_weights for d in des)
     if variance == "replicate" and not has_rep:
         raise DesignError("variance='replicate' needs replicate weights on both files")
-    frames = [original, released]
+    return des, has_rep
 
-    # ------------------------------------------------ domain estimates
-    utility = getattr(spec, "utility", None)  # the spec's utility section, when it has one
-    if domains is None and utility is not None:
-        domains = getattr(utility, "domains", None)
-    if models is None and utility is not None:
-        models = getattr(utility, "models", None)
-    groupings = _domain_list(domains, key_names)
+
+def _groupings_coding(
+    frames: list[pd.DataFrame], groupings: list[tuple[str, ...]], keys: dict[str, KeySpec]
+) -> dict[str, list[pd.Series]]:
+    """The published coding (on both files) of every variable of the domain groupings."""
     coding: dict[str, list[pd.Series]] = {}
     for g in groupings:
         for v in g:
             if v not in coding:
                 coding[v] = published_coding(frames, v, keys)
-    studies = _study_columns(frames, spec.variables.study)
+    return coding
+
+
+def _utility_defaults(
+    spec: ReleaseSpec, domains: Sequence[DomainArg] | None, models: Sequence[Any] | None
+) -> tuple[Sequence[DomainArg] | None, Sequence[Any] | None]:
+    """domains and models, from the spec's utility section when not given and it has one."""
+    utility = getattr(spec, "utility", None)
+    if domains is None and utility is not None:
+        domains = getattr(utility, "domains", None)
+    if models is None and utility is not None:
+        models = getattr(utility, "models", None)
+    return domains, models
+
+
+def _domain_estimates(
+    frames: list[pd.DataFrame],
+    des: tuple[SurveyDesign, SurveyDesign],
+    study: Sequence[str],
+    groupings: list[tuple[str, ...]],
+    coding: dict[str, list[pd.Series]],
+    has_rep: bool,
+    variance: Variance,
+    min_n: int,
+    level: float,
+) -> pd.DataFrame:
+    """The domain_table of the study variables' estimates in every cell of every grouping,
+    on both files each under its design (cells on the published key coding)."""
+    studies = _study_columns(frames, study)
     names, kinds = studies[0].names, studies[0].kinds
     prof_rec, n_prof, at = _profiles(coding, [len(f) for f in frames])
     pairs = [
@@ -915,49 +1008,40 @@ def assess(
             for d, st, pr, c in zip(des, studies, pairs, codes, strict=True)
         ]
         cells.append((g, labels, L, res))
-    est = domain_table(cells, names, kinds, has_rep, variance, min_n, level)
+    return domain_table(cells, names, kinds, has_rep, variance, min_n, level)
 
-    # ------------------------------------------------ models
-    coefs = _fit_models(
-        original, released, des, _model_specs(models), keys, variance, has_rep, level
-    )
-    described = [_describe(d) for d in des]
-    del des, pairs, studies  # the designs' replicate matrices are not needed past here
 
-    # ------------------------------------------------ metrics
-    metrics = domain_metrics(est, has_rep, variance)
-    metrics |= model_metrics(coefs)
-    common = released.index.intersection(original.index)
-    metrics |= {
-        "n_original": float(len(original)),
-        "n_released": float(len(released)),
-        "share_retained": len(common) / len(original) if len(original) else 0.0,
-    }
+def _published_keys(
+    original: pd.DataFrame,
+    released: pd.DataFrame,
+    frames: list[pd.DataFrame],
+    coding: dict[str, list[pd.Series]],
+    keys: dict[str, KeySpec],
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The keys' codes in their published coding on the original and on the released file."""
+    kc = {v: coding.get(v) or published_coding(frames, v, keys) for v in keys}
+    ko = pd.DataFrame({v: c.codes[0] for v, c in kc.items()}, index=original.index)
+    kr = pd.DataFrame({v: c.codes[1] for v, c in kc.items()}, index=released.index)
+    return ko, kr
+
+
+def _pmse_of_files(
+    original: pd.DataFrame,
+    released: pd.DataFrame,
+    spec: ReleaseSpec,
+    frames: list[pd.DataFrame],
+    coding: dict[str, list[pd.Series]],
+    keys: dict[str, KeySpec],
+) -> dict[str, float]:
+    """pmse_ratio of the two files on the published keys and the study variables (the
+    non-numeric ones as categories)."""
+    key_names = list(keys)
     study_num = [v for v in spec.variables.study if v not in key_names]
-    if pmse:
-        kc = {v: coding.get(v) or published_coding(frames, v, keys) for v in key_names}
-        a = pd.DataFrame({v: c.codes[0] for v, c in kc.items()}, index=original.index)
-        b = pd.DataFrame({v: c.codes[1] for v, c in kc.items()}, index=released.index)
-        num = [v for v in study_num if pd.api.types.is_numeric_dtype(original[v])]
-        for v in study_num:
-            a[v], b[v] = original[v], released[v]
-        metrics |= pmse_ratio(a, b, key_names + [v for v in study_num if v not in num], num)
-    if reid:
-        kc = {v: coding.get(v) or published_coding(frames, v, keys) for v in key_names}
-        ko = pd.DataFrame({v: c.codes[0] for v, c in kc.items()}, index=original.index)
-        kr = pd.DataFrame({v: c.codes[1] for v, c in kc.items()}, index=released.index)
-        metrics |= reidentification(ko, kr)
-    params = {
-        "variance": variance,
-        "replicates": bool(has_rep),
-        "min_n": min_n,
-        "level": level,
-        "domains": [list(g) for g in groupings[1:]],
-        "models": [{"formula": t, "family": f} for t, f in _model_specs(models)],
-        "design_original": described[0],
-        "design_released": described[1],
-    }
-    return Assessment(est, coefs, metrics, params)
+    a, b = _published_keys(original, released, frames, coding, keys)
+    num = [v for v in study_num if pd.api.types.is_numeric_dtype(original[v])]
+    for v in study_num:
+        a[v], b[v] = original[v], released[v]
+    return pmse_ratio(a, b, key_names + [v for v in study_num if v not in num], num)
 
 
 def _describe(d: SurveyDesign) -> str:
@@ -1025,7 +1109,7 @@ def column_record(spec: ReleaseSpec, ctx: Any, published: list[str]) -> dict[str
     return {"published_columns": roles, "dropped_columns": dropped}
 
 
-class AssessStage:
+class AssessStage(Describes):
     """Stage: the file that would be published (the working frame without the columns that are
     never published, read with its published design) against the original; analytic-validity
     and risk gates on it. Nothing here is a value a treatment set itself."""
@@ -1042,8 +1126,6 @@ class AssessStage:
         return cls(spec)
 
     def run(self, df: pd.DataFrame, ctx: Any) -> Any:
-        from sdl_design.plots import estimate_plots
-        from sdl_design.stage import StageResult
 
         spec = self.spec
         # the file as published: its columns, every coded key in its published coding
@@ -1127,7 +1209,6 @@ def published_delta(
     profile differs from its original one (in the published coding), r = the larger GenMASSC
     score of its original and published profile. With no sensitive variable every record
     scores zeta = 1 (disclosure of the identity alone). Returns delta_published and its parts."""
-    from sdl_design.massc.measures import delta_measures
 
     keys = spec.variables.keys
     names = [k.name for k in keys]
@@ -1206,7 +1287,6 @@ def _psu_leak(
     """{'psu_recoverable': share of the original PSUs the published replicate weights' zero
     patterns give away (sdl_design.leaks.psu_recoverable)}; empty without replicates or PSUs.
     public: the design section of the published file (its replicate columns)."""
-    from sdl_design.leaks import psu_recoverable
 
     d = spec.design
     reps = (
@@ -1222,6 +1302,53 @@ def _psu_leak(
     return {"psu_recoverable": psu_recoverable(released, psu, reps)}
 
 
+# One sentence per gate: what it protects against and why its limit is what it is (the report
+# shows it beside the gate). Overlap J of two equal-width 95% CIs whose centres are d SEs apart
+# is 1 - d / 3.92: J 0.9 is a shift of about 0.4 SE, J 0.5 of about 2 SEs.
+GATE_WHY = {
+    "overlap_median": "Protects the typical domain estimate an analyst computes: at the median the "
+    "published and survey 95% intervals must overlap by at least {limit} (Karr et al. 2006; 1 is "
+    "identical), i.e. masking moves a typical estimate by at most about {shift:.1f} of its SE.",
+    "overlap_p5": "Protects the estimates masking moved most: all but 5% must keep an overlap of "
+    "at least {limit}, i.e. a shift of at most about {shift:.1f} SEs, so no sizeable group of "
+    "domains changes by more than its own sampling error.",
+    "beyond_2se": "Protects against systematic bias: at most {limit:.0%} of the domain estimates "
+    "may move more than 2 survey SEs, the share of a 95% interval's misses that sampling noise "
+    "alone would give.",
+    "model_overlap": "Protects the declared models: every coefficient's published and survey 95% "
+    "intervals must overlap by at least {limit}, i.e. no coefficient moves more than about "
+    "{shift:.1f} SEs.",
+    "se_ratio": "Protects variance estimation with the published design: 80% of the estimates' "
+    "SEs must be within [{lo}, {hi}] times the survey's (gates.se_ratio), so intervals from the "
+    "public file are neither falsely narrow nor needlessly wide.",
+    "epsilon": "Protects the study totals: the largest relative error of an overall total must be "
+    "at most {limit} (paper 000's epsilon, eq. 7; gates.epsilon_max).",
+    "xi": "Protects against an intruder who knows a survey unique's values on the intruder's key "
+    "and claims the one published record that matches (exact match; nearest neighbour on the "
+    "continuous columns they may know): at most xi = {limit} of the survey's sample uniques may be "
+    "re-identified, the bound PRB proves for each post-randomized record (paper 002; gates.xi, "
+    "under 1/2) applied to the whole published file.",
+    "delta": "Protects against re-identification of the records treatment left as they were: "
+    "delta (paper 000, eq. 3-6) averages the risk scores of the records neither substituted nor "
+    "subsampled away, measured here on the published file, and must be at most gates.delta_max "
+    "= {limit}, the average risk the spec accepts.",
+    "psu": "Protects the masked design: records sharing a set of zero replicate weights were "
+    "sampled in one original PSU, so this share of the original PSUs can be regrouped (which "
+    "records were sampled together, never the PSU's label or place); {limit:.0%} "
+    "(gates.max_psu_recoverable) is acceptable because a regrouped PSU names no one by itself, "
+    "it needs outside knowledge of who lives there, which the design-label attack measures "
+    "(internal/assess/attacks.csv), while at least {kept:.0%} of the original PSUs stay hidden.",
+    "unique": "Protects against singling out: at most {limit:.1%} of published records may be "
+    "unique on the intruder's key (gates.max_unique_share), the records an intruder can single "
+    "out and link without knowing who is in the sample.",
+}
+
+
+def _shift(overlap: float) -> float:
+    """The shift in SEs of two equal-width 95% CIs that overlap by `overlap` (Karr's J)."""
+    return max(0.0, 1.0 - overlap) * 2 * 1.959964
+
+
 def assessment_gates(
     m: Mapping[str, float],
     spec: ReleaseSpec,
@@ -1230,7 +1357,6 @@ def assessment_gates(
     worst_se: str = "",
 ) -> list:
     """The gates on the published file against the original (names say what is compared)."""
-    from sdl_design.stage import gate
 
     g, u = spec.gates, spec.gates.utility
     out = [
@@ -1239,18 +1365,28 @@ def assessment_gates(
             m.get("overlap_median", np.nan),
             u.overlap_median_min,
             explain=worst,
+            why=GATE_WHY["overlap_median"].format(
+                limit=u.overlap_median_min, shift=_shift(u.overlap_median_min)
+            ),
+            ideal=1.0,
         ),
         gate(
             "utility: 5th percentile CI overlap of domain estimates",
             m.get("overlap_p5", np.nan),
             u.overlap_p5_min,
             explain=worst,
+            why=GATE_WHY["overlap_p5"].format(
+                limit=u.overlap_p5_min, shift=_shift(u.overlap_p5_min)
+            ),
+            ideal=1.0,
         ),
         gate(
             "utility: share of domain estimates more than 2 original SEs off",
             m["share_abs_std_bias_gt2"],
             upper=u.share_beyond_2se_max,
             explain=worst,
+            why=GATE_WHY["beyond_2se"].format(limit=u.share_beyond_2se_max),
+            ideal=0.0,
         ),
     ]
     if "model_overlap_min" in m:
@@ -1260,6 +1396,10 @@ def assessment_gates(
                 m["model_overlap_min"],
                 u.model_overlap_min,
                 explain=worst_terms,
+                why=GATE_WHY["model_overlap"].format(
+                    limit=u.model_overlap_min, shift=_shift(u.model_overlap_min)
+                ),
+                ideal=1.0,
             )
         )
     if g.se_ratio is not None:
@@ -1271,6 +1411,8 @@ def assessment_gates(
                 lo,
                 hi,
                 explain=worst_se,
+                why=GATE_WHY["se_ratio"].format(lo=lo, hi=hi),
+                ideal=1.0,
             )
         )
         out.append(
@@ -1280,6 +1422,8 @@ def assessment_gates(
                 lo,
                 hi,
                 explain=worst_se,
+                why=GATE_WHY["se_ratio"].format(lo=lo, hi=hi),
+                ideal=1.0,
             )
         )
     if g.epsilon_max is not None:
@@ -1288,8 +1432,17 @@ def assessment_gates(
                 "utility: epsilon, largest relative error of a study total",
                 m["epsilon_published"],
                 upper=g.epsilon_max,
+                why=GATE_WHY["epsilon"].format(limit=g.epsilon_max),
+                ideal=0.0,
             )
         )
+    return out + _risk_gates(m, spec)
+
+
+def _risk_gates(m: Mapping[str, float], spec: ReleaseSpec) -> list:
+    """The risk gates on the published file against the original."""
+
+    g, out = spec.gates, []
     if g.xi is not None:
         out.append(
             gate(
@@ -1297,6 +1450,8 @@ def assessment_gates(
                 m.get("reid_share_worst", m.get("reid_share", 0.0)),
                 upper=g.xi,
                 explain=_attack_text(m),
+                why=GATE_WHY["xi"].format(limit=g.xi),
+                ideal=0.0,
             )
         )
     if g.delta_max is not None and "delta_published" in m:
@@ -1305,6 +1460,8 @@ def assessment_gates(
                 "risk: delta (MASSC) of the published file against the original keys",
                 m["delta_published"],
                 upper=g.delta_max,
+                why=GATE_WHY["delta"].format(limit=g.delta_max),
+                ideal=0.0,
             )
         )
     if "psu_recoverable" in m:
@@ -1315,6 +1472,10 @@ def assessment_gates(
                 upper=g.max_psu_recoverable,
                 explain="records sharing a set of zero replicate weights are one original PSU: "
                 "publish replicate weights built for masked PSUs (stages.swap), not the originals",
+                why=GATE_WHY["psu"].format(
+                    limit=g.max_psu_recoverable, kept=1 - g.max_psu_recoverable
+                ),
+                ideal=0.0,
             )
         )
     if g.max_unique_share is not None:
@@ -1323,6 +1484,8 @@ def assessment_gates(
                 "risk: share of published records unique on the intruder's key",
                 m["unique_share_published"],
                 upper=g.max_unique_share,
+                why=GATE_WHY["unique"].format(limit=g.max_unique_share),
+                ideal=0.0,
             )
         )
     return out

@@ -49,6 +49,40 @@ def sorted_codes(x: pd.Series | np.ndarray) -> np.ndarray:
     return pd.factorize(x, sort=True)[0].astype(np.int64, copy=False)
 
 
+def distinct_rows(A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of A (in order of first appearance) and each row's index among them,
+    by hashing one column at a time (no sort of rows)."""
+    g = np.zeros(len(A), dtype=np.int64)
+    for j in range(A.shape[1]):
+        c, u = pd.factorize(A[:, j])
+        g = pd.factorize(g * len(u) + c)[0]
+    first = first_of(g, int(g.max(initial=-1)) + 1)
+    return A[first], g
+
+
+DEFF_CLASSES = (0.1, 1.0, 2.0, 5.0, 25.0)  # (0.1, 1], (1, 2], (2, 5], (5, 25]
+
+
+def deff_class(deff: pd.Series | np.ndarray, edges: Sequence[float] = DEFF_CLASSES) -> pd.Series:
+    """Design-effect class labels '(0.1,1]', '(1,2]', '(2,5]', '(5,25]' (NaN outside)."""
+    labels = [f"({a:g},{b:g}]" for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    return pd.cut(pd.Series(np.asarray(deff, dtype=float)), list(edges), labels=labels)
+
+
+def design_columns(design: Any) -> dict[str, Any]:
+    """df, weight, strata, psu, segment, replicate columns, method and rho of a SurveyDesign."""
+    return {
+        "df": design.df,
+        "weight": design.weight,
+        "strata": design.strata,
+        "psu": design.psu,
+        "segment": design.segment,
+        "replicate_weights": list(design.replicate_weights),
+        "method": design.method,
+        "rho": design.rho,
+    }
+
+
 def first_of(codes: np.ndarray, m: int, absent: int = 0) -> np.ndarray:
     """The index of the first record of each code 0..m-1 (`absent` for a code no record has)."""
     first = np.full(m, absent, dtype=np.int64)
@@ -456,7 +490,6 @@ class SurveyDesign:
         sub = np.flatnonzero(off)
         if len(sub) > self.n // 100:
             return None
-        from sdl_design.glm import distinct_rows
 
         rows, sub_codes = distinct_rows(self.W[sub] / self.w[sub, None])
         codes[sub] = G + sub_codes

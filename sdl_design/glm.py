@@ -19,7 +19,7 @@ import pandas as pd
 import scipy.sparse as sp
 from scipy.linalg import solve_triangular
 
-from sdl_design.design import dense_codes, first_of, group_indicator
+from sdl_design.design import dense_codes, distinct_rows, group_indicator
 
 if TYPE_CHECKING:
     from sdl_design.design import SurveyDesign
@@ -146,17 +146,6 @@ def independent_columns(gram: np.ndarray, tol: float = 1e-10) -> np.ndarray:
             L[k, :k], L[k, k] = c, np.sqrt(r)
             keep.append(j)
     return np.asarray(keep, dtype=np.int64)
-
-
-def distinct_rows(A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct rows of A (in order of first appearance) and each row's index among them,
-    by hashing one column at a time (no sort of rows)."""
-    g = np.zeros(len(A), dtype=np.int64)
-    for j in range(A.shape[1]):
-        c, u = pd.factorize(A[:, j])
-        g = pd.factorize(g * len(u) + c)[0]
-    first = first_of(g, int(g.max(initial=-1)) + 1)
-    return A[first], g
 
 
 def _logistic(eta: np.ndarray) -> np.ndarray:

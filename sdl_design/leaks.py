@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from sdl_design.spec import _short
+
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec
 
@@ -145,7 +147,6 @@ def missed_replicates(spec: ReleaseSpec, columns: list[str]) -> list[str]:
 
 def column_problems(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
     """Every column leak of the data under the spec, each 'field: what and the fix'."""
-    from sdl_design.spec import _short
 
     problems: list[str] = []
     columns = [str(c) for c in df.columns]

@@ -42,24 +42,44 @@ from sdl_design.design import (
     dense_codes,
     first_of,
     group_indicator,
+    resolve_replicates,
     sparse_times,
     take_rows,
 )
-from sdl_design.edits import combine_rule_failures, rule_failures
+from sdl_design.edits import check_edits, combine_rule_failures, rule_failures
 from sdl_design.exactsum import add_limbs_at
 from sdl_design.io import parquet_options, type_input
 from sdl_design.keys import key_levels
-from sdl_design.massc.moments import StudyVariables, ZMoments, ZParts, moment_terms, moments_of
+from sdl_design.massc.common import _codes
+from sdl_design.massc.common import _combine as _combine_codes
+from sdl_design.massc.donors import donor_ranks, donor_search, search_profiles, search_values
+from sdl_design.massc.measures import appearance_table, information_loss
+from sdl_design.massc.moments import (
+    StudyVariables,
+    ZMoments,
+    ZParts,
+    _Bins,
+    moment_terms,
+    moments_of,
+)
+from sdl_design.massc.rates import optimal_phi, optimal_psi
+from sdl_design.massc.stage import massc_config
+from sdl_design.massc.treatment import cost_from, systematic_hits
 from sdl_design.prb import (
     EDIT_HINT,
+    TRANSITION_COLUMNS,
     PrbRequest,
+    PrbStage,
     _partition_codes,
+    block_flows,
     block_risk,
     m0,
     prb_draws,
     prb_frames,
     prb_request,
     theta0,
+    transition_categories,
+    transition_rows,
 )
 from sdl_design.risk import (
     STRATA,
@@ -243,7 +263,6 @@ def read_partition(
     df.index = pd.RangeIndex(part.start, part.stop)
     if spec is None:
         return df
-    from sdl_design.io import type_input
 
     return type_input(df, spec, text=False)
 
@@ -714,8 +733,6 @@ def means_request(spec: ReleaseSpec, columns: Sequence[str], design: Any = None)
     rw = d.replicate_weights
     reps = []
     if rw is not None:
-        from sdl_design.design import resolve_replicates
-
         reps = resolve_replicates(list(columns), rw.columns)
     return MeansRequest(
         variables=tuple(v.study),
@@ -820,7 +837,6 @@ class SwapRequest:
 
 def swap_request(spec: ReleaseSpec, columns: Sequence[str]) -> SwapRequest:
     """The spec's swap (its design's replicate weights resolved on the input's columns)."""
-    from sdl_design.design import resolve_replicates
 
     section = spec.stages.active("swap")
     if section is None:
@@ -957,7 +973,6 @@ def se_ratio_rows(original: pd.DataFrame, masked: pd.DataFrame) -> pd.DataFrame:
 
 def prb_stage_request(spec: ReleaseSpec) -> tuple[PrbRequest, Any]:
     """The spec's PRB request (as PrbStage asks post_randomize) and its stages.prb section."""
-    from sdl_design.prb import PrbStage
 
     stage = PrbStage.from_spec(spec)
     if stage is None:
@@ -1081,7 +1096,6 @@ def prb_apply(
 ) -> str:
     """The partition with its moved records' values of C replaced (as post_randomize takes
     them from their donors), edit rules checked, written to folder (whole or not at all)."""
-    from sdl_design.edits import check_edits
 
     df = read_partition(part, None, spec)
     mine = new.loc[(new.index >= part.start) & (new.index < part.stop)]
@@ -1114,7 +1128,6 @@ def prb_transition_request(
 ) -> PrbTransitions:
     """On the driver: expected_transitions' in-block part from the units and their blocks
     (prb_plan's), on the whole input's cells (tables)."""
-    from sdl_design.prb import block_flows, transition_categories
 
     u, block = plan["units"], np.asarray(plan["block"], dtype=np.int64)
     cv = tables.cells[req.names]
@@ -1167,7 +1180,6 @@ def prb_doc_tables(
     """On the driver: PrbStage's `transitions` (expected_transitions, the same bits) and
     `changed_by_variable` (records and share whose value of each variable of C changed: only
     moved records change, compared with their values as units) from the partitions' sums."""
-    from sdl_design.prb import TRANSITION_COLUMNS, transition_rows
 
     rows = []
     for j, v in enumerate(tr.names):
@@ -1242,7 +1254,6 @@ class MasscRequest:
 def massc_request(spec: ReleaseSpec, columns: Sequence[str]) -> MasscRequest:
     """The spec's MASSC (stages.massc) on an input with these columns; k-means substrata have
     no partitioned path (PartitionError naming the field)."""
-    from sdl_design.massc.stage import massc_config
 
     if spec.stages.massc is None:
         raise PartitionError("stages.massc: the spec has no MASSC stage; enable it")
@@ -1278,8 +1289,6 @@ def massc_request(spec: ReleaseSpec, columns: Sequence[str]) -> MasscRequest:
 def _search_units(df: pd.DataFrame, req: MasscRequest) -> tuple[list[pd.Series], np.ndarray]:
     """The search-profile values of df's records (restriction and cell columns, keys,
     sensitive categories, in that order) and each record's local search profile."""
-    from sdl_design.massc.common import _codes
-    from sdl_design.massc.donors import search_profiles, search_values
 
     r, k, s = search_values(df, req.keys, req.sensitive, req.restrictions, req.cells)
     codes = [_codes(v) for v in (*r, *k, *s)]
@@ -1344,8 +1353,6 @@ def donor_plan(
     find_donors numbers them on the whole file), the donor search with rng, and the routes
     from a (donor profile, rank) draw to the partition holding that record. rng is left as
     find_donors leaves it (advanced past the records' draws, which the partitions make)."""
-    from sdl_design.massc.common import _codes, _combine
-    from sdl_design.massc.donors import donor_search, search_profiles
 
     if not isinstance(rng.bit_generator, np.random.PCG64):
         raise PartitionError("the donor draws by partition need a PCG64 Generator (stage_rng)")
@@ -1388,13 +1395,13 @@ def donor_plan(
     n_no_donor_domain = 0
     if req.cells:  # records whose donor set has other key profiles but their cell none
         r = len(req.restrictions)
-        base = _combine(codes[:r], len(units))
-        keys = _combine(codes[a:b], len(units))
+        base = _combine_codes(codes[:r], len(units))
+        keys = _combine_codes(codes[a:b], len(units))
 
         def single(group: np.ndarray) -> np.ndarray:  # the group holds one key profile
             return pd.Series(keys).groupby(group).transform("nunique").to_numpy() == 1
 
-        cell = _combine([base, _combine(codes[r:a], len(units))], len(units))
+        cell = _combine_codes([base, _combine_codes(codes[r:a], len(units))], len(units))
         n_no_donor_domain = int(size[single(cell) & ~single(base)].sum())
     return DonorPlan(
         starts=np.array([int(x["first"].min()) if len(x) else -1 for x in tables]),
@@ -1420,7 +1427,6 @@ def donor_send(
     within the donor profile, from the uniforms find_donors draws for it: the Generator
     advanced to the partition's first such record); the requests, per partition holding
     the donors: requester rows (local), donor profiles and their local ranks there."""
-    from sdl_design.massc.donors import donor_ranks
 
     df = read_partition(part, req.columns(), spec)
     _, pid = _search_units(df, req)
@@ -1555,7 +1561,6 @@ def _original_terms(data: dict[str, Any], zvars: StudyVariables, n_h: int, n_psu
 
 def _cost_terms(data: dict[str, Any], zvars: StudyVariables, n_h: int, n_psu: int):
     """The sums of the disclosure costs: r_k / F_k by stratum (disclosure_cost)."""
-    from sdl_design.massc.moments import _Bins
 
     yield ("", "", "cost"), _Bins(data["h"], None, n_h, len(data["h"])), data["rF"]
 
@@ -1741,9 +1746,6 @@ def massc_psi(spec: ReleaseSpec, columns: Sequence[str], sums: PlanSums) -> tupl
     """On the driver: the disclosure costs a_h and the substitution rates psi (eq. 9) from the
     plan's sums, as massc_plan computes them (loss budgets in the original's Taylor variances,
     or theta_z^2, by stages.massc.loss_scale). Sets the moments' denom D_z."""
-    from sdl_design.massc.rates import optimal_psi
-    from sdl_design.massc.stage import massc_config
-    from sdl_design.massc.treatment import cost_from
 
     cfg = massc_config(spec, pd.DataFrame(columns=list(columns)))
     mom = sums.moments
@@ -1858,7 +1860,6 @@ def select_serve(
     """The systematic selections within the groups this partition owns: per selection, its
     records sorted by group, uniform and record (select's order), the hits sent back to each
     partition."""
-    from sdl_design.massc.treatment import systematic_hits
 
     rows, g = (np.concatenate([q[k] for q in requests]) for k in ("rows", "g"))
     u, pi = (np.concatenate([q[k] for q in requests], axis=1) for k in ("u", "pi"))
@@ -1951,7 +1952,6 @@ def massc_phi(
     """On the driver: the moments of z* from the partitions' parts and the retention rates phi
     (eq. 10), as massc_treat computes them (cfg: its MasscConfig; base: the plan's moments);
     and the records substituted."""
-    from sdl_design.massc.rates import optimal_phi
 
     labels = base.strata
     totals = _block_totals(partials, [_treated_terms], zvars, len(labels), 0, n_rows)
@@ -2009,7 +2009,6 @@ def delta_pass1(
 
 def _delta_terms(data: dict[str, Any], zvars: StudyVariables, n_h: int, n_psu: int):
     """The sums of delta_k by how the record's original profile appears in B(2)."""
-    from sdl_design.massc.moments import _Bins
 
     yield ("", "", "delta"), _Bins(data["cls"], None, 5, len(data["cls"])), data["delta_k"]
 
@@ -2052,7 +2051,6 @@ def delta_pass2(
 def combine_delta(partials: Sequence[MomentsPartial], n_rows: int) -> Any:
     """delta (eq. 5-6: the largest of delta_u, delta_d, delta_t, delta_o) and its table by
     appearance, from the partitions' parts: delta_measures' bits."""
-    from sdl_design.massc.measures import appearance_table
 
     totals = _block_totals(partials, [_delta_terms], None, 5, 0, n_rows)[("", "", "delta")]
     table = appearance_table(totals, np.sum([q.N for q in partials], axis=0), n_rows)
@@ -2072,7 +2070,6 @@ def massc_loss(
 ) -> tuple[pd.DataFrame, float]:
     """The information loss of the treatment against the original totals (eq. 7, 8a + 8b) and
     epsilon, its largest RRMSE, as the MASSC stage reports them."""
-    from sdl_design.massc.measures import information_loss
 
     il = information_loss(tr.moments, plan.psi.rates, tr.phi.rates, sums.truth, sums.sampling_var)
     eps = float(np.nanmax(il["rrmse"])) if il["rrmse"].notna().any() else float("nan")

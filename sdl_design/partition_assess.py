@@ -24,6 +24,8 @@ import pandas as pd
 
 from sdl_design.assess import (
     MODEL_COLUMNS,
+    PMSE_MAX_ITER,
+    Assessment,
     Coding,
     StudyPlan,
     _cells,
@@ -31,13 +33,21 @@ from sdl_design.assess import (
     _epsilon_published,
     _key_specs,
     _model_specs,
+    _numeric,
     _Pairs,
     _Study,
+    _worst_se_text,
+    _worst_terms,
+    _worst_text,
+    assessment_gates,
     domain_estimates_of,
     domain_metrics,
     domain_table,
     model_metrics,
     model_rows,
+    pmse_layout,
+    pmse_matrix,
+    pmse_metrics,
     published_coding,
     study_kind,
 )
@@ -51,13 +61,27 @@ from sdl_design.design import (
 )
 from sdl_design.glm import (
     GLMCells,
+    _binomial_deviance,
+    _logistic,
     combine_cells,
     design_matrix,
     fit_cells,
     glm_cells,
+    independent_columns,
     parse_formula,
+    weighted_gram,
 )
-from sdl_design.partition import PartitionError, read_partition
+from sdl_design.leaks import recoverable_share, zero_words
+from sdl_design.massc.measures import appearance_table
+from sdl_design.partition import (
+    PartitionError,
+    _selected,
+    combine_profiles,
+    profile_counts,
+    profile_rows,
+    read_partition,
+    strata_counts,
+)
 from sdl_design.spec import ReleaseSpec
 
 MIN_N = 30  # assess's: an estimate is reliable with >= 30 original records in its cell
@@ -506,7 +530,6 @@ class Linked:
 
 def retained_in(part: Any, selected: str) -> int:
     """Map: the partition's records MASSC retained (its d(2) selection in `selected`)."""
-    from sdl_design.partition import _selected
 
     return int(_selected(part, selected).sum())
 
@@ -537,7 +560,6 @@ def linked_originals(
 ) -> pd.DataFrame:
     """The original records a published partition holds (columns of them), in its order:
     the retained records lo..hi-1 of each original partition (MASSC's d(2) in `selected`)."""
-    from sdl_design.partition import _selected
 
     parts = []
     for p, lo, hi in linked.originals:
@@ -583,7 +605,6 @@ def risk_pass(
 ) -> RiskPass:
     """Map: the published partition's risk counts, its original records read from the
     original partitions they come from (MASSC's selection: which records were retained)."""
-    from sdl_design.partition import profile_counts
 
     keys = list(req.keys)
     cols = list(dict.fromkeys([*keys, *req.published_sensitive, *req.leak_replicates]))
@@ -592,8 +613,6 @@ def risk_pass(
     po, pr = _key_profiles(orig, req, plan), _key_profiles(rel, req, plan)
     leak = None
     if req.leak_replicates:  # (zero pattern, original PSU) pairs and each PSU's records
-        from sdl_design.leaks import zero_words
-
         words, has_zero = zero_words(rel, list(req.leak_replicates))
         labels = orig[list(req.original_psu)].reset_index(drop=True)
         named = [f"__z{j}" for j in range(words.shape[1])]
@@ -633,7 +652,6 @@ def risk_metrics(
     """Reduce: assess.reidentification's metrics (the intruder matches each original record's
     published key profile to the published file's) and the share of sample uniques on the
     published keys (AssessStage's unique_share_published)."""
-    from sdl_design.partition import combine_profiles, strata_counts
 
     at = np.unique(np.concatenate([u for u, _ in [*originals, *(r.released for r in risk)]]))
     n_orig = _add(originals, at)
@@ -730,7 +748,6 @@ def model_fits(
 
 def _psu_recoverable(leaks: Sequence[tuple[pd.DataFrame, pd.DataFrame]]) -> float:
     """leaks.psu_recoverable from the partitions' counts by (zero pattern, original PSU)."""
-    from sdl_design.leaks import recoverable_share
 
     pairs = pd.concat([z for z, _ in leaks], ignore_index=True)
     sizes = pd.concat([q for _, q in leaks], ignore_index=True)
@@ -804,7 +821,6 @@ def delta_pass(
     original one, r = the larger GenMASSC score of the record's original profile (profiles,
     scores: the input's) and of its published one (published, published_scores: the
     published records' profiles); 1 for every record without sensitive variables."""
-    from sdl_design.partition import _selected, profile_rows
 
     keys = spec.variables.keys
     names = [k.name for k in keys]
@@ -843,7 +859,6 @@ def delta_pass(
 
 def delta_metrics(parts: Sequence[DeltaPass], profiles: pd.DataFrame) -> dict[str, float]:
     """Reduce: published_delta's metrics (delta, delta_u/d/t/o, delta_profile_max)."""
-    from sdl_design.massc.measures import appearance_table
 
     n = int(sum(p.counts.sum() for p in parts))
     table = appearance_table(
@@ -866,13 +881,6 @@ def assess_gates(
 ) -> list:
     """AssessStage's gates on the metrics made by partition, with its explanations (the worst
     estimates, model terms and SE ratios)."""
-    from sdl_design.assess import (
-        Assessment,
-        _worst_se_text,
-        _worst_terms,
-        _worst_text,
-        assessment_gates,
-    )
 
     worst = Assessment(est, coefs, m, {}).worst(20)
     return assessment_gates(m, spec, _worst_text(worst), _worst_terms(coefs), _worst_se_text(est))
@@ -907,7 +915,6 @@ def _pmse_frame(part: Any, spec: ReleaseSpec, req: AssessRequest, plan: AssessPl
 
 def pmse_pass1(part: Any, spec: ReleaseSpec, req: AssessRequest, plan: AssessPlan) -> PmsePass1:
     """Map: the partition's values and numeric moments of the propensity model's columns."""
-    from sdl_design.assess import _numeric
 
     df = _pmse_frame(part, spec, req, plan)
     out = PmsePass1({}, {}, {})
@@ -948,7 +955,6 @@ def pmse_plan(first: Sequence[Sequence[PmsePass1]], plan: AssessPlan) -> PmsePla
     """The model of pmse_ratio from both files' pass 1: the categorical columns (the keys,
     the study variables the original does not hold as numbers) with their levels sorted (a
     missing value last), the numeric ones standardized by their mean and SD over both files."""
-    from sdl_design.assess import pmse_layout
 
     parts = [p for f in first for p in f]
     cols = list(first[0][0].numeric)
@@ -992,8 +998,6 @@ def pmse_pass(
     beta: np.ndarray | None,
 ) -> PmsePass:
     """Map over file f's partition (y = f: membership in the released file)."""
-    from sdl_design.assess import pmse_matrix
-    from sdl_design.glm import _binomial_deviance, _logistic, weighted_gram
 
     X = pmse_matrix(_pmse_frame(part, spec, req, plan), pplan.layout)
     with single_blas_thread():
@@ -1022,8 +1026,6 @@ def pmse_by_partition(
     """assess.pmse_ratio of the two files by partition: pass 1 for the model's columns, one
     pass for X'X (its independent columns), then glm.irls' Newton steps, halved while the
     deviance rises, each candidate one pass over both files; the pMSE from the last one."""
-    from sdl_design.assess import PMSE_MAX_ITER, pmse_metrics
-    from sdl_design.glm import independent_columns
 
     first = [run_map(pmse_pass1, p, spec, req, plan, what="pMSE, columns") for p in files]
     pplan = pmse_plan(first, plan)
@@ -1067,7 +1069,6 @@ def input_rows(linked: Linked, selected: str | None) -> np.ndarray:
     """Map: each record of a published partition's original record, as its row in the input
     (the retained records lo..hi-1 of each original partition it comes from, MASSC's d(2) in
     `selected`)."""
-    from sdl_design.partition import _selected
 
     at = []
     for p, lo, hi in linked.originals:

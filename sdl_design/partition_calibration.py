@@ -30,17 +30,45 @@ import pandas as pd
 
 from sdl_design import blocksum
 from sdl_design.blocksum import BlockAccumulator, BlockPartial, combine_local
+from sdl_design.calibration import (
+    CalibrationInfeasible,
+    _margin_codes,
+    calibrate_profiles,
+    profile_design,
+    replicate_factors,
+)
 from sdl_design.design import first_of
+from sdl_design.edits import check_edits
 from sdl_design.keys import key_frame, key_levels
+from sdl_design.massc.measures import epsilon_from_replications
+from sdl_design.massc.moments import ZParts
+from sdl_design.massc.stage import EDIT_HINT, _domain_specs
+from sdl_design.massc.treatment import (
+    cell_labels,
+    domain_metrics,
+    drop_finest,
+    label_totals,
+    margin_name,
+    replication_seed,
+    weight_factors,
+)
 from sdl_design.partition import (
     MasscInputs,
     Partition,
     PartitionError,
+    _block_totals,
     _original_rows,
+    _partial_sums,
+    _selected,
+    _tilde,
     _treated_records,
     _write_partition,
+    massc_request,
+    plan_partitions,
     read_partition,
+    substituted,
 )
+from sdl_design.rng import release_seed
 from sdl_design.spec import KeySpec, ReleaseSpec
 
 # replications made in the same passes: their selections' exchange carries a uniform per
@@ -72,7 +100,6 @@ class CalibrationRequest:
 def calibration_request(spec: ReleaseSpec, columns: Sequence[str]) -> CalibrationRequest:
     """The spec's Step IV on an input with these columns (PartitionError naming the field when
     a column is missing)."""
-    from sdl_design.massc.stage import _domain_specs
 
     cal = spec.stages.massc.calibration
     controls = tuple(KeySpec(name=c) if isinstance(c, str) else c for c in cal.controls)
@@ -100,7 +127,6 @@ def check_massc(spec: ReleaseSpec, columns: Sequence[str]) -> None:
     """What MASSC by partition refuses, before anything runs (PartitionError naming the field):
     massc_request's, a missing calibration column, and a numeric (single-total) control, whose
     type is read from the input's first partition as the passes type it."""
-    from sdl_design.partition import massc_request, plan_partitions
 
     massc_request(spec, columns)
     creq = calibration_request(spec, columns)
@@ -145,7 +171,6 @@ def _sorted_values(uniques: Sequence[pd.Series]) -> tuple[list[np.ndarray], list
     """The categories of a column split over partitions (each partition's distinct values):
     each partition's values' codes into the sorted categories, and the categories, as
     calibration._margin_codes sorts the whole column (a missing value is MISSING)."""
-    from sdl_design.calibration import _margin_codes
 
     both = pd.concat([u.astype(object) for u in uniques], ignore_index=True)
     code, cats = _margin_codes(both)
@@ -254,7 +279,6 @@ def _both_codes(
     """The partition's records coded twice, as they are (rows 0..n-1) and with every
     record's key-related columns from its donor (rows n..2n-1: B(1) takes these where
     substituted), with `extra` columns of the records, and whether each has a donor."""
-    from sdl_design.partition import _tilde, substituted
 
     spec, req = m.spec, m.req
     df = read_partition(part, [*creq.columns(), *extra], spec)
@@ -271,7 +295,6 @@ def _both_codes(
 
 def _treated_rows(part: Partition, tr: Treated, has_donor: np.ndarray) -> tuple[np.ndarray, ...]:
     """d(2)'s records (positions) and where their codes are in _both_codes' rows."""
-    from sdl_design.partition import _selected
 
     d1 = _selected(part, tr.selected[0]) & has_donor
     keep = np.flatnonzero(_selected(part, tr.selected[1]))
@@ -314,7 +337,6 @@ class CalibrationPass1:
 
 def retained_count(part: Partition, trs: Sequence[Treated]) -> list[int]:
     """The partition's retained records (d(2)) of each treatment."""
-    from sdl_design.partition import _selected
 
     return [int(_selected(part, tr.selected[1]).sum()) for tr in trs]
 
@@ -430,7 +452,6 @@ def calibration_plan(
 ) -> CalibrationPlan:
     """On the driver: the controls' categories and original totals, the domains' cells (their
     weight and replicate totals in block sums) and labels (cell_labels, domain_margins' rule)."""
-    from sdl_design.massc.treatment import cell_labels, margin_name
 
     reps = list(creq.replicates)
     n2 = sum(q.n2 for q in partials)
@@ -582,7 +603,6 @@ def _profile_keys(
 
 
 def margin_name_of(dom: Sequence[KeySpec]) -> str:
-    from sdl_design.massc.treatment import margin_name
 
     return margin_name(dom)
 
@@ -676,7 +696,6 @@ def _profile_sums(keyss: Sequence[np.ndarray], partials, n_rows: int):
 
 
 def _design_of(keys: np.ndarray, plan: CalibrationPlan, creq, cols: ProfileColumns):
-    from sdl_design.calibration import profile_design
 
     codes, rest = np.empty((len(keys), len(cols.sizes)), dtype=np.int64), keys.copy()
     for j in range(len(cols.sizes) - 1, -1, -1):
@@ -701,8 +720,6 @@ def calibrate_by_partition(
     the original's), a domain dropped (finest first) while either is infeasible. sums(kept):
     pass 2 on every partition for those margins (first: its result for every margin, when
     made already)."""
-    from sdl_design.calibration import CalibrationInfeasible, calibrate_profiles, replicate_factors
-    from sdl_design.massc.treatment import drop_finest, label_totals
 
     reps = list(creq.replicates)
     table = plan.table.copy()
@@ -785,8 +802,6 @@ def calibration_apply(
     w_r g_r (every column of B(1), in its order), written to folder; the distinct calibration
     and total factors with their counts and the calibrated weight's block sums (the metrics).
     cal None: no control and no margin (weights divided by phi only)."""
-    from sdl_design.edits import check_edits
-    from sdl_design.massc.stage import EDIT_HINT
 
     reps = list(creq.replicates)
     b2, factor, b1 = _retained(part, m, tr)
@@ -848,8 +863,6 @@ def replication_totals(
     """Each replication's study totals on the partition (massc_replications' treated_totals):
     B(2)'s study values and domains (the substituted records' from tilde) at the calibrated
     weight, in block sums over the retained records."""
-    from sdl_design.massc.moments import ZParts
-    from sdl_design.partition import _partial_sums, _tilde
 
     spec, req = m.spec, m.req
     keys = [k.name for k in req.keys]
@@ -877,7 +890,6 @@ def replication_totals(
 
 def combine_replication_totals(partials: Sequence[Any], zvars: Any, n2: int) -> np.ndarray:
     """The study totals of one replication (the order of zvars.labels)."""
-    from sdl_design.partition import _block_totals
 
     return zvars.totals_from(_block_totals(partials, [_replication_terms], zvars, 0, 0, n2))
 
@@ -900,8 +912,6 @@ def replication_request(creq: CalibrationRequest, table: pd.DataFrame) -> Calibr
 
 def replication_generator(spec: ReleaseSpec, r: int) -> np.random.Generator:
     """Replication r's Generator (massc_replications': replication_seed of the release seed)."""
-    from sdl_design.massc.treatment import replication_seed
-    from sdl_design.rng import release_seed
 
     return np.random.default_rng(
         replication_seed(release_seed(spec.release.seed, spec.release.year), r)
@@ -912,7 +922,6 @@ def replication_epsilon(
     estimates: Sequence[np.ndarray], truth: np.ndarray, zvars: Any
 ) -> tuple[float, pd.DataFrame]:
     """The empirical epsilon over the replications and its table (massc_epsilon's)."""
-    from sdl_design.massc.measures import epsilon_from_replications
 
     labels = [tuple(x) for x in zvars.labels]
     return epsilon_from_replications(np.vstack(estimates), truth, labels)
@@ -925,7 +934,6 @@ def calibration_summary(
     applied: Sequence[dict[str, Any]],
 ) -> tuple[dict[str, pd.DataFrame], dict[str, float]]:
     """calibrate_treated's tables and metrics from the solve and the partitions' factors."""
-    from sdl_design.massc.treatment import domain_metrics, weight_factors
 
     tables: dict[str, pd.DataFrame] = {}
     metrics: dict[str, float] = {}

@@ -20,7 +20,8 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.blas import single_blas_thread
-from sdl_design.keys import key_levels
+from sdl_design.design import resolve_replicates
+from sdl_design.keys import key_frame, key_levels
 from sdl_design.partition import (
     MeansRequest,
     PartitionError,
@@ -28,9 +29,12 @@ from sdl_design.partition import (
     domain_means,
     means_pass1,
     means_pass2,
+    profile_counts,
     read_partition,
 )
+from sdl_design.partition_assess import linked_originals
 from sdl_design.spec import KeySpec
+from sdl_design.utility import se_exclude
 
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec
@@ -65,7 +69,6 @@ class FinalRequest:
 
 def _design_dict(design: Any, columns: Sequence[str]) -> dict[str, Any]:
     """SurveyDesign.from_spec's design columns of a DesignSection on a file's columns."""
-    from sdl_design.design import resolve_replicates
 
     rs = design.replicate_weights
     rw = resolve_replicates(list(columns), rs.columns) if rs else []
@@ -89,7 +92,6 @@ def final_request(
     """FinalStage's request: the original side as original_se_table makes it (the spec's
     design, se_exclude), the released side as FinalStage makes it (the public design,
     se_exclude and variables.other.drop)."""
-    from sdl_design.utility import se_exclude
 
     if not spec.design.psu or not design_released.psu:
         raise PartitionError("design.psu: the partitioned SEs sum by PSU; give the PSU column")
@@ -283,7 +285,6 @@ def se_table(plan: FinalPlan, first: Sequence[Any], second: Sequence[Any]) -> pd
 
 def key_profiles(part: Any, spec: ReleaseSpec) -> pd.DataFrame:
     """A partition's key profiles (profile_counts: the risk strata's counts)."""
-    from sdl_design.partition import profile_counts
 
     names = [k if isinstance(k, str) else k.name for k in spec.variables.keys]
     return profile_counts(read_partition(part, names, spec), spec.variables.keys)
@@ -298,8 +299,6 @@ def unique_share(profiles: pd.DataFrame) -> float:
 def keys_changed(linked: Any, spec: ReleaseSpec, selected: str | None) -> tuple[int, int]:
     """Map: (records, records with a key changed) of a published partition against the
     original records they are (partition_assess.link), keys in their recodes (key_frame)."""
-    from sdl_design.keys import key_frame
-    from sdl_design.partition_assess import linked_originals
 
     keys = spec.variables.keys
     names = [k if isinstance(k, str) else k.name for k in keys]

@@ -17,7 +17,7 @@ import pandas as pd
 
 from sdl_design.design import first_of
 from sdl_design.partition import Partition, PartitionError, _write_partition, read_partition
-from sdl_design.pseudo import PseudoPlan, apply_pseudo, pseudo_plan
+from sdl_design.pseudo import PseudoPlan, apply_pseudo, pseudo_plan, pseudo_summary
 
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec
@@ -98,7 +98,6 @@ def pseudo_apply(
 
 def pseudo_result(plan: PseudoPlan, purity: np.ndarray) -> dict[str, Any]:
     """PseudoDesignStage's params, metrics and notes, as a partitioned stage's result."""
-    from sdl_design.pseudo import pseudo_summary
 
     params, metrics, notes = pseudo_summary(plan.design, plan.public, purity)
     return {**metrics, "params": params, "notes": notes, "public_design": plan.public}

@@ -29,6 +29,16 @@ from sdl_design import blocksum
 from sdl_design.blocksum import BlockPartial, combine_local
 from sdl_design.partition import Partition, PartitionError, _write_partition, read_partition
 from sdl_design.spec import Bound, ReleaseSpec, TopcodeRule
+from sdl_design.topcode import (
+    _check_apart,
+    _Groups,
+    _sorted_thresholds,
+    _thresholds,
+    frame_table,
+    side_row,
+    side_table,
+    topcode_summary,
+)
 
 SIDES = ("upper", "lower")
 
@@ -260,7 +270,6 @@ def topcode_plan(
 ) -> tuple[dict[str, ColumnPlan], Pending]:
     """On the driver: each column's groups and thresholds from pass 1 (gathered: the values
     and weights, record order, of the groups too close to call), and what is still needed."""
-    from sdl_design.topcode import _check_apart, _Groups, _sorted_thresholds, _thresholds
 
     plans, pending = {}, Pending(set(), {})
     for col, rule in treq.rules:
@@ -425,7 +434,6 @@ def topcode_coding(
 ) -> Coding:
     """On the driver: the replacements (the coded records' weighted mean, or the threshold)
     and each side's table columns (topcode.side_row), from the coded records in record order."""
-    from sdl_design.topcode import side_row
 
     rep, rows, integer = {}, {}, {}
     for col, rule in treq.rules:
@@ -496,7 +504,6 @@ def topcode_result(
     n_rows: int,
 ) -> tuple[pd.DataFrame, dict[str, float], dict[str, dict]]:
     """The stage's thresholds table, metrics and parameters (TopcodeStage.run's)."""
-    from sdl_design.topcode import frame_table, side_table, topcode_summary
 
     tables, totals = [], {}
     for col, rule in treq.rules:

@@ -15,16 +15,25 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import combinations
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 from scipy.optimize import brentq
 
+from sdl_design.blocksum import group_sum
+from sdl_design.describe import Describes, pct
+from sdl_design.design import SurveyDesign
+from sdl_design.edits import check_edits
 from sdl_design.keys import coarsen, published_key, shared_categories
+from sdl_design.plots import histogram
 from sdl_design.spec import KeySpec
+from sdl_design.stage import StageResult, gate
 from sdl_design.utility import tvd, weighted_distribution
+
+if TYPE_CHECKING:
+    from sdl_design.stage import StageResult
 
 
 class PrbError(ValueError):
@@ -48,9 +57,15 @@ def h_star(theta: float) -> float:
 
 def identification_risk_gate(max_risk: float, xi: float) -> Any:
     """The PRB stage's gate: the largest exact identification risk (eq. 2.2) at most xi."""
-    from sdl_design.stage import gate
 
-    return gate("prb.max_identification_risk", max_risk, upper=xi)
+    why = (
+        "Protects each post-randomized record against an intruder matching its published key: "
+        f"the largest exact probability that such a match is right (eq. 2.2) must be at most xi "
+        f"= {xi:g}, which the spec keeps between 1/3 and 1/2 so a claimed match is always more "
+        "likely wrong than right; PRB chooses its retention probability to use that room, so "
+        "the value sits close to the limit by design."
+    )
+    return gate("prb.max_identification_risk", max_risk, upper=xi, why=why, ideal=0.0)
 
 
 def _check_xi(xi: float) -> None:
@@ -577,7 +592,6 @@ def expected_transitions(res: PrbResult, weight: np.ndarray) -> pd.DataFrame:
     with theta/((m - 1) t'_j); units outside blocks stay. Columns: variable, original, published,
     p, n_original (records), weight_original. The category sums are block sums
     (sdl_design.blocksum: the same bits by partition, prb_transition_pass)."""
-    from sdl_design.blocksum import group_sum
 
     cv = res.cell_values
     if cv is None or not len(cv.columns):
@@ -706,7 +720,6 @@ def _category_counts(
         out[v] = (g, None)
     if design is None or design.replicate_weights is None:
         return out
-    from sdl_design.design import SurveyDesign
 
     d = SurveyDesign.from_spec(frame, design)
     if not d.replicate_weights:
@@ -866,7 +879,7 @@ def tvd_table(
     return pd.DataFrame(rows)
 
 
-class PrbStage:
+class PrbStage(Describes):
     """Stage: PRB post-randomization of the set C in weight-homogeneous blocks (paper 002
     section 4), the NZY baseline beside it, exact risk (eq. 2.2) gated at xi, Tables 3/4/6.
     Cells on the keys' published coding, partition sets refined by utility.domains; the records
@@ -874,6 +887,14 @@ class PrbStage:
 
     name = "prb"
     replications = 0
+
+    @classmethod
+    def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
+        return prb_public_method(result)
+
+    @classmethod
+    def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
+        return prb_public_treatments(result)
 
     def __init__(self, section: Any, spec: Any):
         self.section, self.spec = section, spec
@@ -895,75 +916,25 @@ class PrbStage:
         return [keys.get(c, KeySpec(name=c)) for c in names]
 
     def run(self, df: pd.DataFrame, ctx: Any) -> Any:
-        from sdl_design.edits import check_edits
-        from sdl_design.plots import histogram
-        from sdl_design.stage import StageResult
-
+        """PRB (stages.prb.method) on df and the other method beside it at the same theta,
+        exact identification risk (eq. 2.2) gated at xi, the weighted counts and TVD tables."""
         cfg, spec = self.section, self.spec
         weight = spec.design.weight
         xi = spec.gates.xi or cfg.xi
         rng = ctx.rng("prb")
         cells = self.cells()
         declared = spec.utility.domain_list(spec.variables.key_names)
-        kw = dict(partition=cfg.partition, seed=rng, cells=cells, domains=declared)
-        res = post_randomize(
-            df, cfg.variables, cfg.xi, weight, method=cfg.method, tuned=cfg.tuned, **kw
-        )
-        risk = block_risk(res.block, res.cell, res.theta)  # eq. 2.2, apart from the draw
-        check_edits(res.data, spec.edits, "PRB output", EDIT_HINT)
-        other = "nzy" if cfg.method == "prb" else "prb"
-        # Tables 1/4 of the input and PRB output need not wait for the baseline: counted in a
-        # thread while it runs, with those two files' categories (they count the categories
-        # records have, so the baseline's would change nothing)
-        c_two = shared_categories([df, res.data], cfg.variables)
-        with ThreadPoolExecutor(1, thread_name_prefix="puf-prb-counts") as pool:
-            early = pool.submit(count_changes, *c_two, cfg.variables, weight, spec.design)
-            base = post_randomize(
-                df, cfg.variables, cfg.xi, weight, method=other, theta=res.theta, **kw
-            )
-            # the set C's text columns factorized once for the TVD tables of the 3 files
-            c_df, c_res, c_base = shared_categories([df, res.data, base.data], cfg.variables)
-            counts = early.result()
-        tv = tvd_table(
-            c_df, {cfg.method: c_res, other: c_base}, default_combos(cfg.variables[:5]), weight
-        )
+        res, other, risk, counts, tv = _prb_and_baseline(df, cfg, spec, rng, cells, declared)
         max_risk = float(risk["risk"].max()) if len(risk) else 0.0
         n_changed = int(res.changed.sum())
         n_across, not_kept = domains_not_kept(res)
         cell_names = [k.name for k in cells]
         carried = [c for c in cfg.variables if c not in cell_names]
-        notes = [
-            f"PRB cells: {', '.join(cell_names)} in their published coding; carried with them "
-            f"(copied from one record of the destination cell): {', '.join(carried) or 'none'}",
-            *res.merges[:10],
-            *(
-                [f"... and {len(res.merges) - 10} more merges of partition sets"]
-                if len(res.merges) > 10
-                else []
-            ),
-            *res.notes,
-            f"PRB ({cfg.method}) changed {n_changed} of {int(res.block.notna().sum())} singleton/"
-            f"doubleton records; max exact identification risk {max_risk:.4f} <= xi {xi}",
-        ]
+        notes = _prb_notes(cfg, res, cell_names, carried, xi, max_risk, n_changed)
         notes += _domain_notes(not_kept, res.m0)
         notes.append(f"{n_across} records moved across a declared domain cell boundary")
-        moved_cols = [c for d in declared for c in d if c in carried]
-        if moved_cols:
-            notes.append(
-                "declared domain columns carried by PRB (perturbed with the keys, paper 002's "
-                f"set C, but not cell variables), not kept: "
-                f"{', '.join(dict.fromkeys(moved_cols))}"
-            )
-        figures = {}
-        if len(risk):
-            figures["risk_hist"] = histogram(
-                risk["risk"].to_numpy(),
-                "exact identification risk (eq. 2.2)",
-                "Identification risk of singleton/doubleton records after PRB",
-                vline=xi,
-                vlabel=f"xi = {xi:g}",
-            )
-        del c_df, c_res, c_base, c_two
+        notes += _carried_domain_notes(carried, declared)
+        figures = _risk_figures(risk, xi)
         return StageResult(
             name=self.name,
             data=res.data,
@@ -986,16 +957,7 @@ class PrbStage:
                 f"tvd_mean_{cfg.method}": float(tv[cfg.method].mean()) if len(tv) else 0.0,
                 f"tvd_mean_{other}": float(tv[other].mean()) if len(tv) else 0.0,
             },
-            tables={
-                "blocks": res.block.to_frame(),
-                "risk_by_block": risk_by_block(risk).reset_index(),
-                "identification_risk": empirical_risk(res).reset_index(names="row"),
-                "weighted_counts": counts.reset_index(),
-                "tvd": tv,
-                "domains_not_kept": not_kept,
-                "transitions": expected_transitions(res, df[weight].to_numpy(dtype=float)),
-                "changed_by_variable": changed_by_variable(df, res.data, cfg.variables, weight),
-            },
+            tables=_prb_tables(df, res, risk, counts, tv, not_kept, cfg.variables, weight),
             report_tables=[
                 "identification_risk",
                 "risk_by_block",
@@ -1007,3 +969,201 @@ class PrbStage:
             figures=figures,
             notes=notes,
         )
+
+
+def _prb_and_baseline(
+    df: pd.DataFrame,
+    cfg: Any,
+    spec: Any,
+    rng: Any,
+    cells: list[KeySpec],
+    declared: list[list[str]],
+) -> tuple[PrbResult, str, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """post_randomize of the set C by cfg.method, its exact risk (eq. 2.2) and edit checks, then
+    the other method (the baseline, PRB or NZY) at the same theta; Tables 1/4 (weighted
+    counts) of the input and PRB output and the TVD table of the three files. Returns (PRB's
+    result, the baseline's method, risk, counts, TVD)."""
+    weight = spec.design.weight
+    kw = dict(partition=cfg.partition, seed=rng, cells=cells, domains=declared)
+    res = post_randomize(
+        df, cfg.variables, cfg.xi, weight, method=cfg.method, tuned=cfg.tuned, **kw
+    )
+    risk = block_risk(res.block, res.cell, res.theta)  # eq. 2.2, apart from the draw
+    check_edits(res.data, spec.edits, "PRB output", EDIT_HINT)
+    other = "nzy" if cfg.method == "prb" else "prb"
+    # Tables 1/4 of the input and PRB output need not wait for the baseline: counted in a
+    # thread while it runs, with those two files' categories (they count the categories
+    # records have, so the baseline's would change nothing)
+    c_two = shared_categories([df, res.data], cfg.variables)
+    with ThreadPoolExecutor(1, thread_name_prefix="puf-prb-counts") as pool:
+        early = pool.submit(count_changes, *c_two, cfg.variables, weight, spec.design)
+        base = post_randomize(
+            df, cfg.variables, cfg.xi, weight, method=other, theta=res.theta, **kw
+        )
+        # the set C's text columns factorized once for the TVD tables of the 3 files
+        c_df, c_res, c_base = shared_categories([df, res.data, base.data], cfg.variables)
+        counts = early.result()
+    tv = tvd_table(
+        c_df, {cfg.method: c_res, other: c_base}, default_combos(cfg.variables[:5]), weight
+    )
+    return res, other, risk, counts, tv
+
+
+def _prb_notes(
+    cfg: Any,
+    res: PrbResult,
+    cell_names: list[str],
+    carried: list[str],
+    xi: float,
+    max_risk: float,
+    n_changed: int,
+) -> list[str]:
+    """Notes: the PRB cells and the variables carried with them, the merges of partition sets
+    (the first 10), post_randomize's notes, the records changed and the largest risk."""
+    return [
+        f"PRB cells: {', '.join(cell_names)} in their published coding; carried with them "
+        f"(copied from one record of the destination cell): {', '.join(carried) or 'none'}",
+        *res.merges[:10],
+        *(
+            [f"... and {len(res.merges) - 10} more merges of partition sets"]
+            if len(res.merges) > 10
+            else []
+        ),
+        *res.notes,
+        f"PRB ({cfg.method}) changed {n_changed} of {int(res.block.notna().sum())} singleton/"
+        f"doubleton records; max exact identification risk {max_risk:.4f} <= xi {xi}",
+    ]
+
+
+def _carried_domain_notes(carried: list[str], declared: list[list[str]]) -> list[str]:
+    """Note (when any): the declared domain columns PRB carries (carried: the set C's
+    variables that are not cell variables), not kept."""
+    moved_cols = [c for d in declared for c in d if c in carried]
+    if not moved_cols:
+        return []
+    return [
+        "declared domain columns carried by PRB (perturbed with the keys, paper 002's "
+        f"set C, but not cell variables), not kept: "
+        f"{', '.join(dict.fromkeys(moved_cols))}"
+    ]
+
+
+def _risk_figures(risk: pd.DataFrame, xi: float) -> dict[str, bytes]:
+    """The histogram of the exact identification risks (eq. 2.2) with xi, when any record
+    has one."""
+    figures = {}
+    if len(risk):
+        figures["risk_hist"] = histogram(
+            risk["risk"].to_numpy(),
+            "exact identification risk (eq. 2.2)",
+            "Identification risk of singleton/doubleton records after PRB",
+            vline=xi,
+            vlabel=f"xi = {xi:g}",
+        )
+    return figures
+
+
+def _prb_tables(
+    df: pd.DataFrame,
+    res: PrbResult,
+    risk: pd.DataFrame,
+    counts: pd.DataFrame,
+    tv: pd.DataFrame,
+    not_kept: pd.DataFrame,
+    variables: list[str],
+    weight: str,
+) -> dict[str, pd.DataFrame]:
+    """The stage's tables: blocks, risk by block, identification risk (Tables 3/6), weighted
+    counts (Tables 1/4), TVD, domains not kept, expected transitions, changes by variable."""
+    return {
+        "blocks": res.block.to_frame(),
+        "risk_by_block": risk_by_block(risk).reset_index(),
+        "identification_risk": empirical_risk(res).reset_index(names="row"),
+        "weighted_counts": counts.reset_index(),
+        "tvd": tv,
+        "domains_not_kept": not_kept,
+        "transitions": expected_transitions(res, df[weight].to_numpy(dtype=float)),
+        "changed_by_variable": changed_by_variable(df, res.data, variables, weight),
+    }
+
+
+def _prb_vars(res: StageResult) -> list[str]:
+    ch = res.tables.get("changed_by_variable")
+    if ch is not None and len(ch):
+        return list(ch["variable"])
+    return list(res.params.get("cells", []))
+
+
+def prb_public_treatments(res: StageResult) -> dict[str, list[str]]:
+    """Each variable of C: the share of records whose value PRB changed."""
+    ch = res.tables.get("changed_by_variable")
+    shares = {} if ch is None else dict(zip(ch["variable"], ch["share_changed"], strict=True))
+    theta = res.params.get("theta", float("nan"))
+    return {
+        c: [f"post-randomized by PRB (paper 002; theta {theta:.4f}): {pct(s)} of records changed"]
+        for c, s in shares.items()
+    }
+
+
+def _prb_matrices(tr: pd.DataFrame) -> list[str]:
+    """The transition matrices' lines: the diagonal by category, then the off-diagonal entries."""
+    L = []
+    diag = tr[tr["original"] == tr["published"]]
+    for v, g in diag.groupby("variable", sort=False):
+        L.append(
+            f"- `{v}`: "
+            + "; ".join(f"{a} {pv:.4f}" for a, pv in zip(g["original"], g["p"], strict=True))
+        )
+    L += ["", "Full matrices (off-diagonal entries > 0):", ""]
+    for v, g in tr.groupby("variable", sort=False):
+        off = g[g["original"] != g["published"]]
+        if len(off):
+            pairs = zip(off["original"], off["published"], off["p"], strict=True)
+            L.append(f"- `{v}`: " + "; ".join(f"{a}->{b} {pv:.4f}" for a, b, pv in pairs))
+    kept = diag.groupby("variable")["p"].min()
+    within = [v for v, pv in kept.items() if pv >= 1.0 - 1e-12]
+    if within:
+        L += [
+            "",
+            f"{', '.join(f'`{v}`' for v in within)}: never moved to another published "
+            "category (PRB partitions on it).",
+        ]
+    return L
+
+
+def prb_public_method(res: StageResult) -> list[str]:
+    """The public README's section on PRB with its transition probabilities (eq. 2.1)."""
+    p, m = res.params, res.metrics
+    L = [
+        "### Post-randomization of key variables (PRB, paper 002)",
+        "",
+        f"Records in key cells (combinations of {', '.join(p.get('cells', []))}) held by one or "
+        "two records were grouped in blocks of similar weight; within a block each record kept "
+        f"its cell with probability 1 - theta/t_j and moved to each of the m - 1 other cells "
+        f"with probability theta/((m-1) t_j) (t_j: the records of its cell in the block; "
+        f"theta = {p.get('theta', float('nan')):.6f}; at least m0 = {p.get('m0')} cells per "
+        f"block). A record that moved took all of {', '.join(_prb_vars(res))} from a record of "
+        f"its new cell. {int(m.get('n_changed', 0)):,} records ({pct(m.get('share_changed', 0.0))}) "
+        "changed; the exact identification risk of every block is at most "
+        f"xi = {p.get('xi')}.",
+        "",
+        "Transition probabilities for inference (P[a, b] = P(published = b | original = a), "
+        "weighted by the design weight, on each variable's published coding; a misclassification "
+        "model or the estimator T_original = (P')^-1 T_published of weighted category totals "
+        "uses them). Diagonal by category (the share of each category's weight left unchanged):",
+        "",
+    ]
+    tr = res.tables.get("transitions")
+    if tr is not None and len(tr):
+        L += _prb_matrices(tr)
+    ch = res.tables.get("changed_by_variable")
+    if ch is not None and len(ch):
+        L += [
+            "",
+            "Share of records whose value changed: "
+            + "; ".join(
+                f"`{v}` {pct(s)}" for v, s in zip(ch["variable"], ch["share_changed"], strict=True)
+            )
+            + ".",
+        ]
+    return [*L, ""]

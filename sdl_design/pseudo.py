@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
+from sdl_design.describe import REPLICATES, Describes
 from sdl_design.design import DesignError, SurveyDesign
+from sdl_design.spec import SpecError
+from sdl_design.stage import StageResult
+
+if TYPE_CHECKING:
+    from sdl_design.stage import StageResult
 
 
 @dataclass
@@ -183,7 +189,6 @@ def pseudo_plan(
     (build_pseudo_design; a file's records, or one row per original PSU: the same labels per
     unit and the same draws of rng), then its replicate factors (rng's next draws); columns:
     the file's. SpecError names the field when a new column's name is taken."""
-    from sdl_design.spec import SpecError
 
     d, p = spec.design, spec.design.pseudo
     sc, pc = d.strata or p.strata, d.psu or p.psu
@@ -308,13 +313,25 @@ def pseudo_summary(
     return params, metrics, notes
 
 
-class PseudoDesignStage:
+class PseudoDesignStage(Describes):
     """Stage: when no earlier stage masked the design (ctx.masked_design) and the spec does not
     publish the original labels, the public file gets pseudo strata, pseudo PSUs and replicate
     weights built from them (design.pseudo); the original labels never leave."""
 
     name = "pseudo_design"
     replications = 0
+
+    @classmethod
+    def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
+        return pseudo_public_method(result, des) if result.masks_design else []
+
+    @classmethod
+    def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
+        if not result.masks_design:
+            return {}
+        label = f"pseudo-design label built by the {cls.name} stage"
+        out = {c: [label] for c in dict.fromkeys((des["strata"], des["psu"])) if c}
+        return {**out, REPLICATES: [f" built by the {cls.name} stage"]}
 
     def __init__(self, spec: Any):
         self.spec = spec
@@ -327,7 +344,6 @@ class PseudoDesignStage:
         return cls(spec)
 
     def run(self, df: pd.DataFrame, ctx: Any) -> Any:
-        from sdl_design.stage import StageResult
 
         if ctx.masked_design:
             return StageResult(
@@ -355,3 +371,19 @@ class PseudoDesignStage:
             notes=notes,
             masks_design=True,
         )
+
+
+def pseudo_public_method(res: StageResult, des: dict[str, Any]) -> list[str]:
+    """The public README's section on the pseudo design."""
+    said = " ".join(str(n) for n in res.notes) or (
+        "Pseudo-strata and pseudo-PSUs were formed for this file and replicate weights built "
+        "from them."
+    )
+    return [
+        "### Pseudo-design for variance estimation",
+        "",
+        f"The published `{des['strata']}` and `{des['psu']}` are not the survey's strata and PSUs: "
+        + said
+        + " Use them as ordinary strata and PSUs (below).",
+        "",
+    ]

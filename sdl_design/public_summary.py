@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from sdl_design.design import DesignError, sorted_codes
+
 # a part sends the distinct values of a column when it has at most this many
 SMALL = 4096
 # a text column's values are listed in the codebook when it has at most this many
@@ -268,7 +270,6 @@ def record_jkn_scales(rows: pd.DataFrame, strata: str | None, reps: list[str]) -
     stratum: (n_h - 1)/n_h of the first stratum (in label order) with a record the replicate
     deletes, n_h its records (SurveyDesign's, whose PSUs are then ordered by stratum and
     record)."""
-    from sdl_design.design import DesignError, sorted_codes
 
     if strata and rows[strata].isna().any():
         raise DesignError(f"design: column '{strata}' has missing values; every record needs one")

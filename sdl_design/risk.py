@@ -23,8 +23,11 @@ import scipy.linalg
 import scipy.sparse as sp
 import scipy.sparse.linalg
 
+from sdl_design.describe import Describes
 from sdl_design.keys import coarsen, key_levels
+from sdl_design.plots import histogram
 from sdl_design.spec import KeySpec, SensitiveSpec, category_label
+from sdl_design.stage import StageResult
 
 STRATA = ("U", "D", "T", "O")
 KeyLike = str | KeySpec
@@ -649,7 +652,7 @@ def risk_profile(
     return RiskProfile(records, tabs["by_stratum"], tabs["by_profile_size"], metrics, ll)
 
 
-class RiskStage:
+class RiskStage(Describes):
     """Stage: risk of the input file on the keys (risk strata, GenMASSC scores, log-linear
     tau1/tau2); the data pass through unchanged."""
 
@@ -669,8 +672,6 @@ class RiskStage:
         return cls(section, list(v.keys), list(v.sensitive), spec.design.weight)
 
     def run(self, df: pd.DataFrame, ctx: Any) -> Any:
-        from sdl_design.plots import histogram
-        from sdl_design.stage import StageResult
 
         interactions = self.section.interactions or False
         prof = risk_profile(

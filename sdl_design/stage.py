@@ -21,11 +21,23 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 import pandas as pd
 
+from sdl_design.design import SurveyDesign
 from sdl_design.rng import release_seed, stage_rng
+from sdl_design.spec import ReplicateSpec
 
 if TYPE_CHECKING:
     from sdl_design.design import SurveyDesign
     from sdl_design.spec import ReleaseSpec
+
+
+# When a passing gate is "near its limit" (Gate.near_limit; the report states NEAR_RULE)
+NEAR_ROOM = 0.10  # share of the room between the ideal value and the limit still left
+NEAR_REL = 0.05  # for a gate with no ideal value: distance to the limit relative to the limit
+NEAR_RULE = (
+    f"a passing gate is near its limit when at most {NEAR_ROOM:.0%} of the room between its "
+    f"ideal value and the limit is left (|value - limit| <= {NEAR_ROOM:g} x |limit - ideal|; "
+    f"for a gate with no ideal value, within {NEAR_REL:.0%} of the limit)"
+)
 
 
 @dataclass
@@ -37,6 +49,8 @@ class Gate:
     lower: float | None = None
     upper: float | None = None
     explain: str = ""  # said when the gate fails (e.g. the worst estimates)
+    why: str = ""  # one sentence: what the gate protects against, why the limit is what it is
+    ideal: float | None = None  # the best value the measure can take (0 risk, overlap 1...)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -45,7 +59,30 @@ class Gate:
             "lower": self.lower,
             "upper": self.upper,
             "explain": self.explain,
+            "why": self.why,
+            "ideal": self.ideal,
         }
+
+    def holds(self) -> bool:
+        """lower <= value <= upper, the value finite."""
+        v = self.value
+        if v is None or not np.isfinite(v):
+            return False
+        return (self.lower is None or v >= self.lower) and (self.upper is None or v <= self.upper)
+
+    def near_limit(self) -> float | None:
+        """The limit a passing gate is near (NEAR_RULE), else None (failing gates included)."""
+        if not self.holds():
+            return None
+        for limit in (self.lower, self.upper):
+            if limit is None or not np.isfinite(limit):
+                continue
+            room = NEAR_ROOM * abs(limit - self.ideal) if self.ideal is not None else None
+            if room is None or room == 0:
+                room = NEAR_REL * abs(limit)
+            if abs(self.value - limit) <= room:
+                return limit
+        return None
 
 
 def gate(
@@ -54,9 +91,12 @@ def gate(
     lower: float | None = None,
     upper: float | None = None,
     explain: str = "",
+    why: str = "",
+    ideal: float | None = None,
 ) -> Gate:
-    """One threshold check: lower <= value <= upper (either side may be open)."""
-    return Gate(name, float(value), lower, upper, explain)
+    """One threshold check: lower <= value <= upper (either side may be open); why: one
+    sentence on what it protects against and why the limit; ideal: the measure's best value."""
+    return Gate(name, float(value), lower, upper, explain, why, ideal)
 
 
 @dataclass
@@ -124,7 +164,6 @@ class StageContext:
     @cached_property
     def design(self) -> SurveyDesign:
         """The original file's design (its strata, PSUs and replicate weights)."""
-        from sdl_design.design import SurveyDesign
 
         return SurveyDesign.from_spec(self.original, self.spec.design)
 
@@ -166,7 +205,6 @@ def public_design(spec: ReleaseSpec, results: list[StageResult]) -> Any:
 def built_design(spec: ReleaseSpec, pub: dict[str, Any]) -> Any:
     """The DesignSection of a design a stage built for the public file (its 'public_design':
     strata, psu, replicate_weights, replicate_method), the spec's weight."""
-    from sdl_design.spec import ReplicateSpec
 
     rw = pub.get("replicate_weights") or []
     return spec.design.model_copy(
@@ -223,29 +261,6 @@ class BaseStage:
         self, result: StageResult, replications: list[Any], ctx: StageContext
     ) -> StageResult:
         raise NotImplementedError(f"stage {self.name} has no replications")
-
-
-def build_stages(spec: ReleaseSpec) -> list[Stage]:
-    """The enabled stages of the spec, in release order (sdl_design.stages.RELEASE_STAGES)."""
-    from sdl_design.stages import RELEASE_STAGES
-
-    return [s for cls in RELEASE_STAGES if (s := cls.from_spec(spec)) is not None]
-
-
-def run_stages(spec: ReleaseSpec, original: pd.DataFrame) -> list[StageResult]:
-    """Every enabled stage in order on the original file, without orchestration (no Prefect, no
-    replications): what the release flow does between edit validation and the gates."""
-    from sdl_design.blas import single_blas_thread
-
-    ctx = StageContext(original, spec)
-    results: list[StageResult] = []
-    df = original
-    for stage in build_stages(spec):
-        with single_blas_thread():  # the same bits whatever the CPU count
-            result = stage.run(df, ctx.for_stage(stage.name, results))
-        results.append(result)
-        df = result.data
-    return results
 
 
 def reads_only(stage: Any) -> bool:

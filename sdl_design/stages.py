@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import pandas as pd
+
 from sdl_design.assess import AssessStage
+from sdl_design.blas import single_blas_thread
 from sdl_design.massc.stage import MasscStage
 from sdl_design.prb import PrbStage
 from sdl_design.pseudo import PseudoDesignStage
 from sdl_design.risk import RiskStage
+from sdl_design.spec import ReleaseSpec
+from sdl_design.stage import Stage, StageContext, StageResult
 from sdl_design.swap import SwapStage
 from sdl_design.topcode import TopcodeStage
 from sdl_design.utility import FinalStage
@@ -21,3 +26,22 @@ RELEASE_STAGES = [
     FinalStage,
     AssessStage,
 ]
+
+
+def build_stages(spec: ReleaseSpec) -> list[Stage]:
+    """The enabled stages of the spec, in release order (sdl_design.stages.RELEASE_STAGES)."""
+    return [s for cls in RELEASE_STAGES if (s := cls.from_spec(spec)) is not None]
+
+
+def run_stages(spec: ReleaseSpec, original: pd.DataFrame) -> list[StageResult]:
+    """Every enabled stage in order on the original file, without orchestration (no Prefect, no
+    replications): what the release flow does between edit validation and the gates."""
+    ctx = StageContext(original, spec)
+    results: list[StageResult] = []
+    df = original
+    for stage in build_stages(spec):
+        with single_blas_thread():  # the same bits whatever the CPU count
+            result = stage.run(df, ctx.for_stage(stage.name, results))
+        results.append(result)
+        df = result.data
+    return results

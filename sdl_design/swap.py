@@ -11,14 +11,29 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pandas as pd
 from scipy.spatial import cKDTree
 
-from sdl_design.design import first_of
+from sdl_design.describe import REPLICATES, Describes, pct
+from sdl_design.design import SurveyDesign, design_columns, first_of
 from sdl_design.exactsum import grid_exponent, limb_sums, limb_total, value
+from sdl_design.plots import se_ratio_boxplot as boxplot
+from sdl_design.stage import StageResult
+from sdl_design.utility import (
+    broad_characteristics,
+    deff_class_summary,
+    original_domain_se,
+    original_se_table,
+    se_exclude,
+    se_ratio_metrics,
+    se_ratio_table,
+)
+
+if TYPE_CHECKING:
+    from sdl_design.stage import StageResult
 
 Method = Literal["2a", "2b"]
 Scope = Literal["any", "same_stratum", "cross_stratum"]
@@ -661,20 +676,6 @@ class SwapResult:
     notes: list[str] = field(default_factory=list)
 
 
-def design_columns(design: Any) -> dict[str, Any]:
-    """df, weight, strata, psu, segment, replicate columns, method and rho of a SurveyDesign."""
-    return {
-        "df": design.df,
-        "weight": design.weight,
-        "strata": design.strata,
-        "psu": design.psu,
-        "segment": design.segment,
-        "replicate_weights": list(design.replicate_weights),
-        "method": design.method,
-        "rho": design.rho,
-    }
-
-
 def swap_segments(
     df: pd.DataFrame,
     design: Any,
@@ -702,7 +703,6 @@ def swap_segments(
     original side of the SE table (utility.original_domain_se of df, design, characteristics)
     when already computed, e.g. for the baseline method.
     """
-    from sdl_design.utility import broad_characteristics, se_ratio_table
 
     _check_rates(rate, max_share)
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
@@ -890,7 +890,6 @@ def replicate_factors(
     times its PSU's row: the values of with_replicates on the full file, without its records x
     PSUs factor matrix.
     """
-    from sdl_design.design import SurveyDesign
 
     h, p, wc = dc["strata"], dc["psu"], dc["weight"]
     one_per_psu = pd.DataFrame({h: psu_h, p: psu_p, wc: np.ones(len(psu_h))})
@@ -935,18 +934,25 @@ def _rebuild_replicates(
 def se_ratio_boxplot(ratios: dict[str, pd.DataFrame], column: str = "ratio") -> bytes:
     """PNG of side-by-side box plots of SE ratios by original design-effect class, one box per
     method in each class (the paper's Figure 2). ratios: method -> se_ratios frame."""
-    from sdl_design.plots import se_ratio_boxplot as boxplot
 
     return boxplot({f"Method {k}": v for k, v in ratios.items()}, column=column)
 
 
-class SwapStage:
+class SwapStage(Describes):
     """Stage: segment/PSU masking by the sequential variance-preserving swap (Method 2b or 2a),
     with the other method run as the baseline; pseudo labels, rebuilt replicate weights, SE
     ratios by design-effect class (paper 003 Table 1)."""
 
     name = "swap"
     replications = 0
+
+    @classmethod
+    def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
+        return swap_public_method(result, des)
+
+    @classmethod
+    def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
+        return swap_public_treatments(result, des)
 
     def __init__(self, section: Any, spec: Any):
         self.section, self.spec = section, spec
@@ -957,15 +963,6 @@ class SwapStage:
         return None if section is None else cls(section, spec)
 
     def run(self, df: pd.DataFrame, ctx: Any) -> Any:
-        from sdl_design.design import SurveyDesign
-        from sdl_design.stage import StageResult
-        from sdl_design.utility import (
-            broad_characteristics,
-            original_domain_se,
-            original_se_table,
-            se_exclude,
-            se_ratio_metrics,
-        )
 
         st, spec = self.section, self.spec
         design = ctx.design if df is ctx.original else SurveyDesign.from_spec(df, spec.design)
@@ -1056,8 +1053,36 @@ class SwapStage:
 
 def _class_summary(se: pd.DataFrame, column: str, method: str, variance: str) -> pd.DataFrame:
     """SE-ratio summary by design-effect class in the form of paper 003 Table 1."""
-    from sdl_design.utility import deff_class_summary
 
     t = deff_class_summary(se[column], se["deff"])
     t.index.name = "statistic"
     return t.reset_index().assign(method=method, variance=variance)
+
+
+def swap_public_method(res: StageResult, des: dict[str, Any]) -> list[str]:
+    """The public README's section on the masked design."""
+    p = res.params
+    return [
+        "### Masked design (segment swapping, paper 003)",
+        "",
+        f"{p.get('n_swapped')} of {p.get('n_segments')} segments "
+        f"({pct(p.get('share_swapped', 0.0))}) were swapped between PSUs, each partner chosen "
+        "so that the variances of the matching characteristics change as little as possible "
+        f"(method {p.get('method')}). The published `{des['strata']}` and `{des['psu']}` are "
+        "pseudo-strata and pseudo-PSUs, renumbered; replicate weights were rebuilt for them. "
+        "Use them as ordinary strata and PSUs (below); standard errors stay close to those "
+        "of the original design (the release's SE-ratio gate checks them).",
+        "",
+    ]
+
+
+def swap_public_treatments(res: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
+    """The published design labels are pseudo labels; the replicate weights were rebuilt."""
+    p = res.params
+    label = (
+        f"pseudo-design label: {p.get('n_swapped', '?')} of {p.get('n_segments', '?')} "
+        f"segments ({pct(p.get('share_swapped', 0.0))}) swapped between PSUs "
+        "(paper 003, method " + str(p.get("method", "")) + "), labels renumbered"
+    )
+    out = {c: [label] for c in dict.fromkeys((des["strata"], des["psu"])) if c}
+    return {**out, REPLICATES: [" rebuilt for the masked design"]}

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from sdl_design.design import SurveyDesign
+
 N_STRATA = 30
 POPULATION = 330_000_000.0
 PERSONS_PER_SEGMENT = 20  # average segment yield
@@ -563,7 +565,6 @@ def _names(rng: np.random.Generator, female: np.ndarray, hh: np.ndarray, m: int)
 
 def _with_replicates(df: pd.DataFrame) -> pd.DataFrame:
     """Append JKn replicate weights rw_001..rw_R (one per PSU) after wt."""
-    from sdl_design.design import SurveyDesign
 
     d = SurveyDesign(df, weight="wt", strata="stratum", psu="psu")
     if (d.n_h < 2).any():  # the error with_replicates gives

@@ -15,14 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 from pydantic import ValidationError
 
 from sdl_design.blocksum import group_sum
+from sdl_design.describe import Describes, fmt
 from sdl_design.spec import Bound, TopcodeRule
+from sdl_design.stage import StageResult
+
+if TYPE_CHECKING:
+    from sdl_design.stage import StageResult
 
 SIDES = ("upper", "lower")
 TABLE_COLUMNS = [
@@ -505,12 +510,24 @@ def frame_table(tables: list[pd.DataFrame]) -> pd.DataFrame:
     return table[cols]
 
 
-class TopcodeStage:
+class TopcodeStage(Describes):
     """Stage: top- and bottom-coding of the columns of spec.stages.topcode with the design
     weight (deterministic)."""
 
     name = "topcode"
     replications = 0
+
+    @classmethod
+    def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
+        return topcode_public_method(result)
+
+    @classmethod
+    def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
+        return topcode_sentences(result)
+
+    @classmethod
+    def public_codebook(cls, result: StageResult) -> dict[str, dict[str, list[str]]]:
+        return {c: {"topcoded": texts} for c, texts in topcode_sentences(result).items()}
 
     def __init__(self, rules: Mapping[str, TopcodeRule], weight: str):
         self.rules, self.weight = dict(rules), weight
@@ -521,7 +538,6 @@ class TopcodeStage:
         return None if section is None else cls(section.columns, spec.design.weight)
 
     def run(self, df: pd.DataFrame, ctx: Any) -> Any:
-        from sdl_design.stage import StageResult
 
         w = df[self.weight].to_numpy(dtype=float)
         out, table = topcode_frame(df, self.rules, self.weight)
@@ -609,3 +625,44 @@ def _coding_note(
         f"{col}: {kind}-coded at {rule}{where} (threshold {thr}); "
         f"{n} records ({100 * share:.2f}% of the weighted count) replaced by {how}."
     )
+
+
+def topcodes(res: StageResult) -> list[tuple[str, int, str]]:
+    """(column, records coded, sentence) for every coded side of every top-coded column."""
+    t = res.tables.get("thresholds")
+    if t is None or not len(t):
+        return []
+    out = []
+    for row in t.itertuples():
+        n = int(row.n_coded)
+        word = "top-coded" if row.side == "upper" else "bottom-coded"
+        rep = getattr(row, "replacement", np.nan)
+        if row.replace == "mean" and n and pd.notna(rep):
+            how = f"; those values replaced by their weighted mean {fmt(rep)} (total preserved)"
+        elif n:
+            how = "; those values set to the threshold"
+        else:
+            how = ""
+        out.append((row.column, n, f"{word} at {fmt(row.threshold)}: {n} records{how}"))
+    return out
+
+
+def topcode_sentences(res: StageResult) -> dict[str, list[str]]:
+    """Each coded column's sentences, a side each."""
+    out: dict[str, list[str]] = {}
+    for c, _n, text in topcodes(res):
+        out.setdefault(c, []).append(text)
+    return out
+
+
+def topcode_public_method(res: StageResult) -> list[str]:
+    """The public README's section on top- and bottom-coding."""
+    L = ["### Top- and bottom-coding (paper 004)", ""]
+    L += [f"- `{c}`: {text}." for c, _, text in topcodes(res)]
+    return [
+        *L,
+        "",
+        "The codebook's `topcoded` column repeats these; a coded record is recognised by its "
+        "value (the threshold, or the replacement mean).",
+        "",
+    ]

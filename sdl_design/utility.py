@@ -9,6 +9,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from sdl_design.describe import Describes
+from sdl_design.design import DEFF_CLASSES, SurveyDesign, deff_class, design_columns
+from sdl_design.keys import key_frame, key_levels
+from sdl_design.risk import risk_strata
+from sdl_design.spec import KeySpec
+from sdl_design.stage import StageResult
+
 if TYPE_CHECKING:
     from sdl_design.spec import KeySpec
 
@@ -62,14 +69,6 @@ def rrmse(estimates: np.ndarray, truth: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- SE ratios (paper 003, Table 1)
-
-DEFF_CLASSES = (0.1, 1.0, 2.0, 5.0, 25.0)  # (0.1, 1], (1, 2], (2, 5], (5, 25]
-
-
-def deff_class(deff: pd.Series | np.ndarray, edges: Sequence[float] = DEFF_CLASSES) -> pd.Series:
-    """Design-effect class labels '(0.1,1]', '(1,2]', '(2,5]', '(5,25]' (NaN outside)."""
-    labels = [f"({a:g},{b:g}]" for a, b in zip(edges[:-1], edges[1:], strict=True)]
-    return pd.cut(pd.Series(np.asarray(deff, dtype=float)), list(edges), labels=labels)
 
 
 def deff_class_summary(
@@ -146,8 +145,6 @@ def broad_characteristics(
     domains: columns of df, or KeySpecs (e.g. the spec's keys) whose bins or map coarsen them
     (none by default); a domain variable with more than max_categories categories is left out.
     """
-    from sdl_design.keys import key_levels
-    from sdl_design.spec import KeySpec
 
     skip = set(exclude)
     if design:
@@ -234,7 +231,6 @@ def domain_mean_se(
     """Estimate, Taylor SE, Taylor deff and (with replicate weights) replicate SE of every
     characteristic: overall means/proportions and domain means (SurveyDesign.mean). rscales:
     the replicate scale factors when known (SurveyDesign derives them otherwise)."""
-    from sdl_design.design import SurveyDesign
 
     calls = [(None, chars.overall)] + [(d, chars.domain_vars) for d in chars.domains]
     used = list(dict.fromkeys(c for _, cols in calls for c in cols))
@@ -323,7 +319,6 @@ def original_se_table(
     ctx.shared (the table only, not the characteristics' indicator columns): the original side
     of every stage's SE table. A stage that leaves out more variables gets them dropped by
     se_ratio_table's match with its masked side, so the smallest exclude serves them all."""
-    from sdl_design.swap import design_columns
 
     key = ("original_se", tuple(sorted(set(exclude))))
     if key not in ctx.shared:
@@ -405,7 +400,7 @@ def se_ratio_merge(o: pd.DataFrame, m: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-class FinalStage:
+class FinalStage(Describes):
     """Stage: SE of every characteristic on the released file (its own published design) over
     the original SE, and the key uniques before and after treatment."""
 
@@ -421,11 +416,6 @@ class FinalStage:
         return cls(spec)
 
     def run(self, df: pd.DataFrame, ctx: Any) -> Any:
-        from sdl_design.design import SurveyDesign
-        from sdl_design.keys import key_frame
-        from sdl_design.risk import risk_strata
-        from sdl_design.stage import StageResult
-        from sdl_design.swap import design_columns
 
         spec, original = self.spec, ctx.original
         exclude = [*se_exclude(spec), *spec.variables.other.drop]

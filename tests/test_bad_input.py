@@ -303,7 +303,7 @@ def test_release_with_missing_key_and_study_variable(survey):
     """5% missing in a key (race) and a study variable (bmi) go through every stage: missing
     keys count as one more category, bmi is estimated over its observed records."""
     from sdl_design.risk import cell_sizes
-    from sdl_design.stage import run_stages
+    from sdl_design.stages import run_stages
     from sdl_design.utility import broad_characteristics, domain_mean_se
 
     data = yaml.safe_load(DEFAULT_SPEC.read_text())

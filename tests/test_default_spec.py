@@ -6,7 +6,7 @@ import pytest
 from helpers import DEFAULT_SPEC
 
 from sdl_design.spec import load_spec
-from sdl_design.stage import run_stages
+from sdl_design.stages import run_stages
 from sdl_design.synth import make_survey
 
 

@@ -394,7 +394,7 @@ import pandas as pd
 from flows.public_files import public_frame
 from sdl_design.blas import blas_threads
 from sdl_design.spec import load_spec
-from sdl_design.stage import run_stages
+from sdl_design.stages import run_stages
 from sdl_design.synth import make_survey
 
 spec = load_spec(sys.argv[1])

@@ -430,9 +430,6 @@ def test_replicate_targets_are_the_original_replicate_totals(monkeypatch):
     """Replicate r is calibrated to the original file's replicate totals T_r(original), not to
     those of the MASSC input; weights and replicates of the retained records are divided by phi
     first (solver replaced by a recorder)."""
-    import sys
-    import types
-
     from sdl_design.massc import calibrate_treated
 
     seen = {}
@@ -453,11 +450,13 @@ def test_replicate_targets_are_the_original_replicate_totals(monkeypatch):
         seen["rep_in"] = pd.DataFrame(W, columns=cols, index=df.index)
         return seen["rep_in"], pd.DataFrame({"replicate": cols, "action": "none"})
 
-    fake = types.ModuleType("sdl_design.calibration")
-    fake.control_totals, fake.calibrate = control_totals, calibrate
-    fake.calibrate_replicates = calibrate_replicates
-    fake.CalibrationError = fake.CalibrationInfeasible = ValueError
-    monkeypatch.setitem(sys.modules, "sdl_design.calibration", fake)
+    from sdl_design.massc import treatment
+
+    monkeypatch.setattr(treatment, "control_totals", control_totals)
+    monkeypatch.setattr(treatment, "calibrate", calibrate)
+    monkeypatch.setattr(treatment, "calibrate_replicates", calibrate_replicates)
+    monkeypatch.setattr(treatment, "CalibrationError", ValueError)
+    monkeypatch.setattr(treatment, "CalibrationInfeasible", ValueError)
     original = pd.DataFrame(
         {"sex": ["f", "m", "f", "m"], "w": [1.0, 2.0, 3.0, 4.0], "r1": [2.0, 0, 6.0, 8.0]}
     )

@@ -20,7 +20,7 @@ from flows.public_files import public_frame
 from sdl_design.design import SurveyDesign
 from sdl_design.prb import expected_transitions, post_randomize, transition_matrix
 from sdl_design.spec import ReleaseSpec
-from sdl_design.stage import run_stages
+from sdl_design.stages import run_stages
 from sdl_design.synth import make_survey
 
 

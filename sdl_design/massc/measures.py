@@ -13,6 +13,7 @@ from sdl_design.blocksum import group_sum
 from sdl_design.massc.common import KeyLike, _key_specs, _sens_specs
 from sdl_design.massc.moments import ZMoments
 from sdl_design.risk import genmassc_scores, profile_codes
+from sdl_design.utility import rrmse
 
 
 @dataclass
@@ -150,7 +151,6 @@ def epsilon_from_replications(
     estimates: np.ndarray, truth: np.ndarray, labels: Sequence[tuple[str, str, str]]
 ) -> tuple[float, pd.DataFrame]:
     """Empirical RRMSE of each z over R replications of the whole treatment; epsilon = max."""
-    from sdl_design.utility import rrmse
 
     est = np.atleast_2d(np.asarray(estimates, dtype=float))
     truth = np.asarray(truth, dtype=float)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from sdl_design.describe import REPLICATES, Describes, pct
 from sdl_design.design import SurveyDesign
 from sdl_design.edits import check_edits
 from sdl_design.keys import key_frame, shared_categories
@@ -27,16 +28,25 @@ from sdl_design.massc import (
 )
 from sdl_design.massc.treatment import OriginalMargins, meet_delta, original_rows
 from sdl_design.plots import histogram
+from sdl_design.risk import profile_codes
 from sdl_design.rng import stage_rng
 from sdl_design.spec import KeySpec
 from sdl_design.stage import Gate, SharedInput, StageResult, gate
 
 
-class MasscStage:
+class MasscStage(Describes):
     """Stage: MASSC (spec.stages.massc) with `replications` replications of the whole
     treatment for the empirical epsilon (run through the flow's task runner)."""
 
     name = "massc"
+
+    @classmethod
+    def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
+        return massc_public_method(result, des)
+
+    @classmethod
+    def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
+        return massc_public_treatments(result, des)
 
     def __init__(self, spec: Any):
         self.spec = spec
@@ -111,7 +121,14 @@ def delta_gates(spec: Any, delta: float) -> list[Gate]:
     """MASSC's gate: delta (eq. 5-6) at most gates.delta_max, when the spec sets it."""
     if spec.gates.delta_max is None:
         return []
-    return [gate("massc.delta", delta, upper=spec.gates.delta_max)]
+    dmax = spec.gates.delta_max
+    why = (
+        "Protects against re-identification of the records MASSC left as they were: delta "
+        "(paper 000, eq. 3-6) averages the risk scores of the records neither substituted nor "
+        f"subsampled away and must be at most gates.delta_max = {dmax:g}, the average risk the "
+        "spec accepts; MASSC revises its substitution and subsampling rates until it is."
+    )
+    return [gate("massc.delta", delta, upper=dmax, why=why, ideal=0.0)]
 
 
 def massc_config(spec, df: pd.DataFrame) -> MasscConfig:
@@ -277,9 +294,57 @@ def massc_result(
     il = information_loss(
         tr.moments, plan.psi.rates, tr.phi.rates, truth=plan.truth, sampling_var=plan.sampling_var
     )
-    eps = _nanmax(il["rrmse"])
     rates = rates_table(plan, tr)
-    metrics = {
+    metrics = _massc_metrics(cfg, plan, tr, dm, revisions, il, cal_metrics)
+    gates = delta_gates(spec, dm.delta)
+    study_totals = _study_totals(cfg, plan)
+    notes = [
+        _rates_note(cfg, plan, tr, rates),
+        _treatment_note(cfg, plan, tr),
+        _delta_note(dm, metrics),
+    ]
+    if revisions:
+        notes.append(_revisions_note(spec, cfg, revisions))
+    if cfg.domain_columns:
+        notes.append(_domain_cells_note(cfg, plan, len(df)))
+    loss = _information_loss_note(il, metrics)
+    if loss is not None:
+        notes.append(loss)
+    notes.append(_calibration_note(cal, cal_tables, cal_metrics))
+    return StageResult(
+        name="massc",
+        data=data,
+        params=massc_params(spec, cfg, plan.labels, plan.psi, tr.phi, plan.cost),
+        metrics=metrics,
+        tables={
+            "rates": rates,
+            "delta": dm.by_appearance,
+            "delta_profiles": _top_profiles(b0, cfg.keys, dm),
+            "epsilon_formula": il,
+            "study_totals": study_totals,
+            **cal_tables,
+        },
+        report_tables=["rates", "delta", "delta_profiles", "epsilon_formula", *cal_tables],
+        gates=gates,
+        figures={"weight_factors": _weight_factor_figure(data, cfg.weight, tr)},
+        notes=notes,
+    )
+
+
+def _massc_metrics(
+    cfg: MasscConfig,
+    plan: Any,
+    tr: Any,
+    dm: Any,
+    revisions: Sequence[Any],
+    il: pd.DataFrame,
+    cal_metrics: dict[str, float],
+) -> dict[str, Any]:
+    """The stage's metrics: delta's measures, epsilon (eq. 8a + 8b against the original
+    totals), the substitution and subsampling counts, the rates psi_h and phi_h of every risk
+    stratum and the calibration's metrics."""
+    eps = _nanmax(il["rrmse"])
+    return {
         **dm.metrics,
         "epsilon_formula": eps,
         "epsilon": eps,
@@ -301,27 +366,40 @@ def massc_result(
         **{f"phi_{h}": float(p) for h, p in zip(plan.labels, tr.phi.rates, strict=True)},
         **cal_metrics,
     }
-    gates = delta_gates(spec, dm.delta)
+
+
+def _study_totals(cfg: MasscConfig, plan: Any) -> pd.DataFrame:
+    """The study totals theta_z: original total and sampling SE, and their loss budgets
+    alpha_z (bias, eq. 8a) and beta_z (variance, eq. 8b)."""
     labels = plan.zvars.labels
     study_totals = pd.DataFrame(labels, columns=["variable", "domain", "category"])
     study_totals["original_total"] = plan.truth
     study_totals["original_se"] = np.sqrt(plan.sampling_var)
     a_z, b_z = plan.budgets(cfg)
     study_totals["alpha"], study_totals["beta"] = a_z, b_z
-    worst = il.iloc[int(np.nanargmax(il["rrmse"]))] if il["rrmse"].notna().any() else None
+    return study_totals
+
+
+def _loss_budget_phrase(cfg: MasscConfig) -> str:
+    """The bias and variance budgets of every study total (constraints 8a and 8b), in words."""
     if cfg.loss_scale == "sampling":
-        budget = (
+        return (
             f"a bias budget of {cfg.bias_share * cfg.budget_scale:g} x V_z and a variance budget "
             f"of {cfg.variance_share * cfg.budget_scale:g} x V_z for every study total theta_z "
             "(paper 000, constraints 8a and 8b), V_z its original Taylor sampling variance"
         )
-    else:
-        budget = (
-            f"a bias budget of alpha theta_z^2 (alpha = {cfg.alpha:.5f}) and a variance budget "
-            f"of beta theta_z^2 (beta = {cfg.beta:.5f}) for every study total theta_z "
-            "(paper 000, constraints 8a and 8b)"
-        )
-    notes = [
+    return (
+        f"a bias budget of alpha theta_z^2 (alpha = {cfg.alpha:.5f}) and a variance budget "
+        f"of beta theta_z^2 (beta = {cfg.beta:.5f}) for every study total theta_z "
+        "(paper 000, constraints 8a and 8b)"
+    )
+
+
+def _rates_note(cfg: MasscConfig, plan: Any, tr: Any, rates: pd.DataFrame) -> str:
+    """Note: the risk strata, their disclosure costs a_h and the optimal substitution (psi,
+    eq. 9) and retention (phi, eq. 10) rates under the loss budgets."""
+    budget = _loss_budget_phrase(cfg)
+    return (
         f"Risk strata on the original keys {', '.join(f'{h} ({c})' for h, c in zip(rates['stratum'], rates['N'], strict=True))}; "
         f"disclosure costs a_h (mean r_k/F_k) {_fmt(plan.cost)}"
         + (
@@ -333,45 +411,78 @@ def massc_result(
         + f". Substitution rates psi = {_fmt(plan.psi.rates)}, the least disclosure cost the "
         f"bias budget allows (paper 000 eq. 9; {plan.psi.method}); retention rates phi = "
         f"{_fmt(tr.phi.rates)}, the least cost the variance budget allows (eq. 10; "
-        f"{tr.phi.method}); under {budget}.",
+        f"{tr.phi.method}); under {budget}."
+    )
+
+
+def _treatment_note(cfg: MasscConfig, plan: Any, tr: Any) -> str:
+    """Note: the records substituted and sampled out, the selection, the partners' keys."""
+    return (
         f"{int(tr.substituted.sum())} records substituted ({tr.substituted.mean():.1%}), "
         f"{int((~tr.retained).sum())} sampled out; selection "
         f"{'nested within PSUs' if cfg.nest else 'stratified SRSWOR'}; partners differ in "
         f"{', '.join(f'{k} key(s): {v}' for k, v in plan.donors.by_level.items() if k and v) or 'no'} "
-        "records.",
+        "records."
+    )
+
+
+def _delta_note(dm: Any, metrics: dict[str, Any]) -> str:
+    """Note: the post-treatment risk delta and its four components."""
+    return (
         f"Post-treatment risk delta against the original keys = {dm.delta:.4f} (u "
         f"{metrics['delta_u']:.4f}, d {metrics['delta_d']:.4f}, t {metrics['delta_t']:.4f}, "
-        f"o {metrics['delta_o']:.4f}).",
-    ]
-    if revisions:
-        notes.append(
-            f"Delta above its target {spec.gates.delta_max:g}: the rates were revised "
-            + "; ".join(
-                f"{r.action} (delta {r.delta_before:.4f} -> {r.delta_after:.4f})" for r in revisions
-            )
-            + f"; loss budgets at {cfg.budget_scale:g} times the spec's."
+        f"o {metrics['delta_o']:.4f})."
+    )
+
+
+def _revisions_note(spec: Any, cfg: MasscConfig, revisions: Sequence[Any]) -> str:
+    """Note: the revisions of the rates that brought delta to gates.delta_max."""
+    return (
+        f"Delta above its target {spec.gates.delta_max:g}: the rates were revised "
+        + "; ".join(
+            f"{r.action} (delta {r.delta_before:.4f} -> {r.delta_after:.4f})" for r in revisions
         )
-    if cfg.domain_columns:
-        notes.append(
-            "Partners come from the recipient's cell of the declared domains ("
-            + ", ".join(k.name for k in cfg.domain_columns)
-            + f"): {plan.n_no_donor_domain} records ({plan.n_no_donor_domain / len(df):.1%}) "
-            "have no partner in their cell and are not substituted"
-            + (
-                " (every key is a declared domain: substitution cannot keep the domains)."
-                if {k.name for k in cfg.keys} <= {k.name for k in cfg.domain_columns}
-                else "."
-            )
+        + f"; loss budgets at {cfg.budget_scale:g} times the spec's."
+    )
+
+
+def _domain_cells_note(cfg: MasscConfig, plan: Any, n: int) -> str:
+    """Note: partners drawn within the declared-domain cells, and the records with none
+    (n: the number of records)."""
+    return (
+        "Partners come from the recipient's cell of the declared domains ("
+        + ", ".join(k.name for k in cfg.domain_columns)
+        + f"): {plan.n_no_donor_domain} records ({plan.n_no_donor_domain / n:.1%}) "
+        "have no partner in their cell and are not substituted"
+        + (
+            " (every key is a declared domain: substitution cannot keep the domains)."
+            if {k.name for k in cfg.keys} <= {k.name for k in cfg.domain_columns}
+            else "."
         )
-    if worst is not None:
-        notes.append(
-            "Information loss (bias plus variance of the treatment, paper 000 eq. 8a + 8b) "
-            f"against the original totals: epsilon = {eps:.4f} "
-            f"(MASSC's own treatment: {metrics['epsilon_treatment']:.4f}; in original SEs: "
-            f"{metrics['loss_in_se']:.3f}, own {metrics['loss_in_se_treatment']:.3f}) over "
-            f"{len(il)} study totals, largest for {worst['variable']} in "
-            f"{worst['domain'] or 'all'} {worst['category']}."
-        )
+    )
+
+
+def _information_loss_note(il: pd.DataFrame, metrics: dict[str, Any]) -> str | None:
+    """Note: epsilon, the largest information loss over the study totals, and where it is
+    (None when no study total has one)."""
+    if not il["rrmse"].notna().any():
+        return None
+    worst = il.iloc[int(np.nanargmax(il["rrmse"]))]
+    return (
+        "Information loss (bias plus variance of the treatment, paper 000 eq. 8a + 8b) "
+        f"against the original totals: epsilon = {metrics['epsilon_formula']:.4f} "
+        f"(MASSC's own treatment: {metrics['epsilon_treatment']:.4f}; in original SEs: "
+        f"{metrics['loss_in_se']:.3f}, own {metrics['loss_in_se_treatment']:.3f}) over "
+        f"{len(il)} study totals, largest for {worst['variable']} in "
+        f"{worst['domain'] or 'all'} {worst['category']}."
+    )
+
+
+def _calibration_note(
+    cal: Any, cal_tables: dict[str, pd.DataFrame], cal_metrics: dict[str, float]
+) -> str:
+    """Note: the calibration (step IV) to the original totals of the controls and declared
+    domains, of the replicate weights, and its adjustment factors."""
     dom = cal_tables.get("calibration_domains")
     dom_note = ""
     if dom is not None and len(dom):
@@ -385,7 +496,7 @@ def massc_result(
             if len(pooled)
             else ", every cell kept"
         )
-    notes.append(
+    return (
         f"Calibration: {cal.method} to original totals of "
         f"{', '.join(k.name for k in cal.controls) or 'no control'}{dom_note}"
         + (
@@ -396,24 +507,6 @@ def massc_result(
         )
         + "; adjustment factors "
         f"{cal_metrics['calibration_factor_min']:.3f} to {cal_metrics['calibration_factor_max']:.3f}."
-    )
-    return StageResult(
-        name="massc",
-        data=data,
-        params=massc_params(spec, cfg, plan.labels, plan.psi, tr.phi, plan.cost),
-        metrics=metrics,
-        tables={
-            "rates": rates,
-            "delta": dm.by_appearance,
-            "delta_profiles": _top_profiles(b0, cfg.keys, dm),
-            "epsilon_formula": il,
-            "study_totals": study_totals,
-            **cal_tables,
-        },
-        report_tables=["rates", "delta", "delta_profiles", "epsilon_formula", *cal_tables],
-        gates=gates,
-        figures={"weight_factors": _weight_factor_figure(data, cfg.weight, tr)},
-        notes=notes,
     )
 
 
@@ -486,7 +579,6 @@ def _fmt(x: np.ndarray) -> str:
 
 def _top_profiles(df: pd.DataFrame, keys, dm, n: int = 50) -> pd.DataFrame:
     top = dm.profiles.sort_values(["delta_p", "N_p"], ascending=[False, False]).head(n)
-    from sdl_design.risk import profile_codes
 
     codes = profile_codes(df, keys).to_numpy()  # recoded once per distinct value
     first = pd.Series(np.arange(len(df))).groupby(codes).first()
@@ -608,3 +700,67 @@ def massc_epsilon(out: StageResult, estimates: Sequence[np.ndarray], spec) -> St
         f"Empirical epsilon over {len(est)} replications of the whole treatment: {eps:.4f}."
     )
     return out
+
+
+def massc_public_treatments(res: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
+    """The substituted columns, the calibrated weight and the recalibrated replicates."""
+    m, p = res.metrics, res.params
+    n_sub = int(m.get("n_substituted", 0))
+    out: dict[str, list[str]] = {}
+    for c in p.get("substitute_columns") or []:
+        out.setdefault(c, []).append(
+            f"substituted by MASSC (paper 000): {n_sub} records "
+            f"({pct(m.get('share_substituted', 0.0))}) took a donor's values"
+            if n_sub
+            else "eligible for MASSC substitution; no record was substituted"
+        )
+    cal = p.get("calibration") or {}
+    out.setdefault(des["weight"], []).append(
+        f"divided by the MASSC retention rate and calibrated ({cal.get('method', '?')}) "
+        f"to the original totals; factors {m.get('calibration_factor_min', float('nan')):.3f}"
+        f" to {m.get('calibration_factor_max', float('nan')):.3f}"
+    )
+    return {**out, REPLICATES: ["; each recalibrated as the full-sample weight"]}
+
+
+def _massc_substituted(m: dict[str, float], p: dict[str, Any]) -> str:
+    """The sentence on substitution: how many records took a donor's values, or why none."""
+    n_sub = int(m.get("n_substituted", 0))
+    if n_sub:
+        return (
+            f"{n_sub:,} records ({pct(m.get('share_substituted', 0.0))}) had their "
+            f"{', '.join(p.get('substitute_columns') or [])} replaced by a similar donor's. "
+        )
+    no_domain = int(m.get("n_no_donor_domain", 0)) >= int(m.get("n_no_donor", -1)) > 0
+    return "No record was substituted" + (
+        " (no donor within the record's cell of the declared domains). " if no_domain else ". "
+    )
+
+
+def massc_public_method(res: StageResult, des: dict[str, Any]) -> list[str]:
+    """The public README's section on MASSC: substitution, subsampling, calibration."""
+    p, m = res.params, res.metrics
+    cal = p.get("calibration") or {}
+    controls = [c["name"] if isinstance(c, dict) else str(c) for c in cal.get("controls", [])]
+    phi = p.get("phi") or {}
+    n_out = int(m.get("n_subsampled_out", 0))
+    return [
+        "### Substitution, subsampling and calibration (MASSC, paper 000)",
+        "",
+        "Records were grouped by risk: U, D, T, O = the record's key combination is held by "
+        "1, 2, 3, or 4 and more records. "
+        + _massc_substituted(m, p)
+        + f"{n_out:,} records were removed by subsampling at the retention rates "
+        + ", ".join(f"{h} {v:.3f}" for h, v in phi.items())
+        + f" ({p.get('selection', '')}); the weight `{des['weight']}` was divided by the rate "
+        "and then "
+        f"calibrated ({cal.get('method', '?')}"
+        + (f", bounds {cal['bounds']}" if cal.get("bounds") else "")
+        + ") so that the weighted totals of "
+        + (", ".join(f"`{c}`" for c in controls) or "no control")
+        + " equal those of the original file"
+        + (" (and of the declared domains)" if cal.get("domain_margins") else "")
+        + ". Each replicate weight was recalibrated the same way, so replicate variances "
+        "include the calibration.",
+        "",
+    ]

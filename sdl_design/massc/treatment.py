@@ -12,6 +12,13 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.blocksum import block_codes, group_sum
+from sdl_design.calibration import (
+    CalibrationError,
+    CalibrationInfeasible,
+    calibrate,
+    calibrate_replicates,
+    control_totals,
+)
 from sdl_design.design import SurveyDesign, block_view, first_of
 from sdl_design.keys import key_categorical, key_frame, key_levels
 from sdl_design.massc.common import KeyLike, MasscError, _codes, _combine, _key_specs
@@ -541,7 +548,6 @@ class OriginalMargins:
         replicates: Sequence[str] = (),
         max_cells: int = 2**22,
     ):
-        from sdl_design.calibration import control_totals
 
         self.original, self.weight = original, weight
         self.replicates = list(replicates)
@@ -777,7 +783,6 @@ def _domain_margins(
 ) -> tuple[dict[str, _Margin], pd.DataFrame]:
     """domain_margins with the original's labels and totals on demand (cache: the original's
     side computed before, when it is this original's and weight's)."""
-    from sdl_design.calibration import CalibrationError
 
     out: dict[str, _Margin] = {}
     rows = []
@@ -947,6 +952,17 @@ def _cell_sums(
     return total
 
 
+@dataclass
+class _ReplicateWeights:
+    """The replicate weights of Step IV: b2's (read a block at a time) and the original
+    file's columns of the same replicates."""
+
+    columns: list[str]  # b2's replicate columns
+    original: list[str]  # the original file's, replicate by replicate
+    reader: RecordColumns  # b2's records' replicate weights
+    domains: bool  # the original design's replicates: the domain margins go to them too
+
+
 def calibrate_treated(
     b2: pd.DataFrame,
     weight: str,
@@ -975,8 +991,67 @@ def calibrate_treated(
     computed before (OriginalMargins of this original and weight; the same results). Returns
     the frame, report tables, metrics."""
     base = b2[weight].to_numpy(dtype=float) * factor
-    new: dict[str, np.ndarray] = {}  # the new weight columns, put in a frame once at the end
     tables: dict[str, pd.DataFrame] = {}
+    rw = _replicate_weights(b2, original, replicate_columns, original_replicates, replicate_source)
+    margins, dom_table = _domain_margins(
+        b2,
+        original,
+        domains,
+        weight,
+        min_records,
+        rw.columns if rw.domains else (),
+        rw.original if rw.domains else (),
+        rw.reader,
+        original_margins,
+    )
+    metrics: dict[str, float] = {}
+    if len(domains):
+        tables["calibration_domains"] = dom_table
+    if not controls and not margins:
+        w_cal, rep_block = base, _divided_by_phi(rw, factor, len(b2))
+    else:
+        w_cal, rep_block, report, kept = _calibrate_to_original(
+            b2,
+            weight,
+            base,
+            factor,
+            original,
+            controls,
+            margins,
+            dom_table,
+            rw,
+            method,
+            bounds,
+            policy,
+            original_margins,
+        )
+        if rw.columns:
+            tables["replicate_calibration"] = pd.DataFrame(report)
+        if len(domains):
+            tables["calibration_domains"] = dom_table
+        metrics["calibration_domains_kept"] = float(len(kept))
+        metrics["calibration_replicate_domains"] = float(
+            len(kept) if rw.columns and rw.domains else 0
+        )
+    if len(domains):
+        metrics.update(domain_metrics(dom_table))
+    summary = _calibration_weight_factors(b2[weight], base, w_cal, original[weight])
+    tables["weight_factors"] = summary.pop("table")
+    metrics.update(summary)
+    return _with_calibrated_weights(b2, weight, w_cal, rep_block, rw), tables, metrics
+
+
+def _replicate_weights(
+    b2: pd.DataFrame,
+    original: pd.DataFrame,
+    replicate_columns: Sequence[str],
+    original_replicates: Sequence[str] | None,
+    replicate_source: pd.DataFrame | None,
+) -> _ReplicateWeights:
+    """b2's replicate weights (from replicate_source when given) and the original's, checked:
+    both files hold them; domain margins go to the replicates only when they are the original
+    design's (no earlier stage rebuilt them: rebuilt replicates, a masked design, delete other
+    PSUs)."""
     reps = list(replicate_columns)
     rep_b2 = RecordColumns(b2 if replicate_source is None else replicate_source, b2.index)
     orig_reps = reps if original_replicates is None else list(original_replicates)
@@ -986,132 +1061,160 @@ def calibrate_treated(
             f"replicate columns in the treated file, original columns {orig_reps[:3]}... are "
             "missing or differ in number; give the original file with its replicate weights"
         )
-    # domain margins go to the replicates only when they are the original design's (no
-    # earlier stage rebuilt them): rebuilt replicates (a masked design) delete other PSUs
     absent = [c for c in reps if c not in rep_b2]
     if absent:
         raise MasscError(f"replicate columns {absent[:5]} are not in the treated file")
     rep_margins = _same_replicates(rep_b2, original, reps, orig_reps)
-    margins, dom_table = _domain_margins(
-        b2,
-        original,
-        domains,
-        weight,
-        min_records,
-        reps if rep_margins else (),
-        orig_reps if rep_margins else (),
-        rep_b2,
-        original_margins,
-    )
-    metrics: dict[str, float] = {}
-    if len(domains):
-        tables["calibration_domains"] = dom_table
-    rep_block = None  # the new replicate weights, replicates x records (one float block)
-    if not controls and not margins:
-        w_cal = base
-        new[weight] = base
-        if reps:
-            rep_block = np.empty((len(reps), len(b2)))
-            for j, c in enumerate(reps):
-                np.multiply(rep_b2.values([c])[:, 0], factor, out=rep_block[j])
-    else:
-        from sdl_design.calibration import (
-            CalibrationInfeasible,
-            calibrate,
-            calibrate_replicates,
-            control_totals,
-        )
+    return _ReplicateWeights(reps, orig_reps, rep_b2, rep_margins)
 
-        work, names = _coarsened(b2, controls)
-        work = work.assign(**{weight: base}, **{m: v.b2 for m, v in margins.items()})
-        orig = None  # the original with its margin labels, for the replicates' totals
-        if (
-            original_margins is not None
-            and original_margins.usable(original, weight)
-            and original_margins.control_specs == _key_specs(controls)
-        ):
-            ctrl = original_margins.controls
-        else:
-            ctrl = control_totals(_coarsened(original, controls)[0], weight, names)
-        w_o = original[weight].to_numpy(dtype=float)
-        margin_totals = {m: v.totals(w_o) for m, v in margins.items()}
-        kept = list(margins)
-        while True:  # the same controls for the weight and every replicate
-            cols = names + kept
-            totals = {**ctrl, **{m: margin_totals[m] for m in kept}}
-            step = "the weight"
-            try:
-                w_cal = calibrate(
-                    work, weight, totals, method=method, bounds=bounds, explain=not kept
-                )
-                if reps:
-                    step = "a replicate weight"
-                    rcols = cols if rep_margins else names
-                    if orig is None:
-                        orig = _coarsened(original, controls)[0].assign(
-                            **{m: v.original() for m, v in margins.items()}
-                        )
-                    per_rep = control_totals(orig, orig_reps, rcols)
-                    # one buffer for every chunk (calibrate_replicates reads 16 at a time)
-                    gathered = np.empty((len(b2), 16), order="F")
 
-                    def chunk_values(cols: list[str], buf: np.ndarray = gathered) -> np.ndarray:
-                        out = buf[:, : len(cols)] if len(cols) <= buf.shape[1] else None
-                        return rep_b2.values(cols, out=out)
+def _divided_by_phi(rw: _ReplicateWeights, factor: np.ndarray, n: int) -> np.ndarray | None:
+    """No calibration: each replicate weight divided by phi (times the factor 1/phi), as a
+    replicates x records block (None without replicates)."""
+    if not rw.columns:
+        return None
+    rep_block = np.empty((len(rw.columns), n))
+    for j, c in enumerate(rw.columns):
+        np.multiply(rw.reader.values([c])[:, 0], factor, out=rep_block[j])
+    return rep_block
 
-                    cal, report = calibrate_replicates(
-                        work[rcols],
-                        reps,
-                        per_rep,
-                        method,
-                        bounds,
-                        policy,
-                        factor=factor,
-                        values=chunk_values,
-                    )
-                break
-            except CalibrationInfeasible:
-                if not kept:
-                    raise
-                drop_finest(kept, totals, dom_table, step)
-        w_cal = np.asarray(w_cal, dtype=float)
-        new[weight] = w_cal
-        if reps:
-            rep_block = np.ascontiguousarray(cal[reps].to_numpy(dtype=float).T)  # a view
-            del cal
-            tables["replicate_calibration"] = pd.DataFrame(report)
-        if len(domains):
-            tables["calibration_domains"] = dom_table
-        metrics["calibration_domains_kept"] = float(len(kept))
-        metrics["calibration_replicate_domains"] = float(len(kept) if reps and rep_margins else 0)
-    if len(domains):
-        metrics.update(domain_metrics(dom_table))
+
+def _original_controls(
+    original: pd.DataFrame,
+    controls: Sequence[KeyLike],
+    weight: str,
+    names: list[str],
+    original_margins: OriginalMargins | None,
+) -> dict:
+    """The original file's control totals: from original_margins when it is this original's,
+    weight's and controls', else computed."""
+    if (
+        original_margins is not None
+        and original_margins.usable(original, weight)
+        and original_margins.control_specs == _key_specs(controls)
+    ):
+        return original_margins.controls
+    return control_totals(_coarsened(original, controls)[0], weight, names)
+
+
+def _calibrate_to_original(
+    b2: pd.DataFrame,
+    weight: str,
+    base: np.ndarray,
+    factor: np.ndarray,
+    original: pd.DataFrame,
+    controls: Sequence[KeyLike],
+    margins: dict[str, _Margin],
+    dom_table: pd.DataFrame,
+    rw: _ReplicateWeights,
+    method: str,
+    bounds: tuple[float, float] | None,
+    policy: str,
+    original_margins: OriginalMargins | None,
+) -> tuple[np.ndarray, np.ndarray | None, Any, list[str]]:
+    """The weight w/phi and each replicate weight calibrated to the original's totals of the
+    controls and kept domain margins (the same for all); when infeasible, the finest domain
+    margin is dropped (drop_finest) and all are calibrated again. Returns the calibrated
+    weight, the replicates x records block of the replicates (None without), their report and
+    the kept margins."""
+    work, names = _coarsened(b2, controls)
+    work = work.assign(**{weight: base}, **{m: v.b2 for m, v in margins.items()})
+    orig = None  # the original with its margin labels, for the replicates' totals
+    ctrl = _original_controls(original, controls, weight, names, original_margins)
     w_o = original[weight].to_numpy(dtype=float)
-    summary = weight_factors(
+    margin_totals = {m: v.totals(w_o) for m, v in margins.items()}
+    kept = list(margins)
+    rep_block, report = None, None
+    while True:  # the same controls for the weight and every replicate
+        cols = names + kept
+        totals = {**ctrl, **{m: margin_totals[m] for m in kept}}
+        step = "the weight"
+        try:
+            w_cal = calibrate(work, weight, totals, method=method, bounds=bounds, explain=not kept)
+            if rw.columns:
+                step = "a replicate weight"
+                rcols = cols if rw.domains else names
+                if orig is None:
+                    orig = _coarsened(original, controls)[0].assign(
+                        **{m: v.original() for m, v in margins.items()}
+                    )
+                per_rep = control_totals(orig, rw.original, rcols)
+                rep_block, report = _calibrate_replicate_weights(
+                    work[rcols], rw, per_rep, factor, method, bounds, policy
+                )
+            break
+        except CalibrationInfeasible:
+            if not kept:
+                raise
+            drop_finest(kept, totals, dom_table, step)
+    return np.asarray(w_cal, dtype=float), rep_block, report, kept
+
+
+def _calibrate_replicate_weights(
+    work: pd.DataFrame,
+    rw: _ReplicateWeights,
+    per_rep: Any,
+    factor: np.ndarray,
+    method: str,
+    bounds: tuple[float, float] | None,
+    policy: str,
+) -> tuple[np.ndarray, Any]:
+    """Each replicate weight divided by phi and calibrated to the original's totals in the
+    same replicate (per_rep), read 16 replicates at a time into one reused buffer. Returns the
+    replicates x records block and the report."""
+    gathered = np.empty((len(work), 16), order="F")  # one buffer for every chunk
+
+    def chunk_values(cols: list[str], buf: np.ndarray = gathered) -> np.ndarray:
+        out = buf[:, : len(cols)] if len(cols) <= buf.shape[1] else None
+        return rw.reader.values(cols, out=out)
+
+    cal, report = calibrate_replicates(
+        work, rw.columns, per_rep, method, bounds, policy, factor=factor, values=chunk_values
+    )
+    rep_block = np.ascontiguousarray(cal[rw.columns].to_numpy(dtype=float).T)  # a view
+    return rep_block, report
+
+
+def _calibration_weight_factors(
+    w: pd.Series, base: np.ndarray, w_cal: np.ndarray, w_original: pd.Series
+) -> dict[str, Any]:
+    """weight_factors of the calibration: factors w_cal / (w/phi) and w_cal / w, and the
+    calibrated and original weight totals."""
+    w_o = w_original.to_numpy(dtype=float)
+    return weight_factors(
         [np.unique(w_cal / base, return_counts=True)],
-        [np.unique(w_cal / b2[weight].to_numpy(dtype=float), return_counts=True)],
+        [np.unique(w_cal / w.to_numpy(dtype=float), return_counts=True)],
         group_sum(np.zeros(len(w_cal), np.intp), w_cal, 1, len(w_cal))[0],
         group_sum(np.zeros(len(w_o), np.intp), w_o, 1, len(w_o))[0],
     )
-    tables["weight_factors"] = summary.pop("table")
-    metrics.update(summary)
-    # b2's columns with the new weights in their places; copy=False keeps every array as it is
-    # (setting 70 replicate columns one by one would copy each)
-    order = list(b2.columns)  # the replicates in their places of the source frame
+
+
+def _with_calibrated_weights(
+    b2: pd.DataFrame,
+    weight: str,
+    w_cal: np.ndarray,
+    rep_block: np.ndarray | None,
+    rw: _ReplicateWeights,
+) -> pd.DataFrame:
+    """b2's columns with the calibrated weight and replicate weights in their places (the
+    replicates in their places of the source frame when b2 lacks them); copy=False keeps every
+    array as it is (setting 70 replicate columns one by one would copy each)."""
+    reps = rw.columns
+    order = list(b2.columns)
     rep_set = set(reps) if rep_block is not None else set()
     if any(c not in b2.columns for c in reps):
         keep = set(order) | set(reps)
-        order = [c for c in rep_b2.source.columns if c in keep]
-        order += [c for c in b2.columns if c not in rep_b2]
+        order = [c for c in rw.reader.source.columns if c in keep]
+        order += [c for c in b2.columns if c not in rw.reader]
     out = pd.DataFrame(
-        {c: new[c] if c in new else b2[c] for c in order if c not in rep_set},
+        {c: w_cal if c == weight else b2[c] for c in order if c not in rep_set},
         index=b2.index,
         copy=False,
     )
     if rep_block is not None:  # one block, put in the replicates' places without a copy
         rep_frame = pd.DataFrame(rep_block.T, index=b2.index, columns=reps, copy=False)
         out = pd.concat([out, rep_frame], axis=1)[order]
-    return out, tables, metrics
+    return out
 
 
 def domain_metrics(table: pd.DataFrame) -> dict[str, float]:
