@@ -2,6 +2,7 @@
 
     python deployments/register.py --check     # no server: YAML, entrypoints, parameters, schedules
     python deployments/register.py             # + create the process work pool, `prefect deploy --all`
+    python deployments/register.py --serve     # or: serve them from this process (no pool, no worker)
 
 Run from the repository root with PREFECT_API_URL pointing at the server (see README.md).
 """
@@ -117,11 +118,23 @@ def runner_deployments(cfg: dict, root: str | Path = ROOT) -> list[Any]:
                     parameters=d.get("parameters") or {},
                     tags=d.get("tags"),
                     description=d.get("description"),
+                    concurrency_limit=d.get("concurrency_limit"),
                 )
             )
     finally:
         os.chdir(cwd)
     return out
+
+
+def serve(cfg: dict, root: str | Path = ROOT) -> None:
+    """Serve every deployment of the config from this process (Prefect's `serve`: no work pool,
+    no worker; the schedules run while it runs, each run in a subprocess). Blocks until stopped
+    (SIGTERM or Ctrl-C)."""
+    from prefect import serve as prefect_serve
+
+    deployments = runner_deployments(cfg, root)
+    os.chdir(root)  # the flow runs start from here: entrypoints and spec paths are relative
+    prefect_serve(*deployments, print_starting_message=True)
 
 
 def ensure_pool(name: str) -> None:
@@ -143,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--check", action="store_true", help="only check the definitions (no server)")
     p.add_argument("--file", default=str(CONFIG), help="prefect.yaml to use")
+    p.add_argument(
+        "--serve", action="store_true", help="serve the deployments here (no pool, no worker)"
+    )
     args = p.parse_args(argv)
     cfg = load_config(args.file)
     problems = check(cfg)
@@ -161,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get("PREFECT_API_URL"):
         print("set PREFECT_API_URL to the server, e.g. http://127.0.0.1:4200/api", file=sys.stderr)
         return 2
+    if args.serve:
+        serve(cfg)
+        return 0
     for pool in sorted({d["work_pool"]["name"] for d in cfg["deployments"]}):
         ensure_pool(pool)
     cmd = ["prefect", "--no-prompt", "deploy", "--all", "--prefect-file", str(args.file)]

@@ -9,6 +9,12 @@ keeps the stages' tables, as the release flow's does."""
 
 from __future__ import annotations
 
+# first: a deployment loads this file by path (not through flows/__init__), and the CPU
+# kernels are pinned only when sdl_design is imported before numpy (sdl_design.cpu)
+import sdl_design  # noqa: F401
+
+# isort: split
+
 import hashlib
 import shutil
 from collections.abc import Callable
@@ -20,6 +26,7 @@ from prefect import flow
 
 from flows import publish as pub
 from flows.manifest import Manifest
+from flows.progress import prints_to_run_log
 from flows.txn import PARTITIONED, Transaction, fault
 from sdl_design.spec import ReleaseSpec, SpecError, load_spec
 from sdl_design.stage import StageResult
@@ -96,6 +103,9 @@ def _move_public(puf: Path, public: Path) -> dict[str, str]:
     return out
 
 
+PARTITIONED_STEPS = ("partitioned stages", "gates", "files", "approval", "publish")
+
+
 def publish_partitioned(
     spec_path: str | Path,
     approve: str | None,
@@ -112,10 +122,9 @@ def publish_partitioned(
     GateFailed when a gate fails (nothing published), ReleaseRejected when the board rejects,
     SpecError when the spec needs an approval and neither decide nor approve is given or a
     stage has no partitioned path, and what the transaction raises (ReleaseLocked,
-    RegistryError, PublishError)."""
+    RegistryError, PublishError). Each step prints its line (1..5, flows.release._Steps)."""
     from expectations.suites import GateFailed
-    from flows.registry import se_ratio_tables
-    from flows.release import ReleaseRejected, _report_writer, _tables
+    from flows.release import ReleaseRejected, _Steps
     from flows.scan import run_partitioned
 
     spec = load_spec(spec_path)
@@ -126,6 +135,7 @@ def publish_partitioned(
                 "partitioned_release_flow, which pauses for the board's decision"
             ]
         )
+    steps = _Steps(len(PARTITIONED_STEPS))
     with Transaction.begin(spec) as txn:
         manifest = Manifest.new(
             spec, pub.sha256_file(Path(spec_path)), input_digest(spec.release.input)
@@ -135,9 +145,11 @@ def publish_partitioned(
         results: list[StageResult] = []
         gates = None
         try:
+            t0 = steps.start("partitioned stages")
             out = run_partitioned(
                 spec_path, runner, dask_address, partitions, out=work, workers=workers
             )
+            steps.done("partitioned stages", t0)
             if out["public_files"] is None:
                 raise SpecError(
                     [
@@ -145,64 +157,18 @@ def publish_partitioned(
                         "publish this spec with the release flow (`puf run`)"
                     ]
                 )
+            t0 = steps.start("gates")
             results = measured_results(spec, out)
-            for r in results:
-                # the run's timings go to the manifest's timings, not into its metrics
-                for k in [k for k in r.metrics if k.endswith("seconds")]:
-                    manifest.timings_s[f"{r.name}.{k}"] = round(r.metrics.pop(k), 3)
-                manifest.absorb(r)
-            manifest.timings_s["scan"] = round(float(out["scan_seconds"]), 3)
-            manifest.timings_s["partitioned"] = round(float(out["seconds"]), 3)
-            manifest.counts.n_input = int(out["records"])
-            manifest.counts.n_output = int(out["public_files"]["records"])
+            _absorb(manifest, results, out)
             gates = pd.read_csv(work / "gates.csv", keep_default_na=False, na_values=[""])
             manifest.set_gates(gates)
+            steps.done("gates", t0)
             if not gates["passed"].all():
                 err = GateFailed("release gates failed; nothing was published", gates)
                 _end(txn, spec, manifest, results, gates, "rejected", str(err))
                 raise err
             manifest.status = "gated"
-            txn.prepare_public(lambda folder: _move_public(work / "puf", folder))
-            tables, writer = _tables(results, gates), _report_writer(results, spec)
-            records = pd.read_parquet(work / "internal" / "record_map.parquet")
-            staged = txn.stage(
-                lambda folder: pub.write_stage(
-                    folder,
-                    manifest,
-                    tables,
-                    writer,
-                    fault=fault,
-                    prepared=txn.prepared_public,
-                    record_map=records,
-                )  # fmt: skip
-            )
-            ratios = se_ratio_tables(results)
-            txn.awaiting_approval(manifest, ratios)
-            keys = post(manifest, staged=staged, results=results) if post else []
-            if decide is not None:
-                decision = decide(staged, keys)
-            else:
-                decision = {
-                    "approver": approve,
-                    "decision": "approved",
-                    "comment": "approved on the command line"
-                    if approve
-                    else "approval not required by the spec",
-                    "at": pub.now(),
-                }
-            manifest.approval = manifest.approval.model_copy(update=decision)
-            if decision["decision"] != "approved":
-                reason = f"rejected by {decision['approver']}: {decision['comment']}"
-                _end(txn, spec, manifest, results, gates, "rejected", reason)
-                if post:
-                    post(manifest)
-                raise ReleaseRejected(f"release {reason}")
-            manifest.status = "published"
-            manifest.reason = None
-            pub.write_record(staged / "internal", manifest, {}, writer)
-            txn.publish(manifest, ratios)
-            if post:
-                post(manifest)
+            _publish(txn, spec, manifest, results, gates, work, steps, decide, approve, post)
             return manifest, out
         except ReleaseRejected:
             raise
@@ -219,6 +185,94 @@ def publish_partitioned(
             raise
         finally:
             shutil.rmtree(work, ignore_errors=True)  # the records after each stage
+
+
+def _publish(
+    txn: Transaction,
+    spec: ReleaseSpec,
+    manifest: Manifest,
+    results: list[StageResult],
+    gates: pd.DataFrame,
+    work: Path,
+    steps: Any,
+    decide: Callable[[Path, list[str]], dict] | None,
+    approve: str | None,
+    post: Callable[..., list[str]] | None,
+) -> None:
+    """The gated release staged (its artifacts posted), decided and published; raises
+    ReleaseRejected when the board rejects it (the attempt recorded as rejected)."""
+    from flows.registry import se_ratio_tables
+    from flows.release import ReleaseRejected, _report_writer, _tables
+
+    t0 = steps.start("files")
+    txn.prepare_public(lambda folder: _move_public(work / "puf", folder))
+    tables, writer = _tables(results, gates), _report_writer(results, spec)
+    records = pd.read_parquet(work / "internal" / "record_map.parquet")
+    staged = txn.stage(
+        lambda folder: pub.write_stage(
+            folder,
+            manifest,
+            tables,
+            writer,
+            fault=fault,
+            prepared=txn.prepared_public,
+            record_map=records,
+        )  # fmt: skip
+    )
+    ratios = se_ratio_tables(results)
+    txn.awaiting_approval(manifest, ratios)
+    keys = post(manifest, staged=staged, results=results) if post else []
+    steps.done("files", t0)
+    t0 = steps.start("approval")
+    decision = _decision(decide, staged, keys, approve)
+    steps.done("approval", t0)
+    manifest.approval = manifest.approval.model_copy(update=decision)
+    if decision["decision"] != "approved":
+        reason = f"rejected by {decision['approver']}: {decision['comment']}"
+        _end(txn, spec, manifest, results, gates, "rejected", reason)
+        if post:
+            post(manifest, results=results, folder=txn.staged)
+        raise ReleaseRejected(f"release {reason}")
+    t0 = steps.start("publish")
+    manifest.status = "published"
+    manifest.reason = None
+    pub.write_record(staged / "internal", manifest, {}, writer)
+    folder = txn.publish(manifest, ratios)
+    if post:
+        post(manifest, results=results, folder=folder)
+    steps.done("publish", t0)
+
+
+def _absorb(manifest: Manifest, results: list[StageResult], out: dict[str, Any]) -> None:
+    """The partitioned run's results, timings and counts into the manifest."""
+    for r in results:
+        # the run's timings go to the manifest's timings, not into its metrics
+        for k in [k for k in r.metrics if k.endswith("seconds")]:
+            manifest.timings_s[f"{r.name}.{k}"] = round(r.metrics.pop(k), 3)
+        manifest.absorb(r)
+    manifest.timings_s["scan"] = round(float(out["scan_seconds"]), 3)
+    manifest.timings_s["partitioned"] = round(float(out["seconds"]), 3)
+    manifest.counts.n_input = int(out["records"])
+    manifest.counts.n_output = int(out["public_files"]["records"])
+
+
+def _decision(
+    decide: Callable[[Path, list[str]], dict] | None,
+    staged: Path,
+    keys: list[str],
+    approve: str | None,
+) -> dict:
+    """The board's decision: decide's (a flow run's pause), else approve's name."""
+    if decide is not None:
+        return decide(staged, keys)
+    return {
+        "approver": approve,
+        "decision": "approved",
+        "comment": "approved on the command line"
+        if approve
+        else "approval not required by the spec",
+        "at": pub.now(),
+    }
 
 
 def _end(
@@ -250,7 +304,9 @@ def _run_name() -> str:
     return name()
 
 
-@flow(name="puf-partitioned-release", log_prints=True, flow_run_name=_run_name)
+# log_prints off: Prefect's print_as_log drops the scan's partition lines (printed to stderr)
+# below the quiet WARNING level, from the terminal too; prints_to_run_log sends them to both
+@flow(name="puf-partitioned-release", log_prints=False, flow_run_name=_run_name)
 def partitioned_release_flow(
     spec_path: str,
     approve: str | None = None,
@@ -269,7 +325,8 @@ def partitioned_release_flow(
     def decide(staged: Path, keys: list[str]) -> dict:
         return _approval(spec, approve, approval_poll_s, staged, keys)
 
-    manifest, _ = publish_partitioned(
-        spec_path, approve, runner, dask_address, partitions, decide=decide, post=_post
-    )
+    with prints_to_run_log():
+        manifest, _ = publish_partitioned(
+            spec_path, approve, runner, dask_address, partitions, decide=decide, post=_post
+        )
     return manifest

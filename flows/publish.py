@@ -115,3 +115,147 @@ def write_stage(
 
 def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------- the board's artifacts
+
+WORST_COLUMNS = [
+    "variable",
+    "domain",
+    "level",
+    "statistic",
+    "estimate_original",
+    "estimate_released",
+    "std_bias",
+    "ci_overlap",
+    "se_ratio",
+]
+LINKED = {  # the files a board member opens, relative to the release (or staged) folder
+    "report": "internal/report.html",
+    "gate table": "internal/gates.csv",
+    "manifest": "internal/manifest.json",
+    "public file": "public/puf.parquet",
+    "public CSV": "public/puf.csv",
+    "codebook": "public/codebook.csv",
+    "public README": "public/README.md",
+}
+
+
+def _plain(v: Any) -> Any:
+    """A JSON-safe scalar for an artifact: numpy scalars as Python's, NaN and inf as None."""
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, float) and not np.isfinite(v):
+        return None
+    return v
+
+
+def _cell(v: Any) -> str:
+    """A markdown table cell."""
+    v = _plain(v)
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def md_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Rows (dicts with the same keys) as a markdown table's lines."""
+    if not rows:
+        return []
+    cols = list(rows[0])
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows]
+    return out
+
+
+def gate_rows(manifest: Manifest) -> list[dict[str, Any]]:
+    """The gate table as the board reads it: name, value, limits, passed."""
+    return [
+        {"name": g.name, "value": _plain(g.value), "limits": g.threshold or "", "passed": g.passed}
+        for g in manifest.gates
+    ]
+
+
+def worst_rows(results: Any, n: int = 10) -> list[dict[str, Any]]:
+    """The assessment's worst estimates (largest |standardized bias| first), n at most."""
+    for r in results:
+        t = r.tables.get("worst_estimates") if r.tables else None
+        if t is not None and len(t):
+            cols = [c for c in WORST_COLUMNS if c in t.columns] or list(t.columns)
+            return [
+                {c: _plain(v) for c, v in rec.items()} for rec in t[cols].head(n).to_dict("records")
+            ]
+    return []
+
+
+def verdict_text(manifest: Manifest, results: Any) -> str:
+    """The report's verdict in plain words (publish or not, and why): its section's text."""
+    import html
+    import re
+
+    from flows.report import _verdict
+
+    try:
+        section = re.sub(r"<h2>.*?</h2>", "", _verdict(manifest, results), flags=re.S)
+        text = " ".join(html.unescape(re.sub(r"<[^>]+>", " ", section)).split())
+    except Exception:  # noqa: BLE001 - the line below says the essentials
+        text = ""
+    n, bad = len(manifest.gates), manifest.n_failed_gates
+    return text or f"{manifest.status}: {n - bad} of {n} checks pass."
+
+
+def verdict_markdown(
+    manifest: Manifest, results: Any, folder: Path | None, n_worst: int = 10
+) -> str:
+    """The board's page: status and verdict, the gate table, the worst estimates, the files."""
+    rel, ap = manifest.release, manifest.approval
+    state = {
+        "gated": "awaiting the review board's decision",
+        "published": f"published (approved by {ap.approver or 'nobody: not required'})",
+        "rejected": "not published (rejected)",
+        "failed": "not published (failed)",
+    }.get(manifest.status, manifest.status)
+    n, bad = len(manifest.gates), manifest.n_failed_gates
+    md = [
+        f"# {rel.name} {rel.year}: {state}",
+        "",
+        f"**Verdict.** {verdict_text(manifest, results)}",
+    ]
+    if manifest.reason:
+        md += ["", f"**Reason:** {manifest.reason}"]
+    md += ["", f"Release `{rel.release_id}`; gates: {n - bad} of {n} passed."]
+    md += ["", "## Gates", "", *(md_table(gate_rows(manifest)) or ["(no gate evaluated)"])]
+    worst = worst_rows(results, n_worst)
+    if worst:
+        md += ["", f"## Worst estimates (first {len(worst)}, largest |standardized bias|)", ""]
+        md += md_table(worst)
+    if folder is not None:
+        links = [(k, Path(folder) / p) for k, p in LINKED.items() if (Path(folder) / p).is_file()]
+        md += ["", f"## Files (`{folder}`)", ""]
+        md += [f"- {k}: [{p.name}]({p.resolve().as_uri()}) (`{p}`)" for k, p in links]
+    return "\n".join(md)
+
+
+def post_verdict(manifest: Manifest, results: Any = (), folder: Path | None = None) -> list[str]:
+    """The current run's board artifacts: `-verdict` (markdown: verdict, gate table, worst
+    estimates, links to the files in folder) and `-worst-estimates` (table); their keys."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    from flows.html import artifact_key
+
+    base = artifact_key(f"puf-{manifest.release.name}-{manifest.release.year}")
+    keys = [f"{base}-verdict"]
+    create_markdown_artifact(
+        key=keys[0],
+        markdown=verdict_markdown(manifest, results, folder),
+        description="verdict, gate table, worst estimates and the files",
+    )
+    worst = worst_rows(results, 50)
+    if worst:
+        keys.append(f"{base}-worst-estimates")
+        create_table_artifact(
+            key=keys[-1], table=worst, description="worst estimates of the published file"
+        )
+    return keys

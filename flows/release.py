@@ -3,8 +3,14 @@
 
 from __future__ import annotations
 
-import sys
+# first: a deployment loads this file by path (not through flows/__init__), and the CPU
+# kernels are pinned only when sdl_design is imported before numpy (sdl_design.cpu)
+import sdl_design  # noqa: F401
+
+# isort: split
+
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -19,7 +25,7 @@ from expectations.suites import GateFailed
 from flows import publish as pub
 from flows.env import preload, return_freed_memory
 from flows.manifest import Manifest
-from flows.progress import PROGRESS
+from flows.progress import PROGRESS, flow_run_url
 from flows.public_docs import variance_notes
 from flows.public_files import detail_frame, public_records, record_map, write_public_files
 from flows.server_guard import install as _guard_prefect_server
@@ -29,13 +35,12 @@ from sdl_design.stage import (
     SharedInput,
     StageContext,
     StageResult,
-    build_stages,
     changed_release,
     design_columns,
     public_design,
     reads_only,
 )
-from sdl_design.stages import RELEASE_STAGES
+from sdl_design.stages import RELEASE_STAGES, build_stages
 from tasks.core import edits_task, gates_task, load_task
 from tasks.stage import prepare_replications, replicate_stage, run_stage
 
@@ -153,18 +158,27 @@ def _close(
     record = txn.staged / "internal"
     try:
         pub.write_record(record, manifest, _tables(outputs, gates), _report_writer(outputs, spec))
-    except OSError as e:
-        print(
-            f"[puf] WARNING: could not write the attempt's record in {record}: {e}", file=sys.stderr
-        )
+    except OSError as e:  # (a print in the flow would be a log record below the quiet level)
+        PROGRESS.say(f"WARNING: could not write the attempt's record in {record}: {e}")
     txn.close(status, reason, manifest, _se_ratios(outputs))
-    _post(manifest)
+    _post(manifest, results=outputs, folder=txn.staged)
 
 
-def _post(manifest: Manifest, **kw) -> list[str]:
+def _post(
+    manifest: Manifest,
+    staged: Path | None = None,
+    results: Sequence[StageResult] = (),
+    folder: Path | None = None,
+) -> list[str]:
+    """The run's artifacts; their keys, the board's verdict first. With staged (before the
+    approval): the staged report and assessment too. folder: where the files linked from the
+    verdict are (default staged)."""
     from flows.report import post_artifacts
 
-    return post_artifacts(manifest, **kw)
+    verdict = pub.post_verdict(manifest, results, staged or folder)
+    if staged is None:
+        return verdict + post_artifacts(manifest)
+    return verdict + post_artifacts(manifest, staged=staged, results=results)
 
 
 def _run_name() -> str:
@@ -202,6 +216,21 @@ def release_flow(
         return _release(spec, spec_path, txn, approve, runner, dask_address, approval_poll_s)
 
 
+class _Steps:
+    """The run's step numbers, 1..total without a gap: one number per step line a person reads
+    (stages measured at once are one step)."""
+
+    def __init__(self, total: int):
+        self.total, self.n = total, 0
+
+    def start(self, name: str) -> float:
+        self.n += 1
+        return _progress(self.n, self.total, name)
+
+    def done(self, name: str, t0: float) -> None:
+        _progress(self.n, self.total, name, t0)
+
+
 def _release(
     spec: ReleaseSpec,
     spec_path: str,
@@ -218,97 +247,26 @@ def _release(
     import pyarrow.parquet  # noqa: F401 - the reader's modules, before the preload thread starts
 
     preload()  # Great Expectations and matplotlib, while the input is read
-    total = len(stages) + 6
-    step = 1
-    _progress(step, total, "load")
-    t0 = time.perf_counter()
+    batches = _batches(stages)
+    # load, edits, each batch of stages, gates, files, approval, publish
+    steps = _Steps(len(batches) + 6)
+    t0 = steps.start("load")
     original, input_hash = load_task(quote(spec))
-    _progress(step, total, "load", t0)
+    steps.done("load", t0)
     manifest = _new_manifest(spec, _spec_hash(spec_path), input_hash)
     _lap(manifest, "load", t0)
     manifest.counts.n_input = len(original)
     txn.open(manifest)
     outputs: list[StageResult] = []
+    # the frames live in this dict only: the gates step empties it (memory at 1M records)
+    frames = {"original": original}
+    del original
     try:
-        step += 1
-        _progress(step, total, "edit validation")
-        t0 = time.perf_counter()
-        edits = edits_task(quote(original), quote(spec))
-        _lap(manifest, "edits", t0)
-        _progress(step, total, "edit validation", t0)
-        if not edits["passed"].all():
-            err = GateFailed("edit validation failed on the input file", edits)
-            _close(txn, spec, manifest, outputs, edits, "rejected", str(err))
-            raise err
-
-        df = original
-        base_ctx = StageContext(original, spec)
-        for batch in _batches(stages):
-            if len(batch) > 1:  # stages that only measure the frame: at once, in threads
-                for out in _measure_at_once(batch, df, base_ctx, outputs, step, total, manifest):
-                    outputs.append(out)
-                    _absorb(manifest, out)
-                step += len(batch)
-                continue
-            stage = batch[0]
-            step += 1
-            _progress(step, total, stage.name)
-            t0 = time.perf_counter()
-            ctx = base_ctx.for_stage(stage.name, outputs)
-            out = run_stage(quote(stage), quote(df), quote(ctx))
-            if stage.replications > 0:
-                shared = prepare_replications(stage, df, ctx)
-                reps = _replications(stage, shared, runner, dask_address)
-                del shared
-                out = stage.combine(out, reps, ctx)
-            outputs.append(out)
-            _absorb(manifest, out)
-            df = out.data
-            out.data = None  # keep one frame alive, not one per stage (memory at 1M records)
-            _lap(manifest, stage.name, t0)
-            _progress(step, total, stage.name, t0)
-
-        step += 1
-        _progress(step, total, "gates")
-        t0 = time.perf_counter()
-        masked = any(o.masks_design for o in outputs)
-        drop = [c for o in outputs for c in o.drop_public]
-        pdesign = public_design(spec, outputs)  # the spec's, or a stage's pseudo design
-        labels = [c for c in (pdesign.strata, pdesign.psu) if c]
-        puf, rows = public_records(
-            df, spec, masked, drop, design_columns(pdesign, list(df.columns)), labels
-        )
-        records = record_map(original.index, rows)
-        detail = detail_frame(puf, df, rows, spec)
-        # the working and original frames are not read past here: freed before the public
-        # files are written (at 1M records, 1.5 GB of the files step's peak)
-        df = original = base_ctx = ctx = rows = None
-        replicate_cols = (
-            pdesign.replicate_weights.resolve(list(puf.columns))
-            if pdesign.replicate_weights
-            else []
-        )
-        manifest.counts.n_output = len(puf)
-        # the public files are written (into the attempt's folder, not the release's) while
-        # the gates run; they are staged when every gate passes and deleted when one fails
-        notes = variance_notes(spec, outputs, puf)
-        txn.prepare_public(lambda folder: write_public_files(puf, folder, notes))
-        gate_rows = [g.as_dict() for o in outputs for g in o.gates]
-        gates = gates_task(quote(puf), quote(spec), gate_rows, replicate_cols, masked, detail)
-        detail = None
-        fault("gates")  # recovery tests: the public files may be half written here
-        _lap(manifest, "gates", t0)
-        _progress(step, total, "gates", t0)
-        manifest.set_gates(gates)
-        if not gates["passed"].all():
-            err = GateFailed("release gates failed; nothing was published", gates)
-            _close(txn, spec, manifest, outputs, gates, "rejected", str(err))
-            raise err
-        manifest.status = "gated"
+        _treat(frames, spec, batches, outputs, manifest, txn, steps, runner, dask_address)
+        gates, records = _gate(frames, spec, outputs, manifest, txn, steps)
 
         # the whole release, staged before the approval: the board sees what would go out
-        step += 1
-        t0 = _progress(step, total, "files")
+        t0 = steps.start("files")
         tables = _tables(outputs, gates)
         writer = _report_writer(outputs, spec)
         staged = txn.stage(
@@ -326,27 +284,25 @@ def _release(
         txn.awaiting_approval(manifest, ratios)
         keys = _post(manifest, staged=staged, results=outputs)
         _lap(manifest, "files", t0)
-        _progress(step, total, "files", t0)
+        steps.done("files", t0)
 
-        step += 1
-        t0 = _progress(step, total, "approval")
+        t0 = steps.start("approval")
         decision = _approval(spec, approve, approval_poll_s, staged, keys)
-        _progress(step, total, "approval", t0)
+        steps.done("approval", t0)
         manifest.approval = manifest.approval.model_copy(update=decision)
         if decision["decision"] != "approved":
             reason = f"rejected by {decision['approver']}: {decision['comment']}"
             _close(txn, spec, manifest, outputs, gates, "rejected", reason)
             raise ReleaseRejected(f"release {reason}")
 
-        step += 1
-        t0 = _progress(step, total, "publish")
+        t0 = steps.start("publish")
         manifest.status = "published"
         manifest.reason = None
         pub.write_record(staged / "internal", manifest, {}, writer)  # with the decision
         folder = txn.publish(manifest, ratios)
-        _post(manifest)
+        _post(manifest, results=outputs, folder=folder)
         _lap(manifest, "publish", t0)
-        _progress(step, total, "publish", t0)
+        steps.done("publish", t0)
         PROGRESS.say(f"published {manifest.release.release_id} to {folder}")
         return manifest
     except (GateFailed, ReleaseRejected, RegistryError, PublishError, ReleaseLocked):
@@ -358,6 +314,105 @@ def _release(
             except Exception:  # noqa: BLE001 - keep the original error visible
                 pass
         raise
+
+
+def _treat(
+    frames: dict,
+    spec: ReleaseSpec,
+    batches: list[list],
+    outputs: list[StageResult],
+    manifest: Manifest,
+    txn: Transaction,
+    steps: _Steps,
+    runner: str,
+    dask_address: str | None,
+) -> None:
+    """Edit validation, then the stages in release order (their results appended to outputs);
+    frames["df"] becomes the treated frame. Raises GateFailed when an edit rule fails."""
+    t0 = steps.start("edit validation")
+    edits = edits_task(quote(frames["original"]), quote(spec))
+    _lap(manifest, "edits", t0)
+    steps.done("edit validation", t0)
+    if not edits["passed"].all():
+        err = GateFailed("edit validation failed on the input file", edits)
+        _close(txn, spec, manifest, outputs, edits, "rejected", str(err))
+        raise err
+
+    df = frames["original"]
+    base_ctx = StageContext(frames["original"], spec)
+    for batch in batches:
+        if len(batch) > 1:  # stages that only measure the frame: at once, in threads
+            steps.n += 1
+            for out in _measure_at_once(
+                batch, df, base_ctx, outputs, steps.n, steps.total, manifest
+            ):
+                outputs.append(out)
+                _absorb(manifest, out)
+            continue
+        stage = batch[0]
+        t0 = steps.start(stage.name)
+        ctx = base_ctx.for_stage(stage.name, outputs)
+        out = run_stage(quote(stage), quote(df), quote(ctx))
+        if stage.replications > 0:
+            shared = prepare_replications(stage, df, ctx)
+            reps = _replications(stage, shared, runner, dask_address)
+            del shared
+            out = stage.combine(out, reps, ctx)
+        outputs.append(out)
+        _absorb(manifest, out)
+        df = out.data
+        out.data = None  # keep one frame alive, not one per stage (memory at 1M records)
+        _lap(manifest, stage.name, t0)
+        steps.done(stage.name, t0)
+    frames["df"] = df
+
+
+def _gate(
+    frames: dict,
+    spec: ReleaseSpec,
+    outputs: list[StageResult],
+    manifest: Manifest,
+    txn: Transaction,
+    steps: _Steps,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The public records and their files (prepared while the gates run), then the gates:
+    (gates, record map). The frames are emptied first. Raises GateFailed when a gate fails."""
+    t0 = steps.start("gates")
+    df, original = frames["df"], frames["original"]
+    masked = any(o.masks_design for o in outputs)
+    drop = [c for o in outputs for c in o.drop_public]
+    pdesign = public_design(spec, outputs)  # the spec's, or a stage's pseudo design
+    labels = [c for c in (pdesign.strata, pdesign.psu) if c]
+    puf, rows = public_records(
+        df, spec, masked, drop, design_columns(pdesign, list(df.columns)), labels
+    )
+    records = record_map(original.index, rows)
+    detail = detail_frame(puf, df, rows, spec)
+    # the working and original frames are not read past here: freed before the public
+    # files are written (at 1M records, 1.5 GB of the files step's peak)
+    frames.clear()
+    df = original = rows = None
+    replicate_cols = (
+        pdesign.replicate_weights.resolve(list(puf.columns)) if pdesign.replicate_weights else []
+    )
+    manifest.counts.n_output = len(puf)
+    # the public files are written (into the attempt's folder, not the release's) while
+    # the gates run; they are staged when every gate passes and deleted when one fails
+    notes = variance_notes(spec, outputs, puf)
+    txn.prepare_public(lambda folder: write_public_files(puf, folder, notes))
+    gate_rows = [g.as_dict() for o in outputs for g in o.gates]
+    gates = gates_task(quote(puf), quote(spec), gate_rows, replicate_cols, masked, detail)
+    detail = None
+    fault("gates")  # recovery tests: the public files may be half written here
+    _lap(manifest, "gates", t0)
+    steps.done("gates", t0)
+    manifest.set_gates(gates)
+    if not gates["passed"].all():
+        err = GateFailed("release gates failed; nothing was published", gates)
+        _close(txn, spec, manifest, outputs, gates, "rejected", str(err))
+        raise err
+    manifest.status = "gated"
+    return gates, records
 
 
 def _batches(stages: list) -> list[list]:
@@ -393,7 +448,7 @@ def _measure_at_once(
         return out, time.perf_counter() - t0
 
     names = " + ".join(s.name for s in batch)
-    t0 = _progress(step + 1, total, names)
+    t0 = _progress(step, total, names)
     with ThreadPoolExecutor(len(batch), thread_name_prefix="puf-stage") as pool:
         futures = [
             pool.submit(contextvars.copy_context().run, one, s, base_ctx.for_stage(s.name, outputs))
@@ -409,7 +464,7 @@ def _measure_at_once(
             )
         out.data = None
     _lap_many(manifest, {s.name: sec for s, (_, sec) in zip(batch, done, strict=True)})
-    _progress(step + len(batch), total, names, t0)
+    _progress(step, total, names, t0)
     return [out for out, _ in done]
 
 
@@ -491,8 +546,11 @@ def _approval(
         f"Approve the public-use file {rel.name} {rel.year}? The whole release is staged in "
         f"{staged} (public/ as it would be published, internal/report.html). The evidence is in "
         f"this run's artifacts: {evidence}. Decision approved publishes exactly the staged "
-        "files; rejected keeps the published release as it is. Approver is required."
+        "files; rejected keeps the published release as it is. Approver is required. From a "
+        f"terminal: puf approve {rel.name} {rel.year} --approver WHO [--reject] [--comment TEXT]."
     )
+    for line in pause_lines(rel.name, rel.year, staged):
+        PROGRESS.say(line)
     d = pause_flow_run(
         wait_for_input=ReleaseApproval.with_initial_data(description=description),
         timeout=spec.approval.timeout_s,
@@ -500,6 +558,26 @@ def _approval(
         key=f"approval-{rel.name}-{rel.year}",
     )
     return {"approver": d.approver, "decision": d.decision, "comment": d.comment, "at": pub.now()}
+
+
+def pause_lines(name: str, year: int, staged: Path) -> list[str]:
+    """What a person needs at the pause: the flow run's page, the staged report, the two ways
+    to decide (the UI form, `puf approve`)."""
+    import shlex
+
+    from prefect.runtime import flow_run
+
+    run_id = flow_run.id
+    url = flow_run_url(run_id)
+    cmd = f"puf approve {shlex.quote(str(name))} {year} --approver WHO"
+    return [
+        f"waiting for the review board's decision on {name} {year} (flow run {run_id})",
+        f"  flow run : {url or 'set PREFECT_UI_URL to link it (no UI URL known)'}",
+        f"  report   : {staged / 'internal' / 'report.html'}",
+        f"  files    : {staged / 'public'} (exactly what approval publishes)",
+        "  decide   : in the Prefect UI, the run's Resume form (decision, approver, comment), or",
+        f"             {cmd}   [--reject] [--comment TEXT]",
+    ]
 
 
 def run_release(
