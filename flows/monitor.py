@@ -3,7 +3,6 @@ flags, an HTML report and Prefect artifacts. The statistics are small pure funct
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from flows import registry as reg
 from flows.html import artifact_key, img
 from flows.html import table as html_table
 from flows.manifest import Manifest
+from sdl_design.stages import RELEASE_STAGES
 
 # the metric each monitored quantity is (as the stages emit it, the gated one) and its label
 METRICS = {
@@ -44,15 +44,9 @@ THRESHOLD_FIELDS = {
     "beyond_2se": "utility.share_beyond_2se_max",
 }
 LOWER_BOUNDS = {"overlap_median"}  # flagged below the threshold; the others above it
-SE_SOURCES = ("final", "swap")  # preferred SE-ratio table of a release, in order
-# share of records (or segments) each stage treated: column 'treated:<label>'
-TREATED = {
-    "swap": "swap.share_swapped",  # share of segments moved to another PSU
-    "prb": "prb.share_changed",
-    "massc": "massc.share_substituted",
-}
-# top-coding: "topcode.<column>.share_upper" / "share_lower" (weighted share coded)
-TOPCODED = re.compile(r"^topcode\.(?P<column>.+)\.share_(?P<side>upper|lower)$")
+# the stages whose SE-ratio tables the registry keeps, the latest in the release first (the
+# final stage's measures the whole release; the masking stage's, the design after it)
+SE_SOURCES = tuple(c.name for c in reversed(RELEASE_STAGES) if c.keeps_se_ratios)
 
 
 class DriftDetected(RuntimeError):
@@ -201,13 +195,15 @@ def _threshold(manifest: Manifest | None, key: str) -> float | None:
 
 
 def treated_shares(m: pd.Series) -> dict[str, float]:
-    """Share treated by each stage from a release's metrics (metric -> value): 'treated:<stage>'
-    and, for top-coding, 'treated:topcode <column> (<side>)'."""
-    out = {f"treated:{k}": float(m[n]) for k, n in TREATED.items() if n in m and pd.notna(m[n])}
-    for metric, v in m.items():
-        hit = TOPCODED.match(str(metric))
-        if hit and pd.notna(v):
-            out[f"treated:topcode {hit['column']} ({hit['side']})"] = float(v)
+    """Share treated by each stage from a release's metrics ('<stage>.<metric>' -> value), as
+    each stage reads its own metrics: 'treated:<label>' (e.g. 'treated:prb',
+    'treated:topcode income (upper)')."""
+    out: dict[str, float] = {}
+    for cls in RELEASE_STAGES:
+        prefix = f"{cls.name}."
+        own = {k[len(prefix) :]: v for k, v in m.items() if str(k).startswith(prefix)}
+        own = {k: float(v) for k, v in own.items() if pd.notna(v)}
+        out.update({f"treated:{k}": v for k, v in cls.treated_shares(own).items()})
     return out
 
 
@@ -346,7 +342,8 @@ def ratio_changes(se: pd.DataFrame) -> pd.DataFrame:
     ]
     if se.empty:
         return pd.DataFrame(columns=cols)
-    se = se if "source" in se.columns else se.assign(source="swap")
+    # (registries older than the source column kept the masking stage's table only)
+    se = se if "source" in se.columns else se.assign(source=SE_SOURCES[-1])
     out = []
     for name, g in se.groupby("name", sort=True):
         years = sorted(g["year"].unique())

@@ -4,7 +4,8 @@ sentences live beside their methods; flows/public_docs.py only lays them out."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from sdl_design.stage import StageResult
@@ -27,6 +28,18 @@ class Describes:
     """The defaults of a stage's self-description (a stage overrides what it has to say).
     des: the published design's facts (flows.public_docs.design_facts: weight, strata, psu,
     replicate_weights, masked_by, method, rho)."""
+
+    # the metric that is the share of records (or segments) the stage treated, for the monitor
+    treated_share: ClassVar[str | None] = None
+    # the stage keeps a table of SE ratios the registry records (its StageResult.se_ratio_table)
+    keeps_se_ratios: ClassVar[bool] = False
+
+    @classmethod
+    def treated_shares(cls, metrics: Mapping[str, float]) -> dict[str, float]:
+        """The shares this stage treated, by label, from its own metrics (names without the
+        stage's prefix): its treated_share under its name."""
+        v = metrics.get(cls.treated_share) if cls.treated_share else None
+        return {} if v is None else {str(getattr(cls, "name", "")): float(v)}
 
     @classmethod
     def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:

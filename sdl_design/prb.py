@@ -887,6 +887,7 @@ class PrbStage(Describes):
 
     name = "prb"
     replications = 0
+    treated_share = "share_changed"
 
     @classmethod
     def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:

@@ -945,6 +945,8 @@ class SwapStage(Describes):
 
     name = "swap"
     replications = 0
+    treated_share = "share_swapped"  # of segments moved to another PSU
+    keeps_se_ratios = True
 
     @classmethod
     def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:

@@ -518,6 +518,16 @@ class TopcodeStage(Describes):
     replications = 0
 
     @classmethod
+    def treated_shares(cls, metrics: Mapping[str, float]) -> dict[str, float]:
+        """The weighted share coded of each column and side ('<column>.share_upper')."""
+        out = {}
+        for metric, v in metrics.items():
+            column, _, share = str(metric).rpartition(".share_")
+            if column and share in SIDES and v == v:  # (NaN: not measured)
+                out[f"{cls.name} {column} ({share})"] = float(v)
+        return out
+
+    @classmethod
     def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
         return topcode_public_method(result)
 

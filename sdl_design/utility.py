@@ -404,6 +404,7 @@ class FinalStage(Describes):
     """Stage: SE of every characteristic on the released file (its own published design) over
     the original SE, and the key uniques before and after treatment."""
 
+    keeps_se_ratios = True
     name = "final"
     replications = 0
     reads_only = True  # measures the frame: the flow may run it beside its neighbours

@@ -39,6 +39,7 @@ class MasscStage(Describes):
     treatment for the empirical epsilon (run through the flow's task runner)."""
 
     name = "massc"
+    treated_share = "share_substituted"
 
     @classmethod
     def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
