@@ -171,9 +171,10 @@ def md_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def gate_rows(manifest: Manifest) -> list[dict[str, Any]]:
-    """The gate table as the board reads it: name, value, limits, passed."""
+    """The gate table as the board reads it: passed, value, limits, then the gate's name (the
+    long column last, so a narrow page cuts the name, not the verdict)."""
     return [
-        {"name": g.name, "value": _plain(g.value), "limits": g.threshold or "", "passed": g.passed}
+        {"passed": g.passed, "value": _plain(g.value), "limits": g.threshold or "", "gate": g.name}
         for g in manifest.gates
     ]
 
@@ -199,6 +200,7 @@ def verdict_text(manifest: Manifest, results: Any) -> str:
 
     try:
         section = re.sub(r"<h2>.*?</h2>", "", _verdict(manifest, results), flags=re.S)
+        section = re.sub(r"\s*\(<a href='#[^']*'>[^<]*</a>\)", "", section)  # in-page links
         text = " ".join(html.unescape(re.sub(r"<[^>]+>", " ", section)).split())
     except Exception:  # noqa: BLE001 - the line below says the essentials
         text = ""

@@ -90,9 +90,10 @@ def test_pause_logs_artifacts_and_puf_approve(tmp_path, capsys):
     verdict = arts[f"{base}-verdict"].data
     assert verdict.startswith(f"# {name} {YEAR}: awaiting the review board's decision")
     assert "**Verdict.** Publish: the file is ready to publish" in verdict
-    assert "| name | value | limits | passed |" in verdict
+    assert "| passed | value | limits | gate |" in verdict
     gates = (staged / "internal" / "gates.csv").read_text().splitlines()[1:]
     assert verdict.count("| True |") == len(gates) > 0
+    assert "figure" not in verdict.split("## Gates")[0]  # no in-page link of the HTML report
     assert (staged / "internal" / "report.html").resolve().as_uri() in verdict
     assert "## Worst estimates" in verdict
     worst = json.loads(arts[f"{base}-worst-estimates"].data)
