@@ -1,4 +1,4 @@
-"""`puf`: demo, run, validate, tune, releases, show, monitor."""
+"""`puf`: demo, run, validate, tune, releases, show, monitor, approve."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import argparse
 import errno
 import logging
 import os
+import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -61,15 +62,41 @@ def _print_release(manifest: Manifest, out_dir: Path) -> None:
     print(f"  gates       : {n - manifest.n_failed_gates} of {n} passed")
 
 
-def _no_approver(spec, spec_path: str, command: str = "run") -> str:
-    """Why a run that needs approval cannot get it here, and the two ways to give it."""
+def _command(args: argparse.Namespace, add: Sequence[str] = (), drop: Sequence[str] = ()) -> str:
+    """The command the user ran with every argument kept as given (main's argv; rebuilt from
+    args when it is not there), the options in drop (each with its value) taken out and add
+    appended: "puf run spec.yaml --year 2027 --runner dask --approve NAME"."""
+    given = getattr(args, "argv", None)
+    if given is None:
+        given = [args.cmd, args.spec]
+        for k, v in vars(args).items():
+            if k not in ("cmd", "func", "spec", "argv") and v is not None and v is not False:
+                flag = "--" + k.replace("_", "-")
+                given += [flag] if v is True else [flag, str(v)]
+    kept: list[str] = []
+    skip = False
+    for tok in given:
+        if skip:
+            skip = False
+        elif tok.split("=", 1)[0] in drop:
+            skip = "=" not in tok  # the value follows, unless given as --out=DIR
+        else:
+            kept.append(tok)
+    return shlex.join(["puf", *kept, *add])
+
+
+def _no_approver(spec: ReleaseSpec, command: str) -> str:
+    """Why a run that needs approval cannot get it here, and the two ways to give it, each
+    with the command the user ran (command: its arguments, --approve left out)."""
     return (
         f"puf: approval.required: {spec.release.name} {spec.release.year} needs the review board's "
         "approval, and this run has neither --approve nor a Prefect server to pause on "
         "(PREFECT_API_URL is not set), so nobody could approve it. Either\n"
-        f"  puf {command} {spec_path} --approve NAME            (NAME: the approver, recorded)\n"
-        "or start a server and run against it, then approve in the Prefect UI form:\n"
-        "  prefect server start &  export PREFECT_API_URL=http://127.0.0.1:4200/api"
+        f"  {command} --approve NAME            (NAME: the approver, recorded)\n"
+        "or start a server, run the same command against it, then approve in the Prefect UI "
+        "form:\n"
+        "  prefect server start &  export PREFECT_API_URL=http://127.0.0.1:4200/api\n"
+        f"  {command}"
     )
 
 
@@ -162,15 +189,22 @@ def _check_input(spec: ReleaseSpec) -> int:
 
 
 def _run(
-    spec_path: str, approve: str | None, year: int | None, runner: str, address: str | None
+    spec_path: str,
+    approve: str | None,
+    year: int | None,
+    runner: str,
+    address: str | None,
+    args: argparse.Namespace | None = None,
 ) -> int:
+    """The release run (args: the command's, for the command a refusal suggests)."""
     from flows.release import run_release
     from sdl_design.spec import load_spec, with_year
 
     def go() -> int:
         spec = with_year(load_spec(spec_path), year)
         if spec.approval.required and not approve and not os.environ.get("PREFECT_API_URL"):
-            print(_no_approver(spec, spec_path), file=sys.stderr)
+            again = _command(args, drop=["--approve"]) if args else f"puf run {spec_path}"
+            print(_no_approver(spec, again), file=sys.stderr)
             return 2
         _check_input(spec)  # every problem of spec and data before the flow starts any work
         manifest = run_release(
@@ -190,14 +224,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    return _run(args.spec, args.approve, args.year, args.runner, args.dask_address)
+    return _run(args.spec, args.approve, args.year, args.runner, args.dask_address, args)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Dry run: the spec, the data and every enabled stage's preconditions, nothing treated."""
     from expectations.suites import validate_edits
     from sdl_design.spec import load_spec, seed_warnings
-    from sdl_design.stage import build_stages
+    from sdl_design.stages import build_stages
     from tasks.core import load_task
 
     def go() -> int:
@@ -251,7 +285,8 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
             spec = load_spec(args.spec)
             if spec.approval.required and not args.approve:  # the board decides in a flow run
                 if not os.environ.get("PREFECT_API_URL"):
-                    print(_no_approver(spec, args.spec, "partitioned --publish"), file=sys.stderr)
+                    again = _command(args, drop=["--approve"])
+                    print(_no_approver(spec, again), file=sys.stderr)
                     return 2
                 manifest = partitioned_release_flow(
                     spec_path=str(args.spec),
@@ -393,7 +428,8 @@ def cmd_partitioned(args: argparse.Namespace) -> int:
             )
             return 1
         elif "stopped_before" not in st:
-            print("  not published: `puf partitioned --publish --approve NAME` publishes it")
+            publish = _command(args, add=["--publish", "--approve", "NAME"], drop=["--out"])
+            print(f"  not published: `{publish}` publishes it")
         return 0
 
     return _guarded(go)
@@ -447,15 +483,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return code
     own, rec = out["own"], out["recommended"]
     print(f"tuned {args.spec}: {out['n_candidates']} candidates in {out['wall_seconds']} s")
+    for line in out.get("axes", []):  # what the risk index and utility are
+        print(f"  {line}")
     print(
-        f"  spec's own  : risk {own['risk_index']:.4f}, overlap median "
+        f"  spec's own  : risk index {own['risk_index']:.4f}, overlap median "
         f"{own['overlap_median']:.4f}, beyond 2 SE {own['share_abs_std_bias_gt2']:.4f}"
         + ("" if own["passes_risk"] else "  (fails a risk gate)")
     )
     if rec:
         print(
             f"  recommended : {rec['candidate']}\n"
-            f"                risk {rec['risk_index']:.4f}, overlap median "
+            f"                risk index {rec['risk_index']:.4f}, overlap median "
             f"{rec['overlap_median']:.4f}, beyond 2 SE {rec['share_abs_std_bias_gt2']:.4f}"
             + (
                 f"; still failing: {rec['failed_gates']}"
@@ -472,10 +510,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_releases(args: argparse.Namespace) -> int:
-    from flows.registry import list_releases
+    """One table per survey of its published releases, then the runs that published nothing
+    with their reasons; lines of at most 120 characters unless --wide."""
+    from flows.registry import list_attempts, list_releases, releases_text
 
-    df = list_releases(url=_registry(args), survey=args.survey)
-    print(df.to_string(index=False) if len(df) else "no releases recorded")
+    url = _registry(args)
+    rel = list_releases(url=url, survey=args.survey)
+    print(releases_text(rel, list_attempts(url=url, survey=args.survey), wide=args.wide))
     return 0
 
 
@@ -498,8 +539,143 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     summary = monitor_flow(
         survey=args.survey, url=_registry(args), out_dir=args.out, gate_on_drift=False
     )
-    print(summary)
+    print(summary.render(wide=args.wide))
     return summary.status if args.gate_on_drift else 0
+
+
+FLOWS_THAT_PAUSE = ("puf-release", "puf-partitioned-release")
+
+
+def paused_runs(name: str, year: int) -> list:
+    """The paused flow runs of a release, newest pause first: runs of the release flows in the
+    Paused state whose pause key is `approval-<name>-<year>` or whose name is "<name> <year>"."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    paused = FlowRunFilter(
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED]))
+    )
+    with get_client(sync_client=True) as c:
+        runs = c.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=list(FLOWS_THAT_PAUSE))),
+            flow_run_filter=paused,
+        )
+    key = f"approval-{name}-{year}"
+    mine = [
+        r
+        for r in runs
+        if r.name == f"{name} {year}" or getattr(r.state.state_details, "pause_key", None) == key
+    ]
+    return sorted(mine, key=lambda r: r.state.timestamp, reverse=True)
+
+
+def _gone(run, name: str, year: int) -> str | None:  # noqa: ANN001 - a Prefect FlowRun
+    """Why the process of a paused run is gone, read from its release's lock file (the pid and
+    host of the run holding it); None when it is alive or cannot be told (another host, a spec
+    this host cannot read)."""
+    import socket
+
+    from flows.txn import LOCK_NAME, internal_dir
+    from sdl_design.spec import load_spec
+
+    try:
+        spec = load_spec((run.parameters or {})["spec_path"])
+        lock = internal_dir(spec.release.output_dir, name, year) / LOCK_NAME
+        holder = lock.read_text().split()  # "pid N on HOST since ..."
+        pid, host = int(holder[1]), holder[3]
+    except Exception:  # noqa: BLE001 - cannot tell: resume it
+        return None
+    if host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"its process (pid {pid} on {host}, lock {lock}) is gone"
+    except PermissionError:
+        pass
+    return None
+
+
+def approve_release(
+    name: str, year: int, approver: str, reject: bool = False, comment: str = ""
+) -> int:
+    """Resume the paused run of release NAME YEAR with the board's decision (the form of
+    flows.release.ReleaseApproval); the exit code: 0 resumed, 2 nothing to resume or refused."""
+    from prefect.flow_runs import resume_flow_run
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.progress import flow_run_url
+
+    release = f"{name} {year}"
+    if not approver.strip():
+        print("puf: --approver is required (who decides: a name or an id)", file=sys.stderr)
+        return 2
+    if not PREFECT_API_URL.value():
+        print(
+            f"puf: no Prefect server to find the paused run of {release} on: set PREFECT_API_URL "
+            "to the server the run pauses on (e.g. http://127.0.0.1:4200/api)",
+            file=sys.stderr,
+        )
+        return 2
+    runs = paused_runs(name, year)
+    if not runs:
+        print(
+            f"puf: no paused run of {release} on {PREFECT_API_URL.value()}: start one with "
+            "`puf run SPEC` (it pauses for approval after the gates), check NAME and YEAR "
+            "(release.name and release.year of the spec; `puf releases` lists them) and "
+            "PREFECT_API_URL",
+            file=sys.stderr,
+        )
+        return 2
+    run = runs[0]
+    gone = _gone(run, name, year)
+    if gone:
+        print(
+            f"puf: the paused run {run.id} of {release} cannot go on: {gone}; nothing would "
+            "publish it. Run the release again (`puf run SPEC`) and decide on its pause",
+            file=sys.stderr,
+        )
+        return 2
+    decision = "rejected" if reject else "approved"
+    run_input = {"decision": decision, "approver": approver.strip(), "comment": comment}
+    try:
+        resume_flow_run(run.id, run_input=run_input)
+    except RuntimeError as e:  # the server refused the input, or the pause ended meanwhile
+        print(f"puf: flow run {run.id} of {release} was not resumed: {e}", file=sys.stderr)
+        return 2
+    url = flow_run_url(run.id) or f"flow run {run.id}"
+    then = "publishes the staged release" if not reject else "records the rejection"
+    print(f"{decision} {release} as {approver.strip()}: resumed {url}; the run {then} now")
+    if len(runs) > 1:
+        older = ", ".join(str(r.id) for r in runs[1:])
+        print(
+            f"  older paused runs of {release}, left as they are (their process is gone): {older}"
+        )
+    return 0
+
+
+def cmd_approve(args: argparse.Namespace) -> int:
+    return approve_release(args.name, args.year, args.approver, args.reject, args.comment)
+
+
+def _approve_parser(sub: argparse._SubParsersAction) -> None:
+    a = sub.add_parser(
+        "approve",
+        help="approve (or --reject) the paused run of release NAME YEAR on the Prefect server",
+    )
+    a.add_argument("name", help="release.name of the spec, e.g. default-survey")
+    a.add_argument("year", type=int, help="release.year")
+    a.add_argument("--approver", required=True, metavar="WHO", help="who decides (recorded)")
+    a.add_argument("--reject", action="store_true", help="reject: the published release stays")
+    a.add_argument("--comment", default="", metavar="TEXT", help="recorded with the decision")
+    a.set_defaults(func=cmd_approve)
 
 
 def _prefect_api_errors() -> tuple[type[BaseException], ...]:
@@ -608,6 +784,11 @@ def main(argv: list[str] | None = None) -> int:
     ):
         s = sub.add_parser(name, help=hlp)
         s.add_argument("--survey", default=None)
+        s.add_argument(
+            "--wide",
+            action="store_true",
+            help="every column, values whole (default: lines of at most 120 characters)",
+        )
         _registry_opts(s)
         if name == "monitor":
             s.add_argument("--out", default=None, help="folder for the monitoring report")
@@ -619,8 +800,10 @@ def main(argv: list[str] | None = None) -> int:
     sh.add_argument("release_id")
     _registry_opts(sh)
     sh.set_defaults(func=cmd_show)
+    _approve_parser(sub)
 
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given, for a suggested command
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -30,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.spec import SpecError
+from sdl_design.suggest import did_you_mean
 
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec
@@ -287,11 +288,12 @@ def type_input(df: pd.DataFrame, spec: ReleaseSpec, text: bool) -> pd.DataFrame:
     problems: list[str] = []
     cols = [str(c) for c in df.columns]
     missing = spec.variables.missing
-    absent = [c for c in missing if c not in df.columns]
-    if absent:
-        problems.append(
-            f"variables.missing: columns {absent} are not in the input file; fix the names"
-        )
+    for c in missing:
+        if c not in df.columns:
+            problems.append(
+                f"variables.missing.{c}: column '{c}' is not in the input file"
+                f"{did_you_mean(c, df.columns)}; fix the name"
+            )
     out = {}
     numeric = numeric_columns(spec, cols)
     categorical = text_columns(spec)

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from datetime import datetime
 from numbers import Number
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import numpy as np
 import pandas as pd
@@ -26,12 +27,15 @@ from pydantic import (
 from sdl_design.design import ReplicateMethod, resolve_replicates
 from sdl_design.edits import EditRule
 from sdl_design.edits import parse_condition as parse_condition  # re-exported
+from sdl_design.suggest import did_you_mean, yaml_error_text
 
 # a spec's YAML, aliases expanded, at most this many nodes (an alias bomb is refused, not run)
 SPEC_NODES_MAX = 200_000
 # and at most this many bytes and edit rules (a hostile spec is refused before any work)
 SPEC_BYTES_MAX = 2_000_000
 EDITS_MAX = 5_000
+# missing columns given a "did you mean" (each compares its name with every column of the file)
+SUGGESTIONS_MAX = 50
 
 
 class SpecError(ValueError):
@@ -664,6 +668,23 @@ class ReleaseSpec(_Strict):
         cols = df.columns if isinstance(df, pd.DataFrame) else df
         return rw.resolve(list(cols)) if rw else []
 
+    def absent_columns(
+        self, columns: Sequence[str], only: Sequence[str] | None = None
+    ) -> list[str]:
+        """'field: column 'sexx' is not in the input file (did you mean 'sex'?); ...' for each
+        column the spec names (or each of `only`) that the input's columns lack."""
+        named = self.columns_named()
+        have = set(map(str, columns))
+        wanted = list(named) if only is None else list(dict.fromkeys(only))
+        out = []
+        for i, col in enumerate(c for c in wanted if c not in have):
+            hint = did_you_mean(col, columns) if i < SUGGESTIONS_MAX else ""
+            out.append(
+                f"{named.get(col, 'release.input')}: column '{col}' is not in the input "
+                f"file{hint}; fix the name or add the column (columns: {_short(columns)})"
+            )
+        return out
+
     def check_data(self, df: pd.DataFrame) -> None:
         """Raise SpecError listing every way the data does not fit the spec."""
         problems: list[str] = []
@@ -678,12 +699,7 @@ class ReleaseSpec(_Strict):
                 "keeps for its own working columns (they would vanish from the public file); "
                 "rename them in the input"
             )
-        for col, field in self.columns_named().items():
-            if col not in df.columns:
-                problems.append(
-                    f"{field}: column '{col}' is not in the input file; "
-                    f"fix the name or add the column (columns: {_short(df.columns)})"
-                )
+        problems += self.absent_columns(list(df.columns))
         d = self.design
         if d.replicate_weights and isinstance(d.replicate_weights.columns, str):
             if not self.replicate_columns(df):
@@ -766,7 +782,9 @@ class ReleaseSpec(_Strict):
             x = s.to_numpy(dtype=float, na_value=np.nan)
             out += _finite(field, c, x, "weight", missing_ok=False)
             ok = np.isfinite(x) & (np.abs(x) <= MAX_VALUE)
-            low = ok & ((x <= 0) if c == d.weight else (x < 0))
+            if c == d.weight and (ok & (x == 0)).any():
+                out.append(self._zero_weights(ok & (x == 0)))
+            low = ok & (x < 0)
             if low.any():
                 need = "> 0" if c == d.weight else ">= 0"
                 out.append(
@@ -798,6 +816,33 @@ class ReleaseSpec(_Strict):
                     "design.weights_normalised: true to release with these weights anyway"
                 )
         return out
+
+    def _zero_weights(self, zero: np.ndarray) -> str:
+        """Records of weight 0: what they are and the two ways on (drop them, with the command
+        that does it on this input, or release with a weight that covers them)."""
+        w, n = self.design.weight, int(zero.sum())
+        src = Path(self.release.input or "INPUT.parquet")
+        dst = src.with_name(f"{src.stem}-{w}-positive{src.suffix}")
+        if src.suffix.lower() == ".csv":  # read as text: codes such as 0001 stay as they are
+            enc = (
+                "" if self.release.encoding == "utf-8" else f", encoding={self.release.encoding!r}"
+            )
+            read = f"pd.read_csv({str(src)!r}, dtype=str, keep_default_na=False{enc})"
+            keep = f"pd.to_numeric(d[{w!r}]) > 0"
+            write = f"to_csv({str(dst)!r}, index=False{enc})"
+        else:
+            read, keep = f"pd.read_parquet({str(src)!r})", f"d[{w!r}] > 0"
+            write = f"to_parquet({str(dst)!r}, index=False)"
+        return (
+            f"design.weight: column '{w}' is 0 in {n} record{'s' * (n > 1)} ({_rows(zero)}). A "
+            "weight of 0 puts a record outside the population the weight estimates (NHANES gives "
+            "its MEC weight 0, on purpose, to persons interviewed but not examined); the release "
+            "cannot keep such records (they would count in no estimate, variance or risk "
+            'measure). Either (1) drop them before the release: python -c "import pandas as pd; '
+            f'd = {read}; d[{keep}].{write}" and point release.input at {dst.name} (written '
+            "beside the input); or (2) if they belong in the public file, name in design.weight "
+            "a weight that covers them (NHANES: the interview weight, with its replicate weights)"
+        )
 
 
 MAX_VALUE = 1e15  # a weight or study value beyond this is a code or an overflow, not a value
@@ -838,13 +883,49 @@ def _short(items: Any, n: int = 12) -> str:
 
 
 _FIXES = {
-    "extra_forbidden": "unknown key; remove it or check its spelling",
     "missing": "required; add it",
     "greater_than": "too small",
     "less_than": "too large",
     "greater_than_equal": "too small",
     "less_than_equal": "too large",
 }
+
+
+def _fields_at(model: Any, loc: Sequence[Any]) -> list[str]:
+    """The fields of the model a validation error's location ends in (ReleaseSpec's section,
+    a stage, an edit rule of the rule the location names...); [] when it is no model."""
+    origin, args = get_origin(model), get_args(model)
+    if origin is Annotated:
+        return _fields_at(args[0], loc)
+    if origin in (Union, UnionType):
+        members = [a for a in args if a is not type(None)]
+        for m in members:  # a discriminated union names its member: edits.0.between.colum
+            tags = [f.annotation for f in getattr(m, "model_fields", {}).values()]
+            if loc and any(get_origin(t) is Literal and loc[0] in get_args(t) for t in tags):
+                return _fields_at(m, loc[1:])
+        return next((f for m in members if (f := _fields_at(m, loc))), [])
+    if origin in (list, tuple):
+        return _fields_at(args[0], loc[1:]) if loc and isinstance(loc[0], int) else []
+    if origin is dict:
+        return _fields_at(args[1], loc[1:]) if loc else []
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return []
+    if not loc:
+        return list(model.model_fields)
+    field = model.model_fields.get(str(loc[0]))
+    return _fields_at(field.annotation, loc[1:]) if field is not None else []
+
+
+def _unknown_key(loc: tuple[Any, ...]) -> str:
+    """Why a key is refused and what to write: the field it likely misspells, else the fields
+    its section has."""
+    parts = [p for p in loc if not str(p).startswith(("function-", "tagged-union"))]
+    fields = _fields_at(ReleaseSpec, parts[:-1])
+    hint = did_you_mean(str(parts[-1]), fields) if parts else ""
+    if hint:
+        return f"unknown key{hint}; fix its spelling, or remove it"
+    known = f" (keys here: {', '.join(fields)})" if fields else ""
+    return f"unknown key; remove it or check its spelling{known}"
 
 
 def _format_validation(err: ValidationError) -> list[str]:
@@ -856,6 +937,8 @@ def _format_validation(err: ValidationError) -> list[str]:
         loc = ".".join(parts)
         hint = _FIXES.get(e["type"], "")
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":  # "Extra inputs are not permitted" says less
+            msg = _unknown_key(e["loc"])
         if not loc and (
             m := re.match(r"^([A-Za-z_][\w.\[\]]*): ", msg)
         ):  # a model check naming its field
@@ -1043,7 +1126,7 @@ def load_spec(path: str | Path) -> ReleaseSpec:
     if not path.is_file():
         raise SpecError([f"<spec>: no file at {path}; give the path of a release spec YAML"])
     try:
-        data = read_spec_yaml(path.read_text(encoding="utf-8-sig"))
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise SpecError(
             [
@@ -1051,6 +1134,8 @@ def load_spec(path: str | Path) -> ReleaseSpec:
                 "as UTF-8 (any editor's 'save with encoding')"
             ]
         ) from None
-    except yaml.YAMLError as e:
-        raise SpecError([f"<spec>: {path} is not valid YAML: {e}"]) from None
+    try:
+        data = read_spec_yaml(text)
+    except yaml.YAMLError as e:  # the faulty line (not always the one YAML marks), shown
+        raise SpecError([yaml_error_text(text, e, str(path))]) from None
     return parse_spec(data, base_dir=path.parent.resolve())

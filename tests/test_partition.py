@@ -634,7 +634,9 @@ def test_puf_partitioned_leaves_nothing_when_a_partition_fails(
     text = capsys.readouterr().out
     assert "pairs in internal/swap/pairs.csv (confidential)" in text
     assert "every stage that changes the records ran by partition" in text
-    assert "not published: `puf partitioned --publish --approve NAME` publishes it" in text
+    # the command that publishes it: the user's arguments kept, --out (a scratch folder) left out
+    publish = f"puf partitioned {path} --partitions 2 --publish --approve NAME"
+    assert f"not published: `{publish}` publishes it" in text
     assert "puf/puf.parquet and puf/puf.csv" in text and "domain estimates of the" in text
     # the record-level maps only under internal/ (issue 35 item 3)
     assert (out / "internal" / "swap" / "pairs.csv").exists()

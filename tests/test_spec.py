@@ -139,7 +139,8 @@ def test_non_positive_and_missing_weights():
     df.loc[0, "w"] = 0.0
     df.loc[1, "w"] = -2.0
     msg = problems(BASE, df)
-    assert "design.weight: column 'w' has values that are not > 0 (rows 1, 2 " in msg
+    assert "design.weight: column 'w' is 0 in 1 record (rows 1). " in msg  # with the choices
+    assert "design.weight: column 'w' has values that are not > 0 (rows 2 " in msg
     df = frame()
     df.loc[3, "p"] = np.nan
     assert "column 'p' is missing in rows 4;" in problems(BASE, df)
