@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from sdl_design.edits import rule_failures
 from sdl_design.spec import ReleaseSpec
 
 RESULT_COLUMNS = ["name", "passed", "value", "threshold", "detail"]
@@ -120,7 +121,6 @@ def validate_edits(df: pd.DataFrame, rules: Sequence, id_column: str | None = No
     """
     if not rules:
         return pd.DataFrame(columns=RESULT_COLUMNS)
-    from sdl_design.edits import rule_failures
 
     idx = id_column if id_column and id_column in df.columns else _ROW
     ids = df[idx].to_numpy() if idx != _ROW else np.arange(1, len(df) + 1)
@@ -264,13 +264,11 @@ def validate_metric_gates(gates: Sequence[dict]) -> pd.DataFrame:
 
 def output_checks(spec: ReleaseSpec, masked_design: bool) -> tuple[list[str], list[str]]:
     """(columns that must not be in the PUF, columns that must be in it)."""
-    from flows.public_files import forbidden_columns
-
     d = spec.design
     required = [d.weight, *spec.variables.key_names, *spec.variables.study]
     if masked_design:  # the masked or pseudo labels (a design may have neither)
         required += [c for c in (d.strata, d.psu) if c]
-    return forbidden_columns(spec, masked_design), list(dict.fromkeys(required))
+    return spec.unpublished_columns(masked_design), list(dict.fromkeys(required))
 
 
 def validate_output(

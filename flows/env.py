@@ -106,3 +106,21 @@ def preload(names: Sequence[str] = PRELOAD) -> threading.Thread:
     t = threading.Thread(target=run, name="puf-preload", daemon=True)
     t.start()
     return t
+
+
+def task_runner(runner: str, dask_address: str | None):
+    """The task runner the run asked for: a thread pool, or Dask (a cluster at dask_address, else
+    a local cluster of two single-threaded workers)."""
+    if runner == "thread":
+        from prefect.task_runners import ThreadPoolTaskRunner
+
+        return ThreadPoolTaskRunner(max_workers=2)
+    if runner == "dask":
+        import dask
+        from prefect_dask import DaskTaskRunner
+
+        dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": 4194304})
+        if dask_address:
+            return DaskTaskRunner(address=dask_address)
+        return DaskTaskRunner(cluster_kwargs={"n_workers": 2, "threads_per_worker": 1})
+    raise ValueError(f"runner must be 'thread' or 'dask', not {runner!r}")

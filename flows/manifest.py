@@ -10,18 +10,63 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
-
-from flows import publish as pub
-from flows.publish import _json_default
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from sdl_design.spec import ReleaseSpec
     from sdl_design.stage import StageResult
+
+VERSIONED = [
+    "puf-release",
+    "pandas",
+    "numpy",
+    "scipy",
+    "pyarrow",
+    "prefect",
+    "great-expectations",
+    "svy",
+]
+
+
+def versions() -> dict[str, str]:
+    """The versions of Python and of the packages a release records."""
+    out = {"python": platform.python_version()}
+    for pkg in VERSIONED:
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def now() -> str:
+    """The time now, UTC, to the second (ISO 8601)."""
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _json_default(o: Any) -> Any:
+    """JSON for what json.dumps does not know: numpy scalars, paths, times, sets."""
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return None if np.isnan(o) else float(o)
+    if isinstance(o, np.bool_):
+        return bool(o)
+    if isinstance(o, Path | datetime):
+        return str(o)
+    if isinstance(o, set | tuple):
+        return list(o)
+    return str(o)
+
 
 Status = Literal["drafted", "gated", "approved", "published", "rejected", "failed"]
 STATUSES: tuple[str, ...] = Status.__args__
@@ -141,10 +186,10 @@ class Manifest(_Part):
                 name=rel.name,
                 year=rel.year,
                 release_id=f"{rel.name}-{rel.year}-{rid}",
-                created=pub.now(),
+                created=now(),
             ),
             hashes=Hashes(spec=spec_hash, input=input_hash),
-            versions=pub.versions(),
+            versions=versions(),
             parameters=Parameters(
                 release=ReleaseParams(seed=rel.seed),
                 gates=GateThresholds.model_validate(jsonable(spec.gates.model_dump())),

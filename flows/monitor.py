@@ -15,6 +15,7 @@ from flows import registry as reg
 from flows.html import artifact_key, img
 from flows.html import table as html_table
 from flows.manifest import Manifest
+from sdl_design.plots import png, pyplot, se_ratio_boxplot, tight
 from sdl_design.stages import RELEASE_STAGES
 
 # the metric each monitored quantity is (as the stages emit it, the gated one) and its label
@@ -433,7 +434,6 @@ def drift_flags(
 
 def boxplot_by_year(se: pd.DataFrame, survey: str) -> bytes:
     """PNG: a survey's SE ratios by design-effect class, one box per year."""
-    from sdl_design.plots import se_ratio_boxplot
 
     s = se[se["name"] == survey]
     groups = {str(y): g for y, g in s.groupby("year", sort=True)}
@@ -461,7 +461,6 @@ def _plain_y(ax, values: np.ndarray) -> None:
 def trend_plot(table: pd.DataFrame, survey: str) -> bytes:
     """PNG: a survey's median SE ratio and each quantity it measured, by year of its published
     releases, thresholds dashed; at most four panels a row."""
-    from sdl_design.plots import png, pyplot, tight
 
     plt = pyplot()
     t = published_rows(table, survey)

@@ -24,10 +24,23 @@ from typing import Any
 import pandas as pd
 from prefect import flow
 
+from expectations.suites import GateFailed
 from flows import publish as pub
 from flows.manifest import Manifest
 from flows.progress import prints_to_run_log
-from flows.txn import PARTITIONED, Transaction, fault
+from flows.release import (
+    ReleaseRejected,
+    _approval,
+    _post,
+    _run_name,
+    _Steps,
+    close_attempt,
+    publish_gated,
+)
+from flows.scan import MEASURED, run_partitioned, stage_results
+from flows.txn import PARTITIONED, Transaction
+from sdl_design.io import file_digest
+from sdl_design.partition import input_columns
 from sdl_design.spec import ReleaseSpec, SpecError, load_spec
 from sdl_design.stage import StageResult
 
@@ -35,7 +48,6 @@ from sdl_design.stage import StageResult
 def input_digest(path: str | Path) -> str:
     """The input's digest: sha256 of the file (as the release flow's), or of a folder of
     Parquet files the sha256 of their names and digests in name order."""
-    from sdl_design.io import file_digest
 
     path = Path(path)
     if path.is_file():
@@ -50,8 +62,6 @@ def measured_results(spec: ReleaseSpec, out: dict[str, Any]) -> list[StageResult
     """The partitioned run's StageResults for the record: the risk stage's (from the scan),
     every stage's (flows.scan.stage_results), the final stage's and the assessment's with
     their tables, in release order."""
-    from flows.scan import MEASURED, stage_results
-    from sdl_design.partition import input_columns
 
     st = out["stages"]
     folder = Path(out["folder"])
@@ -123,9 +133,6 @@ def publish_partitioned(
     SpecError when the spec needs an approval and neither decide nor approve is given or a
     stage has no partitioned path, and what the transaction raises (ReleaseLocked,
     RegistryError, PublishError). Each step prints its line (1..5, flows.release._Steps)."""
-    from expectations.suites import GateFailed
-    from flows.release import ReleaseRejected, _Steps
-    from flows.scan import run_partitioned
 
     spec = load_spec(spec_path)
     if decide is None and spec.approval.required and not approve:
@@ -165,7 +172,7 @@ def publish_partitioned(
             steps.done("gates", t0)
             if not gates["passed"].all():
                 err = GateFailed("release gates failed; nothing was published", gates)
-                _end(txn, spec, manifest, results, gates, "rejected", str(err))
+                close_attempt(txn, spec, manifest, results, gates, "rejected", str(err))
                 raise err
             manifest.status = "gated"
             _publish(txn, spec, manifest, results, gates, work, steps, decide, approve, post)
@@ -174,12 +181,14 @@ def publish_partitioned(
             raise
         except GateFailed as e:  # the input's edit rules (the gates closed the attempt)
             if txn.state == "running":
-                _end(txn, spec, manifest, results, e.results, "rejected", str(e))
+                close_attempt(txn, spec, manifest, results, e.results, "rejected", str(e))
             raise
         except BaseException as e:
             if txn.state in ("running", "awaiting_approval"):
                 try:
-                    _end(txn, spec, manifest, results, gates, "failed", f"{type(e).__name__}: {e}")
+                    close_attempt(
+                        txn, spec, manifest, results, gates, "failed", f"{type(e).__name__}: {e}"
+                    )
                 except Exception:  # noqa: BLE001 - keep the original error visible
                     pass
             raise
@@ -201,46 +210,19 @@ def _publish(
 ) -> None:
     """The gated release staged (its artifacts posted), decided and published; raises
     ReleaseRejected when the board rejects it (the attempt recorded as rejected)."""
-    from flows.registry import se_ratio_tables
-    from flows.release import ReleaseRejected, _report_writer, _tables
 
-    t0 = steps.start("files")
     txn.prepare_public(lambda folder: _move_public(work / "puf", folder))
-    tables, writer = _tables(results, gates), _report_writer(results, spec)
-    records = pd.read_parquet(work / "internal" / "record_map.parquet")
-    staged = txn.stage(
-        lambda folder: pub.write_stage(
-            folder,
-            manifest,
-            tables,
-            writer,
-            fault=fault,
-            prepared=txn.prepared_public,
-            record_map=records,
-        )  # fmt: skip
+    publish_gated(
+        txn,
+        spec,
+        manifest,
+        results,
+        gates,
+        lambda: pd.read_parquet(work / "internal" / "record_map.parquet"),
+        steps,
+        lambda staged, keys: _decision(decide, staged, keys, approve),
+        post,
     )
-    ratios = se_ratio_tables(results)
-    txn.awaiting_approval(manifest, ratios)
-    keys = post(manifest, staged=staged, results=results) if post else []
-    steps.done("files", t0)
-    t0 = steps.start("approval")
-    decision = _decision(decide, staged, keys, approve)
-    steps.done("approval", t0)
-    manifest.approval = manifest.approval.model_copy(update=decision)
-    if decision["decision"] != "approved":
-        reason = f"rejected by {decision['approver']}: {decision['comment']}"
-        _end(txn, spec, manifest, results, gates, "rejected", reason)
-        if post:
-            post(manifest, results=results, folder=txn.staged)
-        raise ReleaseRejected(f"release {reason}")
-    t0 = steps.start("publish")
-    manifest.status = "published"
-    manifest.reason = None
-    pub.write_record(staged / "internal", manifest, {}, writer)
-    folder = txn.publish(manifest, ratios)
-    if post:
-        post(manifest, results=results, folder=folder)
-    steps.done("publish", t0)
 
 
 def _absorb(manifest: Manifest, results: list[StageResult], out: dict[str, Any]) -> None:
@@ -275,35 +257,6 @@ def _decision(
     }
 
 
-def _end(
-    txn: Transaction,
-    spec: ReleaseSpec,
-    manifest: Manifest,
-    results: list[StageResult],
-    gates: pd.DataFrame | None,
-    status: str,
-    reason: str,
-) -> None:
-    """An attempt that does not publish: its record (no public files), the registry told."""
-    from flows.registry import se_ratio_tables
-    from flows.release import _report_writer, _tables
-
-    manifest.status = status
-    manifest.reason = reason
-    if gates is not None:
-        manifest.set_gates(gates)
-    pub.write_record(
-        txn.staged / "internal", manifest, _tables(results, gates), _report_writer(results, spec)
-    )
-    txn.close(status, reason, manifest, se_ratio_tables(results))
-
-
-def _run_name() -> str:
-    from flows.release import _run_name as name
-
-    return name()
-
-
 # log_prints off: Prefect's print_as_log drops the scan's partition lines (printed to stderr)
 # below the quiet WARNING level, from the terminal too; prints_to_run_log sends them to both
 @flow(name="puf-partitioned-release", log_prints=False, flow_run_name=_run_name)
@@ -318,7 +271,6 @@ def partitioned_release_flow(
     """publish_partitioned as a Prefect flow: the run's artifacts posted and, without an
     approver, a pause for the board's decision (the release flow's form: approved or rejected,
     a non-blank approver), as `puf run` waits."""
-    from flows.release import _approval, _post
 
     spec = load_spec(spec_path)
 

@@ -22,7 +22,7 @@ from sdl_design.public_summary import (
     record_jkn_scales,
 )
 from sdl_design.spec import ReleaseSpec
-from sdl_design.stages import RELEASE_STAGES
+from sdl_design.stages import assessment_of, described
 
 if TYPE_CHECKING:
     from sdl_design.stage import StageResult
@@ -65,10 +65,6 @@ class PublicReadme(str):
         return obj
 
 
-def _by_name(results: Sequence[StageResult]) -> dict[str, StageResult]:
-    return {r.name: r for r in results}
-
-
 def _span(cols: list[str]) -> str:
     return cols[0] if len(cols) == 1 else f"{cols[0]} .. {cols[-1]} ({len(cols)} columns)"
 
@@ -81,7 +77,7 @@ def design_facts(spec: ReleaseSpec | None, results: Sequence[StageResult]) -> di
     stage made them, replicate method and rho. spec None (the report): from the results alone."""
     mask = next((r for r in results if r.masks_design), None)
     p = mask.params if mask is not None else {}
-    a = _assessment(results)
+    a = assessment_of(results)
     roles = a.params.get("published_columns", {}) if a is not None else {}
 
     def role(name: str) -> str | None:
@@ -112,18 +108,10 @@ def design_facts(spec: ReleaseSpec | None, results: Sequence[StageResult]) -> di
     }
 
 
-def _assessment(results: Sequence[StageResult]) -> StageResult | None:
-    """The result that recorded the published and dropped columns (the assessment's)."""
-    return next((r for r in results if "published_columns" in (r.params or {})), None)
-
-
 def _describing(results: Sequence[StageResult]) -> list[tuple[Any, StageResult]]:
     """(stage class, result) of the results that ran, the stage that masked the design first,
     then the others in release order."""
-
-    by_name = _by_name(results)
-    ran = [(c, by_name[c.name]) for c in RELEASE_STAGES if c.name in by_name]
-    return sorted(ran, key=lambda cr: not cr[1].masks_design)
+    return sorted(described(results), key=lambda cr: not cr[1].masks_design)
 
 
 def column_treatments(
@@ -134,7 +122,7 @@ def column_treatments(
     """One row per published column (replicate weights as one row): its role and what was done
     to it, as the stages that ran describe it. columns: the published columns (default: those
     the assessment recorded). Columns: column, role, treatment."""
-    a = _assessment(results)
+    a = assessment_of(results)
     roles: dict[str, list[str]] = a.params.get("published_columns", {}) if a is not None else {}
     role_of = {c: role for role, cols in roles.items() for c in cols}
     if columns is None:
@@ -167,7 +155,7 @@ def column_treatments(
 
 def dropped_columns(results: Sequence[StageResult]) -> dict[str, str]:
     """Input columns not published, with why (as the assessment recorded them)."""
-    a = _assessment(results)
+    a = assessment_of(results)
     return dict(a.params.get("dropped_columns", {})) if a is not None else {}
 
 

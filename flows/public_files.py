@@ -14,7 +14,7 @@ import pandas as pd
 from expectations.suites import output_verdicts, record_failures
 from flows.public_docs import codebook, psu_key, variance_notes
 from sdl_design.edits import combine_rule_failures, rule_failures
-from sdl_design.io import parquet_options
+from sdl_design.io import file_digest, parquet_options
 from sdl_design.keys import coded_keys, publish_coding
 from sdl_design.leaks import drop_unused_levels, publish_order
 from sdl_design.partition import read_partition
@@ -34,13 +34,6 @@ from sdl_design.spec import ReleaseSpec
 
 if TYPE_CHECKING:
     from sdl_design.stage import StageResult
-
-
-def forbidden_columns(
-    spec: ReleaseSpec, masked_design: bool, drop: Sequence[str] = ()
-) -> list[str]:
-    """The columns that may never be published (ReleaseSpec.unpublished_columns)."""
-    return spec.unpublished_columns(masked_design, drop)
 
 
 def public_frame(
@@ -159,15 +152,13 @@ def write_public_files(puf: pd.DataFrame, public: Path, notes: str) -> dict[str,
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from flows.publish import sha256_file
-
     public.mkdir()
 
     # the CSV (float formatting, one core for a minute at 1M records in pandas, seconds in
     # polars, which leaves the GIL) is written while the Parquet file and codebook are made
     def csv_file(path: Path) -> str:
         write_csv(neutralize_formulas(puf), path)
-        return sha256_file(path)
+        return file_digest(path)
 
     with ThreadPoolExecutor(1) as pool:
         csv = pool.submit(csv_file, public / "puf.csv")
@@ -178,7 +169,7 @@ def write_public_files(puf: pd.DataFrame, public: Path, notes: str) -> dict[str,
             public / "codebook.csv", index=False, lineterminator="\n"
         )
         (public / "README.md").write_text(notes)
-        digests = {f.name: sha256_file(f) for f in public.iterdir() if f.name != "puf.csv"}
+        digests = {f.name: file_digest(f) for f in public.iterdir() if f.name != "puf.csv"}
         digests["puf.csv"] = csv.result()
     return {f"public/{name}": digests[name] for name in sorted(digests)}
 
@@ -583,8 +574,6 @@ def write_public_by_partition(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from flows.publish import sha256_file
-
     keep = spec.published_columns(list(columns), masked_design, drop, design_columns)
     first = run_map(public_pass1, parts, spec, keep, what="public files: columns")
     plan = public_plan(first, rows)
@@ -638,7 +627,7 @@ def write_public_by_partition(
             writer.close()
         shutil.rmtree(work, ignore_errors=True)
     names = ("puf.parquet", "puf.csv") + (("codebook.csv", "README.md") if docs else ())
-    files = {name: sha256_file(folder / name) for name in sorted(names)}
+    files = {name: file_digest(folder / name) for name in sorted(names)}
     # the output gates (validate_output's): the columns, and the row groups' failures
 
     gates = output_verdicts(

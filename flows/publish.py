@@ -4,62 +4,23 @@
 from __future__ import annotations
 
 import json
-import platform
 from collections.abc import Callable
-from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import pandas as pd
 
+from flows.html import artifact_key
+from flows.manifest import VERSIONED, Manifest, _json_default, now, versions  # noqa: F401
 from flows.public_files import write_csv, write_public_files
+from flows.report import _plain, _verdict
 from sdl_design.io import file_digest as sha256_file  # noqa: F401 - one hash, used by flows
 from sdl_design.io import frame_digest as sha256_frame  # noqa: F401
 from sdl_design.spec import ReleaseSpec
 
-if TYPE_CHECKING:
-    from flows.manifest import Manifest
-
-VERSIONED = [
-    "puf-release",
-    "pandas",
-    "numpy",
-    "scipy",
-    "pyarrow",
-    "prefect",
-    "great-expectations",
-    "svy",
-]
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for pkg in VERSIONED:
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
-
 
 def release_dir(spec: ReleaseSpec) -> Path:
     return Path(spec.release.output_dir) / spec.release.name / str(spec.release.year)
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return None if np.isnan(o) else float(o)
-    if isinstance(o, np.bool_):
-        return bool(o)
-    if isinstance(o, Path | datetime):
-        return str(o)
-    if isinstance(o, set | tuple):
-        return list(o)
-    return str(o)
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -113,10 +74,6 @@ def write_stage(
     write_record(staged / "internal", manifest, tables, report_writer, record_map)
 
 
-def now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
-
-
 # ---------------------------------------------------------------- the board's artifacts
 
 WORST_COLUMNS = [
@@ -139,15 +96,6 @@ LINKED = {  # the files a board member opens, relative to the release (or staged
     "codebook": "public/codebook.csv",
     "public README": "public/README.md",
 }
-
-
-def _plain(v: Any) -> Any:
-    """A JSON-safe scalar for an artifact: numpy scalars as Python's, NaN and inf as None."""
-    if isinstance(v, np.generic):
-        v = v.item()
-    if isinstance(v, float) and not np.isfinite(v):
-        return None
-    return v
 
 
 def _cell(v: Any) -> str:
@@ -196,8 +144,6 @@ def verdict_text(manifest: Manifest, results: Any) -> str:
     import html
     import re
 
-    from flows.report import _verdict
-
     try:
         section = re.sub(r"<h2>.*?</h2>", "", _verdict(manifest, results), flags=re.S)
         section = re.sub(r"\s*\(<a href='#[^']*'>[^<]*</a>\)", "", section)  # in-page links
@@ -244,8 +190,6 @@ def post_verdict(manifest: Manifest, results: Any = (), folder: Path | None = No
     """The current run's board artifacts: `-verdict` (markdown: verdict, gate table, worst
     estimates, links to the files in folder) and `-worst-estimates` (table); their keys."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
-
-    from flows.html import artifact_key
 
     base = artifact_key(f"puf-{manifest.release.name}-{manifest.release.year}")
     keys = [f"{base}-verdict"]

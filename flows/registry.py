@@ -23,6 +23,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from flows.manifest import STATUSES, Manifest
+from flows.publish import _json_default
+from sdl_design.utility import deff_class
 
 if TYPE_CHECKING:
     from sdl_design.stage import StageResult
@@ -307,7 +309,6 @@ def normalize_se_ratios(frame: pd.DataFrame) -> pd.DataFrame:
     """The contract's SE-ratio columns (characteristic, se_original, se_masked, ratio, deff,
     deff_class) from a stage table; `variable` + `domain` name the characteristic when there is
     no `characteristic` column, and deff_class is derived from deff when missing."""
-    from sdl_design.utility import deff_class
 
     f = frame.reset_index(drop=True)
     ch = _first(f, "characteristic")
@@ -356,7 +357,6 @@ def _rows(frame: pd.DataFrame) -> list[dict]:
 
 
 def _json(obj: Any) -> str:
-    from flows.publish import _json_default
 
     return json.dumps(obj, default=_json_default)
 

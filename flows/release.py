@@ -10,9 +10,9 @@ import sdl_design  # noqa: F401
 # isort: split
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pandas as pd
 from prefect import flow
@@ -23,12 +23,15 @@ from pydantic import Field, field_validator
 
 from expectations.suites import GateFailed
 from flows import publish as pub
-from flows.env import preload, return_freed_memory
+from flows.env import preload, return_freed_memory, task_runner
 from flows.manifest import Manifest
 from flows.progress import PROGRESS, flow_run_url
 from flows.public_docs import variance_notes
 from flows.public_files import detail_frame, public_records, record_map, write_public_files
+from flows.registry import se_ratio_tables
+from flows.report import post_artifacts, render_report
 from flows.server_guard import install as _guard_prefect_server
+from flows.tune import tune_dir
 from flows.txn import PublishError, RegistryError, ReleaseLocked, Transaction, fault
 from sdl_design.spec import ReleaseSpec, load_spec, seed_warnings
 from sdl_design.stage import (
@@ -107,7 +110,6 @@ def _tables(outputs: list[StageResult], gates: pd.DataFrame | None) -> dict[str,
 
 def _tune_map(spec: ReleaseSpec) -> list[StageResult]:
     """The risk-utility map of the last `puf tune` of this spec, shown in the report when there."""
-    from flows.tune import tune_dir
 
     png = tune_dir(spec) / "risk_utility_map.png"
     if not png.is_file():
@@ -126,7 +128,6 @@ def _tune_map(spec: ReleaseSpec) -> list[StageResult]:
 
 def _report_writer(outputs: list[StageResult], spec: ReleaseSpec):
     def write(manifest: Manifest, path: Path) -> None:
-        from flows.report import render_report
 
         shown = [*outputs, *_tune_map(spec)]
         render_report(manifest, shown, path, stages=[cls.name for cls in RELEASE_STAGES])
@@ -134,13 +135,7 @@ def _report_writer(outputs: list[StageResult], spec: ReleaseSpec):
     return write
 
 
-def _se_ratios(outputs: list[StageResult]) -> dict[str, pd.DataFrame]:
-    from flows.registry import se_ratio_tables
-
-    return se_ratio_tables(outputs)
-
-
-def _close(
+def close_attempt(
     txn: Transaction,
     spec: ReleaseSpec,
     manifest: Manifest,
@@ -148,9 +143,11 @@ def _close(
     gates: pd.DataFrame | None,
     status: str,
     reason: str | None,
+    post: Callable[..., list[str]] | None = None,
 ) -> None:
     """End an attempt that does not publish: its record (no public files) in its folder, the
-    registry told; the published release, its files and its registry row untouched."""
+    registry told, the artifacts posted again with the status (post); the published release,
+    its files and its registry row untouched."""
     manifest.status = status
     manifest.reason = reason
     if gates is not None:
@@ -160,8 +157,14 @@ def _close(
         pub.write_record(record, manifest, _tables(outputs, gates), _report_writer(outputs, spec))
     except OSError as e:  # (a print in the flow would be a log record below the quiet level)
         PROGRESS.say(f"WARNING: could not write the attempt's record in {record}: {e}")
-    txn.close(status, reason, manifest, _se_ratios(outputs))
-    _post(manifest, results=outputs, folder=txn.staged)
+    txn.close(status, reason, manifest, se_ratio_tables(outputs))
+    if post is not None:
+        post(manifest, results=outputs, folder=txn.staged)
+
+
+def _close(*args: Any) -> None:
+    """close_attempt with the release flow's artifacts posted."""
+    close_attempt(*args, post=_post)
 
 
 def _post(
@@ -173,7 +176,6 @@ def _post(
     """The run's artifacts; their keys, the board's verdict first. With staged (before the
     approval): the staged report and assessment too. folder: where the files linked from the
     verdict are (default staged)."""
-    from flows.report import post_artifacts
 
     verdict = pub.post_verdict(manifest, results, staged or folder)
     if staged is None:
@@ -265,44 +267,17 @@ def _release(
         _treat(frames, spec, batches, outputs, manifest, txn, steps, runner, dask_address)
         gates, records = _gate(frames, spec, outputs, manifest, txn, steps)
 
-        # the whole release, staged before the approval: the board sees what would go out
-        t0 = steps.start("files")
-        tables = _tables(outputs, gates)
-        writer = _report_writer(outputs, spec)
-        staged = txn.stage(
-            lambda folder: pub.write_stage(
-                folder,
-                manifest,
-                tables,
-                writer,
-                fault=fault,
-                prepared=txn.prepared_public,
-                record_map=records,
-            )  # fmt: skip
+        folder = publish_gated(
+            txn,
+            spec,
+            manifest,
+            outputs,
+            gates,
+            lambda: records,
+            steps,
+            lambda staged, keys: _approval(spec, approve, approval_poll_s, staged, keys),
+            _post,
         )
-        ratios = _se_ratios(outputs)
-        txn.awaiting_approval(manifest, ratios)
-        keys = _post(manifest, staged=staged, results=outputs)
-        _lap(manifest, "files", t0)
-        steps.done("files", t0)
-
-        t0 = steps.start("approval")
-        decision = _approval(spec, approve, approval_poll_s, staged, keys)
-        steps.done("approval", t0)
-        manifest.approval = manifest.approval.model_copy(update=decision)
-        if decision["decision"] != "approved":
-            reason = f"rejected by {decision['approver']}: {decision['comment']}"
-            _close(txn, spec, manifest, outputs, gates, "rejected", reason)
-            raise ReleaseRejected(f"release {reason}")
-
-        t0 = steps.start("publish")
-        manifest.status = "published"
-        manifest.reason = None
-        pub.write_record(staged / "internal", manifest, {}, writer)  # with the decision
-        folder = txn.publish(manifest, ratios)
-        _post(manifest, results=outputs, folder=folder)
-        _lap(manifest, "publish", t0)
-        steps.done("publish", t0)
         PROGRESS.say(f"published {manifest.release.release_id} to {folder}")
         return manifest
     except (GateFailed, ReleaseRejected, RegistryError, PublishError, ReleaseLocked):
@@ -314,6 +289,60 @@ def _release(
             except Exception:  # noqa: BLE001 - keep the original error visible
                 pass
         raise
+
+
+def publish_gated(
+    txn: Transaction,
+    spec: ReleaseSpec,
+    manifest: Manifest,
+    results: list[StageResult],
+    gates: pd.DataFrame,
+    records: Callable[[], pd.DataFrame],
+    steps: _Steps,
+    decide: Callable[[Path, list[str]], dict],
+    post: Callable[..., list[str]] | None = None,
+) -> Path:
+    """The one publish sequence, in memory and by partition: the gated release staged whole
+    (the board sees what would go out; its artifacts posted), the board's decision, then the
+    release published (its folder returned) or the attempt closed as rejected (raises
+    ReleaseRejected). records: the record map, read when the files are staged."""
+    t0 = steps.start("files")
+    writer = _report_writer(results, spec)
+    tables, record_map_ = _tables(results, gates), records()
+    staged = txn.stage(
+        lambda folder: pub.write_stage(
+            folder,
+            manifest,
+            tables,
+            writer,
+            fault=fault,
+            prepared=txn.prepared_public,
+            record_map=record_map_,
+        )  # fmt: skip
+    )
+    ratios = se_ratio_tables(results)
+    txn.awaiting_approval(manifest, ratios)
+    keys = post(manifest, staged=staged, results=results) if post else []
+    _lap(manifest, "files", t0)
+    steps.done("files", t0)
+    t0 = steps.start("approval")
+    decision = decide(staged, keys)
+    steps.done("approval", t0)
+    manifest.approval = manifest.approval.model_copy(update=decision)
+    if decision["decision"] != "approved":
+        reason = f"rejected by {decision['approver']}: {decision['comment']}"
+        close_attempt(txn, spec, manifest, results, gates, "rejected", reason, post)
+        raise ReleaseRejected(f"release {reason}")
+    t0 = steps.start("publish")
+    manifest.status = "published"
+    manifest.reason = None
+    pub.write_record(staged / "internal", manifest, {}, writer)  # with the decision
+    folder = txn.publish(manifest, ratios)
+    if post:
+        post(manifest, results=results, folder=folder)
+    _lap(manifest, "publish", t0)
+    steps.done("publish", t0)
+    return folder
 
 
 def _treat(
@@ -475,24 +504,6 @@ def _lap_many(manifest: Manifest, seconds: dict[str, float]) -> None:
     return_freed_memory()
 
 
-def _task_runner(runner: str, dask_address: str | None):
-    """The task runner the run asked for: a thread pool, or Dask (a cluster at dask_address, else
-    a local cluster of two single-threaded workers)."""
-    if runner == "thread":
-        from prefect.task_runners import ThreadPoolTaskRunner
-
-        return ThreadPoolTaskRunner(max_workers=2)
-    if runner == "dask":
-        import dask
-        from prefect_dask import DaskTaskRunner
-
-        dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": 4194304})
-        if dask_address:
-            return DaskTaskRunner(address=dask_address)
-        return DaskTaskRunner(cluster_kwargs={"n_workers": 2, "threads_per_worker": 1})
-    raise ValueError(f"runner must be 'thread' or 'dask', not {runner!r}")
-
-
 def _replications(stage, shared: SharedInput, runner: str, address: str | None):
     """A stage's replications through the run's task runner (threads or Dask), one chunk per
     worker, each given the stage's shared input (its plan, not the frames); each replication's
@@ -500,7 +511,7 @@ def _replications(stage, shared: SharedInput, runner: str, address: str | None):
     import numpy as np
 
     chunks = [c.tolist() for c in np.array_split(np.arange(stage.replications), 2) if len(c)]
-    with _task_runner(runner, address) as tr:
+    with task_runner(runner, address) as tr:
         # plain unmapped: Dask turns quote (a tuple subclass) into a tuple on the way to a worker
         futures = tr.map(
             replicate_stage,

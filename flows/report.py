@@ -20,7 +20,13 @@ import pandas as pd
 
 from flows.html import artifact_key, fold, img, png_b64, scroll, table, value
 from flows.manifest import Manifest
+from flows.public_docs import column_treatments, dropped_columns
+from sdl_design.describe import RISK_DELTA, SURVEY_UNIQUES, RiskRow, finite
+from sdl_design.plots import se_ratio_boxplot
 from sdl_design.stage import NEAR_ROOM, NEAR_RULE
+from sdl_design.stages import RELEASE_STAGES, assessment_of, described
+from sdl_design.tune import is_risk_gate
+from sdl_design.utility import deff_class_summary
 
 if TYPE_CHECKING:
     from sdl_design.stage import Gate, StageResult
@@ -35,6 +41,7 @@ __all__ = [
 ]
 
 MAX_ROWS = 60
+RISK_SECTION = "disclosure-risk"  # the id of the section on the risk of the published file
 NOTE_CHARS = 360  # a longer stage note folds under its beginning
 CSS = (
     "*,*::before,*::after{box-sizing:border-box}"
@@ -96,10 +103,21 @@ def _summary(m: Manifest, results: Sequence[StageResult]) -> str:
     return _section("summary", "Summary", [_kv(summary, "Release")], "")
 
 
-def _metric(results: Sequence[StageResult], stage: str, name: str) -> float | None:
-    r = next((r for r in results if r.name == stage), None)
-    v = None if r is None else r.metrics.get(name)
-    return None if v is None or not np.isfinite(v) else float(v)
+def _assessed(results: Sequence[StageResult], name: str) -> float | None:
+    """A metric of the assessment (sdl_design.stages.assessment_of), None if absent or not
+    finite."""
+    a = assessment_of(results)
+    return None if a is None else finite(a.metrics, name)
+
+
+def _measured(results: Sequence[StageResult], measure: str) -> float | None:
+    """A measure the report names (e.g. RISK_DELTA), from the first stage that ran and took
+    it (Describes.report_measures)."""
+    for cls, r in described(results):
+        v = finite(r.metrics, cls.report_measures.get(measure))
+        if v is not None:
+            return v
+    return None
 
 
 def _pct(v: float | None) -> str:
@@ -149,13 +167,13 @@ def _verdict(m: Manifest, results: Sequence[StageResult]) -> str:
 def _publish_text(m: Manifest, results: Sequence[StageResult]) -> str:
     """The verdict of a release whose every gate passed."""
     n_in, n_out = m.counts.n_input, m.counts.n_output
-    reid = _metric(results, "assess", "reid_share_worst")
+    reid = _assessed(results, "reid_share_worst")
     if reid is None:
-        reid = _metric(results, "assess", "reid_share")
-    uniq = _metric(results, "assess", "unique_share_published")
+        reid = _assessed(results, "reid_share")
+    uniq = _assessed(results, "unique_share_published")
     uniq0 = _survey_uniques(results)
-    overlap = _metric(results, "assess", "overlap_median")
-    ser = _metric(results, "assess", "se_ratio_median")
+    overlap = _assessed(results, "overlap_median")
+    ser = _assessed(results, "se_ratio_median")
     xi = m.parameters.gates.xi if m.parameters.gates else None
     done = "published" if m.status == "published" else "ready to publish"
     parts = [
@@ -305,7 +323,6 @@ def _near_text(m: Manifest, results: Sequence[StageResult]) -> str:
 
 def _leaves(m: Manifest, results: Sequence[StageResult]) -> str:
     """Every published column and what was done to it; the columns dropped, with why."""
-    from flows.public_docs import column_treatments, dropped_columns
 
     cols = column_treatments(None, results)
     body = []
@@ -319,12 +336,7 @@ def _leaves(m: Manifest, results: Sequence[StageResult]) -> str:
     n_in, n_out = m.counts.n_input, m.counts.n_output
     if n_in is not None and n_out is not None:
         rows.append(f"Records: {n_out:,} published of {n_in:,} in the survey file.")
-    prb = _metric(results, "prb", "share_changed")
-    if prb is not None:
-        rows.append(f"Post-randomization (PRB) changed the keys of {_pct(prb)} of records.")
-    sub = _metric(results, "massc", "share_substituted")
-    if sub is not None:
-        rows.append(f"Substitution (MASSC) replaced the keys of {_pct(sub)} of records.")
+    rows += [t for cls, r in described(results) for t in cls.treated_sentences(r)]
     if rows:
         body.append("<ul>" + "".join(f"<li>{escape(r)}</li>" for r in rows) + "</ul>")
     return _section(
@@ -351,7 +363,6 @@ def _check_rows(m: Manifest, rows: list[tuple[str, float | None, str, str]]) -> 
 def _whys(m: Manifest, results: Sequence[StageResult], risk: bool) -> str:
     """Each evaluated risk gate (risk=True) or other gate with its why sentence: what it
     protects against and why its limit is what it is (from the gate that made it)."""
-    from sdl_design.tune import is_risk_gate
 
     objs = _gate_objects(results)
     near = {n for n, _, _ in near_gates(m, results)}
@@ -383,18 +394,18 @@ def _ok(v: float | None, lo: float | None = None, hi: float | None = None) -> st
 
 def _survey_uniques(results: Sequence[StageResult]) -> float | None:
     """The share of the survey file's records unique on the intruder's key (the attack's
-    sample uniques), else the risk stage's share on the declared keys."""
-    n = _metric(results, "assess", "reid_sample_uniques")
-    n0 = _metric(results, "assess", "n_original")
+    sample uniques), else a stage's share on the declared keys (SURVEY_UNIQUES)."""
+    n = _assessed(results, "reid_sample_uniques")
+    n0 = _assessed(results, "n_original")
     if n is not None and n0:
         return n / n0
-    return _metric(results, "risk", "unique_share")
+    return _measured(results, SURVEY_UNIQUES)
 
 
 def _ungated(results: Sequence[StageResult]) -> str:
     """The attacks reported but not gated, for the verdict: the board sees what the spec
     declared out of the intruder's reach."""
-    a = next((r for r in results if r.name == "assess"), None)
+    a = assessment_of(results)
     if a is None:
         return ""
     m, lines = a.metrics, a.params.get("intruder_key") or []
@@ -416,12 +427,12 @@ def _ungated(results: Sequence[StageResult]) -> str:
 
 def _intruder(results: Sequence[StageResult]) -> str:
     """The intruder's key in a few words (the assessment's params), for the verdict."""
-    for r in results:
-        if r.name == "assess" and r.params.get("intruder_key"):
-            lines = r.params["intruder_key"]
-            keys = [ln.split(": ", 1)[1] for ln in lines if ln.startswith(("declared", "other"))]
-            labels = any(ln.startswith("published design labels") for ln in lines)
-            return ", ".join(keys) + (", the design labels" if labels else "")
+    a = assessment_of(results)
+    if a is not None and a.params.get("intruder_key"):
+        lines = a.params["intruder_key"]
+        keys = [ln.split(": ", 1)[1] for ln in lines if ln.startswith(("declared", "other"))]
+        labels = any(ln.startswith("published design labels") for ln in lines)
+        return ", ".join(keys) + (", the design labels" if labels else "")
     return "the key variables"
 
 
@@ -430,15 +441,14 @@ def _risk(m: Manifest, results: Sequence[StageResult]) -> str:
     xi = g.xi if g else None
     dmax = g.delta_max if g else None
     umax = g.max_unique_share if g else None
-    reid = _metric(results, "assess", "reid_share_worst")
+    reid = _assessed(results, "reid_share_worst")
     if reid is None:
-        reid = _metric(results, "assess", "reid_share")
-    delta = _metric(results, "assess", "delta_published")  # on the published file, if measured
+        reid = _assessed(results, "reid_share")
+    delta = _assessed(results, "delta_published")  # on the published file, if measured
     if delta is None:
-        delta = _metric(results, "massc", "delta")
-    uniq = _metric(results, "assess", "unique_share_published")
+        delta = _measured(results, RISK_DELTA)
+    uniq = _assessed(results, "unique_share_published")
     uniq0 = _survey_uniques(results)
-    prb = _metric(results, "prb", "max_risk")
     rows = [
         (
             "share of the survey's sample uniques an intruder re-identifies in the published "
@@ -461,40 +471,34 @@ def _risk(m: Manifest, results: Sequence[StageResult]) -> str:
             f"<= {_pct(umax)}" if umax is not None else "none",
             _ok(uniq, hi=umax),
         ),
-        (
-            "largest exact identification risk of a post-randomized record (paper 002, eq. 2.2)",
-            _num(prb, ".4f") if prb is not None else "PRB did not run",
-            f"<= xi = {xi}" if xi is not None else "none",
-            _ok(prb, hi=xi),
-        ),
     ]
+    ran = {cls.name: r for cls, r in described(results)}
+    rows += [_risk_row(row, g) for c in RELEASE_STAGES for row in c.risk_rows(ran.get(c.name))]
     body = [_check_rows(m, rows), _whys(m, results, risk=True), _strata_counts(results)]
-    return _section("risk", "Risk of the published file", body, "")
+    return _section(RISK_SECTION, "Risk of the published file", body, "")
+
+
+def _risk_row(row: RiskRow, gates: Any) -> tuple[str, str, str, str]:
+    """A stage's row of the risk table (what, value, limit text, pass/fail/''); gates: the
+    release's gate parameters (None: none)."""
+    lim = getattr(gates, row.limit, None) if gates is not None and row.limit else None
+    return (
+        row.what,
+        _num(row.value, row.fmt) if row.value is not None else row.missing,
+        f"<= {row.limit} = {lim}" if lim is not None else "none",
+        _ok(row.value, hi=lim),
+    )
 
 
 def _strata_counts(results: Sequence[StageResult]) -> str:
     """The two U/D/T/O counts side by side, each said in words."""
-    r = {x.name: x for x in results}
-    a = r.get("risk").tables.get("by_stratum") if "risk" in r else None
-    b = r.get("massc").tables.get("delta") if "massc" in r else None
-    if a is None and b is None:
+    counts = {k: v for c, r in described(results) for k, v in c.key_frequencies(r).items()}
+    if not counts:
         return ""
     idx = ["U", "D", "T", "O"]
     t = pd.DataFrame(index=pd.Index(idx, name="stratum"))
-    if a is not None and {"stratum", "n_records"} <= set(a.columns):
-        t["survey records whose key combination is held by 1, 2, 3, 4+ survey records"] = (
-            a.set_index("stratum")["n_records"].reindex(idx)
-        )
-    if b is not None and {"appearance", "n_records"} <= set(b.columns):
-        t[
-            "survey records whose original key combination appears 1, 2, 3, 4+ times in the published file"
-        ] = (
-            b.assign(stratum=b["appearance"].str.upper())
-            .set_index("stratum")["n_records"]
-            .reindex(idx)
-        )
-    if t.shape[1] == 0:
-        return ""
+    for what, n in counts.items():
+        t[what] = n.reindex(idx)
     note = (
         "<p class='note'>U, D, T, O: unique, doubleton, tripleton, other (4 or more). The first "
         "count classifies the survey file before treatment (what the risk scores and MASSC's "
@@ -511,7 +515,7 @@ def _validity(m: Manifest, results: Sequence[StageResult]) -> str:
     u = u if isinstance(u, dict) else (u.model_dump() if hasattr(u, "model_dump") else {})
     ser = g.se_ratio if g else None
     lo, hi = (ser[0], ser[1]) if ser else (None, None)
-    get = lambda n: _metric(results, "assess", n)  # noqa: E731
+    get = lambda n: _assessed(results, n)  # noqa: E731
     eps_max = g.epsilon_max if g else None
     rows = [
         (
@@ -612,7 +616,6 @@ def _approval(m: Manifest) -> str:
 
 
 def _se_summary(se: pd.DataFrame) -> pd.DataFrame | None:
-    from sdl_design.utility import deff_class_summary
 
     if "ratio" not in se or "deff" not in se:
         return None
@@ -624,7 +627,6 @@ def _se_summary(se: pd.DataFrame) -> pd.DataFrame | None:
 def _se_ratios(results: Sequence[StageResult]) -> str:
     """One box plot of every declared SE-ratio table (one box per stage in each design-effect
     class) and each table's summary by class."""
-    from sdl_design.plots import se_ratio_boxplot
 
     declared = [r for r in results if r.se_ratio_table and r.se_ratio_table in r.tables]
     if not declared:

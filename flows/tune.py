@@ -26,10 +26,14 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote, unmapped
 
+from flows.env import task_runner
+from flows.html import artifact_key
+from flows.report import _plain
 from sdl_design import tune
 from sdl_design.spec import ReleaseSpec, load_spec
+from tasks.core import load_task
 
-WORKERS = 2  # the task runners' parallelism (flows.release._task_runner)
+WORKERS = 2  # the task runners' parallelism (flows.env.task_runner)
 
 _LOCK = threading.Lock()
 _ORIGINALS: dict[str, tuple[pd.DataFrame, tune.PrefixCache]] = {}  # input hash -> (frame, cache)
@@ -48,8 +52,6 @@ def _original(spec: ReleaseSpec, input_hash: str) -> tuple[pd.DataFrame, tune.Pr
     with _LOCK:
         hit = _ORIGINALS.get(input_hash)
         if hit is None:
-            from tasks.core import load_task
-
             df, digest = load_task.fn(spec)
             if digest != input_hash:
                 raise RuntimeError(
@@ -118,8 +120,6 @@ def tune_flow(
     """Search the spec's treatment settings (sdl_design.tune.search) with candidates in parallel
     on the runner; write candidates.csv, risk_utility_map.png and recommended_spec.yaml to the
     scratch folder and post the map and the table as artifacts. Returns a summary."""
-    from flows.release import _task_runner
-    from tasks.core import load_task
 
     spec = load_spec(spec_path)
     original, input_hash = load_task(quote(spec))
@@ -128,7 +128,7 @@ def tune_flow(
     paths = [f.path for f in tune.factors(spec, original)]
     count = [0]
 
-    with _task_runner(runner, dask_address) as tr:
+    with task_runner(runner, dask_address) as tr:
 
         def run_batch(cands: list[tune.Candidate], skip: Sequence[str]) -> list[dict]:
             futures = tr.map(
@@ -253,9 +253,6 @@ TABLE_COLUMNS = [  # the artifact's columns: the candidate, its risk and utility
 def post_tune_artifacts(result: tune.TuneResult, spec: ReleaseSpec, out: dict) -> list[str]:
     """A markdown artifact (summary and the map, embedded) and a table artifact (candidates)."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
-
-    from flows.html import artifact_key
-    from flows.report import _plain
 
     rel = spec.release
     key = artifact_key(f"puf-tune-{rel.name}-{rel.year}")

@@ -1117,6 +1117,7 @@ class AssessStage(Describes):
     name = "assess"
     replications = 0
     reads_only = True  # measures the frame: the flow may run it beside its neighbours
+    assesses = True
 
     def __init__(self, spec: ReleaseSpec):
         self.spec = spec

@@ -26,11 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pandas as pd
 
+from sdl_design.messages import did_you_mean, rows_text
 from sdl_design.spec import SpecError
-from sdl_design.suggest import did_you_mean
 
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec
@@ -63,18 +62,6 @@ def frame_digest(df: pd.DataFrame) -> str:
     h.update(json.dumps([[c, str(t)] for c, t in df.dtypes.items()]).encode())
     h.update(pd.util.hash_pandas_object(df, index=False).to_numpy().tobytes())
     return h.hexdigest()
-
-
-def rows_text(mask: np.ndarray | pd.Series, values: pd.Series | None = None, n: int = 5) -> str:
-    """'rows 3, 17 (values 'abc', 'x')': the first n records where mask holds, numbered from 1
-    in file order (CSV line = row + 1), never by identifier (messages reach logs)."""
-    pos = np.flatnonzero(np.asarray(mask, dtype=bool))
-    more = f", ... ({len(pos)} in all)" if len(pos) > n else ""
-    text = "rows " + ", ".join(str(int(i) + 1) for i in pos[:n]) + more
-    if values is not None:
-        vals = values.iloc[pos[:n]].tolist()
-        text += " (values " + ", ".join(repr(v) for v in vals) + ")"
-    return text
 
 
 def numeric_columns(spec: ReleaseSpec, columns: list[str]) -> dict[str, str]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from sdl_design.spec import _short
+from sdl_design.messages import short_list as _short
 
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec

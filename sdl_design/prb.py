@@ -23,7 +23,7 @@ import scipy.sparse as sp
 from scipy.optimize import brentq
 
 from sdl_design.blocksum import group_sum
-from sdl_design.describe import Describes, pct
+from sdl_design.describe import Describes, RiskRow, finite, pct
 from sdl_design.design import SurveyDesign
 from sdl_design.edits import check_edits
 from sdl_design.keys import coarsen, published_key, shared_categories
@@ -888,6 +888,14 @@ class PrbStage(Describes):
     name = "prb"
     replications = 0
     treated_share = "share_changed"
+    treated_words = "Post-randomization (PRB) changed the keys of {share} of records."
+
+    @classmethod
+    def risk_rows(cls, result: StageResult | None) -> list[RiskRow]:
+        """The largest exact identification risk of a post-randomized record, held to xi."""
+        value = None if result is None else finite(result.metrics, "max_risk")
+        what = "largest exact identification risk of a post-randomized record (paper 002, eq. 2.2)"
+        return [RiskRow(what, value, "PRB did not run", limit="xi")]
 
     @classmethod
     def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:

@@ -23,7 +23,7 @@ import scipy.linalg
 import scipy.sparse as sp
 import scipy.sparse.linalg
 
-from sdl_design.describe import Describes
+from sdl_design.describe import SURVEY_UNIQUES, Describes
 from sdl_design.keys import coarsen, key_levels
 from sdl_design.plots import histogram
 from sdl_design.spec import KeySpec, SensitiveSpec, category_label
@@ -659,6 +659,17 @@ class RiskStage(Describes):
     name = "risk"
     replications = 0
     reads_only = True  # measures the frame (the partitioned path: `puf scan` measures it)
+    report_measures = {SURVEY_UNIQUES: "unique_share"}
+
+    @classmethod
+    def key_frequencies(cls, result: StageResult) -> dict[str, pd.Series]:
+        """The survey records by the size of their key combination in the survey file (the
+        by_stratum table: U, D, T, O)."""
+        a = result.tables.get("by_stratum")
+        if a is None or not {"stratum", "n_records"} <= set(a.columns):
+            return {}
+        what = "survey records whose key combination is held by 1, 2, 3, 4+ survey records"
+        return {what: a.set_index("stratum")["n_records"]}
 
     def __init__(self, section: Any, keys: list, sensitive: list, weight: str):
         self.section, self.keys, self.sensitive, self.weight = section, keys, sensitive, weight

@@ -27,7 +27,9 @@ from pydantic import (
 from sdl_design.design import ReplicateMethod, resolve_replicates
 from sdl_design.edits import EditRule
 from sdl_design.edits import parse_condition as parse_condition  # re-exported
-from sdl_design.suggest import did_you_mean, yaml_error_text
+from sdl_design.leaks import column_problems
+from sdl_design.messages import did_you_mean, rows_text, yaml_error_text
+from sdl_design.messages import short_list as _short
 
 # a spec's YAML, aliases expanded, at most this many nodes (an alias bomb is refused, not run)
 SPEC_NODES_MAX = 200_000
@@ -755,7 +757,6 @@ class ReleaseSpec(_Strict):
         """Leaks the columns would open (issue 13 item 3, issue 15 items 5-7): unclassified
         columns, replicate weights the pattern misses, a published column that determines a
         dropped design label, a published column tied by an edit rule to a PRB-treated one."""
-        from sdl_design.leaks import column_problems
 
         return column_problems(self, df)
 
@@ -849,7 +850,6 @@ MAX_VALUE = 1e15  # a weight or study value beyond this is a code or an overflow
 
 
 def _rows(mask: np.ndarray, values: pd.Series | None = None) -> str:
-    from sdl_design.io import rows_text
 
     return rows_text(mask, values)
 
@@ -875,11 +875,6 @@ def _finite(field: str, col: str, x: np.ndarray, what: str, missing_ok: bool) ->
             f"({_rows(huge, pd.Series(x))}): a code or an overflow, not a {what}; {fix}"
         )
     return out
-
-
-def _short(items: Any, n: int = 12) -> str:
-    items = [str(x) for x in items]
-    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
 _FIXES = {

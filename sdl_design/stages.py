@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pandas as pd
 
 from sdl_design.assess import AssessStage
 from sdl_design.blas import single_blas_thread
+from sdl_design.describe import Describes
 from sdl_design.massc.stage import MasscStage
 from sdl_design.prb import PrbStage
 from sdl_design.pseudo import PseudoDesignStage
@@ -26,6 +29,21 @@ RELEASE_STAGES = [
     FinalStage,
     AssessStage,
 ]
+
+
+def described(results: Sequence[StageResult]) -> list[tuple[type[Describes], StageResult]]:
+    """(stage class, result) of each stage that ran, in release order."""
+    by_name = {r.name: r for r in results}
+    return [(c, by_name[c.name]) for c in RELEASE_STAGES if c.name in by_name]
+
+
+def assessment_of(results: Sequence[StageResult]) -> StageResult | None:
+    """The assessment's result: the result of the stage that says it assesses the published
+    file (Describes.assesses), else the result that recorded the published columns."""
+    own = next((r for c, r in described(results) if c.assesses), None)
+    if own is not None:
+        return own
+    return next((r for r in results if "published_columns" in (r.params or {})), None)
 
 
 def build_stages(spec: ReleaseSpec) -> list[Stage]:

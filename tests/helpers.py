@@ -123,7 +123,7 @@ STAGE_TABLES = {
 SECTIONS = [
     "verdict",
     "leaves",
-    "risk",
+    "disclosure-risk",
     "validity",
     "gates",
     "approval",

@@ -18,8 +18,8 @@ import yaml
 from flows.cli import _command
 from flows.cli import main as puf
 from sdl_design.io import read_input
+from sdl_design.messages import did_you_mean, faulty_yaml_line
 from sdl_design.spec import SpecError, load_spec, parse_spec
-from sdl_design.suggest import did_you_mean, faulty_yaml_line
 
 BASE = {
     "release": {"name": "mini", "year": 2026, "seed": 7},

@@ -858,8 +858,9 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
         ]  # fmt: skip
         if all(v is not None for v in steps.values()):  # (None: no /proc/self/clear_refs)
             life = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-            # (ru_maxrss lags VmHWM by the kernel's batched RSS counters: 2% slack)
-            assert all(0 < v <= life * 1.02 for v in steps.values()), (steps, life)
+            # (ru_maxrss lags VmHWM by the kernel's batched RSS counters: 2% slack measured on
+            # a quiet machine, 3.5% with four processes on two cores: 5%)
+            assert all(0 < v <= life * 1.05 for v in steps.values()), (steps, life)
         public = _same_public(folder, spec, final, tmp_path)
         assert len(public[0]) < N  # MASSC's subsample
         assessed = _same_assessment(folder, spec, whole, final)

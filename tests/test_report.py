@@ -352,7 +352,7 @@ def test_verdict_and_what_leaves_the_building(tmp_path):
     m = manifest()
     m.parameters.gates = m.parameters.gates or None
     p = Parsed(render_report(m, _assessed(), tmp_path / "r.html", FLOW).read_text())
-    assert p.ids[:4] == ["verdict", "leaves", "risk", "validity"]
+    assert p.ids[:4] == ["verdict", "leaves", "disclosure-risk", "validity"]
     text = " ".join(p.text)
     assert text.index("Publish: the file is published, and all 2 checks pass.") < text.index(
         "What leaves the building"
@@ -709,7 +709,7 @@ def test_every_risk_gate_says_what_it_protects_against_and_why_its_limit(tmp_pat
     )
     res = [*outputs(), StageResult("assess", None, metrics=metrics, gates=gates)]
     t = Tree(render_report(m, res, tmp_path / "r.html", FLOW).read_text())
-    risk_text, validity = t.section_text("risk"), t.section_text("validity")
+    risk_text, validity = t.section_text("disclosure-risk"), t.section_text("validity")
     for g in gates:
         where, other = (risk_text, validity) if is_risk_gate(g.name) else (validity, risk_text)
         assert g.why in where and g.why not in other, g.name

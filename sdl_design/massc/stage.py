@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from sdl_design.describe import REPLICATES, Describes, pct
+from sdl_design.describe import REPLICATES, RISK_DELTA, Describes, pct
 from sdl_design.design import SurveyDesign
 from sdl_design.edits import check_edits
 from sdl_design.keys import key_frame, shared_categories
@@ -40,6 +40,22 @@ class MasscStage(Describes):
 
     name = "massc"
     treated_share = "share_substituted"
+    treated_words = "Substitution (MASSC) replaced the keys of {share} of records."
+    report_measures = {RISK_DELTA: "delta"}
+
+    @classmethod
+    def key_frequencies(cls, result: StageResult) -> dict[str, pd.Series]:
+        """The survey records by how often their original key combination appears in the
+        published file (the delta table's appearance u/d/t/o)."""
+        b = result.tables.get("delta")
+        if b is None or not {"appearance", "n_records"} <= set(b.columns):
+            return {}
+        what = (
+            "survey records whose original key combination appears 1, 2, 3, 4+ times in the "
+            "published file"
+        )
+        counts = b.assign(stratum=b["appearance"].str.upper()).set_index("stratum")["n_records"]
+        return {what: counts}
 
     @classmethod
     def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:

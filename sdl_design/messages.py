@@ -1,4 +1,4 @@
-"""Messages that say what to do: the names closest to a misspelled one ("did you mean"), and
+"""Messages that say what to do: lists and rows as messages name them; the names closest to a misspelled one ("did you mean"), and
 the line of a YAML file that is actually wrong when the parser reports a later one."""
 
 from __future__ import annotations
@@ -7,7 +7,10 @@ import difflib
 import math
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
+import numpy as np
+import pandas as pd
 import yaml
 
 # a YAML file longer than this is not searched for the faulty line (the mark is reported)
@@ -196,3 +199,21 @@ def yaml_error_text(text: str, err: yaml.YAMLError, name: str) -> str:
         f"      {gutter}{shown}\n"
         f"      {' ' * (len(gutter) - 2)}| {' ' * col}^"
     )
+
+
+def short_list(items: Any, n: int = 12) -> str:
+    """'a, b, c, ... (40 in all)': the first n items of a list, for a message."""
+    items = [str(x) for x in items]
+    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+def rows_text(mask: np.ndarray | pd.Series, values: pd.Series | None = None, n: int = 5) -> str:
+    """'rows 3, 17 (values 'abc', 'x')': the first n records where mask holds, numbered from 1
+    in file order (CSV line = row + 1), never by identifier (messages reach logs)."""
+    pos = np.flatnonzero(np.asarray(mask, dtype=bool))
+    more = f", ... ({len(pos)} in all)" if len(pos) > n else ""
+    text = "rows " + ", ".join(str(int(i) + 1) for i in pos[:n]) + more
+    if values is not None:
+        vals = values.iloc[pos[:n]].tolist()
+        text += " (values " + ", ".join(repr(v) for v in vals) + ")"
+    return text
