@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -272,167 +272,229 @@ def intruder_lines(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
 def cmd_partitioned(args: argparse.Namespace) -> int:
     """The stages with a partitioned path a partition at a time, then the public data files
     (published with --publish)."""
-    from flows.scan import REFUSED, run_partitioned
-    from sdl_design.spec import SpecError, load_spec
 
     def go() -> int:
-        manifest = None
-        if args.publish:
-            if args.out:
-                raise SpecError(["--out: a published run writes into its release's attempt"])
-            from flows.partitioned_release import partitioned_release_flow, publish_partitioned
-
-            spec = load_spec(args.spec)
-            if spec.approval.required and not args.approve:  # the board decides in a flow run
-                if not os.environ.get("PREFECT_API_URL"):
-                    again = _command(args, drop=["--approve"])
-                    print(_no_approver(spec, again), file=sys.stderr)
-                    return 2
-                manifest = partitioned_release_flow(
-                    spec_path=str(args.spec),
-                    runner=args.runner,
-                    dask_address=args.dask_address,
-                    partitions=args.partitions,
-                )
-                _print_release(manifest, Path(spec.release.output_dir))
-                return 0
-            manifest, out = publish_partitioned(
-                args.spec, args.approve, args.runner, args.dask_address, args.partitions
-            )
-        else:
-            out = run_partitioned(
-                args.spec, args.runner, args.dask_address, args.partitions, args.out
-            )
-        print(
-            f"{args.spec}: {out['records']} records in {out['partitions']} partition(s), "
-            f"{out['seconds']:.1f} s" + ("" if manifest else f"; written to {out['folder']}")
-        )
-        sc = out["scan"]
-        strata = ", ".join(f"{r.stratum} {r.records}" for r in sc["risk_strata"].itertuples())
-        print(
-            f"  input       : {int(sc['edits']['passed'].sum())} of {len(sc['edits'])} edit rules "
-            f"hold; risk strata {strata} (scan/)"
-        )
-        st = out["stages"]
-        if "swap" in st:
-            sw = st["swap"]
-            print(
-                f"  swap        : {sw['n_pairs']} segment pairs swapped ({sw['share_swapped']:.1%} "
-                f"of {sw['n_segments']} segments); pairs in internal/swap/pairs.csv (confidential)"
-            )
-        if "prb" in st:
-            p = st["prb"]
-            print(
-                f"  prb         : {int(p['n_changed'])} of {int(p['n_units'])} singleton/doubleton "
-                f"records changed; max identification risk {p['max_risk']:.4f}"
-            )
-        if "massc" in st:
-            m = st["massc"]
-            strata = ", ".join(f"{h} {n}" for h, n in m["strata"].items())
-            print(
-                f"  massc       : {m['n_with_donor']} records have a donor ({m['n_profiles']} "
-                "search profiles); the substituted values in internal/massc/donors/ (confidential); "
-                f"risk strata {strata}; moments of eq. 8a in massc/moments.csv; psi "
-                + ", ".join(f"{h} {p:.4g}" for h, p in m["psi"].items())
-                + " (massc/rates.csv)"
-            )
-            print(
-                f"                {m['n_substituted']} records substituted, "
-                f"{m['n_subsampled_out']} sampled out; phi "
-                + ", ".join(f"{h} {p:.4g}" for h, p in m["phi"].items())
-                + f"; delta {m['delta']:.4f} after {m['n_delta_revisions']} revision(s)"
-            )
-            dropped = int(m.get("calibration_domains_dropped", 0))
-            print(
-                f"                calibrated: {m['calibration_factor_min']:.3f} to "
-                f"{m['calibration_factor_max']:.3f} x the weight / phi; "
-                f"{int(m.get('calibration_domains_kept', 0))} domain margin(s) kept, {dropped} "
-                f"dropped; weight total {m['weight_sum_ratio']:.6f} x the input's; the retained "
-                "records in massc/data/ (massc/calibration_domains.csv, weight_factors.csv)"
-            )
-            if "epsilon_empirical" in m:
-                print(
-                    f"                epsilon {m['epsilon']:.4f}: formula (eq. 7) "
-                    f"{m['epsilon_formula']:.4f}, empirical {m['epsilon_empirical']:.4f} over "
-                    f"{int(m['n_replications'])} replications of the whole treatment "
-                    "(massc/epsilon_replications.csv)"
-                )
-        if "topcode" in st:
-            t = st["topcode"]["tables"]["thresholds"]
-            print(
-                "  topcode     : "
-                + "; ".join(
-                    f"{r.column} {r.side} at {r.threshold:,.6g} ({int(r.n_coded)} records)"
-                    for r in t.itertuples()
-                )
-                + " (topcode/thresholds.csv)"
-            )
-        if "assess" in st:
-            a = st["assess"]
-            print(
-                f"  assess gates: {int(a['gates_passed'])} of {int(a['gates'])} pass "
-                "(assess/gates.csv)"
-            )
-            print(
-                f"  assess      : {int(a['n_estimates'])} domain estimates of the published "
-                f"records against the input's ({int(a['n_reliable'])} reliable): median CI "
-                f"overlap {a.get('overlap_median', float('nan')):.3f}, "
-                f"{a['share_abs_std_bias_gt2']:.1%} more than 2 SEs off, epsilon "
-                f"{a['epsilon_published']:.4f} (assess/domain_estimates.csv); "
-                f"{a.get('reid_share_worst', a['reid_share']):.2%} of the original sample "
-                "uniques re-identified (worst attack), "
-                f"{a['unique_share_published']:.2%} sample uniques published; smallest CI "
-                f"overlap of a model coefficient {a.get('model_overlap_min', float('nan')):.3f} "
-                f"; {a.get('psu_recoverable', 0.0):.1%} of the original PSUs recoverable from "
-                f"the replicate weights; delta {a['delta_published']:.4f}; pMSE ratio "
-                f"{a['pmse_ratio']:.3f}"
-            )
-        for name, res in st.items():
-            se = res["tables"].get("se_ratios") if isinstance(res, dict) else None
-            for col, kind in (("ratio", "Taylor"), ("ratio_rep", "replicate")):
-                if se is not None and col in se.columns:
-                    r = se[col].dropna()
-                    print(
-                        f"  SE ratio    : after {name}, median {r.median():.3f} ({r.min():.3f}-"
-                        f"{r.max():.3f}) over {len(r)} estimates against the input ({kind})"
-                    )
-        if "stopped_before" in st:
-            print(f"  stopped before {st['stopped_before']}: it has no partitioned path yet")
-        else:
-            left = st.get("not_measured", [])
-            pub = out["public_files"]
-            d = REFUSED if pub["gates_failed"] and manifest is None else "puf"
-            print(
-                f"  public files: {pub['records']} records, {pub['columns']} columns in "
-                f"{d}/puf.parquet and {d}/puf.csv, with {d}/codebook.csv and {d}/README.md "
-                f"({pub['seconds']:.1f} s); gates: "
-                f"{pub['gates_passed']} of {pub['gates']} pass (gates.csv"
-                + (f"; failed: {'; '.join(pub['gates_failed'])}" if pub["gates_failed"] else "")
-                + "); every stage that changes the records ran by partition"
-                + (f"; not measured: {', '.join(left)}" if left else "")
-            )
-        if manifest is not None:
-            from flows.publish import release_dir
-
-            spec = load_spec(args.spec)
-            print(
-                f"release {manifest.release.release_id}: {manifest.status} (approved by "
-                f"{manifest.approval.approver or 'nobody: not required'}) to "
-                f"{release_dir(spec)}/public"
-            )
-        elif "stopped_before" not in st and out["public_files"]["gates_failed"]:
-            print(
-                f"puf: release gates failed; nothing may be published (the files are in "
-                f"{out['folder']}/{REFUSED}): {'; '.join(out['public_files']['gates_failed'])}",
-                file=sys.stderr,
-            )
-            return 1
-        elif "stopped_before" not in st:
-            publish = _command(args, add=["--publish", "--approve", "NAME"], drop=["--out"])
-            print(f"  not published: `{publish}` publishes it")
-        return 0
+        ran = _partitioned_run(args)
+        if isinstance(ran, int):
+            return ran
+        manifest, out = ran
+        _print_partitioned_summary(args, out, manifest)
+        return _partitioned_outcome(args, out, manifest)
 
     return _guarded(go)
+
+
+def _partitioned_run(args: argparse.Namespace) -> tuple[Manifest | None, dict[str, Any]] | int:
+    """Run `puf partitioned`: (the manifest, None unless published; run_partitioned's
+    summary), or the exit code when the run ends here (no approver: 2; approved in a flow run
+    that printed its release: 0)."""
+    from flows.scan import run_partitioned
+    from sdl_design.spec import SpecError, load_spec
+
+    if not args.publish:
+        out = run_partitioned(args.spec, args.runner, args.dask_address, args.partitions, args.out)
+        return None, out
+    if args.out:
+        raise SpecError(["--out: a published run writes into its release's attempt"])
+    from flows.partitioned_release import partitioned_release_flow, publish_partitioned
+
+    spec = load_spec(args.spec)
+    if spec.approval.required and not args.approve:  # the board decides in a flow run
+        if not os.environ.get("PREFECT_API_URL"):
+            again = _command(args, drop=["--approve"])
+            print(_no_approver(spec, again), file=sys.stderr)
+            return 2
+        manifest = partitioned_release_flow(
+            spec_path=str(args.spec),
+            runner=args.runner,
+            dask_address=args.dask_address,
+            partitions=args.partitions,
+        )
+        _print_release(manifest, Path(spec.release.output_dir))
+        return 0
+    return publish_partitioned(
+        args.spec, args.approve, args.runner, args.dask_address, args.partitions
+    )
+
+
+def _print_partitioned_summary(
+    args: argparse.Namespace, out: dict[str, Any], manifest: Manifest | None
+) -> None:
+    """The run's lines: records and time, the input's scan, each stage's, the SE ratios and
+    the public files (or where the run stopped)."""
+    print(
+        f"{args.spec}: {out['records']} records in {out['partitions']} partition(s), "
+        f"{out['seconds']:.1f} s" + ("" if manifest else f"; written to {out['folder']}")
+    )
+    sc = out["scan"]
+    strata = ", ".join(f"{r.stratum} {r.records}" for r in sc["risk_strata"].itertuples())
+    print(
+        f"  input       : {int(sc['edits']['passed'].sum())} of {len(sc['edits'])} edit rules "
+        f"hold; risk strata {strata} (scan/)"
+    )
+    st = out["stages"]
+    for name, lines in _STAGE_SUMMARIES:
+        if name in st:
+            lines(st[name])
+    _print_se_ratios(st)
+    if "stopped_before" in st:
+        print(f"  stopped before {st['stopped_before']}: it has no partitioned path yet")
+    else:
+        _print_public_files(out, manifest)
+
+
+def _print_swap(sw: dict[str, Any]) -> None:
+    """The swap's line: segment pairs swapped."""
+    print(
+        f"  swap        : {sw['n_pairs']} segment pairs swapped ({sw['share_swapped']:.1%} "
+        f"of {sw['n_segments']} segments); pairs in internal/swap/pairs.csv (confidential)"
+    )
+
+
+def _print_prb(p: dict[str, Any]) -> None:
+    """PRB's line: records changed, the largest identification risk."""
+    print(
+        f"  prb         : {int(p['n_changed'])} of {int(p['n_units'])} singleton/doubleton "
+        f"records changed; max identification risk {p['max_risk']:.4f}"
+    )
+
+
+def _print_massc(m: dict[str, Any]) -> None:
+    """MASSC's lines: donors and rates, substitution and subsampling, the calibration, the
+    empirical epsilon when measured."""
+    strata = ", ".join(f"{h} {n}" for h, n in m["strata"].items())
+    print(
+        f"  massc       : {m['n_with_donor']} records have a donor ({m['n_profiles']} "
+        "search profiles); the substituted values in internal/massc/donors/ (confidential); "
+        f"risk strata {strata}; moments of eq. 8a in massc/moments.csv; psi "
+        + ", ".join(f"{h} {p:.4g}" for h, p in m["psi"].items())
+        + " (massc/rates.csv)"
+    )
+    print(
+        f"                {m['n_substituted']} records substituted, "
+        f"{m['n_subsampled_out']} sampled out; phi "
+        + ", ".join(f"{h} {p:.4g}" for h, p in m["phi"].items())
+        + f"; delta {m['delta']:.4f} after {m['n_delta_revisions']} revision(s)"
+    )
+    dropped = int(m.get("calibration_domains_dropped", 0))
+    print(
+        f"                calibrated: {m['calibration_factor_min']:.3f} to "
+        f"{m['calibration_factor_max']:.3f} x the weight / phi; "
+        f"{int(m.get('calibration_domains_kept', 0))} domain margin(s) kept, {dropped} "
+        f"dropped; weight total {m['weight_sum_ratio']:.6f} x the input's; the retained "
+        "records in massc/data/ (massc/calibration_domains.csv, weight_factors.csv)"
+    )
+    if "epsilon_empirical" in m:
+        print(
+            f"                epsilon {m['epsilon']:.4f}: formula (eq. 7) "
+            f"{m['epsilon_formula']:.4f}, empirical {m['epsilon_empirical']:.4f} over "
+            f"{int(m['n_replications'])} replications of the whole treatment "
+            "(massc/epsilon_replications.csv)"
+        )
+
+
+def _print_topcode(tc: dict[str, Any]) -> None:
+    """Top-coding's line: each column's threshold and the records coded."""
+    t = tc["tables"]["thresholds"]
+    print(
+        "  topcode     : "
+        + "; ".join(
+            f"{r.column} {r.side} at {r.threshold:,.6g} ({int(r.n_coded)} records)"
+            for r in t.itertuples()
+        )
+        + " (topcode/thresholds.csv)"
+    )
+
+
+def _print_assess(a: dict[str, Any]) -> None:
+    """The assessment's lines: its gates, then utility and risk of the published records."""
+    print(f"  assess gates: {int(a['gates_passed'])} of {int(a['gates'])} pass (assess/gates.csv)")
+    print(
+        f"  assess      : {int(a['n_estimates'])} domain estimates of the published "
+        f"records against the input's ({int(a['n_reliable'])} reliable): median CI "
+        f"overlap {a.get('overlap_median', float('nan')):.3f}, "
+        f"{a['share_abs_std_bias_gt2']:.1%} more than 2 SEs off, epsilon "
+        f"{a['epsilon_published']:.4f} (assess/domain_estimates.csv); "
+        f"{a.get('reid_share_worst', a['reid_share']):.2%} of the original sample "
+        "uniques re-identified (worst attack), "
+        f"{a['unique_share_published']:.2%} sample uniques published; smallest CI "
+        f"overlap of a model coefficient {a.get('model_overlap_min', float('nan')):.3f} "
+        f"; {a.get('psu_recoverable', 0.0):.1%} of the original PSUs recoverable from "
+        f"the replicate weights; delta {a['delta_published']:.4f}; pMSE ratio "
+        f"{a['pmse_ratio']:.3f}"
+    )
+
+
+# the stages with a summary of their own, in the order their lines are printed
+_STAGE_SUMMARIES: tuple[tuple[str, Callable[[dict[str, Any]], None]], ...] = (
+    ("swap", _print_swap),
+    ("prb", _print_prb),
+    ("massc", _print_massc),
+    ("topcode", _print_topcode),
+    ("assess", _print_assess),
+)
+
+
+def _print_se_ratios(st: dict[str, Any]) -> None:
+    """Per stage with an SE table, the SE ratios against the input (Taylor, then replicate)."""
+    for name, res in st.items():
+        se = res["tables"].get("se_ratios") if isinstance(res, dict) else None
+        for col, kind in (("ratio", "Taylor"), ("ratio_rep", "replicate")):
+            if se is not None and col in se.columns:
+                r = se[col].dropna()
+                print(
+                    f"  SE ratio    : after {name}, median {r.median():.3f} ({r.min():.3f}-"
+                    f"{r.max():.3f}) over {len(r)} estimates against the input ({kind})"
+                )
+
+
+def _print_public_files(out: dict[str, Any], manifest: Manifest | None) -> None:
+    """The public files' line: where they are, the gates, what was not measured."""
+    from flows.scan import REFUSED
+
+    left = out["stages"].get("not_measured", [])
+    pub = out["public_files"]
+    d = REFUSED if pub["gates_failed"] and manifest is None else "puf"
+    print(
+        f"  public files: {pub['records']} records, {pub['columns']} columns in "
+        f"{d}/puf.parquet and {d}/puf.csv, with {d}/codebook.csv and {d}/README.md "
+        f"({pub['seconds']:.1f} s); gates: "
+        f"{pub['gates_passed']} of {pub['gates']} pass (gates.csv"
+        + (f"; failed: {'; '.join(pub['gates_failed'])}" if pub["gates_failed"] else "")
+        + "); every stage that changes the records ran by partition"
+        + (f"; not measured: {', '.join(left)}" if left else "")
+    )
+
+
+def _partitioned_outcome(
+    args: argparse.Namespace, out: dict[str, Any], manifest: Manifest | None
+) -> int:
+    """The last line (the release published, the gates that refused it, or the command that
+    publishes it) and the exit code: 1 when a gate failed, else 0."""
+    from flows.scan import REFUSED
+    from sdl_design.spec import load_spec
+
+    st = out["stages"]
+    if manifest is not None:
+        from flows.publish import release_dir
+
+        spec = load_spec(args.spec)
+        print(
+            f"release {manifest.release.release_id}: {manifest.status} (approved by "
+            f"{manifest.approval.approver or 'nobody: not required'}) to "
+            f"{release_dir(spec)}/public"
+        )
+    elif "stopped_before" not in st and out["public_files"]["gates_failed"]:
+        print(
+            f"puf: release gates failed; nothing may be published (the files are in "
+            f"{out['folder']}/{REFUSED}): {'; '.join(out['public_files']['gates_failed'])}",
+            file=sys.stderr,
+        )
+        return 1
+    elif "stopped_before" not in st:
+        publish = _command(args, add=["--publish", "--approve", "NAME"], drop=["--out"])
+        print(f"  not published: `{publish}` publishes it")
+    return 0
 
 
 def cmd_scan(args: argparse.Namespace) -> int:
@@ -686,46 +748,46 @@ def _prefect_api_errors() -> tuple[type[BaseException], ...]:
     return (PrefectHTTPStatusError,)
 
 
-def main(argv: list[str] | None = None) -> int:
-    quiet_env()
-    p = argparse.ArgumentParser(
-        prog="puf", description="Build, gate and publish a public-use survey file."
+def _runner_opts(sp: argparse.ArgumentParser) -> None:
+    """--runner and --dask-address: where the tasks run."""
+    sp.add_argument("--runner", choices=["thread", "dask"], default="thread", help="task runner")
+    sp.add_argument("--dask-address", default=None, help="tcp://host:port of a Dask scheduler")
+
+
+def _partition_opts(sp: argparse.ArgumentParser, out_help: str) -> None:
+    """The spec, --partitions, --out (out_help) and the runner options of a partitioned
+    command."""
+    sp.add_argument("spec")
+    sp.add_argument(
+        "--partitions",
+        type=int,
+        default=None,
+        help="about this many (default: one per row group)",
     )
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sp.add_argument("--out", default=None, help=out_help)
+    _runner_opts(sp)
 
-    def runner_opts(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument(
-            "--runner", choices=["thread", "dask"], default="thread", help="task runner"
-        )
-        sp.add_argument("--dask-address", default=None, help="tcp://host:port of a Dask scheduler")
 
-    def partition_opts(sp: argparse.ArgumentParser, out_help: str) -> None:
-        sp.add_argument("spec")
-        sp.add_argument(
-            "--partitions",
-            type=int,
-            default=None,
-            help="about this many (default: one per row group)",
-        )
-        sp.add_argument("--out", default=None, help=out_help)
-        runner_opts(sp)
+def _registry_opts(sp: argparse.ArgumentParser) -> None:
+    """--registry and --spec: the registry a reading command reads (see _registry)."""
+    sp.add_argument(
+        "--registry",
+        default=None,
+        help="registry URL or SQLite path (default: PUF_REGISTRY_URL or releases/registry.db)",
+    )
+    sp.add_argument(
+        "--spec",
+        default=None,
+        help="read the registry of this spec's output folder (where its runs record)",
+    )
 
-    def _registry_opts(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument(
-            "--registry",
-            default=None,
-            help="registry URL or SQLite path (default: PUF_REGISTRY_URL or releases/registry.db)",
-        )
-        sp.add_argument(
-            "--spec",
-            default=None,
-            help="read the registry of this spec's output folder (where its runs record)",
-        )
 
+def _release_parsers(sub: argparse._SubParsersAction) -> None:
+    """demo, run and validate: the release in memory."""
     d = sub.add_parser("demo", help="generate the default survey and release it end to end")
     d.add_argument("--dir", default="releases", help="working folder (default: ./releases)")
     d.add_argument("--n-persons", type=int, default=None, help="size of the generated survey")
-    runner_opts(d)
+    _runner_opts(d)
     d.set_defaults(func=cmd_demo)
 
     r = sub.add_parser("run", help="run a release spec")
@@ -734,7 +796,7 @@ def main(argv: list[str] | None = None) -> int:
         "--approve", metavar="NAME", default=None, help="approve as NAME (scripted runs)"
     )
     r.add_argument("--year", type=int, default=None, help="override release.year")
-    runner_opts(r)
+    _runner_opts(r)
     r.set_defaults(func=cmd_run)
 
     v = sub.add_parser(
@@ -743,12 +805,15 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("spec")
     v.set_defaults(func=cmd_validate)
 
+
+def _partition_parsers(sub: argparse._SubParsersAction) -> None:
+    """scan and partitioned: the input a partition at a time."""
     sc = sub.add_parser(
         "scan",
         help="read the input a partition at a time (on Dask with --runner dask): edit rules, "
         "risk strata and the SEs of the study variables, nothing treated",
     )
-    partition_opts(sc, "folder for the tables (default: beside the release)")
+    _partition_opts(sc, "folder for the tables (default: beside the release)")
     sc.set_defaults(func=cmd_scan)
 
     pa = sub.add_parser(
@@ -757,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
         "partition at a time (on Dask with --runner dask): the records after each stage as "
         "Parquet files, then the public data files (puf/puf.parquet, puf/puf.csv; not published)",
     )
-    partition_opts(pa, "folder for each stage's records and tables (default: beside the release)")
+    _partition_opts(pa, "folder for each stage's records and tables (default: beside the release)")
     pa.add_argument(
         "--publish",
         action="store_true",
@@ -767,6 +832,9 @@ def main(argv: list[str] | None = None) -> int:
     pa.add_argument("--approve", metavar="NAME", default=None, help="approve as NAME")
     pa.set_defaults(func=cmd_partitioned)
 
+
+def _tune_parser(sub: argparse._SubParsersAction) -> None:
+    """tune: the search for the least damaging settings."""
     t = sub.add_parser(
         "tune",
         help="search the stages' settings for the least damaging one that meets every risk gate",
@@ -775,9 +843,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument(
         "--budget", type=int, default=24, help="candidate settings to run, the spec's own included"
     )
-    runner_opts(t)
+    _runner_opts(t)
     t.set_defaults(func=cmd_tune)
 
+
+def _registry_parsers(sub: argparse._SubParsersAction) -> None:
+    """releases, monitor and show: the commands that read the registry."""
     for name, fn, hlp in (
         ("releases", cmd_releases, "list the release registry"),
         ("monitor", cmd_monitor, "variance bias and risk across releases"),
@@ -800,10 +871,26 @@ def main(argv: list[str] | None = None) -> int:
     sh.add_argument("release_id")
     _registry_opts(sh)
     sh.set_defaults(func=cmd_show)
-    _approve_parser(sub)
 
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given, for a suggested command
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `puf` parser: every subcommand, in the order --help lists them (each sets func,
+    looked up when the parser is built)."""
+    p = argparse.ArgumentParser(
+        prog="puf", description="Build, gate and publish a public-use survey file."
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    _release_parsers(sub)
+    _partition_parsers(sub)
+    _tune_parser(sub)
+    _registry_parsers(sub)
+    _approve_parser(sub)
+    return p
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    """args.func's exit code; an interrupt, a failed Prefect API, a reader gone from the pipe
+    or an output that cannot be written said in one line with its code (130, 3, 141, 3)."""
     try:
         return args.func(args)
     except KeyboardInterrupt:
@@ -832,6 +919,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`puf`: parse argv (default sys.argv[1:]) and run the subcommand; its exit code."""
+    quiet_env()
+    args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given, for a suggested command
+    return _dispatch(args)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ method, and the strata MASSC subsampling could leave with a single PSU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,7 @@ import scipy.sparse as sp
 
 from sdl_design.edits import parse_condition
 from sdl_design.keys import coarsen
+from sdl_design.messages import short_list
 from sdl_design.spec import ReleaseSpec, SpecError, category_label
 
 # chance (at the worst-case rates phi_min) that subsampling leaves a stratum with < 2 PSUs,
@@ -113,11 +114,6 @@ def raise_problems(problems: list[str]) -> None:
     """Raise SpecError (exit 2 in the CLI) listing the problems, if any."""
     if problems:
         raise SpecError(problems)
-
-
-def _short(items: Sequence[Any], n: int = 8) -> str:
-    items = [str(x) for x in items]
-    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
 def _is_number(s: pd.Series) -> bool:
@@ -269,7 +265,7 @@ def _sensitive_labels(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
         if len(clash):
             vals = [repr(u) for u, d in zip(uniq, labels.duplicated(keep=False), strict=True) if d]
             out.append(
-                f"variables.sensitive[{i}].name: values {_short(vals)} of '{s.name}' are "
+                f"variables.sensitive[{i}].name: values {short_list(vals, 8)} of '{s.name}' are "
                 "different values with one category label; recode them to one spelling"
             )
     return out
@@ -297,7 +293,7 @@ class _Psus:
         self.starts = np.r_[0, np.cumsum(self.n_p)[:-1]]
 
     def strata(self, mask: np.ndarray) -> str:
-        return _short(list(self.h_labels[np.flatnonzero(mask)]))
+        return short_list(list(self.h_labels[np.flatnonzero(mask)]), 8)
 
 
 def _design_columns(spec: ReleaseSpec, df: pd.DataFrame) -> tuple[str, str] | None:
@@ -336,7 +332,7 @@ def _swap(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
         if len(spans):
             out.append(
                 f"design.segment: {len(spans)} segments of '{d.segment}' lie in more than one PSU "
-                f"(e.g. {_short(list(spans.index))}); segments must be nested in PSUs: give each "
+                f"(e.g. {short_list(list(spans.index), 8)}); segments must be nested in PSUs: give each "
                 f"segment a label unique across PSUs (e.g. '{psu}' and '{d.segment}' combined)"
             )
     if st.replicate_method in ("brr", "fay"):
@@ -346,7 +342,7 @@ def _swap(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
             out.append(
                 f"stages.swap.replicate_method: {st.replicate_method} needs exactly 2 PSUs per "
                 f"stratum; strata {p.strata(bad)} of '{strata}' have "
-                f"{_short(sorted(set(p.n_h[bad].tolist())))}: use jkn or bootstrap"
+                f"{short_list(sorted(set(p.n_h[bad].tolist())), 8)}: use jkn or bootstrap"
             )
     return out
 
@@ -379,11 +375,10 @@ def _replicates(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
     if not cols or design is None or w_col not in df.columns:
         return []
     strata, psu = design
-    field = "design.replicate_weights.method"
     not_num = [c for c in cols if not _is_number(df[c])]
     if not_num:
         return [
-            f"design.replicate_weights: columns {_short(not_num)} hold no numbers; replicate "
+            f"design.replicate_weights: columns {short_list(not_num, 8)} hold no numbers; replicate "
             "weights must be numeric"
         ]
     w = pd.to_numeric(df[w_col], errors="coerce").to_numpy(dtype=float)
@@ -395,10 +390,53 @@ def _replicates(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
         bad = p.n_h != 2
         if bad.any():
             return [
-                f"{field}: {method} needs exactly 2 PSUs per stratum; strata {p.strata(bad)} of "
-                f"'{strata}' have {_short(sorted(set(p.n_h[bad].tolist())))} PSUs: declare the "
+                f"{_METHOD}: {method} needs exactly 2 PSUs per stratum; strata {p.strata(bad)} of "
+                f"'{strata}' have {short_list(sorted(set(p.n_h[bad].tolist())), 8)} PSUs: declare the "
                 "method the weights were made with (jkn for a delete-one jackknife), or pair the PSUs"
             ]
+    f = _factors(df, cols, w, p)
+    out = []
+    if f.partial.any():
+        out.append(
+            f"design.replicate_weights: replicates {short_list(np.array(cols)[f.partial], 8)} give weight "
+            "0 to some but not all records of a PSU; a replicate keeps or drops whole PSUs: check "
+            f"design.psu ('{psu}') is the PSU the replicates were made with"
+        )
+    if method in ("jkn", "jk1"):
+        out += _jackknife_problems(method, cols, p, f)
+    elif method == "brr":
+        out += _brr_problems(cols, p, f)
+    elif method == "fay" and f.const.all():
+        out += _fay_problems(float(rs.rho or 0.0), cols, f)
+    elif method == "bootstrap":
+        out += _bootstrap_problems(cols, p, f)
+    return out
+
+
+_METHOD = "design.replicate_weights.method"  # the field a wrong method is reported on
+_LOOKS_JKN = " (they look like JKn: set method: jkn)"
+
+
+@dataclass(frozen=True, eq=False)
+class _Factors:
+    """The replicate factors W/w per PSU and what they say of the design: F (the smallest
+    factor in each PSU, G x R), const (factor constant within every PSU, R), deleted (every
+    record of the PSU at weight 0, G x R), partial (some but not all records of a PSU at 0,
+    R), n_del (PSUs deleted, R), d_psu (the first PSU deleted, R), expect (the JKn factors
+    given d_psu, G x R) and jkn_like (every replicate follows the JKn pattern)."""
+
+    F: np.ndarray
+    const: np.ndarray
+    deleted: np.ndarray
+    partial: np.ndarray
+    n_del: np.ndarray
+    d_psu: np.ndarray
+    expect: np.ndarray
+    jkn_like: bool
+
+
+def _factors(df: pd.DataFrame, cols: list[str], w: np.ndarray, p: _Psus) -> _Factors:
+    """The factors of the replicate columns cols against the full-sample weight w."""
     zc, F, const = _factor_blocks(df, cols, w, p)
     R = len(cols)
     deleted = zc == p.n_p[:, None]  # every record of the PSU at weight 0
@@ -413,84 +451,95 @@ def _replicates(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
     expect[d_psu, np.arange(R)] = 0.0
     if const.all() and (n_del == 1).all():
         jkn_like = bool(np.allclose(F, expect, rtol=_TOL, atol=_TOL))
+    return _Factors(F, const, deleted, partial, n_del, d_psu, expect, jkn_like)
+
+
+def _jackknife_problems(method: str, cols: list[str], p: _Psus, f: _Factors) -> list[str]:
+    """jkn or jk1: one PSU deleted per replicate, each PSU once, the others scaled by
+    n_h/(n_h-1) (jkn) or G/(G-1) (jk1)."""
+    bad = f.n_del != 1
+    if bad.any():
+        return [
+            f"{_METHOD}: {method} replicates delete exactly one PSU each, but replicates "
+            f"{short_list(np.array(cols)[bad], 8)} delete {short_list(sorted(set(f.n_del[bad].tolist())), 8)} "
+            "PSUs; declare the method the weights were made with"
+        ]
     out = []
-    if partial.any():
+    twice = np.bincount(f.d_psu, minlength=p.G) > 1
+    if twice.any():
         out.append(
-            f"design.replicate_weights: replicates {_short(np.array(cols)[partial])} give weight "
-            "0 to some but not all records of a PSU; a replicate keeps or drops whole PSUs: check "
-            f"design.psu ('{psu}') is the PSU the replicates were made with"
+            f"{_METHOD}: {method}: {int(twice.sum())} PSUs are deleted by more than one "
+            "replicate; each PSU is deleted once: check the replicate columns"
         )
-    if method in ("jkn", "jk1"):
-        bad = n_del != 1
-        if bad.any():
-            out.append(
-                f"{field}: {method} replicates delete exactly one PSU each, but replicates "
-                f"{_short(np.array(cols)[bad])} delete {_short(sorted(set(n_del[bad].tolist())))} "
-                "PSUs; declare the method the weights were made with"
-            )
-        else:
-            twice = np.bincount(d_psu, minlength=p.G) > 1
-            if twice.any():
-                out.append(
-                    f"{field}: {method}: {int(twice.sum())} PSUs are deleted by more than one "
-                    "replicate; each PSU is deleted once: check the replicate columns"
-                )
-            if const.all():
-                if method == "jk1":
-                    expect = np.full((p.G, R), p.G / (p.G - 1.0))
-                    expect[d_psu, np.arange(R)] = 0.0
-                ok = np.isclose(F, expect, rtol=_TOL, atol=_TOL).all(axis=0)
-                if not ok.all():
-                    scale = "n_h/(n_h-1)" if method == "jkn" else "G/(G-1)"
-                    hint = " (they look like JKn: set method: jkn)" if jkn_like else ""
-                    out.append(
-                        f"{field}: {method} replicates scale the other PSUs by {scale}, but "
-                        f"replicates {_short(np.array(cols)[~ok])} do not{hint}; declare the "
-                        "method the weights were made with"
-                    )
-    elif method == "brr":
-        per = np.asarray(sp.csr_matrix((np.ones(p.G), (p.psu_h, np.arange(p.G)))) @ deleted)
-        bad = (per != 1).any(axis=0)
-        if bad.any():
-            out.append(
-                f"{field}: brr replicates drop one of the 2 PSUs of every stratum, but replicates "
-                f"{_short(np.array(cols)[bad])} do not"
-                + (" (they look like JKn: set method: jkn)" if jkn_like else "")
-            )
-    elif method == "fay" and const.all():
-        rho = float(rs.rho or 0.0)
-        ok = (np.isclose(F, rho, atol=_TOL) | np.isclose(F, 2.0 - rho, atol=_TOL)).all(axis=0)
+    if f.const.all():
+        expect = f.expect
+        if method == "jk1":
+            expect = np.full((p.G, len(cols)), p.G / (p.G - 1.0))
+            expect[f.d_psu, np.arange(len(cols))] = 0.0
+        ok = np.isclose(f.F, expect, rtol=_TOL, atol=_TOL).all(axis=0)
         if not ok.all():
+            scale = "n_h/(n_h-1)" if method == "jkn" else "G/(G-1)"
+            hint = _LOOKS_JKN if f.jkn_like else ""
             out.append(
-                f"{field}: fay replicates with rho {rho:g} scale PSUs by {rho:g} or {2 - rho:g}, "
-                f"but replicates {_short(np.array(cols)[~ok])} do not; check rho and the method"
-                + (" (they look like JKn: set method: jkn)" if jkn_like else "")
+                f"{_METHOD}: {method} replicates scale the other PSUs by {scale}, but "
+                f"replicates {short_list(np.array(cols)[~ok], 8)} do not{hint}; declare the "
+                "method the weights were made with"
             )
-    elif method == "bootstrap":
-        if jkn_like:
-            out.append(
-                f"{field}: declared bootstrap, but the replicate weights are JKn (each replicate "
-                "deletes one PSU and scales the rest of its stratum by n_h/(n_h-1)); their "
-                "variances would be wrong by far: set method: jkn"
-            )
-        elif const.all():
-            nh = p.n_h[p.psu_h].astype(float)[:, None]
-            S = sp.csr_matrix((np.ones(p.G), (p.psu_h, np.arange(p.G))), shape=(p.H, p.G))
-            ok = np.zeros(R, dtype=bool)
-            for less in (1.0, 0.0):  # Rao-Wu: m_h = n_h - 1 draws; or m_h = n_h draws
-                counts = F * (nh - less) / nh
-                integer = np.isclose(counts, np.round(counts), atol=1e-6).all(axis=0)
-                drawn = np.asarray(S @ np.round(counts))  # H x R
-                m_h = (p.n_h - less)[:, None]
-                ok |= integer & np.isclose(drawn, m_h).all(axis=0)
-            if not ok.all():
-                out.append(
-                    f"{field}: bootstrap replicate factors are multiplicities (integer counts of "
-                    "draws times n_h/(n_h-1)), but replicates "
-                    f"{_short(np.array(cols)[~ok])} are not; declare the method the weights "
-                    "were made with"
-                )
     return out
+
+
+def _brr_problems(cols: list[str], p: _Psus, f: _Factors) -> list[str]:
+    """brr: every replicate drops one of the 2 PSUs of every stratum."""
+    per = np.asarray(sp.csr_matrix((np.ones(p.G), (p.psu_h, np.arange(p.G)))) @ f.deleted)
+    bad = (per != 1).any(axis=0)
+    if not bad.any():
+        return []
+    return [
+        f"{_METHOD}: brr replicates drop one of the 2 PSUs of every stratum, but replicates "
+        f"{short_list(np.array(cols)[bad], 8)} do not" + (_LOOKS_JKN if f.jkn_like else "")
+    ]
+
+
+def _fay_problems(rho: float, cols: list[str], f: _Factors) -> list[str]:
+    """fay (factors constant within PSUs): every factor is rho or 2 - rho."""
+    ok = (np.isclose(f.F, rho, atol=_TOL) | np.isclose(f.F, 2.0 - rho, atol=_TOL)).all(axis=0)
+    if ok.all():
+        return []
+    return [
+        f"{_METHOD}: fay replicates with rho {rho:g} scale PSUs by {rho:g} or {2 - rho:g}, "
+        f"but replicates {short_list(np.array(cols)[~ok], 8)} do not; check rho and the method"
+        + (_LOOKS_JKN if f.jkn_like else "")
+    ]
+
+
+def _bootstrap_problems(cols: list[str], p: _Psus, f: _Factors) -> list[str]:
+    """bootstrap: not JKn, and (factors constant within PSUs) multiplicities of a Rao-Wu
+    bootstrap drawing n_h - 1 or n_h PSUs per stratum."""
+    if f.jkn_like:
+        return [
+            f"{_METHOD}: declared bootstrap, but the replicate weights are JKn (each replicate "
+            "deletes one PSU and scales the rest of its stratum by n_h/(n_h-1)); their "
+            "variances would be wrong by far: set method: jkn"
+        ]
+    if not f.const.all():
+        return []
+    nh = p.n_h[p.psu_h].astype(float)[:, None]
+    S = sp.csr_matrix((np.ones(p.G), (p.psu_h, np.arange(p.G))), shape=(p.H, p.G))
+    ok = np.zeros(len(cols), dtype=bool)
+    for less in (1.0, 0.0):  # Rao-Wu: m_h = n_h - 1 draws; or m_h = n_h draws
+        counts = f.F * (nh - less) / nh
+        integer = np.isclose(counts, np.round(counts), atol=1e-6).all(axis=0)
+        drawn = np.asarray(S @ np.round(counts))  # H x R
+        m_h = (p.n_h - less)[:, None]
+        ok |= integer & np.isclose(drawn, m_h).all(axis=0)
+    if ok.all():
+        return []
+    return [
+        f"{_METHOD}: bootstrap replicate factors are multiplicities (integer counts of "
+        "draws times n_h/(n_h-1)), but replicates "
+        f"{short_list(np.array(cols)[~ok], 8)} are not; declare the method the weights "
+        "were made with"
+    ]
 
 
 # ---------------------------------------------------------------- MASSC subsampling
