@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -38,7 +38,7 @@ from sdl_design import partition_pseudo as pps
 from sdl_design import partition_topcode as ptc
 from sdl_design.assess import column_record, published_attacks
 from sdl_design.massc.stage import delta_gates, massc_config, massc_params
-from sdl_design.massc.treatment import cost_from, revise_rates
+from sdl_design.massc.treatment import MasscConfig, cost_from, revise_rates
 from sdl_design.partition import combine_profiles, profile_scores
 from sdl_design.prb import identification_risk_gate
 from sdl_design.rng import release_seed, stage_rng
@@ -520,104 +520,204 @@ def _massc_stage(
     req = part.massc_request(spec, columns)
     laps: dict[str, float] = {}
     t = time.perf_counter()
+    search, files, rng, t = _massc_donors(spec, req, parts, run_map, folder, laps, t)
+    m, zvars, scores, sums, t = _massc_moments(spec, req, parts, run_map, folder, chain, laps, t)
+    psi, cost = part.massc_psi(spec, columns, sums)
+    t = _lap(laps, "psi", t)
+    _say("substitution rates psi " + _by_stratum(m.labels, psi.rates), "partitioned")
+    # Steps II-III: substitution at psi (select), phi from the moments of z*, subsampling;
+    # while delta is above gates.delta_max, meet_delta's revisions (revise_rates)
+    cfg = massc_config(spec, pd.DataFrame(columns=list(columns)))
+    groups = part.select_groups(run_map(part.select_pass1, parts, m, what="groups"))
+    chosen = (str(folder / "select_psi"), str(folder / "select_phi"))
+    chain.selected = chosen[1]
+    donors = str(_confidential(folder, "donors"))
+    run = _MasscPasses(spec, req, parts, run_map, m, zvars, scores, donors, chosen, groups, rng)
+    done = run.treatment(part.RatesPlan(sums.moments, psi, cost), cfg, sums)
+    il, epsilon = part.massc_loss(done.tr, done.plan, sums)
+    t = _lap(laps, "treatment", t)
+    # Step IV: the retained records' weight and replicate weights calibrated to the
+    # original's totals (calibrate_treated's, bit for bit), written to data/
+    creq = pcal.calibration_request(spec, columns)
+    treated = pcal.Treated(donors, chosen, np.asarray(done.tr.phi.rates, dtype=float))
+    cal, cal_tables, cal_metrics = run.calibration(creq, treated, folder)
+    t = _lap(laps, "calibration", t)
+    n_reps = int(spec.stages.massc.replications)
+    if n_reps:
+        eps_rep, rep_table = _massc_replications(run, creq, treated, done, sums, folder)
+        cal_tables["epsilon_replications"] = rep_table
+        cal_metrics["epsilon_empirical"] = eps_rep
+        cal_metrics["n_replications"] = float(n_reps)
+    _lap(laps, "replications", t)
+    _say_massc_treatment(run, done, epsilon, cal, cal_metrics)
+    return {
+        **_massc_counts(run, search, sums, done, epsilon, cal_metrics),
+        "files": [Path(f).name for f in files],
+        **laps,
+        **cal_metrics,
+        "tables": {
+            **part.massc_tables(search, sums, done.plan, done.tr, done.dm, il),
+            **cal_tables,
+        },
+    }
+
+
+def _by_stratum(labels: list[str], rates: Any) -> str:
+    """A stratum's rate after its label, for the progress lines ("U 0.05, D 0.1")."""
+    return ", ".join(f"{h} {p:.4g}" for h, p in zip(labels, rates, strict=True))
+
+
+def _massc_donors(
+    spec: ReleaseSpec,
+    req: part.MasscRequest,
+    parts: list,
+    run_map: Exchange,
+    folder: Path,
+    laps: dict[str, float],
+    t: float,
+) -> tuple[part.DonorPlan, list, np.random.Generator, float]:
+    """Step I, the donor search: the partitions' search profiles (pass 1), the driver's
+    search of donor profiles with the MASSC stage's Generator, and the exchange in which each
+    record draws its donor record from the partition that holds it; the substituted file
+    goes to donors/ (confidential). The plan, the files written, the Generator (to be drawn
+    on by the selections) and the lap's end."""
     tables = run_map(part.donor_pass1, parts, spec, req, what="massc donors pass 1")
     t = _lap(laps, "pass1", t)
     rng = _stage_rng(spec, "massc")
-    plan = part.donor_plan(tables, req, rng)
+    search = part.donor_plan(tables, req, rng)
     t = _lap(laps, "search", t)
-    n_has = int(plan.size[plan.donor_p >= 0].sum())
-    _say(f"{n_has} records have a donor ({plan.n_profiles} search profiles)", "partitioned")
+    n_has = _with_donor(search)
+    _say(f"{n_has} records have a donor ({search.n_profiles} search profiles)", "partitioned")
     donors = _confidential(folder, "donors")
     donors.mkdir(parents=True)
     receive = partial(part.donor_receive, folder=str(donors))
     files = run_map.exchange(
-        part.donor_send, part.donor_serve, receive, parts, spec, req, plan, what="massc donors"
+        part.donor_send, part.donor_serve, receive, parts, spec, req, search, what="massc donors"
     )
     t = _lap(laps, "exchange", t)
+    return search, files, rng, t
+
+
+def _massc_moments(
+    spec: ReleaseSpec,
+    req: part.MasscRequest,
+    parts: list,
+    run_map: Exchange,
+    folder: Path,
+    chain: Chain,
+    laps: dict[str, float],
+    t: float,
+) -> tuple[part.MasscInputs, Any, np.ndarray, part.PlanSums, float]:
+    """The risk strata (the scan's profile counts), the study variables z and the sensitive
+    risk scores; the moments of eq. 8a, the original's totals and Taylor variances and the
+    costs' sums by partition, combined in block sums. The records' inputs, z, the scores,
+    the plan's sums and the lap's end."""
     profiles = chain.scan["profiles"]
     labels = part.massc_strata_labels(profiles, req)
     zvars = part.massc_study_variables(profiles, req)
     scores = part.profile_scores(profiles, req.sensitive) if req.sensitive else np.zeros(0)
     m = part.MasscInputs(spec, req, chain.inputs, profiles, labels)
+    donors = str(_confidential(folder, "donors"))
     partials = run_map(
-        part.moments_pass, parts, m, chain.psus, zvars, scores, str(donors),
-        what="massc moments",
-    )  # fmt: skip
+        part.moments_pass, parts, m, chain.psus, zvars, scores, donors, what="massc moments"
+    )
     sums = part.combine_moments(partials, zvars, labels, chain.psus, parts[-1].stop)
     t = _lap(laps, "moments", t)
-    psi, cost = part.massc_psi(spec, columns, sums)
-    mom = sums.moments
-    t = _lap(laps, "psi", t)
-    _say(
-        "substitution rates psi "
-        + ", ".join(f"{h} {p:.4g}" for h, p in zip(labels, psi.rates, strict=True)),
-        "partitioned",
-    )
-    # Steps II-III: substitution at psi (select), phi from the moments of z*, subsampling;
-    # while delta is above gates.delta_max, meet_delta's revisions (revise_rates)
-    cfg = massc_config(spec, pd.DataFrame(columns=list(columns)))
-    n_rows, n_parts = parts[-1].stop, len(parts)
-    groups = part.select_groups(run_map(part.select_pass1, parts, m, what="groups"))
-    donors = str(_confidential(folder, "donors"))
-    chosen = (str(folder / "select_psi"), str(folder / "select_phi"))
-    chain.selected = chosen[1]
+    return m, zvars, scores, sums, t
 
-    def selections(plans: list, folders: list[str], what: str) -> list[int]:
+
+@dataclass
+class _MasscPasses:
+    """MASSC's passes after the moments, on the substituted file (donors/) and the original:
+    the selections at psi and phi with the stage's Generator (d(1), d(2) in chosen), the
+    moments of z*, delta and the calibrations of Step IV (of the release's treatment or a
+    batch of replications in the same passes)."""
+
+    spec: ReleaseSpec
+    req: part.MasscRequest
+    parts: list
+    run_map: Exchange
+    m: part.MasscInputs
+    zvars: Any  # the study variables z (part.massc_study_variables)
+    scores: np.ndarray  # the input's key profiles' risk scores (sensitive variables)
+    donors: str  # the substituted file tilde
+    chosen: tuple[str, str]  # the selections' folders: at psi (d(1)), at phi (d(2))
+    groups: pd.DataFrame  # the selection groups (part.select_groups)
+    rng: np.random.Generator  # the MASSC stage's, past the donor search
+
+    @property
+    def n_rows(self) -> int:
+        """The records of the input (and of the substituted file)."""
+        return self.parts[-1].stop
+
+    def select_plan(self, rates: np.ndarray, rng: np.random.Generator) -> part.SelectPlan:
+        """The selection of the groups at rates by stratum, drawn from rng."""
+        return part.select_plan(self.groups, rates, rng, self.n_rows, len(self.parts))
+
+    def selections(self, plans: list, folders: list[str], what: str) -> list[int]:
         """Several selections in one exchange: the records each keeps."""
         for where in folders:
             Path(where).mkdir(parents=True, exist_ok=True)
         sels = part.Selections(plans, folders)
-        got = run_map.exchange(
-            part.select_send, part.select_serve, part.select_receive, parts, m, sels, what=what
-        )
+        got = self.run_map.exchange(
+            part.select_send, part.select_serve, part.select_receive, self.parts, self.m, sels,
+            what=what,
+        )  # fmt: skip
         return [sum(c[r] for c in got) for r in range(len(plans))]
 
-    def select(rates, where: str) -> int:
-        sel_plan = part.select_plan(groups, rates, rng, n_rows, n_parts)
-        return selections([sel_plan], [where], f"massc selection ({Path(where).name})")[0]
+    def select(self, rates: np.ndarray, where: str) -> int:
+        """One selection at rates with the stage's Generator: the records it keeps."""
+        plan = self.select_plan(rates, self.rng)
+        return self.selections([plan], [where], f"massc selection ({Path(where).name})")[0]
 
-    def treat(p: part.RatesPlan, c) -> part.PartitionedTreatment:
-        select(p.psi.rates, chosen[0])
-        treated = run_map(
-            part.treated_pass, parts, m, zvars, donors, chosen[0], what="massc moments of z*"
-        )
-        phi, mom_t, n_sub = part.massc_phi(c, treated, zvars, p.moments, p.cost, n_rows)
-        return part.PartitionedTreatment(phi, n_sub, select(phi.rates, chosen[1]), mom_t)
+    def treat(self, p: part.RatesPlan, c: MasscConfig) -> part.PartitionedTreatment:
+        """Substitution at psi, phi (eq. 10) from the moments of z*, subsampling at phi."""
+        self.select(p.psi.rates, self.chosen[0])
+        treated = self.run_map(
+            part.treated_pass, self.parts, self.m, self.zvars, self.donors, self.chosen[0],
+            what="massc moments of z*",
+        )  # fmt: skip
+        phi, mom_t, n_sub = part.massc_phi(c, treated, self.zvars, p.moments, p.cost, self.n_rows)
+        return part.PartitionedTreatment(phi, n_sub, self.select(phi.rates, self.chosen[1]), mom_t)
 
-    def measure(tr: part.PartitionedTreatment) -> part.PartitionedDelta:
-        b2 = part.combine_profiles(
-            run_map(part.delta_pass1, parts, spec, req, donors, chosen, what="massc B(2) profiles")
+    def measure(self, tr: part.PartitionedTreatment, risk_basis: str) -> part.PartitionedDelta:
+        """delta (eq. 3) of the treated file (tr's selections in chosen): its B(2) key
+        profiles, then the records' risk on risk_basis."""
+        req, parts, donors, chosen = self.req, self.parts, self.donors, self.chosen
+        found = self.run_map(
+            part.delta_pass1, parts, self.spec, req, donors, chosen, what="massc B(2) profiles"
         )
+        b2 = part.combine_profiles(found)
         s2 = part.profile_scores(b2, req.sensitive) if req.sensitive else np.zeros(0)
-        got = run_map(
-            part.delta_pass2, parts, m, scores, b2, s2, cfg.risk_basis, donors, chosen,
+        got = self.run_map(
+            part.delta_pass2, parts, self.m, self.scores, b2, s2, risk_basis, donors, chosen,
             what="massc delta",
         )  # fmt: skip
-        return part.combine_delta(got, n_rows)
+        return part.combine_delta(got, self.n_rows)
 
-    rplan = part.RatesPlan(mom, psi, cost)
-    tr = treat(rplan, cfg)
-    dm = measure(tr)
-    revisions = []
-    if spec.gates.delta_max is not None:
-        cfg, rplan, tr, dm, revisions = revise_rates(
-            rplan, tr, cfg, dm, spec.gates.delta_max, treat, measure,
-            lambda c: cost_from(sums.cost_sums, mom.N, c)[0],
+    def treatment(self, rplan: part.RatesPlan, cfg: MasscConfig, sums: part.PlanSums) -> _Treatment:
+        """Steps II-III at psi, then meet_delta's revisions (revise_rates) while delta is
+        above gates.delta_max."""
+        measure = partial(self.measure, risk_basis=cfg.risk_basis)
+        tr = self.treat(rplan, cfg)
+        dm = measure(tr)
+        if self.spec.gates.delta_max is None:
+            return _Treatment(cfg, rplan, tr, dm, [])
+        return _Treatment(
+            *revise_rates(
+                rplan, tr, cfg, dm, self.spec.gates.delta_max, self.treat, measure,
+                lambda c: cost_from(sums.cost_sums, sums.moments.N, c)[0],
+            )
         )  # fmt: skip
-    psi, phi = rplan.psi, tr.phi
-    n_sub, n_kept = tr.n_substituted, tr.n_retained
-    il, epsilon = part.massc_loss(tr, rplan, sums)
-    t = _lap(laps, "treatment", t)
-    # Step IV: the retained records' weight and replicate weights calibrated to the
-    # original's totals (calibrate_treated's, bit for bit), written to data/
-    creq = pcal.calibration_request(spec, columns)
-    treated = pcal.Treated(donors, chosen, np.asarray(phi.rates, dtype=float))
 
-    def calibrations(creq: pcal.CalibrationRequest, trs: list, what: str) -> list[tuple]:
+    def calibrations(
+        self, creq: pcal.CalibrationRequest, trs: list[pcal.Treated], what: str
+    ) -> list[tuple]:
         """Step IV of several treatments in the same passes: (plan, factors) of each."""
-        got = run_map(pcal.retained_count, parts, trs, what=f"{what}: retained records")
+        parts, m, n_rows = self.parts, self.m, self.n_rows
+        got = self.run_map(pcal.retained_count, parts, trs, what=f"{what}: retained records")
         offsets = [pcal.retained_offsets(parts, [c[r] for c in got]) for r in range(len(trs))]
-        first = run_map(
+        first = self.run_map(
             pcal.calibration_pass1, parts, m, creq, trs, offsets, what=f"{what}: pass 1"
         )
         plans = [
@@ -627,114 +727,183 @@ def _massc_stage(
         todo = [r for r, p in enumerate(plans) if creq.controls or p.margins]
         if not todo:
             return [(p, None) for p in plans]
-        second = run_map(
+        second = self.run_map(
             pcal.calibration_pass2, parts, m, creq, [trs[r] for r in todo],
             [plans[r] for r in todo], [list(plans[r].margins) for r in todo],
             what=f"{what}: pass 2",
         )  # fmt: skip
         out = [(p, None) for p in plans]
         for k, r in enumerate(todo):
-
-            def again(kept: list[str], r: int = r) -> list:  # after a domain is dropped
-                got = run_map(
-                    pcal.calibration_pass2, parts, m, creq, [trs[r]], [plans[r]], [kept],
-                    what=f"{what}: pass 2 again",
-                )  # fmt: skip
-                return [g[0] for g in got]
-
+            again = partial(self._pass2_again, creq, trs[r], plans[r], what)
             first_sums = [s[k] for s in second]
             cal = pcal.calibrate_by_partition(plans[r], creq, again, n_rows, first_sums)
             out[r] = (plans[r], cal)
         return out
 
-    ((cplan, cal),) = calibrations(creq, [treated], "massc calibration")
-    applied = run_map(
-        pcal.calibration_apply, parts, m, creq, treated, cplan, cal, str(folder / "data"),
-        what="massc calibration",
+    def _pass2_again(
+        self,
+        creq: pcal.CalibrationRequest,
+        tr: pcal.Treated,
+        plan: pcal.CalibrationPlan,
+        what: str,
+        kept: list[str],
+    ) -> list:
+        """One treatment's calibration pass 2 again, after a domain is dropped."""
+        got = self.run_map(
+            pcal.calibration_pass2, self.parts, self.m, creq, [tr], [plan], [kept],
+            what=f"{what}: pass 2 again",
+        )  # fmt: skip
+        return [g[0] for g in got]
+
+    def calibration(
+        self, creq: pcal.CalibrationRequest, treated: pcal.Treated, folder: Path
+    ) -> tuple[pcal.CalibrationFactors | None, dict[str, pd.DataFrame], dict[str, float]]:
+        """Step IV of the release's treatment: the retained records' weight and replicate
+        weights calibrated, written to data/; the factors, the tables and the metrics."""
+        ((cplan, cal),) = self.calibrations(creq, [treated], "massc calibration")
+        applied = self.run_map(
+            pcal.calibration_apply, self.parts, self.m, creq, treated, cplan, cal,
+            str(folder / "data"), what="massc calibration",
+        )  # fmt: skip
+        cal_tables, cal_metrics = pcal.calibration_summary(cplan, creq, cal, applied)
+        return cal, cal_tables, cal_metrics
+
+
+class _Treatment(NamedTuple):
+    """MASSC's treatment after meet_delta's revisions (revise_rates' result): the config, the
+    rates plan (its psi, eq. 9), the treatment (phi, eq. 10; d(1), d(2)), its delta (eq. 3)
+    and the revisions."""
+
+    cfg: MasscConfig
+    plan: part.RatesPlan
+    tr: part.PartitionedTreatment
+    dm: part.PartitionedDelta
+    revisions: list
+
+
+def _massc_replications(
+    run: _MasscPasses,
+    creq: pcal.CalibrationRequest,
+    treated: pcal.Treated,
+    done: _Treatment,
+    sums: part.PlanSums,
+    folder: Path,
+) -> tuple[float, pd.DataFrame]:
+    """The replications of the whole treatment (massc_replications), a batch in the same
+    passes: each draws its two selections from its own Generator (one exchange for the
+    batch) and calibrates the weight only, to the controls and the declared domains the
+    release's weight alone keeps; the empirical epsilon and its table from their study
+    totals."""
+    n_reps = int(run.spec.stages.massc.replications)
+    wreq = pcal.weight_only(creq)
+    if wreq.domains:
+        ((wplan, wcal),) = run.calibrations(wreq, [treated], "massc replications' domains")
+        wreq = pcal.replication_request(wreq, wplan.table if wcal is None else wcal.table)
+    estimates = []
+    batch = pcal.REPLICATIONS_AT_ONCE  # the memory of their exchanges and block sums
+    for lo in range(0, n_reps, batch):
+        reps = range(lo, min(lo + batch, n_reps))
+        estimates += _replication_batch(run, wreq, treated, done, reps, folder)
+    shutil.rmtree(folder / "replications")  # their selections: original-to-masked maps
+    return pcal.replication_epsilon(estimates, sums.truth, run.zvars)
+
+
+def _replication_batch(
+    run: _MasscPasses,
+    wreq: pcal.CalibrationRequest,
+    treated: pcal.Treated,
+    done: _Treatment,
+    reps: range,
+    folder: Path,
+) -> list[np.ndarray]:
+    """A batch of replications in the same passes: their selections at psi and phi (one
+    exchange), the weight's calibration and each one's study totals."""
+    n_reps = int(run.spec.stages.massc.replications)
+    plans, folders, rtrs = [], [], []
+    for r in reps:
+        gen = pcal.replication_generator(run.spec, r)
+        where = folder / "replications" / f"r{r:03d}"
+        rchosen = (str(where / "select_psi"), str(where / "select_phi"))
+        plans += [
+            run.select_plan(done.plan.psi.rates, gen),
+            run.select_plan(done.tr.phi.rates, gen),
+        ]
+        folders += list(rchosen)
+        rtrs.append(pcal.Treated(run.donors, rchosen, treated.phi))
+    what = f"massc replications {reps[0] + 1}-{reps[-1] + 1} of {n_reps}"
+    run.selections(plans, folders, f"{what}: selections")
+    cals = run.calibrations(wreq, rtrs, what)
+    got = run.run_map(
+        pcal.replication_totals, run.parts, run.m, wreq, rtrs, [c[0] for c in cals],
+        [c[1] for c in cals], run.zvars, what=f"{what}: totals",
     )  # fmt: skip
-    cal_tables, cal_metrics = pcal.calibration_summary(cplan, creq, cal, applied)
-    t = _lap(laps, "calibration", t)
-    # the replications of the whole treatment (massc_replications), a batch in the same
-    # passes: each draws its two selections from its own Generator (one exchange for the
-    # batch) and calibrates the weight only, to the controls and the declared domains the
-    # release's weight alone keeps; epsilon from their study totals
-    n_reps = int(spec.stages.massc.replications)
-    if n_reps:
-        wreq = pcal.weight_only(creq)
-        if wreq.domains:
-            ((wplan, wcal),) = calibrations(wreq, [treated], "massc replications' domains")
-            wreq = pcal.replication_request(wreq, wplan.table if wcal is None else wcal.table)
-        estimates = []
-        batch = pcal.REPLICATIONS_AT_ONCE  # the memory of their exchanges and block sums
-        for lo in range(0, n_reps, batch):
-            reps = range(lo, min(lo + batch, n_reps))
-            plans, folders, rtrs = [], [], []
-            for r in reps:
-                gen = pcal.replication_generator(spec, r)
-                where = folder / "replications" / f"r{r:03d}"
-                rchosen = (str(where / "select_psi"), str(where / "select_phi"))
-                plans += [
-                    part.select_plan(groups, psi.rates, gen, n_rows, n_parts),
-                    part.select_plan(groups, phi.rates, gen, n_rows, n_parts),
-                ]
-                folders += list(rchosen)
-                rtrs.append(pcal.Treated(donors, rchosen, treated.phi))
-            what = f"massc replications {reps[0] + 1}-{reps[-1] + 1} of {n_reps}"
-            selections(plans, folders, f"{what}: selections")
-            done = calibrations(wreq, rtrs, what)
-            got = run_map(
-                pcal.replication_totals, parts, m, wreq, rtrs, [d[0] for d in done],
-                [d[1] for d in done], zvars, what=f"{what}: totals",
-            )  # fmt: skip
-            estimates += [
-                pcal.combine_replication_totals([g[k] for g in got], zvars, done[k][0].n2)
-                for k in range(len(rtrs))
-            ]
-            del got, done
-        shutil.rmtree(folder / "replications")  # their selections: original-to-masked maps
-        eps_rep, rep_table = pcal.replication_epsilon(estimates, sums.truth, zvars)
-        cal_tables["epsilon_replications"] = rep_table
-        cal_metrics["epsilon_empirical"] = eps_rep
-        cal_metrics["n_replications"] = float(n_reps)
-    _lap(laps, "replications", t)
+    return [
+        pcal.combine_replication_totals([g[k] for g in got], run.zvars, cals[k][0].n2)
+        for k in range(len(rtrs))
+    ]
+
+
+def _say_massc_treatment(
+    run: _MasscPasses,
+    done: _Treatment,
+    epsilon: float,
+    cal: pcal.CalibrationFactors | None,
+    cal_metrics: dict[str, float],
+) -> None:
+    """The progress lines of Step IV and of the treatment."""
     _say(
         f"calibrated to the controls and {len(cal.kept) if cal else 0} domain margin(s): "
         f"weight factors {cal_metrics['calibration_factor_min']:.3f} to "
         f"{cal_metrics['calibration_factor_max']:.3f}",
         "partitioned",
     )
+    tr, n_rows = done.tr, run.n_rows
     _say(
-        f"{n_sub} records substituted, {n_rows - n_kept} sampled out; phi "
-        + ", ".join(f"{h} {p:.4g}" for h, p in zip(labels, phi.rates, strict=True))
-        + f"; delta {dm.delta:.4f} after {len(revisions)} revision(s); epsilon {epsilon:.4f}",
+        f"{tr.n_substituted} records substituted, {n_rows - tr.n_retained} sampled out; phi "
+        + _by_stratum(run.m.labels, tr.phi.rates)
+        + f"; delta {done.dm.delta:.4f} after {len(done.revisions)} revision(s); "
+        f"epsilon {epsilon:.4f}",
         "partitioned",
     )
 
+
+def _with_donor(search: part.DonorPlan) -> int:
+    """The records whose search profile has a donor profile."""
+    return int(search.size[search.donor_p >= 0].sum())
+
+
+def _massc_counts(
+    run: _MasscPasses,
+    search: part.DonorPlan,
+    sums: part.PlanSums,
+    done: _Treatment,
+    epsilon: float,
+    cal_metrics: dict[str, float],
+) -> dict[str, Any]:
+    """The MASSC stage's counts, rates by stratum (psi, phi), params, delta and its gates."""
+    labels, n_rows, n_has = run.m.labels, run.n_rows, _with_donor(search)
+    psi, phi, tr = done.plan.psi, done.tr.phi, done.tr
     return {
         "n_with_donor": n_has,
         "n_no_donor": float(n_rows - n_has),
-        "n_no_donor_domain": float(plan.n_no_donor_domain),
-        "share_substituted": n_sub / n_rows,
-        "n_profiles": plan.n_profiles,
+        "n_no_donor_domain": float(search.n_no_donor_domain),
+        "share_substituted": tr.n_substituted / n_rows,
+        "n_profiles": search.n_profiles,
         # MasscStage's params (those made on the driver here)
-        "params": massc_params(spec, cfg, labels, psi, phi),
-        "strata": {h: int(n) for h, n in zip(labels, mom.N, strict=True)},
+        "params": massc_params(run.spec, done.cfg, labels, psi, phi),
+        "strata": {h: int(n) for h, n in zip(labels, sums.moments.N, strict=True)},
         "psi": {h: float(p) for h, p in zip(labels, psi.rates, strict=True)},
         "psi_method": psi.method,
         "phi": {h: float(p) for h, p in zip(labels, phi.rates, strict=True)},
         "phi_method": phi.method,
-        "n_substituted": n_sub,
-        "n_subsampled_out": n_rows - n_kept,
-        "delta": dm.delta,
-        "gate_rows": [g.as_dict() for g in delta_gates(spec, dm.delta)],
+        "n_substituted": tr.n_substituted,
+        "n_subsampled_out": n_rows - tr.n_retained,
+        "delta": done.dm.delta,
+        "gate_rows": [g.as_dict() for g in delta_gates(run.spec, done.dm.delta)],
         "epsilon_formula": epsilon,
         "epsilon": max(epsilon, cal_metrics.get("epsilon_empirical", epsilon)),
-        "n_delta_revisions": len(revisions),
-        "budget_scale": cfg.budget_scale,
-        "files": [Path(f).name for f in files],
-        **laps,
-        **cal_metrics,
-        "tables": {**part.massc_tables(plan, sums, rplan, tr, dm, il), **cal_tables},
+        "n_delta_revisions": len(done.revisions),
+        "budget_scale": done.cfg.budget_scale,
     }
 
 
@@ -907,19 +1076,65 @@ def _assess_stage(
         spec, original, released, design_released=chain.design, masked_design=chain.masked
     )
     t = time.perf_counter()
+    files = ((chain.inputs, "original"), (parts, "released"))
     first = [
         run_map(pas.assess_pass1, p, spec, req, f, what=f"assess pass 1, {name}")
-        for f, (p, name) in enumerate(((chain.inputs, "original"), (parts, "released")))
+        for f, (p, name) in enumerate(files)
     ]
     plan = pas.assess_plan(first, req)
     second = [
         run_map(pas.assess_pass2, p, spec, req, f, plan, what=f"assess pass 2, {name}")
-        for f, (p, name) in enumerate(((chain.inputs, "original"), (parts, "released")))
+        for f, (p, name) in enumerate(files)
     ]
     out = pas.assess_combine(plan, second)
     m = out.metrics
-    # the risk of the published records: each one linked to its original record (the
-    # retained ones in record order)
+    attacks = _assess_risk(m, spec, req, plan, chain, run_map, parts, (design, released, original))
+    # the models (utility.models): each fitted on both files' cells
+    got = [
+        run_map(pas.model_pass, p, spec, req, f, plan, what=f"assess models, {name}")
+        for f, (p, name) in enumerate(files)
+    ]
+    coefs, model_m = pas.model_fits(plan, got)
+    m |= model_m
+    # pMSE: the propensity model of membership in the published file, fitted by partition
+    m |= pas.pmse_by_partition(run_map, (chain.inputs, parts), spec, req, plan)
+    # AssessStage's gates on these metrics, checked as the release checks them (its metric
+    # gate suite)
+    gates = pas.assess_gates(spec, out.domain_estimates, coefs, m)
+    verdicts = validate_metric_gates([g.as_dict() for g in gates])
+    m["gates_passed"] = float(verdicts["passed"].sum())
+    m["gates"] = float(len(verdicts))
+    _say_assessment(m, verdicts)
+    return {
+        **m,
+        "seconds": time.perf_counter() - t,
+        "unchanged": True,  # it measures; the records stay as they are
+        "tables": {
+            "domain_estimates": out.domain_estimates,
+            "model_coefficients": coefs,
+            "attacks": attacks.table,
+            "gates": verdicts,
+        },
+        "gate_rows": [g.as_dict() for g in gates],
+    }
+
+
+def _assess_risk(
+    m: dict[str, float],
+    spec: ReleaseSpec,
+    req: pas.AssessRequest,
+    plan: pas.AssessPlan,
+    chain: Chain,
+    run_map: Exchange,
+    parts: list,
+    files: tuple[Any, list[str], list[str]],
+) -> Any:
+    """The risk of the published records, each linked to its original record (the retained
+    ones in record order): re-identification and sample uniques, the attacks, and MASSC's
+    delta of the published file against the original keys (any release); their metrics
+    added to m. files: the public design, the released and the original columns. The
+    attacks (their metrics and table)."""
+    design, released, original = files
     retained = _retained(chain, run_map, parts)
     linked = pas.link(chain.inputs, parts, retained)
     risk = run_map(pas.risk_pass, linked, spec, req, plan, chain.selected, what="assess risk")
@@ -929,8 +1144,6 @@ def _assess_stage(
     m |= pas.risk_metrics(risk, originals, int(m["n_released"]))
     attacks = _attacks(spec, design, released, original, chain, run_map, linked)
     m |= attacks
-    # MASSC's delta of the published file against the original keys (any release)
-
     sensitive = spec.variables.sensitive
     published = combine_profiles([r.profiles for r in risk])
     profiles = chain.scan["profiles"]
@@ -944,22 +1157,11 @@ def _assess_stage(
         what="assess delta",
     )  # fmt: skip
     m |= pas.delta_metrics(deltas, profiles)
-    # the models (utility.models): each fitted on both files' cells
-    got = [
-        run_map(pas.model_pass, p, spec, req, f, plan, what=f"assess models, {name}")
-        for f, (p, name) in enumerate(((chain.inputs, "original"), (parts, "released")))
-    ]
-    coefs, model_m = pas.model_fits(plan, got)
-    m |= model_m
-    # pMSE: the propensity model of membership in the published file, fitted by partition
-    m |= pas.pmse_by_partition(run_map, (chain.inputs, parts), spec, req, plan)
-    # AssessStage's gates on these metrics, checked as the release checks them (its metric
-    # gate suite)
+    return attacks
 
-    gates = pas.assess_gates(spec, out.domain_estimates, coefs, m)
-    verdicts = validate_metric_gates([g.as_dict() for g in gates])
-    m["gates_passed"] = float(verdicts["passed"].sum())
-    m["gates"] = float(len(verdicts))
+
+def _say_assessment(m: dict[str, float], verdicts: pd.DataFrame) -> None:
+    """The assessment's progress lines: its gates, then its measures."""
     failed = verdicts.loc[~verdicts["passed"].astype(bool), "name"].tolist()
     _say(
         f"assessment gates: {int(m['gates_passed'])} of {len(verdicts)} pass"
@@ -980,18 +1182,6 @@ def _assess_stage(
         f"{m['pmse_ratio']:.3f}",
         "partitioned",
     )
-    return {
-        **m,
-        "seconds": time.perf_counter() - t,
-        "unchanged": True,  # it measures; the records stay as they are
-        "tables": {
-            "domain_estimates": out.domain_estimates,
-            "model_coefficients": coefs,
-            "attacks": attacks.table,
-            "gates": verdicts,
-        },
-        "gate_rows": [g.as_dict() for g in gates],
-    }
 
 
 def _attacks(
@@ -1127,156 +1317,12 @@ def run_partitioned(
     stages = [s for s in (c.from_spec(spec) for c in RELEASE_STAGES) if s is not None]
     for stage in stages:  # a spec the chain would refuse later is refused now, in full
         check = PARTITIONED_CHECKS.get(stage.name)
-        try:
-            if check is not None:
-                check(spec, columns)
-        except part.PartitionError as e:
-            raise SpecError([str(e)]) from e
+        if check is not None:
+            _spec_errors(check, spec, columns)
     t0 = time.perf_counter()
-
-    def fill(tmp: Path) -> dict[str, Any]:
-        done: dict[str, Any] = {}
-        cols, now = columns, parts
-        # the driver's peak resident set by step (only small aggregates should reach it)
-        peaks: dict[str, float | None] = {}
-        resets = peak_reset()
-
-        def peak(step: str) -> None:
-            peaks[step] = peak_gib() if resets else None
-            # what the step freed goes back to the system before the next one (at 5M records
-            # the driver stayed at 2.4 GiB after MASSC without it); no gc.collect(): 0.3-0.5 s
-            # a step in a process holding many objects, and the frames are freed by refcount
-            return_freed_memory()
-            peak_reset()
-
-        with _mapper(runner, dask_address, workers, "partitioned") as run_map:
-            # the input first, as the release flow: its edit rules (a failing one stops the
-            # run), the risk stage's metrics, and the SEs every stage's damage is measured by
-            t_scan = time.perf_counter()
-            scan, scan_info = _scan(spec, columns, parts, run_map, runner)
-            scan_seconds = time.perf_counter() - t_scan
-            (tmp / "scan").mkdir()
-            _write_tables(tmp / "scan", scan)
-            chain = Chain(parts, scan, scan_info["psus"])
-            peak("scan")
-            if not scan["edits"]["passed"].all():
-                raise GateFailed("edit validation failed on the input file", scan["edits"])
-            for stage in stages:
-                fn = PARTITIONED.get(stage.name)
-                if fn is None and stage.name in MEASURED and not release:
-                    continue
-                if fn is None and stage.name in MEASURED:
-                    (tmp / stage.name).mkdir()
-                    try:
-                        res = MEASURED[stage.name](
-                            spec, cols, now, run_map, tmp / stage.name, chain
-                        )
-                    except part.PartitionError as e:
-                        raise SpecError([str(e)]) from e
-                    for name, table in res["tables"].items():
-                        _stage_table(tmp / stage.name, name, table)
-                    done[stage.name] = res
-                    peak(stage.name)
-                    continue
-                if fn is None and reads_only(stage):
-                    if stage.name not in MEASURED_BY_SCAN:
-                        done.setdefault("not_measured", []).append(stage.name)
-                    continue  # it only measures the records
-                res = None
-                if fn is not None:
-                    (tmp / stage.name / "data").mkdir(parents=True)
-                    try:
-                        res = fn(spec, cols, now, run_map, tmp / stage.name, chain)
-                    except part.PartitionError as e:
-                        raise SpecError([str(e)]) from e
-                if res is None:  # no partitioned path (for this spec)
-                    shutil.rmtree(tmp / stage.name, ignore_errors=True)
-                    done["stopped_before"] = stage.name
-                    _say(
-                        f"stopped before {stage.name}: it has no partitioned path yet (the "
-                        f"records after {', '.join(k for k in done if k in PARTITIONED) or 'none'}"
-                        f" are in {folder})",
-                        "partitioned",
-                    )
-                    break
-                chain.masked = chain.masked or bool(res.get("masks_design"))
-                chain.drop_public += res.get("drop_public", [])
-                if res.get("public_design"):  # a stage built the public file's design
-                    chain.design = built_design(spec, res["public_design"])
-                if res.get("unchanged"):  # the records stay as the previous stage left them
-                    shutil.rmtree(tmp / stage.name)
-                    done[stage.name] = res
-                    peak(stage.name)
-                    continue
-                now = part.plan_partitions(tmp / stage.name / "data")
-                cols = part.input_columns(tmp / stage.name / "data")
-                # the damage so far: the records after this stage against the input's
-                t = time.perf_counter()
-                after = part.means_request(spec, cols, chain.public_design(spec))
-                res["tables"]["se_ratios"] = part.se_ratio_rows(
-                    scan["se"], _domain_means(run_map, now, spec, after, stage.name)
-                )
-                res["se_seconds"] = time.perf_counter() - t
-                for name, table in res["tables"].items():
-                    _stage_table(tmp / stage.name, name, table)
-                done[stage.name] = res
-                peak(stage.name)
-            public = None
-            if "stopped_before" not in done and release:
-                t = time.perf_counter()
-                results = stage_results(spec, done, cols)
-                public = _public_files(spec, cols, now, run_map, tmp / "puf", chain, results)
-                public["seconds"] = time.perf_counter() - t
-                # the release's gates as the flow checks them: the stages' and the
-                # assessment's metric gates, then the public file's
-
-                rows = [
-                    g for r in done.values() if isinstance(r, dict) for g in r.get("gate_rows", [])
-                ]
-                gates = pd.concat(
-                    [validate_metric_gates(rows), public.pop("gates")], ignore_index=True
-                )
-                gates.to_csv(tmp / "gates.csv", index=False)
-                public["gates_passed"] = int(gates["passed"].sum())
-                public["gates"] = len(gates)
-                public["gates_failed"] = gates.loc[~gates["passed"].astype(bool), "name"].tolist()
-                if public["gates_failed"]:  # nothing that looks publishable is left behind
-                    (tmp / "puf").rename(tmp / REFUSED)
-                peak("public_files")
-        if public is not None and public["gates_failed"]:
-            _say(
-                f"{len(public['gates_failed'])} of {public['gates']} gates failed "
-                f"({'; '.join(public['gates_failed'])}): the files stay in {folder / REFUSED}, "
-                "not to be published",
-                "partitioned",
-            )
-        elif public is not None:
-            left = done.get("not_measured", [])
-            _say(
-                "every stage that changes the records ran by partition; the public data files "
-                f"are in {folder / 'puf'} ({public['records']} records, {public['columns']} "
-                f"columns; {public['seconds']:.1f} s); gates: {public['gates_passed']} of "
-                f"{public['gates']} pass (gates.csv); not published: "
-                + (f"the measures of {', '.join(left)}, " if left else "")
-                + "the approval (README.md and codebook.csv are in puf/)",
-                "partitioned",
-            )
-        summary = {
-            "records": parts[-1].stop,
-            "partitions": len(parts),
-            "runner": runner,
-            "edit_rules_passed": int(scan["edits"]["passed"].sum()),
-            "scan_seconds": scan_seconds,
-            "driver_peak_gib": peaks,
-            "public_files": public,
-            "stages": {
-                k: {m: v for m, v in r.items() if m != "tables"} if isinstance(r, dict) else r
-                for k, r in done.items()
-            },
-        }
-        (tmp / "run.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
-        return done, scan, scan_seconds, public, peaks
-
+    fill = _PartitionedRun(
+        spec, columns, parts, stages, folder, release, runner, dask_address, workers
+    )
     stages_done, scan, scan_seconds, public, peaks = _replace(folder, fill)
     return {
         "records": parts[-1].stop,
@@ -1289,3 +1335,223 @@ def run_partitioned(
         "public_files": public,
         "driver_peak_gib": peaks,
     }
+
+
+def _spec_errors(fn: Callable, *args: Any) -> Any:
+    """fn(*args), a PartitionError raised as the SpecError naming the field to fix."""
+    try:
+        return fn(*args)
+    except part.PartitionError as e:
+        raise SpecError([str(e)]) from e
+
+
+class _PartitionedRun:
+    """run_partitioned's fill of the temporary folder _replace renames: the scan of the
+    input, then the release stages by partition, each on the previous one's records (the
+    measuring ones on the records so far), then the public files and the release's gates;
+    the progress lines and run.json. What the stages did, the records so far (their
+    partitions and columns) and the driver's peak resident set by step are kept as it goes."""
+
+    def __init__(
+        self,
+        spec: ReleaseSpec,
+        columns: list[str],
+        parts: list,
+        stages: list,
+        folder: Path,
+        release: bool,
+        runner: str,
+        dask_address: str | None,
+        workers: int,
+    ):
+        self.spec, self.parts, self.stages = spec, parts, stages
+        self.folder, self.release = folder, release
+        # _mapper's: in this process, or on Dask (at dask_address, else a local cluster)
+        self.runner, self.dask_address, self.workers = runner, dask_address, workers
+        self.done: dict[str, Any] = {}
+        self.cols, self.now = columns, parts  # the records so far
+        # the driver's peak resident set by step (only small aggregates should reach it)
+        self.peaks: dict[str, float | None] = {}
+        self.resets = False
+        self.scan: dict[str, pd.DataFrame] = {}
+        self.chain: Chain
+
+    def __call__(self, tmp: Path) -> tuple:
+        """Fill tmp: (the stages' results, the scan's tables, its seconds, the public files'
+        summary or None, the driver's peaks)."""
+        self.resets = peak_reset()
+        with _mapper(self.runner, self.dask_address, self.workers, "partitioned") as run_map:
+            scan_seconds = self._scan_input(run_map, tmp)
+            for stage in self.stages:
+                if not self._stage(stage, run_map, tmp):
+                    break
+            public = None
+            if "stopped_before" not in self.done and self.release:
+                public = self._release(run_map, tmp)
+        self._say_outcome(public)
+        self._write_summary(tmp, scan_seconds, public)
+        return self.done, self.scan, scan_seconds, public, self.peaks
+
+    def peak(self, step: str) -> None:
+        """The driver's peak resident set during step."""
+        self.peaks[step] = peak_gib() if self.resets else None
+        # what the step freed goes back to the system before the next one (at 5M records
+        # the driver stayed at 2.4 GiB after MASSC without it); no gc.collect(): 0.3-0.5 s
+        # a step in a process holding many objects, and the frames are freed by refcount
+        return_freed_memory()
+        peak_reset()
+
+    def _scan_input(self, run_map: Exchange, tmp: Path) -> float:
+        """The input first, as the release flow: its edit rules (a failing one stops the
+        run), the risk stage's metrics, and the SEs every stage's damage is measured by,
+        written to scan/. Its seconds."""
+        t_scan = time.perf_counter()
+        scan, scan_info = _scan(self.spec, self.cols, self.parts, run_map, self.runner)
+        scan_seconds = time.perf_counter() - t_scan
+        (tmp / "scan").mkdir()
+        _write_tables(tmp / "scan", scan)
+        self.scan, self.chain = scan, Chain(self.parts, scan, scan_info["psus"])
+        self.peak("scan")
+        if not scan["edits"]["passed"].all():
+            raise GateFailed("edit validation failed on the input file", scan["edits"])
+        return scan_seconds
+
+    def _stage(self, stage: Any, run_map: Exchange, tmp: Path) -> bool:
+        """One release stage: a measuring one on the records so far (release only), one that
+        only measures skipped (the scan's, else listed as not measured), one that changes
+        the records by its partitioned path. False where it has none: the run stops."""
+        fn = PARTITIONED.get(stage.name)
+        if fn is None and stage.name in MEASURED:
+            if self.release:
+                self._measure(stage.name, run_map, tmp)
+            return True
+        if fn is None and reads_only(stage):
+            if stage.name not in MEASURED_BY_SCAN:
+                self.done.setdefault("not_measured", []).append(stage.name)
+            return True  # it only measures the records
+        res = None
+        if fn is not None:
+            (tmp / stage.name / "data").mkdir(parents=True)
+            res = _spec_errors(
+                fn, self.spec, self.cols, self.now, run_map, tmp / stage.name, self.chain
+            )
+        if res is None:  # no partitioned path (for this spec)
+            self._stop_before(stage.name, tmp)
+            return False
+        self._changed(stage.name, res, run_map, tmp)
+        return True
+
+    def _measure(self, name: str, run_map: Exchange, tmp: Path) -> None:
+        """A measuring stage (MEASURED) on the records so far: its results and tables."""
+        (tmp / name).mkdir()
+        res = _spec_errors(
+            MEASURED[name], self.spec, self.cols, self.now, run_map, tmp / name, self.chain
+        )
+        for table_name, table in res["tables"].items():
+            _stage_table(tmp / name, table_name, table)
+        self._finish(name, res)
+
+    def _stop_before(self, name: str, tmp: Path) -> None:
+        """The run stops before a stage that has no partitioned path (for this spec)."""
+        shutil.rmtree(tmp / name, ignore_errors=True)
+        self.done["stopped_before"] = name
+        _say(
+            f"stopped before {name}: it has no partitioned path yet (the "
+            f"records after {', '.join(k for k in self.done if k in PARTITIONED) or 'none'}"
+            f" are in {self.folder})",
+            "partitioned",
+        )
+
+    def _changed(self, name: str, res: dict[str, Any], run_map: Exchange, tmp: Path) -> None:
+        """After a stage that ran by partition: what the chain reads of its result (the
+        design masked or built, the columns never published); its records become the records
+        so far (unless unchanged), with the damage so far: the SEs of the records after it
+        against the input's (se_ratios); its tables."""
+        spec, chain = self.spec, self.chain
+        chain.masked = chain.masked or bool(res.get("masks_design"))
+        chain.drop_public += res.get("drop_public", [])
+        if res.get("public_design"):  # a stage built the public file's design
+            chain.design = built_design(spec, res["public_design"])
+        if res.get("unchanged"):  # the records stay as the previous stage left them
+            shutil.rmtree(tmp / name)
+            self._finish(name, res)
+            return
+        self.now = part.plan_partitions(tmp / name / "data")
+        self.cols = part.input_columns(tmp / name / "data")
+        t = time.perf_counter()
+        after = part.means_request(spec, self.cols, chain.public_design(spec))
+        res["tables"]["se_ratios"] = part.se_ratio_rows(
+            self.scan["se"], _domain_means(run_map, self.now, spec, after, name)
+        )
+        res["se_seconds"] = time.perf_counter() - t
+        for table_name, table in res["tables"].items():
+            _stage_table(tmp / name, table_name, table)
+        self._finish(name, res)
+
+    def _finish(self, name: str, res: dict[str, Any]) -> None:
+        """A stage done: its result kept, the driver's peak during it."""
+        self.done[name] = res
+        self.peak(name)
+
+    def _release(self, run_map: Exchange, tmp: Path) -> dict[str, Any]:
+        """The public files (puf/) of the records so far, then the release's gates as the
+        flow checks them: the stages' and the assessment's metric gates, then the public
+        file's (gates.csv); puf/ becomes REFUSED when one fails. Their summary."""
+        t = time.perf_counter()
+        results = stage_results(self.spec, self.done, self.cols)
+        public = _public_files(
+            self.spec, self.cols, self.now, run_map, tmp / "puf", self.chain, results
+        )
+        public["seconds"] = time.perf_counter() - t
+        rows = [
+            g for r in self.done.values() if isinstance(r, dict) for g in r.get("gate_rows", [])
+        ]
+        gates = pd.concat([validate_metric_gates(rows), public.pop("gates")], ignore_index=True)
+        gates.to_csv(tmp / "gates.csv", index=False)
+        public["gates_passed"] = int(gates["passed"].sum())
+        public["gates"] = len(gates)
+        public["gates_failed"] = gates.loc[~gates["passed"].astype(bool), "name"].tolist()
+        if public["gates_failed"]:  # nothing that looks publishable is left behind
+            (tmp / "puf").rename(tmp / REFUSED)
+        self.peak("public_files")
+        return public
+
+    def _say_outcome(self, public: dict[str, Any] | None) -> None:
+        """The run's last progress line: the gates that failed, or where the public files
+        are and what is not published."""
+        folder = self.folder
+        if public is not None and public["gates_failed"]:
+            _say(
+                f"{len(public['gates_failed'])} of {public['gates']} gates failed "
+                f"({'; '.join(public['gates_failed'])}): the files stay in {folder / REFUSED}, "
+                "not to be published",
+                "partitioned",
+            )
+        elif public is not None:
+            left = self.done.get("not_measured", [])
+            _say(
+                "every stage that changes the records ran by partition; the public data files "
+                f"are in {folder / 'puf'} ({public['records']} records, {public['columns']} "
+                f"columns; {public['seconds']:.1f} s); gates: {public['gates_passed']} of "
+                f"{public['gates']} pass (gates.csv); not published: "
+                + (f"the measures of {', '.join(left)}, " if left else "")
+                + "the approval (README.md and codebook.csv are in puf/)",
+                "partitioned",
+            )
+
+    def _write_summary(self, tmp: Path, scan_seconds: float, public: dict | None) -> None:
+        """run.json: what ran, its counts and metrics (not its tables) and where it stopped."""
+        summary = {
+            "records": self.parts[-1].stop,
+            "partitions": len(self.parts),
+            "runner": self.runner,
+            "edit_rules_passed": int(self.scan["edits"]["passed"].sum()),
+            "scan_seconds": scan_seconds,
+            "driver_peak_gib": self.peaks,
+            "public_files": public,
+            "stages": {
+                k: {m: v for m, v in r.items() if m != "tables"} if isinstance(r, dict) else r
+                for k, r in self.done.items()
+            },
+        }
+        (tmp / "run.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
