@@ -203,3 +203,18 @@ def run_until_paused(spec_path, wait_s: float = 300.0, flow=None):
             break
         time.sleep(0.5)
     return th, box, fr
+
+
+# a small valid spec as a dict (tests/test_spec.py, tests/test_messages.py)
+MINI_SPEC = {
+    "release": {"name": "mini", "year": 2026, "seed": 7},
+    "design": {"weight": "w", "strata": "h", "psu": "p"},
+    "variables": {
+        "direct_identifiers": ["id"],
+        "keys": [{"name": "age", "bins": [0, 18, 65, 120]}, "sex"],
+        "sensitive": [{"name": "dia", "sensitivity": {1: 1.0, 0: 0.0}}],
+        "study": ["inc"],
+    },
+    "edits": [{"rule": "between", "column": "age", "min": 0, "max": 120}],
+    "stages": {"prb": {"xi": 0.395, "variables": ["age", "sex"]}},
+}

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from helpers import MINI_SPEC
 
 from flows.cli import _command
 from flows.cli import main as puf
@@ -21,18 +22,7 @@ from sdl_design.io import read_input
 from sdl_design.messages import did_you_mean, faulty_yaml_line
 from sdl_design.spec import SpecError, load_spec, parse_spec
 
-BASE = {
-    "release": {"name": "mini", "year": 2026, "seed": 7},
-    "design": {"weight": "w", "strata": "h", "psu": "p"},
-    "variables": {
-        "direct_identifiers": ["id"],
-        "keys": [{"name": "age", "bins": [0, 18, 65, 120]}, "sex"],
-        "sensitive": [{"name": "dia", "sensitivity": {1: 1.0, 0: 0.0}}],
-        "study": ["inc"],
-    },
-    "edits": [{"rule": "between", "column": "age", "min": 0, "max": 120}],
-    "stages": {"prb": {"xi": 0.395, "variables": ["age", "sex"]}},
-}
+BASE = MINI_SPEC
 
 
 def frame(n: int = 12) -> pd.DataFrame:

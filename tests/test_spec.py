@@ -5,23 +5,13 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from helpers import MINI_SPEC
 
 from sdl_design.keys import coarsen, key_frame
 from sdl_design.rng import stage_rng
 from sdl_design.spec import SpecError, load_spec, parse_condition, parse_spec
 
-BASE = {
-    "release": {"name": "mini", "year": 2026, "seed": 7},
-    "design": {"weight": "w", "strata": "h", "psu": "p"},
-    "variables": {
-        "direct_identifiers": ["id"],
-        "keys": [{"name": "age", "bins": [0, 18, 65, 120]}, "sex"],
-        "sensitive": [{"name": "dia", "sensitivity": {1: 1.0, 0: 0.0}}],
-        "study": ["inc"],
-    },
-    "edits": [{"rule": "between", "column": "age", "min": 0, "max": 120}],
-    "stages": {"prb": {"xi": 0.395, "variables": ["age", "sex"]}},
-}
+BASE = MINI_SPEC
 
 
 def frame(n=12):
