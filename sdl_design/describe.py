@@ -6,13 +6,14 @@ lay them out."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import pandas as pd
 
+    from sdl_design.spec import ReleaseSpec
     from sdl_design.stage import StageResult
 
 # the key of a stage's addition to the replicate weights' row of the treatments table
@@ -51,6 +52,41 @@ class RiskRow:
     limit: str | None = None
 
 
+@dataclass(frozen=True)
+class Tunable:
+    """A setting of a stage the tuner (sdl_design.tune) may vary: its dotted path in the spec,
+    the levels to try (the tuner keeps those that validate and differ from the spec's own),
+    whether they are numbers, the reason for a change ((own, value) -> words) and which way
+    lowers disclosure risk (+1: a higher value, -1: a lower one, 0: not known)."""
+
+    path: str
+    levels: list[Any]
+    numeric: bool
+    why: Callable[[Any, Any], str]
+    risk_down: int = 0
+
+
+def more_less(does: str, more: str, less: str) -> Callable[[Any, Any], str]:
+    """A reason: the stage's description, then `more` for a higher value, else `less`."""
+
+    def why(own: Any, v: Any) -> str:
+        return f"{does}: {more if v > own else less}"
+
+    return why
+
+
+@dataclass(frozen=True)
+class NumberColumn:
+    """A column a stage reads as numbers (bins, sums, distances, top-coding), for the preflight:
+    the spec's field that names it, the column, whether true/false values will do, and what a
+    varying column does for the stage (guides, e.g. 'guide the swap'; None: a constant will do)."""
+
+    field: str
+    column: str
+    bool_ok: bool = False
+    guides: str | None = None
+
+
 class Describes:
     """The defaults of a stage's self-description (a stage overrides what it has to say).
     des: the published design's facts (flows.public_docs.design_facts: weight, strata, psu,
@@ -68,6 +104,21 @@ class Describes:
     # the stage's own metrics the report reads as one of its measures (SURVEY_UNIQUES,
     # RISK_DELTA), by the measure
     report_measures: ClassVar[Mapping[str, str]] = {}
+    # columns of the tuner's table of candidates read from the stage's own metrics, by column
+    tune_measures: ClassVar[Mapping[str, str]] = {}
+
+    @classmethod
+    def does(cls, spec: ReleaseSpec, column: str = "", side: str = "upper") -> str | None:
+        """What the stage does to the file, in its method's words and the spec's own units (the
+        subject of every reason the tuner gives for a change of its settings; column and side:
+        a column's bound, for a stage that treats columns one by one); None: nothing to say."""
+        return None
+
+    @classmethod
+    def tunables(cls, spec: ReleaseSpec, original: pd.DataFrame | None) -> list[Tunable]:
+        """The settings of this stage the tuner may vary, each with levels around the spec's
+        own (original: the original file, None when it is not at hand)."""
+        return []
 
     @classmethod
     def treated_shares(cls, metrics: Mapping[str, float]) -> dict[str, float]:
@@ -105,6 +156,30 @@ class Describes:
     def risk_rows(cls, result: StageResult | None) -> list[RiskRow]:
         """The rows this stage adds to the report's risk table (result None: the stage did not
         run; a row may still say so)."""
+        return []
+
+    @classmethod
+    def preflight_numbers(cls, spec: ReleaseSpec) -> list[NumberColumn]:
+        """The columns this enabled stage reads as numbers (sdl_design.preflight checks their
+        types, and that a column that guides the stage varies)."""
+        return []
+
+    @classmethod
+    def preflight_design(cls, spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
+        """The problems ('field: problem; fix') this enabled stage would meet in the sample
+        design of df (preflight: before the replicate weights' check)."""
+        return []
+
+    @classmethod
+    def preflight_data(cls, spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
+        """The problems this enabled stage's treatment would meet in df (preflight: after the
+        replicate weights' check)."""
+        return []
+
+    @classmethod
+    def preflight_fits(cls, spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
+        """The problems of the models this enabled stage fits on df (preflight: before the
+        declared models' fits)."""
         return []
 
     @classmethod

@@ -23,7 +23,7 @@ import scipy.sparse as sp
 from scipy.optimize import brentq
 
 from sdl_design.blocksum import group_sum
-from sdl_design.describe import Describes, RiskRow, finite, pct
+from sdl_design.describe import Describes, NumberColumn, RiskRow, Tunable, finite, pct
 from sdl_design.design import SurveyDesign
 from sdl_design.edits import check_edits
 from sdl_design.keys import coarsen, published_key, shared_categories
@@ -33,6 +33,7 @@ from sdl_design.stage import StageResult, gate
 from sdl_design.utility import tvd, weighted_distribution
 
 if TYPE_CHECKING:
+    from sdl_design.spec import ReleaseSpec
     from sdl_design.stage import StageResult
 
 
@@ -879,6 +880,55 @@ def tvd_table(
     return pd.DataFrame(rows)
 
 
+def partition_ladder(spec: ReleaseSpec) -> list[dict]:
+    """PRB partitions from the spec's own to finer ones. The stage already refines the
+    partition by the declared domains among the cells, so each rung adds one more variable of
+    C (first the cells that are not declared domains, then the carried variables), as it is
+    (null: a key in its published coding)."""
+    prb = spec.stages.prb
+    keys = spec.variables.key_names
+    cells = prb.cells or [c for c in prb.variables if c in keys]
+    declared = {c for d in spec.utility.domain_list(keys) for c in d}
+    part = dict(prb.partition)
+    have = set(part) | (declared & set(cells))
+    order = [c for c in cells if c not in have] + [c for c in prb.variables if c not in cells]
+    ladder = []
+    for c in dict.fromkeys(order):
+        if c not in have:
+            part = {**part, c: None}
+            ladder.append(part)
+    return ladder
+
+
+def cells_ladder(spec: ReleaseSpec, original: pd.DataFrame | None) -> list[dict]:
+    """PRB sections whose cells take the intruder's known columns (sdl_design.attack's
+    intruder_key on the published columns of the original) one more at a time, each joining
+    the set C: the uniques on the intruder's key are then post-randomized too."""
+    if original is None:
+        return []
+    from sdl_design.attack import intruder_key
+
+    prb = spec.stages.prb
+    keys = spec.variables.key_names
+    cells = list(prb.cells or [c for c in prb.variables if c in keys])
+    published = spec.published_columns(list(original.columns), True)
+    labels = [c for c in (spec.design.strata, spec.design.psu) if c]
+    key = intruder_key(spec, original[published], labels, spec.replicate_columns(original))
+    more = [c for c in key.known if c not in cells]
+    section = prb.model_dump(mode="json")
+    ladder = []
+    for i in range(1, len(more) + 1):
+        add = more[:i]
+        ladder.append(
+            {
+                **section,
+                "variables": list(dict.fromkeys([*prb.variables, *add])),
+                "cells": [*cells, *add],
+            }
+        )
+    return ladder
+
+
 class PrbStage(Describes):
     """Stage: PRB post-randomization of the set C in weight-homogeneous blocks (paper 002
     section 4), the NZY baseline beside it, exact risk (eq. 2.2) gated at xi, Tables 3/4/6.
@@ -889,6 +939,13 @@ class PrbStage(Describes):
     replications = 0
     treated_share = "share_changed"
     treated_words = "Post-randomization (PRB) changed the keys of {share} of records."
+    tune_measures = {"prb_max_risk": "max_risk"}
+
+    @classmethod
+    def preflight_numbers(cls, spec: ReleaseSpec) -> list[NumberColumn]:
+        """The partition variables cut into bins."""
+        part = spec.stages.prb.partition
+        return [NumberColumn(f"stages.prb.partition.{c}", c) for c, b in part.items() if b]
 
     @classmethod
     def risk_rows(cls, result: StageResult | None) -> list[RiskRow]:
@@ -904,6 +961,46 @@ class PrbStage(Describes):
     @classmethod
     def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
         return prb_public_treatments(result)
+
+    @classmethod
+    def does(cls, spec: ReleaseSpec, column: str = "", side: str = "upper") -> str:
+        """PRB post-randomizes the cells' keys in weight-homogeneous blocks."""
+        prb = spec.stages.prb
+        cells = prb.cells or [c for c in prb.variables if c in spec.variables.key_names]
+        return f"PRB post-randomizes the keys ({', '.join(cells)}) in weight-homogeneous blocks"
+
+    @classmethod
+    def tunables(cls, spec: ReleaseSpec, original: pd.DataFrame | None) -> list[Tunable]:
+        """The cells taking more of the intruder's key, a finer partition, the tuned theta."""
+        does = cls.does(spec)
+
+        def cells(o: Any, v: Any) -> str:
+            added = ", ".join(c for c in v["cells"] if c not in (o["cells"] or []))
+            return (
+                f"{does}; the cells take {added} of the intruder's key too: its uniques are "
+                "post-randomized as well"
+            )
+
+        def partition(o: Any, v: Any) -> str:
+            return (
+                f"{does}, inside the sets of a finer partition (adds "
+                f"{', '.join(c for c in v if c not in o)}): those columns keep their published "
+                "values"
+            )
+
+        def tuned(o: Any, v: Any) -> str:
+            if v:
+                return (
+                    f"{does} with the tuned theta, h*(theta) = xi (paper 002 section 6), kept "
+                    "where the exact risk check passes"
+                )
+            return f"{does} with theta0(xi) instead of the tuned theta"
+
+        return [
+            Tunable("stages.prb", cells_ladder(spec, original), False, cells, +1),
+            Tunable("stages.prb.partition", partition_ladder(spec), False, partition),
+            Tunable("stages.prb.tuned", [not spec.stages.prb.tuned], False, tuned),
+        ]
 
     def __init__(self, section: Any, spec: Any):
         self.section, self.spec = section, spec

@@ -26,7 +26,7 @@ import scipy.sparse.linalg
 from sdl_design.describe import SURVEY_UNIQUES, Describes
 from sdl_design.keys import coarsen, key_levels
 from sdl_design.plots import histogram
-from sdl_design.spec import KeySpec, SensitiveSpec, category_label
+from sdl_design.spec import KeySpec, ReleaseSpec, SensitiveSpec, category_label
 from sdl_design.stage import StageResult
 
 STRATA = ("U", "D", "T", "O")
@@ -652,6 +652,22 @@ def risk_profile(
     return RiskProfile(records, tabs["by_stratum"], tabs["by_profile_size"], metrics, ll)
 
 
+def key_cell_problems(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
+    """The log-linear table: at most MAX_CELLS cells of the keys' published levels
+    (loglinear_risk refuses more, after the work before it)."""
+    keys = [k for k in spec.variables.keys if k.name in df.columns]
+    sizes = {k.name: len(key_levels(df[k.name], k)[1]) for k in keys}
+    cells = float(np.prod(np.array(list(sizes.values()), dtype=float)))
+    if cells <= MAX_CELLS:
+        return []
+    worst = max(sizes, key=sizes.get)
+    return [
+        f"variables.keys: the keys' full table would have {cells:,.0f} cells (levels {sizes}), "
+        f"more than the risk stage's {MAX_CELLS:,}; coarsen '{worst}' ({sizes[worst]:,} "
+        "levels) with bins or map, or drop a key"
+    ]
+
+
 class RiskStage(Describes):
     """Stage: risk of the input file on the keys (risk strata, GenMASSC scores, log-linear
     tau1/tau2); the data pass through unchanged."""
@@ -660,6 +676,11 @@ class RiskStage(Describes):
     replications = 0
     reads_only = True  # measures the frame (the partitioned path: `puf scan` measures it)
     report_measures = {SURVEY_UNIQUES: "unique_share"}
+
+    @classmethod
+    def preflight_fits(cls, spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
+        """The log-linear model's table of key cells, when the model is fitted."""
+        return key_cell_problems(spec, df) if spec.stages.risk.loglinear else []
 
     @classmethod
     def key_frequencies(cls, result: StageResult) -> dict[str, pd.Series]:

@@ -17,10 +17,12 @@ import numpy as np
 import pandas as pd
 from scipy.spatial import cKDTree
 
-from sdl_design.describe import REPLICATES, Describes, pct
+from sdl_design.describe import REPLICATES, Describes, NumberColumn, Tunable, more_less, pct
 from sdl_design.design import SurveyDesign, design_columns, first_of
 from sdl_design.exactsum import grid_exponent, limb_sums, limb_total, value
+from sdl_design.messages import short_list
 from sdl_design.plots import se_ratio_boxplot as boxplot
+from sdl_design.psus import Psus, strata_psu
 from sdl_design.stage import StageResult
 from sdl_design.utility import (
     broad_characteristics,
@@ -33,6 +35,7 @@ from sdl_design.utility import (
 )
 
 if TYPE_CHECKING:
+    from sdl_design.spec import ReleaseSpec
     from sdl_design.stage import StageResult
 
 Method = Literal["2a", "2b"]
@@ -938,6 +941,48 @@ def se_ratio_boxplot(ratios: dict[str, pd.DataFrame], column: str = "ratio") -> 
     return boxplot({f"Method {k}": v for k, v in ratios.items()}, column=column)
 
 
+def swap_design_problems(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
+    """The preflight of the swap: it moves whole segments between PSUs of a stratified design
+    (segments nested in PSUs; 2 PSUs per stratum for brr and fay replicates)."""
+    d, st = spec.design, spec.stages.swap
+    out = []
+    if not d.segment:
+        out.append(
+            "design.segment: stages.swap is enabled but the design names no segment column; the "
+            "swap moves whole segments (SSUs) between PSUs: name the segment column in "
+            "design.segment, or set stages.swap.enabled: false"
+        )
+    if not getattr(d, "strata", None) or not getattr(d, "psu", None):
+        out.append(
+            "stages.swap: the swap needs design.strata and design.psu (it swaps segments between "
+            "PSUs within strata); name them, or set stages.swap.enabled: false"
+        )
+    cols = strata_psu(spec, df)
+    if cols is None:
+        return out
+    strata, psu = cols
+    if d.segment and d.segment in df.columns and not df[d.segment].isna().any():
+        pairs = df[[strata, psu, d.segment]].drop_duplicates()
+        n_psu = pairs.groupby(d.segment, sort=True, observed=True).size()
+        spans = n_psu[n_psu > 1]
+        if len(spans):
+            out.append(
+                f"design.segment: {len(spans)} segments of '{d.segment}' lie in more than one PSU "
+                f"(e.g. {short_list(list(spans.index), 8)}); segments must be nested in PSUs: give each "
+                f"segment a label unique across PSUs (e.g. '{psu}' and '{d.segment}' combined)"
+            )
+    if st.replicate_method in ("brr", "fay"):
+        p = Psus(df, strata, psu)
+        bad = p.n_h != 2
+        if bad.any():
+            out.append(
+                f"stages.swap.replicate_method: {st.replicate_method} needs exactly 2 PSUs per "
+                f"stratum; strata {p.strata(bad)} of '{strata}' have "
+                f"{short_list(sorted(set(p.n_h[bad].tolist())), 8)}: use jkn or bootstrap"
+            )
+    return out
+
+
 class SwapStage(Describes):
     """Stage: segment/PSU masking by the sequential variance-preserving swap (Method 2b or 2a),
     with the other method run as the baseline; pseudo labels, rebuilt replicate weights, SE
@@ -949,12 +994,58 @@ class SwapStage(Describes):
     keeps_se_ratios = True
 
     @classmethod
+    def preflight_numbers(cls, spec: ReleaseSpec) -> list[NumberColumn]:
+        """The matching variables: numbers or true/false, and varying (they guide the swap)."""
+        return [
+            NumberColumn(f"stages.swap.matching[{i}]", c, bool_ok=True, guides="guide the swap")
+            for i, c in enumerate(spec.stages.swap.matching)
+        ]
+
+    @classmethod
+    def preflight_design(cls, spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
+        """Segments nested in PSUs of a stratified design (swap_design_problems)."""
+        return swap_design_problems(spec, df)
+
+    @classmethod
     def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
         return swap_public_method(result, des)
 
     @classmethod
     def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
         return swap_public_treatments(result, des)
+
+    @classmethod
+    def does(cls, spec: ReleaseSpec, column: str = "", side: str = "upper") -> str:
+        """The swap exchanges whole segments (the design's segment column) between PSUs."""
+        seg = spec.design.segment
+        unit = f"segments (`{seg}`)" if seg else "segments"
+        return f"the swap exchanges whole {unit} between PSUs"
+
+    @classmethod
+    def tunables(cls, spec: ReleaseSpec, original: pd.DataFrame | None) -> list[Tunable]:
+        """The swap rate (a coarse ladder) and the choice of eq. 6a or 6b."""
+        does = cls.does(spec)
+        rate = more_less(
+            does,
+            "more of them change PSU, so the published pseudo-PSUs tell less about where a "
+            "record was sampled",
+            "fewer of them change PSU, so the published design stays closer to the original "
+            "and its SEs change less",
+        )
+
+        def eq(o: Any, v: Any) -> str:
+            return f"{does}, each pair chosen by " + (
+                "eq. 6b (the cumulative change of the variances from the original) instead of "
+                "eq. 6a (each swap's own change)"
+                if v
+                else "eq. 6a (each swap's own change of the variances) instead of eq. 6b "
+                "(the cumulative change)"
+            )
+
+        return [
+            Tunable("stages.swap.rate", [0.05, 0.1, 0.2, 0.3, 0.5], True, rate, +1),
+            Tunable("stages.swap.cumulative", [not spec.stages.swap.cumulative], False, eq),
+        ]
 
     def __init__(self, section: Any, spec: Any):
         self.section, self.spec = section, spec

@@ -50,9 +50,11 @@ from sdl_design.blas import single_blas_thread
 from sdl_design.plots import figures_off
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import Gate, StageContext, StageResult
-from sdl_design.stages import build_stages
+from sdl_design.stages import RELEASE_STAGES, build_stages, described
 
 Change = tuple[str, Any]  # (dotted path in the spec YAML, value)
+# the directions a search goes first: lower risk, or spare the data (words, not stage names)
+TOWARD_RISK, TOWARD_UTILITY = "risk", "utility"
 
 RISK_GATES = ("prb.max_identification_risk", "massc.delta")
 EVAL_OVERRIDES: tuple[Change, ...] = (("stages.massc.replications", 0),)  # epsilon only
@@ -160,7 +162,7 @@ class Factor:
         own = float(self.own)
         up = sorted((v for v in self.levels if v > own), key=float)
         down = sorted((v for v in self.levels if v < own), key=float, reverse=True)
-        first = {"risk": self.risk_down, "utility": -self.risk_down}.get(toward or "", 0)
+        first = {TOWARD_RISK: self.risk_down, TOWARD_UTILITY: -self.risk_down}.get(toward or "", 0)
         a, b = (up, down) if first > 0 else (down, up)
         out = []
         for i in range(max(len(a), len(b))):
@@ -195,104 +197,15 @@ class Candidate:
         return Candidate((*ch, (path, value)), (*rs, reason), "refine")
 
 
-def _numeric_study(spec: ReleaseSpec, original: pd.DataFrame | None) -> list[str]:
-    """Study variables that are numeric and not 0/1 (for MASSC substrata)."""
-    if original is None:
-        return []
-    out = []
-    for v in spec.variables.study:
-        if v in original.columns and pd.api.types.is_numeric_dtype(original[v]):
-            x = original[v].dropna().to_numpy()
-            if len(x) and not np.isin(x, (0, 1)).all():
-                out.append(v)
-    return out
-
-
-def _partition_ladder(spec: ReleaseSpec) -> list[dict]:
-    """PRB partitions from the spec's own to finer ones. The stage already refines the
-    partition by the declared domains among the cells, so each rung adds one more variable of
-    C (first the cells that are not declared domains, then the carried variables), as it is
-    (null: a key in its published coding)."""
-    prb = spec.stages.prb
-    keys = spec.variables.key_names
-    cells = prb.cells or [c for c in prb.variables if c in keys]
-    declared = {c for d in spec.utility.domain_list(keys) for c in d}
-    part = dict(prb.partition)
-    have = set(part) | (declared & set(cells))
-    order = [c for c in cells if c not in have] + [c for c in prb.variables if c not in cells]
-    ladder = []
-    for c in dict.fromkeys(order):
-        if c not in have:
-            part = {**part, c: None}
-            ladder.append(part)
-    return ladder
-
-
-def _cells_ladder(spec: ReleaseSpec, original: pd.DataFrame | None) -> list[dict]:
-    """PRB sections whose cells take the intruder's known columns (sdl_design.attack's
-    intruder_key on the published columns of the original) one more at a time, each joining
-    the set C: the uniques on the intruder's key are then post-randomized too."""
-    if original is None:
-        return []
-    from sdl_design.attack import intruder_key
-
-    prb = spec.stages.prb
-    keys = spec.variables.key_names
-    cells = list(prb.cells or [c for c in prb.variables if c in keys])
-    published = spec.published_columns(list(original.columns), True)
-    labels = [c for c in (spec.design.strata, spec.design.psu) if c]
-    key = intruder_key(spec, original[published], labels, spec.replicate_columns(original))
-    more = [c for c in key.known if c not in cells]
-    section = prb.model_dump(mode="json")
-    ladder = []
-    for i in range(1, len(more) + 1):
-        add = more[:i]
-        ladder.append(
-            {
-                **section,
-                "variables": list(dict.fromkeys([*prb.variables, *add])),
-                "cells": [*cells, *add],
-            }
-        )
-    return ladder
-
-
-GRIDS = {  # coarse ladders: refinement bisects between evaluated levels
-    "stages.swap.rate": [0.05, 0.1, 0.2, 0.3, 0.5],
-    "stages.massc.epsilon": [0.05, 0.1, 0.15, 0.2, 0.3],
-    "stages.massc.psi_max": [0.05, 0.1, 0.15, 0.2, 0.25],
-    "stages.massc.phi_min": [0.5, 0.7, 0.9],
-    "upper.percentile": [99.0, 99.5, 99.9],
-    "lower.percentile": [0.1, 0.5, 1.0],
-}
-
-
 def stage_does(spec: ReleaseSpec, stage: str, column: str = "", side: str = "upper") -> str:
     """What a stage does to the file, in its method's words and the spec's own units (the
-    subject of every reason the tuner gives for a change of that stage's settings)."""
-    if stage == "swap":
-        seg = spec.design.segment
-        unit = f"segments (`{seg}`)" if seg else "segments"
-        return f"the swap exchanges whole {unit} between PSUs"
-    if stage == "prb":
-        prb = spec.stages.prb
-        cells = prb.cells or [c for c in prb.variables if c in spec.variables.key_names]
-        return f"PRB post-randomizes the keys ({', '.join(cells)}) in weight-homogeneous blocks"
-    if stage == "massc":
-        return "MASSC substitutes key values from donors and subsamples records"
-    if stage == "topcode":
-        what = ("top", "above") if side == "upper" else ("bottom", "below")
-        return f"{what[0]}-coding replaces the values of {column} {what[1]} a weighted percentile"
-    raise ValueError(f"no description of stage {stage!r}")
-
-
-def _more_less(does: str, more: str, less: str) -> Callable[[Any, Any], str]:
-    """A reason: the stage's description, then `more` for a higher value, else `less`."""
-
-    def why(own: Any, v: Any) -> str:
-        return f"{does}: {more if v > own else less}"
-
-    return why
+    subject of every reason the tuner gives for a change of that stage's settings): the
+    stage's own Describes.does."""
+    cls = next((c for c in RELEASE_STAGES if c.name == stage), None)
+    does = None if cls is None else cls.does(spec, column, side)
+    if does is None:
+        raise ValueError(f"no description of stage {stage!r}")
+    return does
 
 
 class _Factors:
@@ -327,159 +240,14 @@ class _Factors:
             self.out.append(Factor(path, own, ok, numeric, why, risk_down))
 
 
-def _swap_factors(f: _Factors) -> None:
-    does = stage_does(f.spec, "swap")
-    f.add(
-        "stages.swap.rate",
-        GRIDS["stages.swap.rate"],
-        True,
-        _more_less(
-            does,
-            "more of them change PSU, so the published pseudo-PSUs tell less about where a "
-            "record was sampled",
-            "fewer of them change PSU, so the published design stays closer to the original "
-            "and its SEs change less",
-        ),
-        +1,
-    )
-    f.add(
-        "stages.swap.cumulative",
-        [not f.spec.stages.swap.cumulative],
-        False,
-        lambda o, v: (
-            f"{does}, each pair chosen by "
-            + (
-                "eq. 6b (the cumulative change of the variances from the original) instead of "
-                "eq. 6a (each swap's own change)"
-                if v
-                else "eq. 6a (each swap's own change of the variances) instead of eq. 6b "
-                "(the cumulative change)"
-            )
-        ),
-    )
-
-
-def _prb_factors(f: _Factors, original: pd.DataFrame | None) -> None:
-    does = stage_does(f.spec, "prb")
-    f.add(
-        "stages.prb",
-        _cells_ladder(f.spec, original),
-        False,
-        lambda o, v: (
-            f"{does}; the cells take "
-            f"{', '.join(c for c in v['cells'] if c not in (o['cells'] or []))} of the "
-            "intruder's key too: its uniques are post-randomized as well"
-        ),
-        +1,
-    )
-    f.add(
-        "stages.prb.partition",
-        _partition_ladder(f.spec),
-        False,
-        lambda o, v: (
-            f"{does}, inside the sets of a finer partition (adds "
-            f"{', '.join(c for c in v if c not in o)}): those columns keep their published "
-            "values"
-        ),
-    )
-    f.add(
-        "stages.prb.tuned",
-        [not f.spec.stages.prb.tuned],
-        False,
-        lambda o, v: (
-            f"{does} with the tuned theta, h*(theta) = xi (paper 002 section 6), kept where "
-            "the exact risk check passes"
-            if v
-            else f"{does} with theta0(xi) instead of the tuned theta"
-        ),
-    )
-
-
-def _massc_factors(f: _Factors, original: pd.DataFrame | None) -> None:
-    does = stage_does(f.spec, "massc")
-    f.add(
-        "stages.massc.epsilon",
-        GRIDS["stages.massc.epsilon"],
-        True,
-        _more_less(
-            does,
-            "a larger target RRMSE allows higher substitution and subsampling rates, a lower delta",
-            "a smaller target RRMSE keeps substitution and subsampling rates lower, better "
-            "estimates",
-        ),
-        +1,
-    )
-    f.add(
-        "stages.massc.psi_max",
-        GRIDS["stages.massc.psi_max"],
-        True,
-        _more_less(
-            does,
-            "a higher cap on the substitution rates (more key values may be substituted)",
-            "a lower cap on the substitution rates (fewer key values substituted)",
-        ),
-        +1,
-    )
-    f.add(
-        "stages.massc.phi_min",
-        GRIDS["stages.massc.phi_min"],
-        True,
-        _more_less(
-            does,
-            "a higher floor on the retention rates (fewer records sampled out, smaller SEs)",
-            "a lower floor on the retention rates (more records may be sampled out)",
-        ),
-        -1,
-    )
-    num = _numeric_study(f.spec, original)
-    if f.spec.stages.massc.substrata is not None:
-        f.add("stages.massc.substrata", [None], False, lambda o, v: f"{does}, without substrata")
-    elif num:
-        f.add(
-            "stages.massc.substrata",
-            [{"variables": num}],
-            False,
-            lambda o, v: (
-                f"{does}, within k-means substrata on {', '.join(v['variables'])}: donors "
-                "closer in the study variables"
-            ),
-        )
-
-
-def _topcode_factors(f: _Factors) -> None:
-    for col, rule in f.spec.stages.topcode.columns.items():
-        for side in ("upper", "lower"):
-            b = getattr(rule, side)
-            if b is None or b.percentile is None:
-                continue
-            does = stage_does(f.spec, "topcode", col, side)
-
-            def why(o: Any, v: Any, s: str = side, d: str = does) -> str:
-                fewer = (v > o) == (s == "upper")
-                more = "fewer" if fewer else "more"
-                return f"{d}: the {v:g}th instead of the {o:g}th, {more} values coded"
-
-            f.add(
-                f"stages.topcode.{col}.{side}.percentile",
-                GRIDS[f"{side}.percentile"],
-                True,
-                why,
-                -1 if side == "upper" else +1,
-            )
-
-
 def factors(spec: ReleaseSpec, original: pd.DataFrame | None = None) -> list[Factor]:
     """The factors of the enabled stages, in release order: only paths the spec model has,
     levels that validate (original: to find the numeric study variables for substrata)."""
     f = _Factors(spec)
-    if spec.stages.active("swap"):
-        _swap_factors(f)
-    if spec.stages.active("prb"):
-        _prb_factors(f, original)
-    if spec.stages.active("massc"):
-        _massc_factors(f, original)
-    if spec.stages.active("topcode"):
-        _topcode_factors(f)
+    for cls in RELEASE_STAGES:
+        if spec.stages.active(cls.name):
+            for t in cls.tunables(spec, original):
+                f.add(t.path, t.levels, t.numeric, t.why, t.risk_down)
     return f.out
 
 
@@ -639,7 +407,13 @@ def evaluate(
         row["seconds"] = time.perf_counter() - t0
         return row
     by = {r.name: r for r in results}
-    m = dict(by["assess"].metrics) if "assess" in by else {}
+    assessed = next((r for c, r in described(results) if c.assesses), None)
+    m = dict(assessed.metrics) if assessed is not None else {}
+    measured = {  # the stages' own columns (Describes.tune_measures), NaN when one did not run
+        col: by[c.name].metrics.get(metric, np.nan) if c.name in by else np.nan
+        for c in RELEASE_STAGES
+        for col, metric in c.tune_measures.items()
+    }
     gates = [g for r in results for g in r.gates]
     risk = [g for g in gates if is_risk_gate(g.name)]
     failed = [g.name for g in gates if not gate_holds(g)]
@@ -648,8 +422,7 @@ def evaluate(
         risk_index=max(ratios) if ratios else m.get("reid_share", np.nan),
         risk_ratios=json.dumps({g.name: g.value / g.upper for g in risk if g.upper}),
         risk_gates=json.dumps({g.name: [g.value, g.upper] for g in risk if g.upper}),
-        prb_max_risk=by["prb"].metrics.get("max_risk", np.nan) if "prb" in by else np.nan,
-        massc_delta=by["massc"].metrics.get("delta", np.nan) if "massc" in by else np.nan,
+        **measured,
         utility=utility_score(m),
     )
     for c in [*RISK_COLUMNS, *UTILITY_COLUMNS]:
@@ -942,7 +715,7 @@ def search(
     skip: list[str] = []
     run([own])
     skip = json.loads(evaluated[0][1].get("report_only") or "[]")
-    toward = "utility" if _true(evaluated[0][1].get("passes_risk")) else "risk"
+    toward = TOWARD_UTILITY if _true(evaluated[0][1].get("passes_risk")) else TOWARD_RISK
     ofat = one_factor_candidates(facs, toward)
     n_ofat = min(len(ofat), max(min(len(facs), budget - 2), (2 * (budget - 1) + 2) // 3))
     n_ofat = min(n_ofat, budget - 1)

@@ -11,7 +11,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from sdl_design.describe import REPLICATES, RISK_DELTA, Describes, pct
+from sdl_design.describe import (
+    REPLICATES,
+    RISK_DELTA,
+    Describes,
+    NumberColumn,
+    Tunable,
+    more_less,
+    pct,
+)
 from sdl_design.design import SurveyDesign
 from sdl_design.edits import check_edits
 from sdl_design.keys import key_frame, shared_categories
@@ -26,12 +34,26 @@ from sdl_design.massc import (
     rates_table,
     replication_seed,
 )
+from sdl_design.massc.checks import control_problems, subsampling_problems
 from sdl_design.massc.treatment import OriginalMargins, meet_delta, original_rows
 from sdl_design.plots import histogram
 from sdl_design.risk import profile_codes
 from sdl_design.rng import stage_rng
-from sdl_design.spec import KeySpec
+from sdl_design.spec import KeySpec, ReleaseSpec
 from sdl_design.stage import Gate, SharedInput, StageResult, gate
+
+
+def numeric_study(spec: ReleaseSpec, original: pd.DataFrame | None) -> list[str]:
+    """Study variables that are numeric and not 0/1 (for MASSC substrata)."""
+    if original is None:
+        return []
+    out = []
+    for v in spec.variables.study:
+        if v in original.columns and pd.api.types.is_numeric_dtype(original[v]):
+            x = original[v].dropna().to_numpy()
+            if len(x) and not np.isin(x, (0, 1)).all():
+                out.append(v)
+    return out
 
 
 class MasscStage(Describes):
@@ -42,6 +64,31 @@ class MasscStage(Describes):
     treated_share = "share_substituted"
     treated_words = "Substitution (MASSC) replaced the keys of {share} of records."
     report_measures = {RISK_DELTA: "delta"}
+    tune_measures = {"massc_delta": "delta"}
+
+    @classmethod
+    def preflight_numbers(cls, spec: ReleaseSpec) -> list[NumberColumn]:
+        """The study variables (numbers or true/false), the substrata's variables and the
+        calibration controls cut into bins."""
+        v, massc = spec.variables, spec.stages.massc
+        out = [
+            NumberColumn(f"variables.study[{i}]", c, bool_ok=True) for i, c in enumerate(v.study)
+        ]
+        if massc.substrata:
+            out += [
+                NumberColumn(f"stages.massc.substrata.variables[{i}]", c)
+                for i, c in enumerate(massc.substrata.variables)
+            ]
+        return out + [
+            NumberColumn(f"stages.massc.calibration.controls[{i}].bins", k.name)
+            for i, k in enumerate(massc.calibration.controls)
+            if k.bins
+        ]
+
+    @classmethod
+    def preflight_data(cls, spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
+        """Strata subsampling could leave with one PSU; controls missing a record's value."""
+        return subsampling_problems(spec, df) + control_problems(spec, df)
 
     @classmethod
     def key_frequencies(cls, result: StageResult) -> dict[str, pd.Series]:
@@ -64,6 +111,75 @@ class MasscStage(Describes):
     @classmethod
     def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
         return massc_public_treatments(result, des)
+
+    @classmethod
+    def does(cls, spec: ReleaseSpec, column: str = "", side: str = "upper") -> str:
+        """MASSC substitutes key values from donors and subsamples records."""
+        return "MASSC substitutes key values from donors and subsamples records"
+
+    @classmethod
+    def tunables(cls, spec: ReleaseSpec, original: pd.DataFrame | None) -> list[Tunable]:
+        """Epsilon, psi_max and phi_min on coarse ladders; substrata off, or on the numeric
+        study variables of the original."""
+        does = cls.does(spec)
+        out = [
+            Tunable(
+                "stages.massc.epsilon",
+                [0.05, 0.1, 0.15, 0.2, 0.3],
+                True,
+                more_less(
+                    does,
+                    "a larger target RRMSE allows higher substitution and subsampling rates, a "
+                    "lower delta",
+                    "a smaller target RRMSE keeps substitution and subsampling rates lower, "
+                    "better estimates",
+                ),
+                +1,
+            ),
+            Tunable(
+                "stages.massc.psi_max",
+                [0.05, 0.1, 0.15, 0.2, 0.25],
+                True,
+                more_less(
+                    does,
+                    "a higher cap on the substitution rates (more key values may be substituted)",
+                    "a lower cap on the substitution rates (fewer key values substituted)",
+                ),
+                +1,
+            ),
+            Tunable(
+                "stages.massc.phi_min",
+                [0.5, 0.7, 0.9],
+                True,
+                more_less(
+                    does,
+                    "a higher floor on the retention rates (fewer records sampled out, smaller "
+                    "SEs)",
+                    "a lower floor on the retention rates (more records may be sampled out)",
+                ),
+                -1,
+            ),
+        ]
+        num = numeric_study(spec, original)
+        if spec.stages.massc.substrata is not None:
+            out.append(
+                Tunable(
+                    "stages.massc.substrata",
+                    [None],
+                    False,
+                    lambda o, v: f"{does}, without substrata",
+                )
+            )
+        elif num:
+
+            def substrata(o: Any, v: Any) -> str:
+                return (
+                    f"{does}, within k-means substrata on {', '.join(v['variables'])}: donors "
+                    "closer in the study variables"
+                )
+
+            out.append(Tunable("stages.massc.substrata", [{"variables": num}], False, substrata))
+        return out
 
     def __init__(self, spec: Any):
         self.spec = spec
