@@ -12,7 +12,7 @@ import sdl_design  # noqa: F401
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import pandas as pd
 from prefect import flow
@@ -162,11 +162,6 @@ def close_attempt(
         post(manifest, results=outputs, folder=txn.staged)
 
 
-def _close(*args: Any) -> None:
-    """close_attempt with the release flow's artifacts posted."""
-    close_attempt(*args, post=_post)
-
-
 def _post(
     manifest: Manifest,
     staged: Path | None = None,
@@ -285,7 +280,9 @@ def _release(
     except BaseException as e:
         if txn.state in ("running", "awaiting_approval"):
             try:
-                _close(txn, spec, manifest, outputs, None, "failed", f"{type(e).__name__}: {e}")
+                close_attempt(
+                    txn, spec, manifest, outputs, None, "failed", f"{type(e).__name__}: {e}", _post
+                )
             except Exception:  # noqa: BLE001 - keep the original error visible
                 pass
         raise
@@ -364,7 +361,7 @@ def _treat(
     steps.done("edit validation", t0)
     if not edits["passed"].all():
         err = GateFailed("edit validation failed on the input file", edits)
-        _close(txn, spec, manifest, outputs, edits, "rejected", str(err))
+        close_attempt(txn, spec, manifest, outputs, edits, "rejected", str(err), _post)
         raise err
 
     df = frames["original"]
@@ -438,7 +435,7 @@ def _gate(
     manifest.set_gates(gates)
     if not gates["passed"].all():
         err = GateFailed("release gates failed; nothing was published", gates)
-        _close(txn, spec, manifest, outputs, gates, "rejected", str(err))
+        close_attempt(txn, spec, manifest, outputs, gates, "rejected", str(err), _post)
         raise err
     manifest.status = "gated"
     return gates, records
