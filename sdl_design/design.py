@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -13,6 +14,10 @@ import scipy.sparse as sp
 
 ReplicateMethod = Literal["brr", "fay", "jk1", "jkn", "sdr", "bootstrap"]
 METHODS = ("brr", "fay", "jk1", "jkn", "sdr", "bootstrap")
+# R survey's options(survey.lonely.psu=...): what a stratum with a single PSU contributes
+LonelyPSU = Literal["fail", "remove", "adjust", "average", "certainty"]
+LONELY_PSU = ("fail", "remove", "adjust", "average", "certainty")
+SELF_REPRESENTING = 1e-7  # 1 - n/N below this: a census stratum, no variance (R's onestrat)
 
 
 class DesignError(ValueError):
@@ -289,13 +294,98 @@ def hadamard_for(n_strata: int) -> np.ndarray:
         R += 4
 
 
+def population_sizes(
+    df: pd.DataFrame, cols: Sequence[str | None]
+) -> tuple[list[np.ndarray | None], bool]:
+    """The fpc columns (None where not given) as floats and whether they are sampling
+    fractions: as R's as.fpc, all of them together are fractions when every value is <= 1,
+    else population sizes (then every value must be >= 1)."""
+    vals: list[np.ndarray | None] = []
+    for c in cols:
+        if c is None:
+            vals.append(None)
+            continue
+        v = pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=float)
+        if np.isnan(v).any() or (v < 0).any():
+            raise DesignError(
+                f"design.fpc: column '{c}' has {int((~(v >= 0)).sum())} missing, non-numeric or "
+                "negative values; give population sizes (or sampling fractions) >= 0"
+            )
+        vals.append(v)
+    given = [v for v in vals if v is not None]
+    fraction = all(not (v > 1).any() for v in given)
+    if not fraction and any((v < 1).any() for v in given):
+        raise DesignError(
+            f"design.fpc: columns {[c for c in cols if c]} mix values below and above 1; give "
+            "population sizes (all >= 1) or sampling fractions (all <= 1), as R's svydesign"
+        )
+    return vals, fraction
+
+
+def per_group(v: np.ndarray, codes: np.ndarray, G: int, what: str) -> np.ndarray:
+    """The value of v in each group 0..G-1 of records (codes), which must be constant within
+    the group (`what` names the column and the group for the error)."""
+    first = first_of(codes, G)
+    out = v[first]
+    bad = out[codes] != v
+    if bad.any():
+        raise DesignError(
+            f"{what}: {int(bad.sum())} records differ from the first record of their group; "
+            "the value must be constant within the group"
+        )
+    return out
+
+
+def one_minus_f(n: np.ndarray, N: np.ndarray) -> np.ndarray:
+    """1 - f = (N - n) / N from sample and population sizes (1 for N infinite), as R's
+    onestrat: f = ifelse(fpc == Inf, 1, (fpc - nPSU) / fpc)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(np.isinf(N), 1.0, (N - n) / N)
+
+
+def stage_constants(
+    n: np.ndarray, q: np.ndarray, lonely_psu: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(c, d, lonely) of a stage's groups (strata of PSUs, or PSUs of SSUs), as R's onestrat:
+    the group's variance is c (s2 - s1^2 / d) from the sums s1, s2 of its n units' totals and
+    their squares. c = (1 - f) n/(n-1) (1 - f for one unit), 0 for a self-representing
+    group (1 - f < 1e-7); d = n (centred at the group mean), inf for a lonely unit under
+    "adjust" (not centred). lonely: groups of one unit that are not self-representing
+    (remove/certainty/average: c = 0; average then scales the stage, fail raises)."""
+    single = n == 1
+    selfrep = q < SELF_REPRESENTING
+    lonely = single & ~selfrep
+    with np.errstate(divide="ignore", invalid="ignore"):
+        c = np.where(single, q, q * n / (n - 1.0))  # (1 - f) n/(n-1); q = 1: n/(n-1) exactly
+    c[selfrep] = 0.0
+    d = n.astype(float, copy=True)
+    if lonely_psu == "adjust":
+        d[lonely] = np.inf
+    elif lonely_psu in ("remove", "certainty", "average"):
+        c[lonely] = 0.0
+    return c, d, lonely
+
+
 class SurveyDesign:
     """A stratified multistage design: Taylor linearization with with-replacement PSUs within
     strata, or replicate variance when replicate weights are given (a list of columns or a glob
     such as "rw_*"). PSU labels are nested in strata. No strata: one stratum; no psu: each
     record is a PSU. segment is kept for the masking stage and plays no part in the variance.
     rscales: per-replicate factors (jkn default: (n_h-1)/n_h of the stratum whose PSU has zero
-    weight in the replicate). Replicate SEs are centred on the full-sample estimate (mse)."""
+    weight in the replicate). Replicate SEs are centred on the full-sample estimate (mse).
+
+    As R survey's svydesign(id=~psu+ssu, strata=, fpc=~fpc+fpc2, nest=TRUE): fpc is the
+    number of PSUs in the stratum's population (or the sampling fraction n_h/N_h when every
+    fpc value is <= 1); the Taylor variance of stage 1 is sum_h (1-f_h) n_h/(n_h-1)
+    sum_i (z_hi - zbar_h)^2. ssu (nested in psu) and fpc2 (SSUs in the PSU's population, or
+    the fraction) add the second stage sum_hi f_h (1-f_hi) m_i/(m_i-1) sum_j (z_hij - zbar_hi)^2
+    when fpc is given (without fpc the PSUs are ultimate clusters; ssu without fpc2: an
+    infinite population of SSUs). lonely_psu: R's survey.lonely.psu, for a stratum (or, at
+    stage 2, a PSU) with a single unit: fail; remove and certainty (it adds 0); adjust (its
+    total is not centred); average (the stage's sum times H/(H - lonely strata); NaN at stage
+    2, as R). A self-representing stratum (1 - f_h < 1e-7) adds 0 under every option.
+    Replicate variance does not use the fpc (as R's svrepdesign); with_replicates("jkn" or
+    "jk1") puts 1 - f_h in the rscales (as R's as.svrepdesign)."""
 
     def __init__(
         self,
@@ -308,6 +398,10 @@ class SurveyDesign:
         method: ReplicateMethod | None = None,
         rho: float | None = None,
         rscales: Sequence[float] | None = None,
+        fpc: str | None = None,
+        ssu: str | None = None,
+        fpc2: str | None = None,
+        lonely_psu: LonelyPSU = "fail",
     ):
         if isinstance(replicate_weights, str):  # a glob pattern such as "rw_*"
             pattern = replicate_weights
@@ -318,7 +412,7 @@ class SurveyDesign:
                 )
         missing = [
             c
-            for c in (weight, strata, psu, segment, *(replicate_weights or []))
+            for c in (weight, strata, psu, segment, fpc, ssu, fpc2, *(replicate_weights or []))
             if c and c not in df.columns
         ]
         if missing:
@@ -333,7 +427,7 @@ class SurveyDesign:
         self.w = w
         n = len(df)
         self.n = n
-        for c in (strata, psu):
+        for c in (strata, psu, ssu):
             if c and df[c].isna().any():
                 raise DesignError(
                     f"design: column '{c}' has missing values; every record needs one"
@@ -354,6 +448,7 @@ class SurveyDesign:
             (np.ones(self.n_psu), (self.psu_h, np.arange(self.n_psu))),
             shape=(len(self.n_h), self.n_psu),
         )
+        self._setup_stages(fpc, ssu, fpc2, lonely_psu)
         self.replicate_weights = list(replicate_weights) if replicate_weights else []
         self.method = method
         self.rho = rho
@@ -394,7 +489,78 @@ class SurveyDesign:
             replicate_weights=rw or None,
             method=rs.method if rw else None,
             rho=rs.rho if rw else None,
+            fpc=getattr(design, "fpc", None),
+            ssu=getattr(design, "ssu", None),
+            fpc2=getattr(design, "fpc2", None),
+            lonely_psu=getattr(design, "lonely_psu", "fail"),
         )
+
+    def _setup_stages(
+        self, fpc: str | None, ssu: str | None, fpc2: str | None, lonely_psu: str
+    ) -> None:
+        """The population sizes N_h (strata) and M_i (PSUs) from fpc and fpc2, the SSUs
+        (codes nested in PSUs, sorted by PSU) and the constants of the stage kernels."""
+        if lonely_psu not in LONELY_PSU:
+            raise DesignError(f"design.lonely_psu: give one of {LONELY_PSU}, not {lonely_psu!r}")
+        if ssu is not None and self.psu is None:
+            raise DesignError("design.ssu: SSUs are nested in PSUs; name the psu column")
+        if fpc2 is not None and ssu is None:
+            raise DesignError("design.fpc2: it counts the SSUs of a PSU; name the ssu column")
+        if fpc2 is not None and fpc is None:
+            raise DesignError(
+                "design.fpc2: without fpc the PSUs are ultimate clusters and fpc2 changes "
+                "nothing; name the fpc column or drop fpc2"
+            )
+        self.fpc, self.ssu, self.fpc2, self.lonely_psu = fpc, ssu, fpc2, lonely_psu
+        (v1, v2), fraction = population_sizes(self.df, [fpc, fpc2])
+        self.N_h: np.ndarray | None = None  # PSUs in each stratum's population
+        q1 = np.ones(len(self.n_h))  # 1 - f_h
+        if v1 is not None:
+            v = per_group(v1, self.h, len(self.n_h), f"design.fpc '{fpc}' within strata")
+            with np.errstate(divide="ignore"):
+                self.N_h = self.n_h / v if fraction else v  # fraction 0: N_h infinite
+            self._check_population(self.n_h, self.N_h, "strata", fpc)
+            q1 = one_minus_f(self.n_h, self.N_h)
+        self._q1 = q1
+        self._c1, self._d1, self._lonely1 = stage_constants(self.n_h, q1, lonely_psu)
+        self._stage2 = ssu is not None and v1 is not None  # R: stage 2 only with an fpc
+        self._Q_cache: sp.csr_matrix | None = None
+        if ssu is None:
+            return
+        s = sorted_codes(self.df[ssu])
+        top = int(s.max(initial=0)) + 1
+        uniq, sc = dense_codes(self.g * top + s)
+        self.ssu_code = sc.astype(np.int64)  # SSU within PSU, sorted by PSU then SSU label
+        self.ssu_psu = (uniq // top).astype(np.int64)
+        self.m_i = np.bincount(self.ssu_psu, minlength=self.n_psu).astype(float)
+        M = np.full(self.n_psu, np.inf)  # SSUs in each PSU's population
+        if v2 is not None:
+            v = per_group(v2, self.g, self.n_psu, f"design.fpc2 '{fpc2}' within PSUs")
+            with np.errstate(divide="ignore"):
+                M = self.m_i / v if fraction else v
+            self._check_population(self.m_i, M, "PSUs", fpc2)
+        self.M_i = M
+        self._S2 = sp.csr_matrix(
+            (np.ones(len(self.ssu_psu)), (self.ssu_psu, np.arange(len(self.ssu_psu)))),
+            shape=(self.n_psu, len(self.ssu_psu)),
+        )
+        c2, self._d2, self._lonely2 = stage_constants(
+            self.m_i, one_minus_f(self.m_i, M), lonely_psu
+        )
+        if self._stage2:  # times f_h = n_h / N_h of the PSU's stratum (R: nPSUs / fpcs)
+            self._c2 = c2 * (self.n_h / self.N_h)[self.psu_h]
+            order = np.argsort(self.ssu_code, kind="stable")  # records by SSU (so by PSU)
+            self._psu_order = None if (np.diff(self.ssu_code) >= 0).all() else order
+
+    def _check_population(self, n: np.ndarray, N: np.ndarray, what: str, col: str) -> None:
+        """R's as.fpc: a population smaller than the sample is an error."""
+        bad = N < n * (1.0 - 1e-10)
+        if bad.any():
+            raise DesignError(
+                f"design: column '{col}' gives {int(bad.sum())} {what} a population smaller than "
+                f"their sample (e.g. {N[bad][0]:g} < {n[bad][0]:g}): fpc is the population size "
+                "(or the sampling fraction) of the stratum's PSUs, fpc2 of the PSU's SSUs"
+            )
 
     @property
     def _P(self) -> sp.csr_matrix:
@@ -568,34 +734,65 @@ class SurveyDesign:
         return list(levels), codes
 
     # ------------------------------------------------------------ variance kernels
+    @property
+    def _Q(self) -> sp.csr_matrix:
+        """The SSUs x records indicator (SSU totals of record scores: _Q @ z)."""
+        if self._Q_cache is None:
+            n = self.n
+            self._Q_cache = sp.csr_matrix(
+                (np.ones(n), (self.ssu_code, np.arange(n))), shape=(len(self.ssu_psu), n)
+            )
+        return self._Q_cache
+
     def taylor_variance(self, z: np.ndarray | sp.spmatrix | sp.sparray) -> np.ndarray:
         """Variance of the totals of linearized scores z (n x k, dense or scipy sparse): PSUs
-        with replacement in strata. A sparse z (e.g. scores of many domains, each zero outside
-        its domain) costs its nonzeros, not n x k."""
+        with replacement in strata (and the second stage of a two-stage design with fpc). A
+        sparse z (e.g. scores of many domains, each zero outside its domain) costs its
+        nonzeros, not n x k."""
         if sp.issparse(z):
-            return self._psu_variance(sp.csr_matrix(self._P @ sp.csr_matrix(z)))
-        return self._psu_variance(sparse_times(self._P, np.asarray(z)))
+            z = sp.csr_matrix(z)
+            st = sp.csr_matrix(self._Q @ z) if self._stage2 else None
+            return self._psu_variance(sp.csr_matrix(self._P @ z), st)
+        z = np.asarray(z)
+        st = sparse_times(self._Q, z) if self._stage2 else None
+        return self._psu_variance(sparse_times(self._P, z), st)
 
-    def psu_variance(self, zt: np.ndarray | sp.spmatrix | sp.sparray) -> np.ndarray:
+    def psu_variance(
+        self,
+        zt: np.ndarray | sp.spmatrix | sp.sparray,
+        ssu_totals: np.ndarray | sp.spmatrix | sp.sparray | None = None,
+    ) -> np.ndarray:
         """Variance of totals from their PSU totals zt (PSUs x k, dense or scipy sparse; row j
-        is the PSU coded j in `g`): the with-replacement kernel of taylor_variance."""
-        return self._psu_variance(sp.csr_matrix(zt) if sp.issparse(zt) else np.asarray(zt))
+        is the PSU coded j in `g`): the kernel of taylor_variance. The second stage of a
+        two-stage design with fpc needs the SSU totals (SSUs x k, row j the SSU coded j in
+        ssu_code); without them the PSUs are ultimate clusters (R's survey.ultimate.cluster)."""
+        zt = sp.csr_matrix(zt) if sp.issparse(zt) else np.asarray(zt)
+        st = None
+        if ssu_totals is not None and self._stage2:
+            st = sp.csr_matrix(ssu_totals) if sp.issparse(ssu_totals) else np.asarray(ssu_totals)
+        return self._psu_variance(zt, st)
 
     def taylor_covariance(self, z: np.ndarray) -> np.ndarray:
-        """Covariance matrix (k x k) of the totals of scores z (n x k): sum_h n_h/(n_h-1)
-        sum_i (z_hi - zbar_h)(z_hi - zbar_h)' over PSU totals z_hi (svyrecvar's one-stage
-        with-replacement kernel; the B of a GLM sandwich A^-1 B A^-1)."""
-        return self.psu_covariance(
-            sparse_times(self._P, np.asarray(z, dtype=float).reshape(self.n, -1))
-        )
+        """Covariance matrix (k x k) of the totals of scores z (n x k): sum_h (1-f_h)
+        n_h/(n_h-1) sum_i (z_hi - zbar_h)(z_hi - zbar_h)' over PSU totals z_hi (svyrecvar's
+        kernel, with the second stage when the design has one; the B of a GLM sandwich
+        A^-1 B A^-1)."""
+        z = np.asarray(z, dtype=float).reshape(self.n, -1)
+        st = sparse_times(self._Q, z) if self._stage2 else None
+        return self.psu_covariance(sparse_times(self._P, z), st)
 
-    def psu_covariance(self, zt: np.ndarray) -> np.ndarray:
-        """taylor_covariance from the PSU totals zt (PSUs x k; row j the PSU coded j in g)."""
+    def psu_covariance(self, zt: np.ndarray, ssu_totals: np.ndarray | None = None) -> np.ndarray:
+        """taylor_covariance from the PSU totals zt (PSUs x k; row j the PSU coded j in g) and,
+        for the second stage of a two-stage design with fpc, the SSU totals (see psu_variance)."""
         self._check_psus()
         zt = np.asarray(zt, dtype=float)
-        dev = zt - (np.asarray(self._S @ zt) / self.n_h[:, None])[self.psu_h]
-        f = (self.n_h / (self.n_h - 1.0))[self.psu_h]
-        return (dev * f[:, None]).T @ dev
+        dev = zt - (np.asarray(self._S @ zt) / self._d1[:, None])[self.psu_h]
+        cov = (dev * self._c1[self.psu_h][:, None]).T @ dev * self._average_factor()
+        if ssu_totals is None or not self._stage2:
+            return cov
+        st = np.asarray(ssu_totals, dtype=float)
+        dev = st - (np.asarray(self._S2 @ st) / self._d2[:, None])[self.ssu_psu]
+        return cov + (dev * self._c2[self.ssu_psu][:, None]).T @ dev * self._average_factor(2)
 
     def replicate_totals(self, z: np.ndarray | sp.spmatrix | sp.sparray) -> np.ndarray:
         """Totals of z (n x k, dense or scipy sparse) under every replicate weight (R x k):
@@ -650,26 +847,63 @@ class SurveyDesign:
         return out
 
     def _check_psus(self) -> None:
-        if (self.n_h < 2).any():
+        """lonely_psu="fail": a stratum with a single PSU (not self-representing), or at the
+        second stage a PSU with a single SSU, is an error."""
+        if self.lonely_psu != "fail":
+            return
+        if self._lonely1.any():
             raise DesignError(
-                f"design.strata: strata {self._labels(self.n_h < 2)} of column '{self.strata}' have a "
-                "single PSU; Taylor variance needs >= 2: collapse them with a neighbouring stratum"
+                f"design.strata: strata {self._labels(self._lonely1)} of column '{self.strata}' "
+                "have a single PSU; Taylor variance needs >= 2: collapse them with a neighbouring "
+                "stratum (or set lonely_psu: remove, adjust, average or certainty)"
+            )
+        if self._stage2 and self._lonely2.any():
+            first = first_of(self.g, self.n_psu)[np.flatnonzero(self._lonely2)[:8]]
+            raise DesignError(
+                f"design.ssu: PSUs {self.df[self.psu].iloc[first].tolist()} of column "
+                f"'{self.psu}' have a single SSU ('{self.ssu}') and fpc2 says there are more; the "
+                "second-stage variance needs >= 2 (or set lonely_psu: remove, adjust or certainty)"
             )
 
-    def _psu_variance(self, zt: np.ndarray | sp.csr_matrix) -> np.ndarray:
-        """sum_h n_h/(n_h-1) sum_i (z_hi - zbar_h)^2 from PSU totals zt (PSUs x k, dense or
-        sparse; a sparse zt is summed over its nonzeros, PSUs without them counting as 0)."""
+    def _average_factor(self, stage: int = 1) -> float:
+        """lonely_psu="average": stage 1's sum times H / (H - lonely strata), R's onestage
+        nstrat / nokstrat; at stage 2 each PSU is its own onestage, so a lonely SSU gives NaN."""
+        if self.lonely_psu != "average":
+            return 1.0
+        if stage == 2:
+            return np.nan if self._lonely2.any() else 1.0
+        H, bad = len(self.n_h), int(self._lonely1.sum())
+        return H / (H - bad) if bad < H else np.nan
+
+    def _psu_variance(
+        self, zt: np.ndarray | sp.csr_matrix, st: np.ndarray | sp.csr_matrix | None = None
+    ) -> np.ndarray:
+        """sum_h c_h (s2_h - s1_h^2 / d_h) from PSU totals zt (PSUs x k, dense or sparse; a
+        sparse zt is summed over its nonzeros, PSUs without them counting as 0): s1_h, s2_h the
+        stratum sums of the PSU totals and their squares, c_h = (1-f_h) n_h/(n_h-1), d_h = n_h
+        (stage_constants, lonely_psu). With SSU totals st (two-stage design with fpc) plus
+        the same over the SSUs of each PSU, times f_h = n_h / N_h (R's multistage)."""
         self._check_psus()
-        nh = self.n_h[:, None]
+        var = self._stage_variance(zt, self._S, self._c1, self._d1) * self._average_factor()
+        if st is not None:
+            v2 = self._stage_variance(st, self._S2, self._c2, self._d2)
+            var = var + v2 * self._average_factor(2)
+        return var
+
+    @staticmethod
+    def _stage_variance(
+        zt: np.ndarray | sp.csr_matrix, S: sp.csr_matrix, c: np.ndarray, d: np.ndarray
+    ) -> np.ndarray:
+        """sum_g c_g (s2_g - s1_g^2 / d_g) over the groups of units (S: groups x units) from
+        the units' totals zt (units x k, dense or sparse), clipped at 0."""
         if sp.issparse(zt):
-            s1 = sp.csr_matrix(self._S @ zt)
-            s2 = sp.csr_matrix(self._S @ zt.multiply(zt))
-            d = s2 - sp.diags(1.0 / self.n_h) @ s1.multiply(s1)  # per stratum, as below
-            return np.maximum(np.asarray(d.T @ (self.n_h / (self.n_h - 1.0))).ravel(), 0.0)
-        s1 = np.asarray(self._S @ zt)
-        s2 = np.asarray(self._S @ (zt * zt))
-        nh = self.n_h[:, None]
-        return np.maximum((nh / (nh - 1.0) * (s2 - s1 * s1 / nh)).sum(axis=0), 0.0)
+            s1 = sp.csr_matrix(S @ zt)
+            s2 = sp.csr_matrix(S @ zt.multiply(zt))
+            dev = s2 - sp.diags(1.0 / d) @ s1.multiply(s1)  # per group, as below
+            return np.maximum(np.asarray(dev.T @ c).ravel(), 0.0)
+        s1 = np.asarray(S @ zt)
+        s2 = np.asarray(S @ (zt * zt))
+        return np.maximum((c[:, None] * (s2 - s1 * s1 / d[:, None])).sum(axis=0), 0.0)
 
     def _variance_kind(self, variance: str | None) -> str:
         kind = variance or ("replicate" if self.replicate_weights else "taylor")
@@ -689,8 +923,9 @@ class SurveyDesign:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Estimate, Taylor SE and deff of totals (x None), means (x "ones") or ratios y/x.
 
-        PSU totals of the scores z = w d (y - R x) / X (z = w d y for totals) are sums over runs
-        of records in PSU order (np.add.reduceat), a few variables at a time so every block
+        PSU (or, two-stage with fpc, SSU) totals of the scores z = w d (y - R x) / X (z = w d y
+        for totals) are sums over runs of records in PSU (SSU) order (np.add.reduceat), a few
+        variables at a time so every block
         stays in cache; strata with no domain records still
         count. deff is Kish's with-replacement deff V / (W^2 s2_w / n),
         s2_w = n/(n-1) sum w (u - ubar_w)^2 / W over the domain's n records (svy deff='wr').
@@ -698,13 +933,16 @@ class SurveyDesign:
         idx = self._psu_order
         if domain is not None:
             idx = np.flatnonzero(domain) if idx is None else idx[domain[idx]]
-        g, w = (self.g, self.w) if idx is None else (self.g[idx], self.w[idx])
+        # the units summed: PSUs, or SSUs of a two-stage design with fpc (then PSU totals
+        # are the sums of their SSU totals)
+        codes, units = (self.ssu_code, len(self.ssu_psu)) if self._stage2 else (self.g, self.n_psu)
+        g, w = (codes, self.w) if idx is None else (codes[idx], self.w[idx])
         nd, k = len(w), y.k
         starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
         psu_ids, psu_w = g[starts], np.add.reduceat(w, starts)
         Wd = w.sum()
         est, ss, X = np.empty(k), np.empty(k), np.empty(k)
-        zt = np.zeros((self.n_psu, k))
+        zt = np.zeros((units, k))
         xc = x if isinstance(x, _Columns) else None
 
         def run(a: int, b: int) -> None:  # variables a..b-1
@@ -731,14 +969,17 @@ class SurveyDesign:
             ss[a:b] = np.einsum("ji,ji->j", wc, c)
 
         step = max(1, min(k, (1 << 17) // max(nd, 1)))  # ~1 MB blocks (measured best)
-        if idx is None and xc is None and 50 * len(starts) <= nd:
+        if idx is None and xc is None and 50 * len(starts) <= nd and not self._stage2:
             redo = self._taylor_sorted(y, x, starts, psu_ids, psu_w, est, X, zt, ss)
             for a in np.flatnonzero(redo):  # columns where the one-pass sums cancel: centred path
                 run(int(a), int(a) + 1)
         else:
             for a in range(0, k, step):
                 run(a, min(a + step, k))
-        var = self._psu_variance(zt)
+        if self._stage2:  # zt: the SSU totals; PSU totals z_hi = sum_j z_hij
+            var = self._psu_variance(np.asarray(self._S2 @ zt), zt)
+        else:
+            var = self._psu_variance(zt)
         with np.errstate(divide="ignore", invalid="ignore"):
             srs = Wd * ss / ((nd - 1.0) * np.square(X))  # = W^2 s2_w / n
             deff = var / srs if nd > 1 else np.full_like(var, np.nan)
@@ -959,6 +1200,20 @@ class SurveyDesign:
         return self.w[:, None] * (y - (self.w @ y) / W) / W
 
     # ------------------------------------------------------------ creating replicate weights
+    def _replicates_fpc(self, method: str) -> None:
+        """Replicates of a design with an fpc, as R's as.svrepdesign: bootstrap (R rescales
+        its resampling) and jk1 of several strata refused, brr and fay drop it (a warning)."""
+        if method == "bootstrap":
+            raise DesignError(
+                "with_replicates: bootstrap replicates do not take an fpc here; use jkn"
+            )
+        if method == "jk1" and len(self.n_h) > 1:
+            raise DesignError("with_replicates: jk1 with an fpc needs one stratum; use jkn")
+        if method in ("brr", "fay"):
+            warnings.warn(
+                f"with_replicates: {method} ignores the fpc (as R's as.svrepdesign)", stacklevel=3
+            )
+
     def with_replicates(
         self,
         method: ReplicateMethod,
@@ -967,9 +1222,13 @@ class SurveyDesign:
         n_replicates: int | None = None,
         prefix: str = "rw_",
     ) -> pd.DataFrame:
-        """New replicate weight columns for this design (attrs: method, rho, rscales)."""
+        """New replicate weight columns for this design (attrs: method, rho, rscales). With an
+        fpc, as R's as.svrepdesign: jkn and jk1 (one stratum) rscales times 1 - f_h; brr and
+        fay drop it (a warning); bootstrap (R rescales its resampling) refuses it."""
         if self.strata is None and method in ("brr", "fay"):
             raise DesignError(f"{method} replicate weights need strata")
+        if self.N_h is not None:
+            self._replicates_fpc(method)
         w = self.w
         G, H = self.n_psu, len(self.n_h)
         if method == "jkn":
@@ -986,10 +1245,14 @@ class SurveyDesign:
                 f[rows, starts[hh] : starts[hh + 1]] = self.n_h[hh] / (self.n_h[hh] - 1.0)
             f[np.arange(self.n), self.g] = 0.0
             rscales = (self.n_h[self.psu_h] - 1.0) / self.n_h[self.psu_h]
+            if self.N_h is not None:  # R's jknweights: (1 - f_h) (n_h - 1) / n_h
+                rscales = self._q1[self.psu_h] * rscales
         elif method == "jk1":
             f = np.full((self.n, G), G / (G - 1.0))
             f[np.arange(self.n), self.g] = 0.0
             rscales = np.full(G, (G - 1.0) / G)
+            if self.N_h is not None:  # R's jk1weights: (1 - f) (n - 1) / n
+                rscales = self._q1[0] * rscales
         elif method in ("brr", "fay"):
             if (self.n_h != 2).any():
                 raise DesignError(

@@ -162,12 +162,35 @@ class DesignSection(_Strict):
     # the weights sum to the sample size (or to 1), not to the population: declared, the release
     # goes on (the log-linear risk then takes the sample for the population); else an error
     weights_normalised: bool = False
+    # finite population correction and two-stage variance, as R's svydesign(id=~psu+ssu,
+    # fpc=~fpc+fpc2): fpc the PSUs in the stratum's population (or the sampling fraction when
+    # every value is <= 1), ssu the second-stage unit (nested in psu), fpc2 the SSUs in the
+    # PSU's population; lonely_psu R's survey.lonely.psu for a stratum with a single PSU
+    fpc: str | None = None
+    ssu: str | None = None
+    fpc2: str | None = None
+    lonely_psu: Literal["fail", "remove", "adjust", "average", "certainty"] = "fail"
 
     @model_validator(mode="after")
     def _segment_in_psu(self) -> DesignSection:
         if self.segment is not None and self.psu is None:
             raise ValueError(
                 "segment needs psu: segments are nested in PSUs; name the psu column or drop segment"
+            )
+        if self.ssu is not None and self.psu is None:
+            raise ValueError(
+                "ssu needs psu: second-stage units are nested in PSUs; name the psu column or "
+                "drop ssu"
+            )
+        if self.fpc2 is not None and self.ssu is None:
+            raise ValueError(
+                "fpc2 needs ssu: it counts the second-stage units of a PSU; name the ssu column "
+                "or drop fpc2"
+            )
+        if self.fpc2 is not None and self.fpc is None:
+            raise ValueError(
+                "fpc2 needs fpc: without the first-stage fpc the PSUs are ultimate clusters and "
+                "fpc2 changes nothing; name the fpc column or drop fpc2"
             )
         return self
 
