@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from sdl_design import blocksum
+from sdl_design.blas import single_blas_thread
 from sdl_design.blocksum import BlockAccumulator, BlockPartial, combine_local
 from sdl_design.calibration import (
     CalibrationInfeasible,
@@ -708,6 +709,7 @@ def _design_of(keys: np.ndarray, plan: CalibrationPlan, creq, cols: ProfileColum
     return profile_design(codes, margins)
 
 
+@single_blas_thread()  # as the in-memory stage runs (sdl_design.blas)
 def calibrate_by_partition(
     plan: CalibrationPlan,
     creq: CalibrationRequest,

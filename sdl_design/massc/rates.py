@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import minimize
 
+from sdl_design.blas import single_blas_thread
 from sdl_design.massc.common import MasscError, MasscInfeasible
 from sdl_design.massc.moments import ZMoments
 
@@ -124,11 +125,14 @@ def optimal_phi(
     return _solve(pr, g, jac_g, f, df, beta, phi_min, phi_max, 1.0, False, "(8b) variance")
 
 
+@single_blas_thread()  # the same rates whatever the caller's BLAS threads (sdl_design.blas)
 def _solve(pr: _Problem, g, jac_g, f, df, bound, lo, hi, none, increasing, name) -> Rates:
     """Minimize f under max g <= bound in the box [lo, hi] for the strata with a_h > 0 (the
     others are fixed at `none`, no treatment). f is monotone towards the constraint's bad side,
     so the cheapest corner is tried first, then a 1-D monotone search on the ray to the safe
-    corner gives a feasible start for SLSQP (over the free strata)."""
+    corner gives a feasible start for SLSQP (over the free strata). On one BLAS thread: SLSQP's
+    BLAS/LAPACK calls (scipy's OpenBLAS) give other last bits on two threads or more, and the
+    rates are solved in a release stage (one thread) and on the partitioned driver (any)."""
     labels, keep = pr.labels, pr.keep
     on = pr.a > 0
     cheap, safe = (hi, lo) if increasing else (lo, hi)
