@@ -12,16 +12,15 @@ import pandas as pd
 import scipy.linalg
 import scipy.sparse as sp
 
+from sdl_design.design_base import DesignError, take_rows
+from sdl_design.quantiles import Quantiles
+
 ReplicateMethod = Literal["brr", "fay", "jk1", "jkn", "sdr", "bootstrap"]
 METHODS = ("brr", "fay", "jk1", "jkn", "sdr", "bootstrap")
 # R survey's options(survey.lonely.psu=...): what a stratum with a single PSU contributes
 LonelyPSU = Literal["fail", "remove", "adjust", "average", "certainty"]
 LONELY_PSU = ("fail", "remove", "adjust", "average", "certainty")
 SELF_REPRESENTING = 1e-7  # 1 - n/N below this: a census stratum, no variance (R's onestrat)
-
-
-class DesignError(ValueError):
-    """The design does not fit the data; the message names the column and the fix."""
 
 
 def resolve_replicates(columns: Sequence[str], given: str | Sequence[str]) -> list[str]:
@@ -146,18 +145,6 @@ def pair_replicate_totals(
     for c in np.flatnonzero(np.diff(bounds)):
         a, b = bounds[c], bounds[c + 1]
         out[:, c, :] = F[grp[a:b]].T @ S[a:b]
-    return out
-
-
-def take_rows(W: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """W[rows] for a Fortran-ordered W (records x replicates) as a Fortran array, gathered a
-    column at a time: numpy's row gather reads every row's R values n apart (a cache miss
-    each: 77 s for the replicate cell totals of 5M records), a column gather streams."""
-    if not W.flags.f_contiguous:
-        return np.asfortranarray(W[rows])
-    out = np.empty((len(rows), W.shape[1]), order="F")
-    for j in range(W.shape[1]):
-        np.take(W[:, j], rows, out=out[:, j])
     return out
 
 
@@ -366,7 +353,7 @@ def stage_constants(
     return c, d, lonely
 
 
-class SurveyDesign:
+class SurveyDesign(Quantiles):
     """A stratified multistage design: Taylor linearization with with-replacement PSUs within
     strata, or replicate variance when replicate weights are given (a list of columns or a glob
     such as "rw_*"). PSU labels are nested in strata. No strata: one stratum; no psu: each
