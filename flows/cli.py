@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from flows.manifest import Manifest
     from sdl_design.spec import ReleaseSpec
+    from sdl_design.stage import StageResult
 
 DEFAULT_SPEC = "default_spec.yaml"
 # errors of writing the output (exit 3): permission, read-only, file size limit, disk full
@@ -224,11 +225,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    return _run(args.spec, args.approve, args.year, args.runner, args.dask_address, args)
+    """The release: in memory, or with --partitions N a partition at a time (the same public
+    files, byte for byte)."""
+    if args.partitions is None:
+        return _run(args.spec, args.approve, args.year, args.runner, args.dask_address, args)
+    if args.year is not None:
+        print(
+            "puf: --year: a run by partition releases the spec's release.year; set it in the "
+            "spec, or drop --partitions",
+            file=sys.stderr,
+        )
+        return 2
+    args.publish, args.out = True, None
+    return cmd_partitioned(args)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """Dry run: the spec, the data and every enabled stage's preconditions, nothing treated."""
+    """Dry run: the spec, the data and every enabled stage's preconditions, nothing treated;
+    with --partitions N the input read a partition at a time (`puf scan`)."""
+    if args.partitions is not None:
+        return cmd_scan(args)
     from expectations.suites import validate_edits
     from sdl_design.spec import load_spec, seed_warnings
     from sdl_design.stages import build_stages
@@ -332,118 +348,28 @@ def _print_partitioned_summary(
         f"  input       : {int(sc['edits']['passed'].sum())} of {len(sc['edits'])} edit rules "
         f"hold; risk strata {strata} (scan/)"
     )
-    st = out["stages"]
-    for name, lines in _STAGE_SUMMARIES:
-        if name in st:
-            lines(st[name])
-    _print_se_ratios(st)
-    if "stopped_before" in st:
-        print(f"  stopped before {st['stopped_before']}: it has no partitioned path yet")
+    from sdl_design.stages import described
+
+    results = list(out["stages"].values())
+    for cls, result in described(results):
+        for line in cls.summary_lines(result):
+            print(line)
+    _print_se_ratios(results)
+    if out["stopped_before"]:
+        print(f"  stopped before {out['stopped_before']}: it has no partitioned path yet")
     else:
         _print_public_files(out, manifest)
 
 
-def _print_swap(sw: dict[str, Any]) -> None:
-    """The swap's line: segment pairs swapped."""
-    print(
-        f"  swap        : {sw['n_pairs']} segment pairs swapped ({sw['share_swapped']:.1%} "
-        f"of {sw['n_segments']} segments); pairs in internal/swap/pairs.csv (confidential)"
-    )
-
-
-def _print_prb(p: dict[str, Any]) -> None:
-    """PRB's line: records changed, the largest identification risk."""
-    print(
-        f"  prb         : {int(p['n_changed'])} of {int(p['n_units'])} singleton/doubleton "
-        f"records changed; max identification risk {p['max_risk']:.4f}"
-    )
-
-
-def _print_massc(m: dict[str, Any]) -> None:
-    """MASSC's lines: donors and rates, substitution and subsampling, the calibration, the
-    empirical epsilon when measured."""
-    strata = ", ".join(f"{h} {n}" for h, n in m["strata"].items())
-    print(
-        f"  massc       : {m['n_with_donor']} records have a donor ({m['n_profiles']} "
-        "search profiles); the substituted values in internal/massc/donors/ (confidential); "
-        f"risk strata {strata}; moments of eq. 8a in massc/moments.csv; psi "
-        + ", ".join(f"{h} {p:.4g}" for h, p in m["psi"].items())
-        + " (massc/rates.csv)"
-    )
-    print(
-        f"                {m['n_substituted']} records substituted, "
-        f"{m['n_subsampled_out']} sampled out; phi "
-        + ", ".join(f"{h} {p:.4g}" for h, p in m["phi"].items())
-        + f"; delta {m['delta']:.4f} after {m['n_delta_revisions']} revision(s)"
-    )
-    dropped = int(m.get("calibration_domains_dropped", 0))
-    print(
-        f"                calibrated: {m['calibration_factor_min']:.3f} to "
-        f"{m['calibration_factor_max']:.3f} x the weight / phi; "
-        f"{int(m.get('calibration_domains_kept', 0))} domain margin(s) kept, {dropped} "
-        f"dropped; weight total {m['weight_sum_ratio']:.6f} x the input's; the retained "
-        "records in massc/data/ (massc/calibration_domains.csv, weight_factors.csv)"
-    )
-    if "epsilon_empirical" in m:
-        print(
-            f"                epsilon {m['epsilon']:.4f}: formula (eq. 7) "
-            f"{m['epsilon_formula']:.4f}, empirical {m['epsilon_empirical']:.4f} over "
-            f"{int(m['n_replications'])} replications of the whole treatment "
-            "(massc/epsilon_replications.csv)"
-        )
-
-
-def _print_topcode(tc: dict[str, Any]) -> None:
-    """Top-coding's line: each column's threshold and the records coded."""
-    t = tc["tables"]["thresholds"]
-    print(
-        "  topcode     : "
-        + "; ".join(
-            f"{r.column} {r.side} at {r.threshold:,.6g} ({int(r.n_coded)} records)"
-            for r in t.itertuples()
-        )
-        + " (topcode/thresholds.csv)"
-    )
-
-
-def _print_assess(a: dict[str, Any]) -> None:
-    """The assessment's lines: its gates, then utility and risk of the published records."""
-    print(f"  assess gates: {int(a['gates_passed'])} of {int(a['gates'])} pass (assess/gates.csv)")
-    print(
-        f"  assess      : {int(a['n_estimates'])} domain estimates of the published "
-        f"records against the input's ({int(a['n_reliable'])} reliable): median CI "
-        f"overlap {a.get('overlap_median', float('nan')):.3f}, "
-        f"{a['share_abs_std_bias_gt2']:.1%} more than 2 SEs off, epsilon "
-        f"{a['epsilon_published']:.4f} (assess/domain_estimates.csv); "
-        f"{a.get('reid_share_worst', a['reid_share']):.2%} of the original sample "
-        "uniques re-identified (worst attack), "
-        f"{a['unique_share_published']:.2%} sample uniques published; smallest CI "
-        f"overlap of a model coefficient {a.get('model_overlap_min', float('nan')):.3f} "
-        f"; {a.get('psu_recoverable', 0.0):.1%} of the original PSUs recoverable from "
-        f"the replicate weights; delta {a['delta_published']:.4f}; pMSE ratio "
-        f"{a['pmse_ratio']:.3f}"
-    )
-
-
-# the stages with a summary of their own, in the order their lines are printed
-_STAGE_SUMMARIES: tuple[tuple[str, Callable[[dict[str, Any]], None]], ...] = (
-    ("swap", _print_swap),
-    ("prb", _print_prb),
-    ("massc", _print_massc),
-    ("topcode", _print_topcode),
-    ("assess", _print_assess),
-)
-
-
-def _print_se_ratios(st: dict[str, Any]) -> None:
+def _print_se_ratios(results: list[StageResult]) -> None:
     """Per stage with an SE table, the SE ratios against the input (Taylor, then replicate)."""
-    for name, res in st.items():
-        se = res["tables"].get("se_ratios") if isinstance(res, dict) else None
+    for res in results:
+        se = res.tables.get("se_ratios")
         for col, kind in (("ratio", "Taylor"), ("ratio_rep", "replicate")):
             if se is not None and col in se.columns:
                 r = se[col].dropna()
                 print(
-                    f"  SE ratio    : after {name}, median {r.median():.3f} ({r.min():.3f}-"
+                    f"  SE ratio    : after {res.name}, median {r.median():.3f} ({r.min():.3f}-"
                     f"{r.max():.3f}) over {len(r)} estimates against the input ({kind})"
                 )
 
@@ -452,7 +378,6 @@ def _print_public_files(out: dict[str, Any], manifest: Manifest | None) -> None:
     """The public files' line: where they are, the gates, what was not measured."""
     from flows.scan import REFUSED
 
-    left = out["stages"].get("not_measured", [])
     pub = out["public_files"]
     d = REFUSED if pub["gates_failed"] and manifest is None else "puf"
     print(
@@ -461,8 +386,7 @@ def _print_public_files(out: dict[str, Any], manifest: Manifest | None) -> None:
         f"({pub['seconds']:.1f} s); gates: "
         f"{pub['gates_passed']} of {pub['gates']} pass (gates.csv"
         + (f"; failed: {'; '.join(pub['gates_failed'])}" if pub["gates_failed"] else "")
-        + "); every stage that changes the records ran by partition"
-        + (f"; not measured: {', '.join(left)}" if left else "")
+        + "); every stage ran by partition"
     )
 
 
@@ -474,7 +398,7 @@ def _partitioned_outcome(
     from flows.scan import REFUSED
     from sdl_design.spec import load_spec
 
-    st = out["stages"]
+    stopped = out["stopped_before"]
     if manifest is not None:
         from flows.publish import release_dir
 
@@ -484,14 +408,14 @@ def _partitioned_outcome(
             f"{manifest.approval.approver or 'nobody: not required'}) to "
             f"{release_dir(spec)}/public"
         )
-    elif "stopped_before" not in st and out["public_files"]["gates_failed"]:
+    elif not stopped and out["public_files"]["gates_failed"]:
         print(
             f"puf: release gates failed; nothing may be published (the files are in "
             f"{out['folder']}/{REFUSED}): {'; '.join(out['public_files']['gates_failed'])}",
             file=sys.stderr,
         )
         return 1
-    elif "stopped_before" not in st:
+    elif not stopped:
         publish = _command(args, add=["--publish", "--approve", "NAME"], drop=["--out"])
         print(f"  not published: `{publish}` publishes it")
     return 0
@@ -510,7 +434,7 @@ def cmd_scan(args: argparse.Namespace) -> int:
             f"{out['seconds']:.1f} s"
         )
         print(f"  risk strata : {strata} records ({len(out['profiles'])} key profiles)")
-        risk = dict(zip(out["risk"]["metric"], out["risk"]["value"], strict=True))
+        risk = dict(zip(out["key_risk"]["metric"], out["key_risk"]["value"], strict=True))
         if "tau1" in risk:
             print(f"  log-linear  : tau1 {risk['tau1']:.2f}, tau2 {risk['tau2']:.2f}")
         if "mean_score" in risk:
@@ -796,13 +720,27 @@ def _release_parsers(sub: argparse._SubParsersAction) -> None:
         "--approve", metavar="NAME", default=None, help="approve as NAME (scripted runs)"
     )
     r.add_argument("--year", type=int, default=None, help="override release.year")
+    r.add_argument(
+        "--partitions",
+        type=int,
+        default=None,
+        help="run a partition at a time, about N partitions (the same public files)",
+    )
     _runner_opts(r)
     r.set_defaults(func=cmd_run)
 
     v = sub.add_parser(
         "validate", help="check a spec and the edit rules on its input, no treatment"
     )
+    v.add_argument(
+        "--partitions",
+        type=int,
+        default=None,
+        help="read the input a partition at a time (as `puf scan`): edit rules, risk strata, SEs",
+    )
+    v.add_argument("--out", default=None, help="with --partitions: folder for the tables")
     v.add_argument("spec")
+    _runner_opts(v)
     v.set_defaults(func=cmd_validate)
 
 
@@ -810,17 +748,16 @@ def _partition_parsers(sub: argparse._SubParsersAction) -> None:
     """scan and partitioned: the input a partition at a time."""
     sc = sub.add_parser(
         "scan",
-        help="read the input a partition at a time (on Dask with --runner dask): edit rules, "
-        "risk strata and the SEs of the study variables, nothing treated",
+        help="= validate --partitions: the input a partition at a time (on Dask with --runner "
+        "dask): edit rules, risk strata and the SEs of the study variables, nothing treated",
     )
     _partition_opts(sc, "folder for the tables (default: beside the release)")
     sc.set_defaults(func=cmd_scan)
 
     pa = sub.add_parser(
         "partitioned",
-        help="the release stages that have a partitioned path (swap, PRB, MASSC, top-coding), a "
-        "partition at a time (on Dask with --runner dask): the records after each stage as "
-        "Parquet files, then the public data files (puf/puf.parquet, puf/puf.csv; not published)",
+        help="the release a partition at a time, not published (with --publish: = run "
+        "--partitions): the records after each stage as Parquet files, then the public files",
     )
     _partition_opts(pa, "folder for each stage's records and tables (default: beside the release)")
     pa.add_argument(

@@ -37,10 +37,9 @@ from flows.release import (
     close_attempt,
     publish_gated,
 )
-from flows.scan import MEASURED, run_partitioned, stage_results
+from flows.scan import run_partitioned
 from flows.txn import PARTITIONED, Transaction
 from sdl_design.io import file_digest
-from sdl_design.partition import input_columns
 from sdl_design.spec import ReleaseSpec, SpecError, load_spec
 from sdl_design.stage import StageResult
 
@@ -56,51 +55,6 @@ def input_digest(path: str | Path) -> str:
     for f in sorted(path.glob("*.parquet")):
         h.update(f"{f.name}:{file_digest(f)}\n".encode())
     return h.hexdigest()
-
-
-def measured_results(spec: ReleaseSpec, out: dict[str, Any]) -> list[StageResult]:
-    """The partitioned run's StageResults for the record: the risk stage's (from the scan),
-    every stage's (flows.scan.stage_results), the final stage's and the assessment's with
-    their tables, in release order."""
-
-    st = out["stages"]
-    folder = Path(out["folder"])
-    last = [k for k in st if isinstance(st[k], dict) and (folder / k / "data").exists()]
-    columns = (
-        input_columns(folder / last[-1] / "data") if last else input_columns(spec.release.input)
-    )
-    built = {r.name: r for r in stage_results(spec, st, columns)}
-    scan = out["scan"]
-    risk = scan["risk"]  # the risk stage's metrics, made by the scan
-    results = [
-        StageResult(
-            "risk",
-            None,
-            metrics=dict(zip(risk["metric"], risk["value"].astype(float), strict=True)),
-            tables={"risk_strata": scan["risk_strata"]},
-        )
-    ]
-    for name, res in st.items():
-        if name not in built and not isinstance(res, dict):
-            continue  # (what the run noted: not measured, stopped before)
-        if name in MEASURED:  # measures of the records: their tables with their metrics
-            r = built.get(name) or StageResult(name, None, metrics=_numbers(res))
-            r.tables = dict(res["tables"])
-            r.notes = list(res.get("notes", r.notes))
-            r.report_tables = list(res.get("report_tables", []))
-            r.se_ratio_table = res.get("se_ratio_table")
-            results.append(r)
-        elif name in built:
-            results.append(built[name])
-    return results
-
-
-def _numbers(res: dict[str, Any]) -> dict[str, float]:
-    return {
-        k: float(v)
-        for k, v in res.items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and k != "seconds"
-    }
 
 
 def _move_public(puf: Path, public: Path) -> dict[str, str]:
@@ -160,12 +114,12 @@ def publish_partitioned(
             if out["public_files"] is None:
                 raise SpecError(
                     [
-                        f"stages: {out['stages'].get('stopped_before')} has no partitioned path; "
+                        f"stages: {out['stopped_before']} has no partitioned path; "
                         "publish this spec with the release flow (`puf run`)"
                     ]
                 )
             t0 = steps.start("gates")
-            results = measured_results(spec, out)
+            results = list(out["stages"].values())
             _absorb(manifest, results, out)
             gates = pd.read_csv(work / "gates.csv", keep_default_na=False, na_values=[""])
             manifest.set_gates(gates)

@@ -29,7 +29,6 @@ import scipy.sparse as sp
 from scipy.stats import norm
 
 from sdl_design.attack import IntruderKey, attack_battery, intruder_key
-from sdl_design.describe import Describes
 from sdl_design.design import (
     DesignError,
     SurveyDesign,
@@ -50,12 +49,11 @@ from sdl_design.glm import (
     term_levels,
     weighted_gram,
 )
-from sdl_design.keys import bin_codes, bin_labels, coarsen, publish_coding
+from sdl_design.keys import bin_codes, bin_labels, coarsen
 from sdl_design.leaks import psu_recoverable
 from sdl_design.massc.measures import delta_measures
-from sdl_design.plots import estimate_plots
 from sdl_design.spec import KeySpec, ReleaseSpec
-from sdl_design.stage import StageResult, gate
+from sdl_design.stage import gate
 
 Variance = Literal["taylor", "replicate"]
 DomainArg = str | Sequence[str]
@@ -1107,63 +1105,6 @@ def column_record(spec: ReleaseSpec, ctx: Any, published: list[str]) -> dict[str
         if not str(c).startswith("__"):
             roles.setdefault(role_of.get(c, "other, kept"), []).append(str(c))
     return {"published_columns": roles, "dropped_columns": dropped}
-
-
-class AssessStage(Describes):
-    """Stage: the file that would be published (the working frame without the columns that are
-    never published, read with its published design) against the original; analytic-validity
-    and risk gates on it. Nothing here is a value a treatment set itself."""
-
-    name = "assess"
-    replications = 0
-    reads_only = True  # measures the frame: the flow may run it beside its neighbours
-    assesses = True
-
-    def __init__(self, spec: ReleaseSpec):
-        self.spec = spec
-
-    @classmethod
-    def from_spec(cls, spec: ReleaseSpec) -> AssessStage:
-        return cls(spec)
-
-    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
-
-        spec = self.spec
-        # the file as published: its columns, every coded key in its published coding
-        released = publish_coding(df[ctx.published(list(df.columns))], spec.variables.keys)
-        pdesign = ctx.public_design()
-        a = assess(ctx.original, released, spec, design_released=pdesign)
-        a.params.update(column_record(spec, ctx, list(released.columns)))
-        m = dict(a.metrics)
-        # risk of the published file whatever stages ran: the intruder's attacks on it record
-        # by record, and MASSC's delta of the published records against the original keys
-        attacks, key = published_attacks(ctx.original, released, spec, pdesign, ctx.masked_design)
-        m |= attacks
-        a.params["intruder_key"] = key.describe()
-        m |= published_delta(ctx.original, released, spec)
-        m["epsilon_published"] = _epsilon_published(a.domain_estimates)
-        if ctx.masked_design or not spec.design.publish_design_labels:
-            # (original labels published on purpose: the zero patterns tell nothing more)
-            m.update(_psu_leak(released, ctx.original, spec, pdesign))
-        worst = a.worst(20)
-        return StageResult(
-            name=self.name,
-            data=df,
-            params=a.params,
-            metrics=m,
-            tables={**a.tables, "worst_estimates": worst, "attacks": attacks.table},
-            report_tables=["attacks", "worst_estimates", "model_coefficients"],
-            section="Analytic validity and risk of the published file",
-            gates=assessment_gates(
-                m,
-                spec,
-                _worst_text(worst),
-                _worst_terms(a.model_coefficients),
-                _worst_se_text(a.domain_estimates),
-            ),
-            figures=estimate_plots(a.domain_estimates, a.model_coefficients),
-            notes=_notes(m, worst),
-        )
 
 
 class Attacks(dict):

@@ -115,6 +115,11 @@ class Describes:
         return None
 
     @classmethod
+    def summary_lines(cls, result: StageResult) -> list[str]:
+        """The lines the command line prints of this stage's result (a run by partition)."""
+        return []
+
+    @classmethod
     def tunables(cls, spec: ReleaseSpec, original: pd.DataFrame | None) -> list[Tunable]:
         """The settings of this stage the tuner may vary, each with levels around the spec's
         own (original: the original file, None when it is not at hand)."""

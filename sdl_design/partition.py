@@ -69,11 +69,11 @@ from sdl_design.prb import (
     EDIT_HINT,
     TRANSITION_COLUMNS,
     PrbRequest,
-    PrbStage,
     _partition_codes,
     block_flows,
     block_risk,
     m0,
+    prb_cells,
     prb_draws,
     prb_frames,
     prb_request,
@@ -974,13 +974,12 @@ def se_ratio_rows(original: pd.DataFrame, masked: pd.DataFrame) -> pd.DataFrame:
 def prb_stage_request(spec: ReleaseSpec) -> tuple[PrbRequest, Any]:
     """The spec's PRB request (as PrbStage asks post_randomize) and its stages.prb section."""
 
-    stage = PrbStage.from_spec(spec)
-    if stage is None:
+    st = spec.stages.active("prb")
+    if st is None:
         raise PartitionError("stages.prb: the spec has no active PRB stage; enable it")
-    st = stage.section
     declared = spec.utility.domain_list(spec.variables.key_names)
     req = prb_request(
-        st.variables, spec.design.weight, st.partition, st.method, stage.cells(), declared
+        st.variables, spec.design.weight, st.partition, st.method, prb_cells(spec, st), declared
     )
     return req, st
 

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from sdl_design.describe import REPLICATES, Describes
 from sdl_design.design import DesignError, SurveyDesign
 from sdl_design.spec import SpecError
 from sdl_design.stage import StageResult
@@ -311,66 +310,6 @@ def pseudo_summary(
         "(no original PSU can be read off the pseudo labels or the replicate zero patterns).",
     ]
     return params, metrics, notes
-
-
-class PseudoDesignStage(Describes):
-    """Stage: when no earlier stage masked the design (ctx.masked_design) and the spec does not
-    publish the original labels, the public file gets pseudo strata, pseudo PSUs and replicate
-    weights built from them (design.pseudo); the original labels never leave."""
-
-    name = "pseudo_design"
-    replications = 0
-
-    @classmethod
-    def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
-        return pseudo_public_method(result, des) if result.masks_design else []
-
-    @classmethod
-    def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
-        if not result.masks_design:
-            return {}
-        label = f"pseudo-design label built by the {cls.name} stage"
-        out = {c: [label] for c in dict.fromkeys((des["strata"], des["psu"])) if c}
-        return {**out, REPLICATES: [f" built by the {cls.name} stage"]}
-
-    def __init__(self, spec: Any):
-        self.spec = spec
-
-    @classmethod
-    def from_spec(cls, spec: Any) -> PseudoDesignStage | None:
-        d = spec.design
-        if not d.pseudo.enabled or d.publish_design_labels:
-            return None
-        return cls(spec)
-
-    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
-
-        if ctx.masked_design:
-            return StageResult(
-                name=self.name,
-                data=df,
-                params={"built": False},
-                notes=["The design was masked by an earlier stage: no pseudo design built."],
-            )
-        spec = self.spec
-        d = spec.design
-        data, pdes, public = pseudo_frame(df, spec, ctx.rng(self.name))
-        m = pdes.psus_per_stratum
-        if d.psu:  # original PSUs nested in strata; else each record its own PSU
-            nest = [df[d.strata], df[d.psu]] if d.strata else [df[d.psu], df[d.psu]]
-            orig_psu = pd.factorize(pd.MultiIndex.from_arrays(nest))[0]
-        else:
-            orig_psu = np.arange(len(df))
-        purity = psu_purity(orig_psu, pdes.stratum.astype(np.int64) * (m + 1) + pdes.psu)
-        params, metrics, notes = pseudo_summary(pdes, public, purity)
-        return StageResult(
-            name=self.name,
-            data=data,
-            params=params,
-            metrics=metrics,
-            notes=notes,
-            masks_design=True,
-        )
 
 
 def pseudo_public_method(res: StageResult, des: dict[str, Any]) -> list[str]:

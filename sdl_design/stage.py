@@ -116,6 +116,9 @@ class StageResult:
     se_ratio_table: str | None = None  # the table of SE ratios the registry keeps, if any
     masks_design: bool = False  # the published strata/PSU are pseudo labels made by this stage
     section: str | None = None  # a title: the report shows this result as a section of its own
+    # what a run by partition records of the stage beyond its metrics (files written, rates
+    # by stratum): run.json
+    facts: dict[str, Any] = field(default_factory=dict)
 
 
 class StageContext:

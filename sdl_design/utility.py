@@ -9,12 +9,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from sdl_design.describe import Describes
 from sdl_design.design import DEFF_CLASSES, SurveyDesign, deff_class, design_columns
-from sdl_design.keys import key_frame, key_levels
-from sdl_design.risk import risk_strata
+from sdl_design.keys import key_levels
 from sdl_design.spec import KeySpec
-from sdl_design.stage import StageResult
 
 if TYPE_CHECKING:
     from sdl_design.spec import KeySpec
@@ -398,72 +395,6 @@ def se_ratio_merge(o: pd.DataFrame, m: pd.DataFrame) -> pd.DataFrame:
         out["ratio_rep"] = out["se_masked_rep"] / out["se_original_rep"]
     out["deff_class"] = deff_class(out["deff"]).astype(str).to_numpy()
     return out
-
-
-class FinalStage(Describes):
-    """Stage: SE of every characteristic on the released file (its own published design) over
-    the original SE, and the key uniques before and after treatment."""
-
-    keeps_se_ratios = True
-    name = "final"
-    replications = 0
-    reads_only = True  # measures the frame: the flow may run it beside its neighbours
-
-    def __init__(self, spec: Any):
-        self.spec = spec
-
-    @classmethod
-    def from_spec(cls, spec: Any) -> FinalStage:
-        return cls(spec)
-
-    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
-
-        spec, original = self.spec, ctx.original
-        exclude = [*se_exclude(spec), *spec.variables.other.drop]
-        # the released file's design (validated here); only its columns are kept, so that its
-        # replicate matrix is gone before the SE table builds its own
-        pub = design_columns(SurveyDesign.from_spec(df, ctx.public_design()))
-        doms = spec.variables.keys[:2]
-        # the original side as the swap computed it (other.drop's variables, not released,
-        # fall out of the match with the released side)
-        original_se = original_se_table(ctx, se_exclude(spec))
-        chars_released = broad_characteristics(df, design=pub, exclude=exclude, domains=doms)
-        out = se_ratio_table(
-            original,
-            df,
-            design_columns(ctx.design),
-            pub["replicate_weights"],
-            chars_released,
-            pub["method"],
-            pub["rho"],
-            chars_masked=chars_released,
-            masked_design=pub,
-            original_se=original_se,
-        )
-        keys = spec.variables.keys
-        before = (risk_strata(original, keys) == "U").mean()
-        after = (risk_strata(df, keys) == "U").mean()
-        common = df.index.intersection(original.index)
-        names = [k if isinstance(k, str) else k.name for k in keys]  # only the keys are taken
-        changed = (
-            key_frame(df.loc[common, names], keys) != key_frame(original.loc[common, names], keys)
-        ).any(axis=1)
-        metrics, notes = final_measures(
-            out,
-            float(before),
-            float(after),
-            float(changed.mean()) if len(common) else 0.0,
-            len(df) / len(original),
-        )
-        return StageResult(
-            name=self.name,
-            data=df,
-            metrics=metrics,
-            tables=final_tables(out),
-            report_tables=["se_ratio_summary", "se_ratios"],
-            se_ratio_table="se_ratios",
-            notes=notes,
-        )
 
 
 def final_tables(out: pd.DataFrame) -> dict[str, pd.DataFrame]:

@@ -218,3 +218,15 @@ MINI_SPEC = {
     "edits": [{"rule": "between", "column": "age", "min": 0, "max": 120}],
     "stages": {"prb": {"xi": 0.395, "variables": ["age", "sex"]}},
 }
+
+
+def flat(result) -> dict:
+    """A stage's result by partition as one dict: its metrics and facts (files written, rates
+    by stratum), params, notes and tables."""
+    return {
+        **result.metrics,
+        **result.facts,
+        "params": result.params,
+        "notes": result.notes,
+        "tables": result.tables,
+    }

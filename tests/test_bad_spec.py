@@ -203,8 +203,8 @@ def test_sensitivity_labels_one_spelling(demo, tmp_path, capsys):
     stage alike, with the same scores as 1/0."""
     from conftest import run_stage
 
-    from sdl_design.risk import RiskStage
     from sdl_design.spec import load_spec
+    from sdl_design.stages.risk import RiskStage
 
     def text_labels(data, df):
         data["variables"]["sensitive"][0]["sensitivity"] = {"1.0": 1.0, "0.0": 0.0}

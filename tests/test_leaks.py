@@ -377,7 +377,7 @@ def test_zero_patterns_match_a_sort_of_the_rows():
 def test_psu_gate_fails_when_original_replicates_are_published(survey):
     """Swap off: the original JKn replicates go out and each record's zero replicate names its
     PSU: every PSU recoverable, the gate fails (the default spec with the swap: the BLAS test)."""
-    from sdl_design.assess import AssessStage
+    from sdl_design.stages.assess import AssessStage
 
     spec = spec_with(**{"stages.swap.enabled": False})
     res = AssessStage.from_spec(spec).run(survey, StageContext(survey, spec, "assess"))

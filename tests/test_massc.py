@@ -403,8 +403,9 @@ def test_replications_same_in_chunks_as_direct(survey, request):
 
     from flows.release import _replications
     from sdl_design.blas import single_blas_thread
-    from sdl_design.massc.stage import MasscStage, massc_replications
+    from sdl_design.massc.stage import massc_replications
     from sdl_design.stage import StageContext
+    from sdl_design.stages.massc import MasscStage
     from tasks.stage import prepare_replications
 
     spec, df = survey

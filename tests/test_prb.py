@@ -179,8 +179,8 @@ def test_task_gate_and_edit_failure():
     from conftest import run_stage
 
     from sdl_design.edits import EditFailure
-    from sdl_design.prb import PrbStage
     from sdl_design.spec import load_spec
+    from sdl_design.stages.prb import PrbStage
 
     spec = load_spec(DEFAULT_SPEC)
     survey = make_survey(n_persons=4000, seed=11)  # the weighted-count SEs cost ~ records
@@ -382,7 +382,7 @@ def test_stage_cells_on_published_keys_and_declared_domains(survey):
     from conftest import run_stage
     from helpers import county_key_spec
 
-    from sdl_design.prb import PrbStage
+    from sdl_design.stages.prb import PrbStage
 
     spec = county_key_spec()
     spec.utility = UtilitySection(domains=["age", "sex", "race", ["age", "sex"]])

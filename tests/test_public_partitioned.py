@@ -18,7 +18,7 @@ from flows.public_files import (
     write_public_by_partition,
     write_public_files,
 )
-from flows.scan import _mapper
+from sdl_design.engine.exchange import mapper
 from sdl_design.io import parquet_options, read_input
 from sdl_design.partition import plan_partitions
 from sdl_design.spec import load_spec
@@ -66,7 +66,7 @@ def test_public_files_by_partition_are_the_release_writers_bytes(
     built = design_columns(spec.design, cols)
     parts = plan_partitions(spec.release.input, 7)
     assert len(parts) == 7
-    with _mapper("thread", None, 1, "partitioned") as run_map:
+    with mapper("thread", None, 1, "partitioned") as run_map:
         got = write_public_by_partition(
             run_map, parts, spec, cols, masked, drop, built, tmp_path / "puf", rows
         )
@@ -124,7 +124,7 @@ def test_readme_and_codebook_by_partition_are_the_release_writers_bytes(
     masked, drop = True, ["segment"]
     built = design_columns(spec.design, cols)
     parts = plan_partitions(spec.release.input, 7)
-    with _mapper("thread", None, 1, "partitioned") as run_map:
+    with mapper("thread", None, 1, "partitioned") as run_map:
         got = write_public_by_partition(
             run_map, parts, spec, cols, masked, drop, built, tmp_path / "puf", 700, results=[]
         )

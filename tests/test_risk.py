@@ -394,7 +394,7 @@ def _small_frame(n=600, seed=4):
 def test_risk_task_runs_on_small_frame():
     from conftest import run_stage
 
-    from sdl_design.risk import RiskStage
+    from sdl_design.stages.risk import RiskStage
 
     df = _small_frame()
     spec = _small_spec(max_unique_share=0.5)

@@ -390,7 +390,7 @@ def test_swap_task_stage_output(small_survey):
     from helpers import DEFAULT_SPEC
 
     from sdl_design.spec import load_spec
-    from sdl_design.swap import SwapStage
+    from sdl_design.stages.swap import SwapStage
 
     spec = load_spec(DEFAULT_SPEC)
     survey = small_survey

@@ -191,8 +191,8 @@ def test_topcode_task_on_default_spec():
     from helpers import DEFAULT_SPEC
 
     from sdl_design.spec import load_spec
+    from sdl_design.stages.topcode import TopcodeStage
     from sdl_design.synth import make_survey
-    from sdl_design.topcode import TopcodeStage
 
     spec = load_spec(DEFAULT_SPEC)
     df = make_survey(4000, seed=3, replicates=False)

@@ -62,9 +62,11 @@ def test_final_stage_reads_the_original_se_table_the_swap_computed(monkeypatch):
     import sdl_design.utility as utility
     from sdl_design.spec import parse_spec
     from sdl_design.stage import StageContext
-    from sdl_design.swap import SwapStage, design_columns
+    from sdl_design.stages.final import FinalStage
+    from sdl_design.stages.swap import SwapStage
+    from sdl_design.swap import design_columns
     from sdl_design.synth import make_survey
-    from sdl_design.utility import FinalStage, se_ratio_table
+    from sdl_design.utility import se_ratio_table
 
     data = yaml.safe_load(DEFAULT_SPEC.read_text())
     data["variables"]["other"] = {"keep": ["education"], "drop": ["county", "pregnant"]}

@@ -3,7 +3,6 @@ and the replicate weights to the original file's controls; delta and epsilon; re
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -13,11 +12,6 @@ import pandas as pd
 
 from sdl_design.describe import (
     REPLICATES,
-    RISK_DELTA,
-    Describes,
-    NumberColumn,
-    Tunable,
-    more_less,
     pct,
 )
 from sdl_design.design import SurveyDesign
@@ -34,13 +28,12 @@ from sdl_design.massc import (
     rates_table,
     replication_seed,
 )
-from sdl_design.massc.checks import control_problems, subsampling_problems
 from sdl_design.massc.treatment import OriginalMargins, meet_delta, original_rows
 from sdl_design.plots import histogram
 from sdl_design.risk import profile_codes
 from sdl_design.rng import stage_rng
 from sdl_design.spec import KeySpec, ReleaseSpec
-from sdl_design.stage import Gate, SharedInput, StageResult, gate
+from sdl_design.stage import Gate, StageResult, gate
 
 
 def numeric_study(spec: ReleaseSpec, original: pd.DataFrame | None) -> list[str]:
@@ -54,200 +47,6 @@ def numeric_study(spec: ReleaseSpec, original: pd.DataFrame | None) -> list[str]
             if len(x) and not np.isin(x, (0, 1)).all():
                 out.append(v)
     return out
-
-
-class MasscStage(Describes):
-    """Stage: MASSC (spec.stages.massc) with `replications` replications of the whole
-    treatment for the empirical epsilon (run through the flow's task runner)."""
-
-    name = "massc"
-    treated_share = "share_substituted"
-    treated_words = "Substitution (MASSC) replaced the keys of {share} of records."
-    report_measures = {RISK_DELTA: "delta"}
-    tune_measures = {"massc_delta": "delta"}
-
-    @classmethod
-    def preflight_numbers(cls, spec: ReleaseSpec) -> list[NumberColumn]:
-        """The study variables (numbers or true/false), the substrata's variables and the
-        calibration controls cut into bins."""
-        v, massc = spec.variables, spec.stages.massc
-        out = [
-            NumberColumn(f"variables.study[{i}]", c, bool_ok=True) for i, c in enumerate(v.study)
-        ]
-        if massc.substrata:
-            out += [
-                NumberColumn(f"stages.massc.substrata.variables[{i}]", c)
-                for i, c in enumerate(massc.substrata.variables)
-            ]
-        return out + [
-            NumberColumn(f"stages.massc.calibration.controls[{i}].bins", k.name)
-            for i, k in enumerate(massc.calibration.controls)
-            if k.bins
-        ]
-
-    @classmethod
-    def preflight_data(cls, spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
-        """Strata subsampling could leave with one PSU; controls missing a record's value."""
-        return subsampling_problems(spec, df) + control_problems(spec, df)
-
-    @classmethod
-    def key_frequencies(cls, result: StageResult) -> dict[str, pd.Series]:
-        """The survey records by how often their original key combination appears in the
-        published file (the delta table's appearance u/d/t/o)."""
-        b = result.tables.get("delta")
-        if b is None or not {"appearance", "n_records"} <= set(b.columns):
-            return {}
-        what = (
-            "survey records whose original key combination appears 1, 2, 3, 4+ times in the "
-            "published file"
-        )
-        counts = b.assign(stratum=b["appearance"].str.upper()).set_index("stratum")["n_records"]
-        return {what: counts}
-
-    @classmethod
-    def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
-        return massc_public_method(result, des)
-
-    @classmethod
-    def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
-        return massc_public_treatments(result, des)
-
-    @classmethod
-    def does(cls, spec: ReleaseSpec, column: str = "", side: str = "upper") -> str:
-        """MASSC substitutes key values from donors and subsamples records."""
-        return "MASSC substitutes key values from donors and subsamples records"
-
-    @classmethod
-    def tunables(cls, spec: ReleaseSpec, original: pd.DataFrame | None) -> list[Tunable]:
-        """Epsilon, psi_max and phi_min on coarse ladders; substrata off, or on the numeric
-        study variables of the original."""
-        does = cls.does(spec)
-        out = [
-            Tunable(
-                "stages.massc.epsilon",
-                [0.05, 0.1, 0.15, 0.2, 0.3],
-                True,
-                more_less(
-                    does,
-                    "a larger target RRMSE allows higher substitution and subsampling rates, a "
-                    "lower delta",
-                    "a smaller target RRMSE keeps substitution and subsampling rates lower, "
-                    "better estimates",
-                ),
-                +1,
-            ),
-            Tunable(
-                "stages.massc.psi_max",
-                [0.05, 0.1, 0.15, 0.2, 0.25],
-                True,
-                more_less(
-                    does,
-                    "a higher cap on the substitution rates (more key values may be substituted)",
-                    "a lower cap on the substitution rates (fewer key values substituted)",
-                ),
-                +1,
-            ),
-            Tunable(
-                "stages.massc.phi_min",
-                [0.5, 0.7, 0.9],
-                True,
-                more_less(
-                    does,
-                    "a higher floor on the retention rates (fewer records sampled out, smaller "
-                    "SEs)",
-                    "a lower floor on the retention rates (more records may be sampled out)",
-                ),
-                -1,
-            ),
-        ]
-        num = numeric_study(spec, original)
-        if spec.stages.massc.substrata is not None:
-            out.append(
-                Tunable(
-                    "stages.massc.substrata",
-                    [None],
-                    False,
-                    lambda o, v: f"{does}, without substrata",
-                )
-            )
-        elif num:
-
-            def substrata(o: Any, v: Any) -> str:
-                return (
-                    f"{does}, within k-means substrata on {', '.join(v['variables'])}: donors "
-                    "closer in the study variables"
-                )
-
-            out.append(Tunable("stages.massc.substrata", [{"variables": num}], False, substrata))
-        return out
-
-    def __init__(self, spec: Any):
-        self.spec = spec
-        self.replications = int(spec.stages.massc.replications)
-        # the release run's plan and rates, shared by the replication chunks of this process
-        # (the run is deterministic given the seed: computed once, not once per chunk)
-        self._lock = threading.Lock()
-        # (df, _main(...), OriginalMargins or None), kept from run() to the plan
-        self._main: tuple | None = None
-
-    def __getstate__(self) -> dict:  # ship the spec, not the cached plan (Dask runner)
-        return {"spec": self.spec, "replications": self.replications}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["spec"])
-
-    @classmethod
-    def from_spec(cls, spec: Any) -> MasscStage | None:
-        return None if spec.stages.active("massc") is None else cls(spec)
-
-    def _main_of(self, df: pd.DataFrame, ctx: Any) -> tuple:
-        with self._lock:
-            if self._main is not None and self._main[0] is df:
-                return self._main[1]
-            main = _main(df, self.spec, ctx.seed, ctx.original, ctx.design)
-            if self.replications > 0:  # kept until combine() for the replications
-                self._main = (df, main, None)
-            return main
-
-    def _margins_of(self, df: pd.DataFrame, ctx: Any) -> OriginalMargins | None:
-        """The original's side of the release run's two calibrations (its result and the
-        replication plan), computed once when the run is kept for replications."""
-        with self._lock:
-            if self._main is None or self._main[0] is not df:
-                return None
-            if self._main[2] is None:
-                margins = _release_margins(df, self.spec, ctx.original, self._main[1][0])
-                self._main = (df, self._main[1], margins)
-            return self._main[2]
-
-    def run(self, df: pd.DataFrame, ctx: Any) -> StageResult:
-        main = self._main_of(df, ctx)
-        margins = self._margins_of(df, ctx)
-        return massc_result(
-            df, self.spec, ctx.seed, ctx.original, ctx.design, main=main, margins=margins
-        )
-
-    def prepare_replications(self, df: pd.DataFrame, ctx: Any) -> SharedInput:
-        """The release run's seed and ReplicationPlan (rates, donors, cached study values, the
-        calibration's columns of df and of the original file), without the treated frames."""
-        main = self._main_of(df, ctx)
-        margins = self._margins_of(df, ctx)
-        with self._lock:  # the release run's frames are not needed any more
-            self._main = None
-        prepared = replication_plan(df, self.spec, ctx.original, main, margins)
-        prepared.plan = replace(prepared.plan, tilde=None)  # not read by a replication
-        return SharedInput((ctx.seed, prepared))
-
-    def replicate(self, shared: SharedInput, indices: Sequence[int]) -> np.ndarray:
-        seed, prepared = shared.payload
-        return massc_replications(
-            prepared.df, self.spec, seed, prepared.original, indices, prepared=prepared
-        )
-
-    def combine(self, result: StageResult, replications: list, ctx: Any) -> StageResult:
-        with self._lock:
-            self._main = None
-        return massc_epsilon(result, replications, self.spec)
 
 
 def delta_gates(spec: Any, delta: float) -> list[Gate]:

@@ -6,18 +6,18 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from sdl_design.assess import AssessStage
 from sdl_design.blas import single_blas_thread
 from sdl_design.describe import Describes
-from sdl_design.massc.stage import MasscStage
-from sdl_design.prb import PrbStage
-from sdl_design.pseudo import PseudoDesignStage
-from sdl_design.risk import RiskStage
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import Stage, StageContext, StageResult
-from sdl_design.swap import SwapStage
-from sdl_design.topcode import TopcodeStage
-from sdl_design.utility import FinalStage
+from sdl_design.stages.assess import AssessStage
+from sdl_design.stages.final import FinalStage
+from sdl_design.stages.massc import MasscStage
+from sdl_design.stages.prb import PrbStage
+from sdl_design.stages.pseudo import PseudoDesignStage
+from sdl_design.stages.risk import RiskStage
+from sdl_design.stages.swap import SwapStage
+from sdl_design.stages.topcode import TopcodeStage
 
 RELEASE_STAGES = [
     RiskStage,

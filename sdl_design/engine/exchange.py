@@ -1,0 +1,129 @@
+"""The map over partitions and the exchange between them, in this process (one partition in
+memory at a time) or on a Dask cluster: results come back in partition order, so they do not
+depend on which worker ran what, or when."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+Mapper = Callable[..., list]
+
+
+class Exchange:
+    """exchange(send, serve, receive, parts, *args, what=...): records move between partitions
+    without passing through the driver. send(part_i, *args) gives one payload per partition
+    j; serve(part_j, [payload i->j for every i], *args) one reply per partition i;
+    receive(part_i, [reply j->i for every j], *args) the result, returned in partition order."""
+
+    def __init__(self, map_fn: Mapper, exchange_fn: Callable[..., list]):
+        self._map, self._exchange = map_fn, exchange_fn
+
+    def __call__(self, fn: Callable, parts: Sequence, *args: Any, what: str) -> list:
+        return self._map(fn, parts, *args, what=what)
+
+    def exchange(
+        self,
+        send: Callable,
+        serve: Callable,
+        receive: Callable,
+        parts: Sequence,
+        *args: Any,
+        what: str,
+    ) -> list:
+        return self._exchange((send, serve, receive), parts, args, what)
+
+
+def say(text: str, command: str = "scan") -> None:
+    print(f"[puf {command}] {text}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def mapper(
+    runner: str, dask_address: str | None, workers: int, command: str = "scan"
+) -> Iterator[Exchange]:
+    """map(fn, partitions, *args, what=...) -> results in partition order, with progress: in
+    this process (runner 'thread', one partition in memory at a time) or on a Dask cluster
+    (the one at dask_address, else a local one of `workers` single-threaded processes)."""
+    if runner == "thread":
+
+        def local(fn: Callable, parts: Sequence, *args: Any, what: str) -> list:
+            out = []
+            for i, p in enumerate(parts, 1):
+                out.append(fn(p, *args))
+                say(f"{what}: partition {i}/{len(parts)} (records {p.start}-{p.stop - 1})", command)
+            return out
+
+        def local_exchange(fns: tuple, parts: Sequence, args: tuple, what: str) -> list:
+            send, serve, receive = fns
+            sent = local(send, parts, *args, what=f"{what}, requests")
+            served = [serve(p, [s[j] for s in sent], *args) for j, p in enumerate(parts)]
+            say(f"{what}: served {len(parts)} partitions", command)
+            return [receive(p, [r[i] for r in served], *args) for i, p in enumerate(parts)]
+
+        yield Exchange(local, local_exchange)
+        return
+    if runner != "dask":
+        raise ValueError(f"runner must be 'thread' or 'dask', not {runner!r}")
+    from distributed import Client, LocalCluster, as_completed
+
+    cluster = None
+    if dask_address:
+        client = Client(dask_address)
+    else:
+        logging.getLogger("distributed").setLevel(logging.WARNING)  # no start-up chatter
+        cluster = LocalCluster(
+            n_workers=workers,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            silence_logs=logging.WARNING,
+        )
+        client = Client(cluster)
+    try:
+
+        def on_dask(fn: Callable, parts: Sequence, *args: Any, what: str) -> list:
+            # once, not per task; hash=False: a fresh key each map (a key reused from the
+            # previous map may be released under the new tasks: "lost dependencies")
+            shared = scattered(client, args)
+            futures = [client.submit(fn, p, *shared, pure=False) for p in parts]
+            for done, f in enumerate(as_completed(futures), 1):
+                f.result()  # a worker's error is raised here, whole
+                say(f"{what}: {done}/{len(parts)} partitions", command)
+            return client.gather(futures)  # in partition order
+
+        def dask_exchange(fns: tuple, parts: Sequence, args: tuple, what: str) -> list:
+            from operator import getitem
+
+            send, serve, receive = fns
+            shared = scattered(client, args)
+            n = len(parts)
+            sent = [client.submit(send, p, *shared, pure=False) for p in parts]
+            to = [
+                [client.submit(getitem, sent[i], j, pure=False) for i in range(n)] for j in range(n)
+            ]
+            served = [client.submit(serve, parts[j], to[j], *shared, pure=False) for j in range(n)]
+            back = [
+                [client.submit(getitem, served[j], i, pure=False) for j in range(n)]
+                for i in range(n)
+            ]
+            got = [client.submit(receive, parts[i], back[i], *shared, pure=False) for i in range(n)]
+            for done, f in enumerate(as_completed(got), 1):
+                f.result()
+                say(f"{what}: {done}/{n} partitions", command)
+            return client.gather(got)
+
+        yield Exchange(on_dask, dask_exchange)
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def scattered(client: Any, args: tuple) -> list:
+    """Each argument sent to every worker once, as one object (a dict or list is not split
+    into its items; an empty one too)."""
+    return [client.scatter([a], broadcast=True, hash=False)[0] for a in args]

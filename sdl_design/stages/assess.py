@@ -1,0 +1,239 @@
+"""The assessment stage: risk, utility and analytic validity of the published file."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from sdl_design import partition as part
+from sdl_design import partition_assess as pas
+from sdl_design.assess import (
+    _epsilon_published,
+    _notes,
+    _psu_leak,
+    _worst_se_text,
+    _worst_terms,
+    _worst_text,
+    assess,
+    assessment_gates,
+    column_record,
+    published_attacks,
+    published_delta,
+)
+from sdl_design.describe import Describes
+from sdl_design.engine.records import Records, passes_result
+from sdl_design.keys import publish_coding
+from sdl_design.partition import combine_profiles, profile_scores
+from sdl_design.plots import estimate_plots
+from sdl_design.spec import ReleaseSpec
+from sdl_design.stage import StageContext, StageResult, design_columns
+
+
+class AssessStage(Describes):
+    """Stage: the file that would be published (the working frame without the columns that are
+    never published, read with its published design) against the original; analytic-validity
+    and risk gates on it. Nothing here is a value a treatment set itself."""
+
+    name = "assess"
+    replications = 0
+    reads_only = True  # measures the frame: the flow may run it beside its neighbours
+    assesses = True
+
+    def __init__(self, spec: ReleaseSpec):
+        self.spec = spec
+
+    @classmethod
+    def from_spec(cls, spec: ReleaseSpec) -> AssessStage:
+        return cls(spec)
+
+    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
+
+        spec = self.spec
+        # the file as published: its columns, every coded key in its published coding
+        released = publish_coding(df[ctx.published(list(df.columns))], spec.variables.keys)
+        pdesign = ctx.public_design()
+        a = assess(ctx.original, released, spec, design_released=pdesign)
+        a.params.update(column_record(spec, ctx, list(released.columns)))
+        m = dict(a.metrics)
+        # risk of the published file whatever stages ran: the intruder's attacks on it record
+        # by record, and MASSC's delta of the published records against the original keys
+        attacks, key = published_attacks(ctx.original, released, spec, pdesign, ctx.masked_design)
+        m |= attacks
+        a.params["intruder_key"] = key.describe()
+        m |= published_delta(ctx.original, released, spec)
+        m["epsilon_published"] = _epsilon_published(a.domain_estimates)
+        if ctx.masked_design or not spec.design.publish_design_labels:
+            # (original labels published on purpose: the zero patterns tell nothing more)
+            m.update(_psu_leak(released, ctx.original, spec, pdesign))
+        worst = a.worst(20)
+        return StageResult(
+            name=self.name,
+            data=df,
+            params=a.params,
+            metrics=m,
+            tables={**a.tables, "worst_estimates": worst, "attacks": attacks.table},
+            report_tables=["attacks", "worst_estimates", "model_coefficients"],
+            section="Analytic validity and risk of the published file",
+            gates=assessment_gates(
+                m,
+                spec,
+                _worst_text(worst),
+                _worst_terms(a.model_coefficients),
+                _worst_se_text(a.domain_estimates),
+            ),
+            figures=estimate_plots(a.domain_estimates, a.model_coefficients),
+            notes=_notes(m, worst),
+        )
+
+    @classmethod
+    def summary_lines(cls, result: StageResult) -> list[str]:
+        """Its gates, then utility and risk of the published records."""
+        a, held = result.metrics, sum(g.holds() for g in result.gates)
+        return [
+            f"  assess gates: {held} of {len(result.gates)} hold (checked with the release's)",
+            f"  assess      : {int(a['n_estimates'])} domain estimates of the published "
+            f"records against the input's ({int(a['n_reliable'])} reliable): median CI "
+            f"overlap {a.get('overlap_median', float('nan')):.3f}, "
+            f"{a['share_abs_std_bias_gt2']:.1%} more than 2 SEs off, epsilon "
+            f"{a['epsilon_published']:.4f} (assess/domain_estimates.csv); "
+            f"{a.get('reid_share_worst', a['reid_share']):.2%} of the original sample "
+            "uniques re-identified (worst attack), "
+            f"{a['unique_share_published']:.2%} sample uniques published; smallest CI "
+            f"overlap of a model coefficient {a.get('model_overlap_min', float('nan')):.3f}"
+            f"; {a.get('psu_recoverable', 0.0):.1%} of the original PSUs recoverable from "
+            f"the replicate weights; delta {a['delta_published']:.4f}; pMSE ratio "
+            f"{a['pmse_ratio']:.3f}",
+        ]
+
+    def run_partitions(self, records: Records, ctx: StageContext) -> StageResult:
+        """The measures and gates by partition (sdl_design.partition_assess): the records so
+        far in their public columns and design against the input's: the domain estimates
+        (two passes over each file), the models (their cells), the re-identification,
+        sample uniques, delta and PSU leak of the published records (each linked to its
+        original record by MASSC's d(2)), the pMSE (its propensity model fitted by
+        partition) and the gates on them."""
+        spec, run_map = ctx.spec, records.run_map
+        design = ctx.public_design()
+        built = any((r.params or {}).get("public_design") for r in ctx.previous)
+        drop = [c for r in ctx.previous for c in r.drop_public]
+        columns = records.columns
+        released = spec.published_columns(
+            columns, ctx.masked_design, drop, design_columns(design, columns)
+        )
+        original = part.input_columns(spec.release.input)
+        req = pas.assess_request(
+            spec,
+            original,
+            released,
+            design_released=design if built else None,
+            masked_design=ctx.masked_design,
+        )
+        files = ((records.run.inputs, "original"), (records.parts, "released"))
+        first = [
+            run_map(pas.assess_pass1, p, spec, req, f, what=f"assess pass 1, {name}")
+            for f, (p, name) in enumerate(files)
+        ]
+        plan = pas.assess_plan(first, req)
+        second = [
+            run_map(pas.assess_pass2, p, spec, req, f, plan, what=f"assess pass 2, {name}")
+            for f, (p, name) in enumerate(files)
+        ]
+        out = pas.assess_combine(plan, second)
+        m = out.metrics
+        attacks = _risk_by_partition(m, ctx, req, plan, records, (design, released, original))
+        got = [  # the models (utility.models): each fitted on both files' cells
+            run_map(pas.model_pass, p, spec, req, f, plan, what=f"assess models, {name}")
+            for f, (p, name) in enumerate(files)
+        ]
+        coefs, model_m = pas.model_fits(plan, got)
+        m |= model_m
+        # pMSE: the propensity model of membership in the published file, fitted by partition
+        m |= pas.pmse_by_partition(run_map, (records.run.inputs, records.parts), spec, req, plan)
+        gates = pas.assess_gates(spec, out.domain_estimates, coefs, m)
+        _say_assessment(records, m, gates)
+        records.lap("")
+        return passes_result(
+            self.name,
+            m,
+            records,
+            params=column_record(spec, ctx, released),
+            tables={
+                "domain_estimates": out.domain_estimates,
+                "model_coefficients": coefs,
+                "attacks": attacks.table,
+            },
+            gates=gates,
+        )
+
+
+def _risk_by_partition(
+    m: dict[str, float],
+    ctx: StageContext,
+    req: pas.AssessRequest,
+    plan: pas.AssessPlan,
+    records: Records,
+    files: tuple[Any, list[str], list[str]],
+) -> Any:
+    """The risk of the published records, each linked to its original record (the retained
+    ones in record order): re-identification and sample uniques, the attacks, and MASSC's
+    delta of the published file against the original keys; their metrics added to m.
+    files: the public design, the released and the original columns. The attacks."""
+    spec, run = ctx.spec, records.run
+    run_map, inputs, parts = run.run_map, run.inputs, records.parts
+    design, released, original = files
+    retained = run.retained(parts)
+    linked = pas.link(inputs, parts, retained)
+    risk = run_map(pas.risk_pass, linked, spec, req, plan, run.selected, what="assess risk")
+    originals = run_map(
+        pas.original_profiles, inputs, spec, req, plan, what="assess risk, original"
+    )
+    m |= pas.risk_metrics(risk, originals, int(m["n_released"]))
+    rel_cols, orig_cols = pas.attack_columns(spec, released, original)
+    got = run_map(pas.attack_released, linked, spec, rel_cols, run.selected, what="attacks")
+    rel = pd.concat([g[0] for g in got], ignore_index=True)
+    rel.index = pd.Index(np.concatenate([g[1] for g in got]))
+    orig = pd.concat(
+        run_map(pas.attack_original, inputs, spec, orig_cols, what="attacks, original"),
+        ignore_index=True,
+    )
+    attacks = published_attacks(orig, rel, spec, design, ctx.masked_design)[0]
+    m |= attacks
+    sensitive = spec.variables.sensitive
+    published = combine_profiles([r.profiles for r in risk])
+    profiles = run.scan["profiles"]
+    deltas = run_map(
+        pas.delta_pass,
+        pas.link_back(inputs, parts, retained),
+        spec, req, plan, run.selected, profiles,
+        profile_scores(profiles, sensitive) if sensitive else np.zeros(0),
+        published,
+        profile_scores(published, sensitive) if sensitive else np.zeros(0),
+        what="assess delta",
+    )  # fmt: skip
+    m |= pas.delta_metrics(deltas, profiles)
+    return attacks
+
+
+def _say_assessment(records: Records, m: dict[str, float], gates: list) -> None:
+    """The assessment's progress lines: its gates (the release checks them with the others),
+    then its measures."""
+    failed = [g.name for g in gates if not g.holds()]
+    records.say(
+        f"assessment gates: {len(gates) - len(failed)} of {len(gates)} hold"
+        + (f"; failed: {'; '.join(failed)}" if failed else "")
+    )
+    records.say(
+        f"assessed {int(m['n_estimates'])} domain estimates ({int(m['n_reliable'])} reliable): "
+        f"median CI overlap {m.get('overlap_median', float('nan')):.3f}, "
+        f"{m['share_abs_std_bias_gt2']:.1%} more than 2 SEs off, SE ratio median "
+        f"{m.get('se_ratio_median', float('nan')):.3f}; epsilon {m['epsilon_published']:.4f}; "
+        f"{m.get('reid_share_worst', m['reid_share']):.2%} of the original sample uniques "
+        "re-identified (worst attack), "
+        f"{m['unique_share_published']:.2%} sample uniques published; smallest CI overlap of a "
+        f"model coefficient {m.get('model_overlap_min', float('nan')):.3f}; "
+        f"{m.get('psu_recoverable', 0.0):.1%} of the original PSUs recoverable from the "
+        f"replicate weights; delta {m['delta_published']:.4f}; pMSE ratio "
+        f"{m['pmse_ratio']:.3f}"
+    )

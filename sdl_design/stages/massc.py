@@ -1,0 +1,668 @@
+"""The MASSC stage: substitution, subsampling, calibration and replications (paper 000), in
+memory and by partition."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import pandas as pd
+
+from sdl_design import partition as part
+from sdl_design import partition_calibration as pcal
+from sdl_design.describe import RISK_DELTA, Describes, NumberColumn, Tunable, more_less
+from sdl_design.engine.exchange import Exchange
+from sdl_design.engine.records import Records, passes_result
+from sdl_design.massc.checks import control_problems, subsampling_problems
+from sdl_design.massc.stage import (
+    _main,
+    _release_margins,
+    delta_gates,
+    massc_config,
+    massc_epsilon,
+    massc_params,
+    massc_public_method,
+    massc_public_treatments,
+    massc_replications,
+    massc_result,
+    numeric_study,
+    replication_plan,
+)
+from sdl_design.massc.treatment import MasscConfig, OriginalMargins, cost_from, revise_rates
+from sdl_design.spec import ReleaseSpec
+from sdl_design.stage import SharedInput, StageContext, StageResult
+
+
+def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
+    """MASSC by partition as far as it is built, Steps I-IV (the release's `_main`, bit for
+    bit). The donor search: pass 1 lists each partition's search profiles; the driver
+    searches donor profiles with the MASSC stage's Generator; each record draws its donor
+    record, which the partition holding it sends back (worker to worker, not through the
+    driver); the substituted file tilde (with the donor's row in __donor: confidential) goes
+    to donors/. The risk strata (the scan's profile counts), the moments of eq. 8a, the
+    original's totals and Taylor variances and the costs by partition in block sums
+    (sdl_design.blocksum); psi on the driver. The selections at psi and at phi (records
+    exchanged to the partition that owns their group) with phi from the moments of z*, delta,
+    and meet_delta's revisions while delta is above gates.delta_max. Step IV: the retained
+    records' weight and replicate weights calibrated to the original's totals (three passes,
+    sdl_design.partition_calibration) and written to data/; the replications of the whole
+    treatment (their own selections, the weight's calibration and study totals) and the
+    empirical epsilon."""
+
+    spec, columns, parts, run_map = ctx.spec, records.columns, records.parts, records.run_map
+    folder = records.folder
+    req = part.massc_request(spec, columns)
+    search, files, rng = _massc_donors(records, ctx, req)
+    m, zvars, scores, sums = _massc_moments(records, ctx, req)
+    psi, cost = part.massc_psi(spec, columns, sums)
+    records.lap("psi")
+    records.say("substitution rates psi " + _by_stratum(m.labels, psi.rates))
+    # Steps II-III: substitution at psi (select), phi from the moments of z*, subsampling;
+    # while delta is above gates.delta_max, meet_delta's revisions (revise_rates)
+    cfg = massc_config(spec, pd.DataFrame(columns=list(columns)))
+    groups = part.select_groups(run_map(part.select_pass1, parts, m, what="groups"))
+    chosen = (str(folder / "select_psi"), str(folder / "select_phi"))
+    records.run.selected = chosen[1]
+    donors = str(records.confidential("donors"))
+    run = _MasscPasses(spec, req, parts, run_map, m, zvars, scores, donors, chosen, groups, rng)
+    done = run.treatment(part.RatesPlan(sums.moments, psi, cost), cfg, sums)
+    il, epsilon = part.massc_loss(done.tr, done.plan, sums)
+    records.lap("treatment")
+    # Step IV: the retained records' weight and replicate weights calibrated to the
+    # original's totals (calibrate_treated's, bit for bit), written to data/
+    creq = pcal.calibration_request(spec, columns)
+    treated = pcal.Treated(donors, chosen, np.asarray(done.tr.phi.rates, dtype=float))
+    cal, cal_tables, cal_metrics = run.calibration(creq, treated, folder)
+    records.lap("calibration")
+    n_reps = int(spec.stages.massc.replications)
+    if n_reps:
+        eps_rep, rep_table = _massc_replications(run, creq, treated, done, sums, folder)
+        cal_tables["epsilon_replications"] = rep_table
+        cal_metrics["epsilon_empirical"] = eps_rep
+        cal_metrics["n_replications"] = float(n_reps)
+    records.lap("replications")
+    _say_massc_treatment(records, run, done, epsilon, cal, cal_metrics)
+    counts, params, gates = _massc_counts(run, search, sums, done, epsilon, cal_metrics)
+    return passes_result(
+        "massc",
+        {**counts, "files": [Path(f).name for f in files], **cal_metrics},
+        records,
+        params=params,
+        gates=gates,
+        tables={
+            **part.massc_tables(search, sums, done.plan, done.tr, done.dm, il),
+            **cal_tables,
+        },
+    )
+
+
+def _by_stratum(labels: list[str], rates: Any) -> str:
+    """A stratum's rate after its label, for the progress lines ("U 0.05, D 0.1")."""
+    return ", ".join(f"{h} {p:.4g}" for h, p in zip(labels, rates, strict=True))
+
+
+def _massc_donors(
+    records: Records, ctx: StageContext, req: part.MasscRequest
+) -> tuple[part.DonorPlan, list, np.random.Generator]:
+    """Step I, the donor search: the partitions' search profiles (pass 1), the driver's
+    search of donor profiles with the MASSC stage's Generator, and the exchange in which each
+    record draws its donor record from the partition that holds it; the substituted file
+    goes to donors/ (confidential). The plan, the files written and the Generator (to be
+    drawn on by the selections)."""
+    spec, parts, run_map = ctx.spec, records.parts, records.run_map
+    tables = run_map(part.donor_pass1, parts, spec, req, what="massc donors pass 1")
+    records.lap("pass1")
+    rng = ctx.rng()
+    search = part.donor_plan(tables, req, rng)
+    records.lap("search")
+    n_has = _with_donor(search)
+    records.say(f"{n_has} records have a donor ({search.n_profiles} search profiles)")
+    donors = records.confidential("donors")
+    donors.mkdir(parents=True)
+    receive = partial(part.donor_receive, folder=str(donors))
+    files = run_map.exchange(
+        part.donor_send, part.donor_serve, receive, parts, spec, req, search, what="massc donors"
+    )
+    records.lap("exchange")
+    return search, files, rng
+
+
+def _massc_moments(
+    records: Records, ctx: StageContext, req: part.MasscRequest
+) -> tuple[part.MasscInputs, Any, np.ndarray, part.PlanSums]:
+    """The risk strata (the scan's profile counts), the study variables z and the sensitive
+    risk scores; the moments of eq. 8a, the original's totals and Taylor variances and the
+    costs' sums by partition, combined in block sums. The records' inputs, z, the scores
+    and the plan's sums."""
+    spec, parts, run_map, run = ctx.spec, records.parts, records.run_map, records.run
+    profiles = run.scan["profiles"]
+    labels = part.massc_strata_labels(profiles, req)
+    zvars = part.massc_study_variables(profiles, req)
+    scores = part.profile_scores(profiles, req.sensitive) if req.sensitive else np.zeros(0)
+    m = part.MasscInputs(spec, req, run.inputs, profiles, labels)
+    donors = str(records.confidential("donors"))
+    partials = run_map(
+        part.moments_pass, parts, m, run.psus, zvars, scores, donors, what="massc moments"
+    )
+    sums = part.combine_moments(partials, zvars, labels, run.psus, parts[-1].stop)
+    records.lap("moments")
+    return m, zvars, scores, sums
+
+
+@dataclass
+class _MasscPasses:
+    """MASSC's passes after the moments, on the substituted file (donors/) and the original:
+    the selections at psi and phi with the stage's Generator (d(1), d(2) in chosen), the
+    moments of z*, delta and the calibrations of Step IV (of the release's treatment or a
+    batch of replications in the same passes)."""
+
+    spec: ReleaseSpec
+    req: part.MasscRequest
+    parts: list
+    run_map: Exchange
+    m: part.MasscInputs
+    zvars: Any  # the study variables z (part.massc_study_variables)
+    scores: np.ndarray  # the input's key profiles' risk scores (sensitive variables)
+    donors: str  # the substituted file tilde
+    chosen: tuple[str, str]  # the selections' folders: at psi (d(1)), at phi (d(2))
+    groups: pd.DataFrame  # the selection groups (part.select_groups)
+    rng: np.random.Generator  # the MASSC stage's, past the donor search
+
+    @property
+    def n_rows(self) -> int:
+        """The records of the input (and of the substituted file)."""
+        return self.parts[-1].stop
+
+    def select_plan(self, rates: np.ndarray, rng: np.random.Generator) -> part.SelectPlan:
+        """The selection of the groups at rates by stratum, drawn from rng."""
+        return part.select_plan(self.groups, rates, rng, self.n_rows, len(self.parts))
+
+    def selections(self, plans: list, folders: list[str], what: str) -> list[int]:
+        """Several selections in one exchange: the records each keeps."""
+        for where in folders:
+            Path(where).mkdir(parents=True, exist_ok=True)
+        sels = part.Selections(plans, folders)
+        got = self.run_map.exchange(
+            part.select_send, part.select_serve, part.select_receive, self.parts, self.m, sels,
+            what=what,
+        )  # fmt: skip
+        return [sum(c[r] for c in got) for r in range(len(plans))]
+
+    def select(self, rates: np.ndarray, where: str) -> int:
+        """One selection at rates with the stage's Generator: the records it keeps."""
+        plan = self.select_plan(rates, self.rng)
+        return self.selections([plan], [where], f"massc selection ({Path(where).name})")[0]
+
+    def treat(self, p: part.RatesPlan, c: MasscConfig) -> part.PartitionedTreatment:
+        """Substitution at psi, phi (eq. 10) from the moments of z*, subsampling at phi."""
+        self.select(p.psi.rates, self.chosen[0])
+        treated = self.run_map(
+            part.treated_pass, self.parts, self.m, self.zvars, self.donors, self.chosen[0],
+            what="massc moments of z*",
+        )  # fmt: skip
+        phi, mom_t, n_sub = part.massc_phi(c, treated, self.zvars, p.moments, p.cost, self.n_rows)
+        return part.PartitionedTreatment(phi, n_sub, self.select(phi.rates, self.chosen[1]), mom_t)
+
+    def measure(self, tr: part.PartitionedTreatment, risk_basis: str) -> part.PartitionedDelta:
+        """delta (eq. 3) of the treated file (tr's selections in chosen): its B(2) key
+        profiles, then the records' risk on risk_basis."""
+        req, parts, donors, chosen = self.req, self.parts, self.donors, self.chosen
+        found = self.run_map(
+            part.delta_pass1, parts, self.spec, req, donors, chosen, what="massc B(2) profiles"
+        )
+        b2 = part.combine_profiles(found)
+        s2 = part.profile_scores(b2, req.sensitive) if req.sensitive else np.zeros(0)
+        got = self.run_map(
+            part.delta_pass2, parts, self.m, self.scores, b2, s2, risk_basis, donors, chosen,
+            what="massc delta",
+        )  # fmt: skip
+        return part.combine_delta(got, self.n_rows)
+
+    def treatment(self, rplan: part.RatesPlan, cfg: MasscConfig, sums: part.PlanSums) -> _Treatment:
+        """Steps II-III at psi, then meet_delta's revisions (revise_rates) while delta is
+        above gates.delta_max."""
+        measure = partial(self.measure, risk_basis=cfg.risk_basis)
+        tr = self.treat(rplan, cfg)
+        dm = measure(tr)
+        if self.spec.gates.delta_max is None:
+            return _Treatment(cfg, rplan, tr, dm, [])
+        return _Treatment(
+            *revise_rates(
+                rplan, tr, cfg, dm, self.spec.gates.delta_max, self.treat, measure,
+                lambda c: cost_from(sums.cost_sums, sums.moments.N, c)[0],
+            )
+        )  # fmt: skip
+
+    def calibrations(
+        self, creq: pcal.CalibrationRequest, trs: list[pcal.Treated], what: str
+    ) -> list[tuple]:
+        """Step IV of several treatments in the same passes: (plan, factors) of each."""
+        parts, m, n_rows = self.parts, self.m, self.n_rows
+        got = self.run_map(pcal.retained_count, parts, trs, what=f"{what}: retained records")
+        offsets = [pcal.retained_offsets(parts, [c[r] for c in got]) for r in range(len(trs))]
+        first = self.run_map(
+            pcal.calibration_pass1, parts, m, creq, trs, offsets, what=f"{what}: pass 1"
+        )
+        plans = [
+            pcal.calibration_plan([f[r] for f in first], creq, n_rows, offsets[r])
+            for r in range(len(trs))
+        ]
+        todo = [r for r, p in enumerate(plans) if creq.controls or p.margins]
+        if not todo:
+            return [(p, None) for p in plans]
+        second = self.run_map(
+            pcal.calibration_pass2, parts, m, creq, [trs[r] for r in todo],
+            [plans[r] for r in todo], [list(plans[r].margins) for r in todo],
+            what=f"{what}: pass 2",
+        )  # fmt: skip
+        out = [(p, None) for p in plans]
+        for k, r in enumerate(todo):
+            again = partial(self._pass2_again, creq, trs[r], plans[r], what)
+            first_sums = [s[k] for s in second]
+            cal = pcal.calibrate_by_partition(plans[r], creq, again, n_rows, first_sums)
+            out[r] = (plans[r], cal)
+        return out
+
+    def _pass2_again(
+        self,
+        creq: pcal.CalibrationRequest,
+        tr: pcal.Treated,
+        plan: pcal.CalibrationPlan,
+        what: str,
+        kept: list[str],
+    ) -> list:
+        """One treatment's calibration pass 2 again, after a domain is dropped."""
+        got = self.run_map(
+            pcal.calibration_pass2, self.parts, self.m, creq, [tr], [plan], [kept],
+            what=f"{what}: pass 2 again",
+        )  # fmt: skip
+        return [g[0] for g in got]
+
+    def calibration(
+        self, creq: pcal.CalibrationRequest, treated: pcal.Treated, folder: Path
+    ) -> tuple[pcal.CalibrationFactors | None, dict[str, pd.DataFrame], dict[str, float]]:
+        """Step IV of the release's treatment: the retained records' weight and replicate
+        weights calibrated, written to data/; the factors, the tables and the metrics."""
+        ((cplan, cal),) = self.calibrations(creq, [treated], "massc calibration")
+        applied = self.run_map(
+            pcal.calibration_apply, self.parts, self.m, creq, treated, cplan, cal,
+            str(folder / "data"), what="massc calibration",
+        )  # fmt: skip
+        cal_tables, cal_metrics = pcal.calibration_summary(cplan, creq, cal, applied)
+        return cal, cal_tables, cal_metrics
+
+
+class _Treatment(NamedTuple):
+    """MASSC's treatment after meet_delta's revisions (revise_rates' result): the config, the
+    rates plan (its psi, eq. 9), the treatment (phi, eq. 10; d(1), d(2)), its delta (eq. 3)
+    and the revisions."""
+
+    cfg: MasscConfig
+    plan: part.RatesPlan
+    tr: part.PartitionedTreatment
+    dm: part.PartitionedDelta
+    revisions: list
+
+
+def _massc_replications(
+    run: _MasscPasses,
+    creq: pcal.CalibrationRequest,
+    treated: pcal.Treated,
+    done: _Treatment,
+    sums: part.PlanSums,
+    folder: Path,
+) -> tuple[float, pd.DataFrame]:
+    """The replications of the whole treatment (massc_replications), a batch in the same
+    passes: each draws its two selections from its own Generator (one exchange for the
+    batch) and calibrates the weight only, to the controls and the declared domains the
+    release's weight alone keeps; the empirical epsilon and its table from their study
+    totals."""
+    n_reps = int(run.spec.stages.massc.replications)
+    wreq = pcal.weight_only(creq)
+    if wreq.domains:
+        ((wplan, wcal),) = run.calibrations(wreq, [treated], "massc replications' domains")
+        wreq = pcal.replication_request(wreq, wplan.table if wcal is None else wcal.table)
+    estimates = []
+    batch = pcal.REPLICATIONS_AT_ONCE  # the memory of their exchanges and block sums
+    for lo in range(0, n_reps, batch):
+        reps = range(lo, min(lo + batch, n_reps))
+        estimates += _replication_batch(run, wreq, treated, done, reps, folder)
+    shutil.rmtree(folder / "replications")  # their selections: original-to-masked maps
+    return pcal.replication_epsilon(estimates, sums.truth, run.zvars)
+
+
+def _replication_batch(
+    run: _MasscPasses,
+    wreq: pcal.CalibrationRequest,
+    treated: pcal.Treated,
+    done: _Treatment,
+    reps: range,
+    folder: Path,
+) -> list[np.ndarray]:
+    """A batch of replications in the same passes: their selections at psi and phi (one
+    exchange), the weight's calibration and each one's study totals."""
+    n_reps = int(run.spec.stages.massc.replications)
+    plans, folders, rtrs = [], [], []
+    for r in reps:
+        gen = pcal.replication_generator(run.spec, r)
+        where = folder / "replications" / f"r{r:03d}"
+        rchosen = (str(where / "select_psi"), str(where / "select_phi"))
+        plans += [
+            run.select_plan(done.plan.psi.rates, gen),
+            run.select_plan(done.tr.phi.rates, gen),
+        ]
+        folders += list(rchosen)
+        rtrs.append(pcal.Treated(run.donors, rchosen, treated.phi))
+    what = f"massc replications {reps[0] + 1}-{reps[-1] + 1} of {n_reps}"
+    run.selections(plans, folders, f"{what}: selections")
+    cals = run.calibrations(wreq, rtrs, what)
+    got = run.run_map(
+        pcal.replication_totals, run.parts, run.m, wreq, rtrs, [c[0] for c in cals],
+        [c[1] for c in cals], run.zvars, what=f"{what}: totals",
+    )  # fmt: skip
+    return [
+        pcal.combine_replication_totals([g[k] for g in got], run.zvars, cals[k][0].n2)
+        for k in range(len(rtrs))
+    ]
+
+
+def _say_massc_treatment(
+    records: Records,
+    run: _MasscPasses,
+    done: _Treatment,
+    epsilon: float,
+    cal: pcal.CalibrationFactors | None,
+    cal_metrics: dict[str, float],
+) -> None:
+    """The progress lines of Step IV and of the treatment."""
+    records.say(
+        f"calibrated to the controls and {len(cal.kept) if cal else 0} domain margin(s): "
+        f"weight factors {cal_metrics['calibration_factor_min']:.3f} to "
+        f"{cal_metrics['calibration_factor_max']:.3f}"
+    )
+    tr, n_rows = done.tr, run.n_rows
+    records.say(
+        f"{tr.n_substituted} records substituted, {n_rows - tr.n_retained} sampled out; phi "
+        + _by_stratum(run.m.labels, tr.phi.rates)
+        + f"; delta {done.dm.delta:.4f} after {len(done.revisions)} revision(s); "
+        f"epsilon {epsilon:.4f}"
+    )
+
+
+def _with_donor(search: part.DonorPlan) -> int:
+    """The records whose search profile has a donor profile."""
+    return int(search.size[search.donor_p >= 0].sum())
+
+
+def _massc_counts(
+    run: _MasscPasses,
+    search: part.DonorPlan,
+    sums: part.PlanSums,
+    done: _Treatment,
+    epsilon: float,
+    cal_metrics: dict[str, float],
+) -> tuple[dict[str, Any], dict[str, Any], list]:
+    """The MASSC stage's counts, rates by stratum (psi, phi) and delta; its params (those
+    made on the driver); its gates."""
+    labels, n_rows, n_has = run.m.labels, run.n_rows, _with_donor(search)
+    psi, phi, tr = done.plan.psi, done.tr.phi, done.tr
+    counts = {
+        "n_with_donor": n_has,
+        "n_no_donor": float(n_rows - n_has),
+        "n_no_donor_domain": float(search.n_no_donor_domain),
+        "share_substituted": tr.n_substituted / n_rows,
+        "n_profiles": search.n_profiles,
+        "strata": {h: int(n) for h, n in zip(labels, sums.moments.N, strict=True)},
+        "psi": {h: float(p) for h, p in zip(labels, psi.rates, strict=True)},
+        "psi_method": psi.method,
+        "phi": {h: float(p) for h, p in zip(labels, phi.rates, strict=True)},
+        "phi_method": phi.method,
+        "n_substituted": tr.n_substituted,
+        "n_subsampled_out": n_rows - tr.n_retained,
+        "delta": done.dm.delta,
+        "epsilon_formula": epsilon,
+        "epsilon": max(epsilon, cal_metrics.get("epsilon_empirical", epsilon)),
+        "n_delta_revisions": len(done.revisions),
+        "budget_scale": done.cfg.budget_scale,
+    }
+    params = massc_params(run.spec, done.cfg, labels, psi, phi)
+    return counts, params, delta_gates(run.spec, done.dm.delta)
+
+
+class MasscStage(Describes):
+    """Stage: MASSC (spec.stages.massc) with `replications` replications of the whole
+    treatment for the empirical epsilon (run through the flow's task runner)."""
+
+    name = "massc"
+    treated_share = "share_substituted"
+    treated_words = "Substitution (MASSC) replaced the keys of {share} of records."
+    report_measures = {RISK_DELTA: "delta"}
+    tune_measures = {"massc_delta": "delta"}
+
+    @classmethod
+    def preflight_numbers(cls, spec: ReleaseSpec) -> list[NumberColumn]:
+        """The study variables (numbers or true/false), the substrata's variables and the
+        calibration controls cut into bins."""
+        v, massc = spec.variables, spec.stages.massc
+        out = [
+            NumberColumn(f"variables.study[{i}]", c, bool_ok=True) for i, c in enumerate(v.study)
+        ]
+        if massc.substrata:
+            out += [
+                NumberColumn(f"stages.massc.substrata.variables[{i}]", c)
+                for i, c in enumerate(massc.substrata.variables)
+            ]
+        return out + [
+            NumberColumn(f"stages.massc.calibration.controls[{i}].bins", k.name)
+            for i, k in enumerate(massc.calibration.controls)
+            if k.bins
+        ]
+
+    @classmethod
+    def preflight_data(cls, spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
+        """Strata subsampling could leave with one PSU; controls missing a record's value."""
+        return subsampling_problems(spec, df) + control_problems(spec, df)
+
+    @classmethod
+    def key_frequencies(cls, result: StageResult) -> dict[str, pd.Series]:
+        """The survey records by how often their original key combination appears in the
+        published file (the delta table's appearance u/d/t/o)."""
+        b = result.tables.get("delta")
+        if b is None or not {"appearance", "n_records"} <= set(b.columns):
+            return {}
+        what = (
+            "survey records whose original key combination appears 1, 2, 3, 4+ times in the "
+            "published file"
+        )
+        counts = b.assign(stratum=b["appearance"].str.upper()).set_index("stratum")["n_records"]
+        return {what: counts}
+
+    @classmethod
+    def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
+        return massc_public_method(result, des)
+
+    @classmethod
+    def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
+        return massc_public_treatments(result, des)
+
+    @classmethod
+    def does(cls, spec: ReleaseSpec, column: str = "", side: str = "upper") -> str:
+        """MASSC substitutes key values from donors and subsamples records."""
+        return "MASSC substitutes key values from donors and subsamples records"
+
+    @classmethod
+    def tunables(cls, spec: ReleaseSpec, original: pd.DataFrame | None) -> list[Tunable]:
+        """Epsilon, psi_max and phi_min on coarse ladders; substrata off, or on the numeric
+        study variables of the original."""
+        does = cls.does(spec)
+        out = [
+            Tunable(
+                "stages.massc.epsilon",
+                [0.05, 0.1, 0.15, 0.2, 0.3],
+                True,
+                more_less(
+                    does,
+                    "a larger target RRMSE allows higher substitution and subsampling rates, a "
+                    "lower delta",
+                    "a smaller target RRMSE keeps substitution and subsampling rates lower, "
+                    "better estimates",
+                ),
+                +1,
+            ),
+            Tunable(
+                "stages.massc.psi_max",
+                [0.05, 0.1, 0.15, 0.2, 0.25],
+                True,
+                more_less(
+                    does,
+                    "a higher cap on the substitution rates (more key values may be substituted)",
+                    "a lower cap on the substitution rates (fewer key values substituted)",
+                ),
+                +1,
+            ),
+            Tunable(
+                "stages.massc.phi_min",
+                [0.5, 0.7, 0.9],
+                True,
+                more_less(
+                    does,
+                    "a higher floor on the retention rates (fewer records sampled out, smaller "
+                    "SEs)",
+                    "a lower floor on the retention rates (more records may be sampled out)",
+                ),
+                -1,
+            ),
+        ]
+        num = numeric_study(spec, original)
+        if spec.stages.massc.substrata is not None:
+            out.append(
+                Tunable(
+                    "stages.massc.substrata",
+                    [None],
+                    False,
+                    lambda o, v: f"{does}, without substrata",
+                )
+            )
+        elif num:
+
+            def substrata(o: Any, v: Any) -> str:
+                return (
+                    f"{does}, within k-means substrata on {', '.join(v['variables'])}: donors "
+                    "closer in the study variables"
+                )
+
+            out.append(Tunable("stages.massc.substrata", [{"variables": num}], False, substrata))
+        return out
+
+    def __init__(self, spec: Any):
+        self.spec = spec
+        self.replications = int(spec.stages.massc.replications)
+        # the release run's plan and rates, shared by the replication chunks of this process
+        # (the run is deterministic given the seed: computed once, not once per chunk)
+        self._lock = threading.Lock()
+        # (df, _main(...), OriginalMargins or None), kept from run() to the plan
+        self._main: tuple | None = None
+
+    def __getstate__(self) -> dict:  # ship the spec, not the cached plan (Dask runner)
+        return {"spec": self.spec, "replications": self.replications}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["spec"])
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> MasscStage | None:
+        return None if spec.stages.active("massc") is None else cls(spec)
+
+    def _main_of(self, df: pd.DataFrame, ctx: Any) -> tuple:
+        with self._lock:
+            if self._main is not None and self._main[0] is df:
+                return self._main[1]
+            main = _main(df, self.spec, ctx.seed, ctx.original, ctx.design)
+            if self.replications > 0:  # kept until combine() for the replications
+                self._main = (df, main, None)
+            return main
+
+    def _margins_of(self, df: pd.DataFrame, ctx: Any) -> OriginalMargins | None:
+        """The original's side of the release run's two calibrations (its result and the
+        replication plan), computed once when the run is kept for replications."""
+        with self._lock:
+            if self._main is None or self._main[0] is not df:
+                return None
+            if self._main[2] is None:
+                margins = _release_margins(df, self.spec, ctx.original, self._main[1][0])
+                self._main = (df, self._main[1], margins)
+            return self._main[2]
+
+    def run(self, df: pd.DataFrame, ctx: Any) -> StageResult:
+        main = self._main_of(df, ctx)
+        margins = self._margins_of(df, ctx)
+        return massc_result(
+            df, self.spec, ctx.seed, ctx.original, ctx.design, main=main, margins=margins
+        )
+
+    def prepare_replications(self, df: pd.DataFrame, ctx: Any) -> SharedInput:
+        """The release run's seed and ReplicationPlan (rates, donors, cached study values, the
+        calibration's columns of df and of the original file), without the treated frames."""
+        main = self._main_of(df, ctx)
+        margins = self._margins_of(df, ctx)
+        with self._lock:  # the release run's frames are not needed any more
+            self._main = None
+        prepared = replication_plan(df, self.spec, ctx.original, main, margins)
+        prepared.plan = replace(prepared.plan, tilde=None)  # not read by a replication
+        return SharedInput((ctx.seed, prepared))
+
+    def replicate(self, shared: SharedInput, indices: Sequence[int]) -> np.ndarray:
+        seed, prepared = shared.payload
+        return massc_replications(
+            prepared.df, self.spec, seed, prepared.original, indices, prepared=prepared
+        )
+
+    def combine(self, result: StageResult, replications: list, ctx: Any) -> StageResult:
+        with self._lock:
+            self._main = None
+        return massc_epsilon(result, replications, self.spec)
+
+    def check_partitions(self, spec: ReleaseSpec, columns: list[str]) -> None:
+        """What the partitioned path refuses in the spec (PartitionError naming the field)."""
+        pcal.check_massc(spec, columns)
+
+    @classmethod
+    def summary_lines(cls, result: StageResult) -> list[str]:
+        """Donors and rates, substitution and subsampling, the calibration, the empirical
+        epsilon when measured."""
+        m = {**result.metrics, **result.facts}
+        strata = ", ".join(f"{h} {n}" for h, n in m["strata"].items())
+        rates = {k: ", ".join(f"{h} {p:.4g}" for h, p in m[k].items()) for k in ("psi", "phi")}
+        out = [
+            f"  massc       : {int(m['n_with_donor'])} records have a donor "
+            f"({int(m['n_profiles'])} search profiles); the substituted values in "
+            f"internal/massc/donors/ (confidential); risk strata {strata}; moments of eq. 8a "
+            f"in massc/moments.csv; psi {rates['psi']} (massc/rates.csv)",
+            f"                {int(m['n_substituted'])} records substituted, "
+            f"{int(m['n_subsampled_out'])} sampled out; phi {rates['phi']}; delta "
+            f"{m['delta']:.4f} after {int(m['n_delta_revisions'])} revision(s)",
+            f"                calibrated: {m['calibration_factor_min']:.3f} to "
+            f"{m['calibration_factor_max']:.3f} x the weight / phi; "
+            f"{int(m.get('calibration_domains_kept', 0))} domain margin(s) kept, "
+            f"{int(m.get('calibration_domains_dropped', 0))} dropped; weight total "
+            f"{m['weight_sum_ratio']:.6f} x the input's; the retained records in massc/data/ "
+            "(massc/calibration_domains.csv, weight_factors.csv)",
+        ]
+        if "epsilon_empirical" in m:
+            out.append(
+                f"                epsilon {m['epsilon']:.4f}: formula (eq. 7) "
+                f"{m['epsilon_formula']:.4f}, empirical {m['epsilon_empirical']:.4f} over "
+                f"{int(m['n_replications'])} replications of the whole treatment "
+                "(massc/epsilon_replications.csv)"
+            )
+        return out
+
+    def run_partitions(self, records: Records, ctx: StageContext) -> StageResult:
+        """MASSC by partition, Steps I-IV (run()'s treatment, bit for bit): massc_by_partition."""
+        return massc_by_partition(records, ctx)

@@ -1,0 +1,230 @@
+"""The PRB stage: post-randomization of keys in weight-homogeneous blocks, risk bounded by xi."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from sdl_design import partition as part
+from sdl_design.describe import Describes, NumberColumn, RiskRow, Tunable, finite
+from sdl_design.engine.records import Records, passes_result
+from sdl_design.prb import (
+    _carried_domain_notes,
+    _domain_notes,
+    _prb_and_baseline,
+    _prb_notes,
+    _prb_tables,
+    _risk_figures,
+    cells_ladder,
+    domains_not_kept,
+    identification_risk_gate,
+    partition_ladder,
+    prb_cells,
+    prb_public_method,
+    prb_public_treatments,
+)
+from sdl_design.spec import KeySpec, ReleaseSpec
+from sdl_design.stage import StageContext, StageResult
+
+
+class PrbStage(Describes):
+    """Stage: PRB post-randomization of the set C in weight-homogeneous blocks (paper 002
+    section 4), the NZY baseline beside it, exact risk (eq. 2.2) gated at xi, Tables 3/4/6.
+    Cells on the keys' published coding, partition sets refined by utility.domains; the records
+    moved across a declared domain cell are counted (n_moved_across_domains, domains_not_kept)."""
+
+    name = "prb"
+    replications = 0
+    treated_share = "share_changed"
+    treated_words = "Post-randomization (PRB) changed the keys of {share} of records."
+    tune_measures = {"prb_max_risk": "max_risk"}
+
+    @classmethod
+    def preflight_numbers(cls, spec: ReleaseSpec) -> list[NumberColumn]:
+        """The partition variables cut into bins."""
+        part = spec.stages.prb.partition
+        return [NumberColumn(f"stages.prb.partition.{c}", c) for c, b in part.items() if b]
+
+    @classmethod
+    def risk_rows(cls, result: StageResult | None) -> list[RiskRow]:
+        """The largest exact identification risk of a post-randomized record, held to xi."""
+        value = None if result is None else finite(result.metrics, "max_risk")
+        what = "largest exact identification risk of a post-randomized record (paper 002, eq. 2.2)"
+        return [RiskRow(what, value, "PRB did not run", limit="xi")]
+
+    @classmethod
+    def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
+        return prb_public_method(result)
+
+    @classmethod
+    def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
+        return prb_public_treatments(result)
+
+    @classmethod
+    def does(cls, spec: ReleaseSpec, column: str = "", side: str = "upper") -> str:
+        """PRB post-randomizes the cells' keys in weight-homogeneous blocks."""
+        prb = spec.stages.prb
+        cells = prb.cells or [c for c in prb.variables if c in spec.variables.key_names]
+        return f"PRB post-randomizes the keys ({', '.join(cells)}) in weight-homogeneous blocks"
+
+    @classmethod
+    def tunables(cls, spec: ReleaseSpec, original: pd.DataFrame | None) -> list[Tunable]:
+        """The cells taking more of the intruder's key, a finer partition, the tuned theta."""
+        does = cls.does(spec)
+
+        def cells(o: Any, v: Any) -> str:
+            added = ", ".join(c for c in v["cells"] if c not in (o["cells"] or []))
+            return (
+                f"{does}; the cells take {added} of the intruder's key too: its uniques are "
+                "post-randomized as well"
+            )
+
+        def partition(o: Any, v: Any) -> str:
+            return (
+                f"{does}, inside the sets of a finer partition (adds "
+                f"{', '.join(c for c in v if c not in o)}): those columns keep their published "
+                "values"
+            )
+
+        def tuned(o: Any, v: Any) -> str:
+            if v:
+                return (
+                    f"{does} with the tuned theta, h*(theta) = xi (paper 002 section 6), kept "
+                    "where the exact risk check passes"
+                )
+            return f"{does} with theta0(xi) instead of the tuned theta"
+
+        return [
+            Tunable("stages.prb", cells_ladder(spec, original), False, cells, +1),
+            Tunable("stages.prb.partition", partition_ladder(spec), False, partition),
+            Tunable("stages.prb.tuned", [not spec.stages.prb.tuned], False, tuned),
+        ]
+
+    def __init__(self, section: Any, spec: Any):
+        self.section, self.spec = section, spec
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> PrbStage | None:
+        section = spec.stages.active("prb")
+        return None if section is None else cls(section, spec)
+
+    def cells(self) -> list[KeySpec]:
+        """The cell variables in their published coding (sdl_design.prb.prb_cells)."""
+        return prb_cells(self.spec, self.section)
+
+    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
+        """PRB (stages.prb.method) on df and the other method beside it at the same theta,
+        exact identification risk (eq. 2.2) gated at xi, the weighted counts and TVD tables."""
+        cfg, spec = self.section, self.spec
+        weight = spec.design.weight
+        xi = spec.gates.xi or cfg.xi
+        rng = ctx.rng("prb")
+        cells = self.cells()
+        declared = spec.utility.domain_list(spec.variables.key_names)
+        res, other, risk, counts, tv = _prb_and_baseline(df, cfg, spec, rng, cells, declared)
+        max_risk = float(risk["risk"].max()) if len(risk) else 0.0
+        n_changed = int(res.changed.sum())
+        n_across, not_kept = domains_not_kept(res)
+        cell_names = [k.name for k in cells]
+        carried = [c for c in cfg.variables if c not in cell_names]
+        notes = _prb_notes(cfg, res, cell_names, carried, xi, max_risk, n_changed)
+        notes += _domain_notes(not_kept, res.m0)
+        notes.append(f"{n_across} records moved across a declared domain cell boundary")
+        notes += _carried_domain_notes(carried, declared)
+        figures = _risk_figures(risk, xi)
+        return StageResult(
+            name=self.name,
+            data=res.data,
+            params={
+                "xi": cfg.xi,
+                "theta": res.theta,
+                "m0": res.m0,
+                "method": cfg.method,
+                "cells": cell_names,
+                "domains": [" x ".join(d) for d in res.domains],
+            },
+            metrics={
+                "theta": res.theta,
+                "m0": float(res.m0),
+                "max_risk": max_risk,
+                "n_blocks": float(risk["block"].nunique()) if len(risk) else 0.0,
+                "n_changed": float(n_changed),
+                "share_changed": n_changed / max(len(df), 1),
+                "n_moved_across_domains": float(n_across),
+                f"tvd_mean_{cfg.method}": float(tv[cfg.method].mean()) if len(tv) else 0.0,
+                f"tvd_mean_{other}": float(tv[other].mean()) if len(tv) else 0.0,
+            },
+            tables=_prb_tables(df, res, risk, counts, tv, not_kept, cfg.variables, weight),
+            report_tables=[
+                "identification_risk",
+                "risk_by_block",
+                "weighted_counts",
+                "tvd",
+                *(["domains_not_kept"] if len(not_kept) else []),
+            ],
+            gates=[identification_risk_gate(max_risk, xi)],
+            figures=figures,
+            notes=notes,
+        )
+
+    @classmethod
+    def summary_lines(cls, result: StageResult) -> list[str]:
+        """Records changed, the largest identification risk."""
+        m = result.metrics
+        return [
+            f"  prb         : {int(m['n_changed'])} of {int(m['n_units'])} singleton/doubleton "
+            f"records changed; max identification risk {m['max_risk']:.4f}"
+        ]
+
+    def run_partitions(self, records: Records, ctx: StageContext) -> StageResult:
+        """PRB by partition: pass 1 counts each partition's cells of X_C and lists its
+        partition sets, pass 2 gathers the singleton/doubleton units; the driver forms the
+        blocks and draws IFPR with the stage's Generator; every worker writes its records with
+        the moved ones' values of C replaced (edit rules checked)."""
+        spec, parts, run_map = ctx.spec, records.parts, records.run_map
+        req, st = part.prb_stage_request(spec)
+        first = run_map(part.prb_pass1, parts, spec, req, what="prb pass 1")
+        tables = part.combine_prb_pass1(first, req)
+        records.lap("pass1")
+        units = run_map(part.prb_pass2, parts, spec, req, tables, what="prb pass 2")
+        records.lap("pass2")
+        new, plan = part.prb_plan(req, st.xi, st.tuned, tables, units, ctx.rng())
+        records.lap("plan")
+        m = plan["metrics"]
+        records.say(
+            f"PRB changed {int(m['n_changed'])} of {int(m['n_units'])} singleton/doubleton "
+            f"records; max exact identification risk {m['max_risk']:.4f} (xi {st.xi})"
+        )
+        files = run_map(part.prb_apply, parts, spec, req, new, records.data, what="prb")
+        records.lap("apply")
+        # the public README's tables: the transition probabilities (the category sums by
+        # partition, in block sums) and the records each variable of C changed
+        trq = part.prb_transition_request(tables, plan, req)
+        sums = run_map(
+            part.prb_transition_pass, parts, spec, req, tables, trq, what="prb transitions"
+        )
+        docs = part.prb_doc_tables(trq, sums, records.n, plan, new, req)
+        records.lap("transitions")
+        metrics = pd.DataFrame({"metric": list(m), "value": list(m.values())})
+        params = {  # as run() makes them (what the README reads of them)
+            "xi": st.xi,
+            "theta": m["theta"],
+            "m0": int(m["m0"]),
+            "method": st.method,
+            "cells": list(req.names),
+            "domains": [" x ".join(d) for d in req.domains],
+        }
+        return passes_result(
+            self.name,
+            {
+                **m,
+                "share_changed": m["n_changed"] / max(records.n, 1),
+                "files": [Path(f).name for f in files],
+            },
+            records,
+            params=params,
+            tables={"metrics": metrics, **docs},
+            gates=[identification_risk_gate(m["max_risk"], spec.gates.xi or st.xi)],
+        )

@@ -1,0 +1,104 @@
+"""The pseudo design stage: pseudo strata, PSUs and replicate weights for the public file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from sdl_design import partition_pseudo as pps
+from sdl_design.describe import REPLICATES, Describes
+from sdl_design.engine.records import Records, passes_result
+from sdl_design.pseudo import pseudo_frame, pseudo_public_method, pseudo_summary, psu_purity
+from sdl_design.stage import StageContext, StageResult
+
+
+class PseudoDesignStage(Describes):
+    """Stage: when no earlier stage masked the design (ctx.masked_design) and the spec does not
+    publish the original labels, the public file gets pseudo strata, pseudo PSUs and replicate
+    weights built from them (design.pseudo); the original labels never leave."""
+
+    name = "pseudo_design"
+    replications = 0
+
+    @classmethod
+    def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
+        return pseudo_public_method(result, des) if result.masks_design else []
+
+    @classmethod
+    def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
+        if not result.masks_design:
+            return {}
+        label = f"pseudo-design label built by the {cls.name} stage"
+        out = {c: [label] for c in dict.fromkeys((des["strata"], des["psu"])) if c}
+        return {**out, REPLICATES: [f" built by the {cls.name} stage"]}
+
+    def __init__(self, spec: Any):
+        self.spec = spec
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> PseudoDesignStage | None:
+        d = spec.design
+        if not d.pseudo.enabled or d.publish_design_labels:
+            return None
+        return cls(spec)
+
+    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
+
+        if ctx.masked_design:
+            return StageResult(
+                name=self.name,
+                data=df,
+                params={"built": False},
+                notes=["The design was masked by an earlier stage: no pseudo design built."],
+            )
+        spec = self.spec
+        d = spec.design
+        data, pdes, public = pseudo_frame(df, spec, ctx.rng(self.name))
+        m = pdes.psus_per_stratum
+        if d.psu:  # original PSUs nested in strata; else each record its own PSU
+            nest = [df[d.strata], df[d.psu]] if d.strata else [df[d.psu], df[d.psu]]
+            orig_psu = pd.factorize(pd.MultiIndex.from_arrays(nest))[0]
+        else:
+            orig_psu = np.arange(len(df))
+        purity = psu_purity(orig_psu, pdes.stratum.astype(np.int64) * (m + 1) + pdes.psu)
+        params, metrics, notes = pseudo_summary(pdes, public, purity)
+        return StageResult(
+            name=self.name,
+            data=data,
+            params=params,
+            metrics=metrics,
+            notes=notes,
+            masks_design=True,
+        )
+
+    def run_partitions(self, records: Records, ctx: StageContext) -> StageResult:
+        """The pseudo design by partition (run()'s records, bit for bit): when an earlier
+        stage masked the design it builds nothing and the records stay as they are; else pass
+        1 sends each partition's original PSUs, the driver deals them into pseudo strata and
+        PSUs and builds the replicate factors with the stage's Generator, and every worker
+        writes its records with their pseudo labels and replicate weights."""
+        if ctx.masked_design:
+            note = "The design was masked by an earlier stage: no pseudo design built."
+            return passes_result(self.name, {"built": False}, params={"built": False}, notes=[note])
+        spec, parts, run_map = ctx.spec, records.parts, records.run_map
+        units = pps.combine_units(
+            run_map(pps.pseudo_units, parts, spec, what="pseudo design: PSUs")
+        )
+        plan, purity = pps.plan_of_units(spec, records.columns, units, ctx.rng())
+        args = (spec, units, plan, records.data)
+        files = run_map(pps.pseudo_apply, parts, *args, what="pseudo design")
+        out = pps.pseudo_result(plan, purity)
+        records.say(out["notes"][0])
+        records.lap("")
+        fields = {k: v for k, v in out.items() if k not in ("params", "notes", "public_design")}
+        return passes_result(
+            self.name,
+            {**fields, "files": [Path(f).name for f in files]},
+            records,
+            params=out["params"],
+            notes=out["notes"],
+            masks_design=True,
+        )
