@@ -18,7 +18,7 @@ import sdl_design  # noqa: F401 (first: the CPU kernels pinned before numpy load
 import numpy as np
 import pandas as pd
 
-from sdl_design.calibration import calibrate, calibrate_replicates, control_totals
+from sdl_design.survey.calibration import calibrate, calibrate_replicates, control_totals
 
 
 def make(n: int, seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:

@@ -79,7 +79,7 @@ print('SCAN', out['seconds'], out['partitions'])
 WHOLE = """
 import time, numpy as np, pandas as pd
 from sdl_design import partition as P
-from sdl_design.design import SurveyDesign
+from sdl_design.survey.design import SurveyDesign
 from sdl_design.io import read_input
 from sdl_design.spec import load_spec
 spec = load_spec(sys.argv[1])

@@ -131,7 +131,7 @@ def run_recordswap(df: pd.DataFrame, repeats: int, hid: str) -> tuple[float, flo
 
 def versus_sdcmicro(n_persons: int, repeats: int, hid: str, seed: int) -> None:
     """Ours (core, whole, setup) and sdcMicro's recordSwap on the demo survey; the ratios."""
-    from sdl_design.design import SurveyDesign
+    from sdl_design.survey.design import SurveyDesign
     from sdl_design.swap import design_columns, swap_segments
     from sdl_design.synth import make_survey
     from sdl_design.utility import broad_characteristics, original_domain_se

@@ -26,7 +26,7 @@ import pandas as pd
 import polars as pl
 import svy
 
-from sdl_design.design import SurveyDesign
+from sdl_design.survey.design import SurveyDesign
 from sdl_design.synth import make_survey
 
 R_SCRIPT = r"""

@@ -123,14 +123,14 @@ def _known_errors() -> dict[type[BaseException], int]:
     from expectations.suites import GateFailed
     from flows.release import ReleaseRejected
     from flows.txn import PublishError, RegistryError, ReleaseLocked
-    from sdl_design.calibration import CalibrationError
-    from sdl_design.design import DesignError
     from sdl_design.edits import EditFailure
-    from sdl_design.glm import FormulaError
     from sdl_design.massc.common import MasscError
     from sdl_design.prb import PrbError
     from sdl_design.risk import RiskInputError
     from sdl_design.spec import SpecError
+    from sdl_design.survey.calibration import CalibrationError
+    from sdl_design.survey.design import DesignError
+    from sdl_design.survey.glm import FormulaError
 
     unusable = (SpecError, DesignError, PrbError, MasscError, RiskInputError, CalibrationError)
     return {

@@ -12,7 +12,6 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.describe import REPLICATES
-from sdl_design.design import SurveyDesign
 from sdl_design.public_summary import (
     RECORDS,
     VALUES_MAX,
@@ -23,6 +22,7 @@ from sdl_design.public_summary import (
 )
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stages import assessment_of, described
+from sdl_design.survey.design import SurveyDesign
 
 if TYPE_CHECKING:
     from sdl_design.stage import StageResult

@@ -24,7 +24,6 @@ from expectations.suites import GateFailed, edit_verdicts, validate_metric_gates
 from flows.env import peak_gib, peak_reset, preload, return_freed_memory
 from flows.public_files import write_public_by_partition
 from flows.txn import CONFIDENTIAL_TABLES
-from sdl_design import blocksum
 from sdl_design import partition as part
 from sdl_design import partition_assess as pas
 from sdl_design.engine.exchange import Exchange, mapper, say
@@ -32,6 +31,7 @@ from sdl_design.engine.records import Records, Run, run_record
 from sdl_design.spec import ReleaseSpec, SpecError, load_spec
 from sdl_design.stage import StageContext, StageResult, design_columns, public_design, reads_only
 from sdl_design.stages import build_stages
+from sdl_design.survey import blocksum
 
 Mapper = Callable[..., list]
 

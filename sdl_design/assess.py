@@ -9,7 +9,7 @@ replicate weights, with the spec's weight and replicate method. Both are SurveyD
   overall, by each analysis domain and by each pair of domains; estimate and SE on both files,
   relative bias, standardized bias (released - original) / SE_original, the CI overlap of Karr,
   Kohnen, Oganian, Reiter and Sanil (2006) and the SE ratio;
-- analysis models: survey-weighted GLMs (sdl_design.glm) on both files, coefficient by
+- analysis models: survey-weighted GLMs (sdl_design.survey.glm) on both files, coefficient by
   coefficient;
 - general utility: the propensity-score pMSE ratio of Snoke, Raab, Nowok, Dibben and
   Slavkovic (2018);
@@ -29,7 +29,12 @@ import scipy.sparse as sp
 from scipy.stats import norm
 
 from sdl_design.attack import IntruderKey, attack_battery, intruder_key
-from sdl_design.design import (
+from sdl_design.keys import bin_codes, bin_labels, coarsen
+from sdl_design.leaks import psu_recoverable
+from sdl_design.massc.measures import delta_measures
+from sdl_design.spec import KeySpec, ReleaseSpec
+from sdl_design.stage import gate
+from sdl_design.survey.design import (
     DesignError,
     SurveyDesign,
     dense_codes,
@@ -38,7 +43,7 @@ from sdl_design.design import (
     pair_replicate_totals,
     resolve_replicates,
 )
-from sdl_design.glm import (
+from sdl_design.survey.glm import (
     FormulaError,
     GLMFit,
     design_matrix,
@@ -49,11 +54,6 @@ from sdl_design.glm import (
     term_levels,
     weighted_gram,
 )
-from sdl_design.keys import bin_codes, bin_labels, coarsen
-from sdl_design.leaks import psu_recoverable
-from sdl_design.massc.measures import delta_measures
-from sdl_design.spec import KeySpec, ReleaseSpec
-from sdl_design.stage import gate
 
 Variance = Literal["taylor", "replicate"]
 DomainArg = str | Sequence[str]

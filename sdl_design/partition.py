@@ -4,7 +4,7 @@ one process's memory is read a partition at a time, in one process or on Dask wo
 (flows/scan.py runs them; only small aggregates come back to the driver).
 
 - plan_partitions / read_partition: row groups in file order (a folder's files one after
-  the other), a partition of an input longer than a block of sdl_design.blocksum ending at a
+  the other), a partition of an input longer than a block of sdl_design.survey.blocksum ending at a
   block boundary (none then begins inside a block); every record keeps its global row
   number; columns are typed as read_input types them.
 - Key-profile counts (risk strata U/D/T/O, paper 000 section 2.3): the distinct recoded key
@@ -33,21 +33,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from sdl_design import blocksum
 from sdl_design.blas import single_blas_thread
-from sdl_design.blocksum import BlockAccumulator, BlockPartial
-from sdl_design.design import (
-    SurveyDesign,
-    block_view,
-    dense_codes,
-    first_of,
-    group_indicator,
-    resolve_replicates,
-    sparse_times,
-    take_rows,
-)
 from sdl_design.edits import check_edits, combine_rule_failures, rule_failures
-from sdl_design.exactsum import add_limbs_at
 from sdl_design.io import parquet_options, type_input
 from sdl_design.keys import key_levels
 from sdl_design.massc.common import _codes
@@ -95,6 +82,19 @@ from sdl_design.risk import (
     unique_risk,
 )
 from sdl_design.spec import KeySpec, SensitiveSpec
+from sdl_design.survey import blocksum
+from sdl_design.survey.blocksum import BlockAccumulator, BlockPartial
+from sdl_design.survey.design import (
+    SurveyDesign,
+    block_view,
+    dense_codes,
+    first_of,
+    group_indicator,
+    resolve_replicates,
+    sparse_times,
+    take_rows,
+)
+from sdl_design.survey.exactsum import add_limbs_at
 from sdl_design.swap import (
     Masking,
     SegmentDesign,
@@ -1730,7 +1730,7 @@ def combine_moments(
     n_rows: int,
 ) -> PlanSums:
     """massc_plan's sums from the partitions' parts, in partition order: the same bits as in
-    memory (sdl_design.blocksum)."""
+    memory (sdl_design.survey.blocksum)."""
     sums = _block_totals(partials, _TERMS, zvars, len(labels), len(psus), n_rows)
     N = np.sum([q.N for q in partials], axis=0)
     return PlanSums(

@@ -52,25 +52,6 @@ from sdl_design.assess import (
     study_kind,
 )
 from sdl_design.blas import single_blas_thread
-from sdl_design.design import (
-    DesignError,
-    SurveyDesign,
-    dense_codes,
-    group_indicator,
-    resolve_replicates,
-)
-from sdl_design.glm import (
-    GLMCells,
-    _binomial_deviance,
-    _logistic,
-    combine_cells,
-    design_matrix,
-    fit_cells,
-    glm_cells,
-    independent_columns,
-    parse_formula,
-    weighted_gram,
-)
 from sdl_design.leaks import recoverable_share, zero_words
 from sdl_design.massc.measures import appearance_table
 from sdl_design.partition import (
@@ -83,6 +64,25 @@ from sdl_design.partition import (
     strata_counts,
 )
 from sdl_design.spec import ReleaseSpec
+from sdl_design.survey.design import (
+    DesignError,
+    SurveyDesign,
+    dense_codes,
+    group_indicator,
+    resolve_replicates,
+)
+from sdl_design.survey.glm import (
+    GLMCells,
+    _binomial_deviance,
+    _logistic,
+    combine_cells,
+    design_matrix,
+    fit_cells,
+    glm_cells,
+    independent_columns,
+    parse_formula,
+    weighted_gram,
+)
 
 MIN_N = 30  # assess's: an estimate is reliable with >= 30 original records in its cell
 LEVEL = 0.95  # assess's confidence level

@@ -2,7 +2,7 @@
 to the original file's totals (calibrate_treated's, bit for bit), and the replications'
 weight calibrations and study totals (massc_replications').
 
-Every sum is a block sum (sdl_design.blocksum) of one partition's records by a group it knows
+Every sum is a block sum (sdl_design.survey.blocksum) of one partition's records by a group it knows
 locally (its own distinct categories, domain cells or calibration profiles); the driver maps
 the local groups to the whole file's and adds the blocks in order, so the totals are the bits
 the in-memory calibration adds. A partition codes its controls and domain cells once, as its
@@ -28,17 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from sdl_design import blocksum
 from sdl_design.blas import single_blas_thread
-from sdl_design.blocksum import BlockAccumulator, BlockPartial, combine_local
-from sdl_design.calibration import (
-    CalibrationInfeasible,
-    _margin_codes,
-    calibrate_profiles,
-    profile_design,
-    replicate_factors,
-)
-from sdl_design.design import first_of
 from sdl_design.edits import check_edits
 from sdl_design.keys import key_frame, key_levels
 from sdl_design.massc.measures import epsilon_from_replications
@@ -71,6 +61,16 @@ from sdl_design.partition import (
 )
 from sdl_design.rng import release_seed
 from sdl_design.spec import KeySpec, ReleaseSpec
+from sdl_design.survey import blocksum
+from sdl_design.survey.blocksum import BlockAccumulator, BlockPartial, combine_local
+from sdl_design.survey.calibration import (
+    CalibrationInfeasible,
+    _margin_codes,
+    calibrate_profiles,
+    profile_design,
+    replicate_factors,
+)
+from sdl_design.survey.design import first_of
 
 # replications made in the same passes: their selections' exchange carries a uniform per
 # record and selection, and their study totals the values of the records that continue a

@@ -20,7 +20,6 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.blas import single_blas_thread
-from sdl_design.design import resolve_replicates
 from sdl_design.keys import key_frame, key_levels
 from sdl_design.partition import (
     MeansRequest,
@@ -34,6 +33,7 @@ from sdl_design.partition import (
 )
 from sdl_design.partition_assess import linked_originals
 from sdl_design.spec import KeySpec
+from sdl_design.survey.design import resolve_replicates
 from sdl_design.utility import se_exclude
 
 if TYPE_CHECKING:

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from sdl_design.design import first_of
 from sdl_design.partition import Partition, PartitionError, _write_partition, read_partition
 from sdl_design.pseudo import PseudoPlan, apply_pseudo, pseudo_plan, pseudo_summary
+from sdl_design.survey.design import first_of
 
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec

@@ -1,7 +1,7 @@
 """Top-coding by partition: TopcodeStage's records and thresholds table, bit for bit.
 
 - Pass 1 reads each partition's coded columns: the groups (`by` values) it holds with their
-  records and block sums of w and w x (sdl_design.blocksum), and per side the candidates of
+  records and block sums of w and w x (sdl_design.survey.blocksum), and per side the candidates of
   the threshold: the k most extreme values (min_count), or the most extreme records (value,
   weight, row) that a weighted percentile can fall on (about twice the tail's share, as
   topcode._percentile_one takes them).
@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from sdl_design import blocksum
-from sdl_design.blocksum import BlockPartial, combine_local
 from sdl_design.partition import Partition, PartitionError, _write_partition, read_partition
 from sdl_design.spec import Bound, ReleaseSpec, TopcodeRule
+from sdl_design.survey import blocksum
+from sdl_design.survey.blocksum import BlockPartial, combine_local
 from sdl_design.topcode import (
     _check_apart,
     _Groups,

@@ -124,7 +124,7 @@ def se_ratio_boxplot(
     deff_class (or deff, classed by `sdl_design.utility.deff_class`)."""
     from matplotlib import colormaps
 
-    from sdl_design.design import DEFF_CLASSES, deff_class
+    from sdl_design.survey.design import DEFF_CLASSES, deff_class
 
     classes = [f"({a:g},{b:g}]" for a, b in zip(DEFF_CLASSES[:-1], DEFF_CLASSES[1:], strict=True)]
     fig, ax = subplots(figsize=(8, 4.5))

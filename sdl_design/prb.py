@@ -22,14 +22,14 @@ import pandas as pd
 import scipy.sparse as sp
 from scipy.optimize import brentq
 
-from sdl_design.blocksum import group_sum
 from sdl_design.describe import pct
-from sdl_design.design import SurveyDesign
 from sdl_design.edits import check_edits
 from sdl_design.keys import coarsen, published_key, shared_categories
 from sdl_design.plots import histogram
 from sdl_design.spec import KeySpec
 from sdl_design.stage import StageResult, gate
+from sdl_design.survey.blocksum import group_sum
+from sdl_design.survey.design import SurveyDesign
 from sdl_design.utility import tvd, weighted_distribution
 
 if TYPE_CHECKING:
@@ -592,7 +592,7 @@ def expected_transitions(res: PrbResult, weight: np.ndarray) -> pd.DataFrame:
     A unit of cell j in a block of m cells stays with 1 - theta/t'_j and moves to each other cell
     with theta/((m - 1) t'_j); units outside blocks stay. Columns: variable, original, published,
     p, n_original (records), weight_original. The category sums are block sums
-    (sdl_design.blocksum: the same bits by partition, prb_transition_pass)."""
+    (sdl_design.survey.blocksum: the same bits by partition, prb_transition_pass)."""
 
     cv = res.cell_values
     if cv is None or not len(cv.columns):

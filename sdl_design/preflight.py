@@ -52,8 +52,8 @@ def _models(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
     """Every declared model fits on the input under its design (the assessment fits it on the
     input and the published file; a singular fit there stopped the run after its work)."""
     from sdl_design.assess import model_fits
-    from sdl_design.design import DesignError, SurveyDesign
-    from sdl_design.glm import FormulaError
+    from sdl_design.survey.design import DesignError, SurveyDesign
+    from sdl_design.survey.glm import FormulaError
 
     models = spec.utility.models
     if not models or any(c not in df.columns for m in models for c in m.columns()):

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from sdl_design.design import DesignError, SurveyDesign
 from sdl_design.spec import SpecError
 from sdl_design.stage import StageResult
+from sdl_design.survey.design import DesignError, SurveyDesign
 
 if TYPE_CHECKING:
     from sdl_design.stage import StageResult

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sdl_design.design import DesignError, sorted_codes
+from sdl_design.survey.design import DesignError, sorted_codes
 
 # a part sends the distinct values of a column when it has at most this many
 SMALL = 4096

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 import pandas as pd
 
-from sdl_design.design import SurveyDesign
 from sdl_design.rng import release_seed, stage_rng
 from sdl_design.spec import ReplicateSpec
+from sdl_design.survey.design import SurveyDesign
 
 if TYPE_CHECKING:
-    from sdl_design.design import SurveyDesign
     from sdl_design.spec import ReleaseSpec
+    from sdl_design.survey.design import SurveyDesign
 
 
 # When a passing gate is "near its limit" (Gate.near_limit; the report states NEAR_RULE)

@@ -17,12 +17,12 @@ import pandas as pd
 from scipy.spatial import cKDTree
 
 from sdl_design.describe import REPLICATES, pct
-from sdl_design.design import SurveyDesign, design_columns, first_of
-from sdl_design.exactsum import grid_exponent, limb_sums, limb_total, value
 from sdl_design.messages import short_list
 from sdl_design.plots import se_ratio_boxplot as boxplot
 from sdl_design.psus import Psus, strata_psu
 from sdl_design.stage import StageResult
+from sdl_design.survey.design import SurveyDesign, design_columns, first_of
+from sdl_design.survey.exactsum import grid_exponent, limb_sums, limb_total, value
 from sdl_design.utility import (
     broad_characteristics,
     deff_class_summary,
@@ -193,7 +193,7 @@ class SegmentDesign:
     psu_stratum: np.ndarray
     psu_labels: np.ndarray
     strata_labels: np.ndarray
-    grid: np.ndarray  # (2q,) grid exponents of sdl_design.exactsum
+    grid: np.ndarray  # (2q,) grid exponents of sdl_design.survey.exactsum
 
 
 def segment_design(pass1: SegmentPass1, matching: Sequence[str]) -> SegmentDesign:
@@ -297,7 +297,7 @@ def segment_aggregates(
     matching: Sequence[str],
 ) -> SegmentAggregates:
     """Segment scores and means of the matching characteristics; checks the design nesting.
-    The sums are exact (sdl_design.exactsum): a partitioned file gives the same aggregates."""
+    The sums are exact (sdl_design.survey.exactsum): a partitioned file gives the same aggregates."""
     s_code, table = _segment_codes(df, weight, strata, psu, segment)
     design = segment_design(_pass1(df, weight, matching, table), matching)
     rank = np.empty(len(table), dtype=np.int64)  # first-appearance code -> label order

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from sdl_design.design import SurveyDesign
+from sdl_design.survey.design import SurveyDesign
 
 N_STRATA = 30
 POPULATION = 330_000_000.0

@@ -21,10 +21,10 @@ import numpy as np
 import pandas as pd
 from pydantic import ValidationError
 
-from sdl_design.blocksum import group_sum
 from sdl_design.describe import fmt
 from sdl_design.spec import Bound, TopcodeRule
 from sdl_design.stage import StageResult
+from sdl_design.survey.blocksum import group_sum
 
 if TYPE_CHECKING:
     from sdl_design.stage import StageResult
@@ -314,7 +314,7 @@ class _Groups:
 
     def sums(self, x: np.ndarray) -> np.ndarray:
         """Group sums of x (one per value) in block sums over the file's rows
-        (sdl_design.blocksum: the same bits by partition)."""
+        (sdl_design.survey.blocksum: the same bits by partition)."""
         g = np.zeros(len(x), np.int64) if self.gv is None else self.gv
         return group_sum(g, x, self.n_groups, max(self.n_rows, len(x)), self.rows)
 
@@ -542,7 +542,7 @@ def topcode_summary(
 
 
 def _block_total(x: np.ndarray) -> float:
-    """The sum of x over the file, missing terms left out, in block sums (sdl_design.blocksum:
+    """The sum of x over the file, missing terms left out, in block sums (sdl_design.survey.blocksum:
     the same bits by partition)."""
     ok = ~np.isnan(x)
     return float(

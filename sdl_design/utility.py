@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from sdl_design.design import DEFF_CLASSES, SurveyDesign, deff_class, design_columns
 from sdl_design.keys import key_levels
 from sdl_design.spec import KeySpec
+from sdl_design.survey.design import DEFF_CLASSES, SurveyDesign, deff_class, design_columns
 
 if TYPE_CHECKING:
     from sdl_design.spec import KeySpec

@@ -19,15 +19,15 @@ from sdl_design.assess import (
     published_coding,
     reidentification,
 )
-from sdl_design.design import SurveyDesign
-from sdl_design.glm import (
+from sdl_design.keys import coarsen
+from sdl_design.survey.design import SurveyDesign
+from sdl_design.survey.glm import (
     FormulaError,
     design_matrix,
     parse_formula,
     svyglm,
     term_levels,
 )
-from sdl_design.keys import coarsen
 from sdl_design.synth import make_survey
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,7 +265,7 @@ def test_replicate_refits_are_each_columns_own_fit(terms):
     weight zero on the term's y = 0 rows) diverges to NaN or to large coefficients there,
     and does not hold the others back; a column with a term of no weight is NaN. 40 terms:
     the Gram matrices one product per column (GRAM_KHATRI_RAO_MAX_TERMS)."""
-    from sdl_design import glm
+    from sdl_design.survey import glm
 
     rng = np.random.default_rng(3)
     m, R = 400, 7

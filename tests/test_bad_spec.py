@@ -14,7 +14,7 @@ import yaml
 
 from flows.cli import main as puf
 from flows.cli import write_demo_spec
-from sdl_design.design import SurveyDesign
+from sdl_design.survey.design import SurveyDesign
 
 N = 3000
 

@@ -1,4 +1,4 @@
-"""Block sums (sdl_design.blocksum): the same bits for any partitioning of the file, bincount's
+"""Block sums (sdl_design.survey.blocksum): the same bits for any partitioning of the file, bincount's
 bits for a file of one block, and the sum to rounding (math.fsum)."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from sdl_design.blocksum import BLOCK, block_partial, combine_partials, group_sum
+from sdl_design.survey.blocksum import BLOCK, block_partial, combine_partials, group_sum
 
 
 def _terms(n, G, seed, keep=0.7):
@@ -72,7 +72,7 @@ def test_partitions_numbering_groups_their_own_way_give_the_same_bits():
     """Each partition numbers the groups it holds its own way (first appearance in it, only
     those present): mapped to the file's numbering by combine_local, the sums are group_sum's
     bits, with cuts inside blocks."""
-    from sdl_design.blocksum import combine_local
+    from sdl_design.survey.blocksum import combine_local
 
     n, G = 2 * BLOCK + 999, 9
     rows, codes, x = _terms(n, G, 4)

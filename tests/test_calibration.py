@@ -6,15 +6,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sdl_design.calibration import (
+from sdl_design.keys import key_frame
+from sdl_design.spec import KeySpec
+from sdl_design.survey.calibration import (
     CalibrationError,
     CalibrationInfeasible,
     calibrate,
     calibrate_replicates,
     control_totals,
 )
-from sdl_design.keys import key_frame
-from sdl_design.spec import KeySpec
 
 
 def _sample(n: int = 400, seed: int = 1) -> pd.DataFrame:
@@ -307,8 +307,8 @@ def test_replicates_come_back_as_one_block_in_their_places(controls):
     """The recalibrated replicate weights are one float block of the returned frame, in the
     source frame's column order, so a design reads them in place (no 70-column copy per
     design at 1M records); the values equal each replicate calibrated alone."""
-    from sdl_design.design import SurveyDesign, block_view
     from sdl_design.massc import calibrate_treated
+    from sdl_design.survey.design import SurveyDesign, block_view
 
     original, reps, _ = _jkn(_design_sample(seed=11))
     original = original[["w", *reps, "sex", "region", "income", "stratum", "psu"]].copy()
@@ -421,7 +421,7 @@ def test_default_survey_replicate_ses_stay_close():
 def test_sparse_design_equals_dense(monkeypatch):
     """Many categories: X held as CSR (sparse Gram) gives the weights of the dense path, for
     raking and logit, full weight and replicates (a crossing of 3 margins, 120+ categories)."""
-    import sdl_design.calibration as cal
+    import sdl_design.survey.calibration as cal
 
     rng = np.random.default_rng(4)
     n = 3000
@@ -457,7 +457,7 @@ def test_widen_fails_fast_when_raking_cannot_reach_the_totals():
     """Contradictory totals (two margins that split the records the same way, with different
     totals): no positive weights reach them, so the widen policy stops after raking fails
     instead of trying 40 bounds."""
-    import sdl_design.calibration as cal
+    import sdl_design.survey.calibration as cal
 
     df = pd.DataFrame({"x": ["p", "p", "q", "q"], "y": ["u", "u", "v", "v"], "r": 1.0})
     per = [{"x": {"p": 2.0, "q": 2.0}, "y": {"u": 1.0, "v": 3.0}}]
@@ -483,7 +483,7 @@ def test_profile_sums_equal_a_groupby_of_the_profiles():
     column-major, exactly as the profile indicator's product adds them (in record order)."""
     import scipy.sparse
 
-    from sdl_design.calibration import _design
+    from sdl_design.survey.calibration import _design
 
     df = _sample(n=3000, seed=4)
     d = _design(df, control_totals(df, "w", ["sex", "region"]))

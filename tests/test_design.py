@@ -6,7 +6,7 @@ import polars as pl
 import pytest
 import svy
 
-from sdl_design.design import DesignError, SurveyDesign, hadamard_for
+from sdl_design.survey.design import DesignError, SurveyDesign, hadamard_for
 
 RTOL = 1e-8
 
@@ -433,7 +433,7 @@ def test_replicate_sorted_file_path_by_hand(monkeypatch):
     """Replicate estimates and SEs of a file sorted by PSU (PSU totals of w y by one GEMV per
     PSU) equal plain numpy on the replicate weights, W' y, and the shuffled file's (sparse PSU
     sums); a missing value in a study variable is refused on that path too."""
-    import sdl_design.design as design
+    import sdl_design.survey.design as design
 
     calls = []
     gemv = design.psu_sums
@@ -586,7 +586,7 @@ def test_replicate_weights_side_by_side_in_a_block_are_read_in_place():
     """Replicate columns that sit side by side in the frame's float block are W without a
     copy (a read-only view, equal to the values); shuffled, interleaved or split columns are
     copied, with the same values."""
-    from sdl_design.design import _fortran_columns, block_view
+    from sdl_design.survey.design import _fortran_columns, block_view
 
     rng = np.random.default_rng(3)
     df = pd.DataFrame(rng.random((50, 8)), columns=[f"c{j}" for j in range(8)])
@@ -630,7 +630,7 @@ def test_factor_groups_survive_factors_with_equal_projections():
 
 
 def test_take_rows_is_the_row_gather():
-    from sdl_design.design import take_rows
+    from sdl_design.survey.design import take_rows
 
     rng = np.random.default_rng(2)
     W = np.asfortranarray(rng.random((500, 7)))

@@ -6,10 +6,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from sdl_design.design import SurveyDesign
 from sdl_design.pseudo import build_pseudo_design, psu_purity
 from sdl_design.spec import SpecError, parse_spec
 from sdl_design.stages import run_stages
+from sdl_design.survey.design import SurveyDesign
 
 
 def _srs(n=400, seed=3) -> pd.DataFrame:

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from sdl_design.design import DesignError, SurveyDesign
 from sdl_design.spec import DesignSection
+from sdl_design.survey.design import DesignError, SurveyDesign
 
 FIX = Path(__file__).parent / "fixtures" / "r_design"
 EST_RTOL, SE_RTOL = 1e-10, 1e-8

@@ -1,4 +1,4 @@
-"""Order-free group sums (sdl_design.exactsum): brute force with math.fsum (correctly rounded
+"""Order-free group sums (sdl_design.survey.exactsum): brute force with math.fsum (correctly rounded
 sums of the exact values), and the property the partitioned path needs: the same bits however
 the records are ordered or split."""
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from sdl_design import exactsum as X
+from sdl_design.survey import exactsum as X
 
 
 def _by_group(codes, x, G):

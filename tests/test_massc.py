@@ -498,9 +498,9 @@ def test_replicate_ses_of_controls_equal_the_original(composed):
     replicate SE of every control total (sex, age groups, region) on the treated file equals
     the original's to 1e-8, also when an earlier stage moved the region of 30% of the records
     (then the MASSC input's own replicate SEs of region differ from the original's)."""
-    from sdl_design.design import SurveyDesign
     from sdl_design.massc.stage import massc_result
     from sdl_design.spec import load_spec
+    from sdl_design.survey.design import SurveyDesign
     from sdl_design.synth import make_survey
 
     spec = load_spec(DEFAULT_SPEC)
@@ -841,8 +841,8 @@ def test_rates_do_not_depend_on_file_size_on_the_sampling_scale():
     treatment variance (8b) both shrink like 1/n, so phi on the sampling scale stays, while on
     the relative scale the budget beta theta^2 does not shrink and phi falls to its lower bound:
     the large-file subsampling of issue 11."""
-    from sdl_design.design import SurveyDesign
     from sdl_design.massc import z_moments
+    from sdl_design.survey.design import SurveyDesign
 
     zv = StudyVariables(["_count", "y"], {"": [""]}, [])
     out = {}
@@ -1027,7 +1027,6 @@ def test_original_margins_give_the_calibration_from_both_files(shift):
     either file, and when b2 holds a value the original lacks or a column of another dtype
     (then that domain is coded from both files). Each margin's original totals are
     control_totals of the original's labels, to the last bit."""
-    from sdl_design.calibration import control_totals
     from sdl_design.massc import OriginalMargins, calibrate_treated
     from sdl_design.massc.treatment import (
         _domain_cells_both,
@@ -1035,6 +1034,7 @@ def test_original_margins_give_the_calibration_from_both_files(shift):
         domain_cells,
         margin_name,
     )
+    from sdl_design.survey.calibration import control_totals
 
     rng = np.random.default_rng(5)
     n = 600
@@ -1141,8 +1141,8 @@ def test_cell_sums_of_several_cellings_at_once():
     """_cell_sums (one stacked indicator for every celling) gives each celling's cell sums of
     each column: equal to a pandas groupby, and bit for bit to one indicator per celling; a
     cell no record falls in sums to 0."""
-    from sdl_design.design import group_indicator
     from sdl_design.massc.treatment import RecordColumns, _cell_sums
+    from sdl_design.survey.design import group_indicator
 
     rng = np.random.default_rng(13)
     df = pd.DataFrame(rng.uniform(size=(500, 20)), columns=[f"r{i}" for i in range(20)])

@@ -18,11 +18,11 @@ from flows.cli import main as puf
 from flows.cli import write_demo_spec
 from sdl_design import partition as P
 from sdl_design import partition_calibration as pcal
-from sdl_design.design import SurveyDesign
 from sdl_design.edits import rule_failures
 from sdl_design.io import read_input
 from sdl_design.risk import cell_sizes, profile_codes, risk_profile, risk_strata
 from sdl_design.spec import load_spec
+from sdl_design.survey.design import SurveyDesign
 
 N = 3000
 GROUP = 450  # records per row group: 7 row groups, PSUs cut at their edges
@@ -112,7 +112,7 @@ def test_plan_moves_partition_ends_to_block_boundaries_and_reads_cut_row_groups(
     groups 2 and 5; blocks of 1,024 and 7 partitions asked: the ends 450, ..., 2,700 move to
     0, 1,024, 1,024, 2,048, 2,048 and 3,072 (past the end), 3 partitions of whole blocks
     remain. Every partition reads exactly its records, with their global row numbers."""
-    from sdl_design import blocksum
+    from sdl_design.survey import blocksum
 
     _, spec, whole = survey
     monkeypatch.setattr(blocksum, "BITS", 8)
@@ -151,7 +151,7 @@ def test_plan_of_a_folder_spans_files_at_block_boundaries_and_refuses_other_colu
     (the default 65,536) they end at the files' ends. Every partition reads exactly the whole
     file's records, typed as read_input types them. A file that stores a column with another
     type, or other columns, is refused."""
-    from sdl_design import blocksum
+    from sdl_design.survey import blocksum
 
     _, spec, whole = survey
     folder = tmp_path / "parts"
@@ -361,8 +361,8 @@ def test_puf_scan_writes_its_tables_whole(survey, tmp_path, capsys):
     assert "[FAIL] edit[0] age between 0 and 90: 3 records fail (e.g. row [5, 1200, 2999])" in text
     assert sorted(p.name for p in out.iterdir()) == [
         "edits.csv",
-        "profiles.csv",
         "key_risk.csv",
+        "profiles.csv",
         "risk_strata.csv",
         "se.csv",
     ]
@@ -386,7 +386,7 @@ def test_puf_scan_writes_its_tables_whole(survey, tmp_path, capsys):
 
 
 def test_split_blocks_counts_partitions_that_begin_inside_a_block():
-    from sdl_design.blocksum import BLOCK, split_blocks
+    from sdl_design.survey.blocksum import BLOCK, split_blocks
 
     assert BLOCK == 65_536
     assert split_blocks([0, BLOCK, 100_000, 2 * BLOCK, 4 * BLOCK + 1]) == 2
@@ -398,7 +398,7 @@ def test_puf_scan_says_why_it_reads_fewer_partitions_than_asked(
 ):
     """Blocks of 1,024 (3,000 records span 3 blocks): 7 partitions asked, 3 of whole blocks
     read, and the run says why (more than the row groups: test_puf_scan_writes_its_tables_whole)."""
-    from sdl_design import blocksum
+    from sdl_design.survey import blocksum
 
     monkeypatch.setattr(blocksum, "BITS", 10)
     monkeypatch.setattr(blocksum, "BLOCK", 1 << 10)
@@ -513,7 +513,7 @@ def test_segment_aggregates_by_partition_are_the_whole_files_to_the_bit():
     eq. 3's sums of w (x - xbar) / W over each segment's records (math.fsum brute force)."""
     import math
 
-    from sdl_design.exactsum import add_limbs_at
+    from sdl_design.survey.exactsum import add_limbs_at
     from sdl_design.swap import (
         aggregates_from_sums,
         combine_segment_pass1,
@@ -723,9 +723,9 @@ def test_prb_transitions_by_partition_in_blocks_across_partitions(
     and 700 records, read in 3 partitions that end at 1,024 and 2,304, inside the files): the
     in-memory stage's table, bit for bit, p and the category weights."""
     from flows.scan import run_partitioned
-    from sdl_design import blocksum
     from sdl_design.stage import StageContext
     from sdl_design.stages.prb import PrbStage
+    from sdl_design.survey import blocksum
 
     monkeypatch.setattr(blocksum, "BITS", 8)
     monkeypatch.setattr(blocksum, "BLOCK", 256)
@@ -906,8 +906,8 @@ def _same_calibration(m, folder, spec, prb, whole, cfg, tr):
     weight and replicate weights, bit for bit, the domains' table, the replicates' report, the
     weight factors and the metrics; and the calibrated weights meet the original's control
     totals."""
-    from sdl_design.calibration import control_totals
     from sdl_design.massc.stage import _calibrate, _release_margins
+    from sdl_design.survey.calibration import control_totals
 
     data, tables, metrics = _calibrate(
         prb.data, spec, cfg, tr, whole, True, margins=_release_margins(prb.data, spec, whole, cfg)
@@ -1332,16 +1332,16 @@ def _same_moments(m, plan):
 
 @pytest.mark.parametrize("cuts", ["row groups", "files"])
 def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monkeypatch, cuts):
-    """With blocks of 64 records (sdl_design.blocksum) the 3,000 records are 47 blocks, cut by
+    """With blocks of 64 records (sdl_design.survey.blocksum) the 3,000 records are 47 blocks, cut by
     the 7 partitions inside blocks (or the input as files of 760, 270, 1,000 and 970 records,
     read in partitions of 768, 256, 1,024 and 952 that span files, and each stage's records
     read back in those partitions): the moments, original totals and variances, psi, the
     selections and phi by partition are still massc_plan's and massc_treat's bits (memory
     sums in the same blocks), and the sums differ from one bincount's."""
     from flows.scan import run_partitioned
-    from sdl_design import blocksum
     from sdl_design.massc.stage import massc_config
     from sdl_design.massc.treatment import massc_plan
+    from sdl_design.survey import blocksum
 
     path, spec, whole = _with_donors(clean)
     _, prb = _in_memory(spec, whole)

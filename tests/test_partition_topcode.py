@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sdl_design import blocksum
 from sdl_design import partition as P
 from sdl_design import partition_topcode as T
 from sdl_design.spec import TopcodeRule
+from sdl_design.survey import blocksum
 from sdl_design.topcode import topcode_frame, weighted_percentile
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from flows.public_docs import codebook, replicate_scales
 from sdl_design import public_summary as ps
-from sdl_design.design import SurveyDesign
+from sdl_design.survey.design import SurveyDesign
 
 
 def _frame(n: int = 900) -> pd.DataFrame:

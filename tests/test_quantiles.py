@@ -7,8 +7,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sdl_design.design import DesignError, SurveyDesign
-from sdl_design.quantiles import _degf, qr_rank, survey_quantile, weighted_quantile
+from sdl_design.survey.design import DesignError, SurveyDesign
+from sdl_design.survey.quantiles import _degf, qr_rank, survey_quantile, weighted_quantile
 
 FIX = Path(__file__).parent / "fixtures" / "r_quantiles"
 PROBS = [0.1, 0.25, 0.5, 0.75, 0.9]

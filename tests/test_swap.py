@@ -191,7 +191,7 @@ EXCLUDE = ["person_id", "name", "household"]
 
 
 def _design(df):
-    from sdl_design.design import SurveyDesign
+    from sdl_design.survey.design import SurveyDesign
 
     rw = [c for c in df.columns if c.startswith("rw_")]
     return SurveyDesign(
@@ -443,7 +443,7 @@ def test_psu_codes_match_multiindex_factorize(labels):
 def test_rebuilt_replicates_equal_with_replicates_on_the_full_file(method):
     """The replicate weights built from one record per PSU are those SurveyDesign.with_replicates
     gives on the whole masked file, to the bit, with the same scale factors."""
-    from sdl_design.design import SurveyDesign
+    from sdl_design.survey.design import SurveyDesign
     from sdl_design.swap import Masking, _psu_pseudo_labels, apply_masking, replicate_factors
 
     df = toy_survey(n_strata=6, n_h=(2,) if method in ("brr", "fay") else (2, 3), seed=5)

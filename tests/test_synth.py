@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 import yaml
 
-from sdl_design.design import SurveyDesign
 from sdl_design.keys import key_frame
 from sdl_design.spec import parse_condition, parse_spec
+from sdl_design.survey.design import SurveyDesign
 from sdl_design.synth import make_survey
 
 SPEC = parse_spec(

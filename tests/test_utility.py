@@ -85,7 +85,7 @@ def test_final_stage_reads_the_original_se_table_the_swap_computed(monkeypatch):
     out = FinalStage.from_spec(spec).run(masked, ctx.for_stage("final", [swap]))
     assert len(calls) == 1  # the swap's, reused by the final stage
     # alone: the final stage's own characteristics (pregnant left out) on both sides
-    from sdl_design.design import SurveyDesign
+    from sdl_design.survey.design import SurveyDesign
 
     exclude = ["person_id", "name", "household", "county", "pregnant"]
     doms = spec.variables.keys[:2]
@@ -113,7 +113,7 @@ def test_domain_mean_se_equals_each_estimate_computed_alone():
     categories, domain means, and the mean of a variable with missing values over the records
     that have it (sum w y / sum w over them, in closed form; its SE from the ratio of the
     zero-filled variable to the observed indicator)."""
-    from sdl_design.design import SurveyDesign
+    from sdl_design.survey.design import SurveyDesign
 
     df = frame(n=600, seed=4)
     rng = np.random.default_rng(5)

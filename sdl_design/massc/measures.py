@@ -9,10 +9,10 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from sdl_design.blocksum import group_sum
 from sdl_design.massc.common import KeyLike, _key_specs, _sens_specs
 from sdl_design.massc.moments import ZMoments
 from sdl_design.risk import genmassc_scores, profile_codes
+from sdl_design.survey.blocksum import group_sum
 from sdl_design.utility import rrmse
 
 
@@ -87,7 +87,7 @@ def delta_measures(
 
 def appearance_table(totals: np.ndarray, counts: np.ndarray, n: int) -> pd.DataFrame:
     """delta by how the original profile appears in B(2) (eq. 5-6): the sums of delta_k
-    (block sums, sdl_design.blocksum) and the records of each class (0: absent, 1-4: u, d, t,
+    (block sums, sdl_design.survey.blocksum) and the records of each class (0: absent, 1-4: u, d, t,
     o) over the N(0) = n records."""
     rows = [
         (a, int(counts[i]), float(totals[i]), float(totals[i] / n)) for i, a in enumerate("udto", 1)

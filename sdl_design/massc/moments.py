@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from sdl_design.blocksum import BlockPartial, block_bins, block_codes, group_sum, n_blocks
-from sdl_design.design import SurveyDesign
 from sdl_design.keys import key_frame, key_levels
 from sdl_design.massc.common import KeyLike, MasscError, _key_specs
 from sdl_design.spec import KeySpec
+from sdl_design.survey.blocksum import BlockPartial, block_bins, block_codes, group_sum, n_blocks
+from sdl_design.survey.design import SurveyDesign
 
 
 @dataclass
@@ -95,7 +95,7 @@ class StudyVariables:
     def sampling_variance(self, df: pd.DataFrame, design: SurveyDesign) -> np.ndarray:
         """Taylor sampling variance of every total (in the order of labels) in the design of df
         (records of df in the design's order): PSUs with replacement within strata, from PSU
-        totals in block sums (sdl_design.blocksum)."""
+        totals in block sums (sdl_design.survey.blocksum)."""
         if design.n != len(df):
             raise MasscError(
                 f"the design has {design.n} records, the file {len(df)}: give the design of df"
@@ -173,7 +173,7 @@ def _s2(s1: np.ndarray, s2: np.ndarray, nh: np.ndarray) -> np.ndarray:
 
 class _Bins:
     """The group codes (0..m-1) of the records `mask` selects (None: all) in a file of n
-    records, and their sums in block order (sdl_design.blocksum: the same bits by partition)."""
+    records, and their sums in block order (sdl_design.survey.blocksum: the same bits by partition)."""
 
     def __init__(self, codes: np.ndarray, mask: np.ndarray | None, m: int, n: int):
         self.codes, self.mask, self.m, self.n = codes, mask, m, n

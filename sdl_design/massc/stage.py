@@ -14,7 +14,6 @@ from sdl_design.describe import (
     REPLICATES,
     pct,
 )
-from sdl_design.design import SurveyDesign
 from sdl_design.edits import check_edits
 from sdl_design.keys import key_frame, shared_categories
 from sdl_design.massc import (
@@ -34,6 +33,7 @@ from sdl_design.risk import profile_codes
 from sdl_design.rng import stage_rng
 from sdl_design.spec import KeySpec, ReleaseSpec
 from sdl_design.stage import Gate, StageResult, gate
+from sdl_design.survey.design import SurveyDesign
 
 
 def numeric_study(spec: ReleaseSpec, original: pd.DataFrame | None) -> list[str]:

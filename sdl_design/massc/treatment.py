@@ -11,15 +11,6 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from sdl_design.blocksum import block_codes, group_sum
-from sdl_design.calibration import (
-    CalibrationError,
-    CalibrationInfeasible,
-    calibrate,
-    calibrate_replicates,
-    control_totals,
-)
-from sdl_design.design import SurveyDesign, block_view, first_of
 from sdl_design.keys import key_categorical, key_frame, key_levels
 from sdl_design.massc.common import KeyLike, MasscError, _codes, _combine, _key_specs
 from sdl_design.massc.donors import Donors, find_donors, substitute
@@ -29,6 +20,15 @@ from sdl_design.massc.rates import Rates, optimal_phi, optimal_psi
 from sdl_design.massc.strata import massc_strata
 from sdl_design.risk import _key_codes, cell_sizes, genmassc_scores
 from sdl_design.spec import KeySpec, SensitiveSpec
+from sdl_design.survey.blocksum import block_codes, group_sum
+from sdl_design.survey.calibration import (
+    CalibrationError,
+    CalibrationInfeasible,
+    calibrate,
+    calibrate_replicates,
+    control_totals,
+)
+from sdl_design.survey.design import SurveyDesign, block_view, first_of
 
 # ---------------------------------------------------------------- selection (stratified SRSWOR)
 
@@ -938,7 +938,7 @@ def _cell_sums(
 ) -> list[np.ndarray]:
     """Sums of each column within each cell, for several cellings of the records at once:
     [(n_c, R) per celling]; the columns read a block at a time (no n x R copy), each cell's
-    sums block sums in record order (sdl_design.blocksum: the same bits by partition)."""
+    sums block sums in record order (sdl_design.survey.blocksum: the same bits by partition)."""
     if not len(cells):
         return []
     total = [np.empty((int(m), len(columns))) for m in sizes]

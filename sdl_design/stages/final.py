@@ -10,12 +10,12 @@ from sdl_design import partition as part
 from sdl_design import partition_assess as pas
 from sdl_design import partition_final as pf
 from sdl_design.describe import Describes
-from sdl_design.design import SurveyDesign, design_columns
 from sdl_design.engine.records import Records, passes_result
 from sdl_design.keys import key_frame
 from sdl_design.partition import combine_profiles
 from sdl_design.risk import risk_strata
 from sdl_design.stage import StageContext, StageResult
+from sdl_design.survey.design import SurveyDesign, design_columns
 from sdl_design.utility import (
     broad_characteristics,
     final_measures,

@@ -47,7 +47,7 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
     driver); the substituted file tilde (with the donor's row in __donor: confidential) goes
     to donors/. The risk strata (the scan's profile counts), the moments of eq. 8a, the
     original's totals and Taylor variances and the costs by partition in block sums
-    (sdl_design.blocksum); psi on the driver. The selections at psi and at phi (records
+    (sdl_design.survey.blocksum); psi on the driver. The selections at psi and at phi (records
     exchanged to the partition that owns their group) with phi from the moments of z*, delta,
     and meet_delta's revisions while delta is above gates.delta_max. Step IV: the retained
     records' weight and replicate weights calibrated to the original's totals (three passes,

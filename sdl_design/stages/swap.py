@@ -10,10 +10,10 @@ import pandas as pd
 
 from sdl_design import partition as part
 from sdl_design.describe import Describes, NumberColumn, Tunable, more_less
-from sdl_design.design import SurveyDesign, design_columns
 from sdl_design.engine.records import Records, passes_result
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import StageContext, StageResult
+from sdl_design.survey.design import SurveyDesign, design_columns
 from sdl_design.swap import (
     _class_summary,
     se_ratio_boxplot,

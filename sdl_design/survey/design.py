@@ -12,8 +12,8 @@ import pandas as pd
 import scipy.linalg
 import scipy.sparse as sp
 
-from sdl_design.design_base import DesignError, take_rows
-from sdl_design.quantiles import Quantiles
+from sdl_design.survey.design_base import DesignError, take_rows
+from sdl_design.survey.quantiles import Quantiles
 
 ReplicateMethod = Literal["brr", "fay", "jk1", "jkn", "sdr", "bootstrap"]
 METHODS = ("brr", "fay", "jk1", "jkn", "sdr", "bootstrap")

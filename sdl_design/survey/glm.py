@@ -19,10 +19,10 @@ import pandas as pd
 import scipy.sparse as sp
 from scipy.linalg import solve_triangular
 
-from sdl_design.design import dense_codes, distinct_rows, group_indicator
+from sdl_design.survey.design import dense_codes, distinct_rows, group_indicator
 
 if TYPE_CHECKING:
-    from sdl_design.design import SurveyDesign
+    from sdl_design.survey.design import SurveyDesign
 
 Family = Literal["gaussian", "binomial"]
 FAMILIES = ("gaussian", "binomial")

@@ -16,10 +16,10 @@ import scipy.sparse as sp
 from scipy import stats
 
 # attribute access at call time: design.py may import this module while it is being imported
-import sdl_design.design_base as sdd
+import sdl_design.survey.design_base as sdd
 
 if TYPE_CHECKING:
-    from sdl_design.design import SurveyDesign
+    from sdl_design.survey.design import SurveyDesign
 
 QRULES = ("math", "hf1", "school", "hf2", "hf7")
 QRule = Literal["math", "hf1", "school", "hf2", "hf7"]
@@ -384,7 +384,7 @@ def survey_quantile(
 
 
 class Quantiles:
-    """SurveyDesign.quantile (a mixin: this module sits below sdl_design.design)."""
+    """SurveyDesign.quantile (a mixin: this module sits below sdl_design.survey.design)."""
 
     def quantile(
         self,

@@ -27,10 +27,10 @@ import scipy.linalg.lapack
 import scipy.sparse
 from scipy.optimize import linprog
 
-from sdl_design.blocksum import group_sum, group_sums
-from sdl_design.design import dense_codes, first_of
 from sdl_design.keys import MISSING, key_frame
 from sdl_design.spec import KeySpec
+from sdl_design.survey.blocksum import group_sum, group_sums
+from sdl_design.survey.design import dense_codes, first_of
 
 METHODS = ("linear", "raking", "logit", "poststratify")
 TOL = 1e-8  # relative tolerance to which every control total must be met
@@ -146,7 +146,7 @@ class _Design:
         """Profile sums of weights (n,) or (n, R) when solving on profiles; else w itself."""
         if not self.on_profiles:
             return w
-        K = self.Xc.shape[0]  # block sums in record order (sdl_design.blocksum)
+        K = self.Xc.shape[0]  # block sums in record order (sdl_design.survey.blocksum)
         if w.ndim == 1:
             return group_sum(self.inverse, w, K, len(self.inverse))
         return group_sums(self.inverse, w, K)
@@ -593,7 +593,7 @@ def control_totals(
             code, cats = _margin_codes(s)
             parts.append((k.name, code, cats))
     # the weights a block of columns at a time (no copy of all replicates); a category's sums
-    # are block sums in record order (sdl_design.blocksum: the same bits by partition). A
+    # are block sums in record order (sdl_design.survey.blocksum: the same bits by partition). A
     # numeric total (a BLAS product, whose summation may depend on the shape) reads them all
     # at once.
     block = len(wcols) if any(cats is None for _, _, cats in parts) else 16
