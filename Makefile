@@ -18,7 +18,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# the unit layer: no Prefect flow or server, Dask, PostgreSQL or subprocess runs
+# the unit layer: no Prefect flow or server, whole release chain, Dask, PostgreSQL or subprocess run
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not flow" tests
 

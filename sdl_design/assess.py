@@ -749,6 +749,8 @@ def model_fits(
     for d, des in zip(data, designs, strict=True):
         X, y, ok, names = design_matrix(d, f, lv)
         try:
+            if X.shape[1] > int(np.count_nonzero(ok)):  # more coefficients than records
+                raise np.linalg.LinAlgError("singular")  # (X'WX of rank < p: no need to fit)
             fits.append(svyglm(X, y, ok, names, des, family, replicates=replicates))
         except np.linalg.LinAlgError:
             big = max(lv.items(), key=lambda kv: len(kv[1]), default=("", []))

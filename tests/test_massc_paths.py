@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from sdl_design import blas
 from sdl_design.blas import single_blas_thread
@@ -53,6 +54,7 @@ def _partitioned_phi(entry) -> pd.Series:
     return tables["rates"].set_index("stratum")["phi"]
 
 
+@pytest.mark.flow  # a whole release chain by partition
 def test_massc_phi_by_partition_is_the_stages_with_the_swap_on(tmp_path):
     """The demo spec (swap, PRB, MASSC; 3,000 persons): phi by partition equals MasscStage's
     bit for bit with the driver's BLAS on two threads. SLSQP's BLAS/LAPACK calls give other

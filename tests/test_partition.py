@@ -553,6 +553,7 @@ def test_segment_aggregates_by_partition_are_the_whole_files_to_the_bit():
     assert abs(whole.score[j, 0] - z) <= 1e-12 * np.abs(whole.score[:, 0]).max()
 
 
+@pytest.mark.flow  # a whole release chain by partition
 def test_swap_and_prb_by_partition_give_the_stages_records_to_the_bit(clean, tmp_path):
     """`puf partitioned` in process on 2 and on 7 partitions: the records after the swap
     (pseudo strata and PSUs, rebuilt replicate weights) and after PRB (the moved records'
@@ -616,6 +617,7 @@ def test_swap_and_prb_by_partition_give_the_stages_records_to_the_bit(clean, tmp
     assert (se["n_masked"] != se["n_original"]).any()
 
 
+@pytest.mark.flow  # a whole release chain by partition
 def test_puf_partitioned_leaves_nothing_when_a_partition_fails(
     clean, tmp_path, monkeypatch, capsys
 ):
@@ -795,6 +797,7 @@ def test_puf_partitioned_stops_on_the_inputs_edit_failures(survey, tmp_path, cap
 # ---------------------------------------------------------------- MASSC's donors by partition
 
 
+@pytest.mark.flow  # a whole release chain by partition
 @pytest.mark.parametrize(
     ("restrictions", "delta_max"),
     [((), None), (("education",), None), ((), 0.2)],
@@ -1165,6 +1168,7 @@ def _same_public(folder, spec, final, tmp_path, design=None, drop=None):
     return puf, detail
 
 
+@pytest.mark.flow  # a whole release chain by partition
 def test_massc_calibration_by_partition_pools_drops_and_calibrates_replicates_to_domains(
     clean, tmp_path
 ):
@@ -1200,6 +1204,7 @@ def test_massc_calibration_by_partition_pools_drops_and_calibrates_replicates_to
     assert (m["tables"]["replicate_calibration"]["status"] == "ok").all()
 
 
+@pytest.mark.flow  # a whole release chain by partition
 @pytest.mark.parametrize(
     ("method", "replicates", "per_stratum"),
     [("jkn", None, None), ("bootstrap", 20, 3)],
@@ -1330,6 +1335,7 @@ def _same_moments(m, plan):
         assert t[col].to_numpy().reshape(len(mom.strata), k).tobytes() == ref.tobytes(), col
 
 
+@pytest.mark.flow  # a whole release chain by partition
 @pytest.mark.parametrize("cuts", ["row groups", "files"])
 def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monkeypatch, cuts):
     """With blocks of 64 records (sdl_design.survey.blocksum) the 3,000 records are 47 blocks, cut by
@@ -1527,6 +1533,7 @@ def test_assess_by_partition_refuses_a_model_of_a_continuous_response(clean, tmp
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.flow  # a whole release chain by partition
 def test_puf_partitioned_with_a_failed_gate_exits_1_and_leaves_no_puf(clean, tmp_path, capsys):
     """Issue 35 item 3: an unpublished partitioned run whose gates fail exits 1, names the
     failed gate, and leaves its files in puf-gates-failed/, never a puf/ that looks ready."""

@@ -83,6 +83,7 @@ def test_partitioned_release_publishes_the_release_flows_files(tmp_path, capsys)
     assert len(attempts) == 2 and not any((a / PARTITIONED).exists() for a in attempts)
 
 
+@pytest.mark.flow  # a whole release chain by partition
 def test_partitioned_release_with_a_failed_gate_publishes_nothing(tmp_path):
     """With the pseudo design at 3,000 records the 10th percentile of the SE ratios is below
     its bound: GateFailed, no public folder, the attempt recorded as rejected with its gates,

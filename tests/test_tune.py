@@ -335,6 +335,7 @@ def test_recommended_yaml_refuses_what_it_cannot_write():
 # ---------------------------------------------------------------- the demo survey
 
 
+@pytest.mark.flow  # many releases of the demo (the tuner's search)
 def test_tune_demo_beats_the_spec_within_risk_and_reproduces(tmp_path, spec):
     """On the demo survey a budget of 13 finds a setting that meets every risk gate and beats
     the default spec's own on median overlap and on share beyond 2 SE (both strictly); the recommended YAML, run fresh
