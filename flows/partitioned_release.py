@@ -108,7 +108,13 @@ def publish_partitioned(
         try:
             t0 = steps.start("partitioned stages")
             out = run_partitioned(
-                spec_path, runner, dask_address, partitions, out=work, workers=workers
+                spec_path,
+                runner,
+                dask_address,
+                partitions,
+                out=work,
+                workers=workers,
+                damage=False,  # the release measures the published file (final, assess)
             )
             steps.done("partitioned stages", t0)
             if out["public_files"] is None:

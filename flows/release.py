@@ -41,9 +41,8 @@ from sdl_design.stage import (
     changed_release,
     design_columns,
     public_design,
-    reads_only,
 )
-from sdl_design.stages import RELEASE_STAGES, build_stages
+from sdl_design.stages import RELEASE_STAGES, build_stages, reads_only_batches
 from tasks.core import edits_task, gates_task, load_task
 from tasks.stage import prepare_replications, replicate_stage, run_stage
 
@@ -244,7 +243,7 @@ def _release(
     import pyarrow.parquet  # noqa: F401 - the reader's modules, before the preload thread starts
 
     preload()  # Great Expectations and matplotlib, while the input is read
-    batches = _batches(stages)
+    batches = reads_only_batches(stages)
     # load, edits, each batch of stages, gates, files, approval, publish
     steps = _Steps(len(batches) + 6)
     t0 = steps.start("load")
@@ -439,18 +438,6 @@ def _gate(
         raise err
     manifest.status = "gated"
     return gates, records
-
-
-def _batches(stages: list) -> list[list]:
-    """The stages in release order, consecutive stages that only measure the frame together
-    (sdl_design.stage.reads_only); every other stage alone."""
-    out: list[list] = []
-    for s in stages:
-        if out and reads_only(s) and reads_only(out[-1][-1]):
-            out[-1].append(s)
-        else:
-            out.append([s])
-    return out
 
 
 def _measure_at_once(

@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,12 @@ from flows.public_files import write_public_by_partition
 from flows.txn import CONFIDENTIAL_TABLES
 from sdl_design import partition as part
 from sdl_design import partition_assess as pas
+from sdl_design.blas import single_blas_thread
 from sdl_design.engine.exchange import Exchange, mapper, say
 from sdl_design.engine.records import Records, Run, run_record
 from sdl_design.spec import ReleaseSpec, SpecError, load_spec
 from sdl_design.stage import StageContext, StageResult, design_columns, public_design, reads_only
-from sdl_design.stages import build_stages
+from sdl_design.stages import build_stages, reads_only_batches
 from sdl_design.survey import blocksum
 
 Mapper = Callable[..., list]
@@ -254,6 +256,7 @@ def run_partitioned(
     out: str | Path | None = None,
     workers: int = 2,
     release: bool = True,
+    damage: bool = True,
 ) -> dict[str, Any]:
     """The spec's release stages by partition, in release order, each on the previous one's
     records (Stage.run_partitions); stops before a stage that has no partitioned path, and
@@ -265,7 +268,8 @@ def run_partitioned(
     <stage>/data/part-<first record>.parquet (the records after that stage, in record order)
     and its tables (record-level maps under internal/), among them se_ratios.csv: the SE of
     every study variable's mean overall and in every utility domain on the records after
-    the stage, against the input's; run.json says what ran, its counts and metrics and where
+    the stage, against the input's (damage False: not measured; a published run measures
+    what the release measures); run.json says what ran, its counts and metrics and where
     it stopped. Workers on other machines need out on a disk they share. Returns the run's
     summary with each stage's StageResult under "stages"."""
 
@@ -280,6 +284,7 @@ def run_partitioned(
     fill = _PartitionedRun(
         spec, columns, parts, stages, folder, release, runner, dask_address, workers
     )
+    fill.damage = damage
     results, scan, scan_seconds, public, peaks, stopped = _replace(folder, fill)
     return {
         "records": parts[-1].stop,
@@ -334,6 +339,7 @@ class _PartitionedRun:
         self.resets = False
         self.scan: dict[str, pd.DataFrame] = {}
         self.ctx = StageContext(pd.DataFrame(columns=columns), spec)
+        self.damage = True  # the SEs of the records after each stage against the input's
 
     def __call__(self, tmp: Path) -> tuple:
         """Fill tmp: (the stages' results, the scan's tables, its seconds, the public files'
@@ -341,8 +347,10 @@ class _PartitionedRun:
         self.resets = peak_reset()
         with mapper(self.runner, self.dask_address, self.workers, "partitioned") as run_map:
             scan_seconds, run = self._scan_input(run_map, tmp)
-            for stage in self.stages:
-                if not self._stage(stage, run, tmp):
+            for batch in reads_only_batches(self.stages):
+                if len(batch) > 1 and self.release:  # measures of the same records: at once
+                    self._measure_at_once(batch, run, tmp)
+                elif not all(self._stage(stage, run, tmp) for stage in batch):
                     break
             public = None
             if self.stopped is None and self.release:
@@ -383,15 +391,13 @@ class _PartitionedRun:
         if not hasattr(stage, "run_partitions"):
             self._stop_before(stage.name)
             return False
-        (tmp / stage.name / "data").mkdir(parents=True)
-        records = Records(run, self.partitions, self.cols, tmp / stage.name)
-        ctx = self.ctx.for_stage(stage.name, self.results)
-        result = _spec_errors(stage.run_partitions, records, ctx)
+        result = self._run_stage(stage, run, tmp)
         data = tmp / stage.name / "data"
         if any(data.glob("*.parquet")):  # the stage wrote the records after it
             self.partitions = part.plan_partitions(data)
             self.cols = part.input_columns(data)
-            result.tables["se_ratios"] = self._damage(run, stage.name, result)
+            if self.damage:
+                result.tables["se_ratios"] = self._damage(run, stage.name, result)
         else:  # the records stay as the previous stage left them
             data.rmdir()
         for table_name, table in result.tables.items():
@@ -401,6 +407,27 @@ class _PartitionedRun:
         self.results.append(result)
         self.peak(stage.name)
         return True
+
+    def _run_stage(self, stage: Any, run: Run, tmp: Path) -> StageResult:
+        """stage.run_partitions on the records so far, on one BLAS thread (the same bits on
+        any CPU count, as the release runs a stage)."""
+        (tmp / stage.name / "data").mkdir(parents=True)
+        records = Records(run, self.partitions, self.cols, tmp / stage.name)
+        ctx = self.ctx.for_stage(stage.name, self.results)
+        with single_blas_thread():
+            return _spec_errors(stage.run_partitions, records, ctx)
+
+    def _measure_at_once(self, batch: list, run: Run, tmp: Path) -> None:
+        """Stages that only measure the records so far, at once in threads (each sees the
+        results before the batch, as in order); their results in stage order."""
+        with ThreadPoolExecutor(len(batch), thread_name_prefix="puf-stage") as pool:
+            done = list(pool.map(lambda s: self._run_stage(s, run, tmp), batch))
+        for stage, result in zip(batch, done, strict=True):
+            (tmp / stage.name / "data").rmdir()  # they write no records
+            for table_name, table in result.tables.items():
+                _stage_table(tmp / stage.name, table_name, table)
+            self.results.append(result)
+        self.peak(" + ".join(s.name for s in batch))
 
     def _damage(self, run: Run, name: str, result: StageResult) -> pd.DataFrame:
         """The SEs of the records after a stage against the input's (se_ratios), read with the

@@ -229,12 +229,18 @@ def nearest_neighbour(
         keep = keep[np.cumsum(size[keep]) <= max_pairs]
         cand = np.sort(cand[keep])
         size = F[po[cand]]
-    i = np.repeat(cand, size)
-    offs = np.arange(len(i)) - np.repeat(np.cumsum(size) - size, size)
-    r = rord[start[po[i]] + offs]
-    dist = ((zo[i] - zr[r]) ** 2).sum(axis=1)
-    order = np.lexsort((r, dist, i))  # per original record the nearest (ties: first row)
-    first = order[np.r_[True, i[order][1:] != i[order][:-1]]] if len(order) else order
+    i = np.repeat(cand, size)  # the pairs, grouped by original record (cand ascending)
+    lo = np.cumsum(size) - size  # each group's first pair
+    r = rord[np.repeat(start[po[cand]] - lo, size) + np.arange(len(i))]  # rows ascending
+    dist = np.zeros(len(i))
+    for j in range(zo.shape[1]):  # a column at a time: no pairs x columns temporaries
+        d = zo[i, j] - zr[r, j]
+        dist += d * d
+    # per original record the nearest published record (ties: the first row): a segmented
+    # argmin over the groups, linear in the pairs
+    best = np.minimum.reduceat(dist, lo) if len(i) else dist
+    hit = np.flatnonzero(dist == np.repeat(best, size))
+    first = hit[np.r_[True, i[hit][1:] != i[hit][:-1]]] if len(hit) else hit
     linked = link[r[first]] == i[first]
     n_att = len(first)
     return {

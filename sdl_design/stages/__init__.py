@@ -9,7 +9,7 @@ import pandas as pd
 from sdl_design.blas import single_blas_thread
 from sdl_design.describe import Describes
 from sdl_design.spec import ReleaseSpec
-from sdl_design.stage import Stage, StageContext, StageResult
+from sdl_design.stage import Stage, StageContext, StageResult, reads_only
 from sdl_design.stages.assess import AssessStage
 from sdl_design.stages.final import FinalStage
 from sdl_design.stages.massc import MasscStage
@@ -63,3 +63,15 @@ def run_stages(spec: ReleaseSpec, original: pd.DataFrame) -> list[StageResult]:
         results.append(result)
         df = result.data
     return results
+
+
+def reads_only_batches(stages: Sequence[Stage]) -> list[list[Stage]]:
+    """The stages in release order, consecutive stages that only measure the records together
+    (sdl_design.stage.reads_only: they may run at once); every other stage alone."""
+    out: list[list[Stage]] = []
+    for s in stages:
+        if out and reads_only(s) and reads_only(out[-1][-1]):
+            out[-1].append(s)
+        else:
+            out.append([s])
+    return out
