@@ -196,8 +196,10 @@ def _run(
     runner: str,
     address: str | None,
     args: argparse.Namespace | None = None,
+    partitions: int | None = None,
 ) -> int:
-    """The release run (args: the command's, for the command a refusal suggests)."""
+    """The release run (args: the command's, for the command a refusal suggests; partitions:
+    a partition at a time)."""
     from flows.release import run_release
     from sdl_design.spec import load_spec, with_year
 
@@ -207,10 +209,12 @@ def _run(
             again = _command(args, drop=["--approve"]) if args else f"puf run {spec_path}"
             print(_no_approver(spec, again), file=sys.stderr)
             return 2
-        _check_input(spec)  # every problem of spec and data before the flow starts any work
+        if partitions is None:  # (by partition the scan checks the input, a partition at a time)
+            _check_input(spec)  # every problem of spec and data before the flow starts any work
         manifest = run_release(
-            spec_path, approve=approve, year=year, runner=runner, dask_address=address
-        )
+            spec_path, approve=approve, year=year, runner=runner, dask_address=address,
+            partitions=partitions,
+        )  # fmt: skip
         _print_release(manifest, Path(spec.release.output_dir))
         return 0
 
@@ -225,19 +229,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """The release: in memory, or with --partitions N a partition at a time (the same public
-    files, byte for byte)."""
-    if args.partitions is None:
-        return _run(args.spec, args.approve, args.year, args.runner, args.dask_address, args)
-    if args.year is not None:
-        print(
-            "puf: --year: a run by partition releases the spec's release.year; set it in the "
-            "spec, or drop --partitions",
-            file=sys.stderr,
-        )
-        return 2
-    args.publish, args.out = True, None
-    return cmd_partitioned(args)
+    """The release: in memory, or with --partitions N a partition at a time (the same flow and
+    the same public files, byte for byte)."""
+    return _run(
+        args.spec, args.approve, args.year, args.runner, args.dask_address, args, args.partitions
+    )
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -312,7 +308,7 @@ def _partitioned_run(args: argparse.Namespace) -> tuple[Manifest | None, dict[st
         return None, out
     if args.out:
         raise SpecError(["--out: a published run writes into its release's attempt"])
-    from flows.partitioned_release import partitioned_release_flow, publish_partitioned
+    from flows.release import publish_partitioned, release_flow
 
     spec = load_spec(args.spec)
     if spec.approval.required and not args.approve:  # the board decides in a flow run
@@ -320,7 +316,7 @@ def _partitioned_run(args: argparse.Namespace) -> tuple[Manifest | None, dict[st
             again = _command(args, drop=["--approve"])
             print(_no_approver(spec, again), file=sys.stderr)
             return 2
-        manifest = partitioned_release_flow(
+        manifest = release_flow(
             spec_path=str(args.spec),
             runner=args.runner,
             dask_address=args.dask_address,

@@ -30,7 +30,7 @@ from sdl_design import partition_assess as pas
 from sdl_design.blas import single_blas_thread
 from sdl_design.engine.exchange import Exchange, mapper, say
 from sdl_design.engine.records import Records, Run, run_record
-from sdl_design.spec import ReleaseSpec, SpecError, load_spec
+from sdl_design.spec import ReleaseSpec, SpecError, load_spec, with_year
 from sdl_design.stage import StageContext, StageResult, design_columns, public_design, reads_only
 from sdl_design.stages import build_stages, reads_only_batches
 from sdl_design.survey import blocksum
@@ -46,10 +46,15 @@ def scan_folder(spec: ReleaseSpec) -> Path:
 
 
 def _partitioned_input(
-    spec_path: str | Path, runner: str, partitions: int | None, command: str = "scan"
+    spec_path: str | Path,
+    runner: str,
+    partitions: int | None,
+    command: str = "scan",
+    year: int | None = None,
 ) -> tuple[ReleaseSpec, list[str], list[part.Partition]]:
-    """The spec, its Parquet input's columns and partitions (SpecError naming the fix)."""
-    spec = load_spec(spec_path)
+    """The spec (its release.year replaced by year when given), its Parquet input's columns
+    and partitions (SpecError naming the fix)."""
+    spec = with_year(load_spec(spec_path), year)
     if spec.release.input is None:
         raise SpecError(
             [
@@ -257,8 +262,9 @@ def run_partitioned(
     workers: int = 2,
     release: bool = True,
     damage: bool = True,
+    year: int | None = None,
 ) -> dict[str, Any]:
-    """The spec's release stages by partition, in release order, each on the previous one's
+    """The spec's release stages by partition (year: the release's year, default the spec's), in release order, each on the previous one's
     records (Stage.run_partitions); stops before a stage that has no partitioned path, and
     says which. When every stage ran (and release), the measuring stages, the public files
     (puf/: the data files, README.md and codebook.csv) and the release's gates (gates.csv);
@@ -273,7 +279,7 @@ def run_partitioned(
     it stopped. Workers on other machines need out on a disk they share. Returns the run's
     summary with each stage's StageResult under "stages"."""
 
-    spec, columns, parts = _partitioned_input(spec_path, runner, partitions, "partitioned")
+    spec, columns, parts = _partitioned_input(spec_path, runner, partitions, "partitioned", year)
     folder = Path(out) if out else partitioned_folder(spec)
     stages = build_stages(spec)
     for stage in stages:  # a spec the chain would refuse later is refused now, in full

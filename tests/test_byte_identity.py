@@ -50,7 +50,7 @@ def test_demo_by_partition_publishes_the_recorded_hashes(tmp_path, capsys):
     src = load_spec(path).release.input
     pq.write_table(pq.read_table(src), src, row_group_size=5000)
     assert puf(["run", str(path), "--partitions", "4", "--approve", "ana"]) == 0
-    assert "20000 records in 4 partition(s)" in capsys.readouterr().out
+    assert "partition 4/4 (records 15000-19999)" in capsys.readouterr().err
     public = tmp_path / "default-survey" / "2026" / "public"
     got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(public.iterdir())}
     assert got == RECORDED

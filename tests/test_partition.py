@@ -1550,17 +1550,12 @@ def test_puf_partitioned_with_a_failed_gate_exits_1_and_leaves_no_puf(clean, tmp
     assert not (out / "puf").exists() and (out / "puf-gates-failed" / "puf.parquet").exists()
 
 
-def test_validate_by_partition_is_the_scan_and_run_by_partition_refuses_a_year(
-    clean, tmp_path, capsys
-):
+def test_validate_by_partition_is_the_scan(clean, tmp_path, capsys):
     """`puf validate SPEC --partitions N` scans the input as `puf scan` does (its tables in
-    --out); `puf run SPEC --partitions N --year Y` is refused with exit 2 naming --year (a
-    run by partition releases the spec's year)."""
+    --out)."""
     path, _, _ = clean
     folder = tmp_path / "scan"
     assert puf(["validate", str(path), "--partitions", "2", "--out", str(folder)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("scanned") and "risk strata" in out
     assert {"se.csv", "edits.csv", "key_risk.csv"} <= {p.name for p in folder.iterdir()}
-    assert puf(["run", str(path), "--partitions", "2", "--year", "2027"]) == 2
-    assert "--year" in capsys.readouterr().err

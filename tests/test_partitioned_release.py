@@ -1,4 +1,4 @@
-"""The partitioned release published (flows.partitioned_release, `puf partitioned --publish`):
+"""The partitioned release published (flows.release.publish_partitioned, `puf run --partitions`):
 the same release as the release flow's, its public files byte for byte; a failed gate
 publishes nothing; the records after each stage never outlive the attempt."""
 
@@ -16,8 +16,8 @@ from helpers import fast_spec, run_until_paused
 from expectations.suites import GateFailed
 from flows import registry as reg
 from flows.cli import main as puf
-from flows.partitioned_release import publish_partitioned
 from flows.publish import sha256_file
+from flows.release import publish_partitioned
 from flows.txn import PARTITIONED
 from sdl_design.spec import SpecError, load_spec
 
@@ -145,11 +145,10 @@ def test_partitioned_release_flow_pauses_for_the_board(tmp_path):
 
     from prefect.flow_runs import resume_flow_run
 
-    from flows.partitioned_release import partitioned_release_flow
-    from flows.release import ReleaseRejected
+    from flows.release import ReleaseRejected, release_flow
 
     path, final, url, name, year = _spec(tmp_path)
-    run = partial(partitioned_release_flow, partitions=7)
+    run = partial(release_flow, partitions=7)
     for decision in ("rejected", "approved"):
         th, box, fr = run_until_paused(path, wait_s=120, flow=run)
         assert fr is not None, box
