@@ -224,7 +224,9 @@ def built_design(spec: ReleaseSpec, pub: dict[str, Any]) -> Any:
 
 @runtime_checkable
 class Stage(Protocol):
-    """A release stage: `Stage.from_spec(spec)` (None when off), then `run(df, ctx)`."""
+    """A release stage: `Stage.from_spec(spec)` (None when off), then `run(df, ctx)` in memory
+    or `run_partitions(records, ctx)` a partition at a time: the same StageResult, the same
+    records bit for bit."""
 
     name: ClassVar[str]
     replications: int
@@ -235,6 +237,10 @@ class Stage(Protocol):
     def from_spec(cls, spec: ReleaseSpec) -> Stage | None: ...
 
     def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult: ...
+
+    # the same stage a partition at a time (records: sdl_design.engine.records.Records, the
+    # records so far by partition and the map over them; typed Any here: the engine sits above)
+    def run_partitions(self, records: Any, ctx: StageContext) -> StageResult: ...
 
 
 class SharedInput:

@@ -48,7 +48,7 @@ class AssessStage(Describes):
     def from_spec(cls, spec: ReleaseSpec) -> AssessStage:
         return cls(spec)
 
-    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
+    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
 
         spec = self.spec
         # the file as published: its columns, every coded key in its published coding

@@ -14,6 +14,7 @@ from sdl_design.engine.records import Records, passes_result
 from sdl_design.keys import key_frame
 from sdl_design.partition import combine_profiles
 from sdl_design.risk import risk_strata
+from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import StageContext, StageResult
 from sdl_design.survey.design import SurveyDesign, design_columns
 from sdl_design.utility import (
@@ -40,10 +41,10 @@ class FinalStage(Describes):
         self.spec = spec
 
     @classmethod
-    def from_spec(cls, spec: Any) -> FinalStage:
+    def from_spec(cls, spec: ReleaseSpec) -> FinalStage:
         return cls(spec)
 
-    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
+    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
 
         spec, original = self.spec, ctx.original
         exclude = [*se_exclude(spec), *spec.variables.other.drop]

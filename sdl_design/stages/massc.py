@@ -576,7 +576,7 @@ class MasscStage(Describes):
         self.__init__(state["spec"])
 
     @classmethod
-    def from_spec(cls, spec: Any) -> MasscStage | None:
+    def from_spec(cls, spec: ReleaseSpec) -> MasscStage | None:
         return None if spec.stages.active("massc") is None else cls(spec)
 
     def _main_of(self, df: pd.DataFrame, ctx: Any) -> tuple:
@@ -599,7 +599,7 @@ class MasscStage(Describes):
                 self._main = (df, self._main[1], margins)
             return self._main[2]
 
-    def run(self, df: pd.DataFrame, ctx: Any) -> StageResult:
+    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
         main = self._main_of(df, ctx)
         margins = self._margins_of(df, ctx)
         return massc_result(

@@ -106,7 +106,7 @@ class PrbStage(Describes):
         self.section, self.spec = section, spec
 
     @classmethod
-    def from_spec(cls, spec: Any) -> PrbStage | None:
+    def from_spec(cls, spec: ReleaseSpec) -> PrbStage | None:
         section = spec.stages.active("prb")
         return None if section is None else cls(section, spec)
 
@@ -114,7 +114,7 @@ class PrbStage(Describes):
         """The cell variables in their published coding (sdl_design.prb.prb_cells)."""
         return prb_cells(self.spec, self.section)
 
-    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
+    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
         """PRB (stages.prb.method) on df and the other method beside it at the same theta,
         exact identification risk (eq. 2.2) gated at xi, the weighted counts and TVD tables."""
         cfg, spec = self.section, self.spec

@@ -12,6 +12,7 @@ from sdl_design import partition_pseudo as pps
 from sdl_design.describe import REPLICATES, Describes
 from sdl_design.engine.records import Records, passes_result
 from sdl_design.pseudo import pseudo_frame, pseudo_public_method, pseudo_summary, psu_purity
+from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import StageContext, StageResult
 
 
@@ -39,13 +40,13 @@ class PseudoDesignStage(Describes):
         self.spec = spec
 
     @classmethod
-    def from_spec(cls, spec: Any) -> PseudoDesignStage | None:
+    def from_spec(cls, spec: ReleaseSpec) -> PseudoDesignStage | None:
         d = spec.design
         if not d.pseudo.enabled or d.publish_design_labels:
             return None
         return cls(spec)
 
-    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
+    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
 
         if ctx.masked_design:
             return StageResult(

@@ -42,14 +42,14 @@ class RiskStage(Describes):
         self.section, self.keys, self.sensitive, self.weight = section, keys, sensitive, weight
 
     @classmethod
-    def from_spec(cls, spec: Any) -> RiskStage | None:
+    def from_spec(cls, spec: ReleaseSpec) -> RiskStage | None:
         section = spec.stages.active("risk")
         if section is None:
             return None
         v = spec.variables
         return cls(section, list(v.keys), list(v.sensitive), spec.design.weight)
 
-    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
+    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
 
         interactions = self.section.interactions or False
         prof = risk_profile(

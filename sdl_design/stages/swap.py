@@ -99,11 +99,11 @@ class SwapStage(Describes):
         self.section, self.spec = section, spec
 
     @classmethod
-    def from_spec(cls, spec: Any) -> SwapStage | None:
+    def from_spec(cls, spec: ReleaseSpec) -> SwapStage | None:
         section = spec.stages.active("swap")
         return None if section is None else cls(section, spec)
 
-    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
+    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
 
         st, spec = self.section, self.spec
         design = ctx.design if df is ctx.original else SurveyDesign.from_spec(df, spec.design)

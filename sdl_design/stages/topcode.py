@@ -87,11 +87,11 @@ class TopcodeStage(Describes):
         self.rules, self.weight = dict(rules), weight
 
     @classmethod
-    def from_spec(cls, spec: Any) -> TopcodeStage | None:
+    def from_spec(cls, spec: ReleaseSpec) -> TopcodeStage | None:
         section = spec.stages.active("topcode")
         return None if section is None else cls(section.columns, spec.design.weight)
 
-    def run(self, df: pd.DataFrame, ctx: Any) -> Any:
+    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
 
         w = df[self.weight].to_numpy(dtype=float)
         out, table = topcode_frame(df, self.rules, self.weight)
