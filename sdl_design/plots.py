@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from sdl_design.survey.design import DEFF_CLASSES, deff_class
+
 _local = threading.local()
 
 
@@ -123,8 +125,6 @@ def se_ratio_boxplot(
     group in each class (the swap paper's Figure 2). groups: label -> frame with the column and
     deff_class (or deff, classed by `sdl_design.utility.deff_class`)."""
     from matplotlib import colormaps
-
-    from sdl_design.survey.design import DEFF_CLASSES, deff_class
 
     classes = [f"({a:g},{b:g}]" for a, b in zip(DEFF_CLASSES[:-1], DEFF_CLASSES[1:], strict=True)]
     fig, ax = subplots(figsize=(8, 4.5))

@@ -22,6 +22,7 @@ import pandas as pd
 import scipy.sparse as sp
 from scipy.optimize import brentq
 
+from sdl_design.attack import intruder_key
 from sdl_design.describe import pct
 from sdl_design.edits import check_edits
 from sdl_design.keys import coarsen, published_key, shared_categories
@@ -906,7 +907,6 @@ def cells_ladder(spec: ReleaseSpec, original: pd.DataFrame | None) -> list[dict]
     the set C: the uniques on the intruder's key are then post-randomized too."""
     if original is None:
         return []
-    from sdl_design.attack import intruder_key
 
     prb = spec.stages.prb
     keys = spec.variables.key_names

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
+from sdl_design.assess import model_fits
 from sdl_design.describe import Describes, NumberColumn
 from sdl_design.edits import parse_condition
 from sdl_design.keys import coarsen
@@ -25,6 +26,8 @@ from sdl_design.messages import short_list
 from sdl_design.psus import SINGLE_PSU_RISK_MAX, Psus, single_psu_chance, strata_psu
 from sdl_design.spec import ReleaseSpec, SpecError, category_label
 from sdl_design.stages import build_stages
+from sdl_design.survey.design import DesignError, SurveyDesign
+from sdl_design.survey.glm import FormulaError
 
 __all__ = ["SINGLE_PSU_RISK_MAX", "preflight", "raise_problems", "single_psu_chance"]
 
@@ -51,9 +54,6 @@ def preflight(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
 def _models(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
     """Every declared model fits on the input under its design (the assessment fits it on the
     input and the published file; a singular fit there stopped the run after its work)."""
-    from sdl_design.assess import model_fits
-    from sdl_design.survey.design import DesignError, SurveyDesign
-    from sdl_design.survey.glm import FormulaError
 
     models = spec.utility.models
     if not models or any(c not in df.columns for m in models for c in m.columns()):

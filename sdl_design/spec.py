@@ -30,6 +30,7 @@ from sdl_design.leaks import column_problems
 from sdl_design.messages import did_you_mean, rows_text, yaml_error_text
 from sdl_design.messages import short_list as _short
 from sdl_design.survey.design import ReplicateMethod, resolve_replicates
+from sdl_design.survey.glm import parse_formula
 
 # a spec's YAML, aliases expanded, at most this many nodes (an alias bomb is refused, not run)
 SPEC_NODES_MAX = 200_000
@@ -484,14 +485,10 @@ class ModelSpec(_Strict):
     @field_validator("formula")
     @classmethod
     def _parses(cls, v: str) -> str:
-        from sdl_design.survey.glm import parse_formula
-
         parse_formula(v)
         return v
 
     def columns(self) -> list[str]:
-        from sdl_design.survey.glm import parse_formula
-
         return parse_formula(self.formula).variables
 
 

@@ -48,6 +48,7 @@ import yaml
 
 from sdl_design.blas import single_blas_thread
 from sdl_design.plots import figures_off
+from sdl_design.plots import risk_utility_map as draw
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import Gate, StageContext, StageResult
 from sdl_design.stages import RELEASE_STAGES, build_stages, described
@@ -1043,7 +1044,6 @@ def risk_utility_map(
     """PNG of the Duncan risk-utility map (sdl_design.plots.risk_utility_map): risk_index
     against utility, each candidate numbered as its row in candidates.csv (from 1) and listed
     by number beside the map, the gate that sets the risk index said under it."""
-    from sdl_design.plots import risk_utility_map as draw
 
     return draw(table, short_labels(table), recommended, title, map_note(table), dpi)
 
