@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from sdl_design.describe import fmt
 from sdl_design.spec import Bound, TopcodeRule
 from sdl_design.stage import StageResult
+from sdl_design.survey import blocksum
 from sdl_design.survey.blocksum import group_sum
 
 if TYPE_CHECKING:
@@ -75,32 +76,49 @@ def _seqsum(v: np.ndarray) -> float:
 
 def _percentile_one(xv: np.ndarray, wv: np.ndarray, q: float) -> float | None:
     """Q_w(100 q) of one group without a full sort: only the records on the percentile's side
-    of a partition point are sorted (the top ones for q >= 1/2, the bottom ones otherwise).
+    of a cut are sorted (the top ones for q >= 1/2, the bottom ones otherwise).
 
     The value is that of the prefix rule over the fully sorted group (the first position
     whose cumulative weight reaches q times the total; ties in any order give the same value).
-    None when that part is over half the group, or when a cumulative weight lies within the
-    rounding of the summation order of q times the total: the full sort then decides.
+    None when the part needed grows over half the group, or when a cumulative weight lies
+    within the rounding of the summation order of q times the total: the full sort decides.
     """
     n = len(xv)
     total = float(wv.sum())
     tol = 8.0 * n * np.finfo(float).eps * total  # bound on the summation-order rounding
     top = q >= 0.5
+    qt = q * total
     m = int(np.ceil(2.0 * (1.0 - q if top else q) * n)) + 16
     while 2 * m <= n:
-        part = np.argpartition(xv, n - m if top else m - 1)
-        idx = part[n - m :] if top else part[:m]
+        idx = _tail(xv, m, top)
         inside = float(wv[idx].sum())
         base = total - inside if top else 0.0  # weight below the part
-        if (base < q * total - tol) if top else (inside > q * total + tol):
+        if len(idx) and ((base < qt - tol) if top else (inside > qt + tol)):
             order = idx[np.argsort(xv[idx], kind="stable")]
             cw = base + np.cumsum(wv[order])
-            i = min(int(np.count_nonzero(cw < q * total)), m - 1)
-            if abs(cw[i] - q * total) <= tol or (i > 0 and q * total - cw[i - 1] <= tol):
+            i = min(int(np.count_nonzero(cw < qt)), len(idx) - 1)
+            if abs(cw[i] - qt) <= tol or (i > 0 and qt - cw[i - 1] <= tol):
                 return None
             return float(xv[order[i]])
         m *= 2
     return None
+
+
+def _tail(xv: np.ndarray, m: int, top: bool) -> np.ndarray:
+    """Positions of about m of the largest (top) or smallest values, every value beyond a
+    cut taken from a strided sample (ascending positions; one comparison pass, no sort of
+    the group); the m extreme ones by a partition when the sample misjudges the cut."""
+    n = len(xv)
+    s = xv[:: max(1, n // 4096)]
+    k = min(len(s), max(1, -(-m * len(s) // n)))  # sample values beyond the cut
+    if top:
+        idx = np.flatnonzero(xv >= np.partition(s, len(s) - k)[len(s) - k])
+    else:
+        idx = np.flatnonzero(xv <= np.partition(s, k - 1)[k - 1])
+    if len(idx) <= 2 * m:
+        return idx
+    part = np.argpartition(xv, n - m if top else m - 1)
+    return part[n - m :] if top else part[:m]
 
 
 def _bound(b: Bound | Mapping[str, Any] | None, column: str, side: str) -> Bound | None:
@@ -205,7 +223,7 @@ def _topcode(
         raise ValueError(f"topcode '{column}': give upper, lower or both")
     s = df[column]
     x, w, ok, wx = _values(df, column, weight, wts)
-    grp = _grouped(df, by, x, w, ok)
+    grp, tot_before = _grouped(df, by, x, w, ok)
     bounds = [(side, b) for side, b in (("upper", ub), ("lower", lb)) if b is not None]
     thr = {side: _thresholds(grp, b, side) for side, b in bounds}
     if "upper" in thr and "lower" in thr:
@@ -214,8 +232,7 @@ def _topcode(
     new = grp.xv.copy()
     flag = np.zeros(len(grp.xv), np.int8)
     rows = [_code_side(grp, side, b, thr[side], new, flag) for side, b in bounds]
-    tot_before = grp.sums(grp.wv * grp.xv)  # block sums: the same bits by partition
-    tot_after = grp.sums(grp.wv * new)
+    (tot_after,) = grp.sums([(new, grp.wv)])  # block sums: the same bits by partition
     table = side_table(rows, tot_before, tot_after, grp.keys, by, column if label else None)
 
     if ok is None:
@@ -248,6 +265,7 @@ def _check_columns(df: pd.DataFrame, column: str, by: list[str], weight: str | N
 
 
 Weights = tuple[np.ndarray, bool, float]
+Terms = list[tuple[np.ndarray, np.ndarray | None]]  # (x, w): the terms x, or w * x
 
 
 def _weights(df: pd.DataFrame, weight: str | None) -> Weights | None:
@@ -312,11 +330,16 @@ class _Groups:
     rows: np.ndarray | None = None  # the file's rows of the values (None: all, in order)
     n_rows: int = 0  # records of the file
 
-    def sums(self, x: np.ndarray) -> np.ndarray:
-        """Group sums of x (one per value) in block sums over the file's rows
-        (sdl_design.survey.blocksum: the same bits by partition)."""
-        g = np.zeros(len(x), np.int64) if self.gv is None else self.gv
-        return group_sum(g, x, self.n_groups, max(self.n_rows, len(x)), self.rows)
+    def sums(self, terms: Terms) -> list[np.ndarray]:
+        """Group sums of each term (x, or w * x: (x, w); one per value) in block sums over the
+        file's rows (sdl_design.survey.blocksum: the same bits by partition)."""
+        n_rows = max(self.n_rows, len(terms[0][0]))
+        if self.gv is None:
+            return _one_group_sums(terms, n_rows, self.rows)
+        return [
+            group_sum(self.gv, x if w is None else w * x, self.n_groups, n_rows, self.rows)
+            for x, w in terms
+        ]
 
     def sorted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """xs, ws, gs: values, weights and group codes sorted by (group, value), stable."""
@@ -337,28 +360,23 @@ def _grouped(
     x: np.ndarray,
     w: np.ndarray,
     ok: np.ndarray | None,
-) -> _Groups:
+) -> tuple[_Groups, np.ndarray]:
     """Group codes of the records (gv None without `by`) and the non-missing values, with
-    each group's records and weight."""
+    each group's records and weight; and each group's weighted total of x."""
     xv, wv = (x, w) if ok is None else (x[ok], w[ok])
-    rows = None if ok is None else np.flatnonzero(ok)
-    n = len(x)
     if not by:
         grp = _Groups(xv, wv, None, 1, np.array([len(xv)]), np.zeros(1), pd.DataFrame(index=[0]))
-        grp.rows, grp.n_rows = rows, n
-        grp.w_g = grp.sums(wv)
-        return grp
-    g_all = df.groupby(by, sort=True, dropna=False, observed=True).ngroup().to_numpy(np.int64)
-    n_groups = int(g_all.max()) + 1 if len(g_all) else 0
-    first = np.unique(g_all, return_index=True)[1]
-    keys = df[by].iloc[first].reset_index(drop=True)
-    gv = g_all if ok is None else g_all[ok]
-    grp = _Groups(
-        xv, wv, gv, n_groups, np.bincount(gv, minlength=n_groups), np.zeros(n_groups), keys
-    )
-    grp.rows, grp.n_rows = rows, n
-    grp.w_g = grp.sums(wv)
-    return grp
+    else:
+        g_all = df.groupby(by, sort=True, dropna=False, observed=True).ngroup().to_numpy(np.int64)
+        n_groups = int(g_all.max()) + 1 if len(g_all) else 0
+        first = np.unique(g_all, return_index=True)[1]
+        keys = df[by].iloc[first].reset_index(drop=True)
+        gv = g_all if ok is None else g_all[ok]
+        n_g = np.bincount(gv, minlength=n_groups)
+        grp = _Groups(xv, wv, gv, n_groups, n_g, np.zeros(n_groups), keys)
+    grp.rows, grp.n_rows = (None if ok is None else np.flatnonzero(ok)), len(x)
+    grp.w_g, total = grp.sums([(wv, None), (xv, wv)])  # the two in one pass (one group)
+    return grp, total
 
 
 def _check_apart(
@@ -544,10 +562,54 @@ def topcode_summary(
 def _block_total(x: np.ndarray) -> float:
     """The sum of x over the file, missing terms left out, in block sums (sdl_design.survey.blocksum:
     the same bits by partition)."""
+    if not np.isnan(np.add.reduce(x)):  # no term is missing (NaN: one is, or inf - inf)
+        return float(_one_group_sums([(x, None)], len(x))[0][0])
     ok = ~np.isnan(x)
-    return float(
-        group_sum(np.zeros(int(ok.sum()), np.int64), x[ok], 1, len(x), np.flatnonzero(ok))[0]
-    )
+    return float(_one_group_sums([(x[ok], None)], len(x), np.flatnonzero(ok))[0][0])
+
+
+def _one_group_sums(terms: Terms, n_rows: int, rows: np.ndarray | None = None) -> list[np.ndarray]:
+    """group_sum of each term with every record in group 0, bit for bit (a length-1 array
+    each), without the block codes: each block's terms added one after the other, the blocks
+    in order. rows: the terms' rows (ascending, default their positions) in a file of n_rows
+    records."""
+    nb, block = blocksum.n_blocks(n_rows), blocksum.BLOCK  # read at the call (tests shrink it)
+    starts = np.arange(nb + 1, dtype=np.int64) * block
+    n = len(terms[0][0])
+    edges = np.minimum(starts, n) if rows is None else np.searchsorted(rows, starts)
+    full = np.flatnonzero(edges[1:] > edges[:-1])  # blocks with terms
+    segs = [
+        (x[lo:hi], None if w is None else w[lo:hi])
+        for x, w in terms
+        for lo, hi in zip(edges[full].tolist(), edges[full + 1].tolist(), strict=True)
+    ]
+    per = np.zeros((len(terms), nb))
+    per[:, full] = _chain_sums(segs).reshape(len(terms), len(full))
+    return [np.cumsum(p)[-1:] if nb > 1 else p for p in per]
+
+
+def _chain_sums(segs: Terms) -> np.ndarray:
+    """The sum of each segment's terms (x, or w * x) added one after the other from +0.0 (as
+    bincount adds), two segments at a time: the real and imaginary parts of one complex
+    cumulative sum, whose additions are those of each part alone (the shorter one continued
+    with +0.0, which changes no sum but -0.0, and the + 0.0 at the end makes that +0.0)."""
+    out = np.zeros(len(segs))
+    c = np.empty(max((len(x) for x, _ in segs), default=0), complex)
+    parts = c.view(float).reshape(-1, 2)
+    for i in range(0, len(segs), 2):
+        pair = segs[i : i + 2]
+        m = max(len(x) for x, _ in pair)
+        for j, (x, w) in enumerate(pair + [(np.zeros(0), None)] * (2 - len(pair))):
+            col = parts[:, j]
+            if w is None:
+                col[: len(x)] = x
+            else:
+                np.multiply(w, x, out=col[: len(x)])
+            col[len(x) : m] = 0.0
+        if m:
+            np.cumsum(c[:m], out=c[:m])
+            out[i : i + len(pair)] = parts[m - 1, : len(pair)]
+    return out + 0.0
 
 
 def _coding_note(
