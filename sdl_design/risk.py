@@ -4,14 +4,16 @@
 - GenMASSC risk scores r_k = max_y (1 - eta_k(y)) zeta_k(y), eta from Rao's quadratic entropy
   (paper 000, eq. 1-2).
 - Model-based risk of sample uniques: Poisson log-linear model on the key cells, fitted by ML
-  (known sampling fraction, eq. 3) or pseudo-ML to weighted cell counts (eq. 7); per-record
-  P(F=1|f=1), E(1/F|f=1) and the global tau1, tau2 (paper 001, eq. 1-4).
+  (known sampling fraction, eq. 3) or pseudo-ML to weighted cell counts (eq. 7), on the table
+  itself: the closed form of main effects, IPF of the two-way margins with interactions (no
+  design matrix); per-record P(F=1|f=1), E(1/F|f=1) and the global tau1, tau2 (paper 001, eq. 1-4).
 
 Everything groups records by key profile (factorized codes); nothing works on pairs of records.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
@@ -19,9 +21,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import scipy.linalg
-import scipy.sparse as sp
-import scipy.sparse.linalg
 
 from sdl_design.keys import coarsen, key_levels
 from sdl_design.spec import KeySpec, ReleaseSpec, SensitiveSpec, category_label
@@ -290,49 +289,134 @@ def genmassc_scores(
 class PoissonFit:
     """Fitted Poisson log-linear model on the full key table (cells in empty margins fixed at 0)."""
 
-    mu: np.ndarray  # fitted mean of every cell of the full table
-    beta: np.ndarray
-    n_cells: int  # cells in the fit
-    n_params: int
-    iterations: int
+    mu: np.ndarray  # fitted mean of every cell of the full table (of every row given)
+    beta: np.ndarray  # reference-coded coefficients of the used design columns (at the corner
+    # cells: NaN or infinite where a corner cell is out of the fit)
+    n_cells: int  # cells in the fit (those in no empty two-way margin)
+    n_params: int  # used columns of the reference-coded design
+    iterations: int  # IPF sweeps (1: the closed form of a main-effects model)
     converged: bool
     deviance: float
 
 
-def _design(
-    cell_codes: list[np.ndarray], sizes: list[int], pairs: list[tuple[int, int]]
-) -> sp.csr_matrix:
-    """Sparse reference-coded design: intercept, main effects, the given two-way interactions."""
-    n = len(cell_codes[0])
-    rows, cols = [np.arange(n)], [np.zeros(n, dtype=np.int64)]
-    offset = 1
-    for c, n_levels in zip(cell_codes, sizes, strict=True):
-        on = c > 0
-        rows.append(np.flatnonzero(on))
-        cols.append(offset + c[on] - 1)
-        offset += n_levels - 1
+def _margin(t: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    """Margin of table t on the given axes, the other axes kept with length 1 (broadcasts back)."""
+    return t.sum(axis=tuple(i for i in range(t.ndim) if i not in axes), keepdims=True)
+
+
+def _margin_sets(n_keys: int, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, ...]]:
+    """The model's sufficient margins: each two-way term's, and each key's outside every term."""
+    in_pair = {j for p in pairs for j in p}
+    return [tuple(p) for p in pairs] + [(j,) for j in range(n_keys) if j not in in_pair]
+
+
+def _independence(y: np.ndarray) -> np.ndarray:
+    """Closed-form ML fit of the main-effects model with a constant offset: the score equations
+    (eq. 3/7) fit every one-way margin, so mu_k = N prod_j (y_j(k_j) / N), N the table's total."""
+    n = float(y.sum())
+    if n <= 0:
+        return np.zeros(y.shape)
+    shares = [_margin(y, (j,)).ravel() / n for j in range(y.ndim)]
+    return n * functools.reduce(np.multiply.outer, shares)
+
+
+def _ipf(
+    y: np.ndarray,
+    start: np.ndarray | float,
+    pairs: Sequence[tuple[int, int]],
+    tol: float,
+    sweeps: int,
+) -> tuple[np.ndarray, int, bool]:
+    """ML fit of log mu = log start + x'beta by iterative proportional fitting: the fitted margins
+    of the model's terms equal the observed ones (the score equations X'(y - mu) = 0, eq. 3/7).
+    A cell in an empty observed margin gets 0. Converged when the largest relative move of a
+    fitted margin in a sweep, over one minus its rate of decrease (the moves still to come),
+    is at most tol."""
+    margins = _margin_sets(y.ndim, pairs)
+    observed = [_margin(y, m) for m in margins]
+    mu = np.array(np.broadcast_to(start, y.shape), dtype=float)
+    prev = np.inf
+    for sweep in range(1, sweeps + 1):
+        worst = 0.0
+        for m, obs in zip(margins, observed, strict=True):
+            fitted = _margin(mu, m)
+            ratio = np.divide(obs, fitted, out=np.zeros_like(obs), where=(obs > 0) & (fitted > 0))
+            worst = max(worst, float(np.abs(ratio[obs > 0] - 1.0).max(initial=0.0)))
+            mu *= ratio
+        if worst <= tol * (1.0 - min(worst / prev, 0.99)):
+            return mu, sweep, True
+        prev = worst
+    return mu, sweeps, False
+
+
+def _model_cells(
+    y: np.ndarray, start: np.ndarray | float, pairs: Sequence[tuple[int, int]]
+) -> np.ndarray | None:
+    """Cells in the fit: a start (the rows given) and no empty observed two-way margin; None: all."""
+    keep = np.asarray(start) > 0 if np.ndim(start) else None
     for a, b in pairs:
-        ca, cb = cell_codes[a], cell_codes[b]
-        on = (ca > 0) & (cb > 0)
-        rows.append(np.flatnonzero(on))
-        cols.append(offset + (ca[on] - 1) * (sizes[b] - 1) + (cb[on] - 1))
-        offset += (sizes[a] - 1) * (sizes[b] - 1)
-    r = np.concatenate(rows)
-    c = np.concatenate(cols)
-    x = sp.csr_matrix((np.ones(len(r)), (r, c)), shape=(n, offset))
-    used = np.flatnonzero(np.diff(x.tocsc().indptr) > 0)  # drop columns of empty margins
-    return x[:, used].tocsr()
+        on = _margin(y, (a, b)) > 0
+        if not on.all():
+            keep = on if keep is None else keep & on
+    return None if keep is None else np.broadcast_to(keep, y.shape)
 
 
-def _solve(h: sp.spmatrix, rhs: np.ndarray) -> np.ndarray:
-    if h.shape[0] <= 3000:
-        return scipy.linalg.cho_solve(scipy.linalg.cho_factor(h.toarray()), rhs)
-    return scipy.sparse.linalg.spsolve(h.tocsc(), rhs)
+def _coefficients(
+    mu: np.ndarray,
+    start: np.ndarray | float,
+    keep: np.ndarray | None,
+    pairs: Sequence[tuple[int, int]],
+) -> np.ndarray:
+    """Reference-coded beta of the used design columns (intercept, main effects, two-way terms),
+    read off eta = log(mu / start) at the corner cells (every other key at its first level): a
+    term's coefficient is the inclusion-exclusion sum of eta over its keys (not finite where
+    the term is not identified: a cell of it with mu 0)."""
+    out = [np.zeros(0)]
+    start = np.broadcast_to(start, mu.shape)
+    for t in [(), *((j,) for j in range(mu.ndim)), *(tuple(p) for p in pairs)]:
+        corner = tuple(slice(None) if i in t else 0 for i in range(mu.ndim))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            eta = np.atleast_1d(np.log(mu[corner]) - np.log(start[corner]))
+            if len(t) == 1:
+                eta = eta[1:] - eta[0]
+            elif len(t) == 2:
+                eta = eta[1:, 1:] - eta[1:, :1] - eta[:1, 1:] + eta[0, 0]
+        used = np.ones(eta.shape, dtype=bool)
+        if keep is not None:
+            on = np.atleast_1d((_margin(keep, t) > 0).reshape(np.shape(mu[corner])))
+            used = on[(slice(1, None),) * len(t)] if t else on
+        if len(t) == 2 and t[0] > t[1]:  # the design's columns: the first key of the pair major
+            eta, used = eta.T, used.T
+        out.append(eta[used])
+    return np.concatenate(out)
 
 
-def _poisson_deviance(y: np.ndarray, mu: np.ndarray) -> float:
-    ylogy = np.where(y > 0, y * np.log(np.where(y > 0, y, 1.0) / mu), 0.0)
-    return float(2.0 * np.sum(ylogy - (y - mu)))
+def _deviance(y: np.ndarray, mu: np.ndarray) -> float:
+    pos = y > 0
+    return float(2.0 * (np.sum(y[pos] * np.log(y[pos] / mu[pos])) - (y.sum() - mu.sum())))
+
+
+def fit_cells(
+    y: np.ndarray,
+    start: np.ndarray | float = 1.0,
+    pairs: Sequence[tuple[int, int]] = (),
+    tol: float = 1e-12,
+    max_iter: int = 1000,
+) -> PoissonFit:
+    """ML fit of log mu_k = log start_k + x_k'beta to the table y (shape: the keys' levels;
+    paper 001 eq. 3 with start = pi, eq. 7 with start 1): main effects and the two-way terms of
+    pairs. Main effects with a constant start: the closed form N prod_j (y_j / N); otherwise IPF
+    of the terms' margins. mu, beta, deviance as the IRLS fit of the reference-coded design gives
+    them at convergence (cells in an empty two-way margin out of the fit, with mu 0)."""
+    y = np.asarray(y, dtype=float)
+    if not pairs and np.ndim(start) == 0:
+        mu, sweeps, converged = _independence(y), 1, True
+    else:
+        mu, sweeps, converged = _ipf(y, start, pairs, tol, max_iter)
+    keep = _model_cells(y, start, pairs)
+    beta = _coefficients(mu, start, keep, pairs)
+    n_cells = y.size if keep is None else int(keep.sum())
+    return PoissonFit(mu.ravel(), beta, n_cells, len(beta), sweeps, converged, _deviance(y, mu))
 
 
 def fit_poisson_loglinear(
@@ -341,55 +425,29 @@ def fit_poisson_loglinear(
     sizes: list[int],
     pairs: Sequence[tuple[int, int]] = (),
     offset: np.ndarray | float = 0.0,
-    tol: float = 1e-10,
-    max_iter: int = 100,
-    ridge: float = 1e-10,
+    tol: float = 1e-12,
+    max_iter: int = 1000,
+    ridge: float = 0.0,
 ) -> PoissonFit:
     """ML fit of log(mu_k) = offset_k + x_k'beta to cell counts y (score equation, paper 001 eq. 3/7).
 
-    IRLS (Newton) with a sparse design; a tiny ridge keeps aliased columns (nested keys) solvable.
-    Cells in a two-way margin with zero count have MLE 0 and are left out of the fit.
+    The rows (cells of the key table by cell_codes) are summed into the full table, exp(offset)
+    into the start table (cells with no row are out of the fit); fit_cells fits it and each row
+    gets its share exp(offset_k) / start of its cell's mu. max_iter: IPF sweeps at most; ridge:
+    unused (the former IRLS's; the margins need no ridge).
     """
     y = np.asarray(y, dtype=float)
-    k_all = len(y)
-    off = np.broadcast_to(np.asarray(offset, dtype=float), (k_all,))
-    keep = np.ones(k_all, dtype=bool)
-    for a, b in pairs:
-        margin_idx = cell_codes[a] * sizes[b] + cell_codes[b]
-        margin = np.bincount(margin_idx, weights=y, minlength=sizes[a] * sizes[b])
-        keep &= margin[margin_idx] > 0
-    idx = np.flatnonzero(keep)
-    x = _design([c[idx] for c in cell_codes], sizes, list(pairs))
-    yk, ok = y[idx], off[idx]
-    xt = x.T.tocsr()
-    mu = yk + 0.1 * max(yk.mean(), 1e-8)  # GLM start
-    eta = np.log(mu)
-    d = None
-    dev_old, converged, iterations = np.inf, False, 0
-    beta = np.zeros(x.shape[1])
-    for _ in range(max_iter):
-        iterations += 1
-        z = eta - ok + (yk - mu) / mu  # working response
-        h = (xt @ sp.diags(mu) @ x).tocsr()
-        if d is None:
-            d = ridge * (h.diagonal() + 1e-12)
-        beta_new = _solve(h + sp.diags(d), xt @ (mu * z))
-        step = beta_new - beta
-        for _ in range(30):  # step halving on the deviance
-            eta_new = np.minimum(ok + x @ (beta + step), 700.0)
-            mu_new = np.exp(eta_new)
-            dev = _poisson_deviance(yk, mu_new)
-            if np.isfinite(dev) and dev <= dev_old * (1 + 1e-12) + 1e-12:
-                break
-            step *= 0.5
-        beta, eta, mu = beta + step, eta_new, mu_new
-        if abs(dev_old - dev) <= tol * (abs(dev) + 0.1):
-            converged = True
-            break
-        dev_old = dev
-    mu_full = np.zeros(k_all)
-    mu_full[idx] = mu
-    return PoissonFit(mu_full, beta, len(idx), x.shape[1], iterations, converged, dev)
+    shape = tuple(int(s) for s in sizes)
+    k_all = int(np.prod(shape))
+    cell = table_cells(cell_codes, shape)
+    if np.ndim(offset) == 0 and len(y) == k_all and np.array_equal(cell, np.arange(k_all)):
+        return fit_cells(y.reshape(shape), float(np.exp(offset)), pairs, tol, max_iter)
+    e_off = np.broadcast_to(np.exp(np.asarray(offset, dtype=float)), y.shape)
+    start = np.bincount(cell, weights=e_off, minlength=k_all)
+    table = np.bincount(cell, weights=y, minlength=k_all).reshape(shape)
+    fit = fit_cells(table, start.reshape(shape), pairs, tol, max_iter)
+    fit.mu = fit.mu[cell] * e_off / start[cell]
+    return fit
 
 
 @dataclass
@@ -451,14 +509,11 @@ def fit_table(
 ) -> tuple[PoissonFit, np.ndarray, str]:
     """(fit, lambda of every cell, method) of the full key table: pseudo-ML to the weighted
     counts y (eq. 7) when given, else ML to the counts f with offset log(pi) (eq. 3)."""
-    k_all = int(np.prod(np.array(sizes, dtype=float)))
-    full = np.arange(k_all, dtype=np.int64)
-    strides = np.cumprod([1, *sizes[::-1]])[:-1][::-1].astype(np.int64)
-    cell_codes = [(full // s) % L for s, L in zip(strides, sizes, strict=True)]
+    shape = tuple(int(s) for s in sizes)
     if y is not None:
-        fit = fit_poisson_loglinear(y, cell_codes, sizes, pairs)
+        fit = fit_cells(np.asarray(y, dtype=float).reshape(shape), 1.0, pairs)
         return fit, fit.mu, "pseudo-ML"
-    fit = fit_poisson_loglinear(f.astype(float), cell_codes, sizes, pairs, np.log(pi))
+    fit = fit_cells(np.asarray(f, dtype=float).reshape(shape), float(pi), pairs)
     return fit, fit.mu / pi, "ML"  # lambda_hat = mu_hat / pi (eq. 3)
 
 
@@ -493,6 +548,7 @@ def loglinear_risk(
     weight: pseudo-ML fit to the weighted counts F_hat_k (eq. 7), pi_hat = 1/w for uniques.
     Without weight: ML fit to f_k with offset log(pi) (eq. 3), pi the known sampling fraction;
     pi=None there means the file is the population (pi = 1: every sample unique is unique).
+    The fit (fit_table, fit_cells) works on the table: closed form for main effects, else IPF.
     """
     specs = _key_specs(keys)
     codes, sizes = _codes if _codes is not None else _key_codes(df, specs)

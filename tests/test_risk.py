@@ -314,6 +314,132 @@ def test_census_without_weight_every_sample_unique_is_unique():
     assert res.p_unique.notna().tolist() == [s == "U" for s in STRATA_1B]
 
 
+def _dense_irls(y, codes, sizes, pairs, offset):
+    """Brute-force ML fit, independent of the module: dense reference-coded design of the cells in
+    no empty two-way margin (unused columns dropped), Newton on the Poisson log-likelihood with
+    step halving and a least-squares step (no ridge), to the rounding floor of the score."""
+    keep = np.ones(len(y), dtype=bool)
+    for a, b in pairs:
+        idx = codes[a] * sizes[b] + codes[b]
+        keep &= np.bincount(idx, weights=y, minlength=sizes[a] * sizes[b])[idx] > 0
+    cols = [np.ones(len(y))]
+    cols += [codes[j] == lv for j in range(len(sizes)) for lv in range(1, sizes[j])]
+    cols += [
+        (codes[a] == i) & (codes[b] == j)
+        for a, b in pairs
+        for i in range(1, sizes[a])
+        for j in range(1, sizes[b])
+    ]
+    x = np.column_stack(cols).astype(float)[keep]
+    x = x[:, x.sum(0) > 0]
+    yk, off = y[keep], np.broadcast_to(offset, y.shape)[keep]
+    beta = np.linalg.lstsq(x, np.log(yk + 0.5) - off, rcond=None)[0]
+
+    def loglik(b):
+        eta = off + x @ b
+        return float(yk @ eta - np.exp(eta).sum())
+
+    for _ in range(100):
+        mu = np.exp(off + x @ beta)
+        step = np.linalg.lstsq(x.T @ (mu[:, None] * x), x.T @ (yk - mu), rcond=None)[0]
+        for _ in range(40):
+            if loglik(beta + step) >= loglik(beta) - 1e-12 * abs(loglik(beta)):
+                break
+            step /= 2
+        beta = beta + step
+        if np.max(np.abs(step)) < 1e-13:
+            break
+    mu = np.zeros(len(y))
+    mu[keep] = np.exp(off + x @ beta)
+    return mu, int(keep.sum()), x.shape[1]
+
+
+def _risk_by_hand(s, keys, sizes, lam_cell, weight=None, pi=None):
+    """eq. 4 for each sample unique from each cell's lambda: (tau1, tau2, p, e) by record."""
+    cell = np.ravel_multi_index([s[k].to_numpy() for k in keys], sizes)
+    unique = np.bincount(cell, minlength=len(lam_cell))[cell] == 1
+    one_minus_pi = 1 - (1 / s[weight].to_numpy() if weight else pi)
+    nu = lam_cell[cell] * one_minus_pi
+    p, e = np.where(unique, np.exp(-nu), np.nan), np.where(unique, -np.expm1(-nu) / nu, np.nan)
+    return np.nansum(p), np.nansum(e), p, e
+
+
+@pytest.mark.parametrize(
+    "pairs, weight, pi",
+    [
+        ([], "w", None),
+        ([], None, 0.1),
+        ([(0, 2), (1, 3)], "w", None),
+        ([(0, 2)], None, 0.1),
+        (list(itertools.combinations(range(4), 2)), "w", None),
+    ],
+)
+def test_loglinear_fit_equals_brute_force_irls(pairs, weight, pi):
+    """The fitted lambda, tau1, tau2 and each unique's P(F=1|f=1), E(1/F|f=1) (eq. 1-7) equal a
+    dense Newton fit of the reference-coded design to 1e-9: zero cells, empty two-way margins
+    (k0 = 3 with k2 = 4 never sampled: their cells out of the fit, lambda 0), the ML offset log(pi);
+    main effects also equal the closed form N_hat prod_j (F_hat_j / N_hat)."""
+    rng = np.random.default_rng(37)
+    sizes = [4, 3, 5, 6]  # 360 cells
+    keys = [f"k{j}" for j in range(4)]
+    probs = [rng.dirichlet(np.full(n, 1.5)) for n in sizes]
+    s = pd.DataFrame(
+        {k: rng.choice(n, 1500, p=q) for k, n, q in zip(keys, sizes, probs, strict=True)}
+    )
+    s["k2"] = np.where(rng.random(len(s)) < 0.5, s["k0"], s["k2"])  # a k0-k2 association
+    s = s[~((s["k0"] == 3) & (s["k2"] == 4))].reset_index(drop=True)
+    s[keys] = s[keys].apply(lambda c: pd.factorize(c)[0])  # codes as the fit orders levels
+    s["w"] = rng.lognormal(2.0, 0.5, len(s))
+    named = [(keys[a], keys[b]) for a, b in pairs]
+    res = loglinear_risk(s, keys, weight=weight, pi=pi, interactions=named)
+
+    codes = list(np.indices(sizes).reshape(4, -1))
+    cell = np.ravel_multi_index([s[k].to_numpy() for k in keys], sizes)
+    y = np.bincount(cell, weights=s[weight] if weight else None, minlength=360).astype(float)
+    mu, n_cells, n_params = _dense_irls(y, codes, sizes, pairs, 0.0 if weight else np.log(pi))
+    lam_cell = mu if weight else mu / pi
+    tau1, tau2, p, e = _risk_by_hand(s, keys, sizes, lam_cell, weight, pi)
+    assert (y == 0).sum() > 100 and res.fit.converged
+    assert res.tau1 == pytest.approx(tau1, rel=1e-9) and res.tau2 == pytest.approx(tau2, rel=1e-9)
+    np.testing.assert_allclose(res.p_unique, p, rtol=1e-9)
+    np.testing.assert_allclose(res.e_inv_f, e, rtol=1e-9)
+    np.testing.assert_allclose(res.lam, lam_cell[cell], rtol=1e-9)
+    np.testing.assert_allclose(res.fit.mu, mu, rtol=1e-9, atol=1e-12 * mu.max())
+    assert (res.info["model_cells"], res.info["n_params"]) == (n_cells, n_params)
+    for a, b in pairs:  # cells of an empty two-way margin: out of the fit, lambda 0
+        idx = codes[a] * sizes[b] + codes[b]
+        empty = np.bincount(idx, weights=y, minlength=sizes[a] * sizes[b])[idx] == 0
+        assert np.all(res.fit.mu[empty] == 0) and (empty.any() or (a, b) != (0, 2))
+    if not pairs:
+        n_hat = y.sum()
+        margins = [
+            np.bincount(c, weights=y, minlength=n) / n_hat
+            for c, n in zip(codes, sizes, strict=True)
+        ]
+        closed = n_hat * np.prod([m[c] for m, c in zip(margins, codes, strict=True)], axis=0)
+        np.testing.assert_allclose(lam_cell, closed / (1 if weight else pi), rtol=1e-9)
+
+
+def test_fit_of_some_cells_with_an_offset_equals_brute_force_irls():
+    """fit_poisson_loglinear on rows that cover part of the table, with a row offset: the
+    same fit as the dense Newton fit of those rows (cells with no row are out of the fit)."""
+    rng = np.random.default_rng(11)
+    sizes = [4, 5, 3]
+    codes = np.indices(sizes).reshape(3, -1)
+    rows = np.flatnonzero(rng.random(60) < 0.8)
+    cc = [c[rows] for c in codes]
+    y = rng.poisson(4.0, len(rows)).astype(float)
+    off = rng.normal(0.0, 0.3, len(rows))
+    for pairs in ([], [(0, 1)], [(0, 1), (1, 2), (0, 2)]):
+        fit = fit_poisson_loglinear(y, cc, sizes, pairs, off)
+        mu, n_cells, n_params = _dense_irls(y, cc, sizes, pairs, off)
+        assert fit.converged and (fit.n_cells, fit.n_params) == (n_cells, n_params)
+        np.testing.assert_allclose(fit.mu, mu, rtol=1e-9)
+        assert fit.deviance == pytest.approx(
+            2 * np.sum(np.where(y > 0, y * np.log(np.where(y > 0, y, 1) / mu), 0) - (y - mu))
+        )
+
+
 # ---------------------------------------------------------------- bad input
 
 
