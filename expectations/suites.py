@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,18 +22,66 @@ _ROW = "__row"
 
 
 class GateFailed(RuntimeError):
-    """A suite failed; `results` is its results table."""
+    """A suite failed; `results` is its results table. report: the staged report of the
+    attempt the failure closed (set by the release when it is written), for one_line."""
 
-    def __init__(self, title: str, results: pd.DataFrame):
-        self.title, self.results = title, results
-        # a verdict stored as object (a gate that could not be evaluated: None) is a failure
-        failed = results[~results["passed"].astype("boolean").fillna(False).to_numpy(bool)]
-        lines = [f"{title}: {len(failed)} of {len(results)} checks failed"]
-        lines += [f"  - {r.name}: {r.detail}" for r in failed.itertuples()]
+    def __init__(self, title: str, results: pd.DataFrame, report: Path | None = None):
+        self.title, self.results, self.report = title, results, report
+        failed, what = failed_checks(results)
+        lines = [f"{title}: {len(failed)} of {len(results)} checks failed" + what]
+        lines += [f"  - {name}: {detail}" for name, detail in failed]
         super().__init__("\n".join(lines))
 
-    def __reduce__(self):  # picklable across Dask workers despite the extra argument
-        return type(self), (self.title, self.results)
+    def __reduce__(self):  # picklable across Dask workers despite the extra arguments
+        return type(self), (self.title, self.results, self.report)
+
+    def one_line(self, shown: int = 5) -> str:
+        """The refusal in one line: the title, each failed check (up to `shown`) with the
+        first clause of its detail (the worst estimates are in the report), and the staged
+        report's path when it was written."""
+        failed, what = failed_checks(self.results)
+        checks = "; ".join(f"{name}: {detail.split('; ')[0]}" for name, detail in failed[:shown])
+        more = f"; and {len(failed) - shown} more" if len(failed) > shown else ""
+        text = f"{self.title}: {len(failed)} of {len(self.results)} checks failed{what}"
+        text += f" ({checks}{more})" if checks else ""
+        if self.report is not None and Path(self.report).is_file():
+            text += f"; the staged report: {self.report}"
+        return " ".join(text.split())  # one line, whatever a detail holds
+
+
+def _verdicts(passed: pd.Series) -> np.ndarray:
+    """Each verdict as a bool: True (or 1, or the text 'true', as a CSV gives it back) holds,
+    anything else (False, None, NaN, text) fails."""
+    return passed.map(lambda v: str(v).strip().lower() in ("true", "1", "1.0")).to_numpy(bool)
+
+
+def failed_checks(results: pd.DataFrame) -> tuple[list[tuple[str, str]], str]:
+    """(name, detail) of each failed check of a results table, and what the table lacks (''
+    when it is whole): a table without a verdict column counts every check as failed, a
+    verdict stored as object (a gate that could not be evaluated: None) is a failure, a
+    missing name is the check's row (counted from 1)."""
+    lacks = [c for c in ("name", "passed", "detail") if c not in results.columns]
+    what = (
+        f" (the results table has no {', '.join(repr(c) for c in lacks)} column"
+        f"{'s' if len(lacks) > 1 else ''})"
+        if lacks
+        else ""
+    )
+    n = len(results)
+    passed = (
+        _verdicts(results["passed"]) if "passed" in results.columns else np.zeros(n, dtype=bool)
+    )
+    names = results["name"] if "name" in results.columns else pd.Series([None] * n)
+    details = results["detail"] if "detail" in results.columns else pd.Series([None] * n)
+    out = []
+    for i, (name, detail, ok) in enumerate(zip(names, details, passed, strict=True)):
+        if ok:
+            continue
+        name = f"check {i + 1}" if name is None or pd.isna(name) else str(name)
+        if "passed" not in results.columns:
+            detail = "no verdict"
+        out.append((name, "no detail" if detail is None or pd.isna(detail) else str(detail)))
+    return out, what
 
 
 def _gx():
@@ -75,7 +124,10 @@ def _run(
     by_id = {r.expectation_config.id: r for r in res.results}
     out = []
     for label, exp in checks:
-        r = by_id[exp.id]
+        r = by_id.get(exp.id)
+        if r is None:  # a check GX gave no result for fails, saying so
+            out.append(_no_result(label, len(df)))
+            continue
         result = r.result or {}
         err = [
             v.get("exception_message")
@@ -98,6 +150,20 @@ def _run(
             }
         )
     return out
+
+
+def _no_result(label: str, n: int) -> dict:
+    """The raw result of a check Great Expectations returned no result for: failed, with why."""
+    return {
+        "label": label,
+        "success": False,
+        "unexpected_count": 0,
+        "element_count": n,
+        "examples": [],
+        "missing_count": 0,
+        "observed": None,
+        "error": "Great Expectations returned no result for this check",
+    }
 
 
 def _col(name: str):
@@ -153,13 +219,16 @@ def count_verdicts(labels: Sequence[str], failures: list, what: str = "row") -> 
     # are the checks that fail
     table = pd.DataFrame({"failing": counts, _ROW: np.arange(len(counts))})
     check = [("edit rules", gxe.ExpectColumnValuesToBeInSet(column="failing", value_set=[0.0]))]
-    failed = set(_run(table, check, "edits", _ROW, examples=None)[0]["examples"])
+    got = _run(table, check, "edits", _ROW, examples=None)[0]
+    failed, broken = set(got["examples"]), got["error"]
     rows = []
     for i, (label, n, detail) in enumerate(zip(labels, counts, details, strict=True)):
         evaluated = not np.isnan(n)
         success = i not in failed
-        if evaluated and success != (n == 0):
-            raise RuntimeError(f"{label}: GX and the failing count {n:g} disagree")
+        if evaluated and not broken and success != (n == 0):
+            broken = f"Great Expectations and the failing count {n:g} of {label} disagree"
+        if broken:  # no verdict can be trusted: the check fails, saying why
+            detail, evaluated = f"not evaluated ({broken}); {detail}", False
         rows.append(
             {
                 "name": label,
@@ -180,6 +249,11 @@ def gate_frame(gates: Sequence[dict]) -> pd.DataFrame:
     added to a failure: e.g. the worst estimates)."""
     f = pd.DataFrame(list(gates), columns=["name", "value", "lower", "upper", "explain"])
     f["explain"] = f["explain"].fillna("").astype(str)
+    # a gate without a name is named by its place (its verdict still counts)
+    f["name"] = [
+        n if isinstance(n, str) and n else f"gate {i + 1} (no name)"
+        for i, n in enumerate(f["name"])
+    ]
     for c in ("value", "lower", "upper"):
         f[c] = pd.to_numeric(f[c], errors="coerce").astype(float)
     return f
@@ -189,6 +263,8 @@ def _threshold(lower: float, upper: float) -> str:
     lo, hi = (None if np.isnan(x) else x for x in (lower, upper))
     if lo is not None and hi is not None:
         return f"[{lo:g}, {hi:g}]"
+    if lo is None and hi is None:
+        return "no bound"
     return f">= {lo:g}" if lo is not None else f"<= {hi:g}"
 
 
@@ -220,20 +296,20 @@ def validate_metric_gates(gates: Sequence[dict]) -> pd.DataFrame:
         ),
     ]
     res = {r["label"]: r for r in _run(f, checks, "metric_gates", "name")}
-    for r in res.values():
-        if r["error"]:
-            raise RuntimeError(f"metric gate suite could not be evaluated: {r['error']}")
     missing = f["value"].isna()
     below = f["lower"].notna() & ~(f["value"] >= f["lower"])
     above = f["upper"].notna() & ~(f["value"] <= f["upper"])
-    # GX gives the verdict per check; the table says by how much. They must agree.
+    # GX gives the verdict per check; the table says by how much. They must agree: when GX
+    # could not evaluate a check or disagrees, no gate holds (the release is refused, saying
+    # why), never a traceback.
+    broken = [f"{r['label']}: {r['error']}" for r in res.values() if r["error"]]
     for label, fails in (
         ("not_missing", missing),
         ("above_lower", below & ~missing),
         ("below_upper", above & ~missing),
     ):
-        if res[label]["success"] == bool(fails.any()):
-            raise RuntimeError(f"metric gate check {label}: GX and the results table disagree")
+        if not res[label]["error"] and res[label]["success"] == bool(fails.any()):
+            broken.append(f"{label}: Great Expectations and the results table disagree")
     rows = []
     for g, m, b, a in zip(f.itertuples(), missing, below, above, strict=True):
         if m:
@@ -246,10 +322,12 @@ def validate_metric_gates(gates: Sequence[dict]) -> pd.DataFrame:
             detail = "within bounds"
         if (m or b or a) and g.explain:
             detail += f"; {g.explain}"
+        if broken:
+            detail = f"not evaluated (the metric gate suite: {'; '.join(broken)}); {detail}"
         rows.append(
             {
                 "name": g.name,
-                "passed": not (m or b or a),
+                "passed": not (m or b or a or broken),
                 "value": g.value,
                 "threshold": _threshold(g.lower, g.upper),
                 "detail": detail,

@@ -175,9 +175,19 @@ def _guarded(fn: Callable[[], int]) -> int:
     except tuple(known) as e:
         code = next(c for t, c in known.items() if isinstance(e, t))
         print(
-            f"puf: {e}" + ("; the release is not published" if code == 3 else ""), file=sys.stderr
+            f"puf: {_said(e)}" + ("; the release is not published" if code == 3 else ""),
+            file=sys.stderr,
         )
         return code
+
+
+def _said(e: BaseException) -> str:
+    """A known error in words: a failed gate or edit rule as the release's one-line refusal
+    (each failed check, the staged report's path: the details are in the report), any other
+    as its message."""
+    from expectations.suites import GateFailed
+
+    return e.one_line() if isinstance(e, GateFailed) else str(e)
 
 
 def _check_input(spec: ReleaseSpec) -> int:

@@ -165,6 +165,12 @@ def close_attempt(
         post(manifest, results=outputs, folder=txn.staged)
 
 
+def staged_report(txn: Transaction) -> Path:
+    """The report of an attempt a refusal closed (close_attempt writes it), for the refusal's
+    one line (GateFailed.one_line names it when it was written)."""
+    return txn.staged / "internal" / "report.html"
+
+
 def _post(
     manifest: Manifest,
     staged: Path | None = None,
@@ -377,6 +383,7 @@ def _treat(
     if not edits["passed"].all():
         err = GateFailed("edit validation failed on the input file", edits)
         close_attempt(txn, spec, manifest, outputs, edits, "rejected", str(err), _post)
+        err.report = staged_report(txn)
         raise err
 
     df = frames["original"]
@@ -451,6 +458,7 @@ def _gate(
     if not gates["passed"].all():
         err = GateFailed("release gates failed; nothing was published", gates)
         close_attempt(txn, spec, manifest, outputs, gates, "rejected", str(err), _post)
+        err.report = staged_report(txn)
         raise err
     manifest.status = "gated"
     return gates, records
@@ -716,6 +724,7 @@ def publish_partitioned(
             if not gates["passed"].all():
                 err = GateFailed("release gates failed; nothing was published", gates)
                 close_attempt(txn, spec, manifest, results, gates, "rejected", str(err))
+                err.report = staged_report(txn)
                 raise err
             manifest.status = "gated"
             _publish_partitioned(
@@ -727,6 +736,7 @@ def publish_partitioned(
         except GateFailed as e:  # the input's edit rules (the gates closed the attempt)
             if txn.state == "running":
                 close_attempt(txn, spec, manifest, results, e.results, "rejected", str(e))
+            e.report = e.report or staged_report(txn)
             raise
         except BaseException as e:
             if txn.state in ("running", "awaiting_approval"):

@@ -12,7 +12,8 @@ The declared missing codes (`variables.missing`) become missing values (NaN) fir
 cell of a numeric column is missing too. A Parquet file keeps its own types; its declared
 missing codes become NaN and a declared-numeric column stored as text is converted as above.
 Duplicated column names (a CSV header naming a column twice, which pandas would publish as
-`income.1`; duplicated Parquet fields) are an error. No statistics here.
+`income.1`; duplicated Parquet fields) are an error. An unweighted file (`design: {weight:
+null}`) gets its weight column of ones, `unit_weight`, here (unit_weight). No statistics here.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 
 from sdl_design.messages import did_you_mean, rows_text
@@ -269,9 +271,33 @@ def _infer(s: pd.Series) -> pd.Series:
     return x
 
 
+def unit_weight(df: pd.DataFrame, spec: ReleaseSpec) -> pd.DataFrame:
+    """An unweighted file (`design: {weight: null}`): the frame with the spec's weight column
+    (UNIT_WEIGHT) of ones added, so that every stage reads a weight; the frame itself else,
+    or when it has the column already with every value 1 (a frame typed again). The column
+    with other values is an error (SpecError: rename it)."""
+    d = spec.design
+    if not getattr(d, "unweighted", False):
+        return df
+    if d.weight in df.columns:  # added before (a frame typed again), or the input's own
+        w = pd.to_numeric(df[d.weight], errors="coerce")
+        if (w == 1.0).all():
+            return df
+        raise SpecError(
+            [
+                f"design.weight: the file is declared unweighted, and the input has a column "
+                f"'{d.weight}', the name the release gives its weights of 1; rename that column"
+            ]
+        )
+    ones = pd.DataFrame({d.weight: np.ones(len(df))}, index=df.index)
+    return pd.concat([df, ones], axis=1)  # (no insert into a frame of many blocks)
+
+
 def type_input(df: pd.DataFrame, spec: ReleaseSpec, text: bool) -> pd.DataFrame:
     """The frame typed by the spec (see the module docstring); text: df was read as text (CSV).
-    Raises SpecError listing every column that does not fit."""
+    An unweighted file gets its weight column of ones (unit_weight). Raises SpecError listing
+    every column that does not fit."""
+    df = unit_weight(df, spec)
     problems: list[str] = []
     cols = [str(c) for c in df.columns]
     missing = spec.variables.missing

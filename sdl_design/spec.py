@@ -29,7 +29,12 @@ from sdl_design.edits import parse_condition as parse_condition  # re-exported
 from sdl_design.leaks import column_problems
 from sdl_design.messages import did_you_mean, rows_text, yaml_error_text
 from sdl_design.messages import short_list as _short
-from sdl_design.survey.design import ReplicateMethod, resolve_replicates
+from sdl_design.survey.design import (
+    UNIT_WEIGHT,
+    BootstrapConvention,
+    ReplicateMethod,
+    resolve_replicates,
+)
 from sdl_design.survey.glm import parse_formula
 
 # a spec's YAML, aliases expanded, at most this many nodes (an alias bomb is refused, not run)
@@ -112,14 +117,47 @@ class ReleaseSection(_Strict):
 
 
 class ReplicateSpec(_Strict):
+    """The producer's replicate weights and how their variance is formed, as R's svrepdesign:
+    V = scale * sum_r rscales_r (theta_r - centre)^2. Without scale and rscales the method's
+    (brr 1/R, fay 1/(R(1-rho)^2), jk1 (R-1)/R, sdr 4/R, jkn (n_h-1)/n_h of the stratum of the
+    deleted PSU: declare design.strata, or give rscales), bootstrap by its convention:
+    `bootstrap: rao-wu` (n_h - 1 PSUs drawn and rescaled, R's svrepdesign(type="bootstrap")
+    and subbootweights: scale 1/(R-1)) or `canty-davison` (n_h drawn, R's bootweights and
+    as.svrepdesign(type="bootstrap"): nbar/((nbar-1)(R-1)), nbar the harmonic mean of the
+    PSUs per stratum of design.strata/psu); not declared: 1/R. A producer who publishes the
+    scale gives `scale` (and `rscales` when they differ by replicate) instead. mse: centre on
+    the full-sample estimate (true, the default) or on the replicates' mean (false, R's
+    default option survey.replicates.mse)."""
+
     columns: str | list[str]  # a glob such as "rw_*" or an explicit list
     method: ReplicateMethod
     rho: float | None = Field(default=None, ge=0.0, lt=1.0)
+    bootstrap: BootstrapConvention | None = None
+    scale: float | None = Field(default=None, gt=0.0)
+    rscales: list[float] | None = None
+    mse: bool = True
 
     @model_validator(mode="after")
     def _fay_needs_rho(self) -> ReplicateSpec:
         if self.method == "fay" and self.rho is None:
             raise ValueError("method 'fay' needs rho (e.g. rho: 0.3)")
+        if self.bootstrap is not None and self.method != "bootstrap":
+            raise ValueError(
+                f"bootstrap: {self.bootstrap} describes bootstrap replicates, not "
+                f"{self.method}; drop it or declare method: bootstrap"
+            )
+        if self.bootstrap is not None and (self.scale is not None or self.rscales is not None):
+            raise ValueError(
+                "bootstrap: give the convention (rao-wu or canty-davison) or the scale and "
+                "rscales the producer publishes, not both"
+            )
+        if self.scale is not None and self.method in ("brr", "fay", "sdr"):
+            raise ValueError(
+                f"scale: {self.method}'s scale is fixed by the method (as R's svrepdesign); "
+                "drop scale, or give rscales"
+            )
+        if self.rscales is not None and any(not (r >= 0) for r in self.rscales):
+            raise ValueError("rscales: give one number >= 0 per replicate")
         return self
 
     def resolve(self, columns: list[str]) -> list[str]:
@@ -150,7 +188,14 @@ class PseudoDesignSection(_Strict):
 
 class DesignSection(_Strict):
     """The design as it comes: strata, PSU and segment are each optional (no strata: one
-    stratum; no PSU: each record is its own PSU). A weights-only file: `design: {weight: w}`."""
+    stratum; no PSU: each record is its own PSU). A weights-only file: `design: {weight: w}`.
+    An unweighted (equal-probability) file: `design: {weight: null}` or `{unweighted: true}`:
+    every record weighs 1 (with no strata and no psu, a simple random sample with replacement,
+    as R's svydesign(ids=~1) without weights). The spec then names the weight UNIT_WEIGHT
+    ("unit_weight", a reserved name), a column of ones that reading the input adds
+    (sdl_design.io.type_input) so that every stage sees a weight column and the public file
+    carries it as its weight (ones, unless a stage adjusts the weights), and declares the
+    weights normalised (they sum to the sample size, not to the population)."""
 
     weight: str
     strata: str | None = None
@@ -171,6 +216,49 @@ class DesignSection(_Strict):
     ssu: str | None = None
     fpc2: str | None = None
     lonely_psu: Literal["fail", "remove", "adjust", "average", "certainty"] = "fail"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unit_weight(cls, data: Any) -> Any:
+        """weight: null or unweighted: true -> the weight UNIT_WEIGHT (ones) and the weights
+        normalised; no weight at all -> an error naming both ways. `unweighted` is read here
+        and not kept as a field: the weight's name says it (the `unweighted` property)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        unweighted = data.pop("unweighted", None)
+        if unweighted is not None and not isinstance(unweighted, bool):
+            raise ValueError(f"unweighted: give true or false, not {unweighted!r}")
+        if unweighted is not True and "weight" not in data:
+            raise ValueError(
+                "weight: name the weight column (design.weight: <column>), or declare an "
+                "unweighted file with weight: null (or unweighted: true): every record then "
+                "weighs 1, a simple random sample unless strata or psu are given"
+            )
+        weight = data.get("weight")
+        if unweighted is True and weight not in (None, UNIT_WEIGHT):
+            raise ValueError(
+                f"unweighted: true with weight: {weight}; give the weight column or declare "
+                "the file unweighted, not both"
+            )
+        if unweighted is False and weight in (None, UNIT_WEIGHT):
+            raise ValueError(
+                "unweighted: false with no weight column; name the weight column, or declare "
+                "the file unweighted (weight: null alone, or unweighted: true)"
+            )
+        if weight in (None, UNIT_WEIGHT) or unweighted is True:
+            if data.get("weights_normalised") is False:
+                raise ValueError(
+                    "weights_normalised: an unweighted file's weights (all 1) sum to the sample "
+                    "size; drop weights_normalised: false"
+                )
+            data |= {"weight": UNIT_WEIGHT, "weights_normalised": True}
+        return data
+
+    @property
+    def unweighted(self) -> bool:
+        """Whether the file is unweighted (weight: null): its weight is UNIT_WEIGHT, ones."""
+        return self.weight == UNIT_WEIGHT
 
     @model_validator(mode="after")
     def _segment_in_psu(self) -> DesignSection:
@@ -978,6 +1066,30 @@ def spec_problems(spec: ReleaseSpec) -> list[str]:
             "its sensitivity scores (its disclosure costs come from GenMASSC risk scores, e.g. "
             "{name: diabetes, sensitivity: {1: 1.0, 0: 0.0}}); add one, or set "
             "stages.massc.enabled: false"
+        )
+    return out + _gate_problems(spec)
+
+
+def _gate_problems(spec: ReleaseSpec) -> list[str]:
+    """Gates set for a stage that is off and that the published file cannot measure: the
+    release would run whole and fail on them (issue 34 item 7). gates.xi with PRB off stays:
+    the assessment's attacks measure the re-identification of the published file whatever
+    stages ran. gates.delta_max with MASSC off stays when sensitive variables are declared
+    (delta of the published file: the GenMASSC scores of the records published with their
+    original keys); without any, delta scores every record 1 and only counts the records no
+    stage changed, which without MASSC's substitution and subsampling stays far above any
+    limit (1.0 when nothing changes a key: the NMIHS run of issue 34)."""
+    out = []
+    massc_off = spec.stages.active("massc") is None
+    if spec.gates.delta_max is not None and massc_off and not spec.variables.sensitive:
+        off = "stages.massc.enabled: false" if spec.stages.massc is not None else "no stages.massc"
+        out.append(
+            f"gates.delta_max: MASSC is off ({off}) and variables.sensitive is empty, so "
+            "delta would score every record 1 and be the share of records published with "
+            "their original keys (1.0 when no stage changes a key): the gate would fail "
+            "after the whole run; drop gates.delta_max (gates.xi and "
+            "gates.max_unique_share gate the re-identification of the published file), or "
+            "declare a sensitive variable with its sensitivity scores and enable MASSC"
         )
     return out
 

@@ -13,10 +13,21 @@ import scipy.linalg
 import scipy.sparse as sp
 
 from sdl_design.survey.design_base import DesignError, take_rows
-from sdl_design.survey.quantiles import Quantiles
+from sdl_design.survey.quantiles import QRule, Quantiles
 
 ReplicateMethod = Literal["brr", "fay", "jk1", "jkn", "sdr", "bootstrap"]
 METHODS = ("brr", "fay", "jk1", "jkn", "sdr", "bootstrap")
+# how bootstrap replicate weights were drawn, which sets their scale as R survey does:
+# "rao-wu": n_h - 1 of the n_h PSUs of a stratum drawn with replacement and rescaled by
+# n_h/(n_h - 1) (R's subbootweights; what svrepdesign(type="bootstrap") assumes), scale
+# 1/(R - 1); "canty-davison": n_h of n_h drawn (R's bootweights, as.svrepdesign(type=
+# "bootstrap")), scale nbar/((nbar - 1)(R - 1)), nbar the harmonic mean of the PSUs per stratum
+BootstrapConvention = Literal["rao-wu", "canty-davison"]
+BOOTSTRAP_CONVENTIONS = ("rao-wu", "canty-davison")
+# the weight column of an unweighted file (a spec's `design: {weight: null}`): ones, added when
+# the input is read (sdl_design.io.type_input), published as the file's weight (not a '__'
+# working column: the input check refuses those, and the public design needs its weight)
+UNIT_WEIGHT = "unit_weight"
 # R survey's options(survey.lonely.psu=...): what a stratum with a single PSU contributes
 LonelyPSU = Literal["fail", "remove", "adjust", "average", "certainty"]
 LONELY_PSU = ("fail", "remove", "adjust", "average", "certainty")
@@ -29,6 +40,23 @@ def resolve_replicates(columns: Sequence[str], given: str | Sequence[str]) -> li
     if isinstance(given, str):
         return [str(c) for c in columns if fnmatch.fnmatchcase(str(c), given)]
     return list(given)
+
+
+def replicate_options(rs: Any) -> dict[str, Any]:
+    """The SurveyDesign keywords of a spec's design.replicate_weights section (a ReplicateSpec,
+    or None: none): method, rho, rscales, scale, the bootstrap convention (for method bootstrap
+    only) and mse."""
+    if rs is None:
+        return {}
+    method = rs.method
+    return {
+        "method": method,
+        "rho": rs.rho,
+        "rscales": getattr(rs, "rscales", None),
+        "scale": getattr(rs, "scale", None),
+        "bootstrap": getattr(rs, "bootstrap", None) if method == "bootstrap" else None,
+        "mse": getattr(rs, "mse", True),
+    }
 
 
 def dense_codes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -358,8 +386,20 @@ class SurveyDesign(Quantiles):
     strata, or replicate variance when replicate weights are given (a list of columns or a glob
     such as "rw_*"). PSU labels are nested in strata. No strata: one stratum; no psu: each
     record is a PSU. segment is kept for the masking stage and plays no part in the variance.
-    rscales: per-replicate factors (jkn default: (n_h-1)/n_h of the stratum whose PSU has zero
-    weight in the replicate). Replicate SEs are centred on the full-sample estimate (mse).
+    weight None: every record has weight 1 (an unweighted, equal-probability file: with no
+    strata and no psu a simple random sample with replacement, R's svydesign(ids=~1) without
+    weights).
+
+    Replicate variance, as R's svrepdesign: V = sum_r c_r (theta_r - centre)^2 with c_r =
+    scale * rscales_r. rscales (one per replicate) and scale (one number) as R's; without
+    them the method's: brr 1/R, fay 1/(R (1-rho)^2), jk1 (R-1)/R, sdr 4/R, jkn (n_h-1)/n_h of
+    the stratum whose PSU has zero weight in the replicate (the strata must be declared, else
+    rscales given: R's "Must provide rscales for combined JKn weights"), bootstrap by its
+    `bootstrap` convention (BOOTSTRAP_CONVENTIONS; undeclared: 1/R, this package's scale
+    before conventions were named). mse=True (the default) centres on the full-sample
+    estimate (R's mse=TRUE); mse=False on the mean of the replicates whose rscales are > 0
+    (R's default option survey.replicates.mse=FALSE). mse applies to totals, means, ratios,
+    proportions and replicate_se; quantile refuses mse=False.
 
     As R survey's svydesign(id=~psu+ssu, strata=, fpc=~fpc+fpc2, nest=TRUE): fpc is the
     number of PSUs in the stratum's population (or the sampling fraction n_h/N_h when every
@@ -377,7 +417,7 @@ class SurveyDesign(Quantiles):
     def __init__(
         self,
         df: pd.DataFrame,
-        weight: str,
+        weight: str | None,
         strata: str | None = None,
         psu: str | None = None,
         segment: str | None = None,
@@ -389,6 +429,10 @@ class SurveyDesign(Quantiles):
         ssu: str | None = None,
         fpc2: str | None = None,
         lonely_psu: LonelyPSU = "fail",
+        *,
+        scale: float | None = None,
+        bootstrap: BootstrapConvention | None = None,
+        mse: bool = True,
     ):
         if isinstance(replicate_weights, str):  # a glob pattern such as "rw_*"
             pattern = replicate_weights
@@ -405,13 +449,7 @@ class SurveyDesign(Quantiles):
         if missing:
             raise DesignError(f"design: columns {missing} are not in the data; fix the names")
         self.df, self.weight, self.strata, self.psu, self.segment = df, weight, strata, psu, segment
-        w = df[weight].to_numpy(dtype=float)
-        if np.isnan(w).any() or (w <= 0).any():
-            raise DesignError(
-                f"design.weight: column '{weight}' has {int((~(w > 0)).sum())} missing or non-positive "
-                "weights; every record needs a weight > 0 (drop or fix those records)"
-            )
-        self.w = w
+        self.w = self._read_weight(df, weight)
         n = len(df)
         self.n = n
         for c in (strata, psu, ssu):
@@ -437,34 +475,58 @@ class SurveyDesign(Quantiles):
         )
         self._setup_stages(fpc, ssu, fpc2, lonely_psu)
         self.replicate_weights = list(replicate_weights) if replicate_weights else []
-        self.method = method
-        self.rho = rho
+        self.method, self.rho, self.mse = method, rho, bool(mse)
+        self.scale, self.bootstrap = scale, bootstrap
         self.rscales: np.ndarray | None = None
-        if self.replicate_weights:
-            if method not in METHODS:
-                raise DesignError(
-                    f"design.replicate_weights.method: give one of {METHODS}, not {method!r}"
-                )
-            if method == "fay" and rho is None:
-                raise DesignError("design.replicate_weights.rho: Fay's method needs rho (e.g. 0.3)")
-            # Fortran order: W' y runs as one fast GEMM (C-order W' is ~20x slower in OpenBLAS)
-            self.W = _fortran_columns(df, self.replicate_weights)
-            bad = ~(self.W.min(axis=0, initial=np.inf) >= 0)  # negative or missing weights
-            if bad.any():
-                cols = [c for c, b in zip(self.replicate_weights, bad, strict=True) if b][:5]
-                raise DesignError(
-                    f"design.replicate_weights: columns {cols} have missing or negative weights; "
-                    "replicate weights must be >= 0"
-                )
-            self.rscales = self._scales(rscales)
         self._F_cache: tuple[np.ndarray | None] | None = None
         self._columns_cache: tuple[tuple, _Columns] | None = None
         self._groups_cache: tuple[tuple[np.ndarray, int, np.ndarray] | None] | None = None
+        if self.replicate_weights:
+            self._setup_replicates(rscales)
+        elif bootstrap is not None or scale is not None:
+            raise DesignError(
+                "design.replicate_weights: bootstrap and scale describe replicate weights; "
+                "give the replicate weight columns or drop them"
+            )
+
+    @staticmethod
+    def _read_weight(df: pd.DataFrame, weight: str | None) -> np.ndarray:
+        """The weights as floats (1 for every record when weight is None), checked > 0."""
+        if weight is None:
+            return np.ones(len(df))
+        w = df[weight].to_numpy(dtype=float)
+        if np.isnan(w).any() or (w <= 0).any():
+            raise DesignError(
+                f"design.weight: column '{weight}' has {int((~(w > 0)).sum())} missing or non-positive "
+                "weights; every record needs a weight > 0 (drop or fix those records)"
+            )
+        return w
+
+    def _setup_replicates(self, rscales: Sequence[float] | None) -> None:
+        """The replicate weights as a Fortran matrix W (n x R), checked >= 0, and the scale
+        factors c_r (self.rscales) from the method, its conventions and the given scales."""
+        method = self.method
+        if method not in METHODS:
+            raise DesignError(
+                f"design.replicate_weights.method: give one of {METHODS}, not {method!r}"
+            )
+        if method == "fay" and self.rho is None:
+            raise DesignError("design.replicate_weights.rho: Fay's method needs rho (e.g. 0.3)")
+        # Fortran order: W' y runs as one fast GEMM (C-order W' is ~20x slower in OpenBLAS)
+        self.W = _fortran_columns(self.df, self.replicate_weights)
+        bad = ~(self.W.min(axis=0, initial=np.inf) >= 0)  # negative or missing weights
+        if bad.any():
+            cols = [c for c, b in zip(self.replicate_weights, bad, strict=True) if b][:5]
+            raise DesignError(
+                f"design.replicate_weights: columns {cols} have missing or negative weights; "
+                "replicate weights must be >= 0"
+            )
+        self.rscales = self._scales(rscales)
 
     @classmethod
     def from_spec(cls, df: pd.DataFrame, design: Any, replicates: bool = True) -> SurveyDesign:
         """The design a spec's `design` section describes on df (replicate weights when the
-        section has them and replicates is True)."""
+        section has them and replicates is True, with their conventions: replicate_options)."""
         rs = design.replicate_weights
         rw = resolve_replicates(df.columns, rs.columns) if (replicates and rs) else []
         return cls(
@@ -474,12 +536,11 @@ class SurveyDesign(Quantiles):
             psu=design.psu,
             segment=design.segment,
             replicate_weights=rw or None,
-            method=rs.method if rw else None,
-            rho=rs.rho if rw else None,
             fpc=getattr(design, "fpc", None),
             ssu=getattr(design, "ssu", None),
             fpc2=getattr(design, "fpc2", None),
             lonely_psu=getattr(design, "lonely_psu", "fail"),
+            **(replicate_options(rs) if rw else {}),
         )
 
     def _setup_stages(
@@ -665,24 +726,101 @@ class SurveyDesign(Quantiles):
 
     # ------------------------------------------------------------ replicate scale factors
     def _scales(self, rscales: Sequence[float] | None) -> np.ndarray:
+        """c_r = scale * rscales_r, as R's svrepdesign: the given rscales (else the method's,
+        _method_scales) times the given scale (else 1)."""
         R = self.W.shape[1]
+        scale, bootstrap, method = self.scale, self.bootstrap, self.method
+        if bootstrap is not None and method != "bootstrap":
+            raise DesignError(
+                f"design.replicate_weights.bootstrap: {bootstrap!r} describes bootstrap "
+                f"replicates, not {method}; drop it or declare method bootstrap"
+            )
+        if bootstrap is not None and bootstrap not in BOOTSTRAP_CONVENTIONS:
+            raise DesignError(
+                f"design.replicate_weights.bootstrap: give one of {BOOTSTRAP_CONVENTIONS}, "
+                f"not {bootstrap!r}"
+            )
+        if bootstrap is not None and (rscales is not None or scale is not None):
+            raise DesignError(
+                "design.replicate_weights: give the bootstrap convention or the scale and "
+                "rscales the producer publishes, not both"
+            )
+        if scale is not None:
+            if method in ("brr", "fay", "sdr"):
+                raise DesignError(
+                    f"design.replicate_weights.scale: {method}'s scale is fixed by the method "
+                    "(as R's svrepdesign); drop scale, or give rscales"
+                )
+            if not (np.isfinite(scale) and scale > 0):
+                raise DesignError(f"design.replicate_weights.scale: give a number > 0, not {scale}")
         if rscales is not None:
             r = np.asarray(rscales, dtype=float)
             if r.shape != (R,):
                 raise DesignError(f"design: rscales needs {R} values, one per replicate")
-            return r
+            if not (np.isfinite(r).all() and (r >= 0).all()):
+                raise DesignError("design: rscales must be finite numbers >= 0")
+        elif scale is not None and method != "jkn":
+            r = np.ones(R)  # R's svrepdesign: rscales 1 unless given (jkn: its own)
+        else:
+            r = self._method_scales(R)
+        return r * scale if scale is not None else r
+
+    def _method_scales(self, R: int) -> np.ndarray:
+        """The scale factors of the method when neither rscales nor scale is given."""
         if self.method == "brr":
             return np.full(R, 1.0 / R)
         if self.method == "fay":
             return np.full(R, 1.0 / (R * (1.0 - self.rho) ** 2))
         if self.method == "jk1":
             return np.full(R, (R - 1.0) / R)
-        if self.method in ("sdr",):
+        if self.method == "sdr":
             return np.full(R, 4.0 / R)
         if self.method == "bootstrap":
-            return np.full(R, 1.0 / R)
-        # jkn: the stratum of the PSU deleted in replicate r gives (n_h - 1)/n_h (no strata:
-        # one stratum; no psu: each record is a PSU)
+            return np.full(R, self._bootstrap_scale(R))
+        return self._jkn_scales()
+
+    def _bootstrap_scale(self, R: int) -> float:
+        """The scale of R bootstrap replicates by their convention (BOOTSTRAP_CONVENTIONS)."""
+        if R < 2:
+            raise DesignError("design.replicate_weights: a bootstrap needs at least 2 replicates")
+        if self.bootstrap is None:
+            return 1.0 / R
+        if self.bootstrap == "rao-wu":
+            return 1.0 / (R - 1.0)
+        nbar = 1.0 / np.mean(1.0 / self.n_h)  # harmonic mean of the PSUs per stratum
+        if nbar <= 1.0:
+            raise DesignError(
+                "design.replicate_weights.bootstrap: canty-davison scales by nbar/(nbar - 1), "
+                "nbar the harmonic mean of the PSUs per stratum; every stratum here has one "
+                "PSU: declare design.strata and design.psu as the replicates were drawn"
+            )
+        return nbar / ((nbar - 1.0) * (R - 1.0))
+
+    def _one_stratum_jkn(self) -> bool:
+        """Whether every replicate deletes one PSU and multiplies every other PSU by
+        G/(G - 1) (G PSUs): JKn of a single stratum (= JK1), whose scale (G-1)/G is known."""
+        F, G = self._F, self.n_psu
+        if F is None or G < 2:
+            return False
+        zero = F == 0
+        if not (zero.sum(axis=0) == 1).all():
+            return False
+        return bool(np.allclose(F[~zero], G / (G - 1.0), rtol=1e-9, atol=0.0))
+
+    def _jkn_scales(self) -> np.ndarray:
+        """jkn: the stratum of the PSU deleted in replicate r gives (n_h - 1)/n_h. Without
+        declared strata, refused (R: "Must provide rscales for combined JKn weights") unless
+        the replicates are those of a single stratum (_one_stratum_jkn): else one stratum
+        would be assumed, and the SEs would be off by the strata's (n_h-1)/n_h."""
+        if self.strata is None and not self._one_stratum_jkn():
+            raise DesignError(
+                "design.replicate_weights: jkn replicates scale by (n_h - 1)/n_h of the "
+                "stratum of the PSU each deletes; no strata are declared, and the replicates "
+                "are not those of a single stratum (not every other PSU is reweighted by "
+                "G/(G - 1)): declare design.strata (and design.psu) as the replicates were "
+                "made, or give design.replicate_weights.rscales (one per replicate), or "
+                "declare method jk1 if the sample has a single stratum"
+            )
         psu_sum = sparse_times(self._P, self.W)  # PSUs x R
         zero = psu_sum == 0
         ok = zero.any(axis=0)
@@ -901,7 +1039,20 @@ class SurveyDesign(Quantiles):
         return kind
 
     def _replicate_se(self, theta: np.ndarray, theta_r: np.ndarray) -> np.ndarray:
-        d = theta_r - theta[None, :]  # R x k, centred on the full-sample estimate
+        return self.replicate_se(theta, theta_r)
+
+    def replicate_se(self, theta: np.ndarray, theta_r: np.ndarray) -> np.ndarray:
+        """The replicate SE sqrt(sum_r c_r (theta_r - centre)^2) of estimates theta (any
+        shape) from their replicates theta_r (R x that shape): centre theta when mse (R's
+        mse=TRUE), else the mean of the replicates whose rscales are > 0 (R's svrVar)."""
+        theta_r = np.asarray(theta_r, dtype=float)
+        if self.mse:
+            centre = np.asarray(theta, dtype=float)
+        else:
+            centre = theta_r[self.rscales > 0].mean(axis=0)
+        d = theta_r - centre[None]
+        if d.ndim == 3:  # (R, domains, variables)
+            return np.sqrt(np.einsum("r,rlk->lk", self.rscales, d * d))
         return np.sqrt(self.rscales @ (d * d))
 
     # ------------------------------------------------------------ estimators
@@ -1074,8 +1225,7 @@ class SurveyDesign(Quantiles):
             with np.errstate(divide="ignore", invalid="ignore"):
                 est = Y / X
                 theta_r = theta_r / xr
-        d = theta_r - est[None]
-        return est, np.sqrt(np.einsum("r,rlk->lk", self.rscales, d * d))
+        return est, self.replicate_se(est, theta_r)
 
     def _estimate(
         self,
@@ -1174,6 +1324,29 @@ class SurveyDesign(Quantiles):
             )
         out.index = idx
         return out
+
+    def quantile(
+        self,
+        cols: str | Sequence[str],
+        probs: float | Sequence[float],
+        by: str | None = None,
+        variance: Literal["taylor", "replicate"] | None = None,
+        alpha: float = 0.05,
+        qrule: QRule = "math",
+        *,
+        interval: Literal["woodruff", "quantile"] = "woodruff",
+        df: float | None = None,
+    ) -> pd.DataFrame:
+        """Quantiles (Quantiles.quantile, R's svyquantile); their replicate SEs centre on the
+        full-sample estimate, so a design with mse=False refuses replicate variance here."""
+        if not self.mse and self._variance_kind(variance) == "replicate":
+            raise DesignError(
+                "quantile: replicate SEs of quantiles centre on the full-sample estimate "
+                "(mse=True); this design has mse=False: use mse=True or variance='taylor'"
+            )
+        return super().quantile(
+            cols, probs, by, variance, alpha, qrule, interval=interval, df=df
+        )  # fmt: skip
 
     def linearized_scores(
         self, cols: str | Sequence[str], estimator: Literal["total", "mean"] = "mean"
