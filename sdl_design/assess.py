@@ -41,6 +41,7 @@ from sdl_design.survey.design import (
     first_of,
     group_indicator,
     pair_replicate_totals,
+    replicate_options,
     resolve_replicates,
 )
 from sdl_design.survey.glm import (
@@ -113,8 +114,7 @@ def file_design(
             strata=strata,
             psu=psu,
             replicate_weights=rw or None,
-            method=rs.method if rw else None,
-            rho=rs.rho if rw else None,
+            **(replicate_options(rs) if rw else {}),
         )
     except DesignError:  # e.g. jkn replicates without the PSUs they delete: unusable
         return SurveyDesign(df, d.weight, strata=strata, psu=psu)

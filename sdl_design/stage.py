@@ -215,6 +215,10 @@ def built_design(spec: ReleaseSpec, pub: dict[str, Any]) -> Any:
             "strata": pub["strata"],
             "psu": pub["psu"],
             "segment": None,
+            # the pseudo design's units are not the sampled ones: no fpc, no second stage
+            "fpc": None,
+            "ssu": None,
+            "fpc2": None,
             "replicate_weights": ReplicateSpec(columns=list(rw), method=pub["replicate_method"])
             if rw
             else None,

@@ -224,10 +224,12 @@ def domain_mean_se(
     method: str | None = None,
     rho: float | None = None,
     rscales: Sequence[float] | None = None,
+    mse: bool = True,
 ) -> pd.DataFrame:
     """Estimate, Taylor SE, Taylor deff and (with replicate weights) replicate SE of every
     characteristic: overall means/proportions and domain means (SurveyDesign.mean). rscales:
-    the replicate scale factors when known (SurveyDesign derives them otherwise)."""
+    the replicate scale factors when known (SurveyDesign derives them otherwise); mse: the
+    replicates centred on the full-sample estimate (else on their mean)."""
 
     calls = [(None, chars.overall)] + [(d, chars.domain_vars) for d in chars.domains]
     used = list(dict.fromkeys(c for _, cols in calls for c in cols))
@@ -261,6 +263,7 @@ def domain_mean_se(
         method=method,
         rho=rho,
         rscales=rscales if rw else None,
+        mse=mse,
     )
 
     def means(cols: list[str], by: str | None, variance: str) -> pd.DataFrame:
@@ -294,7 +297,8 @@ def original_domain_se(
     original: pd.DataFrame, design: dict, chars: Characteristics
 ) -> pd.DataFrame:
     """domain_mean_se of the original file in its design (design: weight, strata, psu and,
-    optionally, replicate_weights, method, rho): the original side of se_ratio_table."""
+    optionally, replicate_weights, method, rho, rscales, mse): the original side of
+    se_ratio_table."""
     return domain_mean_se(
         original,
         chars,
@@ -304,6 +308,8 @@ def original_domain_se(
         replicate_weights=design.get("replicate_weights") or (),
         method=design.get("method"),
         rho=design.get("rho"),
+        rscales=design.get("rscales"),
+        mse=design.get("mse", True),
     )
 
 

@@ -160,3 +160,30 @@ def test_domain_mean_se_equals_each_estimate_computed_alone():
         both = df.assign(y0=np.where(seen, v, 0.0), nn=seen.astype(float))
         r = SurveyDesign(both, "w", strata="st", psu="psu").ratio("y0", "nn").iloc[0]
         np.testing.assert_allclose(t.loc[("v", "all"), "se"], r["se"])
+
+
+def test_original_se_reads_the_declared_replicate_scale():
+    """The original side of the SE-ratio gates uses the replicates' declared factors: with
+    bootstrap replicates and a producer's scale (0.03, not the undeclared 1/R) and mse off,
+    domain_mean_se of design_columns equals the design's own replicate SE of the mean."""
+    from sdl_design.survey.design import SurveyDesign, design_columns
+    from sdl_design.utility import original_domain_se
+
+    rng = np.random.default_rng(5)
+    n, R = 400, 20
+    df = pd.DataFrame({"w": rng.uniform(1, 3, n), "y": rng.normal(size=n)})
+    df["g"] = rng.choice(["a", "b"], n)
+    for r in range(R):
+        df[f"bs{r}"] = df["w"] * rng.poisson(1.0, n)
+    reps = [f"bs{r}" for r in range(R)]
+    design = SurveyDesign(
+        df, "w", replicate_weights=reps, method="bootstrap", scale=0.03, mse=False
+    )
+    dc = design_columns(design)
+    chars = broad_characteristics(df, design=dc, exclude=reps)
+    got = original_domain_se(df, dc, chars).set_index(["domain", "variable"])
+    want = design.mean("y", variance="replicate")["se"].iloc[0]
+    row = got.xs("y", level="variable").iloc[0]
+    assert np.isclose(row["se_rep"], want, rtol=1e-12)
+    undeclared = SurveyDesign(df, "w", replicate_weights=reps, method="bootstrap")
+    assert not np.isclose(want, undeclared.mean("y", variance="replicate")["se"].iloc[0])

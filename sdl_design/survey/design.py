@@ -102,7 +102,8 @@ def deff_class(deff: pd.Series | np.ndarray, edges: Sequence[float] = DEFF_CLASS
 
 
 def design_columns(design: Any) -> dict[str, Any]:
-    """df, weight, strata, psu, segment, replicate columns, method and rho of a SurveyDesign."""
+    """df, weight, strata, psu, segment, replicate columns, method, rho, the replicates'
+    factors and mse of a SurveyDesign."""
     return {
         "df": design.df,
         "weight": design.weight,
@@ -112,6 +113,9 @@ def design_columns(design: Any) -> dict[str, Any]:
         "replicate_weights": list(design.replicate_weights),
         "method": design.method,
         "rho": design.rho,
+        # the replicates' factors c_r (the declared scale and bootstrap convention applied)
+        "rscales": None if design.rscales is None else list(design.rscales),
+        "mse": design.mse,
     }
 
 
