@@ -235,7 +235,9 @@ def test_preload_freezes_what_its_imports_made_once_per_process(tmp_path, monkey
         frozen = gc.get_freeze_count()
         later = [[1]]  # made after the first preload: not frozen by a second one
         env.preload(()).join(30)
-        assert gc.get_freeze_count() == frozen
+        # nothing frozen again (the count may fall: a frozen object freed meanwhile by a
+        # thread of this worker; it failed with == under load, 695,418 -> 695,399)
+        assert gc.get_freeze_count() <= frozen
         assert any(o is later for o in gc.get_objects())
     finally:
         gc.unfreeze()
