@@ -288,7 +288,7 @@ def test_file_size_limit_exits_3_in_one_line(tmp_path):
 
     path = write_demo_spec(tmp_path / "demo", n_persons=1500)
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
-    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "15"  # its database cannot grow
+    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "5"  # its database cannot grow
 
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
