@@ -22,7 +22,7 @@ from sdl_design.public_summary import (
 )
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stages import assessment_of, described
-from sdl_design.survey.design import SurveyDesign
+from sdl_design.survey.design import UNIT_WEIGHT, SurveyDesign
 
 if TYPE_CHECKING:
     from sdl_design.stage import StageResult
@@ -375,6 +375,14 @@ def _variance_section(
     strata or PSUs), replicate-weight recipes (with replicates), else the independent-records
     warning. ex: the variable the recipes estimate."""
     L = [f"Every estimate must use the weight `{w}`."]
+    if w == UNIT_WEIGHT:  # an unweighted original file (design: {weight: null})
+        L += [
+            "",
+            f"The original file carries no weights (an equal-probability sample): `{w}` is "
+            "each record's weight of 1 in it, as the treatments described here left it; "
+            "estimates are then sample means and shares, and totals count the sample, not a "
+            "population.",
+        ]
     if strata or psu:
         L += _taylor_recipes(w, strata, psu, ex)
     if reps:

@@ -293,3 +293,29 @@ def test_pseudo_design_stage_described_instead_of_the_swap(demo):
     assert "strata = ~stratum" in text and "ids = ~psu" in text
     assert "built by the pseudo_design stage" in text
     assert np.array_equal(_rep_vector(text), _rep_vector(demo[3]))
+
+
+def test_readme_of_an_unweighted_file_says_so():
+    """An unweighted original file (design: {weight: null}): the public README's variance
+    section names its weight of ones and says what estimates then are; a weighted file's
+    README does not."""
+    from sdl_design.io import unit_weight
+
+    data = yaml.safe_load(default_spec_text())
+    for name in ("swap", "prb", "massc"):
+        data["stages"][name]["enabled"] = False
+    data["design"] = {"weight": None, "strata": "stratum", "psu": "psu"}
+    spec = ReleaseSpec.model_validate(data)
+    survey = make_survey(n_persons=3000)
+    survey = unit_weight(
+        survey.drop(columns=[c for c in survey if c == "wt" or c.startswith("rw_")]), spec
+    )
+    results = run_stages(spec, survey)
+    masked = any(r.masks_design for r in results)
+    puf = public_frame(results[-1].data, spec, masked, [c for r in results for c in r.drop_public])
+    readme = str(variance_notes(spec, results, puf))
+    assert "Every estimate must use the weight `unit_weight`." in readme
+    assert "The original file carries no weights (an equal-probability sample)" in readme
+    assert (puf["unit_weight"] == 1.0).all()
+    weighted = _release(disable=("swap", "prb", "massc"))
+    assert "carries no weights" not in str(variance_notes(*weighted))
