@@ -70,7 +70,7 @@ def _ours(d: SurveyDesign, estimator: str) -> pd.DataFrame:
     return out
 
 
-def _compare(d: SurveyDesign, rows: pd.DataFrame) -> None:
+def _assert_equal_r(d: SurveyDesign, rows: pd.DataFrame) -> None:
     assert len(rows) > 0
     for estimator, want in rows.groupby("estimator"):
         got = _ours(d, estimator).loc[want["variable"]]
@@ -83,7 +83,7 @@ def _compare(d: SurveyDesign, rows: pd.DataFrame) -> None:
 def test_replicate_designs_equal_r(case, mse, expected):
     name, kw = CASES[case]
     d = SurveyDesign(_data(name), "pw", mse=mse, **kw)
-    _compare(d, expected[expected["case"] == f"{case}_{'mse' if mse else 'mean'}"])
+    _assert_equal_r(d, expected[expected["case"] == f"{case}_{'mse' if mse else 'mean'}"])
 
 
 @pytest.mark.parametrize("mse", [True, False], ids=["mse", "mean"])
@@ -93,7 +93,7 @@ def test_jkn_without_strata_with_rscales_equals_r(mse, expected):
         _data("apistrat"), "pw", replicate_weights="jkn_*", method="jkn",
         rscales=_jkn_rscales(), mse=mse,
     )  # fmt: skip
-    _compare(d, expected[expected["case"] == f"jkn_strat_{'mse' if mse else 'mean'}"])
+    _assert_equal_r(d, expected[expected["case"] == f"jkn_strat_{'mse' if mse else 'mean'}"])
     # the rscales derived from the declared strata are R's
     derived = SurveyDesign(_data("apistrat"), "pw", **CASES["jkn_strat"][1]).rscales
     np.testing.assert_allclose(derived, _jkn_rscales(), rtol=1e-15)
@@ -118,7 +118,7 @@ def test_one_stratum_jkn_keeps_its_scale(expected):
     for mse, tag in ((True, "mse"), (False, "mean")):
         d = SurveyDesign(df, "pw", psu="dnum", replicate_weights="jk1_*", method="jkn", mse=mse)
         np.testing.assert_allclose(d.rscales, np.full(15, 14 / 15), rtol=1e-15)
-        _compare(d, expected[expected["case"] == f"jk1_clus1_{tag}"])
+        _assert_equal_r(d, expected[expected["case"] == f"jk1_clus1_{tag}"])
 
 
 def test_bootstrap_scales_by_convention():
@@ -205,19 +205,19 @@ def test_spec_replicate_section_equals_r(mse, expected):
         },
     )  # fmt: skip
     d = SurveyDesign.from_spec(_data("apistrat"), section)
-    _compare(d, expected[expected["case"] == f"cd_strat_{'mse' if mse else 'mean'}"])
+    _assert_equal_r(d, expected[expected["case"] == f"cd_strat_{'mse' if mse else 'mean'}"])
     jkn = DesignSection(
         weight="pw",
         replicate_weights={"columns": "jkn_*", "method": "jkn", "rscales": _jkn_rscales().tolist()},
     )
     d = SurveyDesign.from_spec(_data("apistrat"), jkn)
-    _compare(d, expected[expected["case"] == "jkn_strat_mse"])
+    _assert_equal_r(d, expected[expected["case"] == "jkn_strat_mse"])
     scaled = DesignSection(
         weight="pw",
         replicate_weights={"columns": "cd_*", "method": "bootstrap", "scale": 0.03, "mse": mse},
     )
     d = SurveyDesign.from_spec(_data("apistrat"), scaled)
-    _compare(d, expected[expected["case"] == f"boot_scale_{'mse' if mse else 'mean'}"])
+    _assert_equal_r(d, expected[expected["case"] == f"boot_scale_{'mse' if mse else 'mean'}"])
 
 
 def test_spec_replicate_section_defaults_and_checks():

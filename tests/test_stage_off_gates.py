@@ -76,8 +76,10 @@ def test_delta_max_without_massc_or_sensitive_variable_is_refused(massc, said):
 def test_gates_measured_on_the_published_file_stay_valid_with_their_stage_off():
     """gates.xi with PRB off and gates.delta_max with MASSC off (sensitive variables declared)
     are gates on the published file: the spec stays valid."""
-    parse_spec(_mini(**{"stages.prb.enabled": False}))
-    parse_spec(_mini(**{"stages.massc": {"enabled": False}}))
+    no_prb = parse_spec(_mini(**{"stages.prb.enabled": False}))
+    assert no_prb.stages.active("prb") is None and no_prb.gates.xi is not None
+    no_massc = parse_spec(_mini(**{"stages.massc": {"enabled": False}}))
+    assert no_massc.stages.active("massc") is None and no_massc.gates.delta_max is not None
 
 
 def test_cli_refuses_the_nmihs_spec_in_words(tmp_path, capsys):

@@ -13,7 +13,7 @@ import scipy.linalg
 import scipy.sparse as sp
 
 from sdl_design.survey.design_base import DesignError, take_rows
-from sdl_design.survey.quantiles import QRule, Quantiles
+from sdl_design.survey.quantiles import Quantiles
 
 ReplicateMethod = Literal["brr", "fay", "jk1", "jkn", "sdr", "bootstrap"]
 METHODS = ("brr", "fay", "jk1", "jkn", "sdr", "bootstrap")
@@ -1328,29 +1328,6 @@ class SurveyDesign(Quantiles):
             )
         out.index = idx
         return out
-
-    def quantile(
-        self,
-        cols: str | Sequence[str],
-        probs: float | Sequence[float],
-        by: str | None = None,
-        variance: Literal["taylor", "replicate"] | None = None,
-        alpha: float = 0.05,
-        qrule: QRule = "math",
-        *,
-        interval: Literal["woodruff", "quantile"] = "woodruff",
-        df: float | None = None,
-    ) -> pd.DataFrame:
-        """Quantiles (Quantiles.quantile, R's svyquantile); their replicate SEs centre on the
-        full-sample estimate, so a design with mse=False refuses replicate variance here."""
-        if not self.mse and self._variance_kind(variance) == "replicate":
-            raise DesignError(
-                "quantile: replicate SEs of quantiles centre on the full-sample estimate "
-                "(mse=True); this design has mse=False: use mse=True or variance='taylor'"
-            )
-        return super().quantile(
-            cols, probs, by, variance, alpha, qrule, interval=interval, df=df
-        )  # fmt: skip
 
     def linearized_scores(
         self, cols: str | Sequence[str], estimator: Literal["total", "mean"] = "mean"

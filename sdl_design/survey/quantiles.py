@@ -295,6 +295,11 @@ def _check(
         raise sdd.DesignError(f"quantile: variance must be 'taylor' or 'replicate', not {kind!r}")
     if kind == "replicate" and not design.replicate_weights:
         raise sdd.DesignError("quantile: variance='replicate' needs replicate weights")
+    if kind == "replicate" and not getattr(design, "mse", True):
+        raise sdd.DesignError(
+            "quantile: replicate SEs of quantiles centre on the full-sample estimate "
+            "(mse=True); this design has mse=False: use mse=True or variance='taylor'"
+        )
     if qrule not in QRULES:
         raise sdd.DesignError(f"quantile: qrule must be one of {QRULES}, not {qrule!r}")
     if interval not in ("woodruff", "quantile"):
