@@ -389,23 +389,7 @@ def survey_quantile(
 
 
 class Quantiles:
-    """SurveyDesign.quantile (a mixin: this module sits below sdl_design.survey.design)."""
+    """SurveyDesign.quantile (a mixin: this module sits below sdl_design.survey.design):
+    survey_quantile with the design as its first argument."""
 
-    def quantile(
-        self,
-        cols: str | Sequence[str],
-        probs: float | Sequence[float],
-        by: str | None = None,
-        variance: Literal["taylor", "replicate"] | None = None,
-        alpha: float = 0.05,
-        qrule: QRule = "math",
-        *,
-        interval: Literal["woodruff", "quantile"] = "woodruff",
-        df: float | None = None,
-    ) -> pd.DataFrame:
-        """Quantiles of cols at probs (by domain) with Woodruff intervals, as R's svyquantile
-        (survey_quantile)."""
-        return survey_quantile(
-            self,  # type: ignore[arg-type]
-            cols, probs, by, variance, alpha, qrule, interval=interval, df=df,
-        )  # fmt: skip
+    quantile = survey_quantile
