@@ -1,10 +1,14 @@
-"""Survey-weighted GLMs: a formula parser for `y ~ a + C(b) + c`, IRLS, design-based SEs.
+"""Survey-weighted GLMs: a formula parser for `y ~ a + C(b) + c + a:c + b*c`, IRLS,
+design-based SEs.
 
 The fit is R survey's svyglm: maximum (pseudo-)likelihood with the design weight as prior
-weight (binomial is quasibinomial there; the coefficients are the same), the Taylor variance
+weight (gaussian identity, binomial and quasibinomial logit, poisson log; binomial is
+quasibinomial there: the coefficients and the sandwich are the same), the Taylor variance
 A^-1 B A^-1 with A the weighted Fisher information and B the design covariance of the score
 totals (svy.varcoef: svyrecvar of model.matrix * working residual * working weight), and the
 replicate variance of refits with each replicate weight, centred on the full-sample fit.
+Fits that do not converge or whose coefficients diverge (separation) are said in
+GLMFit.warnings, as R's glm.fit warns.
 """
 
 from __future__ import annotations
@@ -12,23 +16,30 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import combinations
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 from scipy.linalg import solve_triangular
+from scipy.special import expit
 
 from sdl_design.survey.design import dense_codes, distinct_rows, group_indicator
 
 if TYPE_CHECKING:
     from sdl_design.survey.design import SurveyDesign
 
-Family = Literal["gaussian", "binomial"]
-FAMILIES = ("gaussian", "binomial")
+Family = Literal["gaussian", "binomial", "quasibinomial", "poisson"]
+FAMILIES = ("gaussian", "binomial", "quasibinomial", "poisson")
+LOGIT = ("binomial", "quasibinomial")
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_.]*"
-_TERM = re.compile(rf"^(?:C\(\s*({_NAME})\s*\)|({_NAME}))$")
+_VAR = re.compile(rf"^(?:C\(\s*({_NAME})\s*\)|({_NAME}))$")
+_HINT = (
+    "write 'y ~ a + C(b) + c' (C(b) for a categorical term), 'a:b' for an interaction and "
+    "'a*b' for a + b + a:b"
+)
 
 
 class FormulaError(ValueError):
@@ -37,92 +48,155 @@ class FormulaError(ValueError):
 
 @dataclass(frozen=True)
 class Term:
-    name: str
-    categorical: bool  # written C(name); a non-numeric column is categorical either way
+    """A main effect (one variable) or an interaction (the product of several), its
+    variables in their order of first appearance in the formula (R's)."""
+
+    variables: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return ":".join(self.variables)
 
 
 @dataclass(frozen=True)
 class Formula:
     response: str
-    terms: tuple[Term, ...]
+    terms: tuple[Term, ...]  # R's order: by degree, then as written
     text: str = ""
+    categorical: frozenset[str] = frozenset()  # the variables written C(name)
 
     @property
     def variables(self) -> list[str]:
-        return [self.response, *(t.name for t in self.terms)]
+        """The response, then the terms' variables in order of first appearance."""
+        return list(dict.fromkeys([self.response, *(v for t in self.terms for v in t.variables)]))
+
+
+def _product(text: str, op: str, marked: set[str]) -> list[str]:
+    """The variables of 'a:C(b)' (C() marks a categorical variable in `marked`)."""
+    out = []
+    for part in (x.strip() for x in op.split(":")):
+        m = _VAR.match(part)
+        if not m:
+            raise FormulaError(f"formula {text!r}: cannot read the term {part!r}; {_HINT}")
+        name = m.group(1) or m.group(2)
+        if m.group(1):
+            marked.add(name)
+        if name in out:
+            raise FormulaError(f"formula {text!r}: {name!r} twice in the term {op.strip()!r}")
+        out.append(name)
+    return out
 
 
 def parse_formula(text: str) -> Formula:
-    """'y ~ a + C(b) + c' -> Formula: main effects only, an intercept always."""
-    hint = "write 'y ~ a + C(b) + c' (main effects; C(b) for a categorical term)"
+    """'y ~ a + C(b) + c' -> Formula, an intercept always; 'a:b' is the interaction (product)
+    of a and b, 'a*b' is a + b + a:b (a*b*c every product of a, b and c). Terms are ordered
+    as R's: by degree, then as written; a term that a '*' repeats is kept once."""
     if text.count("~") != 1:
-        raise FormulaError(f"formula {text!r}: needs exactly one '~'; {hint}")
+        raise FormulaError(f"formula {text!r}: needs exactly one '~'; {_HINT}")
     lhs, rhs = (s.strip() for s in text.split("~"))
     if not re.fullmatch(_NAME, lhs):
-        raise FormulaError(f"formula {text!r}: the response {lhs!r} is not a column name; {hint}")
-    terms: list[Term] = []
+        raise FormulaError(f"formula {text!r}: the response {lhs!r} is not a column name; {_HINT}")
+    marked: set[str] = set()
+    written: list[tuple[frozenset, int]] = []
+    found: list[list[str]] = []
     for part in (p.strip() for p in rhs.split("+")):
         if part == "1":
             continue
-        m = _TERM.match(part)
-        if not m:
-            raise FormulaError(f"formula {text!r}: cannot read the term {part!r}; {hint}")
-        name = m.group(1) or m.group(2)
-        if name in (t.name for t in terms):
-            raise FormulaError(f"formula {text!r}: term {name!r} appears twice")
-        terms.append(Term(name, categorical=m.group(1) is not None))
-    return Formula(lhs, tuple(terms), text)
+        ops = [_product(text, op, marked) for op in part.split("*")]
+        key = frozenset(frozenset(op) for op in ops), len(ops)
+        if key in written:
+            raise FormulaError(f"formula {text!r}: term {part!r} appears twice")
+        written.append(key)
+        for k in range(1, len(ops) + 1):  # a*b: a, b, a:b (R's expansion)
+            for combo in combinations(ops, k):
+                found.append(list(dict.fromkeys(v for op in combo for v in op)))
+    order = {v: i for i, v in enumerate(dict.fromkeys(v for t in found for v in t))}
+    if lhs in order:
+        raise FormulaError(f"formula {text!r}: the response {lhs!r} is also a term")
+    terms = list({frozenset(t): Term(tuple(sorted(t, key=order.get))) for t in found}.values())
+    terms.sort(key=lambda t: len(t.variables))  # stable: by degree, then as written
+    return Formula(lhs, tuple(terms), text, frozenset(marked))
 
 
-def _is_categorical(term: Term, s: pd.Series) -> bool:
+def _is_categorical(formula: Formula, v: str, s: pd.Series) -> bool:
     return (
-        term.categorical
+        v in formula.categorical
         or isinstance(s.dtype, pd.CategoricalDtype)
         or not (pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s))
     )
 
 
 def term_levels(formula: Formula, frames: Sequence[pd.DataFrame]) -> dict[str, list]:
-    """Ordered levels of every categorical term over all frames: a Categorical's own category
-    order (e.g. age bins), else sorted values; the first level is the reference."""
+    """Ordered levels of every categorical variable of the terms over all frames: a
+    Categorical's own category order (e.g. age bins), else sorted values; the first level is
+    the reference."""
     out: dict[str, list] = {}
-    for t in formula.terms:
-        cols = [f[t.name] for f in frames]
-        if not _is_categorical(t, cols[0]):
+    for v in formula.variables[1:]:
+        cols = [f[v] for f in frames]
+        if not _is_categorical(formula, v, cols[0]):
             continue
         seen = pd.unique(pd.concat([c.dropna().astype(object) for c in cols]))
         if isinstance(cols[0].dtype, pd.CategoricalDtype):
             present = set(seen)
-            out[t.name] = [v for v in cols[0].cat.categories if v in present]
+            out[v] = [x for x in cols[0].cat.categories if x in present]
         else:
-            out[t.name] = sorted(seen, key=lambda v: (isinstance(v, str), v))
+            out[v] = sorted(seen, key=lambda x: (isinstance(x, str), x))
+    return out
+
+
+def contrast_coded(formula: Formula) -> list[tuple[bool, ...]]:
+    """For each term and each of its variables, whether a categorical one is coded by
+    treatment contrasts (True: its first level dropped) or by an indicator of every level
+    (False): R's rule (model.matrix, TermCode) - contrasts when the term without that variable
+    is empty (a main effect, with the intercept) or lies within an earlier term."""
+    out = []
+    for i, t in enumerate(formula.terms):
+        before = [set(u.variables) for u in formula.terms[:i]]
+        out.append(
+            tuple(
+                len(t.variables) == 1 or any(set(t.variables) - {v} <= b for b in before)
+                for v in t.variables
+            )
+        )
     return out
 
 
 def design_matrix(
     df: pd.DataFrame, formula: Formula, levels: dict[str, list]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
-    """X (n x p: intercept, treatment dummies 'b[T.level]' against the first level, numeric
-    terms as is), y, the complete-case mask and the column names. Rows with a missing value
-    in y or a term (or a level outside `levels`) are zero in X and y and False in the mask."""
+    """X (n x p), y, the complete-case mask and the column names, as R's model.matrix: the
+    intercept, then each term's columns - a categorical variable's treatment dummies
+    'b[T.level]' against its first level (or, where R's rule codes it by indicators, 'b[level]'
+    for every level), a numeric one as is; an interaction's columns the products, its first
+    variable varying fastest ('a[T.2]:b[T.m]', 'a[T.2]:x'). Rows with a missing value in y or
+    a variable (or a level outside `levels`) are zero in X and y and False in the mask."""
     n = len(df)
     y = pd.to_numeric(df[formula.response], errors="coerce").to_numpy(dtype=float)
     ok = np.isfinite(y)
-    cols, names = [np.ones(n)], ["Intercept"]
-    for t in formula.terms:
-        s = df[t.name]
-        if t.name in levels:
-            lv = levels[t.name]
-            codes = pd.Categorical(s.astype(object), categories=lv).codes
-            ok &= codes >= 0
-            for j, level in enumerate(lv[1:], start=1):
-                cols.append((codes == j).astype(float))
-                names.append(f"{t.name}[T.{level}]")
+    values: dict[str, np.ndarray] = {}
+    for v in formula.variables[1:]:
+        if v in levels:
+            values[v] = pd.Categorical(df[v].astype(object), categories=levels[v]).codes
+            ok &= values[v] >= 0
         else:
-            x = pd.to_numeric(s, errors="coerce").to_numpy(dtype=float)
-            ok &= np.isfinite(x)
-            cols.append(x)
-            names.append(t.name)
+            values[v] = pd.to_numeric(df[v], errors="coerce").to_numpy(dtype=float)
+            ok &= np.isfinite(values[v])
+    cols, names = [np.ones(n)], ["Intercept"]
+    for t, coded in zip(formula.terms, contrast_coded(formula), strict=True):
+        tcols, tnames = [np.ones(n)], [""]
+        for v, contrast in zip(t.variables, coded, strict=True):
+            if v in levels:
+                first = 1 if contrast else 0
+                fac = [(values[v] == j).astype(float) for j in range(first, len(levels[v]))]
+                tag = "T." if contrast else ""
+                fnames = [f"{v}[{tag}{lv}]" for lv in levels[v][first:]]
+            else:
+                fac, fnames = [values[v]], [v]
+            # the first variable varies fastest
+            tcols = [c * f for f in fac for c in tcols]
+            tnames = [f"{a}:{b}" if a else b for b in fnames for a in tnames]
+        cols += tcols
+        names += tnames
     X = np.column_stack(cols)
     X[~ok] = 0.0
     y = np.where(ok, y, 0.0)
@@ -162,6 +236,103 @@ def _binomial_deviance(y: np.ndarray, mu: np.ndarray, w: np.ndarray) -> np.ndarr
     return -2.0 * (w * ll).sum(axis=0)
 
 
+def _poisson_deviance(y: np.ndarray, mu: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """2 sum w (y log(y / mu) - (y - mu)) per column of mu and w (y a vector)."""
+    yy = y.reshape(-1, *([1] * (mu.ndim - 1)))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        ll = np.where(yy > 0, yy * (np.log(np.where(yy > 0, yy, 1.0)) - np.log(mu)), 0.0)
+        return 2.0 * (w * (ll - (yy - mu))).sum(axis=0)
+
+
+def _check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, not {family!r}")
+
+
+def _fitted(eta: np.ndarray, family: str) -> np.ndarray:
+    """The mean at the linear predictor: the inverse link (logit, log or identity)."""
+    if family in LOGIT:
+        return _logistic(eta)
+    if family == "poisson":
+        with np.errstate(over="ignore"):
+            return np.exp(eta)
+    return eta
+
+
+def _variance(mu: np.ndarray, family: str) -> np.ndarray:
+    """The variance function (the IRLS weight per unit prior weight of a canonical link)."""
+    if family in LOGIT:
+        return mu * (1.0 - mu)
+    return mu if family == "poisson" else np.ones_like(mu)
+
+
+def _deviance(y: np.ndarray, mu: np.ndarray, w: np.ndarray, family: str) -> np.ndarray:
+    if family in LOGIT:
+        return _binomial_deviance(y, mu, w)
+    return _poisson_deviance(y, mu, w)
+
+
+def irls_terms(eta: np.ndarray, y: np.ndarray, family: str) -> tuple[np.ndarray, np.ndarray]:
+    """The IRLS weight per unit prior weight v(mu) and the residual y - mu at the linear
+    predictor eta (rows of y, any columns), to the last bits at any eta: a logit's mu and
+    1 - mu each as expit, so a separating fit's small probabilities keep their digits."""
+    yy = y.reshape(-1, *([1] * (eta.ndim - 1)))
+    if family in LOGIT:
+        p, q = expit(eta), expit(-eta)  # mu, 1 - mu
+        return p * q, yy * q - (1.0 - yy) * p
+    if family == "poisson":
+        with np.errstate(over="ignore"):
+            mu = np.exp(eta)
+        return mu, yy - mu
+    return np.ones_like(eta), yy - eta
+
+
+def deviance(eta: np.ndarray, y: np.ndarray, w: np.ndarray, family: str) -> np.ndarray:
+    """The deviance at eta per column (rows of zero weight add nothing, whatever their fit):
+    logit -2 sum w (y log mu + (1 - y) log(1 - mu)), poisson 2 sum w (y log(y / mu) - (y - mu)),
+    gaussian sum w (y - mu)^2."""
+    yy = y.reshape(-1, *([1] * (eta.ndim - 1)))
+    with np.errstate(over="ignore", invalid="ignore"):
+        if family in LOGIT:  # log mu = -log(1 + e^-eta), log(1 - mu) = -log(1 + e^eta)
+            ll = -2.0 * (
+                np.where(yy > 0, -yy * np.logaddexp(0.0, -eta), 0.0)
+                + np.where(yy < 1, -(1.0 - yy) * np.logaddexp(0.0, eta), 0.0)
+            )
+        elif family == "poisson":
+            ylogy = np.where(yy > 0, yy * np.log(np.where(yy > 0, yy, 1.0)), 0.0)
+            ll = 2.0 * (ylogy - yy * eta - yy + np.exp(eta))
+        else:
+            ll = (yy - eta) ** 2
+        return np.where(w > 0, w * ll, 0.0).sum(axis=0)
+
+
+# R's glm.fit warns of fitted values numerically at the boundary: a probability within 10 eps
+# of 0 or 1 (its logit link clamps |eta| > 30 to eps) or a rate below 10 eps
+LOGIT_MAX_ETA = 30.0
+LOG_MIN_ETA = float(np.log(10 * np.finfo(float).eps))
+
+
+def at_boundary(eta: np.ndarray, family: str) -> np.ndarray:
+    """Whether a fitted value (in each column of eta, over its rows) is numerically at the
+    boundary, as R's glm.fit judges it: 'fitted probabilities numerically 0 or 1' (logit:
+    |eta| > 30), 'fitted rates numerically 0' (log: eta < log(10 eps))."""
+    with np.errstate(invalid="ignore"):
+        if family in LOGIT:
+            return (np.abs(eta) > LOGIT_MAX_ETA).any(axis=0)
+        if family == "poisson":
+            return (eta < LOG_MIN_ETA).any(axis=0)
+    return np.zeros(eta.shape[1:], dtype=bool)
+
+
+def _start(X: np.ndarray | sp.spmatrix, y: np.ndarray, w: np.ndarray, family: str) -> np.ndarray:
+    """Starting coefficients: 0 (logit), else R's first IRLS step from mu = y + 0.1 (poisson)."""
+    if family != "poisson":
+        return np.zeros(X.shape[1])
+    mu = y + 0.1
+    z = np.log(mu) + (y - mu) / mu
+    return np.linalg.solve(weighted_gram(X, w * mu), X.T @ (w * mu * z))
+
+
 def weighted_gram(X: np.ndarray | sp.spmatrix, v: np.ndarray) -> np.ndarray:
     """X' diag(v) X; a sparse X with few columns goes densely a block of rows at a time (a
     p x p result: no scaled copy of X, no sparse product's temporaries)."""
@@ -189,24 +360,25 @@ def irls(
     max_iter: int = 100,
 ) -> tuple[np.ndarray, np.ndarray, bool, int]:
     """Weighted maximum likelihood (X dense or scipy sparse): beta, mu, converged, iterations.
-    Gaussian identity: one weighted least-squares solve. Binomial logit: Newton steps (IRLS)
-    from start (default 0), halved while the deviance rises, until its relative change
-    |dev - dev_old| / (|dev| + 0.1) is below tol (R's glm criterion)."""
+    Gaussian identity: one weighted least-squares solve. Binomial and quasibinomial logit,
+    poisson log: Newton steps (IRLS) from start (default: _start), halved while the deviance
+    rises, until its relative change |dev - dev_old| / (|dev| + 0.1) is below tol (R's glm
+    criterion)."""
     if family == "gaussian":
         beta = np.linalg.solve(weighted_gram(X, w), X.T @ (w * y))
         return beta, X @ beta, True, 1
-    if family != "binomial":
-        raise ValueError(f"family must be one of {FAMILIES}, not {family!r}")
-    beta = np.zeros(X.shape[1]) if start is None else np.asarray(start, dtype=float)
-    mu = _logistic(X @ beta)
-    dev = float(_binomial_deviance(y, mu, w))
+    _check_family(family)
+    beta = _start(X, y, w, family) if start is None else np.asarray(start, dtype=float)
+    mu = _fitted(X @ beta, family)
+    dev = float(_deviance(y, mu, w, family))
     for it in range(1, max_iter + 1):
-        step = np.linalg.solve(weighted_gram(X, w * mu * (1.0 - mu)), X.T @ (w * (y - mu)))
+        H = weighted_gram(X, w * _variance(mu, family))
+        step = np.linalg.solve(H, X.T @ (w * (y - mu)))
         t = 1.0
         for _ in range(30):
             b_new = beta + t * step
-            mu_new = _logistic(X @ b_new)
-            dev_new = float(_binomial_deviance(y, mu_new, w))
+            mu_new = _fitted(X @ b_new, family)
+            dev_new = float(_deviance(y, mu_new, w, family))
             if dev_new <= dev * (1 + 1e-12) + 1e-12:
                 break
             t /= 2.0
@@ -249,6 +421,99 @@ def _solve_many(H: np.ndarray, g: np.ndarray) -> np.ndarray:
         return out
 
 
+# the outcome of a fit (GLMFit.status, replicate_status)
+STATUS = ("converged", "boundary", "separated", "not converged", "failed")
+# a converged Newton step moves no linear predictor more than this; a diverging fit's steps
+# (separation) move some by ~1 each
+STEP_TOL = 1e-3
+
+
+def irls_columns(
+    X: np.ndarray,
+    y: np.ndarray,
+    W: np.ndarray,
+    family: Family,
+    start: np.ndarray,
+    tol: float = 1e-12,
+    max_iter: int = 100,
+) -> tuple[np.ndarray, np.ndarray]:
+    """irls for every weight column of W (m x R) at once, from start (p, or R x p): R x p
+    coefficients (NaN where a column of X has no weight, R's NA, or the system is singular)
+    and each column's STATUS code. A column stops when the deviance criterion has held on two
+    steps (the second, Newton's quadratic step, takes the coefficients to the last bits) and
+    the last moved no linear predictor of a weighted row by STEP_TOL: converged, or boundary
+    when a fitted value is numerically at its bound (at_boundary, R's warning). Steps that go
+    on moving once the deviance has settled are coefficients diverging (separation: the
+    maximum likelihood estimate does not exist): the column stops as separated when a fitted
+    value reaches its bound. Not converged after max_iter steps; failed on NaN (singular)."""
+    R = W.shape[1]
+    B = np.broadcast_to(np.asarray(start, dtype=float), (R, X.shape[1])).copy()
+    dead = ((W.T @ (X * X)) <= 0).any(axis=1)  # a term with no weight in that column
+    W = np.where(dead[None, :], 0.0, W)
+    state = np.full(R, STATUS.index("not converged"))
+    if family == "gaussian":
+        H = _grams(X, W)
+        H[dead] = np.eye(X.shape[1])
+        B = _solve_many(H, (X.T @ (W * y[:, None])).T)
+        state[:] = STATUS.index("converged")
+    else:
+        _check_family(family)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            _newton_columns(X, y, W, family, B, dead, state, tol, max_iter)
+    state[~np.isfinite(B).all(axis=1) & ~dead] = STATUS.index("failed")
+    B[dead] = np.nan
+    return B, state
+
+
+def _newton_columns(
+    X: np.ndarray,
+    y: np.ndarray,
+    W: np.ndarray,
+    family: str,
+    B: np.ndarray,
+    dead: np.ndarray,
+    state: np.ndarray,
+    tol: float,
+    max_iter: int,
+) -> None:
+    """irls_columns' Newton steps, halved while a column's deviance rises (B, state in place)."""
+    eta = X @ B.T
+    dev = deviance(eta, y, W, family)
+    live = np.ones(len(B), dtype=bool)
+    met = np.zeros(len(B), dtype=bool)
+    for _ in range(max_iter):
+        a = np.flatnonzero(live)
+        Wa = W[:, a]
+        v, r = irls_terms(eta[:, a], y, family)
+        H = _grams(X, Wa * v)
+        H[dead[a]] = np.eye(X.shape[1])
+        step = _solve_many(H, (X.T @ (Wa * r)).T)
+        t = np.ones(len(a))
+        for _ in range(30):
+            b_new = B[a] + t[:, None] * step
+            eta_new = X @ b_new.T
+            dev_new = deviance(eta_new, y, Wa, family)
+            worse = ~(dev_new <= dev[a] * (1 + 1e-12) + 1e-12)  # (NaN: worse)
+            if not worse.any():
+                break
+            t[worse] /= 2.0
+        moved = np.where(Wa > 0, np.abs(eta_new - eta[:, a]), 0.0).max(axis=0)
+        done = np.abs(dev[a] - dev_new) / (np.abs(dev_new) + 0.1) < tol
+        B[a], eta[:, a], dev[a] = b_new, eta_new, dev_new
+        settled = done & met[a]
+        converged = settled & (moved < STEP_TOL)
+        separated = settled & ~converged & at_boundary(eta_new, family)
+        state[a[converged]] = STATUS.index("converged")
+        state[a[separated]] = STATUS.index("separated")
+        # a NaN refit (singular) stays NaN: no more steps for it
+        live[a[converged | separated | ~np.isfinite(b_new).all(axis=1)]] = False
+        met[a] = done
+        if not live.any():
+            break
+    at = np.flatnonzero(state == STATUS.index("converged"))
+    state[at[at_boundary(eta[:, at], family)]] = STATUS.index("boundary")
+
+
 def irls_many(
     X: np.ndarray,
     y: np.ndarray,
@@ -260,56 +525,16 @@ def irls_many(
 ) -> np.ndarray:
     """irls for every weight column of W (m x R) at once (e.g. refits with each replicate
     weight): R x p coefficients; NaN where a column of X has no weight (R's NA) or the
-    system is singular."""
-    R = W.shape[1]
-    B = np.tile(np.asarray(start, dtype=float), (R, 1))
-    dead = ((W.T @ (X * X)) <= 0).any(axis=1)  # a term with no weight in that column
-    W = np.where(dead[None, :], 0.0, W)
-    if family == "gaussian":
-        H = _grams(X, W)
-        H[dead] = np.eye(X.shape[1])
-        B = _solve_many(H, (X.T @ (W * y[:, None])).T)
-    else:
-        # a refit that diverges (a separated term in one replicate) goes to NaN, as a singular
-        # one does: said by its NaN coefficients, not by warnings
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            mu = _logistic(X @ B.T)
-            dev = _binomial_deviance(y, mu, W)
-            # each column stops at its own convergence, as irls, after one more Newton step:
-            # the deviance criterion leaves the coefficients ~sqrt(tol) from the optimum, and
-            # the step (quadratic convergence) takes them to the last bits
-            live = np.ones(R, dtype=bool)
-            met = np.zeros(R, dtype=bool)
-            for _ in range(max_iter):
-                a = np.flatnonzero(live)
-                Wa, mua = W[:, a], mu[:, a]
-                H = _grams(X, Wa * mua * (1.0 - mua))
-                H[dead[a]] = np.eye(X.shape[1])
-                step = _solve_many(H, (X.T @ (Wa * (y[:, None] - mua))).T)
-                t = np.ones(len(a))
-                for _ in range(30):
-                    b_new = B[a] + t[:, None] * step
-                    mu_new = _logistic(X @ b_new.T)
-                    dev_new = _binomial_deviance(y, mu_new, Wa)
-                    worse = dev_new > dev[a] * (1 + 1e-12) + 1e-12
-                    if not worse.any():
-                        break
-                    t[worse] /= 2.0
-                done = np.abs(dev[a] - dev_new) / (np.abs(dev_new) + 0.1) < tol
-                B[a], mu[:, a], dev[a] = b_new, mu_new, dev_new
-                # a diverged refit (NaN coefficients) stays NaN: no more steps for it
-                live[a[(done & met[a]) | ~np.isfinite(b_new).all(axis=1)]] = False
-                met[a] = done
-                if not live.any():
-                    break
-    B[dead] = np.nan
-    return B
+    system is singular (irls_columns, without the columns' status)."""
+    return irls_columns(X, y, W, family, start, tol, max_iter)[0]
 
 
 @dataclass
 class GLMFit:
     """A survey-weighted GLM on one file: coefficients (NaN where aliased) with Taylor and
-    replicate SEs (NaN without replicate weights)."""
+    replicate SEs (NaN without replicate weights); status (STATUS) of the full-sample fit and
+    of each replicate refit, and warnings saying which fits did not converge or diverged
+    (their SEs are not meaningful; R's glm.fit warns of them)."""
 
     names: list[str]
     coef: np.ndarray
@@ -319,6 +544,9 @@ class GLMFit:
     converged: bool
     n_used: int
     replicate_coef: np.ndarray | None = field(default=None, repr=False)  # R x p
+    status: str = "converged"
+    replicate_status: np.ndarray | None = field(default=None, repr=False)  # R STATUS names
+    warnings: list[str] = field(default_factory=list)
 
     def frame(self) -> pd.DataFrame:
         return pd.DataFrame(
@@ -400,35 +628,116 @@ def combine_cells(parts: Sequence[GLMCells]) -> GLMCells:
     )
 
 
+def _check_response(y: np.ndarray, family: str) -> None:
+    _check_family(family)
+    if family in LOGIT and ((y < 0) | (y > 1)).any():
+        raise ValueError(f"{family} family: the response must lie in [0, 1] (a 0/1 variable)")
+    if family == "poisson" and (y < 0).any():
+        raise ValueError("poisson family: the response must be >= 0 (a count)")
+
+
+def _taylor_vcov(
+    cells: GLMCells,
+    Xg: np.ndarray,
+    yg: np.ndarray,
+    wg: np.ndarray,
+    beta: np.ndarray,
+    design: SurveyDesign,
+    family: str,
+    scale: float,
+) -> np.ndarray:
+    """A^-1 B A^-1: A the weighted information X' diag(w v(mu)) X, B the design covariance of
+    the score totals by PSU (the sum over its (PSU, row) pairs of w x (y - mu))."""
+    v, r = irls_terms(Xg @ beta, yg, family)
+    A_inv = np.linalg.inv(weighted_gram(Xg, wg * v))
+    P = sp.csr_matrix(
+        (cells.pair_w / scale, (cells.pair_psu, cells.pair_row)), shape=(design.n_psu, len(Xg))
+    )
+    zt = np.asarray(P @ (Xg * r[:, None]))
+    return A_inv @ design.psu_covariance(zt) @ A_inv
+
+
+_SAID = {
+    "boundary": "fitted {values} numerically {bound}",
+    "separated": "the coefficients diverge (separation: fitted {values} numerically {bound})",
+    "not converged": "did not converge in {max_iter} iterations",
+    "failed": "the fit failed (singular equations)",
+}
+
+
+def fit_warnings(
+    names: Sequence[str],
+    family: str,
+    status: str,
+    coef: np.ndarray,
+    replicate_status: np.ndarray | None = None,
+    replicate_coef: np.ndarray | None = None,
+    label: str = "",
+    max_iter: int = 100,
+) -> list[str]:
+    """The warnings of a fit: the full sample's and, for each kind, the replicates' (1-based,
+    as R's columns) whose status is not converged, each naming the coefficient that moved most
+    (the diverging one); all but boundary (a converged fit with a fitted value at its bound,
+    which R's glm.fit warns of) leave SEs that are not meaningful."""
+    values, bound = ("rates", "0") if family == "poisson" else ("probabilities", "0 or 1")
+    head = f"{label}: " if label else ""
+    out = []
+    if status != "converged":
+        big = names[int(np.argmax(np.abs(np.where(np.isfinite(coef), coef, 0.0))))]
+        what = _SAID[status].format(values=values, bound=bound, max_iter=max_iter)
+        tail = "" if status == "boundary" else "; its SEs are not meaningful"
+        out.append(f"{head}full sample: {what} (largest coefficient {big}){tail}")
+    if replicate_status is None or replicate_coef is None:
+        return out
+    for kind in _SAID:
+        at = np.flatnonzero(replicate_status == kind)
+        if not len(at):
+            continue
+        d = np.abs(np.nan_to_num(replicate_coef[at] - coef[None, :], nan=0.0))
+        moved = list(dict.fromkeys(names[j] for j in d.argmax(axis=1)))
+        which = ", ".join(str(r + 1) for r in at[:10]) + (", ..." if len(at) > 10 else "")
+        what = _SAID[kind].format(values=values, bound=bound, max_iter=max_iter)
+        tail = "" if kind == "boundary" else "; the replicate SEs are not meaningful"
+        out.append(
+            f"{head}replicates {which} ({len(at)} of {len(replicate_status)}): {what}; "
+            f"moved most: {', '.join(moved[:3])}{tail}"
+        )
+    return out
+
+
 def fit_cells(
     cells: GLMCells,
     names: list[str],
     design: SurveyDesign,
     family: Family,
     replicates: bool = True,
+    label: str = "",
+    max_iter: int = 100,
 ) -> GLMFit:
     """svyglm on a model's cells: the design gives its PSUs (strata, n_h) and replicate scales
-    only."""
+    only. label (e.g. the formula) heads the fit's warnings."""
     U = cells.rows
     p = U.shape[1] - 1
-    if family == "binomial" and ((U[:, p] < 0) | (U[:, p] > 1)).any():
-        raise ValueError("binomial family: the response must lie in [0, 1] (a 0/1 variable)")
+    _check_response(U[:, p], family)
     # svyglm rescales the weights to mean 1 over the complete cases; fit and variance are
     # invariant
     scale = float(cells.w.sum()) / cells.n_used if cells.n_used else 1.0
     wg = cells.w / scale
     keep = independent_columns(weighted_gram(U[:, :p], wg))
     Xg, yg = U[:, keep], U[:, p]
-    beta, _, converged, _ = irls(Xg, yg, wg, family)
-    mu = _logistic(Xg @ beta) if family == "binomial" else Xg @ beta
-    v = mu * (1.0 - mu) if family == "binomial" else np.ones_like(mu)
-    A_inv = np.linalg.inv(weighted_gram(Xg, wg * v))
-    # the score totals by PSU: sum over its (PSU, row) pairs of w x (y - mu)
-    P = sp.csr_matrix(
-        (cells.pair_w / scale, (cells.pair_psu, cells.pair_row)), shape=(design.n_psu, len(U))
-    )
-    zt = np.asarray(P @ (Xg * (yg - mu)[:, None]))
-    V = A_inv @ design.psu_covariance(zt) @ A_inv
+    if family == "gaussian":
+        beta, state = irls(Xg, yg, wg, family)[0], STATUS.index("converged")
+    else:
+        b0 = _start(Xg, yg, wg, family)
+        B, st = irls_columns(Xg, yg, wg[:, None], family, b0, max_iter=max_iter)
+        beta, state = B[0], int(st[0])
+    status = STATUS[state]
+    try:
+        V = _taylor_vcov(cells, Xg, yg, wg, beta, design, family, scale)
+    except np.linalg.LinAlgError:
+        if status in ("converged", "boundary"):
+            raise
+        V = np.full((len(keep), len(keep)), np.nan)  # (a diverged fit: said by its warning)
     coef = np.full(p, np.nan)
     coef[keep] = beta
     se_t = np.full(p, np.nan)
@@ -436,13 +745,17 @@ def fit_cells(
     vcov = np.full((p, p), np.nan)
     vcov[np.ix_(keep, keep)] = V
     se_r = np.full(p, np.nan)
-    rep = None
+    rep = rstatus = None
     if replicates and design.replicate_weights and cells.W is not None:
         rep = np.full((cells.W.shape[1], p), np.nan)
-        rep[:, keep] = irls_many(Xg, yg, cells.W / scale, family, start=beta)
-        d = rep - coef[None, :]
-        se_r = np.sqrt(design.rscales @ (d * d))
-    return GLMFit(names, coef, se_t, se_r, vcov, converged, cells.n_used, rep)
+        rep[:, keep], rst = irls_columns(Xg, yg, cells.W / scale, family, beta, max_iter=max_iter)
+        rstatus = np.asarray(STATUS)[rst]
+        se_r = design.replicate_se(coef, rep)
+    said = fit_warnings(names, family, status, coef, rstatus, rep, label, max_iter)
+    converged = status in ("converged", "boundary")
+    return GLMFit(
+        names, coef, se_t, se_r, vcov, converged, cells.n_used, rep, status, rstatus, said
+    )
 
 
 def svyglm(
@@ -453,14 +766,17 @@ def svyglm(
     design: SurveyDesign,
     family: Family,
     replicates: bool = True,
+    label: str = "",
 ) -> GLMFit:
     """Fit y ~ X by IRLS with the design weight; Taylor SEs by the sandwich A^-1 B A^-1 (B the
     design covariance of the score totals u_i = w_i x_i (y_i - mu_i), zero for incomplete
     cases, every PSU counted as in a domain) and, with replicate weights and replicates=True,
-    replicate SEs of refits (warm-started at the full-sample fit), centred on it (mse).
+    replicate SEs of refits (warm-started at the full-sample fit), centred on it (mse) or on
+    their mean (as the design's replicate_se). Fits that do not converge or diverge are said
+    in the result's warnings (label, e.g. the formula, heads them).
 
     The fits run on the distinct rows of (x, y) with summed weights (the likelihood is the
     same; GLMCells), so a model of categorical terms costs its cells, not its records."""
     reps = design.replicate_totals if replicates and design.replicate_weights else None
     cells = glm_cells(X, y, ok, design.w, design.g, replicate_totals=reps)
-    return fit_cells(cells, names, design, family, replicates)
+    return fit_cells(cells, names, design, family, replicates, label)
