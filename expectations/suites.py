@@ -40,13 +40,19 @@ class GateFailed(RuntimeError):
         first clause of its detail (the worst estimates are in the report), and the staged
         report's path when it was written."""
         failed, what = failed_checks(self.results)
-        checks = "; ".join(f"{name}: {detail.split('; ')[0]}" for name, detail in failed[:shown])
+        checks = "; ".join(f"{name}: {_gist(detail)}" for name, detail in failed[:shown])
         more = f"; and {len(failed) - shown} more" if len(failed) > shown else ""
         text = f"{self.title}: {len(failed)} of {len(self.results)} checks failed{what}"
         text += f" ({checks}{more})" if checks else ""
         if self.report is not None and Path(self.report).is_file():
             text += f"; the staged report: {self.report}"
         return " ".join(text.split())  # one line, whatever a detail holds
+
+
+def _gist(detail: str) -> str:
+    """A failed check's detail in brief: its first clause and the fix it names, if any."""
+    parts = str(detail).split("; ")
+    return "; ".join([parts[0], *(p for p in parts[1:] if p.startswith("fix: "))])
 
 
 def _verdicts(passed: pd.Series) -> np.ndarray:

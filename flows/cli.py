@@ -53,9 +53,9 @@ def _print_release(manifest: Manifest, out_dir: Path) -> None:
     rel = manifest.release
     print(f"release {rel.release_id}: {manifest.status}")
     folder = out_dir / rel.name / str(rel.year)
-    print(
-        f"  public file : {folder / 'public' / 'puf.parquet'}  (and puf.csv, codebook.csv, README.md)"
-    )
+    public = folder / "public"
+    others = sorted(p.name for p in public.glob("*") if p.name != "puf.parquet")
+    print(f"  public file : {public / 'puf.parquet'}  (and {', '.join(others)})")
     print(f"  report      : {folder / 'internal' / 'report.html'}")
     print(f"  gate results: {folder / 'internal' / 'gates.csv'}")
     print(f"  manifest    : {folder / 'internal' / 'manifest.json'}")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from sdl_design.describe import REPLICATES
+from sdl_design.describe import PAPERS, REPLICATES, pct
 from sdl_design.public_summary import (
     RECORDS,
     VALUES_MAX,
@@ -53,20 +53,41 @@ CSV_FORMULA_NOTE = (
 )
 
 
+# the public file of the replicate weights' multipliers (columns replicate, rscale)
+REPLICATE_SCALES = "replicate_scales.csv"
+
+
 class PublicReadme(str):
     """The README text; `.codebook_notes` holds what the codebook adds per variable
-    (treatment, top-code threshold and count)."""
+    (treatment, top-code threshold and count), `.replicate_scales` the replicate weights'
+    multipliers c_r (replicate, rscale: REPLICATE_SCALES; None without replicate weights)."""
 
     codebook_notes: dict[str, dict[str, Any]]
+    replicate_scales: pd.DataFrame | None
 
-    def __new__(cls, text: str, codebook_notes: dict[str, dict[str, Any]] | None = None):
+    def __new__(
+        cls,
+        text: str,
+        codebook_notes: dict[str, dict[str, Any]] | None = None,
+        replicate_scales: pd.DataFrame | None = None,
+    ):
         obj = super().__new__(cls, text)
         obj.codebook_notes = dict(codebook_notes or {})
+        obj.replicate_scales = replicate_scales
         return obj
 
 
 def _span(cols: list[str]) -> str:
     return cols[0] if len(cols) == 1 else f"{cols[0]} .. {cols[-1]} ({len(cols)} columns)"
+
+
+def _code(name: str) -> str:
+    """A column (or a _span of columns) as markdown code: `a` .. `b` (n columns)."""
+    first, sep, rest = name.partition(" .. ")
+    if not sep or not rest.endswith(" columns)"):
+        return f"`{name}`"
+    last, _, count = rest.rpartition(" (")
+    return f"`{first}` .. `{last}` ({count}"
 
 
 # ---------------------------------------------------------------- what was done to each column
@@ -94,6 +115,8 @@ def design_facts(spec: ReleaseSpec | None, results: Sequence[StageResult]) -> di
     def named(*vals: Any) -> str | None:  # the first value that is a column name
         return next((v for v in vals if isinstance(v, str) and v), None)
 
+    names = [r.name for r in results]
+    replaced = names[: names.index(mask.name)] if mask is not None else []
     return {
         "weight": pub.get("weight") or (d.weight if d is not None else role("weight") or ""),
         "strata": named(
@@ -105,13 +128,25 @@ def design_facts(spec: ReleaseSpec | None, results: Sequence[StageResult]) -> di
         "masked_by": mask.name if mask is not None else None,
         "method": method,
         "rho": pub.get("rho", p.get("rho", rw.rho if rw else None)),
+        # the stages that ran before the masking stage rebuilt the replicate weights
+        "replaced_after": replaced,
     }
 
 
-def _describing(results: Sequence[StageResult]) -> list[tuple[Any, StageResult]]:
-    """(stage class, result) of the results that ran, the stage that masked the design first,
-    then the others in release order."""
-    return sorted(described(results), key=lambda cr: not cr[1].masks_design)
+def _describing(
+    results: Sequence[StageResult], des: dict[str, Any]
+) -> list[tuple[Any, StageResult]]:
+    """(stage class, result) of the results that ran and changed something in the published
+    file (Describes.public_no_effect), the stage that masked the design first, then the others
+    in release order."""
+    acted = [(c, r) for c, r in described(results) if c.public_no_effect(r, des) is None]
+    return sorted(acted, key=lambda cr: not cr[1].masks_design)
+
+
+def no_effect(results: Sequence[StageResult], des: dict[str, Any]) -> list[str]:
+    """The sentences of the stages that ran but changed nothing in the published file."""
+    said = (c.public_no_effect(r, des) for c, r in described(results))
+    return [s for s in said if s is not None]
 
 
 def column_treatments(
@@ -130,7 +165,7 @@ def column_treatments(
     des = design_facts(spec, results)
     done: dict[str, list[str]] = {c: [] for c in columns}
     replicates = ""
-    for cls, res in _describing(results):
+    for cls, res in _describing(results, des):
         for c, texts in cls.public_treatments(res, des).items():
             if c == REPLICATES:
                 replicates += "".join(texts)
@@ -159,6 +194,23 @@ def dropped_columns(results: Sequence[StageResult]) -> dict[str, str]:
     return dict(a.params.get("dropped_columns", {})) if a is not None else {}
 
 
+def dropped_lines(dropped: dict[str, str], listed: int = 4) -> list[str]:
+    """The README's list of the columns not published: one line per reason, its columns named
+    (more than `listed` of them: the first and last, and how many)."""
+    by_why: dict[str, list[str]] = {}
+    for c, why in dropped.items():
+        by_why.setdefault(why, []).append(c)
+    out = []
+    for why, cols in by_why.items():
+        named = (
+            ", ".join(f"`{c}`" for c in cols)
+            if len(cols) <= listed
+            else f"`{cols[0]}` .. `{cols[-1]}` ({len(cols)} columns)"
+        )
+        out.append(f"- {named}: {why}")
+    return out
+
+
 # ---------------------------------------------------------------- replicate scale factors
 
 
@@ -182,16 +234,6 @@ def replicate_scales(
         rho=rho,
     )
     return np.asarray(des.rscales, dtype=float)
-
-
-def _runs(c: np.ndarray) -> tuple[np.ndarray, list[int]]:
-    """Run-length encoding of the scale factors (values, run lengths)."""
-    starts = np.r_[0, np.flatnonzero(np.diff(c) != 0) + 1]
-    return c[starts], np.diff(np.r_[starts, len(c)]).tolist()
-
-
-def _num_list(x: np.ndarray) -> str:
-    return ", ".join(repr(float(v)) for v in x)
 
 
 # ---------------------------------------------------------------- codebook
@@ -279,10 +321,12 @@ def psu_key(spec: ReleaseSpec, results: Sequence[StageResult], columns: list[str
 def variance_notes(
     spec: ReleaseSpec, results: Sequence[StageResult], puf: pd.DataFrame | PublicSummary
 ) -> PublicReadme:
-    """The public README: files, what was done to each variable, the methods that ran with the
-    parameters analysts may use, and variance estimation in R, Stata, SAS, SUDAAN and Python.
-    `.codebook_notes` carries the codebook's per-variable additions. puf: the public frame, or
-    its PublicSummary with the PSU rows of psu_key (the partitioned release's)."""
+    """The public README: files, what was done to each variable, missing values, the methods
+    that changed the file (cited by author and year) with the parameters analysts may use,
+    variance estimation in R, Stata, SAS, SUDAAN and Python, and the references.
+    `.codebook_notes` carries the codebook's per-variable additions, `.replicate_scales` the
+    replicate weights' multipliers (replicate_scales.csv). puf: the public frame, or its
+    PublicSummary with the PSU rows of psu_key (the partitioned release's)."""
     des = design_facts(spec, results)
     w, strata, psu, reps = _readme_design(spec, des, list(puf.columns))
     pub = (
@@ -290,13 +334,56 @@ def variance_notes(
         if isinstance(puf, PublicSummary)
         else public_summary(puf, psu_key(spec, results, list(puf.columns)), stats=False)
     )
+    c = (
+        replicate_scales(pub.psus, w, reps, des["method"], des["rho"], strata, psu)
+        if reps
+        else None
+    )
+    missing = missing_counts(puf)
     treat = column_treatments(spec, results, pub.columns)
-    L: list[str] = [
+    L = _readme_head(spec, pub, bool(strata or psu), bool(reps))
+    L += [f"| {_code(t.column)} | {t.role} | {t.treatment} |" for t in treat.itertuples()]
+    dropped = dropped_columns(results)
+    if dropped:
+        L += ["", "Not published:", "", *dropped_lines(dropped)]
+    L += ["", "## Missing values", "", _missing_sentence(missing, pub.n)]
+    L += ["", "## Disclosure limitation methods applied", ""]
+    L += _methods(results, des)
+    L += ["", "## Estimating variances", ""]
+    design = {w, strata, psu, *reps}
+    ex = _example(spec, pub, w, reps)
+    na = any(col not in design for col in missing)
+    L += _variance_section(w, strata, psu, reps, des, ex, c, na)
+    L += _references("\n".join(L))
+    L += [
+        "",
+        "## Disclaimer",
+        "",
+        "Do not attempt to identify any person, household or place; do not link this file to "
+        "other files for that purpose.",
+    ]
+    notes = _codebook_notes(spec, results, des, treat, reps, pub.columns)
+    scales = pd.DataFrame({"replicate": reps, "rscale": c}) if reps else None
+    return PublicReadme("\n".join(L) + "\n", notes, scales)
+
+
+def _readme_head(spec: ReleaseSpec, pub: PublicSummary, labels: bool, reps: bool) -> list[str]:
+    """The README's title, files, record order and the head of the treatments table."""
+    scales = (
+        f", `{REPLICATE_SCALES}` (one row per replicate weight: its name and its variance "
+        "multiplier c_r, read by the recipes under Estimating variances)"
+        if reps
+        else ""
+    )
+    return [
         f"# {spec.release.name} {spec.release.year}: public-use file",
         "",
-        f"{pub.n:,} records, {len(pub.columns)} variables. Files: `puf.parquet` and `puf.csv` (the "
-        "same records), `codebook.csv` (one row per variable: label, type, values, missing codes, "
-        "what was done to it, top-code flag) and this README. The records are in a random order.",
+        f"{pub.n:,} records, {len(pub.columns)} variables. Files: `puf.parquet` and `puf.csv` "
+        "(the same records), `codebook.csv` (one row per variable: label, type, values, missing "
+        f"values and codes, what was done to it, top-code flag){scales} and this README. The "
+        "records are sorted by their published values"
+        + (" (strata and PSUs first)" if labels else "")
+        + ", not kept in the survey's order.",
         "",
         CSV_FORMULA_NOTE,
         "",
@@ -305,29 +392,62 @@ def variance_notes(
         "| variable | role | treatment |",
         "|---|---|---|",
     ]
-    L += [f"| `{t.column}` | {t.role} | {t.treatment} |" for t in treat.itertuples()]
-    dropped = dropped_columns(results)
-    if dropped:
-        L += ["", "Not published: " + "; ".join(f"`{c}` ({why})" for c, why in dropped.items())]
-    L += ["", "## Disclosure limitation methods applied", ""]
-    methods = [line for cls, res in _describing(results) for line in cls.public_method(res, des)]
-    if not methods:
-        L.append("No record or value was perturbed; only the columns listed above were removed.")
-    L += methods
-    L += ["", "## Estimating variances", ""]
-    L += _variance_section(pub, w, strata, psu, reps, des, _example(spec, pub, w, reps))
-    L += [
-        "",
-        "## Disclaimer",
-        "",
-        "Do not attempt to identify any person, household or place; do not link this file to "
-        "other files for that purpose.",
-    ]
-    notes: dict[str, dict[str, Any]] = {}
+
+
+def missing_counts(puf: pd.DataFrame | PublicSummary) -> dict[str, int]:
+    """The published columns with missing values, with how many (file order)."""
+    if isinstance(puf, PublicSummary):
+        got = {c: puf.stats[c].n_missing for c in puf.columns}
+    else:
+        got = {str(c): int(puf[c].isna().sum()) for c in puf.columns}  # a column at a time
+    return {c: n for c, n in got.items() if n}
+
+
+def _missing_sentence(missing: dict[str, int], n: int) -> str:
+    """What the README says of the missing values."""
+    if not missing:
+        return "No published variable has a missing value."
+    counts = "; ".join(f"`{c}` {k:,} ({pct(k / n)})" for c, k in missing.items())
+    return (
+        f"Records without a value (empty in `puf.csv`, null in `puf.parquet`; the codebook's "
+        f"`n_missing`): {counts}. Every recipe under Estimating variances estimates over the "
+        "records with a value, keeping the others in the design (a domain: R's `na.rm = TRUE`)."
+    )
+
+
+def _methods(results: Sequence[StageResult], des: dict[str, Any]) -> list[str]:
+    """The methods section: the stages that changed the file, then those that did not."""
+    L = [line for cls, res in _describing(results, des) for line in cls.public_method(res, des)]
+    if not L:
+        L = ["No record or value was perturbed; only the columns listed above were removed.", ""]
+    quiet = no_effect(results, des)
+    if quiet:
+        L += ["Also run, without changing this file:", "", *(f"- {q}" for q in quiet)]
+    while L and not L[-1]:
+        L.pop()
+    return L
+
+
+def _references(text: str) -> list[str]:
+    """The references of the papers the text cites (by author and year)."""
+    cited = [r.full for r in PAPERS.values() if r.cite in text]
+    return ["", "## References", "", *(f"- {r}" for r in cited)] if cited else []
+
+
+def _codebook_notes(
+    spec: ReleaseSpec,
+    results: Sequence[StageResult],
+    des: dict[str, Any],
+    treat: pd.DataFrame,
+    reps: list[str],
+    columns: list[str],
+) -> dict[str, dict[str, Any]]:
+    """Per published column, what the codebook adds: label, missing codes, treatment and
+    top-code flag."""
     miss = _missing_codes(spec)
     labels = getattr(spec.variables, "labels", None) or {}
     tc: dict[str, list[str]] = {}
-    for cls, res in _describing(results):
+    for cls, res in _describing(results, des):
         for c, fields in cls.public_codebook(res).items():
             tc.setdefault(c, []).extend(fields.get("topcoded", []))
     per_col = {t.column: t.treatment for t in treat.itertuples()}
@@ -342,7 +462,10 @@ def variance_notes(
         "study": "study variable",
     }
     for i, c in enumerate(reps, 1):
-        default[c] = f"replicate weight {i} of {len(reps)} ({des['method']})"
+        default[c] = (
+            f"replicate weight {i} of {len(reps)} ({des['method']}; its multiplier c_r: "
+            f"{REPLICATE_SCALES})"
+        )
     for k in spec.variables.keys:  # published in its coding (global recoding)
         if k.bins is not None:
             default[k.name] = (
@@ -351,7 +474,8 @@ def variance_notes(
             )
         elif k.map:
             default[k.name] = "key variable in grouped categories (identifying; may be perturbed)"
-    for c in pub.columns:
+    notes: dict[str, dict[str, Any]] = {}
+    for c in columns:
         given = labels.get(c) if isinstance(labels, dict) else None
         notes[c] = {
             "label": str(given or default.get(c) or default.get(role.get(c, ""), "")),
@@ -359,21 +483,23 @@ def variance_notes(
             "treatment": per_col.get(c, "replicate weight" if c in reps else ""),
             "topcoded": "; ".join(tc.get(c, [])),
         }
-    return PublicReadme("\n".join(L) + "\n", notes)
+    return notes
 
 
 def _variance_section(
-    pub: PublicSummary,
     w: str,
     strata: str | None,
     psu: str | None,
     reps: list[str],
     des: dict,
     ex: str,
+    c: np.ndarray | None,
+    na: bool,
 ) -> list[str]:
     """The README's variance estimation lines: the weight, Taylor linearization recipes (with
-    strata or PSUs), replicate-weight recipes (with replicates), else the independent-records
-    warning. ex: the variable the recipes estimate."""
+    strata or PSUs), replicate-weight recipes (with replicates: c their multipliers), else the
+    independent-records warning. ex: the variable the recipes estimate; na: a published
+    variable has missing values (the recipes say how they are left out)."""
     L = [f"Every estimate must use the weight `{w}`."]
     if w == UNIT_WEIGHT:  # an unweighted original file (design: {weight: null})
         L += [
@@ -384,9 +510,9 @@ def _variance_section(
             "population.",
         ]
     if strata or psu:
-        L += _taylor_recipes(w, strata, psu, ex)
-    if reps:
-        L += _replicate_recipes(pub, w, strata, psu, reps, des, ex)
+        L += _taylor_recipes(w, strata, psu, ex, na)
+    if reps and c is not None:
+        L += _replicate_recipes(w, strata, psu, reps, des, ex, c, na)
     elif not (strata or psu):
         L += [
             "",
@@ -397,9 +523,14 @@ def _variance_section(
     return L
 
 
-def _taylor_recipes(w: str, strata: str | None, psu: str | None, ex: str) -> list[str]:
-    """Taylor linearization of the with-replacement design: R, Stata, SAS and SUDAAN."""
-    return [
+READ_PUF = 'puf <- arrow::read_parquet("puf.parquet")  # or: puf <- read.csv("puf.csv")'
+
+
+def _taylor_recipes(w: str, strata: str | None, psu: str | None, ex: str, na: bool) -> list[str]:
+    """Taylor linearization of the with-replacement design: R, Stata, SAS and SUDAAN (na:
+    how each leaves out the records without a value)."""
+    rm = ", na.rm = TRUE" if na else ""
+    L = [
         "",
         "### Taylor linearization",
         "",
@@ -409,111 +540,136 @@ def _taylor_recipes(w: str, strata: str | None, psu: str | None, ex: str) -> lis
         "",
         "```r",
         "library(survey)",
-        'puf <- arrow::read_parquet("puf.parquet")',
+        READ_PUF,
         f"des <- svydesign(ids = ~{psu or 1}, strata = {'~' + strata if strata else 'NULL'}, "
         f"weights = ~{w}, nest = TRUE, data = puf)",
-        f"svymean(~{ex}, des)",
+        f"svymean(~{ex}, des{rm})",
         "```",
         "",
         f"Stata: `svyset {psu or '_n'} [pw = {w}]{', strata(' + strata + ')' if strata else ''} vce(linearized)`  ",
-        f"SAS: `proc surveymeans data=puf; {'strata ' + strata + '; ' if strata else ''}"
+        f"SAS: `proc surveymeans data=puf{' nomcar' if na else ''}; "
+        f"{'strata ' + strata + '; ' if strata else ''}"
         f"{'cluster ' + psu + '; ' if psu else ''}weight {w}; var {ex}; run;`  ",
         f"SUDAAN: `proc descript data=puf design=wr; nest {strata or '_one_'} {psu or '_minus1_'}; "
         f"weight {w}; var {ex};`",
     ]
+    if na:
+        L += [
+            "",
+            "Records without a value: R's `na.rm = TRUE` leaves them out of the estimate but "
+            "keeps them in the design (a domain of the records with a value), as SAS's `nomcar` "
+            "and SUDAAN's default do. Stata's `svy: mean` drops them from the design (the same "
+            "SE unless a PSU is left with no value); "
+            f"`svy, subpop(if !missing({ex})): mean {ex}` keeps them, as R does.",
+        ]
+    return L
 
 
 def _replicate_recipes(
-    pub: PublicSummary,
     w: str,
     strata: str | None,
     psu: str | None,
     reps: list[str],
     des: dict,
     ex: str,
+    c: np.ndarray,
+    na: bool,
 ) -> list[str]:
-    """Replicate weights: the variance formula with its multipliers c_r, then the recipes in
-    R, Stata, SAS, SUDAAN and Python."""
+    """Replicate weights: the variance formula with its multipliers c_r (replicate_scales.csv),
+    then the recipes in R, Stata, SAS, SUDAAN and Python."""
     method, rho = des["method"], des["rho"]
-    R = len(reps)
-    c = replicate_scales(pub.psus, w, reps, method, rho, strata, psu)
-    const = bool(np.allclose(c, c[0], rtol=0, atol=0))
+    const = bool(np.all(c == c[0]))
     L = [
         "",
         "### Replicate weights",
         "",
-        f"{R} replicate weights `{_span(reps)}`, {METHOD_NAME.get(method, method)}"
+        f"{len(reps)} replicate weights `{reps[0]}`"
+        + (f" .. `{reps[-1]}`" if len(reps) > 1 else "")
+        + f", {METHOD_NAME.get(method, method)}"
         + (f" with rho = {rho}" if method == "fay" else "")
-        + f". Variance: V = sum over r of c_r (theta_r - theta)^2, centred on the full-sample "
-        f"estimate theta (mse), with c_r = {CLOSED_FORM.get(method, '?')}"
-        + (
-            f" = {float(c[0])!r} for every replicate."
-            if const
-            else " (one value per replicate, below)."
-        ),
+        + ". Variance: V = sum over r of c_r (theta_r - theta)^2, centred on the full-sample "
+        f"estimate theta (mse), overall scale 1, with c_r = {CLOSED_FORM.get(method, '?')}"
+        + (f" = {float(c[0])!r} for every replicate" if const else "")
+        + f". `{REPLICATE_SCALES}` holds each replicate weight's name (`replicate`) and its c_r "
+        "(`rscale`).",
         "",
     ]
-    L += _replicate_r_recipe(w, reps, c, const, ex)
-    L += _replicate_jackknife_recipes(w, reps, c, ex)
+    L += _replicate_r_recipe(w, bool(strata or psu), ex, na)
+    L += _replicate_jackknife_recipes(w, reps, c, const, ex)
+    if na:
+        L += [
+            "",
+            "With replicate weights, leaving out the records without a value (as every recipe "
+            "here does) gives the domain estimate and its SE.",
+        ]
     L += [
         "",
-        "Python (numpy and pandas; the release's own checks run exactly this code):",
+        f"Python (numpy and pandas; run it beside `puf.parquet` and `{REPLICATE_SCALES}`):",
         "",
         "```python",
-        *_python_recipe(w, reps, c, const, strata, psu, ex),
+        *_python_recipe(w, strata, psu, ex),
         "```",
     ]
     return L
 
 
-def _replicate_r_recipe(w: str, reps: list[str], c: np.ndarray, const: bool, ex: str) -> list[str]:
-    """R (survey): svrepdesign with the multipliers c_r as rscales (mse)."""
-    vals, runs = _runs(c)
-    cvec = (
-        f"{float(c[0])!r}"
-        if const
-        else f"rep(c({_num_list(vals)}), c({', '.join(map(str, runs))}))"
-    )
+def _replicate_r_recipe(w: str, taylor: bool, ex: str, na: bool) -> list[str]:
+    """R (survey): svrepdesign with the multipliers c_r of replicate_scales.csv as rscales
+    (mse); the file is read here unless the Taylor recipe read it."""
+    read = [] if taylor else ["library(survey)", READ_PUF]
     return [
         "R (survey):",
         "",
         "```r",
-        f"rscales <- {cvec}",
-        f'des <- svrepdesign(data = puf, weights = ~{w}, repweights = "{_regex(reps)}",',
-        '                   type = "other", scale = 1, rscales = rscales, mse = TRUE,',
+        *read,
+        f'scales <- read.csv("{REPLICATE_SCALES}")  # replicate: column name; rscale: its c_r',
+        f"des <- svrepdesign(data = puf, weights = ~{w}, repweights = puf[scales$replicate],",
+        '                   type = "other", scale = 1, rscales = scales$rscale, mse = TRUE,',
         "                   combined.weights = TRUE)",
-        f"svymean(~{ex}, des)",
+        f"svymean(~{ex}, des{', na.rm = TRUE' if na else ''})",
         "```",
         "",
     ]
 
 
-def _replicate_jackknife_recipes(w: str, reps: list[str], c: np.ndarray, ex: str) -> list[str]:
-    """Stata, SAS and SUDAAN: the jackknife formula with one multiplier c_r per replicate
-    (the same V for every replication method)."""
-    rlist = f"{reps[0]}-{reps[-1]}"
-    return [
-        "Stata (the jackknife formula with one multiplier c_r per replicate gives the same V "
-        "for every method):",
+def _replicate_jackknife_recipes(
+    w: str, reps: list[str], c: np.ndarray, const: bool, ex: str
+) -> list[str]:
+    """Stata, SAS and SUDAAN: the jackknife formula with the multipliers c_r (the same V for
+    every replication method): one value when all are equal, else Stata and SUDAAN list them
+    (one per replicate weight, in order) and SAS reads them from replicate_scales.csv."""
+    every = f"{float(c[0])!r}" if const else " ".join(repr(float(v)) for v in c)
+    sas_read = [
+        f'proc import datafile="{REPLICATE_SCALES}" out=scales dbms=csv replace; run;',
+        "data scales; set scales; JKCoefficient = rscale; run;  /* what JKCOEFS= reads */",
+    ]
+    L = [
+        "Stata, SAS and SUDAAN (the jackknife formula with the multipliers c_r gives the same V "
+        "for every replication method"
+        + (
+            "; Stata's multiplier() and SUDAAN's adjjack take one c_r per replicate weight, in "
+            f"the order of `{REPLICATE_SCALES}`):"
+            if not const
+            else "):"
+        ),
         "",
         "```stata",
-        f"svyset [pw = {w}], jkrweight({rlist}, multiplier({_stata_mult(c, len(reps))})) vce(jackknife) mse",
+        f"svyset [pw = {w}], jkrweight({reps[0]}-{reps[-1]}, multiplier({every})) vce(jackknife) mse",
         f"svy: mean {ex}",
         "```",
         "",
-        "SAS (JKCOEFS are the c_r):",
-        "",
         "```sas",
+        *([] if const else sas_read),
         "proc surveymeans data=puf varmethod=jackknife mean;",
         f"  weight {w};",
-        f"  repweights {reps[0]}--{reps[-1]} / jkcoefs=({' '.join(repr(float(v)) for v in c)});",
+        f"  repweights {reps[0]}--{reps[-1]} / jkcoefs={every if const else 'scales'};",
         f"  var {ex};",
         "run;",
         "```",
         "",
-        f"SUDAAN: `design=jackknife; weight {w}; jackwgts {reps[0]}--{reps[-1]} / adjjack="
-        f"{' '.join(repr(float(v)) for v in c)};`",
+        f"SUDAAN: `design=jackknife; weight {w}; jackwgts {reps[0]}--{reps[-1]} / adjjack={every};`",
     ]
+    return L
 
 
 def _example(spec: ReleaseSpec, pub: PublicSummary, w: str, reps: list[str]) -> str:
@@ -526,50 +682,37 @@ def _example(spec: ReleaseSpec, pub: PublicSummary, w: str, reps: list[str]) -> 
     return str(pub.columns[0])
 
 
-def _regex(reps: list[str]) -> str:
-    import os
-    import re
-
-    pre = os.path.commonprefix(reps).rstrip("0123456789")
-    if pre and all(re.fullmatch(r"\d+", c[len(pre) :]) for c in reps):
-        return f"^{re.escape(pre)}[0-9]+$"
-    return "^(" + "|".join(re.escape(c) for c in reps) + ")$"
-
-
-def _stata_mult(c: np.ndarray, R: int) -> str:
-    return " ".join(repr(float(v)) for v in c)
-
-
-def _python_recipe(
-    w: str,
-    reps: list[str],
-    c: np.ndarray,
-    const: bool,
-    strata: str | None,
-    psu: str | None,
-    ex: str,
-) -> list[str]:
+def _python_recipe(w: str, strata: str | None, psu: str | None, ex: str) -> list[str]:
+    """The Python recipe: the replicate SE of a mean over the records with a value (in a
+    domain), and with strata or PSUs its Taylor SE."""
     L = [
         "import numpy as np",
         "import pandas as pd",
         "",
         'puf = pd.read_parquet("puf.parquet")',
         f'WEIGHT = "{w}"',
-        f'REPS = [f"{_fmt_reps(reps)}" for i in range(1, {len(reps) + 1})]'
-        if _fmt_reps(reps)
-        else f"REPS = {reps!r}",
-        f"C = np.full({len(reps)}, {float(c[0])!r})"
-        if const
-        else f"C = np.repeat([{_num_list(_runs(c)[0])}], [{', '.join(map(str, _runs(c)[1]))}])",
+        f'SCALES = pd.read_csv("{REPLICATE_SCALES}")  # replicate: column name; rscale: its c_r',
+        'REPS = list(SCALES["replicate"])',
+        'C = SCALES["rscale"].to_numpy(dtype=float)',
+        "",
+        "",
+        "def used(y, domain=None):",
+        '    """y as floats (0 where not used) and the records used: in the domain, with a value."""',
+        "    y = pd.Series(y).astype(float).to_numpy()",
+        "    d = ~np.isnan(y)",
+        "    if domain is not None:",
+        "        d &= np.asarray(domain, dtype=bool)",
+        "    return np.where(d, y, 0.0), d",
         "",
         "",
         "def mean_se(y, domain=None):",
-        '    """Weighted mean of y (in the domain) and its replicate standard error."""',
-        "    y = np.asarray(y, dtype=float)",
-        "    d = np.ones(len(y)) if domain is None else np.asarray(domain, dtype=float)",
+        '    """Weighted mean of y over the records with a value (in the domain) and its replicate',
+        "    standard error; the other records stay in the design with weight 0 (a domain, as",
+        '    R\'s na.rm = TRUE)."""',
+        "    y, d = used(y, domain)",
         "    w = puf[[WEIGHT, *REPS]].to_numpy(dtype=float) * d[:, None]",
         "    est = (w * y[:, None]).sum(axis=0) / w.sum(axis=0)  # full sample, then replicates",
-        "    return est[0], float(np.sqrt(np.sum(C * (est[1:] - est[0]) ** 2)))",
+        "    return float(est[0]), float(np.sqrt(np.sum(C * (est[1:] - est[0]) ** 2)))",
         "",
         "",
         f'print(mean_se(puf["{ex}"]))',
@@ -578,10 +721,11 @@ def _python_recipe(
         L += [
             "",
             "",
-            "def mean_se_taylor(y):",
-            '    """Weighted mean and its Taylor SE (PSUs with replacement within strata)."""',
-            "    y = np.asarray(y, dtype=float)",
-            "    w = puf[WEIGHT].to_numpy(dtype=float)",
+            "def mean_se_taylor(y, domain=None):",
+            '    """Weighted mean of y over the records with a value (in the domain) and its Taylor',
+            '    SE (PSUs with replacement within strata; the other records count as 0)."""',
+            "    y, d = used(y, domain)",
+            "    w = puf[WEIGHT].to_numpy(dtype=float) * d",
             "    m = np.sum(w * y) / np.sum(w)",
             "    z = pd.Series(w * (y - m) / np.sum(w))",
             f"    h = puf[{strata!r}]" if strata else "    h = pd.Series(0, index=puf.index)",
@@ -593,29 +737,9 @@ def _python_recipe(
             "    n_h = g.transform('size')",
             "    dev = zt - g.transform('mean')",
             "    v = (n_h / (n_h - 1) * dev**2)[n_h > 1].sum()",
-            "    return m, float(np.sqrt(v))",
+            "    return float(m), float(np.sqrt(v))",
             "",
             "",
             f'print(mean_se_taylor(puf["{ex}"]))',
         ]
     return L
-
-
-def _fmt_reps(reps: list[str]) -> str:
-    """An f-string pattern naming the replicate columns (rw_001 .. rw_070 -> 'rw_{i:03d}'), or ''."""
-    import os
-    import re
-
-    pre = os.path.commonprefix(reps).rstrip("0123456789")
-    tails = [c[len(pre) :] for c in reps]
-    if not pre or not all(re.fullmatch(r"\d+", t) for t in tails):
-        return ""
-    width = len(tails[0])
-    pad = all(len(t) == width for t in tails)
-    if [int(t) for t in tails] != list(range(1, len(reps) + 1)):
-        return ""
-    if pad and width > 1:
-        return pre + "{i:0" + str(width) + "d}"
-    if all(t == str(int(t)) for t in tails):
-        return pre + "{i}"
-    return ""

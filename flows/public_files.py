@@ -1,4 +1,5 @@
-"""The public files: which columns may leave; writing puf.parquet, puf.csv, codebook.csv, README.md."""
+"""The public files: which columns may leave; writing puf.parquet, puf.csv, codebook.csv, README.md
+and (with replicate weights) replicate_scales.csv."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from expectations.suites import output_verdicts, record_failures
-from flows.public_docs import codebook, psu_key, variance_notes
+from flows.public_docs import REPLICATE_SCALES, codebook, psu_key, variance_notes
 from sdl_design.edits import combine_rule_failures, rule_failures
 from sdl_design.io import file_digest, parquet_options
 from sdl_design.keys import coded_keys, publish_coding
@@ -145,6 +146,28 @@ def _neutralize_cells(df: pd.DataFrame) -> pd.DataFrame:
     return df if out is None else out
 
 
+# every file a public folder may hold (replicate_scales.csv: with replicate weights)
+PUBLIC_FILES = ("README.md", "codebook.csv", "puf.csv", "puf.parquet", REPLICATE_SCALES)
+
+
+def public_names(folder: Path) -> list[str]:
+    """The public files folder holds (PUBLIC_FILES that are there), sorted."""
+    return sorted(name for name in PUBLIC_FILES if (Path(folder) / name).is_file())
+
+
+def write_docs_files(notes: str, book: pd.DataFrame, folder: Path) -> None:
+    """The README, the codebook (book) and, when notes carries them (PublicReadme), the
+    replicate weights' multipliers (REPLICATE_SCALES) into folder; the CSVs with
+    formula-leading text quoted."""
+    neutralize_formulas(book).to_csv(folder / "codebook.csv", index=False, lineterminator="\n")
+    scales = getattr(notes, "replicate_scales", None)
+    if scales is not None:
+        neutralize_formulas(scales).to_csv(
+            folder / REPLICATE_SCALES, index=False, lineterminator="\n"
+        )
+    (folder / "README.md").write_text(notes)
+
+
 def write_public_files(puf: pd.DataFrame, public: Path, notes: str) -> dict[str, str]:
     """Write the public folder (created here); returns {'public/<file>': sha256}."""
     from concurrent.futures import ThreadPoolExecutor
@@ -165,10 +188,7 @@ def write_public_files(puf: pd.DataFrame, public: Path, notes: str) -> dict[str,
         table = pa.Table.from_pandas(puf, preserve_index=False)  # as pandas' to_parquet
         pq.write_table(table, public / "puf.parquet", **parquet_options(table.schema))
         del table
-        neutralize_formulas(codebook(puf, getattr(notes, "codebook_notes", None))).to_csv(
-            public / "codebook.csv", index=False, lineterminator="\n"
-        )
-        (public / "README.md").write_text(notes)
+        write_docs_files(notes, codebook(puf, getattr(notes, "codebook_notes", None)), public)
         digests = {f.name: file_digest(f) for f in public.iterdir() if f.name != "puf.csv"}
         digests["puf.csv"] = csv.result()
     return {f"public/{name}": digests[name] for name in sorted(digests)}
@@ -500,8 +520,8 @@ def write_docs(
     folder: Path,
     work: Path,
 ) -> PublicSummary:
-    """README.md and codebook.csv into folder from the row groups' PartSummaries (in public
-    order): merged here, the bucketed columns' distinct values counted by a task per bucket
+    """README.md, codebook.csv and replicate_scales.csv into folder from the row groups'
+    PartSummaries (in public order): merged here, the bucketed columns' distinct values counted by a task per bucket
     (reading work/distinct), then the README and codebook as write_public_files writes them."""
 
     summary, buckets = merge_parts(parts, list(columns), docs.bits, docs.key)
@@ -510,10 +530,7 @@ def write_docs(
         counts = run_map(distinct_in_bucket, buckets, where, what="public files: distinct values")
         add_bucket_counts(summary, counts)
     notes = variance_notes(spec, results, summary)
-    neutralize_formulas(codebook(summary, notes.codebook_notes)).to_csv(
-        folder / "codebook.csv", index=False, lineterminator="\n"
-    )
-    (folder / "README.md").write_text(notes)
+    write_docs_files(notes, codebook(summary, notes.codebook_notes), folder)
     return summary
 
 
@@ -626,8 +643,7 @@ def write_public_by_partition(
         if writer is not None:
             writer.close()
         shutil.rmtree(work, ignore_errors=True)
-    names = ("puf.parquet", "puf.csv") + (("codebook.csv", "README.md") if docs else ())
-    files = {name: file_digest(folder / name) for name in sorted(names)}
+    files = {name: file_digest(folder / name) for name in public_names(folder)}
     # the output gates (validate_output's): the columns, and the row groups' failures
 
     gates = output_verdicts(

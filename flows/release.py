@@ -29,7 +29,13 @@ from flows.env import preload, return_freed_memory, task_runner
 from flows.manifest import Manifest
 from flows.progress import PROGRESS, flow_run_url, prints_to_run_log
 from flows.public_docs import variance_notes
-from flows.public_files import detail_frame, public_records, record_map, write_public_files
+from flows.public_files import (
+    detail_frame,
+    public_names,
+    public_records,
+    record_map,
+    write_public_files,
+)
 from flows.registry import se_ratio_tables
 from flows.report import post_artifacts, render_report
 from flows.scan import run_partitioned
@@ -651,7 +657,7 @@ def _move_public(puf: Path, public: Path) -> dict[str, str]:
     """The partitioned run's public files moved into public (created here); their digests."""
     public.mkdir(parents=True)
     out = {}
-    for name in ("README.md", "codebook.csv", "puf.csv", "puf.parquet"):
+    for name in public_names(puf):
         shutil.move(str(puf / name), str(public / name))
         out[f"public/{name}"] = pub.sha256_file(public / name)
     return out

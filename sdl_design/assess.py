@@ -6,9 +6,10 @@ replicate weights, with the spec's weight and replicate method. Both are SurveyD
 (`SurveyDesign.from_spec`). Four parts:
 
 - domain estimates: every study variable (mean, or proportion for a 0/1 variable, and total)
-  overall, by each analysis domain and by each pair of domains; estimate and SE on both files,
-  relative bias, standardized bias (released - original) / SE_original, the CI overlap of Karr,
-  Kohnen, Oganian, Reiter and Sanil (2006) and the SE ratio;
+  overall, by each analysis domain and by each pair of domains, and the median and quartiles
+  of every continuous one (R's svyquantile: Woodruff SEs) overall and by each domain; estimate
+  and SE on both files, relative bias, standardized bias (released - original) / SE_original,
+  the CI overlap of Karr, Kohnen, Oganian, Reiter and Sanil (2006) and the SE ratio;
 - analysis models: survey-weighted GLMs (sdl_design.survey.glm) on both files, coefficient by
   coefficient;
 - general utility: the propensity-score pMSE ratio of Snoke, Raab, Nowok, Dibben and
@@ -54,6 +55,16 @@ from sdl_design.survey.glm import (
     svyglm,
     term_levels,
     weighted_gram,
+)
+from sdl_design.survey.quantiles import (
+    _degf,
+    cdf_replicate,
+    cdf_taylor,
+    gram_rank,
+    psu_degf,
+    quantile_cells,
+    segment_totals,
+    woodruff,
 )
 
 Variance = Literal["taylor", "replicate"]
@@ -120,6 +131,18 @@ def file_design(
         return SurveyDesign(df, d.weight, strata=strata, psu=psu)
 
 
+def gate_variance(
+    spec: ReleaseSpec, released_columns: Sequence[str], design_released: Any = None
+) -> Variance:
+    """The SE the gates compare (issue 34 item 3): the producer's replicate SE when the input
+    comes with replicate weights and the released file (read with design_released, default
+    the spec's design) carries replicate weights too; else Taylor's with the strata/PSUs."""
+    rs = (design_released or spec.design).replicate_weights
+    if spec.design.replicate_weights is None or rs is None:
+        return "taylor"
+    return "replicate" if resolve_replicates(list(released_columns), rs.columns) else "taylor"
+
+
 def _key_specs(spec: ReleaseSpec) -> dict[str, KeySpec]:
     return {k.name: k for k in spec.variables.keys}
 
@@ -180,13 +203,16 @@ def published_coding(
     )
 
 
-def _domain_list(domains: Sequence[DomainArg] | None, keys: list[str]) -> list[tuple[str, ...]]:
-    """Overall, each domain and each pair of domains (crossings with the union of their
-    variables), without repeats."""
+def _domain_list(
+    domains: Sequence[DomainArg] | None, keys: list[str], pairs: bool = True
+) -> list[tuple[str, ...]]:
+    """Overall, each domain and (pairs True) each pair of domains (crossings with the union of
+    their variables), without repeats."""
     given = [(d,) if isinstance(d, str) else tuple(d) for d in (domains or keys)]
+    crossed = [tuple(dict.fromkeys(a + b)) for a, b in combinations(given, 2)] if pairs else []
     out: list[tuple[str, ...]] = [()]
     seen: set[frozenset] = {frozenset()}
-    for g in [*given, *(tuple(dict.fromkeys(a + b)) for a, b in combinations(given, 2))]:
+    for g in [*given, *crossed]:
         if frozenset(g) not in seen:
             seen.add(frozenset(g))
             out.append(g)
@@ -253,6 +279,16 @@ class StudyPlan:
             for k in ([kind] if kind else ["proportion"] * len(cats))
         ]
 
+    @property
+    def continuous(self) -> list[str]:
+        """The numeric study variables that are not 0/1 (kind 'mean'): their quantiles too."""
+        return [v for v, kind, _ in self.variables if kind == "mean"]
+
+    def continuous_values(self, f: pd.DataFrame) -> np.ndarray:
+        """The file's continuous study variables (n x k, missing values NaN)."""
+        cols = [pd.to_numeric(f[v], errors="coerce").to_numpy(dtype=float) for v in self.continuous]
+        return np.column_stack(cols) if cols else np.zeros((len(f), 0))
+
     def study(self, f: pd.DataFrame) -> _Study:
         """The file's study columns (Y0, M)."""
         cols = []
@@ -289,12 +325,6 @@ def study_plan(frames: Sequence[pd.DataFrame], study: Sequence[str]) -> StudyPla
         )
         out.append((v, kind, cats))
     return StudyPlan(tuple(out))
-
-
-def _study_columns(frames: Sequence[pd.DataFrame], study: Sequence[str]) -> list[_Study]:
-    """Each file's study columns (study_plan's)."""
-    plan = study_plan(frames, study)
-    return [plan.study(f) for f in frames]
 
 
 @dataclass
@@ -400,9 +430,70 @@ def domain_estimates_of(
         with np.errstate(divide="ignore", invalid="ignore"):
             dm = (t[:, :, 0] / t[:, :, 1] - R[None]).reshape(len(t), -1)
         dt = (t[:, :, 0] - Ty[None]).reshape(len(t), -1)
-        out["se_rep_mean"] = np.sqrt(design.rscales @ (dm * dm)).reshape(L, k)
+        se_rep = np.sqrt(design.rscales @ (dm * dm)).reshape(L, k)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            se_rep[se_rep <= 1e-10 * Ta / Tm] = 0.0  # rounding level, as Taylor's above
+        out["se_rep_mean"] = se_rep
         out["se_rep_total"] = np.sqrt(design.rscales @ (dt * dt)).reshape(L, k)
     return out
+
+
+# the quantiles of every continuous study variable: the statistic's name and its probability
+QUANTILES = {"q25": 0.25, "median": 0.5, "q75": 0.75}
+QUANTILE_RULE = "math"  # R's svyquantile default: the smallest x with F(x) >= p
+MEAN_STATISTICS = ("mean", "proportion")  # the statistics whose SE ratios are gated
+
+
+def domain_quantiles_of(
+    design: SurveyDesign,
+    X: np.ndarray,
+    w: np.ndarray,
+    g: np.ndarray,
+    cell: np.ndarray,
+    L: int,
+    variance: Variance,
+    level: float = 0.95,
+    replicate: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
+    orders: Sequence[np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
+    """The QUANTILES of every continuous study variable (X: records x k, NaN missing) in every
+    cell (cell: each record's, -1 none), as survey_quantile gives them (R's svyquantile with
+    na.rm=TRUE: over the cell's non-missing records; qrule "math"; Woodruff interval at level
+    with the cell's degrees of freedom, SE its width / 2 t): n (L x k), estimate and se
+    (L x k x P). w, g: the records' weights and PSU codes in the design. variance "replicate":
+    the SE of the CDF at the quantile from the replicate weights (centred on the full-sample
+    CDF) and the cell's df from their rank: the replicate totals by segment and the Gram of the
+    replicate weights by cell are `replicate`'s (one (T, grams) per variable, summed by
+    partition) or else the design's. orders: each variable's records sorted by value (stable),
+    when known (value_orders: one sort for every grouping)."""
+    probs = np.array(list(QUANTILES.values()))
+    P, k = len(probs), X.shape[1]
+    out = {"n": np.zeros((L, k)), "estimate": np.full((L, k, P), np.nan)}
+    out["se"] = out["estimate"].copy()
+    cache: dict = {}
+    for j in range(k):
+        o = None if orders is None else orders[j]
+        cells = quantile_cells(X[:, j], w, cell, L, probs, QUANTILE_RULE, o)
+        n = np.array([len(c.rows) for c in cells], dtype=float)
+        if variance == "taylor":
+            F, seF = cdf_taylor(design, cells, P, g)
+            dfs = [psu_degf(design, g[c.rows]) for c in cells]
+        elif replicate is None:
+            F, seF = cdf_replicate(segment_totals(design, cells, P), cells, P, design.rscales)
+            dfs = [_degf(design, c.rows, "replicate", cache) for c in cells]
+        else:
+            T, grams = replicate[j]
+            F, seF = cdf_replicate(T, cells, P, design.rscales)
+            dfs = [gram_rank(G) - 1.0 for G in grams]
+        dfs = np.where(n > 0, dfs, np.nan)
+        est, se, _, _ = woodruff(cells, F, seF, dfs, 1.0 - level, QUANTILE_RULE)
+        out["n"][:, j], out["estimate"][:, j], out["se"][:, j] = n, est, se
+    return out
+
+
+def value_orders(X: np.ndarray) -> list[np.ndarray]:
+    """Each column's records sorted by value (stable; missing values last)."""
+    return [np.argsort(X[:, j], kind="stable") for j in range(X.shape[1])]
 
 
 def _profiles(
@@ -689,8 +780,16 @@ def model_rows(
             "n_original": fo.n_used,
             "n_released": fr.n_used,
             "converged": fo.converged and fr.converged,
+            "warnings": model_warnings(fo, fr),
         }
     )
+
+
+def model_warnings(fo: GLMFit, fr: GLMFit) -> str | float:
+    """The fits' warnings (GLMFit.warnings: not converged, diverged) of one model on the
+    original and the released file, in one text; NaN when there are none."""
+    said = [f"{f}: {w}" for f, fit in (("original", fo), ("released", fr)) for w in fit.warnings]
+    return "; ".join(said) if said else np.nan
 
 
 def model_metrics(coefs: pd.DataFrame) -> dict[str, float]:
@@ -734,7 +833,7 @@ def model_fits(
     f = parse_formula(text)
     data = [pd.DataFrame(index=x.index) for x in frames]
     for v in f.variables:
-        cat = any(t.name == v and t.categorical for t in f.terms)
+        cat = v in f.categorical
         s = frames[0][v]
         numeric = pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s)
         if v != f.response and (cat or not numeric):
@@ -769,6 +868,30 @@ def _quantiles(x: np.ndarray, prefix: str, qs: Mapping[str, float]) -> dict[str,
     return {f"{prefix}_{name}": float(np.percentile(x, q)) for name, q in qs.items()}
 
 
+def _table_block(
+    g: tuple[str, ...],
+    labels: Sequence[str],
+    names: Sequence[str],
+    statistic: str | Sequence[str],
+    values: dict[str, Sequence[np.ndarray | None]],
+) -> dict[str, np.ndarray]:
+    """One statistic of the study variables `names` in the cells (labels) of grouping g, the
+    domain_table's rows: values maps n, estimate, se_taylor, se_replicate to (original,
+    released) arrays L x k (se_replicate (None, None): no replicate SEs)."""
+    L, k = len(labels), len(names)
+    block = {
+        "variable": np.tile(np.asarray(names, dtype=object), L),
+        "statistic": np.broadcast_to(np.asarray(statistic, dtype=object), (L, k)).ravel(),
+        "domain": np.full(L * k, " x ".join(g) if g else "all", dtype=object),
+        "level": np.repeat(np.asarray(labels, dtype=object), k),
+    }
+    for name, pair in values.items():
+        for side, a in zip(("original", "released"), pair, strict=True):
+            if a is not None:
+                block[f"{name}_{side}"] = np.asarray(a, dtype=float).ravel()
+    return block
+
+
 def domain_table(
     cells: Sequence[tuple[tuple[str, ...], list[str], int, list[dict[str, np.ndarray]]]],
     names: Sequence[str],
@@ -777,36 +900,40 @@ def domain_table(
     variance: Variance,
     min_n: int,
     level: float,
+    quantiles: Sequence[tuple[tuple[str, ...], list[str], int, list[dict[str, np.ndarray]]]] = (),
+    continuous: Sequence[str] = (),
 ) -> pd.DataFrame:
     """The domain estimates table: for each grouping (its variables, cell labels, L cells and
     domain_estimates_of on the original and the released file) the means and totals of every
-    study variable in every cell, side by side, with their comparison (_compare) and whether
-    the estimate is reliable (n_original >= min_n and a positive original SE)."""
-    k = len(names)
-    parts: dict[str, list] = {}
-    for g, labels, L, res in cells:
+    study variable in every cell, side by side, then for each grouping of `quantiles`
+    (domain_quantiles_of on both files) the QUANTILES of the continuous study variables (their
+    SE in the column of `variance`, the other NaN), with their comparison (_compare) and
+    whether the estimate is reliable (n_original >= min_n and a positive original SE)."""
+    blocks = []
+    for g, labels, _, res in cells:
         for stat in ("mean", "total"):
-            block = {
-                "variable": np.tile(np.asarray(names, dtype=object), L),
-                "statistic": np.tile(np.asarray(kinds, dtype=object), L)
-                if stat == "mean"
-                else np.full(L * k, "total", dtype=object),
-                "domain": np.full(L * k, " x ".join(g) if g else "all", dtype=object),
-                "level": np.repeat(np.asarray(labels, dtype=object), k),
-                "n_original": res[0]["n"].ravel(),
-                "n_released": res[1]["n"].ravel(),
-                "estimate_original": res[0][stat].ravel(),
-                "estimate_released": res[1][stat].ravel(),
-                "se_taylor_original": res[0][f"se_{stat}"].ravel(),
-                "se_taylor_released": res[1][f"se_{stat}"].ravel(),
+            values = {
+                "n": [r["n"] for r in res],
+                "estimate": [r[stat] for r in res],
+                "se_taylor": [r[f"se_{stat}"] for r in res],
+                "se_replicate": [r[f"se_rep_{stat}"] if has_rep else None for r in res],
+            }
+            blocks.append(_table_block(g, labels, names, kinds if stat == "mean" else stat, values))
+    for g, labels, _, res in quantiles:
+        for j, stat in enumerate(QUANTILES):
+            se = [r["se"][:, :, j] for r in res]
+            none = [np.full_like(s, np.nan) for s in se]
+            values = {
+                "n": [r["n"] for r in res],
+                "estimate": [r["estimate"][:, :, j] for r in res],
+                "se_taylor": se if variance == "taylor" else none,
+                "se_replicate": [None, None],
             }
             if has_rep:
-                block["se_replicate_original"] = res[0][f"se_rep_{stat}"].ravel()
-                block["se_replicate_released"] = res[1][f"se_rep_{stat}"].ravel()
-            for c, v in block.items():
-                parts.setdefault(c, []).append(v)
-    # an empty cell: mean NaN, total 0 with SE 0
-    est = pd.DataFrame({c: np.concatenate(v) for c, v in parts.items()})
+                values["se_replicate"] = se if variance == "replicate" else none
+            blocks.append(_table_block(g, labels, continuous, stat, values))
+    # an empty cell: mean and quantiles NaN, total 0 with SE 0
+    est = pd.DataFrame({c: np.concatenate([b[c] for b in blocks]) for c in blocks[0]})
     se_o = est[f"se_{variance}_original"].to_numpy()
     se_r = est[f"se_{variance}_released"].to_numpy()
     est.insert(8, "se_original", se_o)
@@ -814,8 +941,11 @@ def domain_table(
     cmp = _compare(
         est["estimate_original"].to_numpy(), se_o, est["estimate_released"].to_numpy(), se_r, level
     )
+    # nothing to compare: neither file has the estimate, or neither has its SE (a quantile
+    # whose Woodruff interval is cut off at 0 or 1, a cell without degrees of freedom)
     none = est["estimate_original"].isna() & est["estimate_released"].isna()
-    cmp["ci_overlap"] = np.where(none, np.nan, cmp["ci_overlap"])  # nothing to compare
+    none |= np.isnan(se_o) & np.isnan(se_r)
+    cmp["ci_overlap"] = np.where(none, np.nan, cmp["ci_overlap"])
     for name, col in cmp.items():
         est[name] = col
     est["reliable"] = (est["n_original"] >= min_n) & (se_o > 0)
@@ -823,11 +953,16 @@ def domain_table(
 
 
 def domain_metrics(est: pd.DataFrame, has_rep: bool, variance: Variance) -> dict[str, float]:
-    """The domain estimates' metrics over the reliable ones: CI overlap quantiles, the share
-    more than 2 original SEs off, SE-ratio quantiles of means and proportions (and of their
-    replicate SEs beside Taylor's)."""
+    """The domain estimates' metrics over the reliable ones: CI overlap quantiles and the share
+    more than 2 original SEs off (means, proportions, totals and quantiles), SE-ratio quantiles
+    of means and proportions (and of their replicate SEs beside Taylor's). The quantiles' SE
+    ratios are reported apart (se_ratio_quantile_*), not gated: a Woodruff SE is the width of
+    the CDF's interval mapped through the data's own steps, so it jumps with the values that
+    happen to lie near the interval's ends (heaped incomes, whole household sizes) much more
+    than the SE of a mean moves."""
     rel = est[est["reliable"]]
     ov = rel["ci_overlap"].to_numpy()
+    means = rel["statistic"].isin(MEAN_STATISTICS)
     metrics: dict[str, float] = {
         "n_estimates": float(len(est)),
         "n_reliable": float(len(rel)),
@@ -836,13 +971,16 @@ def domain_metrics(est: pd.DataFrame, has_rep: bool, variance: Variance) -> dict
         # SE ratios of means and proportions: a total of a calibration control has Taylor SE 0
         # on calibrated weights by construction, which says nothing of the treatment
         **_quantiles(
-            rel.loc[rel["statistic"] != "total", "se_ratio"].to_numpy(),
-            "se_ratio",
+            rel.loc[means, "se_ratio"].to_numpy(), "se_ratio", {"p10": 10, "median": 50, "p90": 90}
+        ),
+        **_quantiles(
+            rel.loc[rel["statistic"].isin(QUANTILES), "se_ratio"].to_numpy(),
+            "se_ratio_quantile",
             {"p10": 10, "median": 50, "p90": 90},
         ),
     }
     if has_rep and variance == "taylor":
-        rm = rel[rel["statistic"] != "total"]
+        rm = rel[means]
         with np.errstate(divide="ignore", invalid="ignore"):
             rr = (rm["se_replicate_released"] / rm["se_replicate_original"]).to_numpy()
         metrics |= _quantiles(rr, "se_ratio_replicate", {"p10": 10, "median": 50, "p90": 90})
@@ -867,6 +1005,8 @@ def assess(
 
     domains: names (a key in its published coding, see keys.coarsen) or lists of names (a
     crossing); every pair of them is crossed too. Default: every key and every pair of keys.
+    The continuous study variables' quartiles (QUANTILES) are estimated overall and by each
+    domain (not by the pairs), their SEs Woodruff's from the `variance` SE of the CDF.
     models: {formula, family} mappings, (formula, family) tuples or objects with those fields
     (formula 'y ~ a + C(b) + c'; a categorical key term in its published coding).
     variance: the SE that overlap, standardized bias and SE ratio use ("taylor" with the
@@ -885,14 +1025,17 @@ def assess(
     # ------------------------------------------------ domain estimates
     domains, models = _utility_defaults(spec, domains, models)
     groupings = _domain_list(domains, key_names)
+    singles = _domain_list(domains, key_names, pairs=False)  # the quantiles' groupings
     coding = _groupings_coding(frames, groupings, keys)
     est = _domain_estimates(
-        frames, des, spec.variables.study, groupings, coding, has_rep, variance, min_n, level
-    )
+        frames, des, spec.variables.study, groupings, coding, has_rep, variance, min_n, level,
+        singles,
+    )  # fmt: skip
 
     # ------------------------------------------------ models
+    # the models compare Taylor SEs on both paths (the partitioned fits have no replicate fits)
     coefs = _fit_models(
-        original, released, des, _model_specs(models), keys, variance, has_rep, level
+        original, released, des, _model_specs(models), keys, "taylor", has_rep, level
     )
     described = [_describe(d) for d in des]
     del des  # the designs' replicate matrices are not needed past here
@@ -991,16 +1134,21 @@ def _domain_estimates(
     variance: Variance,
     min_n: int,
     level: float,
+    quantile_groupings: Sequence[tuple[str, ...]] = (),
 ) -> pd.DataFrame:
     """The domain_table of the study variables' estimates in every cell of every grouping,
-    on both files each under its design (cells on the published key coding)."""
-    studies = _study_columns(frames, study)
+    and of the continuous ones' quantiles in every cell of quantile_groupings (overall and
+    each domain), on both files each under its design (cells on the published key coding)."""
+    plan = study_plan(frames, study)
+    studies = [plan.study(f) for f in frames]
     names, kinds = studies[0].names, studies[0].kinds
     prof_rec, n_prof, at = _profiles(coding, [len(f) for f in frames])
     pairs = [
         _file_pairs(d, st, p, m) for d, st, p, m in zip(des, studies, prof_rec, n_prof, strict=True)
     ]
-    cells = []
+    values = [plan.continuous_values(f) for f in frames] if plan.continuous else []
+    orders = [value_orders(X) for X in values]
+    cells, quantiles = [], []
     for g in groupings:
         codes, labels, L = _cells([at[v] for v in g], n_prof)
         res = [
@@ -1008,7 +1156,15 @@ def _domain_estimates(
             for d, st, pr, c in zip(des, studies, pairs, codes, strict=True)
         ]
         cells.append((g, labels, L, res))
-    return domain_table(cells, names, kinds, has_rep, variance, min_n, level)
+        if values and g in quantile_groupings:
+            q = [
+                domain_quantiles_of(d, X, d.w, d.g, c[p], L, variance, level, orders=o)
+                for d, X, c, p, o in zip(des, values, codes, prof_rec, orders, strict=True)
+            ]
+            quantiles.append((g, labels, L, q))
+    return domain_table(
+        cells, names, kinds, has_rep, variance, min_n, level, quantiles, plan.continuous
+    )
 
 
 def _published_keys(
@@ -1205,7 +1361,7 @@ def _worst_text(worst: pd.DataFrame, n: int = 5) -> str:
 
 def _worst_se_text(est: pd.DataFrame, n: int = 5) -> str:
     """The estimates whose published SE is furthest from the original one (means, proportions)."""
-    t = est[est["reliable"] & (est["statistic"] != "total") & (est["se_ratio"] > 0)]
+    t = est[est["reliable"] & est["statistic"].isin(MEAN_STATISTICS) & (est["se_ratio"] > 0)]
     t = t.iloc[np.argsort(-np.abs(np.log(t["se_ratio"].to_numpy())), kind="stable")[:n]]
     parts = [
         f"SE ratio {w.se_ratio:.2f} for the {w.statistic} of {w.variable} in {w.domain} = {w.level}"

@@ -23,6 +23,70 @@ SURVEY_UNIQUES = "survey_unique_share"  # share of survey records unique on the 
 RISK_DELTA = "risk_delta"  # post-treatment risk delta (paper 000, eq. 3-6)
 
 
+@dataclass(frozen=True)
+class Reference:
+    """A method paper the public README cites: by author and year in the text, in full in its
+    list of references."""
+
+    authors: str  # as the text cites them: 'Singh', 'Zhang and Nayak', 'Park et al.'
+    year: int
+    full: str  # the reference list's entry
+
+    @property
+    def cite(self) -> str:
+        """'Singh (2009)'."""
+        return f"{self.authors} ({self.year})"
+
+
+# the papers of /work/shared/papers (docs/stages.md), by the file number the code comments use
+PAPERS: dict[str, Reference] = {
+    "000": Reference(
+        "Singh",
+        2009,
+        "Singh, A.C. (2009). Maintaining analytic utility while protecting confidentiality of "
+        "survey and nonsurvey data. Journal of Privacy and Confidentiality 1(2).",
+    ),
+    "001": Reference(
+        "Shlomo",
+        2009,
+        "Shlomo, N. (2009). Releasing microdata: disclosure risk estimation, data masking and "
+        "assessing utility. Working Paper M09/02, Southampton Statistical Sciences Research "
+        "Institute.",
+    ),
+    "002": Reference(
+        "Zhang and Nayak",
+        2018,
+        "Zhang, C. and Nayak, T.K. (2018). Post-randomization for identification risk limited "
+        "microdata release from general surveys. Research Report Series (Statistics #2018-11), "
+        "U.S. Census Bureau.",
+    ),
+    "003": Reference(
+        "Park et al.",
+        2006,
+        "Park, I., Dohrmann, S., Montaquila, J., Mohadjer, L. and Curtin, L.R. (2006). Reducing "
+        "the risk of data disclosure through area masking: limiting biases in variance "
+        "estimation. Proceedings of the Survey Research Methods Section, American Statistical "
+        "Association.",
+    ),
+    "004": Reference(
+        "Cox",
+        2000,
+        "Cox, L.H. (2000). Confidentiality and statistical data protection techniques. "
+        "Eustat (Euskal Estatistika-Erakundea), Vitoria-Gasteiz.",
+    ),
+}
+
+
+def cite(paper: str) -> str:
+    """A paper cited by author and year ('Singh (2009)'), by its file number ('000')."""
+    return PAPERS[paper].cite
+
+
+def unchanged(x: float | None, tol: float = 1e-9) -> bool:
+    """A factor that left its values as they were: None, NaN or within tol of 1."""
+    return x is None or not math.isfinite(x) or abs(x - 1.0) <= tol
+
+
 def fmt(x: float) -> str:
     """A number as the public README prints it (six significant digits, thousands comma)."""
     return f"{x:,.6g}"
@@ -31,6 +95,11 @@ def fmt(x: float) -> str:
 def pct(x: float) -> str:
     """A share as a percentage with one decimal."""
     return f"{100 * x:.1f}%"
+
+
+def share_text(x: float) -> str:
+    """A share as pct says it, but '<0.1%' for a share above 0 that pct would print as 0.0%."""
+    return "<0.1%" if 0 < x < 0.0005 else pct(x)
 
 
 def finite(metrics: Mapping[str, Any], name: str | None) -> float | None:
@@ -90,7 +159,8 @@ class NumberColumn:
 class Describes:
     """The defaults of a stage's self-description (a stage overrides what it has to say).
     des: the published design's facts (flows.public_docs.design_facts: weight, strata, psu,
-    replicate_weights, masked_by, method, rho)."""
+    replicate_weights, masked_by, method, rho, and replaced_after: the stages whose replicate
+    weights a later stage replaced)."""
 
     # the metric that is the share of records (or segments) the stage treated, for the monitor
     treated_share: ClassVar[str | None] = None
@@ -133,14 +203,23 @@ class Describes:
         return {} if v is None else {str(getattr(cls, "name", "")): float(v)}
 
     @classmethod
+    def public_no_effect(cls, result: StageResult, des: dict[str, Any]) -> str | None:
+        """When this stage ran but changed nothing in the published file: the one sentence the
+        public README says of it (its method section, treatments and codebook notes are then
+        not read); None when it changed something."""
+        return None
+
+    @classmethod
     def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
-        """The lines of the public README's section on this stage's method (none: not said)."""
+        """The lines of the public README's section on this stage's method (none: not said);
+        methods are cited by author and year (cite)."""
         return []
 
     @classmethod
     def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
         """What this stage did to each published column, in a sentence per column (key
-        REPLICATES: words appended to the replicate weights' row)."""
+        REPLICATES: words appended to the replicate weights' row); a column it left as it was
+        is not named."""
         return {}
 
     @classmethod

@@ -1,33 +1,44 @@
 """The assessment's domain estimates by partition: the means and totals of every study
-variable overall and in every domain and pair of domains (keys in their published coding), on
-the original and on the released file, each under its own design, with Taylor and replicate
-SEs, compared as sdl_design.assess.assess compares them (CI overlap, standardized bias, SE
-ratios, epsilon of the published totals). The same numbers as assess to rounding (1e-12);
-assess's models, pMSE and re-identification are not made here.
+variable overall and in every domain and pair of domains (keys in their published coding), and
+the quartiles of every continuous one overall and in every domain, on the original and on the
+released file, each under its own design, with Taylor and replicate SEs, compared as
+sdl_design.assess.assess compares them (CI overlap, standardized bias, SE ratios, epsilon of
+the published totals). The same numbers as assess to rounding (1e-12; the quantiles' rows bit
+for bit); assess's models, pMSE and re-identification are not made here.
 
 Two passes over each file's partitions. Pass 1 sends the values of the domain variables, the
 kinds and categories of the study variables and the (stratum, PSU) labels (with the
 replicates that keep weight in each PSU). The driver codes the domains as published_coding
 does on both whole files and numbers each file's PSUs as SurveyDesign does. Pass 2 sends the
 sums of w y, w m, m and |w y| by (PSU, key profile) and the replicate totals of y and m by key
-profile; the driver adds them over partitions and runs domain_estimates_of on them.
+profile; the driver adds them over partitions and runs domain_estimates_of on them. An exact
+weighted quantile needs the values: pass 2 also sends the records of the continuous study
+variables (value, weight, PSU, profile: 8 bytes a variable and 16 a record), which the driver
+gathers in record order and runs domain_quantiles_of on (Taylor SEs: the PSUs' sums of w 1{y
+<= q} come from the same records). Replicate SEs of the quantiles need one more pass
+(quantile_pass): the replicate totals of 1{y <= q} at the driver's quantiles and the Gram of
+the replicate weights (the degrees of freedom) by cell.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import scipy.sparse as sp
 
 from sdl_design.assess import (
     MODEL_COLUMNS,
     PMSE_MAX_ITER,
+    QUANTILE_RULE,
+    QUANTILES,
     Assessment,
     Coding,
     StudyPlan,
+    Variance,
     _cells,
     _domain_list,
     _epsilon_published,
@@ -42,6 +53,7 @@ from sdl_design.assess import (
     assessment_gates,
     domain_estimates_of,
     domain_metrics,
+    domain_quantiles_of,
     domain_table,
     model_metrics,
     model_rows,
@@ -50,6 +62,7 @@ from sdl_design.assess import (
     pmse_metrics,
     published_coding,
     study_kind,
+    value_orders,
 )
 from sdl_design.blas import single_blas_thread
 from sdl_design.leaks import recoverable_share, zero_words
@@ -68,6 +81,7 @@ from sdl_design.survey.design import (
     DesignError,
     SurveyDesign,
     dense_codes,
+    distinct_rows,
     group_indicator,
     resolve_replicates,
 )
@@ -83,6 +97,7 @@ from sdl_design.survey.glm import (
     parse_formula,
     weighted_gram,
 )
+from sdl_design.survey.quantiles import quantile_cells
 
 MIN_N = 30  # assess's: an estimate is reliable with >= 30 original records in its cell
 LEVEL = 0.95  # assess's confidence level
@@ -114,6 +129,8 @@ class AssessRequest:
     study: tuple[str, ...]
     files: tuple[FileDesign, FileDesign]  # original, released
     models: tuple[tuple[str, str], ...] = ()  # (formula, family) of utility.models
+    # overall and each domain: the continuous study variables' quantiles (assess's)
+    quantile_groupings: tuple[tuple[str, ...], ...] = ()
     # the published replicate weights whose zero patterns may give original PSUs away, and
     # the original design's PSU labels (AssessStage's check; empty: not checked)
     leak_replicates: tuple[str, ...] = ()
@@ -131,11 +148,7 @@ class AssessRequest:
 
     def model_categorical(self, v: str, s: pd.Series) -> bool:
         """Whether a model term's variable is coded (published_coding): C() or not numeric."""
-        cat = any(
-            t.name == v and t.categorical
-            for text, _ in self.models
-            for t in parse_formula(text).terms
-        )
+        cat = any(v in parse_formula(text).categorical for text, _ in self.models)
         return cat or not (pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s))
 
     @property
@@ -232,6 +245,7 @@ def assess_request(
         tuple(spec.variables.study),
         files,
         models,
+        tuple(_domain_list(domains, list(keys), pairs=False)),
         leak,
         labels,
         sens,
@@ -373,14 +387,28 @@ def assess_plan(first: Sequence[Sequence[AssessPass1]], req: AssessRequest) -> A
 
 
 @dataclass
+class QuantileRecords:
+    """The records of the continuous study variables, for their quantiles (exact weighted
+    quantiles need the values): values (n x k, NaN missing), weights, PSU codes and each
+    record's profile (its index among a partition's profiles or, gathered, the file's)."""
+
+    X: np.ndarray
+    w: np.ndarray
+    g: np.ndarray
+    profile: np.ndarray
+
+
+@dataclass
 class AssessPass2:
-    """One partition's sums by (PSU, profile) (key: PSU code x n_profiles + profile number)
-    and its replicate totals of (y, m) by profile (R x profiles x 2k)."""
+    """One partition's sums by (PSU, profile) (key: PSU code x n_profiles + profile number),
+    its replicate totals of (y, m) by profile (R x profiles x 2k) and its records of the
+    continuous study variables (None: there are none)."""
 
     keys: np.ndarray
     S: np.ndarray
     profiles: np.ndarray
     replicates: np.ndarray | None
+    quantile: QuantileRecords | None = None
 
 
 def _codes(df: pd.DataFrame, v: str, req: AssessRequest, plan: AssessPlan) -> np.ndarray:
@@ -405,12 +433,11 @@ def _psu_codes(df: pd.DataFrame, plan: AssessPlan, f: int) -> np.ndarray:
 def assess_pass2(
     part: Any, spec: ReleaseSpec, req: AssessRequest, f: int, plan: AssessPlan
 ) -> AssessPass2:
-    """Map (file f): the partition's records coded by profile and PSU, their sums."""
+    """Map (file f): the partition's records coded by profile and PSU, their sums (and the
+    records of the continuous study variables)."""
     df = read_partition(part, req.columns(f), spec)
     d = req.files[f]
-    prof = np.zeros(len(df), dtype=np.int64)
-    for v, place in zip(req.coded, plan.radix, strict=True):
-        prof += _codes(df, v, req, plan) * int(place)
+    prof = _profile_numbers(df, req, plan)
     g = _psu_codes(df, plan, f)
     st: _Study = plan.study.study(df)
     w = df[d.weight].to_numpy(dtype=float)[:, None]
@@ -432,7 +459,23 @@ def assess_pass2(
                 reps[:, j] = W[rows].T @ Y2[rows]
         else:
             profiles = np.unique(prof)
-    return AssessPass2(pair, S, profiles, reps)
+    quantile = None
+    if plan.study.continuous:  # compact: int32 codes (a partition's PSUs and profiles)
+        quantile = QuantileRecords(
+            plan.study.continuous_values(df),
+            w[:, 0],
+            g.astype(np.int32),
+            np.searchsorted(profiles, prof).astype(np.int32),
+        )
+    return AssessPass2(pair, S, profiles, reps, quantile)
+
+
+def _profile_numbers(df: pd.DataFrame, req: AssessRequest, plan: AssessPlan) -> np.ndarray:
+    """The records' profile numbers: the coded variables' codes in mixed radix (plan.radix)."""
+    prof = np.zeros(len(df), dtype=np.int64)
+    for v, place in zip(req.coded, plan.radix, strict=True):
+        prof += _codes(df, v, req, plan) * int(place)
+    return prof
 
 
 def _file_sums(
@@ -468,23 +511,37 @@ class PartitionedAssessment:
     metrics: dict[str, float]
 
 
+def _profile_coding(plan: AssessPlan, profiles: Sequence[np.ndarray]) -> dict[str, Coding]:
+    """Each coded variable's code at every profile of each file (profiles: each file's profile
+    numbers, sorted): the digits of the profile's number."""
+    at = {}
+    for v, place in zip(plan.request.coded, plan.radix, strict=True):
+        m = len(plan.categories[v])
+        at[v] = Coding([(p // int(place)) % m for p in profiles], plan.categories[v])
+    return at
+
+
 def assess_combine(
-    plan: AssessPlan, second: Sequence[Sequence[AssessPass2]]
+    plan: AssessPlan,
+    second: Sequence[Sequence[AssessPass2]],
+    quantiles: PartitionQuantiles | None = None,
+    variance: Variance = "taylor",
 ) -> PartitionedAssessment:
-    """Reduce: second[f] is file f's pass 2, in partition order."""
+    """Reduce: second[f] is file f's pass 2, in partition order; quantiles: its records of the
+    continuous study variables gathered (partition_quantiles; with variance 'replicate' the
+    quantile_pass sums added), default gathered here."""
     req = plan.request
+    if quantiles is None:
+        quantiles = partition_quantiles(plan, second)
+    if variance == "replicate" and quantiles is not None and quantiles.replicates is None:
+        raise PartitionError("assess: replicate SEs of the quantiles need quantile_pass' sums")
     sums = [_file_sums(second[f], plan) for f in (0, 1)]
     has_rep = all(d.replicate_weights for d in plan.designs)
     k = len(plan.study.names)
     empty = _Study(plan.study.names, plan.study.kinds, np.zeros((0, k)), np.zeros((0, k)))
-    # each coded variable's code at every profile of each file (the digits of its number)
-    at = {}
-    for v, place in zip(req.coded, plan.radix, strict=True):
-        m = len(plan.categories[v])
-        digits = [(s[1] // int(place)) % m for s in sums]
-        at[v] = Coding(digits, plan.categories[v])
+    at = _profile_coding(plan, [s[1] for s in sums])
     n_prof = [len(s[1]) for s in sums]
-    cells = []
+    cells, quant = [], []
     with single_blas_thread():
         for g in req.groupings:
             codes, labels, L = _cells([at[v] for v in g], n_prof)
@@ -501,8 +558,15 @@ def assess_combine(
                 for f in (0, 1)
             ]
             cells.append((g, labels, L, res))
-    est = domain_table(cells, plan.study.names, plan.study.kinds, has_rep, "taylor", MIN_N, LEVEL)
-    metrics = domain_metrics(est, has_rep, "taylor")
+            if quantiles is not None and g in req.quantile_groupings:
+                i = req.quantile_groupings.index(g)
+                q = [quantiles.estimates(plan, f, i, codes[f], L, variance) for f in (0, 1)]
+                quant.append((g, labels, L, q))
+    est = domain_table(
+        cells, plan.study.names, plan.study.kinds, has_rep, variance, MIN_N, LEVEL, quant,
+        plan.study.continuous,
+    )  # fmt: skip
+    metrics = domain_metrics(est, has_rep, variance)
     n_o, n_r = plan.n
     metrics |= {
         "n_original": float(n_o),
@@ -511,6 +575,156 @@ def assess_combine(
         "epsilon_published": _epsilon_published(est),
     }
     return PartitionedAssessment(est, metrics)
+
+
+# ---------------------------------------------------------------- quantiles
+
+
+@dataclass
+class PartitionQuantiles:
+    """The quantiles' inputs on the driver: each file's records of the continuous study
+    variables in record order (QuantileRecords, each record's profile its index among the
+    file's profile numbers, sorted) and, with replicate variance, quantile_pass' sums of each
+    file: [grouping][variable] (replicate totals by segment, Gram by cell)."""
+
+    records: list[QuantileRecords]
+    profiles: list[np.ndarray]
+    replicates: list[list[list[tuple[np.ndarray, np.ndarray]]]] | None = None
+    orders: dict[int, list[np.ndarray]] = field(default_factory=dict)  # value_orders by file
+
+    def _orders(self, f: int) -> list[np.ndarray]:
+        if f not in self.orders:
+            self.orders[f] = value_orders(self.records[f].X)
+        return self.orders[f]
+
+    def estimates(
+        self, plan: AssessPlan, f: int, i: int, codes: np.ndarray, L: int, variance: Variance
+    ) -> dict[str, np.ndarray]:
+        """domain_quantiles_of on file f's records in the L cells of the i-th quantile
+        grouping (codes: each profile's cell)."""
+        r, d = self.records[f], plan.designs[f]
+        rep = self.replicates[f][i] if variance == "replicate" and self.replicates else None
+        cell, orders = codes[r.profile], self._orders(f)
+        return domain_quantiles_of(d, r.X, r.w, r.g, cell, L, variance, LEVEL, rep, orders)
+
+    def cuts(self, plan: AssessPlan, f: int) -> QuantileCuts:
+        """What quantile_pass needs of file f: its profiles' cells in each quantile grouping
+        and every cell's quantiles of each variable."""
+        at = _profile_coding(plan, self.profiles)
+        n_prof = [len(p) for p in self.profiles]
+        r = self.records[f]
+        probs = np.array(list(QUANTILES.values()))
+        cells, q = [], []
+        for g in plan.request.quantile_groupings:
+            codes, _, L = _cells([at[v] for v in g], n_prof)
+            cell = codes[f][r.profile]
+            qs = []
+            for j in range(r.X.shape[1]):
+                got = quantile_cells(
+                    r.X[:, j], r.w, cell, L, probs, QUANTILE_RULE, self._orders(f)[j]
+                )
+                qs.append(np.sort(np.stack([c.q for c in got]), axis=1))
+            cells.append((codes[f], L))
+            q.append(qs)
+        return QuantileCuts(self.profiles[f], cells, q)
+
+    def add_replicates(self, third: Sequence[Sequence[list]]) -> None:
+        """quantile_pass' results of each file (third[f], in partition order), summed."""
+        self.replicates = [
+            [
+                [tuple(sum(p[i][j][t] for p in parts) for t in (0, 1)) for j in range(len(row))]
+                for i, row in enumerate(parts[0])
+            ]
+            for parts in third
+        ]
+
+
+def partition_quantiles(
+    plan: AssessPlan, second: Sequence[Sequence[AssessPass2]]
+) -> PartitionQuantiles | None:
+    """Reduce: each file's records of the continuous study variables gathered in partition
+    order (None: no continuous study variable). The partitions hand them over (each pass 2's
+    quantile emptied), so the driver holds them once."""
+    if not plan.study.continuous:
+        return None
+    records, profiles = [], []
+    for parts in second:
+        prof = np.unique(np.concatenate([p.profiles for p in parts]))
+        got = [(np.searchsorted(prof, p.profiles), p.quantile) for p in parts]
+        for p in parts:
+            p.quantile = None
+        records.append(
+            QuantileRecords(
+                np.concatenate([q.X for _, q in got]),
+                np.concatenate([q.w for _, q in got]),
+                np.concatenate([q.g for _, q in got]).astype(np.int64),
+                np.concatenate([index[q.profile] for index, q in got]),  # the file's profiles
+            )
+        )
+        profiles.append(prof)
+    return PartitionQuantiles(records, profiles)
+
+
+@dataclass
+class QuantileCuts:
+    """quantile_pass' plan for one file: its profile numbers (sorted), each quantile
+    grouping's cell of each profile with the number of cells, and each grouping's quantiles
+    of each variable by cell (L x P, sorted in each cell)."""
+
+    profiles: np.ndarray
+    cells: list[tuple[np.ndarray, int]]
+    q: list[list[np.ndarray]]
+
+
+def quantile_pass(
+    part: Any, spec: ReleaseSpec, req: AssessRequest, f: int, plan: AssessPlan, cuts: QuantileCuts
+) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """Map (file f, replicate variance): for each quantile grouping and continuous study
+    variable, the replicate totals of the records by cell and segment between the cell's
+    sorted quantiles (the CDF at each quantile under each replicate: R x L (P + 1), as
+    quantiles.segment_totals) and the Gram W_c'W_c of the replicate weights of each cell's
+    records with the variable (L x R x R: the rank of the replicate weights, the cell's
+    degrees of freedom)."""
+    df = read_partition(part, req.columns(f), spec)
+    W = df[list(req.files[f].replicates)].to_numpy(dtype=float)
+    X = plan.study.continuous_values(df)
+    at = np.searchsorted(cuts.profiles, _profile_numbers(df, req, plan))
+    out = []
+    with single_blas_thread():
+        for (codes, L), qs in zip(cuts.cells, cuts.q, strict=True):
+            cell = codes[at]
+            grams = _cell_grams(W, cell, L, np.isnan(X))
+            row = []
+            for j, q in enumerate(qs):
+                ok = np.flatnonzero(~np.isnan(X[:, j]))
+                c = cell[ok]
+                seg = (X[ok, j][:, None] > q[c]).sum(axis=1)  # the quantiles below x
+                width = q.shape[1] + 1
+                z = sp.csr_matrix(
+                    (np.ones(len(ok)), (np.arange(len(ok)), c * width + seg)),
+                    shape=(len(ok), L * width),
+                )
+                row.append((np.asarray((z.T @ W[ok]).T), grams[j]))
+            out.append(row)
+    return out
+
+
+def _cell_grams(W: np.ndarray, cell: np.ndarray, L: int, missing: np.ndarray) -> list[np.ndarray]:
+    """For each variable (missing: records x variables), the Gram W_c'W_c of the replicate
+    weights of each cell's records where it is not missing (L x R x R): one product per
+    (cell, pattern of missing variables), each added to the variables the pattern holds."""
+    k, R = missing.shape[1], W.shape[1]
+    patterns, pattern = distinct_rows(missing)
+    groups, of = dense_codes(cell * len(patterns) + pattern)
+    order = np.argsort(of, kind="stable")
+    bounds = np.searchsorted(of[order], np.arange(len(groups) + 1))
+    out = [np.zeros((L, R, R)) for _ in range(k)]
+    for i, grp in enumerate(groups):
+        rows = order[bounds[i] : bounds[i + 1]]
+        G = W[rows].T @ W[rows]
+        for j in np.flatnonzero(~patterns[grp % len(patterns)]):
+            out[j][grp // len(patterns)] += G
+    return out
 
 
 # ---------------------------------------------------------------- risk of the published file
@@ -682,13 +896,13 @@ MODEL_CELLS_MAX = 100_000  # distinct (x, y) rows of a model by partition (categ
 
 
 def _model_levels(plan: AssessPlan, text: str) -> dict[str, list]:
-    """term_levels of a model on both files: a coded term's published categories but
+    """term_levels of a model on both files: a coded variable's published categories but
     'missing' (every other one is some record's)."""
     f = parse_formula(text)
     return {
-        t.name: [c for c in plan.categories[t.name] if c != "missing"]
-        for t in f.terms
-        if t.name in plan.categories
+        v: [c for c in plan.categories[v] if c != "missing"]
+        for v in f.variables[1:]
+        if v in plan.categories
     }
 
 
@@ -877,13 +1091,18 @@ def delta_metrics(parts: Sequence[DeltaPass], profiles: pd.DataFrame) -> dict[st
 
 
 def assess_gates(
-    spec: ReleaseSpec, est: pd.DataFrame, coefs: pd.DataFrame, m: dict[str, float]
+    spec: ReleaseSpec,
+    est: pd.DataFrame,
+    coefs: pd.DataFrame,
+    m: dict[str, float],
+    se_fix: str = "",
 ) -> list:
     """AssessStage's gates on the metrics made by partition, with its explanations (the worst
-    estimates, model terms and SE ratios)."""
+    estimates, model terms and SE ratios, after se_fix: the fix a failing SE gate names)."""
 
     worst = Assessment(est, coefs, m, {}).worst(20)
-    return assessment_gates(m, spec, _worst_text(worst), _worst_terms(coefs), _worst_se_text(est))
+    se_text = "; ".join(filter(None, [se_fix, _worst_se_text(est)]))
+    return assessment_gates(m, spec, _worst_text(worst), _worst_terms(coefs), se_text)
 
 
 # ---------------------------------------------------------------- pMSE (assess.pmse_ratio)

@@ -16,20 +16,20 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.partition import Partition, PartitionError, _write_partition, read_partition
-from sdl_design.pseudo import PseudoPlan, apply_pseudo, pseudo_plan, pseudo_summary
+from sdl_design.pseudo import (
+    UNIT,
+    PseudoPlan,
+    apply_pseudo,
+    pseudo_plan,
+    pseudo_scores,
+    pseudo_summary,
+    unit_labels,
+    unit_score_sums,
+)
 from sdl_design.survey.design import first_of
 
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec
-
-UNIT = ["stratum", "psu"]
-
-
-def _labels(df: pd.DataFrame, spec: ReleaseSpec) -> pd.MultiIndex:
-    """Each record's unit: (stratum, PSU) labels; stratum 0 when the design has no strata."""
-    d = spec.design
-    s = df[d.strata] if d.strata else pd.Series(0, index=df.index)
-    return pd.MultiIndex.from_arrays([s.to_numpy(), df[d.psu].to_numpy()], names=UNIT)
 
 
 def check_pseudo(spec: ReleaseSpec) -> None:
@@ -42,37 +42,61 @@ def check_pseudo(spec: ReleaseSpec) -> None:
         )
 
 
-def pseudo_units(part: Partition, spec: ReleaseSpec) -> pd.DataFrame:
+def pseudo_units(part: Partition, spec: ReleaseSpec) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """Pass 1 on one partition: its units (stratum, psu labels) with their records and the
-    global row of their first record."""
+    global row of their first record, and (when the choice is on: design.pseudo.candidates)
+    its unit_score_sums."""
     check_pseudo(spec)
     d = spec.design
-    df = read_partition(part, [c for c in (d.strata, d.psu) if c], spec)
-    codes, units = pd.factorize(_labels(df, spec))
+    choose = d.pseudo.candidates > 1
+    cols = [
+        d.strata,
+        d.psu,
+        *((d.weight, *spec.variables.study, *_domain_vars(spec)) if choose else ()),
+    ]
+    df = read_partition(part, list(dict.fromkeys(c for c in cols if c)), spec)
+    codes, units = pd.factorize(unit_labels(df, spec))
     out = pd.DataFrame({n: units.get_level_values(i) for i, n in enumerate(UNIT)})
     out["records"] = np.bincount(codes, minlength=len(units))
     out["first"] = part.start + first_of(codes, len(units))
-    return out
+    return out, (unit_score_sums(df, spec) if choose else None)
 
 
-def combine_units(parts: list[pd.DataFrame]) -> pd.DataFrame:
-    """The whole input's units, sorted by (stratum, psu) (a unit may span partitions)."""
-    units = pd.concat(parts, ignore_index=True)
-    return (
+def _domain_vars(spec: ReleaseSpec) -> list[str]:
+    keys = [k.name for k in spec.variables.keys]
+    return [v for g in spec.utility.domain_list(keys) for v in g]
+
+
+def combine_units(
+    parts: list[tuple[pd.DataFrame, pd.DataFrame | None]],
+) -> tuple[pd.DataFrame, np.ndarray | None]:
+    """The whole input's units, sorted by (stratum, psu) (a unit may span partitions), and
+    their pseudo_scores when the partitions sent score sums."""
+    units = pd.concat([u for u, _ in parts], ignore_index=True)
+    units = (
         units.groupby(UNIT, sort=True)
         .agg(records=("records", "sum"), first=("first", "min"))
         .reset_index()
     )
+    sums = [s for _, s in parts if s is not None]
+    scores = pseudo_scores(pd.concat(sums, ignore_index=True), units) if sums else None
+    return units, scores
 
 
 def plan_of_units(
-    spec: ReleaseSpec, columns: list[str], units: pd.DataFrame, rng: np.random.Generator
+    spec: ReleaseSpec,
+    columns: list[str],
+    units: pd.DataFrame,
+    rng: np.random.Generator,
+    scores: np.ndarray | None = None,
 ) -> tuple[PseudoPlan, np.ndarray]:
     """The stage's plan from one row per unit (rng: the stage's Generator) and the purity of
     each pseudo PSU (the largest share of its records from one unit), in the order of its
     first record, as psu_purity gives it on the records."""
     strata = units["stratum"].to_numpy() if spec.design.strata else None
-    plan = pseudo_plan(spec, columns, strata, units["psu"].to_numpy(), rng, n=len(units))
+    plan = pseudo_plan(
+        spec, columns, strata, units["psu"].to_numpy(), rng, n=len(units), scores=scores
+    )
     key = plan.unit_psu  # each unit's pseudo PSU
     K = int(key.max()) + 1
     records = units["records"].to_numpy()
@@ -90,7 +114,7 @@ def pseudo_apply(
     """The partition with its pseudo strata, PSUs and replicate weights (apply_pseudo), written
     to folder as part-<first record>.parquet; returns the path."""
     df = read_partition(part, None, spec)
-    unit = pd.MultiIndex.from_frame(units[UNIT]).get_indexer(_labels(df, spec))
+    unit = pd.MultiIndex.from_frame(units[UNIT]).get_indexer(unit_labels(df, spec))
     if (unit < 0).any():
         raise PartitionError("design.psu: a partition has a PSU pass 1 did not see")
     return _write_partition(apply_pseudo(df, plan, unit, spec.design.weight), part, folder)

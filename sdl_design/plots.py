@@ -214,7 +214,8 @@ def estimate_plots(est, coefs, max_rows: int = 40) -> dict[str, bytes]:
     proportions overall and by each single domain; the max_rows largest |standardized bias| when
     there are more) and one coefficient plot per model."""
     figs: dict[str, bytes] = {}
-    single = est[(est["statistic"] != "total") & ~est["domain"].str.contains(" x ")]
+    means = est["statistic"].isin(["mean", "proportion"])  # (not the totals nor quantiles)
+    single = est[means & ~est["domain"].str.contains(" x ")]
     single = single[single["reliable"]] if "reliable" in single else single
     for v, t in single.groupby("variable", sort=False):
         if len(t) > max_rows:

@@ -23,7 +23,6 @@ import scipy.sparse as sp
 from scipy.optimize import brentq
 
 from sdl_design.attack import intruder_key
-from sdl_design.describe import pct
 from sdl_design.edits import check_edits
 from sdl_design.keys import coarsen, published_key, shared_categories
 from sdl_design.plots import histogram
@@ -1052,17 +1051,6 @@ def _prb_vars(res: StageResult) -> list[str]:
     return list(res.params.get("cells", []))
 
 
-def prb_public_treatments(res: StageResult) -> dict[str, list[str]]:
-    """Each variable of C: the share of records whose value PRB changed."""
-    ch = res.tables.get("changed_by_variable")
-    shares = {} if ch is None else dict(zip(ch["variable"], ch["share_changed"], strict=True))
-    theta = res.params.get("theta", float("nan"))
-    return {
-        c: [f"post-randomized by PRB (paper 002; theta {theta:.4f}): {pct(s)} of records changed"]
-        for c, s in shares.items()
-    }
-
-
 def _prb_matrices(tr: pd.DataFrame) -> list[str]:
     """The transition matrices' lines: the diagonal by category, then the off-diagonal entries."""
     L = []
@@ -1087,44 +1075,6 @@ def _prb_matrices(tr: pd.DataFrame) -> list[str]:
             "category (PRB partitions on it).",
         ]
     return L
-
-
-def prb_public_method(res: StageResult) -> list[str]:
-    """The public README's section on PRB with its transition probabilities (eq. 2.1)."""
-    p, m = res.params, res.metrics
-    L = [
-        "### Post-randomization of key variables (PRB, paper 002)",
-        "",
-        f"Records in key cells (combinations of {', '.join(p.get('cells', []))}) held by one or "
-        "two records were grouped in blocks of similar weight; within a block each record kept "
-        f"its cell with probability 1 - theta/t_j and moved to each of the m - 1 other cells "
-        f"with probability theta/((m-1) t_j) (t_j: the records of its cell in the block; "
-        f"theta = {p.get('theta', float('nan')):.6f}; at least m0 = {p.get('m0')} cells per "
-        f"block). A record that moved took all of {', '.join(_prb_vars(res))} from a record of "
-        f"its new cell. {int(m.get('n_changed', 0)):,} records ({pct(m.get('share_changed', 0.0))}) "
-        "changed; the exact identification risk of every block is at most "
-        f"xi = {p.get('xi')}.",
-        "",
-        "Transition probabilities for inference (P[a, b] = P(published = b | original = a), "
-        "weighted by the design weight, on each variable's published coding; a misclassification "
-        "model or the estimator T_original = (P')^-1 T_published of weighted category totals "
-        "uses them). Diagonal by category (the share of each category's weight left unchanged):",
-        "",
-    ]
-    tr = res.tables.get("transitions")
-    if tr is not None and len(tr):
-        L += _prb_matrices(tr)
-    ch = res.tables.get("changed_by_variable")
-    if ch is not None and len(ch):
-        L += [
-            "",
-            "Share of records whose value changed: "
-            + "; ".join(
-                f"`{v}` {pct(s)}" for v, s in zip(ch["variable"], ch["share_changed"], strict=True)
-            )
-            + ".",
-        ]
-    return [*L, ""]
 
 
 def prb_cells(spec: ReleaseSpec, section: Any) -> list[KeySpec]:

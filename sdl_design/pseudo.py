@@ -16,12 +16,14 @@ zero patterns show pseudo PSUs, never original ones.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
+from sdl_design.keys import key_levels
 from sdl_design.spec import SpecError
 from sdl_design.stage import StageResult
 from sdl_design.survey.design import DesignError, SurveyDesign
@@ -42,6 +44,8 @@ class PseudoDesign:
     units_per_psu_min: int
     units_per_psu_median: float
     strata_per_group_min: int  # original strata collapsed into one group, at least
+    # mean squared log ratio of its variances to the original's (None: not chosen on them)
+    variance_loss: float | None = None
 
 
 def _groups(unit_stratum_count: np.ndarray, need_units: int, need_strata: int) -> np.ndarray:
@@ -61,24 +65,18 @@ def _groups(unit_stratum_count: np.ndarray, need_units: int, need_strata: int) -
     return group
 
 
-def build_pseudo_design(
-    strata: np.ndarray | None,
-    psu: np.ndarray | None,
-    rng: np.random.Generator,
-    psus_per_stratum: int | None = None,
-    max_psus: int = 100,
-    min_units: int = 2,
-    n: int | None = None,
-) -> PseudoDesign:
-    """Pseudo strata and PSUs for records with original labels strata and psu (None: one
-    stratum; each record its own PSU; n: the number of records when both are None);
-    psus_per_stratum None: 2 with PSUs, 10 with records;
-    at most about max_psus pseudo PSUs. See the module docstring."""
-    if n is None:
-        n = len(strata) if strata is not None else (len(psu) if psu is not None else 0)
-    if n == 0:
-        raise DesignError("pseudo design: the file has no records")
-    m = int(psus_per_stratum or (2 if psu is not None else 10))
+@dataclass
+class _Units:
+    """The units of build_pseudo_design: each record's unit, each unit's original stratum, the
+    units per stratum."""
+
+    unit: np.ndarray  # (n,) unit of each record
+    unit_h: np.ndarray  # (U,) original stratum of each unit
+    per_h: np.ndarray  # (H,) units per original stratum
+    is_psu: bool  # units are original PSUs (else records)
+
+
+def _units(strata: np.ndarray | None, psu: np.ndarray | None, n: int) -> _Units:
     h = pd.factorize(strata, sort=True)[0] if strata is not None else np.zeros(n, dtype=np.int64)
     H = int(h.max()) + 1
     if psu is None:
@@ -88,46 +86,225 @@ def build_pseudo_design(
     U = int(unit.max()) + 1
     unit_h = np.zeros(U, dtype=np.int64)
     unit_h[unit] = h
-    per_h = np.bincount(unit_h, minlength=H)
-    if U < m * min_units:
-        raise DesignError(
-            f"design.pseudo: {U} units ({'PSUs' if psu is not None else 'records'}) are too few "
-            f"for {m} pseudo PSUs of at least {min_units} units; lower design.pseudo.min_units "
-            "or psus_per_stratum, or publish the design labels (design.publish_design_labels)"
-        )
+    return _Units(unit, unit_h, np.bincount(unit_h, minlength=H), psu is not None)
+
+
+def _deal(
+    u: _Units, m: int, max_psus: int, min_units: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray]:
+    """One draw of the dealing (module docstring) with m pseudo PSUs a pseudo stratum: each
+    unit's pseudo stratum index and pseudo PSU (0-based), the labels 1..G of the pseudo strata
+    in random order, G and the strata collapsed into each group."""
+    U, H = len(u.unit_h), len(u.per_h)
     max_strata = max(1, int(max_psus) // m)
     c = max(int(min_units), -(-U // (m * max_strata)))  # units per pseudo PSU
-    group = _groups(per_h, m * c, min(2, H))
+    group = _groups(u.per_h, m * c, min(2, H))
     G0 = int(group.max()) + 1
-    ug = group[unit_h]  # group of each unit
+    ug = group[u.unit_h]  # group of each unit
     units_g = np.bincount(ug, minlength=G0)
     S = np.maximum(1, units_g // (m * c))  # sub-strata per group
     # units of each group in stratum order, permuted at random within stratum
-    order = np.lexsort((rng.random(U), unit_h, ug))
+    order = np.lexsort((rng.random(U), u.unit_h, ug))
     start = np.r_[0, np.cumsum(units_g)[:-1]]
     pos = np.empty(U, dtype=np.int64)
     pos[order] = np.arange(U) - np.repeat(start, units_g)
     K = m * S
     offset = (rng.random(G0) * K).astype(np.int64)
     slot = (pos + offset[ug]) % K[ug]
-    sub = slot // m
     first = np.r_[0, np.cumsum(S)[:-1]]
-    stratum_u = first[ug] + sub  # global pseudo stratum index of each unit
-    psu_u = slot % m
     G = int(S.sum())
     label = rng.permutation(G) + 1
+    return first[ug] + slot // m, slot % m, label, G, np.bincount(group, minlength=G0)
+
+
+def _variances(z: np.ndarray, stratum: np.ndarray) -> np.ndarray:
+    """With-replacement variance of each column of the unit totals z (units x q) in strata
+    stratum (0-based): sum_h n_h / (n_h - 1) sum_i (z_hi - zbar_h)^2, strata of one unit out."""
+    n_h = np.bincount(stratum)
+    mean = np.zeros((len(n_h), z.shape[1]))
+    np.add.at(mean, stratum, z)
+    mean /= np.maximum(n_h, 1)[:, None]
+    dev = z - mean[stratum]
+    f = np.where(n_h > 1, n_h / np.maximum(n_h - 1, 1), 0.0)[stratum]
+    return (f[:, None] * dev * dev).sum(axis=0)
+
+
+def _loss(scores: np.ndarray, v0: np.ndarray, stratum_u: np.ndarray, psu_u: np.ndarray) -> float:
+    """Mean squared log ratio of the pseudo design's variances to the original's (v0) over the
+    characteristics whose scores (units x q) are the columns: how far the SEs an analyst gets
+    from the pseudo design are from the original ones."""
+    m = int(psu_u.max()) + 1
+    pid = stratum_u * m + psu_u
+    ids, pid = np.unique(pid, return_inverse=True)
+    zp = np.zeros((len(ids), scores.shape[1]))
+    np.add.at(zp, pid, scores)
+    v1 = _variances(zp, ids // m)
+    r = np.log(np.maximum(v1, 1e-12 * v0) / v0)
+    return float(np.round(np.mean(r * r), 10))  # rounded: the same choice by partition
+
+
+def _sizes(u: _Units, psus_per_stratum: int | None, min_units: int) -> list[int]:
+    """The pseudo PSUs a pseudo stratum to try: the spec's; else 10 with records as units; else
+    2 up to the most that hold min_units original PSUs each (at most 16)."""
+    if psus_per_stratum:
+        return [int(psus_per_stratum)]
+    if not u.is_psu:
+        return [10]
+    return list(range(2, max(2, min(16, len(u.unit_h) // max(1, int(min_units)))) + 1))
+
+
+def build_pseudo_design(
+    strata: np.ndarray | None,
+    psu: np.ndarray | None,
+    rng: np.random.Generator,
+    psus_per_stratum: int | None = None,
+    max_psus: int = 100,
+    min_units: int = 2,
+    n: int | None = None,
+    scores: np.ndarray | None = None,
+    candidates: int = 1,
+) -> PseudoDesign:
+    """Pseudo strata and PSUs for records with original labels strata and psu (None: one
+    stratum; each record its own PSU; n: the number of records when both are None);
+    psus_per_stratum None: 2 with PSUs (without scores), 10 with records; at most about
+    max_psus pseudo PSUs. See the module docstring. scores (units x q, units in sorted (stratum,
+    PSU) order): the PSU totals of the linearized scores of q characteristics; with them,
+    `candidates` dealings of each size (_sizes) are drawn and the one whose variances are
+    closest to the original's (_loss) is kept: a variance-preserving choice among unbiased
+    random-group designs."""
+    if n is None:
+        n = len(strata) if strata is not None else (len(psu) if psu is not None else 0)
+    if n == 0:
+        raise DesignError("pseudo design: the file has no records")
+    u = _units(strata, psu, n)
+    U = len(u.unit_h)
+    search = scores is not None and u.is_psu and candidates > 1
+    sizes = _sizes(u, psus_per_stratum, min_units) if search else [psus_per_stratum or 0]
+    sizes = [s or (2 if psu is not None else 10) for s in sizes]
+    if U < sizes[0] * min_units:
+        raise DesignError(
+            f"design.pseudo: {U} units ({'PSUs' if psu is not None else 'records'}) are too few "
+            f"for {sizes[0]} pseudo PSUs of at least {min_units} units; lower "
+            "design.pseudo.min_units or psus_per_stratum, or publish the design labels "
+            "(design.publish_design_labels)"
+        )
+    best, best_loss = None, np.inf
+    v0 = _variances(scores, u.unit_h) if search else None
+    if search:
+        keep = v0 > 1e-12 * v0.max(initial=0.0)
+        scores, v0 = scores[:, keep], v0[keep]
+        search = bool(keep.any())
+    for m in sizes:
+        for _ in range(candidates if search else 1):
+            dealt = _deal(u, m, max_psus, min_units, rng)
+            loss = _loss(scores, v0, dealt[0], dealt[1]) if search else 0.0
+            if loss < best_loss:
+                best, best_loss = (m, dealt), loss
+    m, (stratum_u, psu_u, label, G, strata_per_group) = best
     per_psu = np.bincount(stratum_u * m + psu_u, minlength=G * m)
-    strata_per_group = np.bincount(group, minlength=G0)
     return PseudoDesign(
-        stratum=label[stratum_u[unit]],
-        psu=psu_u[unit] + 1,
+        stratum=label[stratum_u[u.unit]],
+        psu=psu_u[u.unit] + 1,
         n_strata=G,
         psus_per_stratum=m,
         units="PSU" if psu is not None else "record",
         units_per_psu_min=int(per_psu.min()),
         units_per_psu_median=float(np.median(per_psu)),
         strata_per_group_min=int(strata_per_group.min()),
+        variance_loss=best_loss if search else None,
     )
+
+
+UNIT = ["stratum", "psu"]
+MIN_N = 30  # records a domain needs for its variance to steer the choice
+
+
+def unit_labels(df: pd.DataFrame, spec: Any) -> pd.MultiIndex:
+    """Each record's unit: (stratum, PSU) labels; stratum 0 when the design has no strata."""
+    d = spec.design
+    s = df[d.strata] if d.strata else pd.Series(0, index=df.index)
+    return pd.MultiIndex.from_arrays([s.to_numpy(), df[d.psu].to_numpy()], names=UNIT)
+
+
+def _study_block(df: pd.DataFrame, spec: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The numeric study variables as records x k (missing as 0) and their observed flags."""
+    cols = [
+        c
+        for c in spec.variables.study
+        if c in df.columns
+        and (pd.api.types.is_numeric_dtype(df[c]) or pd.api.types.is_bool_dtype(df[c]))
+    ]
+    Y = df[cols].to_numpy(dtype=float, na_value=np.nan) if cols else np.zeros((len(df), 0))
+    seen = ~np.isnan(Y)
+    return np.where(seen, Y, 0.0), seen.astype(float)
+
+
+def unit_score_sums(df: pd.DataFrame, spec: Any) -> pd.DataFrame:
+    """A pass over records (a file or a partition): for each unit (stratum, PSU), utility domain
+    (overall, spec.utility's domains; keys in their published coding) and level, the records
+    and sum w m y and sum w m of each numeric study variable (m: y observed): the sums the PSU
+    totals of the domain means' linearized scores follow from (pseudo_scores)."""
+    keys = {k.name: k for k in spec.variables.keys}
+    w = df[spec.design.weight].to_numpy(dtype=float)
+    Y, M = _study_block(df, spec)
+    k = Y.shape[1]
+    block = np.concatenate([np.ones((len(df), 1)), w[:, None] * M * Y, w[:, None] * M], axis=1)
+    ucode, units = pd.factorize(unit_labels(df, spec))
+    groupings = [[]] + spec.utility.domain_list(list(keys))
+    out = []
+    for g, vars_ in enumerate(groupings):
+        if any(v not in df.columns for v in vars_):
+            continue
+        cell = np.zeros(len(df), dtype=np.int64)
+        names = np.array([""], dtype=object)
+        for v in vars_:
+            codes, levels = key_levels(df[v], keys.get(v, v))
+            lab = np.array([str(x) for x in levels], dtype=object)
+            cell = cell * len(lab) + codes
+            names = (names[:, None] + "|" + lab[None, :]).ravel()
+        pair, at = np.unique(ucode * len(names) + cell, return_inverse=True)
+        sums = np.zeros((len(pair), block.shape[1]))
+        np.add.at(sums, at, block)
+        frame = pd.DataFrame(
+            sums, columns=["n", *[f"y{j}" for j in range(k)], *[f"x{j}" for j in range(k)]]
+        )
+        unit = units[pair // len(names)]
+        frame.insert(0, "level", names[pair % len(names)])
+        frame.insert(0, "domain", g)
+        for i, name in enumerate(UNIT):
+            frame.insert(i, name, unit.get_level_values(i))
+        out.append(frame)
+    return pd.concat(out, ignore_index=True)
+
+
+def pseudo_scores(sums: pd.DataFrame, units: pd.DataFrame) -> np.ndarray:
+    """The PSU totals of the linearized scores z = w m (y - R_d) / X_d of every numeric study
+    variable's mean in every domain with at least MIN_N records, units x q, in the order of
+    units (its stratum, psu columns): from unit_score_sums (summed over partitions)."""
+    by = [*UNIT, "domain", "level"]
+    s = sums.groupby(by, sort=True).sum()
+    k = (s.shape[1] - 1) // 2
+    wide = s.unstack(["domain", "level"], fill_value=0.0)
+    wide = wide.reindex(pd.MultiIndex.from_frame(units[UNIT]), fill_value=0.0)
+    n = wide["n"].to_numpy().sum(axis=0)
+    overall = wide["n"].columns.get_level_values("domain").to_numpy() == 0
+    z, z_all = [], []
+    for j in range(k):
+        Sy, Sx = wide[f"y{j}"].to_numpy(), wide[f"x{j}"].to_numpy()
+        X = Sx.sum(axis=0)
+        ok = (n >= MIN_N) & (X > 0)
+        R = Sy[:, ok].sum(axis=0) / X[ok]
+        zj = (Sy[:, ok] - R * Sx[:, ok]) / X[ok]  # the ratio's linearized scores
+        z.append(zj[:, ~overall[ok]])
+        z_all.append(zj[:, overall[ok]])
+    if not z:
+        return np.zeros((len(units), 0))
+    z_dom, z_all = np.concatenate(z, axis=1), np.concatenate(z_all, axis=1)
+    # each overall mean weighs sqrt(domain means / overall means) of them (its scores repeated):
+    # the estimates analysts quote first count more, the domains still decide (NHANES 2009-10,
+    # 5 seeds: overall SE ratio 0.89-1.09, 10th/90th percentiles 0.84-0.87/1.14-1.22)
+    reps = max(1, round(np.sqrt(z_dom.shape[1] / max(1, z_all.shape[1]))))
+    return np.concatenate([*([z_all] * reps), z_dom], axis=1)
 
 
 def psu_purity(original_psu: np.ndarray, pseudo_psu: np.ndarray) -> np.ndarray:
@@ -183,11 +360,13 @@ def pseudo_plan(
     psu: np.ndarray | None,
     rng: np.random.Generator,
     n: int | None = None,
+    scores: np.ndarray | None = None,
 ) -> PseudoPlan:
     """The spec's pseudo design (design.pseudo) of units with original labels strata and psu
     (build_pseudo_design; a file's records, or one row per original PSU: the same labels per
     unit and the same draws of rng), then its replicate factors (rng's next draws); columns:
-    the file's. SpecError names the field when a new column's name is taken."""
+    the file's; scores: pseudo_scores of the units (None: no variance-preserving choice).
+    SpecError names the field when a new column's name is taken."""
 
     d, p = spec.design, spec.design.pseudo
     sc, pc = d.strata or p.strata, d.psu or p.psu
@@ -198,7 +377,17 @@ def pseudo_plan(
     ]
     if clash:
         raise SpecError(clash)
-    des = build_pseudo_design(strata, psu, rng, p.psus_per_stratum, p.max_psus, p.min_units, n=n)
+    des = build_pseudo_design(
+        strata,
+        psu,
+        rng,
+        p.psus_per_stratum,
+        p.max_psus,
+        p.min_units,
+        n=n,
+        scores=scores,
+        candidates=p.candidates,
+    )
     m = des.psus_per_stratum
     key = des.stratum.astype(np.int64) * (m + 1) + des.psu
     rows, unit_psu = np.unique(key, return_inverse=True)
@@ -254,6 +443,10 @@ def pseudo_frame(
     new columns when the design has none) and replicate weights of the pseudo design replacing
     the original ones. Returns the frame, the design and the public design's columns."""
     d = spec.design
+    scores = None
+    if d.psu and d.pseudo.candidates > 1:
+        units = unit_labels(df, spec).unique().sort_values().to_frame(index=False)
+        scores = pseudo_scores(unit_score_sums(df, spec), units)
     plan = pseudo_plan(
         spec,
         list(df.columns),
@@ -261,6 +454,7 @@ def pseudo_frame(
         df[d.psu].to_numpy() if d.psu else None,
         rng,
         n=len(df),
+        scores=scores,
     )
     data = apply_pseudo(df, plan, np.arange(len(df)), d.weight)
     return data, plan.design, plan.public
@@ -312,17 +506,17 @@ def pseudo_summary(
     return params, metrics, notes
 
 
-def pseudo_public_method(res: StageResult, des: dict[str, Any]) -> list[str]:
-    """The public README's section on the pseudo design."""
-    said = " ".join(str(n) for n in res.notes) or (
-        "Pseudo-strata and pseudo-PSUs were formed for this file and replicate weights built "
-        "from them."
+def se_fix(previous: Sequence[StageResult]) -> str:
+    """What a failing SE-ratio gate names as the fix when the public file's design is a pseudo
+    design (previous: the stages' results so far; '' when none built one)."""
+    built = [r.params for r in previous if (r.params or {}).get("pseudo_strata")]
+    if not built:
+        return ""
+    p = built[-1]
+    return (
+        f"fix: the pseudo design ({p['pseudo_strata']} pseudo strata of {p['psus_per_stratum']} "
+        "PSUs) has fewer degrees of freedom than the original: publish the original labels "
+        "(design.publish_design_labels: true) where they may be published, or give it more "
+        "designs to choose from (design.pseudo.candidates) or set "
+        "design.pseudo.psus_per_stratum"
     )
-    return [
-        "### Pseudo-design for variance estimation",
-        "",
-        f"The published `{des['strata']}` and `{des['psu']}` are not the survey's strata and PSUs: "
-        + said
-        + " Use them as ordinary strata and PSUs (below).",
-        "",
-    ]

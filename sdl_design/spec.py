@@ -137,6 +137,11 @@ class ReplicateSpec(_Strict):
     rscales: list[float] | None = None
     mse: bool = True
 
+    @field_validator("method", mode="before")
+    @classmethod
+    def _method_any_case(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v  # R's "JKn", Stata's "BRR"
+
     @model_validator(mode="after")
     def _fay_needs_rho(self) -> ReplicateSpec:
         if self.method == "fay" and self.rho is None:
@@ -172,8 +177,8 @@ class PseudoDesignSection(_Strict):
     pseudo PSUs in each (original PSUs, or records when each record is its own PSU, dealt at
     random within their original stratum), at least min_units original PSUs in each pseudo PSU,
     at most max_psus pseudo PSUs (JKn: one replicate each), and replicate weights of the pseudo
-    design. psus_per_stratum None: 2 when the design has PSUs (stratification kept pair by
-    pair), 10 when each record is its own PSU (more degrees of freedom per replicate)."""
+    design. psus_per_stratum None: chosen with the dealing when the design has PSUs (candidates),
+    10 when each record is its own PSU (more degrees of freedom per replicate)."""
 
     enabled: bool = True
     strata: str = "pseudo_stratum"  # column of the pseudo strata when design.strata is not given
@@ -181,6 +186,10 @@ class PseudoDesignSection(_Strict):
     psus_per_stratum: int | None = Field(default=None, ge=2, le=50)
     max_psus: int = Field(default=100, ge=2, le=2000)
     min_units: int = Field(default=2, ge=1)  # original PSUs (or records) per pseudo PSU
+    # dealings drawn (of each size when psus_per_stratum is None) when the units are original
+    # PSUs: the one whose variances of the study variables' domain means are closest to the
+    # original design's is kept (1: the first draw, 2 pseudo PSUs a stratum)
+    candidates: int = Field(default=100, ge=1, le=1000)
     replicate_method: Literal["jkn", "bootstrap"] = "jkn"
     replicates: int = Field(default=100, ge=2, le=1000)  # bootstrap only
     replicate_prefix: str = Field(default="rw_", min_length=1)  # when the spec names no glob
@@ -568,7 +577,7 @@ class ModelSpec(_Strict):
     """An analysis model the release must keep: a survey-weighted GLM."""
 
     formula: str
-    family: Literal["gaussian", "binomial"] = "gaussian"
+    family: Literal["gaussian", "binomial", "quasibinomial", "poisson"] = "gaussian"
 
     @field_validator("formula")
     @classmethod

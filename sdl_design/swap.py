@@ -16,11 +16,9 @@ import numpy as np
 import pandas as pd
 from scipy.spatial import cKDTree
 
-from sdl_design.describe import REPLICATES, pct
 from sdl_design.messages import short_list
 from sdl_design.plots import se_ratio_boxplot as boxplot
 from sdl_design.psus import Psus, strata_psu
-from sdl_design.stage import StageResult
 from sdl_design.survey.design import SurveyDesign, design_columns, first_of
 from sdl_design.survey.exactsum import grid_exponent, limb_sums, limb_total, value
 from sdl_design.utility import (
@@ -31,7 +29,6 @@ from sdl_design.utility import (
 
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec
-    from sdl_design.stage import StageResult
 
 Method = Literal["2a", "2b"]
 Scope = Literal["any", "same_stratum", "cross_stratum"]
@@ -984,32 +981,3 @@ def _class_summary(se: pd.DataFrame, column: str, method: str, variance: str) ->
     t = deff_class_summary(se[column], se["deff"])
     t.index.name = "statistic"
     return t.reset_index().assign(method=method, variance=variance)
-
-
-def swap_public_method(res: StageResult, des: dict[str, Any]) -> list[str]:
-    """The public README's section on the masked design."""
-    p = res.params
-    return [
-        "### Masked design (segment swapping, paper 003)",
-        "",
-        f"{p.get('n_swapped')} of {p.get('n_segments')} segments "
-        f"({pct(p.get('share_swapped', 0.0))}) were swapped between PSUs, each partner chosen "
-        "so that the variances of the matching characteristics change as little as possible "
-        f"(method {p.get('method')}). The published `{des['strata']}` and `{des['psu']}` are "
-        "pseudo-strata and pseudo-PSUs, renumbered; replicate weights were rebuilt for them. "
-        "Use them as ordinary strata and PSUs (below); standard errors stay close to those "
-        "of the original design (the release's SE-ratio gate checks them).",
-        "",
-    ]
-
-
-def swap_public_treatments(res: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
-    """The published design labels are pseudo labels; the replicate weights were rebuilt."""
-    p = res.params
-    label = (
-        f"pseudo-design label: {p.get('n_swapped', '?')} of {p.get('n_segments', '?')} "
-        f"segments ({pct(p.get('share_swapped', 0.0))}) swapped between PSUs "
-        "(paper 003, method " + str(p.get("method", "")) + "), labels renumbered"
-    )
-    out = {c: [label] for c in dict.fromkeys((des["strata"], des["psu"])) if c}
-    return {**out, REPLICATES: [" rebuilt for the masked design"]}

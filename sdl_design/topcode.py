@@ -655,26 +655,11 @@ def topcodes(res: StageResult) -> list[tuple[str, int, str]]:
             how = "; those values set to the threshold"
         else:
             how = ""
-        out.append((row.column, n, f"{word} at {fmt(row.threshold)}: {n} records{how}"))
+        out.append(
+            (
+                row.column,
+                n,
+                f"{word} at {fmt(row.threshold)}: {n} record{'s' if n != 1 else ''}{how}",
+            )
+        )
     return out
-
-
-def topcode_sentences(res: StageResult) -> dict[str, list[str]]:
-    """Each coded column's sentences, a side each."""
-    out: dict[str, list[str]] = {}
-    for c, _n, text in topcodes(res):
-        out.setdefault(c, []).append(text)
-    return out
-
-
-def topcode_public_method(res: StageResult) -> list[str]:
-    """The public README's section on top- and bottom-coding."""
-    L = ["### Top- and bottom-coding (paper 004)", ""]
-    L += [f"- `{c}`: {text}." for c, _, text in topcodes(res)]
-    return [
-        *L,
-        "",
-        "The codebook's `topcoded` column repeats these; a coded record is recognised by its "
-        "value (the threshold, or the replacement mean).",
-        "",
-    ]

@@ -1,18 +1,6 @@
-"""The demo release is reproducible byte for byte: `puf demo` gives these
-hashes. They were recorded before the stage-protocol refactor (commit 95ef319) and the refactor
-kept them; issue 11 changed the public file on purpose (PRB cells on the published coding within
-the declared domains; MASSC composed against the original on the sampling-error scale; the
-default spec's utility domains, county not published and its sensitivity scores), and the
-hashes below are those of that change, then of issue 13's public README and codebook (the
-methods that ran with their parameters, variance recipes, labels and top-code flags) and issue
-15's leaks (release year in the seed derivation, records shuffled, formula cells quoted, one BLAS
-thread per stage: the same on any CPU count). puf.parquet's hash changed with issue 14's
-Parquet options (no dictionary pages for float columns): the same table, read back and written
-with pyarrow's defaults, gives the hash before it (a609215...). Issue 32 changed them on purpose:
-the keys published in their coding, the rows sorted by the published values, PRB cells on the
-intruder's key, the demo at its own size (20,000 persons: on 3,000 the intruder's key makes
-most records unique and the SE-ratio gates refuse the release) and a 64-bit release seed. A
-change that alters the public file on purpose updates them and says why in its commit."""
+"""The demo release is reproducible byte for byte: `puf demo` gives these hashes, in memory
+and by partition. A change that alters the public files on purpose updates them and says why in
+its commit (the history of the hashes is in git log of this file)."""
 
 import hashlib
 
@@ -23,10 +11,11 @@ from flows.cli import main as puf
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_server")]
 
 RECORDED = {
-    "README.md": "affcd40ca29e17ac9f6c43b23fb5e3c472dbaa9df89880f74e8e3227805f6c33",
-    "codebook.csv": "d334f4b6dbb822862038f55be053a9b790a7a8ea75d29818e09719ef7fd1a564",
+    "README.md": "16b04134c41adb33fbecbdefaf40eabfe41b28f753741ebb16843013be88ac1a",
+    "codebook.csv": "f7180596ab16759fab15de11987fc84df154e657d033fae3ed4c916a8029bb22",
     "puf.csv": "616907d677f7947ac8408c7c10d178d628555eb05147c2e74b2745113129dc2f",
     "puf.parquet": "92fe97f54b2b26012f9ca5ca06e7828dc20213bb7893525a3da99734b45f2918",
+    "replicate_scales.csv": "f76a524c104ea80ef4675450b6ef4a1b37ce05aa352337d6165a4fa805161c2f",
 }
 
 

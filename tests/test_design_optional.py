@@ -158,32 +158,51 @@ def _weights_only_spec(**gates) -> dict:
     }
 
 
-def test_weights_only_spec_runs_and_publishes_a_pseudo_design():
+def test_weights_only_spec_keeps_its_design():
+    """No strata and no PSUs: no labels to mask, so no pseudo design; the public file is read
+    with the input's design (each record its own PSU, SRS with replacement)."""
     df = _weights_only()
     spec = parse_spec(_weights_only_spec(xi=0.45, se_ratio=[0.7, 1.4]))
     assert spec.design.strata is None and spec.design.psu is None
+    res = {r.name: r for r in run_stages(spec, df)}
+    assert "pseudo_design" not in res
+    a = res["assess"]
+    assert (
+        a.params["design_released"]
+        == a.params["design_original"]
+        == ("1500 records, 1 strata, 1500 PSUs")
+    )
+    roles = a.params["published_columns"]
+    assert not roles.get("stratum") and not roles.get("PSU") and not roles.get("replicate weight")
+    assert 0.7 < a.metrics["se_ratio_median"] < 1.4
+
+
+def test_stratified_only_spec_publishes_a_pseudo_design_of_records():
+    """Strata and no PSUs (each record its own): the strata are masked by a pseudo design of 10
+    pseudo PSUs of records a pseudo stratum, JKn replicates (one per pseudo PSU) with scale
+    (m-1)/m; the assessment reads the released file with it."""
+    df = _weights_only().assign(stratum=lambda d: d.pid % 6)
+    data = _weights_only_spec(xi=0.45, se_ratio=[0.7, 1.4])
+    data["design"]["strata"] = "stratum"
+    spec = parse_spec(data)
     res = {r.name: r for r in run_stages(spec, df)}
     pdr = res["pseudo_design"]
     assert pdr.masks_design and pdr.params["built"]
     pub = pdr.params["public_design"]
     out = pdr.data
-    # the pseudo design's columns: 10 pseudo PSUs of records in every pseudo stratum, JKn
-    # replicates (one per pseudo PSU) with scale (m-1)/m
     m = pdr.params["psus_per_stratum"]
     assert m == 10 and pub["rscales"] == [pytest.approx(0.9)]
     assert (out.groupby(pub["strata"])[pub["psu"]].nunique() == m).all()
     assert (
         len(pub["replicate_weights"]) == out[[pub["strata"], pub["psu"]]].drop_duplicates().shape[0]
     )
-    # the assessment read the released file with the pseudo design, the original as SRS-WR
     a = res["assess"]
     G = pdr.params["pseudo_strata"]
     assert a.params["design_released"] == (
         f"1500 records, {G} strata, {G * m} PSUs, {G * m} jkn replicate weights"
     )
-    assert "1 strata, 1500 PSUs" in a.params["design_original"]
+    assert "6 strata, 1500 PSUs" in a.params["design_original"]
     assert 0.7 < a.metrics["se_ratio_median"] < 1.4
-    # what leaves: the stage-built columns are published under their design roles
     roles = a.params["published_columns"]
     assert roles["replicate weight"] == list(pub["replicate_weights"])
     assert roles["stratum"] == [pub["strata"]] and roles["PSU"] == [pub["psu"]]

@@ -54,7 +54,8 @@ def test_partitioned_release_publishes_the_release_flows_files(tmp_path, capsys)
     assert first.status == "published"
     memory = dict(first.hashes.outputs)
     assert set(memory) == {
-        f"public/{f}" for f in ("README.md", "codebook.csv", "puf.csv", "puf.parquet")
+        f"public/{f}"
+        for f in ("README.md", "codebook.csv", "puf.csv", "puf.parquet", "replicate_scales.csv")
     }
     kept = {k: (final / k).read_bytes() for k in memory}
     assert (
@@ -85,17 +86,21 @@ def test_partitioned_release_publishes_the_release_flows_files(tmp_path, capsys)
 
 @pytest.mark.flow  # a whole release chain by partition
 def test_partitioned_release_with_a_failed_gate_publishes_nothing(tmp_path):
-    """With the pseudo design at 3,000 records the 10th percentile of the SE ratios is below
-    its bound: GateFailed, no public folder, the attempt recorded as rejected with its gates,
-    the records after each stage deleted. Without an approver the run is refused before any
-    work."""
-    path, final, url, name, year = _spec(tmp_path, **{"design.publish_design_labels": False})
+    """With a pseudo design drawn once (no variance-preserving choice) at 3,000 records the
+    10th percentile of the SE ratios is below its bound: GateFailed naming the fix, no public
+    folder, the attempt recorded as rejected with its gates, the records after each stage
+    deleted. Without an approver the run is refused before any work."""
+    one_draw = {"design.pseudo": {"candidates": 1, "psus_per_stratum": 2}}
+    path, final, url, name, year = _spec(
+        tmp_path, **{"design.publish_design_labels": False, **one_draw}
+    )
     with pytest.raises(SpecError, match="approval.required"):
         publish_partitioned(path, None, partitions=7)
     with pytest.raises(GateFailed) as ei:
         publish_partitioned(path, "ana", partitions=7)
     failed = ei.value.results.loc[~ei.value.results["passed"], "name"].tolist()
     assert "utility: 10th percentile of published/original SE ratios" in failed
+    assert "fix: the pseudo design" in ei.value.one_line()
     assert not final.exists()
     attempts = reg.read_attempts(name, year, url=url)
     assert attempts["state"].tolist() == ["rejected"]
@@ -164,4 +169,4 @@ def test_partitioned_release_flow_pauses_for_the_board(tmp_path):
     manifest = box["manifest"]
     assert manifest.status == "published" and manifest.approval.approver == "board"
     assert reg.current_release(name, year, url)["output_hashes"] == _disk(final)
-    assert len(_disk(final)) == 4
+    assert len(_disk(final)) == 5  # with replicate_scales.csv

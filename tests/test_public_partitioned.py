@@ -128,10 +128,16 @@ def test_readme_and_codebook_by_partition_are_the_release_writers_bytes(
         got = write_public_by_partition(
             run_map, parts, spec, cols, masked, drop, built, tmp_path / "puf", 700, results=[]
         )
-    assert sorted(got["files"]) == ["README.md", "codebook.csv", "puf.csv", "puf.parquet"]
+    assert sorted(got["files"]) == [
+        "README.md",
+        "codebook.csv",
+        "puf.csv",
+        "puf.parquet",
+        "replicate_scales.csv",
+    ]
     puf = public_frame(whole, spec, masked, drop, built)
     ref = write_public_files(puf, tmp_path / "ref", variance_notes(spec, [], puf))
-    for name in ("README.md", "codebook.csv"):
+    for name in ("README.md", "codebook.csv", "replicate_scales.csv"):
         data = (tmp_path / "puf" / name).read_bytes()
         assert data == (tmp_path / "ref" / name).read_bytes(), name
         assert got["files"][name] == ref[f"public/{name}"] == hashlib.sha256(data).hexdigest()

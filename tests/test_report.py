@@ -362,7 +362,7 @@ def test_verdict_and_what_leaves_the_building(tmp_path):
     # every published column once, the replicate weights as one row; the dropped one with why
     for needle in (
         "rw_1 .. rw_2 (2 columns)",
-        "post-randomized by PRB (paper 002; theta 0.6100): 9.7% of records changed",
+        "post-randomized by PRB of Zhang and Nayak (2018), theta 0.6100: 9.7% of records changed",
         "name",
         "direct identifier (variables.direct_identifiers)",
     ):

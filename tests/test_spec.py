@@ -182,3 +182,13 @@ def test_stage_rng_independent_and_reproducible():
     assert np.array_equal(a, stage_rng(5, "swap").random(3))
     assert not np.array_equal(a, stage_rng(5, "prb").random(3))
     assert not np.array_equal(a, stage_rng(6, "swap").random(3))
+
+
+def test_replicate_method_in_any_case():
+    """R writes type="JKn", Stata BRR: the spec takes the method's name in any case."""
+    for given, want in (("JKn", "jkn"), ("BRR", "brr"), ("Bootstrap", "bootstrap")):
+        rw = {"columns": "rw_*", "method": given}
+        spec = parse_spec(with_change(["design", "replicate_weights"], rw))
+        assert spec.design.replicate_weights.method == want
+    bad = {"columns": "rw_*", "method": "jk2"}
+    assert "method" in problems(with_change(["design", "replicate_weights"], bad))

@@ -11,7 +11,6 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.describe import (
-    REPLICATES,
     pct,
 )
 from sdl_design.edits import check_edits
@@ -634,27 +633,6 @@ def massc_epsilon(out: StageResult, estimates: Sequence[np.ndarray], spec) -> St
     return out
 
 
-def massc_public_treatments(res: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
-    """The substituted columns, the calibrated weight and the recalibrated replicates."""
-    m, p = res.metrics, res.params
-    n_sub = int(m.get("n_substituted", 0))
-    out: dict[str, list[str]] = {}
-    for c in p.get("substitute_columns") or []:
-        out.setdefault(c, []).append(
-            f"substituted by MASSC (paper 000): {n_sub} records "
-            f"({pct(m.get('share_substituted', 0.0))}) took a donor's values"
-            if n_sub
-            else "eligible for MASSC substitution; no record was substituted"
-        )
-    cal = p.get("calibration") or {}
-    out.setdefault(des["weight"], []).append(
-        f"divided by the MASSC retention rate and calibrated ({cal.get('method', '?')}) "
-        f"to the original totals; factors {m.get('calibration_factor_min', float('nan')):.3f}"
-        f" to {m.get('calibration_factor_max', float('nan')):.3f}"
-    )
-    return {**out, REPLICATES: ["; each recalibrated as the full-sample weight"]}
-
-
 def _massc_substituted(m: dict[str, float], p: dict[str, Any]) -> str:
     """The sentence on substitution: how many records took a donor's values, or why none."""
     n_sub = int(m.get("n_substituted", 0))
@@ -667,32 +645,3 @@ def _massc_substituted(m: dict[str, float], p: dict[str, Any]) -> str:
     return "No record was substituted" + (
         " (no donor within the record's cell of the declared domains). " if no_domain else ". "
     )
-
-
-def massc_public_method(res: StageResult, des: dict[str, Any]) -> list[str]:
-    """The public README's section on MASSC: substitution, subsampling, calibration."""
-    p, m = res.params, res.metrics
-    cal = p.get("calibration") or {}
-    controls = [c["name"] if isinstance(c, dict) else str(c) for c in cal.get("controls", [])]
-    phi = p.get("phi") or {}
-    n_out = int(m.get("n_subsampled_out", 0))
-    return [
-        "### Substitution, subsampling and calibration (MASSC, paper 000)",
-        "",
-        "Records were grouped by risk: U, D, T, O = the record's key combination is held by "
-        "1, 2, 3, or 4 and more records. "
-        + _massc_substituted(m, p)
-        + f"{n_out:,} records were removed by subsampling at the retention rates "
-        + ", ".join(f"{h} {v:.3f}" for h, v in phi.items())
-        + f" ({p.get('selection', '')}); the weight `{des['weight']}` was divided by the rate "
-        "and then "
-        f"calibrated ({cal.get('method', '?')}"
-        + (f", bounds {cal['bounds']}" if cal.get("bounds") else "")
-        + ") so that the weighted totals of "
-        + (", ".join(f"`{c}`" for c in controls) or "no control")
-        + " equal those of the original file"
-        + (" (and of the declared domains)" if cal.get("domain_margins") else "")
-        + ". Each replicate weight was recalibrated the same way, so replicate variances "
-        "include the calibration.",
-        "",
-    ]

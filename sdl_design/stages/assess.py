@@ -19,6 +19,7 @@ from sdl_design.assess import (
     assess,
     assessment_gates,
     column_record,
+    gate_variance,
     published_attacks,
     published_delta,
 )
@@ -27,6 +28,7 @@ from sdl_design.engine.records import Records, passes_result
 from sdl_design.keys import publish_coding
 from sdl_design.partition import combine_profiles, profile_scores
 from sdl_design.plots import estimate_plots
+from sdl_design.pseudo import se_fix
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import StageContext, StageResult, design_columns
 
@@ -54,7 +56,8 @@ class AssessStage(Describes):
         # the file as published: its columns, every coded key in its published coding
         released = publish_coding(df[ctx.published(list(df.columns))], spec.variables.keys)
         pdesign = ctx.public_design()
-        a = assess(ctx.original, released, spec, design_released=pdesign)
+        variance = gate_variance(spec, released.columns, pdesign)
+        a = assess(ctx.original, released, spec, variance=variance, design_released=pdesign)
         a.params.update(column_record(spec, ctx, list(released.columns)))
         m = dict(a.metrics)
         # risk of the published file whatever stages ran: the intruder's attacks on it record
@@ -81,7 +84,7 @@ class AssessStage(Describes):
                 spec,
                 _worst_text(worst),
                 _worst_terms(a.model_coefficients),
-                _worst_se_text(a.domain_estimates),
+                "; ".join(filter(None, [se_fix(ctx.previous), _worst_se_text(a.domain_estimates)])),
             ),
             figures=estimate_plots(a.domain_estimates, a.model_coefficients),
             notes=_notes(m, worst),
@@ -110,10 +113,11 @@ class AssessStage(Describes):
     def run_partitions(self, records: Records, ctx: StageContext) -> StageResult:
         """The measures and gates by partition (sdl_design.partition_assess): the records so
         far in their public columns and design against the input's: the domain estimates
-        (two passes over each file), the models (their cells), the re-identification,
-        sample uniques, delta and PSU leak of the published records (each linked to its
-        original record by MASSC's d(2)), the pMSE (its propensity model fitted by
-        partition) and the gates on them."""
+        (two passes over each file; the quantiles from the records of the continuous study
+        variables, a third pass for their replicate SEs), the models (their cells), the
+        re-identification, sample uniques, delta and PSU leak of the published records (each
+        linked to its original record by MASSC's d(2)), the pMSE (its propensity model fitted
+        by partition) and the gates on them."""
         spec, run_map = ctx.spec, records.run_map
         design = ctx.public_design()
         built = any((r.params or {}).get("public_design") for r in ctx.previous)
@@ -140,7 +144,19 @@ class AssessStage(Describes):
             run_map(pas.assess_pass2, p, spec, req, f, plan, what=f"assess pass 2, {name}")
             for f, (p, name) in enumerate(files)
         ]
-        out = pas.assess_combine(plan, second)
+        variance = gate_variance(spec, released, design)  # as AssessStage.run's
+        quantiles = pas.partition_quantiles(plan, second)  # the continuous variables' records
+        if variance == "replicate" and quantiles is not None:  # the CDF's replicate SEs
+            cuts = [quantiles.cuts(plan, f) for f in (0, 1)]
+            third = [
+                run_map(
+                    pas.quantile_pass, p, spec, req, f, plan, cuts[f], what=f"quantiles, {name}"
+                )
+                for f, (p, name) in enumerate(files)
+            ]
+            quantiles.add_replicates(third)
+        out = pas.assess_combine(plan, second, quantiles, variance)
+        del quantiles
         m = out.metrics
         attacks = _risk_by_partition(m, ctx, req, plan, records, (design, released, original))
         got = [  # the models (utility.models): each fitted on both files' cells
@@ -151,7 +167,7 @@ class AssessStage(Describes):
         m |= model_m
         # pMSE: the propensity model of membership in the published file, fitted by partition
         m |= pas.pmse_by_partition(run_map, (records.run.inputs, records.parts), spec, req, plan)
-        gates = pas.assess_gates(spec, out.domain_estimates, coefs, m)
+        gates = pas.assess_gates(spec, out.domain_estimates, coefs, m, se_fix(ctx.previous))
         _say_assessment(records, m, gates)
         records.lap("")
         return passes_result(

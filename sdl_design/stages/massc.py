@@ -16,19 +16,29 @@ import pandas as pd
 
 from sdl_design import partition as part
 from sdl_design import partition_calibration as pcal
-from sdl_design.describe import RISK_DELTA, Describes, NumberColumn, Tunable, more_less
+from sdl_design.describe import (
+    REPLICATES,
+    RISK_DELTA,
+    Describes,
+    NumberColumn,
+    Tunable,
+    cite,
+    fmt,
+    more_less,
+    share_text,
+    unchanged,
+)
 from sdl_design.engine.exchange import Exchange
 from sdl_design.engine.records import Records, passes_result
 from sdl_design.massc.checks import control_problems, subsampling_problems
 from sdl_design.massc.stage import (
     _main,
+    _massc_substituted,
     _release_margins,
     delta_gates,
     massc_config,
     massc_epsilon,
     massc_params,
-    massc_public_method,
-    massc_public_treatments,
     massc_replications,
     massc_result,
     numeric_study,
@@ -484,12 +494,120 @@ class MasscStage(Describes):
         return {what: counts}
 
     @classmethod
+    def _acted(cls, result: StageResult) -> dict[str, bool]:
+        """What MASSC changed: substituted (a record took a donor's values), subsampled (records
+        removed, or weights divided by a rate below 1), calibrated (a calibration factor other
+        than 1), replicates (a recalibrated replicate weight changed)."""
+        m, p = result.metrics, result.params
+        rc = result.tables.get("replicate_calibration")
+        g = [] if rc is None else [*rc.get("g_min", []), *rc.get("g_max", [])]
+        factors = (m.get("calibration_factor_min"), m.get("calibration_factor_max"))
+        return {
+            "substituted": int(m.get("n_substituted", 0)) > 0,
+            "subsampled": int(m.get("n_subsampled_out", 0)) > 0
+            or any(float(v) < 1 - 1e-12 for v in (p.get("phi") or {}).values()),
+            "calibrated": not all(unchanged(f) for f in factors),
+            "replicates": not all(unchanged(float(v)) for v in g),
+        }
+
+    @classmethod
+    def public_no_effect(cls, result: StageResult, des: dict[str, Any]) -> str | None:
+        """MASSC that substituted and removed no record and left every weight as it was."""
+        if any(cls._acted(result).values()):
+            return None
+        return (
+            f"Substitution, subsampling and calibration (MASSC) of {cite('000')} changed nothing: "
+            "no record was substituted or removed, and the calibration left every weight as "
+            "it was."
+        )
+
+    @classmethod
     def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
-        return massc_public_method(result, des)
+        """The parts of MASSC that changed the file: substitution, subsampling, calibration."""
+        p, m, a = result.params, result.metrics, cls._acted(result)
+        cal, w = p.get("calibration") or {}, des["weight"]
+        named = {"substitution": "substituted", "subsampling": "subsampled"}
+        parts = [k for k, did in named.items() if a[did]]
+        parts += ["calibration"] if a["calibrated"] or a["replicates"] else []
+        head = ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
+        text = ""
+        if a["substituted"] or a["subsampled"]:
+            text += (
+                "Records were grouped by risk: U, D, T, O = the record's key combination is held "
+                "by 1, 2, 3, or 4 and more records. "
+            )
+        if a["substituted"]:
+            text += _massc_substituted(m, p)
+        if a["subsampled"]:
+            rates = ", ".join(f"{h} {v:.3f}" for h, v in (p.get("phi") or {}).items())
+            text += (
+                f"{int(m.get('n_subsampled_out', 0)):,} records were removed by subsampling at "
+                f"the retention rates {rates} ({p.get('selection', '')}); the weight `{w}` of "
+                "the others was divided by their rate. "
+            )
+        if a["calibrated"]:
+            controls = [
+                c["name"] if isinstance(c, dict) else str(c) for c in cal.get("controls", [])
+            ]
+            text += (
+                f"The weight `{w}` was calibrated ({cal.get('method', '?')}"
+                + (f", bounds {cal['bounds']}" if cal.get("bounds") else "")
+                + ") so that the weighted totals of "
+                + (", ".join(f"`{c}`" for c in controls) or "no control")
+                + " equal those of the original file"
+                + (" (and of the declared domains)" if cal.get("domain_margins") else "")
+                + f"; calibration factors {cls._factors(m)}. "
+            )
+        return [
+            f"### {head[0].upper()}{head[1:]} (MASSC): {cite('000')}",
+            "",
+            text + cls._replicates_said(des, a),
+            "",
+        ]
+
+    @classmethod
+    def _factors(cls, m: dict[str, float]) -> str:
+        """The calibration factors' range ('0.863 to 1.098'; more digits when they round to 1)."""
+        lo, hi = m.get("calibration_factor_min", float("nan")), m.get("calibration_factor_max", 0)
+        three = f"{lo:.3f} to {hi:.3f}"
+        return f"{fmt(lo)} to {fmt(hi)}" if three == "1.000 to 1.000" else three
+
+    @classmethod
+    def _replicates_said(cls, des: dict[str, Any], a: dict[str, bool]) -> str:
+        """What became of the replicate weights: recalibrated, or replaced by a later stage."""
+        if cls.name in des.get("replaced_after", ()):
+            return (
+                "The published replicate weights were built after this treatment, from the "
+                "final weight; they are not recalibrated."
+            )
+        if a["calibrated"] or a["subsampled"] or a["replicates"]:
+            return (
+                "Each replicate weight was recalibrated the same way, so replicate variances "
+                "include the calibration."
+            )
+        return ""
 
     @classmethod
     def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
-        return massc_public_treatments(result, des)
+        """The substituted columns, the weight (divided by the rate, calibrated) and the
+        recalibrated replicates: those MASSC changed."""
+        m, p, a = result.metrics, result.params, cls._acted(result)
+        out: dict[str, list[str]] = {}
+        if a["substituted"]:
+            said = (
+                f"substituted by MASSC of {cite('000')}: {int(m['n_substituted']):,} records "
+                f"({share_text(m.get('share_substituted', 0.0))}) took a donor's values"
+            )
+            out = {c: [said] for c in p.get("substitute_columns") or []}
+        done = ["divided by the MASSC retention rate"] if a["subsampled"] else []
+        if a["calibrated"]:
+            method = (p.get("calibration") or {}).get("method", "?")
+            done.append(f"calibrated ({method}) to the original totals; factors {cls._factors(m)}")
+        if done:
+            out[des["weight"]] = [" and ".join(done)]
+        if cls.name not in des.get("replaced_after", ()) and (done or a["replicates"]):
+            out[REPLICATES] = ["; each recalibrated as the full-sample weight"]
+        return out
 
     @classmethod
     def does(cls, spec: ReleaseSpec, column: str = "", side: str = "upper") -> str:

@@ -8,22 +8,30 @@ from typing import Any
 import pandas as pd
 
 from sdl_design import partition as part
-from sdl_design.describe import Describes, NumberColumn, RiskRow, Tunable, finite
+from sdl_design.describe import (
+    Describes,
+    NumberColumn,
+    RiskRow,
+    Tunable,
+    cite,
+    finite,
+    share_text,
+)
 from sdl_design.engine.records import Records, passes_result
 from sdl_design.prb import (
     _carried_domain_notes,
     _domain_notes,
     _prb_and_baseline,
+    _prb_matrices,
     _prb_notes,
     _prb_tables,
+    _prb_vars,
     _risk_figures,
     cells_ladder,
     domains_not_kept,
     identification_risk_gate,
     partition_ladder,
     prb_cells,
-    prb_public_method,
-    prb_public_treatments,
 )
 from sdl_design.spec import KeySpec, ReleaseSpec
 from sdl_design.stage import StageContext, StageResult
@@ -55,12 +63,83 @@ class PrbStage(Describes):
         return [RiskRow(what, value, "PRB did not run", limit="xi")]
 
     @classmethod
+    def _changed(cls, result: StageResult) -> dict[str, str]:
+        """The variables PRB changed in some record, each with how many ('12 records (0.4%)';
+        '0.4% of records' when the count was not kept)."""
+        ch = result.tables.get("changed_by_variable")
+        if ch is None or not len(ch):
+            return {}
+        counts = ch["n_changed"] if "n_changed" in ch.columns else None
+        out = {}
+        for i, (v, share) in enumerate(zip(ch["variable"], ch["share_changed"], strict=True)):
+            if counts is None and share > 0:
+                out[str(v)] = f"{share_text(share)} of records"
+            elif counts is not None and counts.iloc[i] > 0:
+                out[str(v)] = f"{int(counts.iloc[i]):,} records ({share_text(share)})"
+        return out
+
+    @classmethod
+    def public_no_effect(cls, result: StageResult, des: dict[str, Any]) -> str | None:
+        """PRB that changed no record's keys: one sentence (why, when no block was formed)."""
+        if int(result.metrics.get("n_changed", 0)) > 0 or cls._changed(result):
+            return None
+        why = (
+            ": no record's key combination was held by only one or two records"
+            if not result.metrics.get("n_blocks")
+            else ": every record kept its key values"
+        )
+        return f"Post-randomization of the keys (PRB) of {cite('002')} changed no record{why}."
+
+    @classmethod
     def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
-        return prb_public_method(result)
+        """Post-randomization with its transition probabilities (eq. 2.1), for the variables
+        whose probabilities are not the identity."""
+        p, m = result.params, result.metrics
+        L = [
+            f"### Post-randomization of the keys (PRB): {cite('002')}",
+            "",
+            f"Records in key cells (combinations of {', '.join(p.get('cells', []))}) held by one "
+            "or two records were grouped in blocks of similar weight; within a block each record "
+            "kept its cell with probability 1 - theta/t_j and moved to each of the m - 1 other "
+            "cells with probability theta/((m-1) t_j) (t_j: the records of its cell in the "
+            f"block; theta = {p.get('theta', float('nan')):.6f}; at least m0 = {p.get('m0')} "
+            f"cells per block). A record that moved took all of {', '.join(_prb_vars(result))} "
+            f"from a record of its new cell. {int(m.get('n_changed', 0)):,} records "
+            f"({share_text(m.get('share_changed', 0.0))}) changed; the exact identification "
+            f"risk of every block is at most xi = {p.get('xi')}.",
+        ]
+        changed = cls._changed(result)
+        if len(_prb_vars(result)) > 1 and changed:
+            L += ["", "Records whose value changed: "]
+            L[-1] += "; ".join(f"`{v}` {n}" for v, n in changed.items()) + "."
+        tr = result.tables.get("transitions")
+        if tr is None or not len(tr):
+            return [*L, ""]
+        moved = tr[tr["original"] != tr["published"]].groupby("variable")["p"].max()
+        keep = [v for v, pv in moved.items() if pv > 0]
+        same = [v for v in dict.fromkeys(tr["variable"]) if v not in keep]
+        L += [
+            "",
+            "Transition probabilities for inference (P[a, b] = P(published = b | original = a), "
+            "weighted by the design weight, on each variable's published coding; a "
+            "misclassification model or the estimator T_original = (P')^-1 T_published of "
+            "weighted category totals uses them). Diagonal by category (the share of each "
+            "category's weight left unchanged):",
+            "",
+            *_prb_matrices(tr[tr["variable"].isin(keep)]),
+        ]
+        if same:
+            L += ["", f"{', '.join(f'`{v}`' for v in same)}: P is the identity (never moved)."]
+        return [*L, ""]
 
     @classmethod
     def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
-        return prb_public_treatments(result)
+        """Each variable PRB changed in some record: how many records."""
+        theta = result.params.get("theta", float("nan"))
+        return {
+            v: [f"post-randomized by PRB of {cite('002')}, theta {theta:.4f}: {n} changed"]
+            for v, n in cls._changed(result).items()
+        }
 
     @classmethod
     def does(cls, spec: ReleaseSpec, column: str = "", side: str = "upper") -> str:

@@ -11,7 +11,7 @@ import pandas as pd
 from sdl_design import partition_pseudo as pps
 from sdl_design.describe import REPLICATES, Describes
 from sdl_design.engine.records import Records, passes_result
-from sdl_design.pseudo import pseudo_frame, pseudo_public_method, pseudo_summary, psu_purity
+from sdl_design.pseudo import pseudo_frame, pseudo_summary, psu_purity
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import StageContext, StageResult
 
@@ -26,15 +26,29 @@ class PseudoDesignStage(Describes):
 
     @classmethod
     def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
-        return pseudo_public_method(result, des) if result.masks_design else []
+        """The pseudo design built for the file, as its notes say it (none when not built)."""
+        if not result.masks_design:
+            return []
+        said = " ".join(str(n) for n in result.notes) or (
+            "Pseudo-strata and pseudo-PSUs were formed for this file and replicate weights built "
+            "from them."
+        )
+        return [
+            "### Pseudo-design for variance estimation",
+            "",
+            f"The published `{des['strata']}` and `{des['psu']}` are not the survey's strata and "
+            f"PSUs. {said} Use them as ordinary strata and PSUs (below).",
+            "",
+        ]
 
     @classmethod
     def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
+        """The pseudo labels and the replicate weights built for them."""
         if not result.masks_design:
             return {}
-        label = f"pseudo-design label built by the {cls.name} stage"
+        label = "pseudo-design label built for this file (not the survey's)"
         out = {c: [label] for c in dict.fromkeys((des["strata"], des["psu"])) if c}
-        return {**out, REPLICATES: [f" built by the {cls.name} stage"]}
+        return {**out, REPLICATES: [" built for this file's pseudo-design"]}
 
     def __init__(self, spec: Any):
         self.spec = spec
@@ -43,6 +57,8 @@ class PseudoDesignStage(Describes):
     def from_spec(cls, spec: ReleaseSpec) -> PseudoDesignStage | None:
         d = spec.design
         if not d.pseudo.enabled or d.publish_design_labels:
+            return None
+        if not d.strata and not d.psu:  # no labels to mask: the public design is the input's
             return None
         return cls(spec)
 
@@ -85,10 +101,10 @@ class PseudoDesignStage(Describes):
             note = "The design was masked by an earlier stage: no pseudo design built."
             return passes_result(self.name, {"built": False}, params={"built": False}, notes=[note])
         spec, parts, run_map = ctx.spec, records.parts, records.run_map
-        units = pps.combine_units(
+        units, scores = pps.combine_units(
             run_map(pps.pseudo_units, parts, spec, what="pseudo design: PSUs")
         )
-        plan, purity = pps.plan_of_units(spec, records.columns, units, ctx.rng())
+        plan, purity = pps.plan_of_units(spec, records.columns, units, ctx.rng(), scores)
         args = (spec, units, plan, records.data)
         files = run_map(pps.pseudo_apply, parts, *args, what="pseudo design")
         out = pps.pseudo_result(plan, purity)

@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 
 from sdl_design import partition as part
-from sdl_design.describe import Describes, NumberColumn, Tunable, more_less
+from sdl_design.describe import REPLICATES, Describes, NumberColumn, Tunable, cite, more_less, pct
 from sdl_design.engine.records import Records, passes_result
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import StageContext, StageResult
@@ -18,8 +18,6 @@ from sdl_design.swap import (
     _class_summary,
     se_ratio_boxplot,
     swap_design_problems,
-    swap_public_method,
-    swap_public_treatments,
     swap_segments,
 )
 from sdl_design.utility import (
@@ -56,11 +54,32 @@ class SwapStage(Describes):
 
     @classmethod
     def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
-        return swap_public_method(result, des)
+        """The public README's section on the masked design."""
+        p = result.params
+        return [
+            f"### Masked design (segment swapping): {cite('003')}",
+            "",
+            f"{p.get('n_swapped')} of {p.get('n_segments')} segments "
+            f"({pct(p.get('share_swapped', 0.0))}) were swapped between PSUs, each partner chosen "
+            "so that the variances of the matching characteristics change as little as possible "
+            f"(method {p.get('method')}). The published `{des['strata']}` and `{des['psu']}` are "
+            "pseudo-strata and pseudo-PSUs, renumbered; replicate weights were rebuilt for them. "
+            "Use them as ordinary strata and PSUs (below); standard errors stay close to those "
+            "of the original design (the release's SE-ratio gate checks them).",
+            "",
+        ]
 
     @classmethod
     def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
-        return swap_public_treatments(result, des)
+        """The published design labels are pseudo labels; the replicate weights were rebuilt."""
+        p = result.params
+        label = (
+            f"pseudo-design label: {p.get('n_swapped', '?')} of {p.get('n_segments', '?')} "
+            f"segments ({pct(p.get('share_swapped', 0.0))}) swapped between PSUs by method "
+            f"{p.get('method', '')} of {cite('003')}, labels renumbered"
+        )
+        out = {c: [label] for c in dict.fromkeys((des["strata"], des["psu"])) if c}
+        return {**out, REPLICATES: [" rebuilt for the masked design"]}
 
     @classmethod
     def does(cls, spec: ReleaseSpec, column: str = "", side: str = "upper") -> str:

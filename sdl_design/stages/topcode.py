@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 
 from sdl_design import partition_topcode as ptc
-from sdl_design.describe import Describes, NumberColumn, Tunable
+from sdl_design.describe import Describes, NumberColumn, Tunable, cite, fmt
 from sdl_design.engine.records import Records, passes_result
 from sdl_design.spec import ReleaseSpec, TopcodeRule
 from sdl_design.stage import StageContext, StageResult
@@ -16,9 +16,8 @@ from sdl_design.topcode import (
     SIDES,
     _block_total,
     topcode_frame,
-    topcode_public_method,
-    topcode_sentences,
     topcode_summary,
+    topcodes,
 )
 
 
@@ -45,16 +44,59 @@ class TopcodeStage(Describes):
         return out
 
     @classmethod
+    def _coded(cls, result: StageResult) -> dict[str, list[str]]:
+        """Each column with a coded record: its sentences, a side each that coded records."""
+        out: dict[str, list[str]] = {}
+        for c, n, text in topcodes(result):
+            if n:
+                out.setdefault(c, []).append(text)
+        return out
+
+    @classmethod
+    def _uncoded(cls, result: StageResult) -> str:
+        """The thresholds no record lay beyond ('`bmi` (upper, 60)')."""
+        t = result.tables.get("thresholds")
+        if t is None or not len(t):
+            return ""
+        rows = t[t["n_coded"] == 0]
+        return ", ".join(
+            f"`{r.column}` ({'top' if r.side == 'upper' else 'bottom'} {fmt(r.threshold)})"
+            for r in rows.itertuples()
+        )
+
+    @classmethod
+    def public_no_effect(cls, result: StageResult, des: dict[str, Any]) -> str | None:
+        """Top-coding that coded no record: one sentence with the thresholds."""
+        if cls._coded(result):
+            return None
+        beyond = cls._uncoded(result)
+        return f"Top- and bottom-coding as in {cite('004')} changed no value" + (
+            f": no record lay beyond the thresholds of {beyond}." if beyond else "."
+        )
+
+    @classmethod
     def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:
-        return topcode_public_method(result)
+        """The public README's section on top- and bottom-coding: the columns it coded."""
+        L = [f"### Top- and bottom-coding: {cite('004')}", ""]
+        L += [f"- `{c}`: {text}." for c, texts in cls._coded(result).items() for text in texts]
+        beyond = cls._uncoded(result)
+        if beyond:
+            L += ["", f"No record lay beyond the thresholds of {beyond}: unchanged."]
+        return [
+            *L,
+            "",
+            "The codebook's `topcoded` column repeats these; a coded record is recognised by its "
+            "value (the threshold, or the replacement mean).",
+            "",
+        ]
 
     @classmethod
     def public_treatments(cls, result: StageResult, des: dict[str, Any]) -> dict[str, list[str]]:
-        return topcode_sentences(result)
+        return cls._coded(result)
 
     @classmethod
     def public_codebook(cls, result: StageResult) -> dict[str, dict[str, list[str]]]:
-        return {c: {"topcoded": texts} for c, texts in topcode_sentences(result).items()}
+        return {c: {"topcoded": texts} for c, texts in cls._coded(result).items()}
 
     @classmethod
     def does(cls, spec: ReleaseSpec, column: str = "", side: str = "upper") -> str:
@@ -141,7 +183,7 @@ class TopcodeStage(Describes):
         coded = {c: int(table.loc[table["column"] == c, "n_coded"].sum()) for c, _ in treq.rules}
         records.say(
             "top-coded "
-            + ", ".join(f"{c}: {n} records" for c, n in coded.items())
+            + ", ".join(f"{c}: {n} record{'s' if n != 1 else ''}" for c, n in coded.items())
             + f" (thresholds from {rounds} round(s) of candidates"
             + (f", {gathered} group(s) gathered" if gathered else "")
             + ")"

@@ -97,6 +97,40 @@ def _column(design: SurveyDesign, col: str) -> np.ndarray:
     return s.to_numpy(dtype=float, na_value=np.nan)
 
 
+def quantile_cells(
+    x: np.ndarray,
+    w: np.ndarray,
+    codes: np.ndarray,
+    L: int,
+    probs: np.ndarray,
+    qrule: str,
+    by_value: np.ndarray | None = None,
+) -> list[_Cell]:
+    """One variable (x, NaN: missing) in domains 0..L-1 (codes; -1: in none): each domain's
+    non-missing records sorted by value (stable), their weights w, the quantiles at probs and
+    the cuts (R's na.rm = TRUE). One sort for all domains; by_value: the records sorted by x
+    (np.argsort(x, kind="stable")) when known, then a radix sort of their domains (one sort of
+    the values for many domain codings)."""
+    probs = np.asarray(probs, dtype=float)
+    small = np.int16 if L < 2**15 else np.int64  # numpy's stable sort of int16: radix
+    valid = np.flatnonzero(~np.isnan(x) & (codes >= 0))
+    rows_all = valid[np.argsort(codes[valid].astype(small), kind="stable")]  # data order
+    if by_value is None:  # by domain, then value (stable)
+        order_all = valid[np.lexsort((x[valid], codes[valid]))]
+    else:
+        o = by_value[~np.isnan(x[by_value]) & (codes[by_value] >= 0)]
+        order_all = o[np.argsort(codes[o].astype(small), kind="stable")]
+    bounds = np.searchsorted(codes[rows_all], np.arange(L + 1))
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        rows, order = rows_all[a:b], order_all[a:b]
+        xs, ws = x[order], w[order]
+        q = weighted_quantile(xs, ws, probs, qrule)
+        cut = np.searchsorted(xs, q, side="right") if len(xs) else np.zeros(len(probs), int)
+        out.append(_Cell(rows, order, xs, ws, q, cut))
+    return out
+
+
 def _cells(
     design: SurveyDesign, cols: list[str], probs: np.ndarray, by: str | None, qrule: str
 ) -> tuple[list, list[list[_Cell]]]:
@@ -109,21 +143,10 @@ def _cells(
             raise sdd.DesignError(f"quantile: domain column '{by}' is not in the data")
         codes, uniq = pd.factorize(design.df[by], sort=True)  # missing domain: -1, no domain
         levels = list(uniq)
-    cells = []
-    for col in cols:
-        x = _column(design, col)
-        valid = np.flatnonzero(~np.isnan(x) & (codes >= 0))
-        rows_all = valid[np.argsort(codes[valid], kind="stable")]  # by domain, data order
-        order_all = valid[np.lexsort((x[valid], codes[valid]))]  # by domain, then value (stable)
-        bounds = np.searchsorted(codes[rows_all], np.arange(len(levels) + 1))
-        row = []
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            rows, order = rows_all[a:b], order_all[a:b]
-            xs, ws = x[order], design.w[order]
-            q = weighted_quantile(xs, ws, probs, qrule)
-            cut = np.searchsorted(xs, q, side="right") if len(xs) else np.zeros(len(probs), int)
-            row.append(_Cell(rows, order, xs, ws, q, cut))
-        cells.append(row)
+    cells = [
+        quantile_cells(_column(design, col), design.w, codes, len(levels), probs, qrule)
+        for col in cols
+    ]
     return levels, cells
 
 
@@ -145,16 +168,20 @@ def _cdf(cell: _Cell, divide_first: bool) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ SE of the CDF at the quantiles
-def _cdf_taylor(design: SurveyDesign, cells: list[_Cell], P: int) -> tuple[np.ndarray, ...]:
+def cdf_taylor(
+    design: SurveyDesign, cells: list[_Cell], P: int, g: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """F and its Taylor SE (cells x P): scores z_i = w_i (1{x_i <= q_p} - F_p) / W_d on the
     domain's records (0 elsewhere); PSU totals zt = (PSU sums of w 1{x <= q} - F * PSU sums of
-    w) / W_d, one psu_variance (PSUs with replacement in strata) for all cells and p."""
+    w) / W_d, one psu_variance (PSUs with replacement in strata) for all cells and p. g: each
+    record's PSU code (default the design's; by partition the records are not the design's)."""
+    g_all = design.g if g is None else g
     F, zt = np.full((len(cells), P), np.nan), np.zeros((design.n_psu, len(cells) * P))
     for c, cell in enumerate(cells):
         if not len(cell.xs):
             continue
         seg, o = _segments(cell)
-        g = design.g[cell.order]
+        g = g_all[cell.order]
         M = np.bincount(g * (P + 1) + seg, cell.ws, design.n_psu * (P + 1))
         M = M.reshape(design.n_psu, P + 1)
         S = np.empty((design.n_psu, P))
@@ -166,11 +193,9 @@ def _cdf_taylor(design: SurveyDesign, cells: list[_Cell], P: int) -> tuple[np.nd
     return F, se
 
 
-def _cdf_replicate(design: SurveyDesign, cells: list[_Cell], P: int) -> tuple[np.ndarray, ...]:
-    """F and its replicate SE (cells x P): F_r = sum_{x <= q} W_ir / sum W_ir over the domain,
-    SE^2 = sum_r rscale_r (F_r - F)^2 (centred on F, R's mse = TRUE; replicates where the domain
-    has no weight are left out, as R's svrVar). One replicate_totals for all cells: a column per
-    segment between sorted cuts (and the last, to the domain total), summed up by cumsum."""
+def segment_totals(design: SurveyDesign, cells: list[_Cell], P: int) -> np.ndarray:
+    """The replicate totals of each cell's segments between its sorted cuts (P + 1 columns a
+    cell, the last up to the domain total): R x cells (P + 1), one replicate_totals."""
     rr, cc, col = [], [], 0
     for cell in cells:
         seg, _ = _segments(cell)
@@ -181,7 +206,16 @@ def _cdf_replicate(design: SurveyDesign, cells: list[_Cell], P: int) -> tuple[np
         (np.ones(sum(map(len, rr))), (np.concatenate(rr), np.concatenate(cc))),
         shape=(design.n, col),
     )
-    T = design.replicate_totals(z)  # R x cells (P + 1)
+    return design.replicate_totals(z)
+
+
+def cdf_replicate(
+    T: np.ndarray, cells: list[_Cell], P: int, rscales: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """F and its replicate SE (cells x P) from the segments' replicate totals T (R x cells
+    (P + 1), segment_totals): F_r = sum_{x <= q} W_ir / sum W_ir over the domain, SE^2 =
+    sum_r rscale_r (F_r - F)^2 (centred on F, R's mse = TRUE; replicates where the domain has
+    no weight are left out, as R's svrVar)."""
     F, se = np.full((len(cells), P), np.nan), np.full((len(cells), P), np.nan)
     for c, cell in enumerate(cells):
         if not len(cell.xs):
@@ -192,8 +226,13 @@ def _cdf_replicate(design: SurveyDesign, cells: list[_Cell], P: int) -> tuple[np
         with np.errstate(invalid="ignore", divide="ignore"):
             Fr[:, o] = Tc[:, :P] / Tc[:, P:]
         F[c] = _cdf(cell, divide_first=False)
-        se[c] = np.sqrt(np.nansum(design.rscales[:, None] * (Fr - F[c]) ** 2, axis=0))
+        se[c] = np.sqrt(np.nansum(rscales[:, None] * (Fr - F[c]) ** 2, axis=0))
     return F, se
+
+
+def _cdf_replicate(design: SurveyDesign, cells: list[_Cell], P: int) -> tuple[np.ndarray, ...]:
+    """F and its replicate SE (cells x P): cdf_replicate of the segments' replicate totals."""
+    return cdf_replicate(segment_totals(design, cells, P), cells, P, design.rscales)
 
 
 def _quantile_replicate_se(
@@ -246,6 +285,13 @@ def _replicate_gram(design: SurveyDesign, rows: np.ndarray) -> np.ndarray:
     return (F * s[:, None]).T @ F
 
 
+def psu_degf(design: SurveyDesign, g: np.ndarray) -> float:
+    """R's degf() of the Taylor design restricted to some records, from their PSU codes g:
+    PSUs - strata holding them (degf.survey.design2)."""
+    psus = np.bincount(g, minlength=design.n_psu) > 0
+    return float(np.count_nonzero(psus) - len(np.unique(design.psu_h[psus])))
+
+
 def _degf(design: SurveyDesign, rows: np.ndarray, kind: str, cache: dict) -> float:
     """R's degf() of the design restricted to rows: Taylor, PSUs - strata holding the records
     (degf.survey.design2); replicate, rank(replicate analysis weights of the rows) - 1 (R's
@@ -255,8 +301,7 @@ def _degf(design: SurveyDesign, rows: np.ndarray, kind: str, cache: dict) -> flo
         if not len(rows):
             cache[key] = np.nan
         elif kind == "taylor":
-            psus = np.count_nonzero(np.bincount(design.g[rows], minlength=design.n_psu))
-            cache[key] = float(psus - len(np.unique(design.h[rows])))
+            cache[key] = psu_degf(design, design.g[rows])
         else:
             cache[key] = float(gram_rank(_replicate_gram(design, rows)) - 1)
     return cache[key]
@@ -279,6 +324,20 @@ def _woodruff(cell: _Cell, p_lo: np.ndarray, p_hi: np.ndarray, qrule: str) -> np
     p_hi = F + t_{1-a/2} SE(F); NaN when p_lo < 0 or p_hi > 1 (as R's woodruffCI)."""
     p = np.r_[np.where(p_lo < 0, np.nan, p_lo), np.where(p_hi > 1, np.nan, p_hi)]
     return weighted_quantile(cell.xs, cell.ws, p, qrule).reshape(2, -1)
+
+
+def woodruff(
+    cells: list[_Cell], F: np.ndarray, seF: np.ndarray, dfs: np.ndarray, alpha: float, qrule: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Estimates, SEs and Woodruff bounds (cells x P) from F = F(q) and SE(F) (cells x P) and
+    each cell's degrees of freedom: bounds Q(F + t_{a/2} SE(F)), Q(F + t_{1-a/2} SE(F)),
+    SE = (upper - lower) / (2 t_{1-a/2})."""
+    t_lo, t_hi = _crit(alpha, dfs)
+    est = np.stack([c.q for c in cells])
+    p_lo, p_hi = F + seF * t_lo[:, None], F + seF * t_hi[:, None]
+    b = np.stack([_woodruff(c, p_lo[i], p_hi[i], qrule) for i, c in enumerate(cells)])
+    lower, upper = b[:, 0], b[:, 1]
+    return est, (upper - lower) / (2 * t_hi[:, None]), lower, upper
 
 
 def _check(
@@ -364,18 +423,16 @@ def survey_quantile(
             for c in cells
         ]
     )
-    t_lo, t_hi = _crit(alpha, dfs)
-    est = np.stack([c.q for c in cells])
     if interval == "quantile":
+        _, t_hi = _crit(alpha, dfs)
+        est = np.stack([c.q for c in cells])
         s = np.stack([_quantile_replicate_se(design, c, probs, qrule) for c in cells])
         lower, upper = est + (-s) * t_hi[:, None], est + s * t_hi[:, None]
+        se = (upper - lower) / (2 * t_hi[:, None])
     else:
-        cdf = _cdf_taylor if kind == "taylor" else _cdf_replicate
+        cdf = cdf_taylor if kind == "taylor" else _cdf_replicate
         F, seF = cdf(design, cells, len(probs))
-        p_lo, p_hi = F + seF * t_lo[:, None], F + seF * t_hi[:, None]
-        b = np.stack([_woodruff(c, p_lo[i], p_hi[i], qrule) for i, c in enumerate(cells)])
-        lower, upper = b[:, 0], b[:, 1]
-    se = (upper - lower) / (2 * t_hi[:, None])
+        est, se, lower, upper = woodruff(cells, F, seF, dfs, alpha, qrule)
     shape = (len(cols), len(levels), len(probs))
 
     def lay(a: np.ndarray) -> np.ndarray:  # (variable, level, prob) -> (variable, prob, level)

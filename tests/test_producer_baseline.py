@@ -1,0 +1,76 @@
+"""The producer's design is the baseline (issue 34 item 3): when the input comes with replicate
+weights, the SEs the gates compare are replicate SEs on both files, computed independently here
+with the survey engine; a file without strata or PSUs keeps its design and the producer's
+replicate columns under their names (no pseudo design: nothing to mask)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sdl_design.assess import gate_variance
+from sdl_design.spec import parse_spec
+from sdl_design.stages import run_stages
+from sdl_design.survey.design import SurveyDesign
+
+R = 40
+
+
+def _bootstrap_file(n: int = 800, seed: int = 3) -> pd.DataFrame:
+    """Weights, a key, a study variable and R bootstrap replicates (records resampled with
+    replacement, n/(n-1) rescaled, as NMIHS' bsrw columns)."""
+    rng = np.random.default_rng(seed)
+    w = rng.uniform(100, 900, n)
+    df = pd.DataFrame(
+        {
+            "id": np.arange(n),
+            "w": w,
+            "sex": rng.choice(["f", "m"], n),
+            "y": rng.gamma(3, 1000, n) * (1 + (w > 500)),  # y tied to w: Taylor != bootstrap
+        }
+    )
+    mult = rng.multinomial(n - 1, np.full(n, 1 / n), size=R).T * n / (n - 1)
+    reps = pd.DataFrame(w[:, None] * mult, columns=[f"bw{r + 1}" for r in range(R)])
+    return pd.concat([df, reps], axis=1)
+
+
+def _spec(**design) -> object:
+    return parse_spec(
+        {
+            "release": {"name": "b", "year": 2026, "seed": 11},
+            "design": {"weight": "w", **design},
+            "variables": {"direct_identifiers": ["id"], "keys": ["sex"], "study": ["y"]},
+            "stages": {"massc": {"enabled": False}, "topcode": {"enabled": False}},
+            "gates": {"se_ratio": [0.8, 1.25]},
+        }
+    )
+
+
+def test_gate_variance_is_replicate_only_with_the_producers_replicates_on_both_files():
+    with_rw = _spec(replicate_weights={"columns": "bw*", "method": "bootstrap"})
+    cols = list(_bootstrap_file(5).columns)
+    assert gate_variance(with_rw, cols) == "replicate"
+    assert gate_variance(with_rw, [c for c in cols if not c.startswith("bw")]) == "taylor"
+    assert gate_variance(_spec(), cols) == "taylor"
+
+
+def test_the_gates_compare_the_producers_bootstrap_ses():
+    df = _bootstrap_file()
+    spec = _spec(replicate_weights={"columns": "bw*", "method": "bootstrap"})
+    res = {r.name: r for r in run_stages(spec, df)}
+    assert "pseudo_design" not in res  # no strata, no PSUs: nothing to mask
+    a = res["assess"]
+    assert a.params["variance"] == "replicate"
+    assert a.params["published_columns"]["replicate weight"] == [f"bw{r + 1}" for r in range(R)]
+    est = a.tables["domain_estimates"]
+    row = est[(est.variable == "y") & (est.statistic == "mean") & (est.domain == "all")].iloc[0]
+    reps = [f"bw{r + 1}" for r in range(R)]
+    des = SurveyDesign(df, "w", replicate_weights=reps, method="bootstrap")
+    want = des.mean("y", variance="replicate")["se"].iloc[0]
+    taylor = SurveyDesign(df, "w").mean("y")["se"].iloc[0]
+    assert row.se_original == pytest.approx(want, rel=1e-12)
+    assert abs(want / taylor - 1) > 0.02  # the baseline is not the made-up design's Taylor SE
+    assert row.se_taylor_original == pytest.approx(taylor, rel=1e-12)
+    # nothing changed the file (no treatment ran on y or the weights): ratio 1, overlap 1
+    assert row.se_ratio == pytest.approx(1.0, abs=1e-12) and row.ci_overlap == pytest.approx(1.0)
