@@ -110,14 +110,20 @@ def file_design(
 ) -> SurveyDesign:
     """The design a user reads off df with the names of `design` (default the spec's design
     section): weight, the strata and PSU columns that are declared and present (no strata: one
-    stratum; no PSU: each record its own PSU), replicate weights when present. The segment
-    (never published) plays no part in a variance and is left out."""
+    stratum; no PSU: each record its own PSU), replicate weights when present, fpc (and ssu,
+    fpc2) when present, the declared lonely_psu rule. The segment (never published) plays no
+    part in a variance and is left out."""
     d = (design or spec.design).model_copy(update={"segment": None})
     strata = d.strata if d.strata in df.columns else None
     psu = d.psu if d.psu in df.columns else None
     rs = d.replicate_weights
     rw = resolve_replicates(df.columns, rs.columns) if (replicates and rs) else []
     rw = [c for c in rw if c in df.columns]
+    # the finite population corrections where the file has their columns (the input; a public
+    # file never carries them), and the lonely-PSU rule the spec declares
+    stages = {f: getattr(d, f) for f in ("fpc", "ssu", "fpc2")}
+    fpc = stages if stages["fpc"] in df.columns and stages["ssu"] in (None, *df.columns) else {}
+    fpc = {f: c for f, c in fpc.items() if c}
     try:
         return SurveyDesign(
             df,
@@ -125,10 +131,12 @@ def file_design(
             strata=strata,
             psu=psu,
             replicate_weights=rw or None,
+            lonely_psu=d.lonely_psu,
+            **fpc,
             **(replicate_options(rs) if rw else {}),
         )
     except DesignError:  # e.g. jkn replicates without the PSUs they delete: unusable
-        return SurveyDesign(df, d.weight, strata=strata, psu=psu)
+        return SurveyDesign(df, d.weight, strata=strata, psu=psu, lonely_psu=d.lonely_psu, **fpc)
 
 
 def gate_variance(
@@ -1033,9 +1041,8 @@ def assess(
     )  # fmt: skip
 
     # ------------------------------------------------ models
-    # the models compare Taylor SEs on both paths (the partitioned fits have no replicate fits)
     coefs = _fit_models(
-        original, released, des, _model_specs(models), keys, "taylor", has_rep, level
+        original, released, des, _model_specs(models), keys, variance, has_rep, level
     )
     described = [_describe(d) for d in des]
     del des  # the designs' replicate matrices are not needed past here

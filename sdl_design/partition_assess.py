@@ -941,11 +941,13 @@ def model_pass(
 
 
 def model_fits(
-    plan: AssessPlan, got: Sequence[Sequence[list[tuple[list[str], GLMCells]]]]
+    plan: AssessPlan,
+    got: Sequence[Sequence[list[tuple[list[str], GLMCells]]]],
+    variance: Variance = "taylor",
 ) -> tuple[pd.DataFrame, dict[str, float]]:
     """Reduce: each model fitted on each file's cells (svyglm's fit), compared as assess
-    compares them: model_coefficients and its metrics. got[f]: file f's model_pass, in
-    partition order."""
+    compares them (variance: the SEs compared): model_coefficients and its metrics. got[f]:
+    file f's model_pass, in partition order."""
     has_rep = all(d.replicate_weights for d in plan.designs)
     rows = []
     for i, (text, family) in enumerate(plan.request.models):
@@ -955,7 +957,7 @@ def model_fits(
             cells = combine_cells([p[i][1] for p in got[f]])
             with single_blas_thread():
                 fits.append(fit_cells(cells, names, plan.designs[f], family, has_rep))
-        rows.append(model_rows(text, family, *fits, "taylor", LEVEL))
+        rows.append(model_rows(text, family, *fits, variance, LEVEL))
     coefs = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=MODEL_COLUMNS)
     return coefs, model_metrics(coefs)
 

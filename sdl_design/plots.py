@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ import pandas as pd
 from sdl_design.survey.design import DEFF_CLASSES, deff_class
 
 _local = threading.local()
+FIGURES_ENV = "PUF_FIGURES"  # "off": no stage draws its figures (quick runs, the test suite)
 
 
 @contextmanager
@@ -36,7 +38,8 @@ def _drawn(empty: Callable[[], object]):
     def wrap(fn):
         @functools.wraps(fn)
         def inner(*args, **kwargs):
-            return empty() if getattr(_local, "off", False) else fn(*args, **kwargs)
+            off = getattr(_local, "off", False) or os.environ.get(FIGURES_ENV) == "off"
+            return empty() if off else fn(*args, **kwargs)
 
         return inner
 

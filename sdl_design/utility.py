@@ -145,7 +145,9 @@ def broad_characteristics(
 
     skip = set(exclude)
     if design:
-        skip |= {design.get(k) for k in ("weight", "strata", "psu", "segment")}
+        skip |= {
+            design.get(k) for k in ("weight", "strata", "psu", "segment", "fpc", "ssu", "fpc2")
+        }
         skip |= set(design.get("replicate_weights") or [])
     numeric, categorical = [], {}
     for c in df.columns:
@@ -225,11 +227,14 @@ def domain_mean_se(
     rho: float | None = None,
     rscales: Sequence[float] | None = None,
     mse: bool = True,
+    fpc: dict[str, Any] | None = None,
 ) -> pd.DataFrame:
     """Estimate, Taylor SE, Taylor deff and (with replicate weights) replicate SE of every
     characteristic: overall means/proportions and domain means (SurveyDesign.mean). rscales:
     the replicate scale factors when known (SurveyDesign derives them otherwise); mse: the
-    replicates centred on the full-sample estimate (else on their mean)."""
+    replicates centred on the full-sample estimate (else on their mean); fpc: SurveyDesign's
+    fpc, ssu, fpc2 and lonely_psu keywords (columns of df)."""
+    fpc = {k: v for k, v in (fpc or {}).items() if v is not None}
 
     calls = [(None, chars.overall)] + [(d, chars.domain_vars) for d in chars.domains]
     used = list(dict.fromkeys(c for _, cols in calls for c in cols))
@@ -244,7 +249,8 @@ def domain_mean_se(
     missing = np.isnan(Y).any(axis=1)
     na = [c for c, m in zip(used, missing, strict=True) if m]
     rw = list(replicate_weights) if (replicate_weights and method) else None
-    need = [c for c in dict.fromkeys([weight, strata, psu, *(rw or [])]) if c in df.columns]
+    cols = [fpc.get(k) for k in ("fpc", "ssu", "fpc2")]
+    need = [c for c in dict.fromkeys([weight, strata, psu, *cols, *(rw or [])]) if c in df.columns]
     parts = [df[need], chars.extra[chars.domains]]
     parts.append(pd.DataFrame(Y.T, index=df.index, columns=used, copy=False))
     if na:
@@ -264,6 +270,7 @@ def domain_mean_se(
         rho=rho,
         rscales=rscales if rw else None,
         mse=mse,
+        **fpc,
     )
 
     def means(cols: list[str], by: str | None, variance: str) -> pd.DataFrame:
@@ -310,6 +317,7 @@ def original_domain_se(
         rho=design.get("rho"),
         rscales=design.get("rscales"),
         mse=design.get("mse", True),
+        fpc={k: design.get(k) for k in ("fpc", "ssu", "fpc2", "lonely_psu")},
     )
 
 
@@ -370,6 +378,7 @@ def se_ratio_table(
         method=method,
         rho=rho,
         rscales=masked_rscales,
+        fpc={"lonely_psu": md.get("lonely_psu") or design.get("lonely_psu")},
     )
     return se_ratio_merge(o, m)
 

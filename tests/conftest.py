@@ -5,12 +5,30 @@ from pathlib import Path
 
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="prefect_home_"))
 os.environ.pop("PREFECT_API_URL", None)  # never hit a developer's real server
+# the report's figures are drawn only where a test looks at them (the figures fixture): half
+# of a small release's time is matplotlib's
+os.environ["PUF_FIGURES"] = "off"
 
 import pytest  # noqa: E402
 
 from flows.env import quiet_env  # noqa: E402
 
 quiet_env()
+
+
+@pytest.fixture(scope="module")
+def figures():
+    """The stages draw their figures in this module's tests (and its module fixtures that
+    request it first)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("PUF_FIGURES", raising=False)
+        yield
+
+
+@pytest.fixture
+def figures_drawn(monkeypatch):
+    """The stages draw their figures in this test."""
+    monkeypatch.delenv("PUF_FIGURES", raising=False)
 
 
 _EARLY: dict = {}  # the session's server, started in a thread at collection (see below)

@@ -156,8 +156,8 @@ def county_key_spec():
     return parse_spec(data)
 
 
-def paused_run():
-    """The paused flow run on the test server (the first), or None."""
+def paused_run(spec_path=None):
+    """The paused flow run on the test server (the first; of spec_path when given), or None."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
@@ -172,6 +172,8 @@ def paused_run():
                 state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED]))
             )
         )
+    if spec_path is not None:  # not a run another test left paused
+        runs = [r for r in runs if r.parameters.get("spec_path") == str(spec_path)]
     return runs[0] if runs else None
 
 
@@ -198,7 +200,7 @@ def run_until_paused(spec_path, wait_s: float = 300.0, flow=None):
     fr = None
     t0 = time.monotonic()
     while time.monotonic() - t0 < wait_s:
-        fr = paused_run()
+        fr = paused_run(spec_path)
         if fr or not th.is_alive():
             break
         time.sleep(0.5)

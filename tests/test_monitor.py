@@ -13,6 +13,12 @@ from helpers import PNG, Parsed
 from flows import monitor as mon
 from flows import registry as reg
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _figures(figures):
+    """The report's figures are drawn in this module (tests look at them)."""
+
+
 DEFF = np.repeat([0.6, 1.5, 3.0, 8.0], 10)  # ten characteristics in each design-effect class
 
 

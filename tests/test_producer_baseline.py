@@ -74,3 +74,51 @@ def test_the_gates_compare_the_producers_bootstrap_ses():
     assert row.se_taylor_original == pytest.approx(taylor, rel=1e-12)
     # nothing changed the file (no treatment ran on y or the weights): ratio 1, overlap 1
     assert row.se_ratio == pytest.approx(1.0, abs=1e-12) and row.ci_overlap == pytest.approx(1.0)
+
+
+def test_the_baseline_takes_the_declared_fpc_and_lonely_psu_rule():
+    """design.fpc and design.lonely_psu reach the original's design in the assessment (the
+    published file carries no fpc: its SEs are with replacement); by partition they are
+    refused, naming the fields."""
+    from sdl_design.partition import PartitionError
+    from sdl_design.stages.assess import AssessStage
+
+    rng = np.random.default_rng(5)
+    n_h = np.array([40, 60, 1])  # the third stratum has one PSU of one record
+    h = np.repeat(np.arange(3), n_h)
+    df = pd.DataFrame(
+        {
+            "id": np.arange(len(h)),
+            "h": h,
+            "p": np.arange(len(h)),
+            "N": np.array([200, 120, 50])[h],  # PSUs in the stratum's population
+            "w": np.array([5.0, 2.0, 50.0])[h],
+            "sex": rng.choice(["f", "m"], len(h)),
+            "y": rng.normal(10, 2, len(h)) + h,
+        }
+    )
+    spec = parse_spec(
+        {
+            "release": {"name": "f", "year": 2026, "seed": 3},
+            "design": {
+                "weight": "w",
+                "strata": "h",
+                "psu": "p",
+                "fpc": "N",
+                "lonely_psu": "adjust",
+                "publish_design_labels": True,
+            },
+            "variables": {"direct_identifiers": ["id"], "keys": ["sex"], "study": ["y"]},
+            "stages": {"massc": {"enabled": False}, "topcode": {"enabled": False}},
+        }
+    )
+    a = {r.name: r for r in run_stages(spec, df)}["assess"]
+    est = a.tables["domain_estimates"]
+    row = est[(est.variable == "y") & (est.statistic == "mean") & (est.domain == "all")].iloc[0]
+    with_fpc = SurveyDesign(df, "w", "h", "p", fpc="N", lonely_psu="adjust").mean("y")
+    without = SurveyDesign(df, "w", "h", "p", lonely_psu="adjust").mean("y")
+    assert row.se_original == pytest.approx(with_fpc["se"].iloc[0], rel=1e-12)
+    assert row.se_released == pytest.approx(without["se"].iloc[0], rel=1e-12)
+    assert row.se_original < 0.95 * row.se_released  # the fpc the public file cannot carry
+    with pytest.raises(PartitionError, match="design.fpc, design.lonely_psu"):
+        AssessStage.from_spec(spec).check_partitions(spec, list(df.columns))

@@ -17,6 +17,12 @@ from flows.report import MAX_ROWS, artifact_key, post_artifacts, render_report
 from sdl_design.stage import StageResult
 from sdl_design.swap import se_ratio_boxplot
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _figures(figures):
+    """The report's figures are drawn in this module (tests look at them)."""
+
+
 FLOW = ("risk", "swap", "prb", "massc", "topcode", "final")  # the flow's stages, in order
 
 

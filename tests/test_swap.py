@@ -14,6 +14,11 @@ from sdl_design.swap import (
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _figures(figures):
+    """The report's figures are drawn in this module (tests look at them)."""
+
+
 def toy_survey(n_strata=8, n_h=(2, 3), segs=6, per=5, q=3, seed=0) -> pd.DataFrame:
     """Strata with 2 or 3 PSUs, PSU and segment effects, unequal weights."""
     rng = np.random.default_rng(seed)

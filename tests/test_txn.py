@@ -361,7 +361,7 @@ def test_failed_and_crashed_reruns_keep_the_published_release(tmp_path, monkeypa
 
 
 @pytest.mark.flow
-@pytest.mark.usefixtures("prefect_server")
+@pytest.mark.usefixtures("prefect_server", "figures_drawn")
 def test_board_decides_on_the_staged_release(tmp_path):
     """At the pause the whole release is staged and its evidence posted as artifacts (report,
     gates, assessment); public/ does not exist yet; an empty or blank approver is refused; after
@@ -398,7 +398,7 @@ def test_board_decides_on_the_staged_release(tmp_path):
     ):
         with pytest.raises(RuntimeError, match="Cannot resume"):
             resume_flow_run(fr.id, run_input=bad)
-        assert paused_run() is not None and not final.exists()
+        assert paused_run(path) is not None and not final.exists()
     resume_flow_run(fr.id, run_input={"decision": "approved", "approver": " board "})
     th.join(300)
     m = box["manifest"]

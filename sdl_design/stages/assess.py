@@ -90,6 +90,20 @@ class AssessStage(Describes):
             notes=_notes(m, worst),
         )
 
+    def check_partitions(self, spec: ReleaseSpec, columns: list[str]) -> None:
+        """What the partitioned path refuses in the spec (PartitionError naming the field): the
+        finite population corrections and lonely-PSU rules, which its sums by PSU do not
+        take (the in-memory assessment does)."""
+        d = spec.design
+        given = [f"design.{f}" for f in ("fpc", "ssu", "fpc2") if getattr(d, f)]
+        given += ["design.lonely_psu"] if d.lonely_psu != "fail" else []
+        if given:
+            raise part.PartitionError(
+                f"{', '.join(given)}: the assessment by partition sums by PSU with replacement "
+                "and no finite population correction; run the release in memory (puf run "
+                "without --partitions), or drop them (the SEs are then with replacement)"
+            )
+
     @classmethod
     def summary_lines(cls, result: StageResult) -> list[str]:
         """Its gates, then utility and risk of the published records."""
@@ -163,7 +177,7 @@ class AssessStage(Describes):
             run_map(pas.model_pass, p, spec, req, f, plan, what=f"assess models, {name}")
             for f, (p, name) in enumerate(files)
         ]
-        coefs, model_m = pas.model_fits(plan, got)
+        coefs, model_m = pas.model_fits(plan, got, variance)
         m |= model_m
         # pMSE: the propensity model of membership in the published file, fitted by partition
         m |= pas.pmse_by_partition(run_map, (records.run.inputs, records.parts), spec, req, plan)

@@ -103,7 +103,8 @@ def deff_class(deff: pd.Series | np.ndarray, edges: Sequence[float] = DEFF_CLASS
 
 def design_columns(design: Any) -> dict[str, Any]:
     """df, weight, strata, psu, segment, replicate columns, method, rho, the replicates'
-    factors and mse of a SurveyDesign."""
+    factors, mse, the finite population corrections and the lonely-PSU rule of a
+    SurveyDesign."""
     return {
         "df": design.df,
         "weight": design.weight,
@@ -116,6 +117,10 @@ def design_columns(design: Any) -> dict[str, Any]:
         # the replicates' factors c_r (the declared scale and bootstrap convention applied)
         "rscales": None if design.rscales is None else list(design.rscales),
         "mse": design.mse,
+        "fpc": design.fpc,
+        "ssu": design.ssu,
+        "fpc2": design.fpc2,
+        "lonely_psu": design.lonely_psu,
     }
 
 
