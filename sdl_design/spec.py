@@ -189,7 +189,7 @@ class PseudoDesignSection(_Strict):
     # dealings drawn (of each size when psus_per_stratum is None) when the units are original
     # PSUs: the one whose variances of the study variables' domain means are closest to the
     # original design's is kept (1: the first draw, 2 pseudo PSUs a stratum)
-    candidates: int = Field(default=100, ge=1, le=1000)
+    candidates: int = Field(default=300, ge=1, le=1000)
     replicate_method: Literal["jkn", "bootstrap"] = "jkn"
     replicates: int = Field(default=100, ge=2, le=1000)  # bootstrap only
     replicate_prefix: str = Field(default="rw_", min_length=1)  # when the spec names no glob
