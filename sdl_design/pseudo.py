@@ -15,7 +15,6 @@ zero patterns show pseudo PSUs, never original ones.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -326,17 +325,12 @@ def psu_purity(original_psu: np.ndarray, pseudo_psu: np.ndarray) -> np.ndarray:
 
 
 def _replicate_names(spec: Any, columns: list[str], count: int) -> tuple[list[str], list[str]]:
-    """(new replicate column names, original replicate columns they replace). The spec's own
-    names when it lists as many; its glob's prefix when the glob is 'prefix*'; else
-    design.pseudo.replicate_prefix."""
+    """(new replicate column names, original replicate columns they replace). The new ones are
+    named for what they are, never with the producer's names: design.pseudo.replicate_prefix
+    (default 'pseudo_<method>_', e.g. pseudo_jkn_001) and their number."""
     d = spec.design
     old = d.replicate_weights.resolve(list(columns)) if d.replicate_weights else []
-    given = d.replicate_weights.columns if d.replicate_weights else None
-    if isinstance(given, list) and len(given) == count:
-        return list(given), old
-    prefix = d.pseudo.replicate_prefix
-    if isinstance(given, str) and (mt := re.fullmatch(r"([^*?\[\]]+)\*", given)):
-        prefix = mt.group(1)
+    prefix = d.pseudo.replicate_prefix or f"pseudo_{d.pseudo.replicate_method}_"
     return [f"{prefix}{i + 1:03d}" for i in range(count)], old
 
 
@@ -495,7 +489,8 @@ def pseudo_summary(
         public["replicate_method"]
     ]
     notes = [
-        f"Pseudo design for the public file: {G} pseudo strata (each from at least "
+        f"Pseudo design for the public file: {G} pseudo {'stratum' if G == 1 else 'strata'} "
+        f"(each from at least "
         f"{des.strata_per_group_min} original strata) of {m} pseudo PSUs, each a random "
         f"group of at least {des.units_per_psu_min} {unit} balanced over the original "
         f"strata; {R} replicate weights ({method}, scale {public['rscales']}) built from it"

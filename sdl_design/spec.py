@@ -192,7 +192,8 @@ class PseudoDesignSection(_Strict):
     candidates: int = Field(default=300, ge=1, le=1000)
     replicate_method: Literal["jkn", "bootstrap"] = "jkn"
     replicates: int = Field(default=100, ge=2, le=1000)  # bootstrap only
-    replicate_prefix: str = Field(default="rw_", min_length=1)  # when the spec names no glob
+    # the pseudo design's replicate columns: prefix and number (None: pseudo_<method>_)
+    replicate_prefix: str | None = Field(default=None, min_length=1)
 
 
 class DesignSection(_Strict):

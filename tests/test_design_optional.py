@@ -192,6 +192,8 @@ def test_stratified_only_spec_publishes_a_pseudo_design_of_records():
     out = pdr.data
     m = pdr.params["psus_per_stratum"]
     assert m == 10 and pub["rscales"] == [pytest.approx(0.9)]
+    # named for what they are: the pseudo design's JKn replicates, numbered
+    assert pub["replicate_weights"][:2] == ["pseudo_jkn_001", "pseudo_jkn_002"]
     assert (out.groupby(pub["strata"])[pub["psu"]].nunique() == m).all()
     assert (
         len(pub["replicate_weights"]) == out[[pub["strata"], pub["psu"]]].drop_duplicates().shape[0]

@@ -1255,7 +1255,9 @@ def test_pseudo_design_by_partition_is_the_stages_and_the_release_reads_it(
     _same_bits(got, ps.data.reset_index(drop=True))
     reps = ps.params["public_design"]["replicate_weights"]
     assert len(reps) == (replicates or ps.params["pseudo_psus"])
-    assert not (got[reps].to_numpy() == whole[reps[0]].to_numpy()[:, None]).all()
+    assert not (
+        got[reps].to_numpy() == whole[spec.replicate_columns(whole)[0]].to_numpy()[:, None]
+    ).all()
     res = flat(out["stages"]["pseudo_design"])
     assert res["params"] == ps.params and res["notes"] == ps.notes
     assert {k: res[k] for k in ps.metrics} == ps.metrics and res["psu_purity_max"] < 1

@@ -21,6 +21,7 @@ from flows.public_docs import CSV_FORMULA_NOTE, codebook, replicate_scales, vari
 from flows.public_files import public_frame, write_public_files
 from sdl_design.prb import expected_transitions, post_randomize, transition_matrix
 from sdl_design.spec import ReleaseSpec
+from sdl_design.stage import design_columns, public_design
 from sdl_design.stages import run_stages
 from sdl_design.survey.design import SurveyDesign
 from sdl_design.synth import make_survey
@@ -41,7 +42,8 @@ def _release(disable: tuple[str, ...] = (), missing: int = 0):
     results = run_stages(spec, survey)
     df = results[-1].data
     masked = any(r.masks_design for r in results)
-    puf = public_frame(df, spec, masked, [c for r in results for c in r.drop_public])
+    built = design_columns(public_design(spec, results), list(df.columns))  # as the flow
+    puf = public_frame(df, spec, masked, [c for r in results for c in r.drop_public], built)
     for r in results:
         r.data = None
     return spec, results, puf
