@@ -229,9 +229,14 @@ def test_validate_names_a_key_table_too_large(demo, monkeypatch):
 
 
 @pytest.mark.flow  # a subprocess and a release started
+@pytest.mark.usefixtures("prefect_server")
 def test_ctrl_c_during_a_run_exits_130_in_one_line(tmp_path):
-    """SIGINT while the release runs: exit 130, one line, no traceback, nothing published."""
+    """SIGINT while the release runs (against the session's server: no temporary one to
+    start): exit 130, one line, no traceback, nothing published."""
+    import os
     import signal
+
+    from prefect.settings import PREFECT_API_URL
 
     from flows.cli import write_demo_spec
 
@@ -241,6 +246,7 @@ def test_ctrl_c_during_a_run_exits_130_in_one_line(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
     )
     deadline = time.time() + 120
     seen = ""
