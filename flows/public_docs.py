@@ -77,12 +77,13 @@ class PublicReadme(str):
         return obj
 
 
-def _span(cols: list[str]) -> str:
+def column_span(cols: list[str]) -> str:
+    """Columns in order as 'first .. last (n columns)' (one column: its name)."""
     return cols[0] if len(cols) == 1 else f"{cols[0]} .. {cols[-1]} ({len(cols)} columns)"
 
 
 def _code(name: str) -> str:
-    """A column (or a _span of columns) as markdown code: `a` .. `b` (n columns)."""
+    """A column (or a column_span of columns) as markdown code: `a` .. `b` (n columns)."""
     first, sep, rest = name.partition(" .. ")
     if not sep or not rest.endswith(" columns)"):
         return f"`{name}`"
@@ -176,7 +177,9 @@ def column_treatments(
     for c in columns:
         if c in reps[1:]:
             continue
-        name, role = (_span(reps), "replicate weights") if c in reps[:1] else (c, role_of.get(c))
+        name, role = (
+            (column_span(reps), "replicate weights") if c in reps[:1] else (c, role_of.get(c))
+        )
         what = done[c]
         if c in reps[:1]:
             what = [
@@ -194,14 +197,19 @@ def dropped_columns(results: Sequence[StageResult]) -> dict[str, str]:
     return dict(a.params.get("dropped_columns", {})) if a is not None else {}
 
 
-def dropped_lines(dropped: dict[str, str], listed: int = 4) -> list[str]:
-    """The README's list of the columns not published: one line per reason, its columns named
-    (more than `listed` of them: the first and last, and how many)."""
+def dropped_groups(dropped: dict[str, str]) -> list[tuple[list[str], str]]:
+    """The columns not published grouped by their reason, in order: (columns, why)."""
     by_why: dict[str, list[str]] = {}
     for c, why in dropped.items():
         by_why.setdefault(why, []).append(c)
+    return [(cols, why) for why, cols in by_why.items()]
+
+
+def dropped_lines(dropped: dict[str, str], listed: int = 4) -> list[str]:
+    """The README's list of the columns not published: one line per reason, its columns named
+    (more than `listed` of them: the first and last, and how many)."""
     out = []
-    for why, cols in by_why.items():
+    for cols, why in dropped_groups(dropped):
         named = (
             ", ".join(f"`{c}`" for c in cols)
             if len(cols) <= listed

@@ -20,7 +20,7 @@ import pandas as pd
 
 from flows.html import artifact_key, fold, img, png_b64, scroll, table, value
 from flows.manifest import Manifest
-from flows.public_docs import column_treatments, dropped_columns
+from flows.public_docs import column_span, column_treatments, dropped_columns, dropped_groups
 from sdl_design.describe import RISK_DELTA, SURVEY_UNIQUES, RiskRow, finite
 from sdl_design.plots import se_ratio_boxplot
 from sdl_design.stage import NEAR_ROOM, NEAR_RULE
@@ -330,7 +330,13 @@ def _leaves(m: Manifest, results: Sequence[StageResult]) -> str:
         body.append(table(cols, "Published columns"))
     dropped = dropped_columns(results)
     if dropped:
-        d = pd.DataFrame({"column": list(dropped), "why not published": list(dropped.values())})
+        groups = dropped_groups(dropped)  # one row per reason, as the public README
+        d = pd.DataFrame(
+            {
+                "column": [", ".join(c) if len(c) <= 4 else column_span(c) for c, _ in groups],
+                "why not published": [why for _, why in groups],
+            }
+        )
         body.append(table(d, "Columns not published"))
     rows = []
     n_in, n_out = m.counts.n_input, m.counts.n_output

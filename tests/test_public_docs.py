@@ -545,3 +545,17 @@ def test_not_published_columns_are_grouped_by_reason():
         "- `name`, `person_id`: direct identifier",
         "- `county`: drop",
     ]
+
+
+def test_columns_not_published_are_grouped_by_reason_in_readme_and_report():
+    from flows.public_docs import dropped_groups, dropped_lines
+
+    dropped = {f"rw{i:02d}": "replaced" for i in range(1, 32)} | {"id": "identifier"}
+    assert dropped_groups(dropped) == [
+        ([f"rw{i:02d}" for i in range(1, 32)], "replaced"),
+        (["id"], "identifier"),
+    ]
+    assert dropped_lines(dropped) == [
+        "- `rw01` .. `rw31` (31 columns): replaced",
+        "- `id`: identifier",
+    ]
