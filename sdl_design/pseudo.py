@@ -221,6 +221,7 @@ def build_pseudo_design(
 
 UNIT = ["stratum", "psu"]
 MIN_N = 30  # records a domain needs for its variance to steer the choice
+MAX_SCORES = 400  # domain means that steer it at most (the largest domains)
 
 
 def unit_labels(df: pd.DataFrame, spec: Any) -> pd.MultiIndex:
@@ -292,7 +293,7 @@ def pseudo_scores(sums: pd.DataFrame, units: pd.DataFrame) -> np.ndarray:
     wide = wide.reindex(pd.MultiIndex.from_frame(units[UNIT]), fill_value=0.0)
     n = wide["n"].to_numpy().sum(axis=0)
     overall = wide["n"].columns.get_level_values("domain").to_numpy() == 0
-    z, z_all = [], []
+    z, z_all, n_dom = [], [], []
     for j in range(k):
         Sy, Sx = wide[f"y{j}"].to_numpy(), wide[f"x{j}"].to_numpy()
         X = Sx.sum(axis=0)
@@ -301,9 +302,13 @@ def pseudo_scores(sums: pd.DataFrame, units: pd.DataFrame) -> np.ndarray:
         zj = (Sy[:, ok] - R * Sx[:, ok]) / X[ok]  # the ratio's linearized scores
         z.append(zj[:, ~overall[ok]])
         z_all.append(zj[:, overall[ok]])
+        n_dom.append(n[ok][~overall[ok]])
     if not z:
         return np.zeros((len(units), 0))
     z_dom, z_all = np.concatenate(z, axis=1), np.concatenate(z_all, axis=1)
+    if z_dom.shape[1] > MAX_SCORES:  # the largest domains (ties in order): the work bounded
+        keep = np.sort(np.argsort(-np.concatenate(n_dom), kind="stable")[:MAX_SCORES])
+        z_dom = z_dom[:, keep]
     # each overall mean weighs sqrt(domain means / overall means) of them (its scores repeated):
     # the estimates analysts quote first count more, the domains still decide
     reps = max(1, round(np.sqrt(z_dom.shape[1] / max(1, z_all.shape[1]))))

@@ -138,3 +138,17 @@ def test_a_failing_se_gate_names_the_fix_when_the_design_is_a_pseudo_design():
     line = GateFailed("release gates failed", results).one_line()
     assert "0.69 is below 0.8 by 0.11; fix: the pseudo design" in line
     assert "design.pseudo.candidates" in line and "worst estimates" not in line
+
+
+def test_the_largest_domains_steer_the_choice_when_there_are_many(monkeypatch):
+    """At most MAX_SCORES domain means steer the choice (the work stays bounded): the largest
+    domains, here the two sexes of both variables (about 240 records each) before any age
+    group (about 160) or crossing (about 80)."""
+    df, spec = _clustered(), _spec()
+    monkeypatch.setattr(pseudo, "MAX_SCORES", 4)
+    z, units = _scores(df, spec)
+    assert z.shape[1] == 2 * 1 + 4  # the 2 overall means once (round(sqrt(4 / 2)) = 1), then 4
+    v = pseudo._variances(z, pd.factorize(units["stratum"], sort=True)[0])
+    d = df.assign(y0=df.y.fillna(0.0), seen=df.y.notna().astype(float), one=1.0)
+    by_sex = SurveyDesign(d, "w", "stratum", "psu").ratio(["y0", "b"], ["seen", "one"], by="sex")
+    np.testing.assert_allclose(np.sort(v[2:]), np.sort(by_sex["se"].to_numpy() ** 2), rtol=1e-10)
