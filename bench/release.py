@@ -317,6 +317,11 @@ def main() -> None:
     t0 = time.perf_counter()
     code = "import sys; from pathlib import Path; from flows.cli import write_demo_spec; "
     code += "print(write_demo_spec(Path(sys.argv[1]), n_persons=int(sys.argv[2])))"
+    if reuse is not None and not (reuse / "default_spec.yaml").is_file():
+        sys.exit(
+            f"bench/release.py: {reuse} holds no default_spec.yaml of an earlier run; give the "
+            "output folder an earlier run printed, or '-' (or nothing) to generate the input"
+        )
     if reuse is not None:  # its input of n records, generated before; a fresh output folder
         data = yaml.safe_load((reuse / "default_spec.yaml").read_text())
         data["release"]["input"] = str((reuse / data["release"]["input"]).resolve())
