@@ -121,9 +121,8 @@ def file_design(
     rw = [c for c in rw if c in df.columns]
     # the finite population corrections where the file has their columns (the input; a public
     # file never carries them), and the lonely-PSU rule the spec declares
-    stages = {f: getattr(d, f) for f in ("fpc", "ssu", "fpc2")}
-    fpc = stages if stages["fpc"] in df.columns and stages["ssu"] in (None, *df.columns) else {}
-    fpc = {f: c for f, c in fpc.items() if c}
+    declared = {f: getattr(d, f) for f in ("fpc", "ssu", "fpc2") if getattr(d, f)}
+    fpc = declared if all(c in df.columns for c in declared.values()) else {}
     try:
         return SurveyDesign(
             df,

@@ -258,7 +258,7 @@ def test_svyglm_equals_r_survey():
 
 @pytest.mark.parametrize("terms", [6, 40], ids=["khatri-rao", "per-column"])
 def test_replicate_refits_are_each_columns_own_fit(terms):
-    """irls_many on a weight matrix: every column's coefficients are irls' on that column
+    """irls_columns on a weight matrix: every column's coefficients are irls' on that column
     alone (1e-9), each stopping at its own convergence; a column that separates a term (its
     weight zero on the term's y = 0 rows) diverges to NaN or to large coefficients there,
     and does not hold the others back; a column with a term of no weight is NaN. 40 terms:
@@ -275,7 +275,7 @@ def test_replicate_refits_are_each_columns_own_fit(terms):
     W[(g == 1) & (y == 0), 5] = 0.0  # column 5: y = 1 wherever the dummy is 1
     W[g == 1, 6] = 0.0  # column 6: the dummy has no weight
     start = glm.irls(X, y, W.mean(axis=1), "binomial")[0]
-    B = glm.irls_many(X, y, W, "binomial", start=start)
+    B = glm.irls_columns(X, y, W, "binomial", start=start)[0]
     for r in range(5):
         beta, _, converged, _ = glm.irls(X, y, W[:, r], "binomial", start=start)
         assert converged

@@ -514,21 +514,6 @@ def _newton_columns(
     state[at[at_boundary(eta[:, at], family)]] = STATUS.index("boundary")
 
 
-def irls_many(
-    X: np.ndarray,
-    y: np.ndarray,
-    W: np.ndarray,
-    family: Family,
-    start: np.ndarray,
-    tol: float = 1e-12,
-    max_iter: int = 100,
-) -> np.ndarray:
-    """irls for every weight column of W (m x R) at once (e.g. refits with each replicate
-    weight): R x p coefficients; NaN where a column of X has no weight (R's NA) or the
-    system is singular (irls_columns, without the columns' status)."""
-    return irls_columns(X, y, W, family, start, tol, max_iter)[0]
-
-
 @dataclass
 class GLMFit:
     """A survey-weighted GLM on one file: coefficients (NaN where aliased) with Taylor and
