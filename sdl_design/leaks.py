@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.messages import short_list as _short
+from sdl_design.survey.design import dense_codes
 
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec
@@ -201,6 +202,9 @@ def sortable(s: pd.Series) -> np.ndarray:
     return np.where(c < 0, len(u), c).astype(np.int64)
 
 
+ONE_KEY = 2**62  # (rank, value) pairs coded as one int64 below this many
+
+
 def publish_order(columns: Sequence[str], column: Callable[[str], pd.Series], n: int) -> np.ndarray:
     """The public file's order: its records sorted by their published values, column by column
     in the order given (the design labels first, then the file's columns), so that the order is
@@ -212,12 +216,21 @@ def publish_order(columns: Sequence[str], column: Callable[[str], pd.Series], n:
         if groups == n:
             break
         v = sortable(column(c))
+        m = int(v.max(initial=-1)) + 1
+        if groups * m < ONE_KEY:  # (rank, value) as one integer: its dense rank, no lexsort
+            levels, rank = dense_codes(rank * m + v)
+            groups = len(levels)
+            continue
         order = np.lexsort((v, rank))
         rs, vs = rank[order], v[order]
-        new = np.r_[True, (rs[1:] != rs[:-1]) | (vs[1:] != vs[:-1])] if n else np.ones(0, bool)
+        new = np.r_[True, (rs[1:] != rs[:-1]) | (vs[1:] != vs[:-1])]
         rank[order] = np.cumsum(new) - 1
         groups = int(new.sum())
-    return np.argsort(rank, kind="stable")
+    if groups < n:
+        return np.argsort(rank, kind="stable")
+    order = np.empty(n, dtype=np.int64)  # rank is a permutation: its inverse
+    order[rank] = np.arange(n)
+    return order
 
 
 def sorted_rows(df: pd.DataFrame, first: Sequence[str] = ()) -> tuple[pd.DataFrame, np.ndarray]:

@@ -437,3 +437,27 @@ def test_demo_identical_with_one_or_two_blas_threads():
     assert set(one["threads"]) == {1} and set(two["threads"]) == {2}  # the setting took
     assert one["hash"] == two["hash"]
     assert one["psu"] <= one["upper"] == 0.5
+
+
+@pytest.mark.parametrize("one_key", [True, False])
+def test_publish_order_is_pandas_stable_sort_with_ties_left(monkeypatch, one_key):
+    """publish_order's positions equal pandas' stable sort of the columns (NaN last), duplicate
+    records left in input order, whether pairs are coded as one integer or lexsorted."""
+    import sdl_design.leaks as leaks
+
+    if not one_key:
+        monkeypatch.setattr(leaks, "ONE_KEY", 0)
+    rng = np.random.default_rng(7)
+    n = 3000
+    df = pd.DataFrame(
+        {
+            "a": rng.integers(0, 3, n),
+            "b": pd.Categorical(rng.choice(["z", "y", "x"], n), categories=["z", "y", "x"]),
+            "c": np.where(rng.random(n) < 0.2, np.nan, rng.integers(0, 4, n).astype(float)),
+            "d": rng.choice(["q", "p"], n),
+        }
+    )
+    got = leaks.publish_order(list(df.columns), lambda c: df[c], n)
+    want = df.sort_values(list(df.columns), kind="stable", na_position="last").index
+    np.testing.assert_array_equal(got, want.to_numpy())
+    assert len(df.drop_duplicates()) < n  # ties remain after every column
