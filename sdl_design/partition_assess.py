@@ -686,44 +686,72 @@ def quantile_pass(
     records with the variable (L x R x R: the rank of the replicate weights, the cell's
     degrees of freedom)."""
     df = read_partition(part, req.columns(f), spec)
-    W = df[list(req.files[f].replicates)].to_numpy(dtype=float)
+    W = np.ascontiguousarray(df[list(req.files[f].replicates)].to_numpy(dtype=float))
     X = plan.study.continuous_values(df)
     at = np.searchsorted(cuts.profiles, _profile_numbers(df, req, plan))
-    out = []
+    cells = [(codes[at], L) for codes, L in cuts.cells]
     with single_blas_thread():
-        for (codes, L), qs in zip(cuts.cells, cuts.q, strict=True):
-            cell = codes[at]
-            grams = _cell_grams(W, cell, L, np.isnan(X))
-            row = []
-            for j, q in enumerate(qs):
-                ok = np.flatnonzero(~np.isnan(X[:, j]))
-                c = cell[ok]
-                seg = (X[ok, j][:, None] > q[c]).sum(axis=1)  # the quantiles below x
-                width = q.shape[1] + 1
-                z = sp.csr_matrix(
-                    (np.ones(len(ok)), (np.arange(len(ok)), c * width + seg)),
-                    shape=(len(ok), L * width),
-                )
-                row.append((np.asarray((z.T @ W[ok]).T), grams[j]))
-            out.append(row)
-    return out
+        grams = _cell_grams(W, cells, np.isnan(X))
+        totals = [
+            _segment_totals(W, X, cell, L, qs) for (cell, L), qs in zip(cells, cuts.q, strict=True)
+        ]
+    return [list(zip(t, g, strict=True)) for t, g in zip(totals, grams, strict=True)]
 
 
-def _cell_grams(W: np.ndarray, cell: np.ndarray, L: int, missing: np.ndarray) -> list[np.ndarray]:
-    """For each variable (missing: records x variables), the Gram W_c'W_c of the replicate
-    weights of each cell's records where it is not missing (L x R x R): one product per
-    (cell, pattern of missing variables), each added to the variables the pattern holds."""
+def _segment_totals(
+    W: np.ndarray, X: np.ndarray, cell: np.ndarray, L: int, qs: Sequence[np.ndarray]
+) -> list[np.ndarray]:
+    """Each variable's replicate totals by cell and segment between its sorted quantiles
+    (R x L (P + 1)), the records where it is missing left out: one sparse product for all."""
+    rows, cols, widths = [], [], []
+    offset = 0
+    for j, q in enumerate(qs):
+        ok = np.flatnonzero(~np.isnan(X[:, j]))
+        c = cell[ok]
+        seg = (X[ok, j][:, None] > q[c]).sum(axis=1)  # the quantiles below x
+        width = q.shape[1] + 1
+        rows.append(offset + c * width + seg)
+        cols.append(ok)
+        widths.append(L * width)
+        offset += L * width
+    r, c = np.concatenate(rows), np.concatenate(cols)
+    z = sp.csr_matrix((np.ones(len(r)), (r, c)), shape=(offset, len(W)))
+    T = np.asarray(z @ W).T
+    return np.split(T, np.cumsum(widths)[:-1], axis=1)
+
+
+GRAM_BYTES = 128 * 2**20  # the finest cells' Grams held at once (else a grouping at a time)
+
+
+def _cell_grams(
+    W: np.ndarray, cells: Sequence[tuple[np.ndarray, int]], missing: np.ndarray
+) -> list[list[np.ndarray]]:
+    """For each grouping (cells: each record's cell and the number of cells L) and variable
+    (missing: records x variables), the Gram W_c'W_c of the replicate weights of each cell's
+    records where the variable is not missing (L x R x R). The Gram is additive: one product
+    per finest group (the records' cells in every grouping and their pattern of missing
+    variables), summed into each grouping's cells."""
     k, R = missing.shape[1], W.shape[1]
     patterns, pattern = distinct_rows(missing)
-    groups, of = dense_codes(cell * len(patterns) + pattern)
+    fine, of = distinct_rows(np.column_stack([c for c, _ in cells] + [pattern]))
+    if len(fine) * R * R * 8 > GRAM_BYTES and len(cells) > 1:  # a grouping at a time
+        return [_cell_grams(W, [c], missing)[0] for c in cells]
     order = np.argsort(of, kind="stable")
-    bounds = np.searchsorted(of[order], np.arange(len(groups) + 1))
-    out = [np.zeros((L, R, R)) for _ in range(k)]
-    for i, grp in enumerate(groups):
-        rows = order[bounds[i] : bounds[i + 1]]
-        G = W[rows].T @ W[rows]
-        for j in np.flatnonzero(~patterns[grp % len(patterns)]):
-            out[j][grp // len(patterns)] += G
+    bounds = np.searchsorted(of[order], np.arange(len(fine) + 1))
+    Ws = W[order]
+    G = np.empty((len(fine), R, R))
+    for i in range(len(fine)):
+        S = Ws[bounds[i] : bounds[i + 1]]
+        np.matmul(S.T, S, out=G[i])
+    has = ~patterns[fine[:, -1]]  # finest group x variable: the variable observed
+    out = []
+    for g, (_, L) in enumerate(cells):
+        by = []
+        for j in range(k):
+            sel = np.flatnonzero(has[:, j])
+            ind = sp.csr_matrix((np.ones(len(sel)), (fine[sel, g], sel)), shape=(L, len(fine)))
+            by.append(np.asarray(ind @ G.reshape(len(fine), R * R)).reshape(L, R, R))
+        out.append(by)
     return out
 
 
