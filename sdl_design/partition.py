@@ -575,9 +575,10 @@ def means_pass1(df: pd.DataFrame, req: MeansRequest) -> MeansPass1:
 
 def _sum_by(codes: np.ndarray, a: np.ndarray, L: int) -> np.ndarray:
     """Sums of the rows of a (m x ...) by codes 0..L-1, added in row order."""
-    out = np.zeros((L, *a.shape[1:]))
-    np.add.at(out, codes, a)
-    return out
+    if not len(codes):
+        return np.zeros((L, *a.shape[1:]))
+    flat = sparse_times(group_indicator(codes, L), a.reshape(len(codes), -1))  # as np.add.at
+    return flat.reshape(L, *a.shape[1:])
 
 
 def combine_pass1(partials: Sequence[MeansPass1]) -> MeansPass1:

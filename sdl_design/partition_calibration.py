@@ -74,8 +74,18 @@ from sdl_design.survey.design import first_of
 
 # replications made in the same passes: their selections' exchange carries a uniform per
 # record and selection, and their study totals the values of the records that continue a
-# block begun in an earlier partition (up to BLOCK per partition): both grow with this number
-REPLICATIONS_AT_ONCE = 5
+# block begun in an earlier partition (up to BLOCK per partition): both grow with this number.
+# At most REPLICATIONS_AT_ONCE, fewer when their exchange's uniforms (two selections of 8
+# bytes a record each) would pass REPLICATION_BYTES (at 5M records 10 at once took the
+# workers to 3.5-3.8 GiB; 5 at once is 400 MB of uniforms)
+REPLICATIONS_AT_ONCE = 20
+REPLICATION_BYTES = 400 * 2**20
+
+
+def replications_at_once(n_records: int) -> int:
+    """How many replications one batch of passes makes for a file of n_records (at least 1)."""
+    fit = REPLICATION_BYTES // max(1, 16 * n_records)
+    return int(max(1, min(REPLICATIONS_AT_ONCE, fit)))
 
 
 @dataclass(frozen=True)

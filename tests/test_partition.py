@@ -1577,3 +1577,13 @@ def test_validate_by_partition_is_the_scan(clean, tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("scanned") and "risk strata" in out
     assert {"se.csv", "edits.csv", "key_risk.csv"} <= {p.name for p in folder.iterdir()}
+
+
+def test_replications_at_once_bounded_by_their_uniforms():
+    """A batch of MASSC replications holds two 8-byte uniforms a record each: at most
+    REPLICATION_BYTES of them (5 at 5M records, as measured within memory), never none."""
+    at = pcal.replications_at_once
+    assert at(300_000) == pcal.REPLICATIONS_AT_ONCE
+    assert at(5_000_000) == 5 and at(10**9) == 1
+    for n in (10**5, 10**6, 3 * 10**6, 10**7):
+        assert 16 * n * at(n) <= pcal.REPLICATION_BYTES or at(n) == 1

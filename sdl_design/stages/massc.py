@@ -339,7 +339,7 @@ def _massc_replications(
         ((wplan, wcal),) = run.calibrations(wreq, [treated], "massc replications' domains")
         wreq = pcal.replication_request(wreq, wplan.table if wcal is None else wcal.table)
     estimates = []
-    batch = pcal.REPLICATIONS_AT_ONCE  # the memory of their exchanges and block sums
+    batch = pcal.replications_at_once(run.n_rows)  # the memory of their exchanges
     for lo in range(0, n_reps, batch):
         reps = range(lo, min(lo + batch, n_reps))
         estimates += _replication_batch(run, wreq, treated, done, reps, folder)
