@@ -1,12 +1,14 @@
-"""The map over partitions and the exchange between them, in this process (one partition in
-memory at a time) or on a Dask cluster: results come back in partition order, so they do not
+"""The map over partitions and the exchange between them, in this process (a thread per
+worker, a partition in memory per thread) or on a Dask cluster: results come back in partition order, so they do not
 depend on which worker ran what, or when."""
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -46,25 +48,36 @@ def mapper(
     runner: str, dask_address: str | None, workers: int, command: str = "scan"
 ) -> Iterator[Exchange]:
     """map(fn, partitions, *args, what=...) -> results in partition order, with progress: in
-    this process (runner 'thread', one partition in memory at a time) or on a Dask cluster
-    (the one at dask_address, else a local one of `workers` single-threaded processes)."""
+    this process (runner 'thread': `workers` threads, as many partitions in memory at a time)
+    or on a Dask cluster (the one at dask_address, else a local one of `workers`
+    single-threaded processes)."""
     if runner == "thread":
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="puf-partition") as pool:
 
-        def local(fn: Callable, parts: Sequence, *args: Any, what: str) -> list:
-            out = []
-            for i, p in enumerate(parts, 1):
-                out.append(fn(p, *args))
-                say(f"{what}: partition {i}/{len(parts)} (records {p.start}-{p.stop - 1})", command)
-            return out
+            def local(fn: Callable, parts: Sequence, *args: Any, what: str) -> list:
+                out = []  # workers partitions at a time; results (and lines) in partition order
+                for i, (p, got) in enumerate(
+                    zip(parts, _in_pool(pool, fn, parts, args), strict=True), 1
+                ):
+                    out.append(got)
+                    say(
+                        f"{what}: partition {i}/{len(parts)} (records {p.start}-{p.stop - 1})",
+                        command,
+                    )
+                return out
 
-        def local_exchange(fns: tuple, parts: Sequence, args: tuple, what: str) -> list:
-            send, serve, receive = fns
-            sent = local(send, parts, *args, what=f"{what}, requests")
-            served = [serve(p, [s[j] for s in sent], *args) for j, p in enumerate(parts)]
-            say(f"{what}: served {len(parts)} partitions", command)
-            return [receive(p, [r[i] for r in served], *args) for i, p in enumerate(parts)]
+            def local_exchange(fns: tuple, parts: Sequence, args: tuple, what: str) -> list:
+                send, serve, receive = fns
+                sent = local(send, parts, *args, what=f"{what}, requests")
+                to = [[s[j] for s in sent] for j in range(len(parts))]
+                served = list(pool.map(lambda j: serve(parts[j], to[j], *args), range(len(parts))))
+                say(f"{what}: served {len(parts)} partitions", command)
+                back = [[r[i] for r in served] for i in range(len(parts))]
+                return list(
+                    pool.map(lambda i: receive(parts[i], back[i], *args), range(len(parts)))
+                )
 
-        yield Exchange(local, local_exchange)
+            yield Exchange(local, local_exchange)
         return
     if runner != "dask":
         raise ValueError(f"runner must be 'thread' or 'dask', not {runner!r}")
@@ -121,6 +134,13 @@ def mapper(
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+def _in_pool(pool: ThreadPoolExecutor, fn: Callable, parts: Sequence, args: tuple) -> Iterator:
+    """fn(part, *args) of every part in the pool's threads, in partition order (each thread's
+    context: the caller's, so that a stage's settings reach it)."""
+    ctx = contextvars.copy_context()
+    return pool.map(lambda p: ctx.copy().run(fn, p, *args), parts)
 
 
 def scattered(client: Any, args: tuple) -> list:
