@@ -26,7 +26,6 @@ from flows.env import peak_gib, peak_reset, preload, return_freed_memory
 from flows.public_files import write_public_by_partition
 from flows.txn import CONFIDENTIAL_TABLES
 from sdl_design import partition as part
-from sdl_design import partition_assess as pas
 from sdl_design.blas import single_blas_thread
 from sdl_design.engine.exchange import Exchange, mapper, say
 from sdl_design.engine.records import Records, Run, run_record
@@ -239,8 +238,8 @@ def _public_files(
     columns, run = records.columns, records.run
     built = design_columns(design, columns)
     drop = [c for r in results for c in r.drop_public]
-    linked = pas.link(run.inputs, records.parts, run.retained(records.parts))
-    rows = run.run_map(pas.input_rows, linked, run.selected, what="public files: record map")
+    linked = part.link(run.inputs, records.parts, run.retained(records.parts))
+    rows = run.run_map(part.input_rows, linked, run.selected, what="public files: record map")
     return write_public_by_partition(
         run.run_map, records.parts, spec, columns, ctx.masked_design, drop, built,
         records.folder, results=results, design=design,

@@ -68,9 +68,12 @@ from sdl_design.blas import single_blas_thread
 from sdl_design.leaks import recoverable_share, zero_words
 from sdl_design.massc.measures import appearance_table
 from sdl_design.partition import (
+    Linked,
     PartitionError,
     _selected,
     combine_profiles,
+    input_rows,
+    linked_originals,
     profile_counts,
     profile_rows,
     read_partition,
@@ -758,59 +761,6 @@ def _cell_grams(
 # ---------------------------------------------------------------- risk of the published file
 
 
-@dataclass(frozen=True)
-class Linked:
-    """A partition of the published records (rows start..stop-1 of the published file) and
-    the original records they are: the retained records lo..hi-1 (by rank among a partition's
-    retained records) of each original partition they come from."""
-
-    start: int
-    stop: int
-    released: Any
-    originals: tuple[tuple[Any, int, int], ...]
-
-
-def retained_in(part: Any, selected: str) -> int:
-    """Map: the partition's records MASSC retained (its d(2) selection in `selected`)."""
-
-    return int(_selected(part, selected).sum())
-
-
-def link(original: Sequence[Any], released: Sequence[Any], retained: Sequence[int]) -> list[Linked]:
-    """Each published partition with the original records it holds: the published file is
-    the retained records in record order (retained: each original partition's count)."""
-    n_r = released[-1].stop if released else 0
-    if sum(retained) != n_r:
-        raise PartitionError(
-            f"assess: {n_r} published records, but {sum(retained)} original records retained; "
-            "the records after the last stage are not the retained ones in order"
-        )
-    before = np.cumsum([0, *retained])
-    out = []
-    for r in released:
-        spans = []
-        for p, a, c in zip(original, before[:-1].tolist(), retained, strict=True):
-            lo, hi = max(r.start, a), min(r.stop, a + c)
-            if lo < hi:
-                spans.append((p, lo - a, hi - a))
-        out.append(Linked(r.start, r.stop, r, tuple(spans)))
-    return out
-
-
-def linked_originals(
-    linked: Linked, columns: list[str], spec: ReleaseSpec, selected: str | None
-) -> pd.DataFrame:
-    """The original records a published partition holds (columns of them), in its order:
-    the retained records lo..hi-1 of each original partition (MASSC's d(2) in `selected`)."""
-
-    parts = []
-    for p, lo, hi in linked.originals:
-        o = read_partition(p, columns, spec)
-        kept = np.flatnonzero(_selected(p, selected)) if selected else np.arange(len(o))
-        parts.append(o.iloc[kept[lo:hi]])
-    return pd.concat(parts) if parts else pd.DataFrame(columns=columns)
-
-
 @dataclass
 class RiskPass:
     """One published partition: profile counts of its keys (risk strata), and by key profile
@@ -1312,18 +1262,6 @@ def pmse_by_partition(
 
 
 # ---------------------------------------------------------------- the intruder's attacks
-
-
-def input_rows(linked: Linked, selected: str | None) -> np.ndarray:
-    """Map: each record of a published partition's original record, as its row in the input
-    (the retained records lo..hi-1 of each original partition it comes from, MASSC's d(2) in
-    `selected`)."""
-
-    at = []
-    for p, lo, hi in linked.originals:
-        kept = np.flatnonzero(_selected(p, selected)) if selected else np.arange(p.stop - p.start)
-        at.append(p.start + kept[lo:hi])
-    return np.concatenate(at) if at else np.zeros(0, dtype=np.int64)
 
 
 def attack_released(

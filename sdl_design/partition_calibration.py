@@ -44,19 +44,21 @@ from sdl_design.massc.treatment import (
     weight_factors,
 )
 from sdl_design.partition import (
-    MasscInputs,
     Partition,
     PartitionError,
+    _selected,
+    _write_partition,
+    plan_partitions,
+    read_partition,
+)
+from sdl_design.partition_massc import (
+    MasscInputs,
     _block_totals,
     _original_rows,
     _partial_sums,
-    _selected,
     _tilde,
     _treated_records,
-    _write_partition,
     massc_request,
-    plan_partitions,
-    read_partition,
     substituted,
 )
 from sdl_design.rng import release_seed

@@ -26,12 +26,12 @@ from sdl_design.partition import (
     PartitionError,
     combine_pass1,
     domain_means,
+    linked_originals,
     means_pass1,
     means_pass2,
     profile_counts,
     read_partition,
 )
-from sdl_design.partition_assess import linked_originals
 from sdl_design.spec import KeySpec
 from sdl_design.survey.design import resolve_replicates
 from sdl_design.utility import se_exclude
@@ -298,7 +298,7 @@ def unique_share(profiles: pd.DataFrame) -> float:
 
 def keys_changed(linked: Any, spec: ReleaseSpec, selected: str | None) -> tuple[int, int]:
     """Map: (records, records with a key changed) of a published partition against the
-    original records they are (partition_assess.link), keys in their recodes (key_frame)."""
+    original records they are (sdl_design.partition.link), keys in their recodes (key_frame)."""
 
     keys = spec.variables.keys
     names = [k if isinstance(k, str) else k.name for k in keys]

@@ -18,6 +18,8 @@ from flows.cli import main as puf
 from flows.cli import write_demo_spec
 from sdl_design import partition as P
 from sdl_design import partition_calibration as pcal
+from sdl_design import partition_massc as pms
+from sdl_design import partition_prb as pprb
 from sdl_design.edits import rule_failures
 from sdl_design.io import read_input
 from sdl_design.risk import cell_sizes, profile_codes, risk_profile, risk_strata
@@ -656,8 +658,8 @@ def test_puf_partitioned_leaves_nothing_when_a_partition_fails(
             raise OSError("disk full")
         return apply(part, *args)
 
-    apply = P.prb_apply
-    monkeypatch.setattr(P, "prb_apply", fail_second)
+    apply = pprb.prb_apply
+    monkeypatch.setattr(pprb, "prb_apply", fail_second)
     with pytest.raises(OSError, match="disk full"):
         run_partitioned(path, "thread", partitions=3, out=out)
     # the earlier run's folder is whole, and no temporary folder is left beside it
@@ -1424,19 +1426,19 @@ def test_donor_draws_by_partition_continue_the_generator_as_find_donors(clean):
     from sdl_design.massc.treatment import domain_cells
 
     path, spec, whole = _with_donors(clean)
-    req = P.massc_request(spec, P.input_columns(spec.release.input))
+    req = pms.massc_request(spec, P.input_columns(spec.release.input))
     parts = P.plan_partitions(spec.release.input, 3)
-    tables = [P.donor_pass1(p, spec, req) for p in parts]
+    tables = [pms.donor_pass1(p, spec, req) for p in parts]
     a, b = np.random.default_rng(5), np.random.default_rng(5)
     find_donors(
         whole, list(req.keys), list(req.sensitive), dict(req.importance), [], a,
         cells=domain_cells(whole, list(req.cells)),
     )  # fmt: skip
-    plan = P.donor_plan(tables, req, b)
+    plan = pms.donor_plan(tables, req, b)
     assert a.random(4).tolist() == b.random(4).tolist()
     assert sum(len(t) for t in tables) >= plan.n_profiles  # a profile may be in several parts
     with pytest.raises(P.PartitionError, match="PCG64"):
-        P.donor_plan(tables, req, np.random.Generator(np.random.MT19937(1)))
+        pms.donor_plan(tables, req, np.random.Generator(np.random.MT19937(1)))
 
 
 @pytest.mark.parametrize(
@@ -1459,9 +1461,9 @@ def test_records_without_a_donor_in_their_domain_cell_by_partition(clean, domain
     new = path.parent / f"no-donor-{len(restrictions)}.yaml"
     new.write_text(yaml.safe_dump(data))
     spec = load_spec(new)
-    req = P.massc_request(spec, P.input_columns(spec.release.input))
+    req = pms.massc_request(spec, P.input_columns(spec.release.input))
     parts = P.plan_partitions(spec.release.input, 3)
-    plan = P.donor_plan([P.donor_pass1(p, spec, req) for p in parts], req, _massc_rng(spec))
+    plan = pms.donor_plan([pms.donor_pass1(p, spec, req) for p in parts], req, _massc_rng(spec))
     f = pd.DataFrame(
         {
             "r": whole[list(restrictions)].astype(str).agg("|".join, axis=1) if restrictions else 0,
@@ -1486,7 +1488,7 @@ def test_advanced_generator_draws_the_stages_doubles_from_the_kth_on():
     state = rng.bit_generator.state
     whole = rng.random(1000)
     for k in (0, 1, 17, 999):
-        assert P.advanced(state, k).random(1000 - k).tobytes() == whole[k:].tobytes()
+        assert pms.advanced(state, k).random(1000 - k).tobytes() == whole[k:].tobytes()
 
 
 def test_puf_partitioned_names_the_field_of_massc_substrata(clean, tmp_path, capsys):

@@ -214,7 +214,7 @@ def _risk_by_partition(
     run_map, inputs, parts = run.run_map, run.inputs, records.parts
     design, released, original = files
     retained = run.retained(parts)
-    linked = pas.link(inputs, parts, retained)
+    linked = part.link(inputs, parts, retained)
     risk = run_map(pas.risk_pass, linked, spec, req, plan, run.selected, what="assess risk")
     originals = run_map(
         pas.original_profiles, inputs, spec, req, plan, what="assess risk, original"

@@ -7,7 +7,6 @@ from typing import Any
 import pandas as pd
 
 from sdl_design import partition as part
-from sdl_design import partition_assess as pas
 from sdl_design import partition_final as pf
 from sdl_design.describe import Describes
 from sdl_design.engine.records import Records, passes_result
@@ -119,7 +118,7 @@ class FinalStage(Describes):
         after = combine_profiles(
             run_map(pf.key_profiles, records.parts, spec, what="final: key profiles")
         )
-        linked = pas.link(inputs, records.parts, run.retained(records.parts))
+        linked = part.link(inputs, records.parts, run.retained(records.parts))
         changed = run_map(pf.keys_changed, linked, spec, run.selected, what="final: keys changed")
         n = sum(c[0] for c in changed)
         metrics, notes = final_measures(

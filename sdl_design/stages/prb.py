@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from sdl_design import partition as part
+from sdl_design import partition_prb as pprb
 from sdl_design.describe import (
     Describes,
     NumberColumn,
@@ -263,28 +263,28 @@ class PrbStage(Describes):
         blocks and draws IFPR with the stage's Generator; every worker writes its records with
         the moved ones' values of C replaced (edit rules checked)."""
         spec, parts, run_map = ctx.spec, records.parts, records.run_map
-        req, st = part.prb_stage_request(spec)
-        first = run_map(part.prb_pass1, parts, spec, req, what="prb pass 1")
-        tables = part.combine_prb_pass1(first, req)
+        req, st = pprb.prb_stage_request(spec)
+        first = run_map(pprb.prb_pass1, parts, spec, req, what="prb pass 1")
+        tables = pprb.combine_prb_pass1(first, req)
         records.lap("pass1")
-        units = run_map(part.prb_pass2, parts, spec, req, tables, what="prb pass 2")
+        units = run_map(pprb.prb_pass2, parts, spec, req, tables, what="prb pass 2")
         records.lap("pass2")
-        new, plan = part.prb_plan(req, st.xi, st.tuned, tables, units, ctx.rng())
+        new, plan = pprb.prb_plan(req, st.xi, st.tuned, tables, units, ctx.rng())
         records.lap("plan")
         m = plan["metrics"]
         records.say(
             f"PRB changed {int(m['n_changed'])} of {int(m['n_units'])} singleton/doubleton "
             f"records; max exact identification risk {m['max_risk']:.4f} (xi {st.xi})"
         )
-        files = run_map(part.prb_apply, parts, spec, req, new, records.data, what="prb")
+        files = run_map(pprb.prb_apply, parts, spec, req, new, records.data, what="prb")
         records.lap("apply")
         # the public README's tables: the transition probabilities (the category sums by
         # partition, in block sums) and the records each variable of C changed
-        trq = part.prb_transition_request(tables, plan, req)
+        trq = pprb.prb_transition_request(tables, plan, req)
         sums = run_map(
-            part.prb_transition_pass, parts, spec, req, tables, trq, what="prb transitions"
+            pprb.prb_transition_pass, parts, spec, req, tables, trq, what="prb transitions"
         )
-        docs = part.prb_doc_tables(trq, sums, records.n, plan, new, req)
+        docs = pprb.prb_doc_tables(trq, sums, records.n, plan, new, req)
         records.lap("transitions")
         metrics = pd.DataFrame({"metric": list(m), "value": list(m.values())})
         params = {  # as run() makes them (what the README reads of them)
