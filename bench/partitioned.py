@@ -78,7 +78,7 @@ print('SCAN', out['seconds'], out['partitions'])
 
 WHOLE = """
 import time, numpy as np, pandas as pd
-from sdl_design import partition as P
+from sdl_design.engine import partitions as P
 from sdl_design.survey.design import SurveyDesign
 from sdl_design.io import read_input
 from sdl_design.spec import load_spec
@@ -124,19 +124,19 @@ swap = SwapStage.from_spec(spec).run(df, ctx)
 t1 = time.perf_counter()
 prb = PrbStage.from_spec(spec).run(swap.data, ctx.for_stage("prb", [swap]))
 t2 = time.perf_counter()
-from sdl_design.massc.stage import _main
+from sdl_design.stages.massc.stage import _main
 from sdl_design.rng import release_seed
 cfg, plan, tr, dm, revisions = _main(
     prb.data, spec, release_seed(spec.release.seed, spec.release.year), df
 )
 t3 = time.perf_counter()
-from sdl_design.massc.stage import _calibrate, _release_margins
+from sdl_design.stages.massc.stage import _calibrate, _release_margins
 calibrated = _calibrate(
     prb.data, spec, cfg, tr, df, True, margins=_release_margins(prb.data, spec, df, cfg)
 )[0]
 t4 = time.perf_counter()
-from sdl_design.massc.measures import epsilon_from_replications
-from sdl_design.massc.stage import massc_replications, replication_plan
+from sdl_design.stages.massc.measures import epsilon_from_replications
+from sdl_design.stages.massc.stage import massc_replications, replication_plan
 margins = _release_margins(prb.data, spec, df, cfg)
 prepared = replication_plan(prb.data, spec, df, (cfg, plan, tr, dm, revisions), margins)
 R = int(spec.stages.massc.replications)
@@ -184,7 +184,7 @@ def same_treatment(folder):
         phi.tobytes() == tr.phi.rates.tobytes()) and delta == dm.delta
 def assess_gap(final):  # the largest relative difference from assess on the same records
     from pathlib import Path
-    from sdl_design.assess import assess
+    from sdl_design.stages.assess.method import assess
     from sdl_design.stage import design_columns
     cols = list(final.columns)
     rel = final[spec.published_columns(cols, True, [spec.design.segment], design_columns(spec.design, cols))]

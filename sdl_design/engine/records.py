@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.engine.exchange import Exchange, say
-from sdl_design.partition import Partition, retained_in
+from sdl_design.engine.partitions import Partition, retained_in
 from sdl_design.stage import Gate, StageResult
 
 

@@ -1,5 +1,5 @@
 """The PRB stage by partition (paper 002): the cells, the transition matrices and the
-post-randomization, a partition at a time (sdl_design.partition reads the partitions)."""
+post-randomization, a partition at a time (sdl_design.engine.partitions reads the partitions)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import pandas as pd
 
 from sdl_design.blas import single_blas_thread
 from sdl_design.edits import check_edits
-from sdl_design.partition import (
+from sdl_design.engine.partitions import (
     Partition,
     PartitionError,
     _lookup,
     _write_partition,
     read_partition,
 )
-from sdl_design.prb import (
+from sdl_design.stages.prb.method import (
     EDIT_HINT,
     TRANSITION_COLUMNS,
     PrbRequest,

@@ -8,19 +8,19 @@ from typing import Any
 
 import pandas as pd
 
-from sdl_design import partition as part
-from sdl_design import partition_swap as psw
 from sdl_design.describe import REPLICATES, Describes, NumberColumn, Tunable, cite, more_less, pct
+from sdl_design.engine import partitions as part
 from sdl_design.engine.records import Records, passes_result
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import StageContext, StageResult
-from sdl_design.survey.design import SurveyDesign, design_columns
-from sdl_design.swap import (
+from sdl_design.stages.swap import passes as psw
+from sdl_design.stages.swap.method import (
     _class_summary,
     se_ratio_boxplot,
     swap_design_problems,
     swap_segments,
 )
+from sdl_design.survey.design import SurveyDesign, design_columns
 from sdl_design.utility import (
     broad_characteristics,
     original_domain_se,

@@ -2,7 +2,7 @@
 variable overall and in every domain and pair of domains (keys in their published coding), and
 the quartiles of every continuous one overall and in every domain, on the original and on the
 released file, each under its own design, with Taylor and replicate SEs, compared as
-sdl_design.assess.assess compares them (CI overlap, standardized bias, SE ratios, epsilon of
+sdl_design.stages.assess.method.assess compares them (CI overlap, standardized bias, SE ratios, epsilon of
 the published totals). The same numbers as assess to rounding (1e-12; the quantiles' rows bit
 for bit); assess's models, pMSE and re-identification are not made here.
 
@@ -30,7 +30,22 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from sdl_design.assess import (
+from sdl_design.blas import single_blas_thread
+from sdl_design.engine.partitions import (
+    Linked,
+    PartitionError,
+    _selected,
+    combine_profiles,
+    input_rows,
+    linked_originals,
+    profile_counts,
+    profile_rows,
+    read_partition,
+    strata_counts,
+)
+from sdl_design.leaks import recoverable_share, zero_words
+from sdl_design.spec import ReleaseSpec
+from sdl_design.stages.assess.method import (
     MODEL_COLUMNS,
     PMSE_MAX_ITER,
     QUANTILE_RULE,
@@ -64,22 +79,7 @@ from sdl_design.assess import (
     study_kind,
     value_orders,
 )
-from sdl_design.blas import single_blas_thread
-from sdl_design.leaks import recoverable_share, zero_words
-from sdl_design.massc.measures import appearance_table
-from sdl_design.partition import (
-    Linked,
-    PartitionError,
-    _selected,
-    combine_profiles,
-    input_rows,
-    linked_originals,
-    profile_counts,
-    profile_rows,
-    read_partition,
-    strata_counts,
-)
-from sdl_design.spec import ReleaseSpec
+from sdl_design.stages.massc.measures import appearance_table
 from sdl_design.survey.design import (
     DesignError,
     SurveyDesign,

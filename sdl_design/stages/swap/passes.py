@@ -1,5 +1,5 @@
 """The swap stage by partition (paper 003): the segment design, the masking plan and its
-application, a partition at a time (sdl_design.partition reads the partitions)."""
+application, a partition at a time (sdl_design.engine.partitions reads the partitions)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,8 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.blas import single_blas_thread
-from sdl_design.partition import Partition, PartitionError, _write_partition, read_partition
-from sdl_design.survey.design import (
-    resolve_replicates,
-)
-from sdl_design.survey.exactsum import add_limbs_at
-from sdl_design.swap import (
+from sdl_design.engine.partitions import Partition, PartitionError, _write_partition, read_partition
+from sdl_design.stages.swap.method import (
     Masking,
     SegmentDesign,
     SegmentPass1,
@@ -31,6 +27,10 @@ from sdl_design.swap import (
     segment_pass2,
     swap_pairs,
 )
+from sdl_design.survey.design import (
+    resolve_replicates,
+)
+from sdl_design.survey.exactsum import add_limbs_at
 
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec

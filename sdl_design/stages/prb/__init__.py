@@ -7,7 +7,6 @@ from typing import Any
 
 import pandas as pd
 
-from sdl_design import partition_prb as pprb
 from sdl_design.describe import (
     Describes,
     NumberColumn,
@@ -18,7 +17,10 @@ from sdl_design.describe import (
     share_text,
 )
 from sdl_design.engine.records import Records, passes_result
-from sdl_design.prb import (
+from sdl_design.spec import KeySpec, ReleaseSpec
+from sdl_design.stage import StageContext, StageResult
+from sdl_design.stages.prb import passes as pprb
+from sdl_design.stages.prb.method import (
     _carried_domain_notes,
     _domain_notes,
     _prb_and_baseline,
@@ -33,8 +35,6 @@ from sdl_design.prb import (
     partition_ladder,
     prb_cells,
 )
-from sdl_design.spec import KeySpec, ReleaseSpec
-from sdl_design.stage import StageContext, StageResult
 
 
 class PrbStage(Describes):
@@ -190,7 +190,7 @@ class PrbStage(Describes):
         return None if section is None else cls(section, spec)
 
     def cells(self) -> list[KeySpec]:
-        """The cell variables in their published coding (sdl_design.prb.prb_cells)."""
+        """The cell variables in their published coding (sdl_design.stages.prb.method.prb_cells)."""
         return prb_cells(self.spec, self.section)
 
     def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:

@@ -12,23 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from sdl_design.io import type_input
-from sdl_design.massc.common import _codes
-from sdl_design.massc.common import _combine as _combine_codes
-from sdl_design.massc.donors import donor_ranks, donor_search, search_profiles, search_values
-from sdl_design.massc.measures import appearance_table, information_loss
-from sdl_design.massc.moments import (
-    StudyVariables,
-    ZMoments,
-    ZParts,
-    _Bins,
-    moment_terms,
-    moments_of,
-)
-from sdl_design.massc.rates import optimal_phi, optimal_psi
-from sdl_design.massc.stage import massc_config
-from sdl_design.massc.treatment import cost_from, systematic_hits
-from sdl_design.partition import (
+from sdl_design.engine.partitions import (
     Partition,
     PartitionError,
     _lookup,
@@ -38,10 +22,26 @@ from sdl_design.partition import (
     profile_rows,
     read_partition,
 )
+from sdl_design.io import type_input
 from sdl_design.risk import (
     STRATA,
 )
 from sdl_design.spec import KeySpec, SensitiveSpec
+from sdl_design.stages.massc.common import _codes
+from sdl_design.stages.massc.common import _combine as _combine_codes
+from sdl_design.stages.massc.donors import donor_ranks, donor_search, search_profiles, search_values
+from sdl_design.stages.massc.measures import appearance_table, information_loss
+from sdl_design.stages.massc.moments import (
+    StudyVariables,
+    ZMoments,
+    ZParts,
+    _Bins,
+    moment_terms,
+    moments_of,
+)
+from sdl_design.stages.massc.rates import optimal_phi, optimal_psi
+from sdl_design.stages.massc.stage import massc_config
+from sdl_design.stages.massc.treatment import cost_from, systematic_hits
 from sdl_design.survey import blocksum
 from sdl_design.survey.blocksum import BlockAccumulator, BlockPartial
 from sdl_design.survey.design import (

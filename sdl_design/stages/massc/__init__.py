@@ -1,5 +1,30 @@
 """The MASSC stage: substitution, subsampling, calibration and replications (paper 000), in
-memory and by partition."""
+memory and by partition.
+
+MASSC (Singh 2009, paper 000): micro-agglomeration, substitution, subsampling, calibration.
+
+- Risk strata U/D/T/O (sdl_design.risk), optionally merged (e.g. D, T, O -> NU as in the worked
+  example): `strata`.
+- Substitution partners (Step II): nearest donor profile on keys and main sensitive variables,
+  distances standardized by Rao's quadratic entropy p' Lambda p of the donor set, at least one
+  key changed, donors restricted to records sharing given columns: `donors`.
+- Study variables z and their moments (section 2.4, eq. 8a, 8b): `moments`.
+- Optimal rates psi_h (eq. 9 under the bias constraint 8a) and phi_h (eq. 10 under the variance
+  constraint 8b), SLSQP from a feasible point found by a monotone 1-D search: `rates`.
+- Stratified SRSWOR (systematic selection on a random order: exact inclusion rates), or nested
+  within PSUs with probabilities proportional to the stratum rates (section 5); the whole run
+  and its calibration (Step IV): `treatment`.
+- Post-treatment risk delta (eq. 3-6) and information loss epsilon (eq. 7, 8a, 8b): `measures`.
+- The release's run of them (config, result, replications, gates): `stage`; the preflight's
+  checks: `checks`; the errors, key specs and codes: `common`.
+- By partition: `passes` (Steps I-III and delta), `calibration_passes` (Step IV).
+
+Composed after earlier stages (issue 11): strata, costs, delta and epsilon use the original
+file's keys and values of the same records (matched by index label); partners stay inside the
+declared-domain cells; the loss budgets are shares of each total's original sampling variance
+by default; a stratum of negligible risk is left untreated while delta allows (`treatment`).
+The method's names are imported from these modules (this package's own namespace is the
+stage's: a method module importing it would import the stage)."""
 
 from __future__ import annotations
 
@@ -14,9 +39,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
-from sdl_design import partition as part
-from sdl_design import partition_calibration as pcal
-from sdl_design import partition_massc as pms
 from sdl_design.describe import (
     REPLICATES,
     RISK_DELTA,
@@ -29,10 +51,15 @@ from sdl_design.describe import (
     share_text,
     unchanged,
 )
+from sdl_design.engine import partitions as part
 from sdl_design.engine.exchange import Exchange
 from sdl_design.engine.records import Records, passes_result
-from sdl_design.massc.checks import control_problems, subsampling_problems
-from sdl_design.massc.stage import (
+from sdl_design.spec import ReleaseSpec
+from sdl_design.stage import SharedInput, StageContext, StageResult
+from sdl_design.stages.massc import calibration_passes as pcal
+from sdl_design.stages.massc import passes as pms
+from sdl_design.stages.massc.checks import control_problems, subsampling_problems
+from sdl_design.stages.massc.stage import (
     _main,
     _massc_substituted,
     _release_margins,
@@ -45,9 +72,7 @@ from sdl_design.massc.stage import (
     numeric_study,
     replication_plan,
 )
-from sdl_design.massc.treatment import MasscConfig, OriginalMargins, cost_from, revise_rates
-from sdl_design.spec import ReleaseSpec
-from sdl_design.stage import SharedInput, StageContext, StageResult
+from sdl_design.stages.massc.treatment import MasscConfig, OriginalMargins, cost_from, revise_rates
 
 
 def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
@@ -62,7 +87,7 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
     exchanged to the partition that owns their group) with phi from the moments of z*, delta,
     and meet_delta's revisions while delta is above gates.delta_max. Step IV: the retained
     records' weight and replicate weights calibrated to the original's totals (three passes,
-    sdl_design.partition_calibration) and written to data/; the replications of the whole
+    sdl_design.stages.massc.calibration_passes) and written to data/; the replications of the whole
     treatment (their own selections, the weight's calibration and study totals) and the
     empirical epsilon."""
 
