@@ -19,16 +19,12 @@ import sdl_design  # noqa: F401 (first: the CPU kernels pinned before numpy load
 
 import numpy as np
 
-from sdl_design.massc import (
-    delta_measures,
-    find_donors,
-    information_loss,
-    massc_plan,
-    massc_treat,
-)
-from sdl_design.massc.stage import massc_config
 from sdl_design.rng import stage_rng
 from sdl_design.spec import load_spec
+from sdl_design.stages.massc.donors import find_donors
+from sdl_design.stages.massc.measures import delta_measures, information_loss
+from sdl_design.stages.massc.stage import massc_config
+from sdl_design.stages.massc.treatment import massc_plan, massc_treat
 from sdl_design.synth import make_survey
 
 SPEC = Path(__file__).resolve().parents[1] / "flows" / "default_spec.yaml"

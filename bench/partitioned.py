@@ -78,7 +78,7 @@ print('SCAN', out['seconds'], out['partitions'])
 
 WHOLE = """
 import time, numpy as np, pandas as pd
-from sdl_design import partition as P
+from sdl_design.engine import partitions as P
 from sdl_design.survey.design import SurveyDesign
 from sdl_design.io import read_input
 from sdl_design.spec import load_spec
@@ -112,10 +112,10 @@ print('WHOLE', time.perf_counter() - t0)
 STAGES_WHOLE = """
 import time, numpy as np, pandas as pd
 from sdl_design.io import read_input
-from sdl_design.prb import PrbStage
+from sdl_design.stages.prb import PrbStage
 from sdl_design.spec import load_spec
 from sdl_design.stage import StageContext
-from sdl_design.swap import SwapStage
+from sdl_design.stages.swap import SwapStage
 spec = load_spec(sys.argv[1])
 t0 = time.perf_counter()
 df, _ = read_input(spec)
@@ -124,19 +124,19 @@ swap = SwapStage.from_spec(spec).run(df, ctx)
 t1 = time.perf_counter()
 prb = PrbStage.from_spec(spec).run(swap.data, ctx.for_stage("prb", [swap]))
 t2 = time.perf_counter()
-from sdl_design.massc.stage import _main
+from sdl_design.stages.massc.stage import _main
 from sdl_design.rng import release_seed
 cfg, plan, tr, dm, revisions = _main(
     prb.data, spec, release_seed(spec.release.seed, spec.release.year), df
 )
 t3 = time.perf_counter()
-from sdl_design.massc.stage import _calibrate, _release_margins
+from sdl_design.stages.massc.stage import _calibrate, _release_margins
 calibrated = _calibrate(
     prb.data, spec, cfg, tr, df, True, margins=_release_margins(prb.data, spec, df, cfg)
 )[0]
 t4 = time.perf_counter()
-from sdl_design.massc.measures import epsilon_from_replications
-from sdl_design.massc.stage import massc_replications, replication_plan
+from sdl_design.stages.massc.measures import epsilon_from_replications
+from sdl_design.stages.massc.stage import massc_replications, replication_plan
 margins = _release_margins(prb.data, spec, df, cfg)
 prepared = replication_plan(prb.data, spec, df, (cfg, plan, tr, dm, revisions), margins)
 R = int(spec.stages.massc.replications)
@@ -144,7 +144,7 @@ seed = release_seed(spec.release.seed, spec.release.year)
 est = massc_replications(prb.data, spec, seed, df, list(range(R)), prepared=prepared)
 _, rep_table = epsilon_from_replications(est, plan.truth, [tuple(x) for x in plan.zvars.labels])
 t5 = time.perf_counter()
-from sdl_design.topcode import TopcodeStage
+from sdl_design.stages.topcode import TopcodeStage
 coded = TopcodeStage.from_spec(spec).run(calibrated, StageContext(calibrated, spec, "topcode"))
 print('WHOLE', t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, time.perf_counter() - t5)
 df0 = df
@@ -184,7 +184,7 @@ def same_treatment(folder):
         phi.tobytes() == tr.phi.rates.tobytes()) and delta == dm.delta
 def assess_gap(final):  # the largest relative difference from assess on the same records
     from pathlib import Path
-    from sdl_design.assess import assess
+    from sdl_design.stages.assess.method import assess
     from sdl_design.stage import design_columns
     cols = list(final.columns)
     rel = final[spec.published_columns(cols, True, [spec.design.segment], design_columns(spec.design, cols))]
@@ -207,7 +207,7 @@ def final_gap(final):  # the largest relative difference from FinalStage on the 
     import json
     from pathlib import Path
     from sdl_design.stage import StageResult
-    from sdl_design.utility import FinalStage
+    from sdl_design.stages.final import FinalStage
     masked = StageResult("swap", None, masks_design=True, drop_public=[spec.design.segment])
     want = FinalStage(spec).run(final, StageContext(df0, spec, "final", [masked]))
     got = pd.read_csv(f"{sys.argv[2]}/final/se_ratios.csv", float_precision="round_trip")

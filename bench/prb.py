@@ -11,7 +11,7 @@ import sdl_design  # noqa: F401 (first: the CPU kernels pinned before numpy load
 import numpy as np
 import pandas as pd
 
-from sdl_design.prb import (
+from sdl_design.stages.prb.method import (
     block_risk,
     count_changes,
     default_combos,

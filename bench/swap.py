@@ -37,7 +37,7 @@ import sdl_design  # noqa: F401, E402 (first: the CPU kernels pinned before nump
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from sdl_design.swap import plan_swaps, pseudo_labels, segment_aggregates  # noqa: E402
+from sdl_design.stages.swap.method import plan_swaps, pseudo_labels, segment_aggregates  # noqa: E402
 
 MATCHING = ["income", "bmi", "diabetes", "hypertension", "insured", "smoker"]
 R_SCRIPT = r"""
@@ -131,8 +131,8 @@ def run_recordswap(df: pd.DataFrame, repeats: int, hid: str) -> tuple[float, flo
 
 def versus_sdcmicro(n_persons: int, repeats: int, hid: str, seed: int) -> None:
     """Ours (core, whole, setup) and sdcMicro's recordSwap on the demo survey; the ratios."""
+    from sdl_design.stages.swap.method import design_columns, swap_segments
     from sdl_design.survey.design import SurveyDesign
-    from sdl_design.swap import design_columns, swap_segments
     from sdl_design.synth import make_survey
     from sdl_design.utility import broad_characteristics, original_domain_se
 

@@ -49,8 +49,7 @@ import pandas as pd  # noqa: E402
 
 from sdl_design.spec import Bound, load_spec  # noqa: E402
 from sdl_design.stages.topcode import TopcodeStage  # noqa: E402
-from sdl_design.synth import make_survey  # noqa: E402
-from sdl_design.topcode import (  # noqa: E402
+from sdl_design.stages.topcode.method import (  # noqa: E402
     _code_side,
     _grouped,
     _values,
@@ -58,6 +57,7 @@ from sdl_design.topcode import (  # noqa: E402
     topcode_frame,
     weighted_percentile,
 )
+from sdl_design.synth import make_survey  # noqa: E402
 
 SPEC = Path(__file__).resolve().parents[1] / "flows" / "default_spec.yaml"
 RECORDED = 0.03  # s, topBotCoding in issue 37 (sdcMicro 5.8, 1,003,020 records)

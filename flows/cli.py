@@ -33,11 +33,11 @@ from flows.scan import REFUSED, run_partitioned, run_scan
 from flows.txn import LOCK_NAME, PublishError, RegistryError, ReleaseLocked, internal_dir
 from sdl_design.attack import intruder_key
 from sdl_design.edits import EditFailure
-from sdl_design.massc.common import MasscError
-from sdl_design.prb import PrbError
 from sdl_design.risk import RiskInputError
 from sdl_design.spec import SpecError, load_spec, seed_warnings, with_year
 from sdl_design.stages import build_stages, described
+from sdl_design.stages.massc.common import MasscError
+from sdl_design.stages.prb.method import PrbError
 from sdl_design.survey.calibration import CalibrationError
 from sdl_design.survey.design import DesignError
 from sdl_design.survey.glm import FormulaError

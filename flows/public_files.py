@@ -15,10 +15,10 @@ import pandas as pd
 from expectations.suites import output_verdicts, record_failures
 from flows.public_docs import REPLICATE_SCALES, codebook, psu_key, variance_notes
 from sdl_design.edits import combine_rule_failures, rule_failures
+from sdl_design.engine.partitions import read_partition
 from sdl_design.io import file_digest, parquet_options
 from sdl_design.keys import coded_keys, publish_coding
 from sdl_design.leaks import drop_unused_levels, publish_order
-from sdl_design.partition import read_partition
 from sdl_design.public_summary import (
     BUCKET_VALUES,
     SMALL,

@@ -2,7 +2,7 @@
 records, edit rules, key-profile risk (strata U/D/T/O, GenMASSC scores, log-linear tau1 and
 tau2: the risk stage's metrics) and the SEs of the study variables
 overall and in the utility domains (Taylor and replicate), without the whole file in one
-process's memory. Orchestration only: the map and reduce functions are sdl_design.partition's;
+process's memory. Orchestration only: the map and reduce functions are sdl_design.engine.partitions's;
 workers read their own partitions and send back small aggregates, which are combined here in
 partition order (the results do not depend on which worker ran what, or when).
 """
@@ -25,9 +25,8 @@ from expectations.suites import GateFailed, edit_verdicts, validate_metric_gates
 from flows.env import peak_gib, peak_reset, preload, return_freed_memory
 from flows.public_files import write_public_by_partition
 from flows.txn import CONFIDENTIAL_TABLES
-from sdl_design import partition as part
-from sdl_design import partition_assess as pas
 from sdl_design.blas import single_blas_thread
+from sdl_design.engine import partitions as part
 from sdl_design.engine.exchange import Exchange, mapper, say
 from sdl_design.engine.records import Records, Run, run_record
 from sdl_design.spec import ReleaseSpec, SpecError, load_spec, with_year
@@ -239,8 +238,8 @@ def _public_files(
     columns, run = records.columns, records.run
     built = design_columns(design, columns)
     drop = [c for r in results for c in r.drop_public]
-    linked = pas.link(run.inputs, records.parts, run.retained(records.parts))
-    rows = run.run_map(pas.input_rows, linked, run.selected, what="public files: record map")
+    linked = part.link(run.inputs, records.parts, run.retained(records.parts))
+    rows = run.run_map(part.input_rows, linked, run.selected, what="public files: record map")
     return write_public_by_partition(
         run.run_map, records.parts, spec, columns, ctx.masked_design, drop, built,
         records.folder, results=results, design=design,

@@ -18,7 +18,6 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from sdl_design.assess import model_fits
 from sdl_design.describe import Describes, NumberColumn
 from sdl_design.edits import parse_condition
 from sdl_design.keys import coarsen
@@ -26,6 +25,7 @@ from sdl_design.messages import short_list
 from sdl_design.psus import SINGLE_PSU_RISK_MAX, Psus, single_psu_chance, strata_psu
 from sdl_design.spec import ReleaseSpec, SpecError, category_label
 from sdl_design.stages import build_stages
+from sdl_design.stages.assess.method import model_fits
 from sdl_design.survey.design import DesignError, SurveyDesign
 from sdl_design.survey.glm import FormulaError
 

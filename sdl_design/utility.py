@@ -137,7 +137,7 @@ def broad_characteristics(
     max_categories), and domain means within each domain variable and, with cross, within the
     crossing of the first two.
 
-    design: the dict of `sdl_design.swap.design_columns`; its columns (weight, strata, PSU,
+    design: the dict of `sdl_design.stages.swap.method.design_columns`; its columns (weight, strata, PSU,
     segment, replicate weights) are left out, as are exclude and constant columns.
     domains: columns of df, or KeySpecs (e.g. the spec's keys) whose bins or map coarsen them
     (none by default); a domain variable with more than max_categories categories is left out.

@@ -12,14 +12,14 @@ import pytest
 import scipy.sparse as sp
 from scipy.stats import norm
 
-from sdl_design.assess import (
+from sdl_design.keys import coarsen
+from sdl_design.stages.assess.method import (
     assess,
     ci_overlap,
     pmse_ratio,
     published_coding,
     reidentification,
 )
-from sdl_design.keys import coarsen
 from sdl_design.survey.design import SurveyDesign
 from sdl_design.survey.glm import (
     FormulaError,

@@ -12,11 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from flows.cli import write_demo_spec
-from sdl_design import partition as P
-from sdl_design import partition_assess as pas
-from sdl_design.assess import MEAN_STATISTICS, QUANTILES, assess
+from sdl_design.engine import partitions as P
 from sdl_design.keys import coarsen
 from sdl_design.spec import load_spec
+from sdl_design.stages.assess import passes as pas
+from sdl_design.stages.assess.method import MEAN_STATISTICS, QUANTILES, assess
 from sdl_design.survey.design import SurveyDesign
 
 N = 1200

@@ -271,8 +271,8 @@ def test_when_conditions_have_their_meaning(demo, tmp_path, capsys):
 def test_single_psu_chance_matches_the_selection():
     """The closed form against 20,000 runs of MASSC's own nested selection (select): strata of
     PSUs with (1, 1, 3), (1, 1, 1) and (2, 1) records at phi 0.5."""
-    from sdl_design.massc.treatment import select
     from sdl_design.preflight import single_psu_chance
+    from sdl_design.stages.massc.treatment import select
 
     n_p = np.array([1, 1, 3, 1, 1, 1, 2, 1])
     psu_h = np.array([0, 0, 0, 1, 1, 1, 2, 2])

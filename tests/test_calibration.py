@@ -307,7 +307,7 @@ def test_replicates_come_back_as_one_block_in_their_places(controls):
     """The recalibrated replicate weights are one float block of the returned frame, in the
     source frame's column order, so a design reads them in place (no 70-column copy per
     design at 1M records); the values equal each replicate calibrated alone."""
-    from sdl_design.massc import calibrate_treated
+    from sdl_design.stages.massc.treatment import calibrate_treated
     from sdl_design.survey.design import SurveyDesign, block_view
 
     original, reps, _ = _jkn(_design_sample(seed=11))

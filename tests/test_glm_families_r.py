@@ -15,8 +15,8 @@ import pandas as pd
 import pytest
 from scipy.optimize import linprog
 
-from sdl_design.assess import model_fits, model_rows
 from sdl_design.spec import ModelSpec
+from sdl_design.stages.assess.method import model_fits, model_rows
 from sdl_design.survey.design import SurveyDesign
 from sdl_design.survey.glm import (
     LOG_MIN_ETA,

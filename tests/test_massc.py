@@ -10,22 +10,14 @@ import pandas as pd
 import pytest
 from helpers import DEFAULT_SPEC, paper000_table1
 
-from sdl_design.massc import (
-    MasscError,
-    MasscInfeasible,
-    StudyVariables,
-    ZMoments,
-    delta_measures,
-    find_donors,
-    information_loss,
-    massc_strata,
-    optimal_phi,
-    optimal_psi,
-    select,
-    substitute,
-    z_moments,
-)
 from sdl_design.spec import KeySpec
+from sdl_design.stages.massc.common import MasscError, MasscInfeasible
+from sdl_design.stages.massc.donors import find_donors, substitute
+from sdl_design.stages.massc.measures import delta_measures, information_loss
+from sdl_design.stages.massc.moments import StudyVariables, ZMoments, z_moments
+from sdl_design.stages.massc.rates import optimal_phi, optimal_psi
+from sdl_design.stages.massc.strata import massc_strata
+from sdl_design.stages.massc.treatment import select
 
 # ---------------------------------------------------------------- paper 000, Tables 1-3
 
@@ -91,7 +83,7 @@ def test_worked_example_delta():
 
 
 def test_worked_example_poststratification():
-    from sdl_design.massc import calibrate_treated
+    from sdl_design.stages.massc.treatment import calibrate_treated
 
     phi_rec = np.where(massc_strata(TABLE, KEYS, NU) == "U", 2 / 3, 6 / 7)
     b1 = substitute(TABLE, DONOR, SUBSTITUTED, KEYS)
@@ -286,7 +278,7 @@ def _digest(df: pd.DataFrame) -> str:
 
 
 def test_massc_task_reproducible_and_consistent(survey):
-    from sdl_design.massc.stage import massc_result as massc_task_fn
+    from sdl_design.stages.massc.stage import massc_result as massc_task_fn
 
     spec, df = survey
     a = massc_task_fn(df, spec, 123, df)
@@ -316,8 +308,8 @@ def test_massc_task_reproducible_and_consistent(survey):
 
 
 def test_replications_do_not_depend_on_chunking(survey):
-    from sdl_design.massc.stage import massc_epsilon, massc_replications
-    from sdl_design.massc.stage import massc_result as massc_task_fn
+    from sdl_design.stages.massc.stage import massc_epsilon, massc_replications
+    from sdl_design.stages.massc.stage import massc_result as massc_task_fn
 
     spec, df = survey
     whole = massc_replications(df, spec, 9, df, [0, 1, 2, 3])
@@ -347,10 +339,10 @@ def test_replications_do_not_depend_on_chunking(survey):
 
 
 def test_plan_and_treatment_reproducible_and_edits_hold():
-    from sdl_design.massc import massc_plan, massc_treat
-    from sdl_design.massc.stage import massc_config
     from sdl_design.rng import stage_rng
     from sdl_design.spec import load_spec
+    from sdl_design.stages.massc.stage import massc_config
+    from sdl_design.stages.massc.treatment import massc_plan, massc_treat
     from sdl_design.synth import make_survey
 
     spec = load_spec(DEFAULT_SPEC)
@@ -403,9 +395,9 @@ def test_replications_same_in_chunks_as_direct(survey, request):
 
     from flows.release import _replications
     from sdl_design.blas import single_blas_thread
-    from sdl_design.massc.stage import massc_replications
     from sdl_design.stage import StageContext
     from sdl_design.stages.massc import MasscStage
+    from sdl_design.stages.massc.stage import massc_replications
     from tasks.stage import prepare_replications
 
     spec, df = survey
@@ -431,7 +423,7 @@ def test_replicate_targets_are_the_original_replicate_totals(monkeypatch):
     """Replicate r is calibrated to the original file's replicate totals T_r(original), not to
     those of the MASSC input; weights and replicates of the retained records are divided by phi
     first (solver replaced by a recorder)."""
-    from sdl_design.massc import calibrate_treated
+    from sdl_design.stages.massc.treatment import calibrate_treated
 
     seen = {}
 
@@ -451,7 +443,7 @@ def test_replicate_targets_are_the_original_replicate_totals(monkeypatch):
         seen["rep_in"] = pd.DataFrame(W, columns=cols, index=df.index)
         return seen["rep_in"], pd.DataFrame({"replicate": cols, "action": "none"})
 
-    from sdl_design.massc import treatment
+    from sdl_design.stages.massc import treatment
 
     monkeypatch.setattr(treatment, "control_totals", control_totals)
     monkeypatch.setattr(treatment, "calibrate", calibrate)
@@ -498,8 +490,8 @@ def test_replicate_ses_of_controls_equal_the_original(composed):
     replicate SE of every control total (sex, age groups, region) on the treated file equals
     the original's to 1e-8, also when an earlier stage moved the region of 30% of the records
     (then the MASSC input's own replicate SEs of region differ from the original's)."""
-    from sdl_design.massc.stage import massc_result
     from sdl_design.spec import load_spec
+    from sdl_design.stages.massc.stage import massc_result
     from sdl_design.survey.design import SurveyDesign
     from sdl_design.synth import make_survey
 
@@ -545,8 +537,8 @@ def test_formulas_8a_8b_match_replications_of_the_treatment():
 
     from helpers import county_key_spec
 
-    from sdl_design.massc import massc_plan, massc_treat
-    from sdl_design.massc.stage import massc_config
+    from sdl_design.stages.massc.stage import massc_config
+    from sdl_design.stages.massc.treatment import massc_plan, massc_treat
     from sdl_design.synth import make_survey
 
     spec = county_key_spec()  # county among the keys: enough risk for rates well above 0
@@ -605,8 +597,8 @@ def test_substrata_recover_separated_groups():
 
 
 def test_spec_substrata_give_rates_per_substratum(survey):
-    from sdl_design.massc.stage import massc_result as massc_task_fn
     from sdl_design.spec import Substrata
+    from sdl_design.stages.massc.stage import massc_result as massc_task_fn
 
     spec, df = survey
     s = spec.model_copy(deep=True)
@@ -676,8 +668,8 @@ def test_zero_unique_file_is_not_treated():
     stratum, mean r_k / F_k, is below negligible_risk, so MASSC leaves it alone: psi = 0 and
     phi = 1, nothing substituted, nothing sampled out. Without the rule the optimizer would
     treat it to the edge of its loss budget (the measured 6.6% substituted, 9.2% dropped)."""
-    from sdl_design.massc.stage import massc_result
     from sdl_design.risk import genmassc_scores
+    from sdl_design.stages.massc.stage import massc_result
 
     df = _zero_unique_file()
     spec = _spec(domains=["agecat", "sex"])
@@ -700,7 +692,7 @@ def test_zero_unique_file_is_not_treated():
 def test_treatment_follows_risk_across_strata():
     """Strata whose cost a_h is at most negligible_risk get psi = 0, phi = 1; the others are
     optimized with them fixed; a_h = mean over the stratum of r_k / F_k."""
-    from sdl_design.massc import optimal_phi, optimal_psi
+    from sdl_design.stages.massc.rates import optimal_phi, optimal_psi
 
     m = _two_strata(5)
     cost = np.array([0.0, 1.0])
@@ -728,7 +720,7 @@ def test_treatment_follows_risk_across_strata():
 def test_missing_study_values_give_finite_rates_and_totals():
     """NaN in a study variable: totals over the non-missing records (never NaN), finite rates
     that equal those of the same file with the missing values set to 0 (not a silent 0.5)."""
-    from sdl_design.massc.stage import massc_result
+    from sdl_design.stages.massc.stage import massc_result
 
     df = _small_survey()
     miss = np.random.default_rng(4).random(len(df)) < 0.1
@@ -773,7 +765,7 @@ def test_sampling_scale_budgets_are_multiples_of_the_taylor_variance():
     PSU totals t_hi = sum w z. Relative scale: alpha share * epsilon^2 * theta_z^2."""
     import dataclasses
 
-    from sdl_design.massc import MasscConfig, massc_plan
+    from sdl_design.stages.massc.treatment import MasscConfig, massc_plan
 
     df = pd.DataFrame(
         {
@@ -841,7 +833,7 @@ def test_rates_do_not_depend_on_file_size_on_the_sampling_scale():
     treatment variance (8b) both shrink like 1/n, so phi on the sampling scale stays, while on
     the relative scale the budget beta theta^2 does not shrink and phi falls to its lower bound:
     the large-file subsampling of issue 11."""
-    from sdl_design.massc import z_moments
+    from sdl_design.stages.massc.moments import z_moments
     from sdl_design.survey.design import SurveyDesign
 
     zv = StudyVariables(["_count", "y"], {"": [""]}, [])
@@ -863,9 +855,9 @@ def test_strata_and_costs_come_from_the_original_keys():
     """MASSC after an earlier stage: strata and disclosure costs use the original key profiles
     of the records (matched by index label), not the perturbed ones; delta and epsilon are
     against the original (epsilon: the earlier stage's deviation is inside the bias)."""
-    from sdl_design.massc import massc_plan
-    from sdl_design.massc.stage import massc_config, massc_result
     from sdl_design.risk import risk_strata
+    from sdl_design.stages.massc.stage import massc_config, massc_result
+    from sdl_design.stages.massc.treatment import massc_plan
 
     original = _small_survey().set_axis(pd.RangeIndex(100, 1300))
     rng = np.random.default_rng(3)
@@ -922,7 +914,7 @@ def test_bias_against_the_truth_matches_monte_carlo():
 def test_donors_never_cross_a_domain_cell(seed):
     """Property: with the declared-domain cell as a donor restriction every donor shares its
     recipient's cell, and exactly the records whose cell holds a single key profile have none."""
-    from sdl_design.massc.treatment import domain_cells
+    from sdl_design.stages.massc.treatment import domain_cells
 
     df = _small_file(300, seed)
     keys = ["a", "b", "c"]
@@ -945,7 +937,7 @@ def test_declared_domains_kept_by_substitution_and_calibration(survey):
     original's (cells with fewer than domain_min_records retained records are pooled and
     reported); the count of records without a partner in their cell is reported."""
     from sdl_design.keys import key_frame
-    from sdl_design.massc.stage import massc_result
+    from sdl_design.stages.massc.stage import massc_result
 
     spec, df = survey
     out = massc_result(df, spec, 5, df)
@@ -980,7 +972,7 @@ def test_declared_domains_kept_by_substitution_and_calibration(survey):
 def test_no_donor_in_domain_cell_counted_and_reported():
     """Records whose declared-domain cell holds a single key profile cannot be substituted
     without leaving the cell: they get no partner, and the release counts and says so."""
-    from sdl_design.massc.stage import massc_result
+    from sdl_design.stages.massc.stage import massc_result
 
     df = _zero_unique_file(640)
     # one age group of one sex has a single race: its records have no partner inside the cell
@@ -998,8 +990,8 @@ def test_minimal_treatment_only_when_delta_allows():
     'o' and is kept). With a delta target below that, minimal treatment of its negligible-risk
     stratum is not allowed: MASSC treats it, then raises the loss budgets, until delta meets the
     target; the revisions are reported. Without a target nothing is revised."""
-    from sdl_design.massc.stage import massc_result
     from sdl_design.risk import genmassc_scores
+    from sdl_design.stages.massc.stage import massc_result
 
     df = _zero_unique_file()
     spec = _spec(domains=["agecat", "sex"])
@@ -1027,10 +1019,11 @@ def test_original_margins_give_the_calibration_from_both_files(shift):
     either file, and when b2 holds a value the original lacks or a column of another dtype
     (then that domain is coded from both files). Each margin's original totals are
     control_totals of the original's labels, to the last bit."""
-    from sdl_design.massc import OriginalMargins, calibrate_treated
-    from sdl_design.massc.treatment import (
+    from sdl_design.stages.massc.treatment import (
+        OriginalMargins,
         _domain_cells_both,
         _domain_margins,
+        calibrate_treated,
         domain_cells,
         margin_name,
     )
@@ -1118,7 +1111,7 @@ def test_record_columns_read_into_a_reused_buffer():
     the columns are one float block (gathered a column at a time) or not, with or without the
     caller's buffer, which it fills and returns; without records left out, the block is read
     in place."""
-    from sdl_design.massc.treatment import RecordColumns
+    from sdl_design.stages.massc.treatment import RecordColumns
 
     rng = np.random.default_rng(12)
     block = pd.DataFrame(rng.uniform(size=(50, 5)), columns=list("abcde"), index=range(100, 150))
@@ -1141,7 +1134,7 @@ def test_cell_sums_of_several_cellings_at_once():
     """_cell_sums (one stacked indicator for every celling) gives each celling's cell sums of
     each column: equal to a pandas groupby, and bit for bit to one indicator per celling; a
     cell no record falls in sums to 0."""
-    from sdl_design.massc.treatment import RecordColumns, _cell_sums
+    from sdl_design.stages.massc.treatment import RecordColumns, _cell_sums
     from sdl_design.survey.design import group_indicator
 
     rng = np.random.default_rng(13)
@@ -1162,7 +1155,7 @@ def test_percentiles_from_distinct_values_and_counts_are_numpys():
     """percentiles_of_counts (the weight-factor table of the calibration, in memory and by
     partition) from parts' distinct values and counts: np.percentile of all the values, bit
     for bit, with ties, one value, and values split unevenly over parts."""
-    from sdl_design.massc.treatment import FACTOR_PERCENTILES, percentiles_of_counts
+    from sdl_design.stages.massc.treatment import FACTOR_PERCENTILES, percentiles_of_counts
 
     rng = np.random.default_rng(8)
     for n, k in ((1, 1), (7, 3), (1000, 40), (12345, 5000)):

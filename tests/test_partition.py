@@ -1,4 +1,4 @@
-"""The partitioned path (sdl_design.partition, `puf scan`): the input read by row groups gives
+"""The partitioned path (sdl_design.engine.partitions, `puf scan`): the input read by row groups gives
 the whole file's numbers: key-profile counts and risk strata exactly as the risk stage's, edit
 failures as validate_edits', and domain means with Taylor SE, deff and replicate SE equal to
 SurveyDesign's on the whole file (1e-12)."""
@@ -16,12 +16,14 @@ from helpers import flat
 
 from flows.cli import main as puf
 from flows.cli import write_demo_spec
-from sdl_design import partition as P
-from sdl_design import partition_calibration as pcal
 from sdl_design.edits import rule_failures
+from sdl_design.engine import partitions as P
 from sdl_design.io import read_input
 from sdl_design.risk import cell_sizes, profile_codes, risk_profile, risk_strata
 from sdl_design.spec import load_spec
+from sdl_design.stages.massc import calibration_passes as pcal
+from sdl_design.stages.massc import passes as pms
+from sdl_design.stages.prb import passes as pprb
 from sdl_design.survey.design import SurveyDesign
 
 N = 3000
@@ -515,8 +517,7 @@ def test_segment_aggregates_by_partition_are_the_whole_files_to_the_bit():
 
     from test_swap import toy_survey
 
-    from sdl_design.survey.exactsum import add_limbs_at
-    from sdl_design.swap import (
+    from sdl_design.stages.swap.method import (
         aggregates_from_sums,
         combine_segment_pass1,
         segment_aggregates,
@@ -524,6 +525,7 @@ def test_segment_aggregates_by_partition_are_the_whole_files_to_the_bit():
         segment_pass1,
         segment_pass2,
     )
+    from sdl_design.survey.exactsum import add_limbs_at
 
     df = toy_survey(n_strata=6, q=3, seed=11)
     df.loc[df.index % 7 == 0, "x0"] = np.nan
@@ -656,8 +658,8 @@ def test_puf_partitioned_leaves_nothing_when_a_partition_fails(
             raise OSError("disk full")
         return apply(part, *args)
 
-    apply = P.prb_apply
-    monkeypatch.setattr(P, "prb_apply", fail_second)
+    apply = pprb.prb_apply
+    monkeypatch.setattr(pprb, "prb_apply", fail_second)
     with pytest.raises(OSError, match="disk full"):
         run_partitioned(path, "thread", partitions=3, out=out)
     # the earlier run's folder is whole, and no temporary folder is left beside it
@@ -872,7 +874,7 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
         assert assessed.metrics["psu_recoverable"] > 0  # the swap's labels leak some PSUs
         fin = _same_final(folder, spec, whole, final)
         assert 0 < fin.metrics["share_keys_changed"] < 1  # PRB and MASSC changed keys
-        from sdl_design.massc.stage import delta_gates
+        from sdl_design.stages.massc.stage import delta_gates
 
         gates = [*prb.gates, *delta_gates(spec, dm.delta), *assessed.gates]
         _same_gates(folder, spec, gates, public)
@@ -885,9 +887,9 @@ def _same_replications(m, spec, prb, whole, main):
     """The replications by partition (their selections, calibrations and study totals) give
     the release's estimates: the empirical epsilon and its table equal massc_replications',
     bit for bit, and the stage's epsilon is the larger of the formula's and this one."""
-    from sdl_design.massc.measures import epsilon_from_replications
-    from sdl_design.massc.stage import _release_margins, massc_replications, replication_plan
     from sdl_design.rng import release_seed
+    from sdl_design.stages.massc.measures import epsilon_from_replications
+    from sdl_design.stages.massc.stage import _release_margins, massc_replications, replication_plan
 
     cfg, plan = main[0], main[1]
     R = int(spec.stages.massc.replications)
@@ -910,7 +912,7 @@ def _same_calibration(m, folder, spec, prb, whole, cfg, tr):
     weight and replicate weights, bit for bit, the domains' table, the replicates' report, the
     weight factors and the metrics; and the calibrated weights meet the original's control
     totals."""
-    from sdl_design.massc.stage import _calibrate, _release_margins
+    from sdl_design.stages.massc.stage import _calibrate, _release_margins
     from sdl_design.survey.calibration import control_totals
 
     data, tables, metrics = _calibrate(
@@ -926,7 +928,7 @@ def _same_calibration(m, folder, spec, prb, whole, cfg, tr):
     # the control totals are met (to calibration's tolerance): an independent check
     cal = spec.stages.massc.calibration
     names = [k if isinstance(k, str) else k.name for k in cal.controls]
-    from sdl_design.massc.treatment import _coarsened
+    from sdl_design.stages.massc.treatment import _coarsened
 
     want = control_totals(_coarsened(whole, cal.controls)[0], "wt", names)
     have = control_totals(_coarsened(got, cal.controls)[0], "wt", names)
@@ -1104,9 +1106,9 @@ def _same_docs(folder, spec, whole, out, memory, puf):
 
     from flows.public_docs import codebook, variance_notes
     from flows.public_files import neutralize_formulas
-    from sdl_design.massc.stage import _release_margins, massc_result
     from sdl_design.rng import release_seed
     from sdl_design.stage import StageContext
+    from sdl_design.stages.massc.stage import _release_margins, massc_result
     from sdl_design.stages.topcode import TopcodeStage
 
     swap, prb, main, assessed = memory
@@ -1305,8 +1307,8 @@ def test_pseudo_design_by_partition_is_the_stages_and_the_release_reads_it(
 
 def _release_massc(spec, prb, whole):
     """MASSC's treatment as the release runs it (plan, treatment, meet_delta's revisions)."""
-    from sdl_design.massc.stage import _main
     from sdl_design.rng import release_seed
+    from sdl_design.stages.massc.stage import _main
 
     seed = release_seed(spec.release.seed, spec.release.year)
     return _main(prb.data, spec, seed, whole)
@@ -1316,7 +1318,7 @@ def _same_treatment(m, folder, donor, tr, dm, plan):
     """The partitioned chain's substitution d(1), retention rates phi, subsampling d(2),
     delta (by appearance) and information loss (eq. 7-8b, epsilon) equal the release's, bit
     for bit."""
-    from sdl_design.massc.measures import information_loss
+    from sdl_design.stages.massc.measures import information_loss
 
     sel = pd.read_parquet(folder / "select_psi")["__sel"].to_numpy()
     assert ((sel & (donor >= 0)) == tr.substituted).all()
@@ -1363,8 +1365,8 @@ def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monk
     selections and phi by partition are still massc_plan's and massc_treat's bits (memory
     sums in the same blocks), and the sums differ from one bincount's."""
     from flows.scan import run_partitioned
-    from sdl_design.massc.stage import massc_config
-    from sdl_design.massc.treatment import massc_plan
+    from sdl_design.stages.massc.stage import massc_config
+    from sdl_design.stages.massc.treatment import massc_plan
     from sdl_design.survey import blocksum
 
     path, spec, whole = _with_donors(clean)
@@ -1400,7 +1402,7 @@ def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monk
     _same_calibration(
         flat(out["stages"]["massc"]), tmp_path / "p" / "massc", spec, prb, whole, cfg, tr
     )
-    from sdl_design.massc.stage import _calibrate
+    from sdl_design.stages.massc.stage import _calibrate
 
     got = pd.read_parquet(tmp_path / "p" / "massc" / "data")
     monkeypatch.setattr(blocksum, "BITS", 16)  # one block: other sums, other weights' bits
@@ -1420,23 +1422,23 @@ def test_donor_draws_by_partition_continue_the_generator_as_find_donors(clean):
     """The driver's Generator after the donor plan is where find_donors leaves it (the
     partitions' draws skipped by PCG64.advance), so later MASSC draws are the same; a
     Generator other than PCG64 is refused with the fix."""
-    from sdl_design.massc.donors import find_donors
-    from sdl_design.massc.treatment import domain_cells
+    from sdl_design.stages.massc.donors import find_donors
+    from sdl_design.stages.massc.treatment import domain_cells
 
     path, spec, whole = _with_donors(clean)
-    req = P.massc_request(spec, P.input_columns(spec.release.input))
+    req = pms.massc_request(spec, P.input_columns(spec.release.input))
     parts = P.plan_partitions(spec.release.input, 3)
-    tables = [P.donor_pass1(p, spec, req) for p in parts]
+    tables = [pms.donor_pass1(p, spec, req) for p in parts]
     a, b = np.random.default_rng(5), np.random.default_rng(5)
     find_donors(
         whole, list(req.keys), list(req.sensitive), dict(req.importance), [], a,
         cells=domain_cells(whole, list(req.cells)),
     )  # fmt: skip
-    plan = P.donor_plan(tables, req, b)
+    plan = pms.donor_plan(tables, req, b)
     assert a.random(4).tolist() == b.random(4).tolist()
     assert sum(len(t) for t in tables) >= plan.n_profiles  # a profile may be in several parts
     with pytest.raises(P.PartitionError, match="PCG64"):
-        P.donor_plan(tables, req, np.random.Generator(np.random.MT19937(1)))
+        pms.donor_plan(tables, req, np.random.Generator(np.random.MT19937(1)))
 
 
 @pytest.mark.parametrize(
@@ -1449,7 +1451,7 @@ def test_records_without_a_donor_in_their_domain_cell_by_partition(clean, domain
     cells (MASSC's n_no_donor_domain, for the README) is the in-memory count: records whose
     cell (restrictions x domains) holds a single key profile while their restriction group
     holds several, counted by pandas on the whole file."""
-    from sdl_design.massc.treatment import domain_cells
+    from sdl_design.stages.massc.treatment import domain_cells
 
     path, _, whole = clean
     data = yaml.safe_load(path.read_text())
@@ -1459,9 +1461,9 @@ def test_records_without_a_donor_in_their_domain_cell_by_partition(clean, domain
     new = path.parent / f"no-donor-{len(restrictions)}.yaml"
     new.write_text(yaml.safe_dump(data))
     spec = load_spec(new)
-    req = P.massc_request(spec, P.input_columns(spec.release.input))
+    req = pms.massc_request(spec, P.input_columns(spec.release.input))
     parts = P.plan_partitions(spec.release.input, 3)
-    plan = P.donor_plan([P.donor_pass1(p, spec, req) for p in parts], req, _massc_rng(spec))
+    plan = pms.donor_plan([pms.donor_pass1(p, spec, req) for p in parts], req, _massc_rng(spec))
     f = pd.DataFrame(
         {
             "r": whole[list(restrictions)].astype(str).agg("|".join, axis=1) if restrictions else 0,
@@ -1486,7 +1488,7 @@ def test_advanced_generator_draws_the_stages_doubles_from_the_kth_on():
     state = rng.bit_generator.state
     whole = rng.random(1000)
     for k in (0, 1, 17, 999):
-        assert P.advanced(state, k).random(1000 - k).tobytes() == whole[k:].tobytes()
+        assert pms.advanced(state, k).random(1000 - k).tobytes() == whole[k:].tobytes()
 
 
 def test_puf_partitioned_names_the_field_of_massc_substrata(clean, tmp_path, capsys):
@@ -1523,7 +1525,7 @@ def test_puf_partitioned_names_the_field_of_a_numeric_calibration_control(clean,
     binned = {"name": "income", "bins": [0, 20000, 50000, 1e12]}
     data["stages"]["massc"]["calibration"]["controls"] = ["sex", binned]
     new.write_text(yaml.safe_dump(data))
-    from sdl_design.partition_calibration import check_massc
+    from sdl_design.stages.massc.calibration_passes import check_massc
 
     spec = load_spec(new)
     check_massc(spec, P.input_columns(spec.release.input))  # no error
@@ -1534,8 +1536,8 @@ def test_assess_by_partition_refuses_a_model_of_a_continuous_response(clean, tmp
     not fitted from cells on the driver: the run stops naming utility.models[i] and the fix,
     and leaves nothing."""
     from flows.scan import run_partitioned
-    from sdl_design import partition_assess as pas
     from sdl_design.spec import SpecError
+    from sdl_design.stages.assess import passes as pas
 
     path, _, _ = clean
     data = yaml.safe_load(path.read_text())

@@ -1,4 +1,4 @@
-"""Top-coding by partition (sdl_design/partition_topcode.py) against the in-memory top-coding
+"""Top-coding by partition (sdl_design/stages/topcode/passes.py) against the in-memory top-coding
 (topcode_frame, TopcodeStage's): the same records and thresholds table, bit for bit, on
 files cut into partitions inside groups and blocks."""
 
@@ -10,11 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sdl_design import partition as P
-from sdl_design import partition_topcode as T
+from sdl_design.engine import partitions as P
 from sdl_design.spec import TopcodeRule
+from sdl_design.stages.topcode import passes as T
+from sdl_design.stages.topcode.method import topcode_frame, weighted_percentile
 from sdl_design.survey import blocksum
-from sdl_design.topcode import topcode_frame, weighted_percentile
 
 
 def _local_map(fn, parts, *args, what=""):

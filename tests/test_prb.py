@@ -11,7 +11,8 @@ from helpers import DEFAULT_SPEC
 
 from sdl_design.edits import edit_masks, failing_rows
 from sdl_design.keys import key_frame
-from sdl_design.prb import (
+from sdl_design.spec import KeySpec, UtilitySection, parse_spec
+from sdl_design.stages.prb.method import (
     block_risk,
     default_combos,
     domains_not_kept,
@@ -24,7 +25,6 @@ from sdl_design.prb import (
     transition_matrix,
     tvd_table,
 )
-from sdl_design.spec import KeySpec, UtilitySection, parse_spec
 from sdl_design.synth import make_survey
 
 C = ["age", "sex", "race", "marital", "region", "county", "education", "pregnant"]
@@ -414,8 +414,8 @@ def test_count_changes_counts_only_the_categories_records_have():
     only a third file has (the PRB stage counts them beside the NZY baseline, with the two
     files' categories): record counts by brute force, and equal tables either way."""
     from sdl_design.keys import shared_categories
-    from sdl_design.prb import count_changes
     from sdl_design.spec import load_spec
+    from sdl_design.stages.prb.method import count_changes
 
     spec = load_spec(DEFAULT_SPEC)
     a = make_survey(n_persons=2000, seed=3)

@@ -9,9 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sdl_design.assess import gate_variance
 from sdl_design.spec import parse_spec
 from sdl_design.stages import run_stages
+from sdl_design.stages.assess.method import gate_variance
 from sdl_design.survey.design import SurveyDesign
 
 R = 40
@@ -80,7 +80,7 @@ def test_the_baseline_takes_the_declared_fpc_and_lonely_psu_rule():
     """design.fpc and design.lonely_psu reach the original's design in the assessment (the
     published file carries no fpc: its SEs are with replacement); by partition they are
     refused, naming the fields."""
-    from sdl_design.partition import PartitionError
+    from sdl_design.engine.partitions import PartitionError
     from sdl_design.stages.assess import AssessStage
 
     rng = np.random.default_rng(5)

@@ -19,10 +19,10 @@ import yaml
 from flows.cli import default_spec_text
 from flows.public_docs import CSV_FORMULA_NOTE, codebook, replicate_scales, variance_notes
 from flows.public_files import public_frame, write_public_files
-from sdl_design.prb import expected_transitions, post_randomize, transition_matrix
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import design_columns, public_design
 from sdl_design.stages import run_stages
+from sdl_design.stages.prb.method import expected_transitions, post_randomize, transition_matrix
 from sdl_design.survey.design import SurveyDesign
 from sdl_design.synth import make_survey
 

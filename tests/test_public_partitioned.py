@@ -19,8 +19,8 @@ from flows.public_files import (
     write_public_files,
 )
 from sdl_design.engine.exchange import mapper
+from sdl_design.engine.partitions import plan_partitions
 from sdl_design.io import parquet_options, read_input
-from sdl_design.partition import plan_partitions
 from sdl_design.spec import load_spec
 from sdl_design.stage import design_columns
 

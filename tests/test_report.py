@@ -15,7 +15,7 @@ from helpers import DEFAULT_SPEC, PNG, SECTIONS, Parsed
 from flows.manifest import Manifest
 from flows.report import MAX_ROWS, artifact_key, post_artifacts, render_report
 from sdl_design.stage import StageResult
-from sdl_design.swap import se_ratio_boxplot
+from sdl_design.stages.swap.method import se_ratio_boxplot
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -672,9 +672,9 @@ def _all_gates_spec():
 
 
 def test_every_risk_gate_says_what_it_protects_against_and_why_its_limit(tmp_path):
-    from sdl_design.assess import assessment_gates
-    from sdl_design.massc.stage import delta_gates
-    from sdl_design.prb import identification_risk_gate
+    from sdl_design.stages.assess.method import assessment_gates
+    from sdl_design.stages.massc.stage import delta_gates
+    from sdl_design.stages.prb.method import identification_risk_gate
     from sdl_design.tune import is_risk_gate
 
     spec = _all_gates_spec()

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sdl_design.swap import (
+from sdl_design.stages.swap.method import (
     VarianceState,
     plan_swaps,
     pseudo_labels,
@@ -223,7 +223,7 @@ def small_survey():
 @pytest.fixture(scope="module")
 def results(survey):
     from sdl_design.spec import KeySpec
-    from sdl_design.swap import design_columns, swap_segments
+    from sdl_design.stages.swap.method import design_columns, swap_segments
     from sdl_design.utility import broad_characteristics
 
     d = _design(survey)
@@ -296,7 +296,7 @@ def test_2b_closer_to_one_than_2a(results):
 
 
 def test_swap_segments_seeded(small_survey):
-    from sdl_design.swap import swap_segments
+    from sdl_design.stages.swap.method import swap_segments
 
     survey = small_survey
     d = _design(survey)
@@ -317,7 +317,7 @@ def test_bootstrap_rebuild_draws_from_the_seed(small_survey):
     """Replicate weights rebuilt by the bootstrap draw their resamples from the swap's
     Generator: the same seed gives the same bits (it drew from fresh entropy before), another
     seed other resamples; each is w times a Rao-Wu factor constant within the pseudo PSU."""
-    from sdl_design.swap import swap_segments
+    from sdl_design.stages.swap.method import swap_segments
 
     d = _design(small_survey)
     kw = dict(characteristics=None, replicate_method="bootstrap")
@@ -431,7 +431,7 @@ def test_swap_task_stage_output(small_survey):
 @pytest.mark.parametrize("labels", ["int", "str"])
 def test_psu_codes_match_multiindex_factorize(labels):
     """The integer-key PSU numbering equals pandas' factorize of (stratum, PSU) pairs."""
-    from sdl_design.swap import _psu_codes
+    from sdl_design.stages.swap.method import _psu_codes
 
     rng = np.random.default_rng(4)
     h = rng.integers(0, 7, 5000)
@@ -448,8 +448,13 @@ def test_psu_codes_match_multiindex_factorize(labels):
 def test_rebuilt_replicates_equal_with_replicates_on_the_full_file(method):
     """The replicate weights built from one record per PSU are those SurveyDesign.with_replicates
     gives on the whole masked file, to the bit, with the same scale factors."""
+    from sdl_design.stages.swap.method import (
+        Masking,
+        _psu_pseudo_labels,
+        apply_masking,
+        replicate_factors,
+    )
     from sdl_design.survey.design import SurveyDesign
-    from sdl_design.swap import Masking, _psu_pseudo_labels, apply_masking, replicate_factors
 
     df = toy_survey(n_strata=6, n_h=(2,) if method in ("brr", "fay") else (2, 3), seed=5)
     agg = segment_aggregates(df, "w", "st", "psu", "seg", COLS)
@@ -472,7 +477,7 @@ def test_rebuilt_replicates_equal_with_replicates_on_the_full_file(method):
 def test_se_table_with_known_scales_equals_derived(small_survey):
     """swap_segments hands the rebuilt replicates' scale factors to the SE table; the table is
     the one SurveyDesign gives when it derives them from the replicate weights."""
-    from sdl_design.swap import design_columns, swap_segments
+    from sdl_design.stages.swap.method import design_columns, swap_segments
     from sdl_design.utility import broad_characteristics, se_ratio_table
 
     d = _design(small_survey)
@@ -490,7 +495,7 @@ def test_candidate_lists_equal_brute_force_neighbours(scope):
     """The k partners of each segment are the first valid ones among its 2k+1 (4k+1 across
     strata) nearest in the projected feature space, by brute force over all distances; the
     short first query and the second one for the segments it leaves short give those lists."""
-    from sdl_design.swap import _candidate_lists
+    from sdl_design.stages.swap.method import _candidate_lists
 
     df = toy_survey(n_strata=6, n_h=(2, 3), segs=40, per=2, q=3, seed=8)
     agg = segment_aggregates(df, "w", "st", "psu", "seg", COLS)

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sdl_design.topcode import topcode, topcode_frame, weighted_percentile
+from sdl_design.stages.topcode.method import topcode, topcode_frame, weighted_percentile
 
 
 def _frame(n: int = 400, seed: int = 1) -> pd.DataFrame:
@@ -219,7 +219,7 @@ def test_topcode_task_on_default_spec():
 def test_partial_sort_percentile_equals_numpy_on_large_groups(col, p):
     """One group: the percentile from a partition and a partial sort is numpy's weighted
     inverted-CDF percentile (ties, heavy weights), and the part it sorts is small."""
-    from sdl_design.topcode import _percentile_one
+    from sdl_design.stages.topcode.method import _percentile_one
 
     df = _frame(20000, seed=13)
     w = df["w"].to_numpy() * np.where(np.arange(len(df)) % 97 == 0, 50.0, 1.0)  # heavy records
@@ -235,7 +235,7 @@ def test_partial_sort_percentile_equals_numpy_on_large_groups(col, p):
 def test_percentile_on_a_cumulative_weight_edge_is_the_full_sorts():
     """Equal weights and q * W a cumulative weight: F(v) = q exactly, the smallest such v
     (the full sort decides, as the partial one cannot tell it from rounding)."""
-    from sdl_design.topcode import _percentile_one
+    from sdl_design.stages.topcode.method import _percentile_one
 
     x = np.random.default_rng(2).permutation(np.arange(1000.0))
     assert _percentile_one(x, np.ones(1000), 0.995) is None  # F(994) = 0.995 exactly
@@ -356,7 +356,7 @@ def test_partial_sort_percentile_on_ordered_files(order: str) -> None:
     periodic, or a period equal to the sample's stride, which sees one phase only): the
     percentile is still numpy's weighted inverted-CDF percentile, from the partial sort
     or, when that cannot tell, the full one."""
-    from sdl_design.topcode import _percentile_one
+    from sdl_design.stages.topcode.method import _percentile_one
 
     rng = np.random.default_rng(23)
     n = 50000

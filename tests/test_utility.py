@@ -64,7 +64,7 @@ def test_final_stage_reads_the_original_se_table_the_swap_computed(monkeypatch):
     from sdl_design.stage import StageContext
     from sdl_design.stages.final import FinalStage
     from sdl_design.stages.swap import SwapStage
-    from sdl_design.swap import design_columns
+    from sdl_design.stages.swap.method import design_columns
     from sdl_design.synth import make_survey
     from sdl_design.utility import se_ratio_table
 

@@ -13,9 +13,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from sdl_design import partition_assess as pas
 from sdl_design.engine.exchange import Exchange, say
-from sdl_design.partition import Partition
+from sdl_design.engine.partitions import Partition, retained_in
 from sdl_design.stage import Gate, StageResult
 
 
@@ -39,9 +38,7 @@ class Run:
     def retained(self, parts: Sequence[Partition]) -> list[int]:
         """Each input partition's records in the released file (d(2), else all)."""
         if self.selected:
-            return self.run_map(
-                pas.retained_in, self.inputs, self.selected, what="retained records"
-            )
+            return self.run_map(retained_in, self.inputs, self.selected, what="retained records")
         return [p.stop - p.start for p in self.inputs]
 
 

@@ -8,12 +8,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from sdl_design import partition_pseudo as pps
 from sdl_design.describe import REPLICATES, Describes
 from sdl_design.engine.records import Records, passes_result
 from sdl_design.pseudo import pseudo_frame, pseudo_summary, psu_purity
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import StageContext, StageResult
+from sdl_design.stages.pseudo import passes as pps
 
 
 class PseudoDesignStage(Describes):

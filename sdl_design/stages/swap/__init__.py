@@ -8,18 +8,19 @@ from typing import Any
 
 import pandas as pd
 
-from sdl_design import partition as part
 from sdl_design.describe import REPLICATES, Describes, NumberColumn, Tunable, cite, more_less, pct
+from sdl_design.engine import partitions as part
 from sdl_design.engine.records import Records, passes_result
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import StageContext, StageResult
-from sdl_design.survey.design import SurveyDesign, design_columns
-from sdl_design.swap import (
+from sdl_design.stages.swap import passes as psw
+from sdl_design.stages.swap.method import (
     _class_summary,
     se_ratio_boxplot,
     swap_design_problems,
     swap_segments,
 )
+from sdl_design.survey.design import SurveyDesign, design_columns
 from sdl_design.utility import (
     broad_characteristics,
     original_domain_se,
@@ -226,26 +227,26 @@ class SwapStage(Describes):
         factors from those sums with the stage's Generator; every worker masks and writes its
         partitions."""
         spec, parts, run_map = ctx.spec, records.parts, records.run_map
-        req = part.swap_request(spec, records.columns)
+        req = psw.swap_request(spec, records.columns)
         missing = [c for c in req.columns if c not in records.columns]
         if missing:
             raise part.PartitionError(
                 f"the spec names columns {missing} that are not in the input; fix them"
             )
         try:  # the swap's checks name the field to fix (design.segment, stages.swap.matching)
-            first = run_map(part.swap_pass1, parts, spec, req, what="swap pass 1")
-            design = part.swap_design(first, req)
+            first = run_map(psw.swap_pass1, parts, spec, req, what="swap pass 1")
+            design = psw.swap_design(first, req)
         except ValueError as e:
             raise part.PartitionError(str(e)) from e
         records.lap("pass1")
-        sums = run_map(part.swap_pass2, parts, spec, req, design, what="swap pass 2")
+        sums = run_map(psw.swap_pass2, parts, spec, req, design, what="swap pass 2")
         records.lap("pass2")
-        masking, counts, tables = part.swap_masking(req, design, sums, ctx.rng())
+        masking, counts, tables = psw.swap_masking(req, design, sums, ctx.rng())
         records.lap("plan")
         n = f"{counts['n_pairs']} segment pairs swapped"
         records.say(f"{n} ({counts['n_swapped']} of {counts['n_segments']} segments)")
         args = (spec, req, design.segment_labels, masking, records.data)
-        files = run_map(part.swap_apply, parts, *args, what="swap masking")
+        files = run_map(psw.swap_apply, parts, *args, what="swap masking")
         records.lap("masking")
         st = req.section
         settings = {

@@ -2,7 +2,7 @@
 variable overall and in every domain and pair of domains (keys in their published coding), and
 the quartiles of every continuous one overall and in every domain, on the original and on the
 released file, each under its own design, with Taylor and replicate SEs, compared as
-sdl_design.assess.assess compares them (CI overlap, standardized bias, SE ratios, epsilon of
+sdl_design.stages.assess.method.assess compares them (CI overlap, standardized bias, SE ratios, epsilon of
 the published totals). The same numbers as assess to rounding (1e-12; the quantiles' rows bit
 for bit); assess's models, pMSE and re-identification are not made here.
 
@@ -30,7 +30,22 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from sdl_design.assess import (
+from sdl_design.blas import single_blas_thread
+from sdl_design.engine.partitions import (
+    Linked,
+    PartitionError,
+    _selected,
+    combine_profiles,
+    input_rows,
+    linked_originals,
+    profile_counts,
+    profile_rows,
+    read_partition,
+    strata_counts,
+)
+from sdl_design.leaks import recoverable_share, zero_words
+from sdl_design.spec import ReleaseSpec
+from sdl_design.stages.assess.method import (
     MODEL_COLUMNS,
     PMSE_MAX_ITER,
     QUANTILE_RULE,
@@ -64,19 +79,7 @@ from sdl_design.assess import (
     study_kind,
     value_orders,
 )
-from sdl_design.blas import single_blas_thread
-from sdl_design.leaks import recoverable_share, zero_words
-from sdl_design.massc.measures import appearance_table
-from sdl_design.partition import (
-    PartitionError,
-    _selected,
-    combine_profiles,
-    profile_counts,
-    profile_rows,
-    read_partition,
-    strata_counts,
-)
-from sdl_design.spec import ReleaseSpec
+from sdl_design.stages.massc.measures import appearance_table
 from sdl_design.survey.design import (
     DesignError,
     SurveyDesign,
@@ -758,59 +761,6 @@ def _cell_grams(
 # ---------------------------------------------------------------- risk of the published file
 
 
-@dataclass(frozen=True)
-class Linked:
-    """A partition of the published records (rows start..stop-1 of the published file) and
-    the original records they are: the retained records lo..hi-1 (by rank among a partition's
-    retained records) of each original partition they come from."""
-
-    start: int
-    stop: int
-    released: Any
-    originals: tuple[tuple[Any, int, int], ...]
-
-
-def retained_in(part: Any, selected: str) -> int:
-    """Map: the partition's records MASSC retained (its d(2) selection in `selected`)."""
-
-    return int(_selected(part, selected).sum())
-
-
-def link(original: Sequence[Any], released: Sequence[Any], retained: Sequence[int]) -> list[Linked]:
-    """Each published partition with the original records it holds: the published file is
-    the retained records in record order (retained: each original partition's count)."""
-    n_r = released[-1].stop if released else 0
-    if sum(retained) != n_r:
-        raise PartitionError(
-            f"assess: {n_r} published records, but {sum(retained)} original records retained; "
-            "the records after the last stage are not the retained ones in order"
-        )
-    before = np.cumsum([0, *retained])
-    out = []
-    for r in released:
-        spans = []
-        for p, a, c in zip(original, before[:-1].tolist(), retained, strict=True):
-            lo, hi = max(r.start, a), min(r.stop, a + c)
-            if lo < hi:
-                spans.append((p, lo - a, hi - a))
-        out.append(Linked(r.start, r.stop, r, tuple(spans)))
-    return out
-
-
-def linked_originals(
-    linked: Linked, columns: list[str], spec: ReleaseSpec, selected: str | None
-) -> pd.DataFrame:
-    """The original records a published partition holds (columns of them), in its order:
-    the retained records lo..hi-1 of each original partition (MASSC's d(2) in `selected`)."""
-
-    parts = []
-    for p, lo, hi in linked.originals:
-        o = read_partition(p, columns, spec)
-        kept = np.flatnonzero(_selected(p, selected)) if selected else np.arange(len(o))
-        parts.append(o.iloc[kept[lo:hi]])
-    return pd.concat(parts) if parts else pd.DataFrame(columns=columns)
-
-
 @dataclass
 class RiskPass:
     """One published partition: profile counts of its keys (risk strata), and by key profile
@@ -1312,18 +1262,6 @@ def pmse_by_partition(
 
 
 # ---------------------------------------------------------------- the intruder's attacks
-
-
-def input_rows(linked: Linked, selected: str | None) -> np.ndarray:
-    """Map: each record of a published partition's original record, as its row in the input
-    (the retained records lo..hi-1 of each original partition it comes from, MASSC's d(2) in
-    `selected`)."""
-
-    at = []
-    for p, lo, hi in linked.originals:
-        kept = np.flatnonzero(_selected(p, selected)) if selected else np.arange(p.stop - p.start)
-        at.append(p.start + kept[lo:hi])
-    return np.concatenate(at) if at else np.zeros(0, dtype=np.int64)
 
 
 def attack_released(

@@ -12,14 +12,20 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.keys import key_categorical, key_frame, key_levels
-from sdl_design.massc.common import KeyLike, MasscError, _codes, _combine, _key_specs
-from sdl_design.massc.donors import Donors, find_donors, substitute
-from sdl_design.massc.measures import DeltaMeasures, delta_measures
-from sdl_design.massc.moments import StudyVariables, ZMoments, ZParts, study_variables, z_moments
-from sdl_design.massc.rates import Rates, optimal_phi, optimal_psi
-from sdl_design.massc.strata import massc_strata
 from sdl_design.risk import _key_codes, cell_sizes, genmassc_scores
 from sdl_design.spec import KeySpec, SensitiveSpec
+from sdl_design.stages.massc.common import KeyLike, MasscError, _codes, _combine, _key_specs
+from sdl_design.stages.massc.donors import Donors, find_donors, substitute
+from sdl_design.stages.massc.measures import DeltaMeasures, delta_measures
+from sdl_design.stages.massc.moments import (
+    StudyVariables,
+    ZMoments,
+    ZParts,
+    study_variables,
+    z_moments,
+)
+from sdl_design.stages.massc.rates import Rates, optimal_phi, optimal_psi
+from sdl_design.stages.massc.strata import massc_strata
 from sdl_design.survey.blocksum import block_codes, group_sum
 from sdl_design.survey.calibration import (
     CalibrationError,

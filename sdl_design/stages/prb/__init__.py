@@ -7,7 +7,6 @@ from typing import Any
 
 import pandas as pd
 
-from sdl_design import partition as part
 from sdl_design.describe import (
     Describes,
     NumberColumn,
@@ -18,7 +17,10 @@ from sdl_design.describe import (
     share_text,
 )
 from sdl_design.engine.records import Records, passes_result
-from sdl_design.prb import (
+from sdl_design.spec import KeySpec, ReleaseSpec
+from sdl_design.stage import StageContext, StageResult
+from sdl_design.stages.prb import passes as pprb
+from sdl_design.stages.prb.method import (
     _carried_domain_notes,
     _domain_notes,
     _prb_and_baseline,
@@ -33,8 +35,6 @@ from sdl_design.prb import (
     partition_ladder,
     prb_cells,
 )
-from sdl_design.spec import KeySpec, ReleaseSpec
-from sdl_design.stage import StageContext, StageResult
 
 
 class PrbStage(Describes):
@@ -190,7 +190,7 @@ class PrbStage(Describes):
         return None if section is None else cls(section, spec)
 
     def cells(self) -> list[KeySpec]:
-        """The cell variables in their published coding (sdl_design.prb.prb_cells)."""
+        """The cell variables in their published coding (sdl_design.stages.prb.method.prb_cells)."""
         return prb_cells(self.spec, self.section)
 
     def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
@@ -263,28 +263,28 @@ class PrbStage(Describes):
         blocks and draws IFPR with the stage's Generator; every worker writes its records with
         the moved ones' values of C replaced (edit rules checked)."""
         spec, parts, run_map = ctx.spec, records.parts, records.run_map
-        req, st = part.prb_stage_request(spec)
-        first = run_map(part.prb_pass1, parts, spec, req, what="prb pass 1")
-        tables = part.combine_prb_pass1(first, req)
+        req, st = pprb.prb_stage_request(spec)
+        first = run_map(pprb.prb_pass1, parts, spec, req, what="prb pass 1")
+        tables = pprb.combine_prb_pass1(first, req)
         records.lap("pass1")
-        units = run_map(part.prb_pass2, parts, spec, req, tables, what="prb pass 2")
+        units = run_map(pprb.prb_pass2, parts, spec, req, tables, what="prb pass 2")
         records.lap("pass2")
-        new, plan = part.prb_plan(req, st.xi, st.tuned, tables, units, ctx.rng())
+        new, plan = pprb.prb_plan(req, st.xi, st.tuned, tables, units, ctx.rng())
         records.lap("plan")
         m = plan["metrics"]
         records.say(
             f"PRB changed {int(m['n_changed'])} of {int(m['n_units'])} singleton/doubleton "
             f"records; max exact identification risk {m['max_risk']:.4f} (xi {st.xi})"
         )
-        files = run_map(part.prb_apply, parts, spec, req, new, records.data, what="prb")
+        files = run_map(pprb.prb_apply, parts, spec, req, new, records.data, what="prb")
         records.lap("apply")
         # the public README's tables: the transition probabilities (the category sums by
         # partition, in block sums) and the records each variable of C changed
-        trq = part.prb_transition_request(tables, plan, req)
+        trq = pprb.prb_transition_request(tables, plan, req)
         sums = run_map(
-            part.prb_transition_pass, parts, spec, req, tables, trq, what="prb transitions"
+            pprb.prb_transition_pass, parts, spec, req, tables, trq, what="prb transitions"
         )
-        docs = part.prb_doc_tables(trq, sums, records.n, plan, new, req)
+        docs = pprb.prb_doc_tables(trq, sums, records.n, plan, new, req)
         records.lap("transitions")
         metrics = pd.DataFrame({"metric": list(m), "value": list(m.values())})
         params = {  # as run() makes them (what the README reads of them)

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from sdl_design.massc.common import KeyLike, MasscError
 from sdl_design.risk import STRATA, risk_strata
+from sdl_design.stages.massc.common import KeyLike, MasscError
 
 
 def massc_strata(

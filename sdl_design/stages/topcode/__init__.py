@@ -7,12 +7,12 @@ from typing import Any
 
 import pandas as pd
 
-from sdl_design import partition_topcode as ptc
 from sdl_design.describe import Describes, NumberColumn, Tunable, cite, fmt
 from sdl_design.engine.records import Records, passes_result
 from sdl_design.spec import ReleaseSpec, TopcodeRule
 from sdl_design.stage import StageContext, StageResult
-from sdl_design.topcode import (
+from sdl_design.stages.topcode import passes as ptc
+from sdl_design.stages.topcode.method import (
     SIDES,
     _block_total,
     topcode_frame,

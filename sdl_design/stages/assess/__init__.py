@@ -7,9 +7,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from sdl_design import partition as part
-from sdl_design import partition_assess as pas
-from sdl_design.assess import (
+from sdl_design.describe import Describes
+from sdl_design.engine import partitions as part
+from sdl_design.engine.partitions import combine_profiles, profile_scores
+from sdl_design.engine.records import Records, passes_result
+from sdl_design.keys import publish_coding
+from sdl_design.plots import estimate_plots
+from sdl_design.pseudo import se_fix
+from sdl_design.spec import ReleaseSpec
+from sdl_design.stage import StageContext, StageResult, design_columns
+from sdl_design.stages.assess import passes as pas
+from sdl_design.stages.assess.method import (
     _epsilon_published,
     _notes,
     _psu_leak,
@@ -23,14 +31,6 @@ from sdl_design.assess import (
     published_attacks,
     published_delta,
 )
-from sdl_design.describe import Describes
-from sdl_design.engine.records import Records, passes_result
-from sdl_design.keys import publish_coding
-from sdl_design.partition import combine_profiles, profile_scores
-from sdl_design.plots import estimate_plots
-from sdl_design.pseudo import se_fix
-from sdl_design.spec import ReleaseSpec
-from sdl_design.stage import StageContext, StageResult, design_columns
 
 
 class AssessStage(Describes):
@@ -125,7 +125,7 @@ class AssessStage(Describes):
         ]
 
     def run_partitions(self, records: Records, ctx: StageContext) -> StageResult:
-        """The measures and gates by partition (sdl_design.partition_assess): the records so
+        """The measures and gates by partition (sdl_design.stages.assess.passes): the records so
         far in their public columns and design against the input's: the domain estimates
         (two passes over each file; the quantiles from the records of the continuous study
         variables, a third pass for their replicate SEs), the models (their cells), the
@@ -214,7 +214,7 @@ def _risk_by_partition(
     run_map, inputs, parts = run.run_map, run.inputs, records.parts
     design, released, original = files
     retained = run.retained(parts)
-    linked = pas.link(inputs, parts, retained)
+    linked = part.link(inputs, parts, retained)
     risk = run_map(pas.risk_pass, linked, spec, req, plan, run.selected, what="assess risk")
     originals = run_map(
         pas.original_profiles, inputs, spec, req, plan, what="assess risk, original"

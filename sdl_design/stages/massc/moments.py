@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.keys import key_frame, key_levels
-from sdl_design.massc.common import KeyLike, MasscError, _key_specs
 from sdl_design.spec import KeySpec
+from sdl_design.stages.massc.common import KeyLike, MasscError, _key_specs
 from sdl_design.survey.blocksum import BlockPartial, block_bins, block_codes, group_sum, n_blocks
 from sdl_design.survey.design import SurveyDesign
 

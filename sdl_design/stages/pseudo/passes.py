@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from sdl_design.partition import Partition, PartitionError, _write_partition, read_partition
+from sdl_design.engine.partitions import Partition, PartitionError, _write_partition, read_partition
 from sdl_design.pseudo import (
     UNIT,
     PseudoPlan,

@@ -1,5 +1,30 @@
 """The MASSC stage: substitution, subsampling, calibration and replications (paper 000), in
-memory and by partition."""
+memory and by partition.
+
+MASSC (Singh 2009, paper 000): micro-agglomeration, substitution, subsampling, calibration.
+
+- Risk strata U/D/T/O (sdl_design.risk), optionally merged (e.g. D, T, O -> NU as in the worked
+  example): `strata`.
+- Substitution partners (Step II): nearest donor profile on keys and main sensitive variables,
+  distances standardized by Rao's quadratic entropy p' Lambda p of the donor set, at least one
+  key changed, donors restricted to records sharing given columns: `donors`.
+- Study variables z and their moments (section 2.4, eq. 8a, 8b): `moments`.
+- Optimal rates psi_h (eq. 9 under the bias constraint 8a) and phi_h (eq. 10 under the variance
+  constraint 8b), SLSQP from a feasible point found by a monotone 1-D search: `rates`.
+- Stratified SRSWOR (systematic selection on a random order: exact inclusion rates), or nested
+  within PSUs with probabilities proportional to the stratum rates (section 5); the whole run
+  and its calibration (Step IV): `treatment`.
+- Post-treatment risk delta (eq. 3-6) and information loss epsilon (eq. 7, 8a, 8b): `measures`.
+- The release's run of them (config, result, replications, gates): `stage`; the preflight's
+  checks: `checks`; the errors, key specs and codes: `common`.
+- By partition: `passes` (Steps I-III and delta), `calibration_passes` (Step IV).
+
+Composed after earlier stages (issue 11): strata, costs, delta and epsilon use the original
+file's keys and values of the same records (matched by index label); partners stay inside the
+declared-domain cells; the loss budgets are shares of each total's original sampling variance
+by default; a stratum of negligible risk is left untreated while delta allows (`treatment`).
+The method's names are imported from these modules (this package's own namespace is the
+stage's: a method module importing it would import the stage)."""
 
 from __future__ import annotations
 
@@ -14,8 +39,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
-from sdl_design import partition as part
-from sdl_design import partition_calibration as pcal
 from sdl_design.describe import (
     REPLICATES,
     RISK_DELTA,
@@ -28,10 +51,15 @@ from sdl_design.describe import (
     share_text,
     unchanged,
 )
+from sdl_design.engine import partitions as part
 from sdl_design.engine.exchange import Exchange
 from sdl_design.engine.records import Records, passes_result
-from sdl_design.massc.checks import control_problems, subsampling_problems
-from sdl_design.massc.stage import (
+from sdl_design.spec import ReleaseSpec
+from sdl_design.stage import SharedInput, StageContext, StageResult
+from sdl_design.stages.massc import calibration_passes as pcal
+from sdl_design.stages.massc import passes as pms
+from sdl_design.stages.massc.checks import control_problems, subsampling_problems
+from sdl_design.stages.massc.stage import (
     _main,
     _massc_substituted,
     _release_margins,
@@ -44,9 +72,7 @@ from sdl_design.massc.stage import (
     numeric_study,
     replication_plan,
 )
-from sdl_design.massc.treatment import MasscConfig, OriginalMargins, cost_from, revise_rates
-from sdl_design.spec import ReleaseSpec
-from sdl_design.stage import SharedInput, StageContext, StageResult
+from sdl_design.stages.massc.treatment import MasscConfig, OriginalMargins, cost_from, revise_rates
 
 
 def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
@@ -61,28 +87,28 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
     exchanged to the partition that owns their group) with phi from the moments of z*, delta,
     and meet_delta's revisions while delta is above gates.delta_max. Step IV: the retained
     records' weight and replicate weights calibrated to the original's totals (three passes,
-    sdl_design.partition_calibration) and written to data/; the replications of the whole
+    sdl_design.stages.massc.calibration_passes) and written to data/; the replications of the whole
     treatment (their own selections, the weight's calibration and study totals) and the
     empirical epsilon."""
 
     spec, columns, parts, run_map = ctx.spec, records.columns, records.parts, records.run_map
     folder = records.folder
-    req = part.massc_request(spec, columns)
+    req = pms.massc_request(spec, columns)
     search, files, rng = _massc_donors(records, ctx, req)
     m, zvars, scores, sums = _massc_moments(records, ctx, req)
-    psi, cost = part.massc_psi(spec, columns, sums)
+    psi, cost = pms.massc_psi(spec, columns, sums)
     records.lap("psi")
     records.say("substitution rates psi " + _by_stratum(m.labels, psi.rates))
     # Steps II-III: substitution at psi (select), phi from the moments of z*, subsampling;
     # while delta is above gates.delta_max, meet_delta's revisions (revise_rates)
     cfg = massc_config(spec, pd.DataFrame(columns=list(columns)))
-    groups = part.select_groups(run_map(part.select_pass1, parts, m, what="groups"))
+    groups = pms.select_groups(run_map(pms.select_pass1, parts, m, what="groups"))
     chosen = (str(folder / "select_psi"), str(folder / "select_phi"))
     records.run.selected = chosen[1]
     donors = str(records.confidential("donors"))
     run = _MasscPasses(spec, req, parts, run_map, m, zvars, scores, donors, chosen, groups, rng)
-    done = run.treatment(part.RatesPlan(sums.moments, psi, cost), cfg, sums)
-    il, epsilon = part.massc_loss(done.tr, done.plan, sums)
+    done = run.treatment(pms.RatesPlan(sums.moments, psi, cost), cfg, sums)
+    il, epsilon = pms.massc_loss(done.tr, done.plan, sums)
     records.lap("treatment")
     # Step IV: the retained records' weight and replicate weights calibrated to the
     # original's totals (calibrate_treated's, bit for bit), written to data/
@@ -106,7 +132,7 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
         params=params,
         gates=gates,
         tables={
-            **part.massc_tables(search, sums, done.plan, done.tr, done.dm, il),
+            **pms.massc_tables(search, sums, done.plan, done.tr, done.dm, il),
             **cal_tables,
         },
     )
@@ -118,49 +144,49 @@ def _by_stratum(labels: list[str], rates: Any) -> str:
 
 
 def _massc_donors(
-    records: Records, ctx: StageContext, req: part.MasscRequest
-) -> tuple[part.DonorPlan, list, np.random.Generator]:
+    records: Records, ctx: StageContext, req: pms.MasscRequest
+) -> tuple[pms.DonorPlan, list, np.random.Generator]:
     """Step I, the donor search: the partitions' search profiles (pass 1), the driver's
     search of donor profiles with the MASSC stage's Generator, and the exchange in which each
     record draws its donor record from the partition that holds it; the substituted file
     goes to donors/ (confidential). The plan, the files written and the Generator (to be
     drawn on by the selections)."""
     spec, parts, run_map = ctx.spec, records.parts, records.run_map
-    tables = run_map(part.donor_pass1, parts, spec, req, what="massc donors pass 1")
+    tables = run_map(pms.donor_pass1, parts, spec, req, what="massc donors pass 1")
     records.lap("pass1")
     rng = ctx.rng()
-    search = part.donor_plan(tables, req, rng)
+    search = pms.donor_plan(tables, req, rng)
     records.lap("search")
     n_has = _with_donor(search)
     records.say(f"{n_has} records have a donor ({search.n_profiles} search profiles)")
     donors = records.confidential("donors")
     donors.mkdir(parents=True)
-    receive = partial(part.donor_receive, folder=str(donors))
+    receive = partial(pms.donor_receive, folder=str(donors))
     files = run_map.exchange(
-        part.donor_send, part.donor_serve, receive, parts, spec, req, search, what="massc donors"
+        pms.donor_send, pms.donor_serve, receive, parts, spec, req, search, what="massc donors"
     )
     records.lap("exchange")
     return search, files, rng
 
 
 def _massc_moments(
-    records: Records, ctx: StageContext, req: part.MasscRequest
-) -> tuple[part.MasscInputs, Any, np.ndarray, part.PlanSums]:
+    records: Records, ctx: StageContext, req: pms.MasscRequest
+) -> tuple[pms.MasscInputs, Any, np.ndarray, pms.PlanSums]:
     """The risk strata (the scan's profile counts), the study variables z and the sensitive
     risk scores; the moments of eq. 8a, the original's totals and Taylor variances and the
     costs' sums by partition, combined in block sums. The records' inputs, z, the scores
     and the plan's sums."""
     spec, parts, run_map, run = ctx.spec, records.parts, records.run_map, records.run
     profiles = run.scan["profiles"]
-    labels = part.massc_strata_labels(profiles, req)
-    zvars = part.massc_study_variables(profiles, req)
+    labels = pms.massc_strata_labels(profiles, req)
+    zvars = pms.massc_study_variables(profiles, req)
     scores = part.profile_scores(profiles, req.sensitive) if req.sensitive else np.zeros(0)
-    m = part.MasscInputs(spec, req, run.inputs, profiles, labels)
+    m = pms.MasscInputs(spec, req, run.inputs, profiles, labels)
     donors = str(records.confidential("donors"))
     partials = run_map(
-        part.moments_pass, parts, m, run.psus, zvars, scores, donors, what="massc moments"
+        pms.moments_pass, parts, m, run.psus, zvars, scores, donors, what="massc moments"
     )
-    sums = part.combine_moments(partials, zvars, labels, run.psus, parts[-1].stop)
+    sums = pms.combine_moments(partials, zvars, labels, run.psus, parts[-1].stop)
     records.lap("moments")
     return m, zvars, scores, sums
 
@@ -173,15 +199,15 @@ class _MasscPasses:
     batch of replications in the same passes)."""
 
     spec: ReleaseSpec
-    req: part.MasscRequest
+    req: pms.MasscRequest
     parts: list
     run_map: Exchange
-    m: part.MasscInputs
-    zvars: Any  # the study variables z (part.massc_study_variables)
+    m: pms.MasscInputs
+    zvars: Any  # the study variables z (pms.massc_study_variables)
     scores: np.ndarray  # the input's key profiles' risk scores (sensitive variables)
     donors: str  # the substituted file tilde
     chosen: tuple[str, str]  # the selections' folders: at psi (d(1)), at phi (d(2))
-    groups: pd.DataFrame  # the selection groups (part.select_groups)
+    groups: pd.DataFrame  # the selection groups (pms.select_groups)
     rng: np.random.Generator  # the MASSC stage's, past the donor search
 
     @property
@@ -189,17 +215,17 @@ class _MasscPasses:
         """The records of the input (and of the substituted file)."""
         return self.parts[-1].stop
 
-    def select_plan(self, rates: np.ndarray, rng: np.random.Generator) -> part.SelectPlan:
+    def select_plan(self, rates: np.ndarray, rng: np.random.Generator) -> pms.SelectPlan:
         """The selection of the groups at rates by stratum, drawn from rng."""
-        return part.select_plan(self.groups, rates, rng, self.n_rows, len(self.parts))
+        return pms.select_plan(self.groups, rates, rng, self.n_rows, len(self.parts))
 
     def selections(self, plans: list, folders: list[str], what: str) -> list[int]:
         """Several selections in one exchange: the records each keeps."""
         for where in folders:
             Path(where).mkdir(parents=True, exist_ok=True)
-        sels = part.Selections(plans, folders)
+        sels = pms.Selections(plans, folders)
         got = self.run_map.exchange(
-            part.select_send, part.select_serve, part.select_receive, self.parts, self.m, sels,
+            pms.select_send, pms.select_serve, pms.select_receive, self.parts, self.m, sels,
             what=what,
         )  # fmt: skip
         return [sum(c[r] for c in got) for r in range(len(plans))]
@@ -209,32 +235,32 @@ class _MasscPasses:
         plan = self.select_plan(rates, self.rng)
         return self.selections([plan], [where], f"massc selection ({Path(where).name})")[0]
 
-    def treat(self, p: part.RatesPlan, c: MasscConfig) -> part.PartitionedTreatment:
+    def treat(self, p: pms.RatesPlan, c: MasscConfig) -> pms.PartitionedTreatment:
         """Substitution at psi, phi (eq. 10) from the moments of z*, subsampling at phi."""
         self.select(p.psi.rates, self.chosen[0])
         treated = self.run_map(
-            part.treated_pass, self.parts, self.m, self.zvars, self.donors, self.chosen[0],
+            pms.treated_pass, self.parts, self.m, self.zvars, self.donors, self.chosen[0],
             what="massc moments of z*",
         )  # fmt: skip
-        phi, mom_t, n_sub = part.massc_phi(c, treated, self.zvars, p.moments, p.cost, self.n_rows)
-        return part.PartitionedTreatment(phi, n_sub, self.select(phi.rates, self.chosen[1]), mom_t)
+        phi, mom_t, n_sub = pms.massc_phi(c, treated, self.zvars, p.moments, p.cost, self.n_rows)
+        return pms.PartitionedTreatment(phi, n_sub, self.select(phi.rates, self.chosen[1]), mom_t)
 
-    def measure(self, tr: part.PartitionedTreatment, risk_basis: str) -> part.PartitionedDelta:
+    def measure(self, tr: pms.PartitionedTreatment, risk_basis: str) -> pms.PartitionedDelta:
         """delta (eq. 3) of the treated file (tr's selections in chosen): its B(2) key
         profiles, then the records' risk on risk_basis."""
         req, parts, donors, chosen = self.req, self.parts, self.donors, self.chosen
         found = self.run_map(
-            part.delta_pass1, parts, self.spec, req, donors, chosen, what="massc B(2) profiles"
+            pms.delta_pass1, parts, self.spec, req, donors, chosen, what="massc B(2) profiles"
         )
         b2 = part.combine_profiles(found)
         s2 = part.profile_scores(b2, req.sensitive) if req.sensitive else np.zeros(0)
         got = self.run_map(
-            part.delta_pass2, parts, self.m, self.scores, b2, s2, risk_basis, donors, chosen,
+            pms.delta_pass2, parts, self.m, self.scores, b2, s2, risk_basis, donors, chosen,
             what="massc delta",
         )  # fmt: skip
-        return part.combine_delta(got, self.n_rows)
+        return pms.combine_delta(got, self.n_rows)
 
-    def treatment(self, rplan: part.RatesPlan, cfg: MasscConfig, sums: part.PlanSums) -> _Treatment:
+    def treatment(self, rplan: pms.RatesPlan, cfg: MasscConfig, sums: pms.PlanSums) -> _Treatment:
         """Steps II-III at psi, then meet_delta's revisions (revise_rates) while delta is
         above gates.delta_max."""
         measure = partial(self.measure, risk_basis=cfg.risk_basis)
@@ -314,9 +340,9 @@ class _Treatment(NamedTuple):
     and the revisions."""
 
     cfg: MasscConfig
-    plan: part.RatesPlan
-    tr: part.PartitionedTreatment
-    dm: part.PartitionedDelta
+    plan: pms.RatesPlan
+    tr: pms.PartitionedTreatment
+    dm: pms.PartitionedDelta
     revisions: list
 
 
@@ -325,7 +351,7 @@ def _massc_replications(
     creq: pcal.CalibrationRequest,
     treated: pcal.Treated,
     done: _Treatment,
-    sums: part.PlanSums,
+    sums: pms.PlanSums,
     folder: Path,
 ) -> tuple[float, pd.DataFrame]:
     """The replications of the whole treatment (massc_replications), a batch in the same
@@ -405,15 +431,15 @@ def _say_massc_treatment(
     )
 
 
-def _with_donor(search: part.DonorPlan) -> int:
+def _with_donor(search: pms.DonorPlan) -> int:
     """The records whose search profile has a donor profile."""
     return int(search.size[search.donor_p >= 0].sum())
 
 
 def _massc_counts(
     run: _MasscPasses,
-    search: part.DonorPlan,
-    sums: part.PlanSums,
+    search: pms.DonorPlan,
+    sums: pms.PlanSums,
     done: _Treatment,
     epsilon: float,
     cal_metrics: dict[str, float],

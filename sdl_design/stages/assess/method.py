@@ -32,9 +32,9 @@ from scipy.stats import norm
 from sdl_design.attack import IntruderKey, attack_battery, intruder_key
 from sdl_design.keys import bin_codes, bin_labels, coarsen
 from sdl_design.leaks import psu_recoverable
-from sdl_design.massc.measures import delta_measures
 from sdl_design.spec import KeySpec, ReleaseSpec
 from sdl_design.stage import gate
+from sdl_design.stages.massc.measures import delta_measures
 from sdl_design.survey.design import (
     DesignError,
     SurveyDesign,

@@ -30,11 +30,31 @@ import pandas as pd
 
 from sdl_design.blas import single_blas_thread
 from sdl_design.edits import check_edits
+from sdl_design.engine.partitions import (
+    Partition,
+    PartitionError,
+    _selected,
+    _write_partition,
+    plan_partitions,
+    read_partition,
+)
 from sdl_design.keys import key_frame, key_levels
-from sdl_design.massc.measures import epsilon_from_replications
-from sdl_design.massc.moments import ZParts
-from sdl_design.massc.stage import EDIT_HINT, _domain_specs
-from sdl_design.massc.treatment import (
+from sdl_design.rng import release_seed
+from sdl_design.spec import KeySpec, ReleaseSpec
+from sdl_design.stages.massc.measures import epsilon_from_replications
+from sdl_design.stages.massc.moments import ZParts
+from sdl_design.stages.massc.passes import (
+    MasscInputs,
+    _block_totals,
+    _original_rows,
+    _partial_sums,
+    _tilde,
+    _treated_records,
+    massc_request,
+    substituted,
+)
+from sdl_design.stages.massc.stage import EDIT_HINT, _domain_specs
+from sdl_design.stages.massc.treatment import (
     cell_labels,
     domain_metrics,
     drop_finest,
@@ -43,24 +63,6 @@ from sdl_design.massc.treatment import (
     replication_seed,
     weight_factors,
 )
-from sdl_design.partition import (
-    MasscInputs,
-    Partition,
-    PartitionError,
-    _block_totals,
-    _original_rows,
-    _partial_sums,
-    _selected,
-    _tilde,
-    _treated_records,
-    _write_partition,
-    massc_request,
-    plan_partitions,
-    read_partition,
-    substituted,
-)
-from sdl_design.rng import release_seed
-from sdl_design.spec import KeySpec, ReleaseSpec
 from sdl_design.survey import blocksum
 from sdl_design.survey.blocksum import BlockAccumulator, BlockPartial, combine_local
 from sdl_design.survey.calibration import (
@@ -230,7 +232,7 @@ def _retained(
 
 
 def _coarsened(df: pd.DataFrame, creq: CalibrationRequest) -> pd.DataFrame:
-    from sdl_design.massc.treatment import _coarsened
+    from sdl_design.stages.massc.treatment import _coarsened
 
     return _coarsened(df, list(creq.controls))[0]
 

@@ -15,23 +15,27 @@ from sdl_design.describe import (
 )
 from sdl_design.edits import check_edits
 from sdl_design.keys import key_frame, shared_categories
-from sdl_design.massc import (
-    MasscConfig,
-    calibrate_treated,
-    delta_measures,
-    epsilon_from_replications,
-    information_loss,
-    massc_plan,
-    massc_treat,
-    rates_table,
-    replication_seed,
-)
-from sdl_design.massc.treatment import OriginalMargins, meet_delta, original_rows
 from sdl_design.plots import histogram
 from sdl_design.risk import profile_codes
 from sdl_design.rng import stage_rng
 from sdl_design.spec import KeySpec, ReleaseSpec
 from sdl_design.stage import Gate, StageResult, gate
+from sdl_design.stages.massc.measures import (
+    delta_measures,
+    epsilon_from_replications,
+    information_loss,
+)
+from sdl_design.stages.massc.treatment import (
+    MasscConfig,
+    OriginalMargins,
+    calibrate_treated,
+    massc_plan,
+    massc_treat,
+    meet_delta,
+    original_rows,
+    rates_table,
+    replication_seed,
+)
 from sdl_design.survey.design import SurveyDesign
 
 

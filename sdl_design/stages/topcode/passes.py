@@ -25,11 +25,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from sdl_design.partition import Partition, PartitionError, _write_partition, read_partition
+from sdl_design.engine.partitions import Partition, PartitionError, _write_partition, read_partition
 from sdl_design.spec import Bound, ReleaseSpec, TopcodeRule
-from sdl_design.survey import blocksum
-from sdl_design.survey.blocksum import BlockPartial, combine_local
-from sdl_design.topcode import (
+from sdl_design.stages.topcode.method import (
     _check_apart,
     _Groups,
     _sorted_thresholds,
@@ -39,6 +37,8 @@ from sdl_design.topcode import (
     side_table,
     topcode_summary,
 )
+from sdl_design.survey import blocksum
+from sdl_design.survey.blocksum import BlockPartial, combine_local
 
 SIDES = ("upper", "lower")
 
@@ -75,7 +75,7 @@ def topcode_request(spec: ReleaseSpec, columns: Sequence[str]) -> TopcodeRequest
 
 def _values(df: pd.DataFrame, col: str, weight: str) -> tuple[np.ndarray, np.ndarray]:
     """The column's values (NaN: missing) and the weights, checked as the stage checks them."""
-    from sdl_design.topcode import _values, _weights
+    from sdl_design.stages.topcode.method import _values, _weights
 
     try:
         x, w, _, _ = _values(df, col, weight, _weights(df, weight))

@@ -17,7 +17,9 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.keys import coarsen, key_levels
-from sdl_design.massc.common import (
+from sdl_design.risk import _key_codes
+from sdl_design.spec import KeySpec, SensitiveSpec
+from sdl_design.stages.massc.common import (
     KeyLike,
     MasscError,
     _codes,
@@ -25,8 +27,6 @@ from sdl_design.massc.common import (
     _key_specs,
     _sens_specs,
 )
-from sdl_design.risk import _key_codes
-from sdl_design.spec import KeySpec, SensitiveSpec
 
 
 def _gini(codes: np.ndarray, group: np.ndarray, size: np.ndarray, n_groups: int) -> np.ndarray:

@@ -14,8 +14,8 @@ import numpy as np
 from scipy.optimize import minimize
 
 from sdl_design.blas import single_blas_thread
-from sdl_design.massc.common import MasscError, MasscInfeasible
-from sdl_design.massc.moments import ZMoments
+from sdl_design.stages.massc.common import MasscError, MasscInfeasible
+from sdl_design.stages.massc.moments import ZMoments
 
 
 @dataclass

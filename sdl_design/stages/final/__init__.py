@@ -6,16 +6,15 @@ from typing import Any
 
 import pandas as pd
 
-from sdl_design import partition as part
-from sdl_design import partition_assess as pas
-from sdl_design import partition_final as pf
 from sdl_design.describe import Describes
+from sdl_design.engine import partitions as part
+from sdl_design.engine.partitions import combine_profiles
 from sdl_design.engine.records import Records, passes_result
 from sdl_design.keys import key_frame
-from sdl_design.partition import combine_profiles
 from sdl_design.risk import risk_strata
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import StageContext, StageResult
+from sdl_design.stages.final import passes as pf
 from sdl_design.survey.design import SurveyDesign, design_columns
 from sdl_design.utility import (
     broad_characteristics,
@@ -94,7 +93,7 @@ class FinalStage(Describes):
         )
 
     def run_partitions(self, records: Records, ctx: StageContext) -> StageResult:
-        """The SE table and measures by partition (sdl_design.partition_final): the broad
+        """The SE table and measures by partition (sdl_design.stages.final.passes): the broad
         characteristics of each file decided over its partitions, their means with Taylor
         and replicate SEs (the original in its design, the records so far in the public
         one), the table as se_ratio_table makes it; the sample uniques before and after
@@ -119,7 +118,7 @@ class FinalStage(Describes):
         after = combine_profiles(
             run_map(pf.key_profiles, records.parts, spec, what="final: key profiles")
         )
-        linked = pas.link(inputs, records.parts, run.retained(records.parts))
+        linked = part.link(inputs, records.parts, run.retained(records.parts))
         changed = run_map(pf.keys_changed, linked, spec, run.selected, what="final: keys changed")
         n = sum(c[0] for c in changed)
         metrics, notes = final_measures(

@@ -9,9 +9,9 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from sdl_design.massc.common import KeyLike, _key_specs, _sens_specs
-from sdl_design.massc.moments import ZMoments
 from sdl_design.risk import genmassc_scores, profile_codes
+from sdl_design.stages.massc.common import KeyLike, _key_specs, _sens_specs
+from sdl_design.stages.massc.moments import ZMoments
 from sdl_design.survey.blocksum import group_sum
 from sdl_design.utility import rrmse
 

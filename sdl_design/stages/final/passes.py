@@ -7,7 +7,7 @@ each numeric column's range, each other column's values (at most MAX_CATEGORIES 
 labels of the first two keys, and which characteristics have missing values. The driver
 makes the characteristics (numeric means, category proportions as 0/1 indicators, numeric
 means in each key domain and their crossing); the domain means by partition
-(sdl_design.partition.means_pass1/means_pass2) estimate them, and the table is laid out as
+(sdl_design.engine.partitions.means_pass1/means_pass2) estimate them, and the table is laid out as
 domain_mean_se lays it out, then merged as se_ratio_table merges."""
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.blas import single_blas_thread
-from sdl_design.keys import key_frame, key_levels
-from sdl_design.partition import (
+from sdl_design.engine.partitions import (
     MeansRequest,
     PartitionError,
     combine_pass1,
     domain_means,
+    linked_originals,
     means_pass1,
     means_pass2,
     profile_counts,
     read_partition,
 )
-from sdl_design.partition_assess import linked_originals
+from sdl_design.keys import key_frame, key_levels
 from sdl_design.spec import KeySpec
 from sdl_design.survey.design import resolve_replicates
 from sdl_design.utility import se_exclude
@@ -298,7 +298,7 @@ def unique_share(profiles: pd.DataFrame) -> float:
 
 def keys_changed(linked: Any, spec: ReleaseSpec, selected: str | None) -> tuple[int, int]:
     """Map: (records, records with a key changed) of a published partition against the
-    original records they are (partition_assess.link), keys in their recodes (key_frame)."""
+    original records they are (sdl_design.engine.partitions.link), keys in their recodes (key_frame)."""
 
     keys = spec.variables.keys
     names = [k if isinstance(k, str) else k.name for k in keys]
