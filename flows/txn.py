@@ -505,8 +505,6 @@ class Transaction:
         strip_record(attempt_record(self.folder))
         self._set_file("rolled_back", "the registry did not commit the publication")
         try:
-            from flows import registry as reg
-
             reg.set_attempt(
                 self.id, "rolled_back", "commit failed", url=self.url, output_dir=self.output_dir
             )

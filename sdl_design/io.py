@@ -32,6 +32,7 @@ import pandas as pd
 
 from sdl_design.messages import did_you_mean, rows_text
 from sdl_design.spec import SpecError
+from sdl_design.synth import make_survey
 
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec
@@ -380,8 +381,6 @@ def read_input(spec: ReleaseSpec) -> tuple[pd.DataFrame, str]:
     for the embedded default survey when release.input is null). Raises SpecError."""
     path = spec.release.input
     if path is None:
-        from sdl_design.synth import make_survey
-
         df = make_survey()  # its own data seed: the release seed stays with the release
         return type_input(df, spec, text=False), frame_digest(df)
     path = Path(path)

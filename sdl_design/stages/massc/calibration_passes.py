@@ -54,6 +54,7 @@ from sdl_design.stages.massc.passes import (
     substituted,
 )
 from sdl_design.stages.massc.stage import EDIT_HINT, _domain_specs
+from sdl_design.stages.massc.treatment import _coarsened as _treatment_coarsened
 from sdl_design.stages.massc.treatment import (
     cell_labels,
     domain_metrics,
@@ -232,9 +233,7 @@ def _retained(
 
 
 def _coarsened(df: pd.DataFrame, creq: CalibrationRequest) -> pd.DataFrame:
-    from sdl_design.stages.massc.treatment import _coarsened
-
-    return _coarsened(df, list(creq.controls))[0]
+    return _treatment_coarsened(df, list(creq.controls))[0]
 
 
 def _numeric_control(df: pd.DataFrame, k: KeySpec) -> None:

@@ -32,11 +32,13 @@ from sdl_design.stages.topcode.method import (
     _Groups,
     _sorted_thresholds,
     _thresholds,
+    _weights,
     frame_table,
     side_row,
     side_table,
     topcode_summary,
 )
+from sdl_design.stages.topcode.method import _values as _stage_values
 from sdl_design.survey import blocksum
 from sdl_design.survey.blocksum import BlockPartial, combine_local
 
@@ -75,10 +77,8 @@ def topcode_request(spec: ReleaseSpec, columns: Sequence[str]) -> TopcodeRequest
 
 def _values(df: pd.DataFrame, col: str, weight: str) -> tuple[np.ndarray, np.ndarray]:
     """The column's values (NaN: missing) and the weights, checked as the stage checks them."""
-    from sdl_design.stages.topcode.method import _values, _weights
-
     try:
-        x, w, _, _ = _values(df, col, weight, _weights(df, weight))
+        x, w, _, _ = _stage_values(df, col, weight, _weights(df, weight))
     except ValueError as e:
         raise PartitionError(f"stages.topcode.{col}: {e}") from e
     return x, w
