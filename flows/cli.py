@@ -162,7 +162,7 @@ class _KnownErrorFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if exc is not None and type(exc).__name__ in self.names:
+        if exc is not None and (type(exc).__name__ in self.names or _from_interrupt(exc)):
             return False
         msg = str(record.msg)
         if "aborted by an interrupt signal" in msg:  # Ctrl-C: the CLI says it in one line
@@ -172,7 +172,7 @@ class _KnownErrorFilter(logging.Filter):
 
 def _silence_known_errors(known: dict[type[BaseException], int]) -> None:
     names = {e.__name__ for e in known}
-    for name in ("prefect.task_runs", "prefect.flow_runs"):
+    for name in ("prefect.task_runs", "prefect.flow_runs", "prefect.engine"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _KnownErrorFilter) for f in logger.filters):
             logger.addFilter(_KnownErrorFilter(names))
@@ -819,14 +819,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _from_interrupt(e: BaseException) -> bool:
+    """Whether e is an interrupt (Ctrl-C) or was raised while one was handled: Prefect's task
+    engine, interrupted while it creates a task run, raises ValueError('Task run is not set')
+    from the KeyboardInterrupt."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     """args.func's exit code; an interrupt, a failed Prefect API, a reader gone from the pipe
     or an output that cannot be written said in one line with its code (130, 3, 141, 3)."""
     try:
-        return args.func(args)
-    except KeyboardInterrupt:
+        return _said_errors(args)
+    except BaseException as e:
+        if not _from_interrupt(e):
+            raise
         print("puf: interrupted; nothing was published", file=sys.stderr)
         return 130
+
+
+def _said_errors(args: argparse.Namespace) -> int:
+    """args.func's exit code; a failed Prefect API, a reader gone from the pipe or an output
+    that cannot be written said in one line with its code (3, 141, 3)."""
+    try:
+        return args.func(args)
     except (*_prefect_api_errors(), RuntimeError) as e:
         if isinstance(e, RuntimeError) and "Prefect API server" not in str(e):
             raise

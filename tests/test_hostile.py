@@ -328,3 +328,33 @@ def test_validate_names_failing_rows_from_1_never_identifiers(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "edit[2] bmi between 10 and 80: 2 records fail (e.g. row [4, 8])" in out
     assert not any(pid in out for pid in df["person_id"])
+
+
+def test_an_error_raised_while_an_interrupt_is_handled_exits_130(capsys):
+    """Prefect's task engine, interrupted while it creates a task run, raises ValueError('Task
+    run is not set') from the KeyboardInterrupt: still an interrupt (exit 130, one line, its
+    log records dropped); a ValueError of its own is not swallowed."""
+    import argparse
+    import logging
+
+    from flows.cli import _dispatch, _KnownErrorFilter
+
+    def interrupted(args):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise ValueError("Task run is not set")  # noqa: B904 - as Prefect raises it
+
+    assert _dispatch(argparse.Namespace(func=interrupted)) == 130
+    assert capsys.readouterr().err.strip() == "puf: interrupted; nothing was published"
+    try:
+        interrupted(None)
+    except ValueError as e:
+        record = logging.LogRecord("prefect.flow_runs", 40, "", 0, "failed", (), (type(e), e, None))
+    assert not _KnownErrorFilter(set()).filter(record)
+
+    def broken(args):
+        raise ValueError("a bug")
+
+    with pytest.raises(ValueError, match="a bug"):
+        _dispatch(argparse.Namespace(func=broken))
