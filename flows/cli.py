@@ -30,9 +30,17 @@ from flows.registry import (
     show_release,
 )
 from flows.scan import REFUSED, run_partitioned, run_scan
-from flows.txn import LOCK_NAME, PublishError, RegistryError, ReleaseLocked, internal_dir
+from flows.txn import (
+    LOCK_NAME,
+    PublishError,
+    RegistryError,
+    ReleaseLocked,
+    ReleaseRejected,
+    internal_dir,
+)
 from sdl_design.attack import intruder_key
 from sdl_design.edits import EditFailure
+from sdl_design.preflight import checked_input
 from sdl_design.risk import RiskInputError
 from sdl_design.spec import SpecError, load_spec, seed_warnings, with_year
 from sdl_design.stages import build_stages, described
@@ -141,9 +149,6 @@ def _known_errors() -> dict[type[BaseException], int]:
     """Errors that say what is wrong in words (no traceback) and the exit code of each:
     2 the spec or data is not usable for a method or the release is locked, 1 an edit, gate or
     approval failed, 3 the registry or output folder failed (nothing reported published)."""
-    # local (imports Prefect): keeps 'puf --help' at 1.5 s instead of 4.4 s
-    from flows.release import ReleaseRejected
-
     unusable = (SpecError, DesignError, PrbError, MasscError, RiskInputError, CalibrationError)
     return {
         **{e: 2 for e in (*unusable, FormulaError, ReleaseLocked)},
@@ -203,10 +208,7 @@ def _said(e: BaseException) -> str:
 def _check_input(spec: ReleaseSpec) -> int:
     """Read the input and run check_data and preflight (SpecError on any problem); the number
     of records. The frame is freed before the flow starts."""
-    # local (imports Prefect): keeps 'puf --help' at 1.5 s instead of 2.6 s
-    from tasks.core import load_task
-
-    df, _ = load_task.fn(spec)
+    df, _ = checked_input(spec)
     return len(df)
 
 
@@ -262,12 +264,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     with --partitions N the input read a partition at a time (`puf scan`)."""
     if args.partitions is not None:
         return cmd_scan(args)
-    # local (imports Prefect): keeps 'puf --help' at 1.5 s instead of 2.6 s
-    from tasks.core import load_task
 
     def go() -> int:
         spec = load_spec(args.spec)
-        df, _ = load_task.fn(spec)  # check_data and preflight: SpecError lists every problem
+        df, _ = checked_input(spec)  # check_data and preflight: SpecError lists every problem
         res = validate_edits(df, spec.edits)  # examples by row (from 1), never by identifier
         stages = ", ".join(s.name for s in build_stages(spec))
         print(f"spec {args.spec}: valid; {len(df)} records, {len(df.columns)} columns")

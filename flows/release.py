@@ -41,7 +41,15 @@ from flows.report import post_artifacts, render_report
 from flows.scan import run_partitioned
 from flows.server_guard import install as _guard_prefect_server
 from flows.tune import tune_dir
-from flows.txn import PARTITIONED, PublishError, RegistryError, ReleaseLocked, Transaction, fault
+from flows.txn import (
+    PARTITIONED,
+    PublishError,
+    RegistryError,
+    ReleaseLocked,
+    ReleaseRejected,
+    Transaction,
+    fault,
+)
 from sdl_design.io import file_digest
 from sdl_design.spec import ReleaseSpec, SpecError, load_spec, seed_warnings, with_year
 from sdl_design.stage import (
@@ -77,10 +85,6 @@ class ReleaseApproval(RunInput):
         if not v:
             raise ValueError("approver is required")
         return v
-
-
-class ReleaseRejected(RuntimeError):
-    pass
 
 
 def _lap(manifest: Manifest, name: str, t0: float) -> None:

@@ -59,6 +59,10 @@ CONFIDENTIAL_TABLES = ("swap/pairs.csv", "risk/records.csv", "record_map.parquet
 REDACTED = "redacted: see the registry"
 
 
+class ReleaseRejected(RuntimeError):
+    """The board rejected the staged release: nothing was published."""
+
+
 class ReleaseLocked(RuntimeError):
     """Another run holds the lock of this release name and year."""
 

@@ -20,6 +20,7 @@ import scipy.sparse as sp
 
 from sdl_design.describe import Describes, NumberColumn
 from sdl_design.edits import parse_condition
+from sdl_design.io import read_input
 from sdl_design.keys import coarsen
 from sdl_design.messages import short_list
 from sdl_design.psus import SINGLE_PSU_RISK_MAX, Psus, single_psu_chance, strata_psu
@@ -70,6 +71,15 @@ def _models(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
         except FormulaError as e:
             out.append(str(e).replace("utility.models:", f"utility.models[{i}]:", 1))
     return out
+
+
+def checked_input(spec: ReleaseSpec) -> tuple[pd.DataFrame, str]:
+    """The input as the spec declares it (sdl_design.io.read_input) and its digest, checked to
+    fit the spec and every enabled stage's preconditions (SpecError listing every problem)."""
+    df, digest = read_input(spec)
+    spec.check_data(df)
+    raise_problems(preflight(spec, df))  # before any work
+    return df, digest
 
 
 def raise_problems(problems: list[str]) -> None:

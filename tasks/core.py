@@ -7,8 +7,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from expectations.suites import validate_edits, validate_metric_gates, validate_output
-from sdl_design.io import read_input
-from sdl_design.preflight import preflight, raise_problems
+from sdl_design.preflight import checked_input
 from sdl_design.spec import ReleaseSpec
 
 
@@ -17,10 +16,7 @@ def load_task(spec: ReleaseSpec) -> tuple[pd.DataFrame, str]:
     """Read the input as the spec declares it (sdl_design.io.read_input: Parquet or CSV read as
     text and typed, declared missing codes; the embedded default survey when none) and check
     it fits the spec."""
-    df, digest = read_input(spec)
-    spec.check_data(df)
-    raise_problems(preflight(spec, df))  # every enabled stage's preconditions, before any work
-    return df, digest
+    return checked_input(spec)
 
 
 @task(name="edit-validation", cache_policy=NO_CACHE)
