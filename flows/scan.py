@@ -115,9 +115,15 @@ def run_scan(
 
 
 def _scan(
-    spec: ReleaseSpec, columns: list[str], parts: list, run_map: Mapper, runner: str
+    spec: ReleaseSpec,
+    columns: list[str],
+    parts: list,
+    run_map: Mapper,
+    runner: str,
+    se: bool = True,
 ) -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
-    """The scan's tables (se, edits, risk_strata, risk, profiles) and its counts and laps."""
+    """The scan's tables (se, edits, risk_strata, risk, profiles) and its counts and laps;
+    se False: not the input's SEs (no pass 2: a release measures the published file)."""
 
     try:
         req = part.means_request(spec, columns)
@@ -134,14 +140,13 @@ def _scan(
     agg = part.combine_scan(first)
     levels, ratios = agg["means"].levels, part.ratios(agg["means"])
     t2 = time.perf_counter()
-    second = run_map(part.scan_pass2, parts, spec, req, levels, ratios, what="pass 2")
+    second = run_map(part.scan_pass2, parts, spec, req, levels, ratios, what="pass 2") if se else []
     t3 = time.perf_counter()
-    se = part.domain_means(req, agg["means"], second)
     edits = edit_verdicts(spec.edits, agg["edits"], "row")
     strata = part.strata_counts(agg["profiles"]).rename_axis("stratum").reset_index(name="records")
     risk = part.scan_risk(spec, agg["profiles"])
     tables = {
-        "se": se,
+        **({"se": part.domain_means(req, agg["means"], second)} if se else {}),
         "edits": edits,
         "risk_strata": strata,
         "key_risk": pd.DataFrame({"metric": list(risk), "value": list(risk.values())}),
@@ -378,7 +383,9 @@ class _PartitionedRun:
         run), the risk measures, and the SEs every stage's damage is measured by, written to
         scan/. Its seconds and the run every stage reads."""
         t_scan = time.perf_counter()
-        scan, scan_info = _scan(self.spec, self.cols, self.parts, run_map, self.runner)
+        scan, scan_info = _scan(
+            self.spec, self.cols, self.parts, run_map, self.runner, se=self.damage
+        )
         scan_seconds = time.perf_counter() - t_scan
         (tmp / "scan").mkdir()
         _write_tables(tmp / "scan", scan)
