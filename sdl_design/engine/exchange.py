@@ -1,10 +1,9 @@
 """The map over partitions and the exchange between them, in this process (a thread per
-worker, a partition in memory per thread) or on a Dask cluster: results come back in partition order, so they do not
-depend on which worker ran what, or when."""
+worker, a partition in memory per thread) or on a Dask cluster: results come back in
+partition order, so they do not depend on which worker ran what, or when."""
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -137,10 +136,8 @@ def mapper(
 
 
 def _in_pool(pool: ThreadPoolExecutor, fn: Callable, parts: Sequence, args: tuple) -> Iterator:
-    """fn(part, *args) of every part in the pool's threads, in partition order (each thread's
-    context: the caller's, so that a stage's settings reach it)."""
-    ctx = contextvars.copy_context()
-    return pool.map(lambda p: ctx.copy().run(fn, p, *args), parts)
+    """fn(part, *args) of every part in the pool's threads, in partition order."""
+    return pool.map(lambda p: fn(p, *args), parts)
 
 
 def scattered(client: Any, args: tuple) -> list:
