@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+from sdl_design.engine.cache import CACHE
+
 Mapper = Callable[..., list]
 
 
@@ -51,7 +53,10 @@ def mapper(
     or on a Dask cluster (the one at dask_address, else a local one of `workers`
     single-threaded processes)."""
     if runner == "thread":
-        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="puf-partition") as pool:
+        with (
+            ThreadPoolExecutor(max(1, workers), thread_name_prefix="puf-partition") as pool,
+            _cache_cleared(),
+        ):
 
             def local(fn: Callable, parts: Sequence, *args: Any, what: str) -> list:
                 out = []  # workers partitions at a time; results (and lines) in partition order
@@ -133,6 +138,16 @@ def mapper(
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+@contextmanager
+def _cache_cleared() -> Iterator[None]:
+    """The process's partition cache emptied when the run's maps end (a long-lived process,
+    a Prefect worker, holds no run's columns)."""
+    try:
+        yield
+    finally:
+        CACHE.clear()
 
 
 def _in_pool(pool: ThreadPoolExecutor, fn: Callable, parts: Sequence, args: tuple) -> Iterator:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,11 +31,13 @@ import pandas as pd
 
 from sdl_design.blas import single_blas_thread
 from sdl_design.edits import check_edits
+from sdl_design.engine.cache import cached, file_identity
 from sdl_design.engine.partitions import (
     Partition,
     PartitionError,
     _selected,
     _write_partition,
+    partition_identity,
     plan_partitions,
     read_partition,
 )
@@ -160,11 +163,12 @@ def _row_ids(frames: Sequence[pd.DataFrame]) -> list[np.ndarray]:
     first appearance in the frames in order: each frame's rows' ids."""
     if not frames or not len(frames[0].columns):
         return [np.zeros(len(f), dtype=np.int64) for f in frames]
-    cols = {}
-    for c in frames[0].columns:
+    ids = np.zeros(0, dtype=np.int64)
+    for j, c in enumerate(frames[0].columns):  # the rows' ids over the columns so far
         both = pd.concat([f[c].astype(object) for f in frames], ignore_index=True)
-        cols[c] = pd.factorize(both, use_na_sentinel=False)[0]
-    ids = pd.DataFrame(cols).groupby(list(cols), sort=False).ngroup().to_numpy(np.int64)
+        code, uniq = pd.factorize(both, use_na_sentinel=False)
+        code = code.astype(np.int64)  # ids * len(uniq) + code < rows**2: no overflow
+        ids = code if j == 0 else pd.factorize(ids * len(uniq) + code)[0].astype(np.int64)
     at = np.cumsum([0, *(len(f) for f in frames)])
     return [ids[at[i] : at[i + 1]] for i in range(len(frames))]
 
@@ -290,8 +294,32 @@ def _both_codes(
 ) -> tuple[_Codes, pd.DataFrame, np.ndarray]:
     """The partition's records coded twice, as they are (rows 0..n-1) and with every
     record's key-related columns from its donor (rows n..2n-1: B(1) takes these where
-    substituted), with `extra` columns of the records, and whether each has a donor."""
+    substituted), with `extra` columns of the records, and whether each has a donor. Each
+    pass of the calibrations and replications asks for them: computed once while the
+    process's partition cache holds them."""
+    donor_file = Path(donors) / f"part-{part.start:012d}.parquet"
+    key = (
+        "massc: both codes",
+        partition_identity(part),
+        file_identity(str(donor_file)),
+        repr(creq),
+        repr(m.req),
+        tuple(extra),
+    )
+    return cached(key, lambda: _both_codes_now(part, m, creq, donors, extra), _both_bytes)
 
+
+def _both_bytes(got: tuple[_Codes, pd.DataFrame, np.ndarray]) -> int:
+    codes, df, has_donor = got
+    arrays = [c for c, _ in codes.controls] + [c for c, _, _ in codes.domains]
+    size = sum(a.nbytes for a in arrays) + has_donor.nbytes
+    return size + int(df.memory_usage(index=False, deep=True).sum())
+
+
+def _both_codes_now(
+    part: Partition, m: MasscInputs, creq: CalibrationRequest, donors: str, extra: Sequence[str]
+) -> tuple[_Codes, pd.DataFrame, np.ndarray]:
+    """_both_codes computed (its arrays read-only: the cache may hand them to other passes)."""
     spec, req = m.spec, m.req
     df = read_partition(part, [*creq.columns(), *extra], spec)
     tilde = _tilde(part, spec, req, donors, df.index)
@@ -302,6 +330,8 @@ def _both_codes(
     own = df[names]
     sub = substituted(own, tilde, np.ones(len(df), dtype=bool), req)
     codes = _codes_of(pd.concat([own, sub], ignore_index=True), creq)
+    for a in [c for c, _ in codes.controls] + [c for c, _, _ in codes.domains] + [has_donor]:
+        a.setflags(write=False)
     return codes, df, has_donor
 
 
@@ -604,8 +634,8 @@ def _profile_keys(
     index = {margin_name_of(d): i for i, d in enumerate(creq.domains)}
     for mname in cols.margins:
         code, values, _ = codes.domains[index[mname]]
-        lab = _table_labels(values, plan.margins[mname])[code]
-        parts.append(np.searchsorted(plan.margins[mname].b2_labels, lab))
+        lab = _table_labels(values, plan.margins[mname])  # (the table's rows, then records')
+        parts.append(np.searchsorted(plan.margins[mname].b2_labels, lab)[code])
     key = np.zeros(len(parts[0]) if parts else 0, dtype=np.int64)
     for code, size in zip(parts, cols.sizes, strict=True):
         if (code < 0).any():
