@@ -35,7 +35,7 @@ import pandas as pd
 
 from sdl_design.blas import single_blas_thread
 from sdl_design.edits import combine_rule_failures, rule_failures
-from sdl_design.engine.cache import CACHE, file_identity
+from sdl_design.engine.cache import CACHE, cached, file_identity
 from sdl_design.io import numeric_columns, parquet_options, type_input, unit_weight
 from sdl_design.keys import key_levels
 from sdl_design.risk import (
@@ -290,10 +290,18 @@ def _lookup(frame: pd.DataFrame, table: pd.DataFrame, what: str) -> np.ndarray:
 
 
 def _selected(part: Partition, folder: str) -> np.ndarray:
+    """The partition's indicators of a selection (its folder's column __sel; read-only:
+    several passes read them from the process's partition cache)."""
     import pyarrow.parquet as pq
 
-    path = Path(folder) / f"part-{part.start:012d}.parquet"
-    return pq.read_table(path, columns=["__sel"]).column(0).to_numpy(zero_copy_only=False)
+    path = str(Path(folder) / f"part-{part.start:012d}.parquet")
+
+    def read() -> np.ndarray:
+        sel = pq.read_table(path, columns=["__sel"]).column(0).to_numpy(zero_copy_only=False)
+        sel.setflags(write=False)
+        return sel
+
+    return cached(("selection", file_identity(path)), read, lambda sel: sel.nbytes)
 
 
 # ---------------------------------------------------------------- key profiles

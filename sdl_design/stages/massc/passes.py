@@ -15,6 +15,7 @@ import pandas as pd
 from sdl_design.engine.partitions import (
     Partition,
     PartitionError,
+    Piece,
     _lookup,
     _selected,
     _write_partition,
@@ -22,7 +23,6 @@ from sdl_design.engine.partitions import (
     profile_rows,
     read_partition,
 )
-from sdl_design.io import type_input
 from sdl_design.risk import (
     STRATA,
 )
@@ -439,12 +439,11 @@ def _original_rows(
 def _tilde(
     part: Partition, spec: ReleaseSpec, req: MasscRequest, donors: str, index
 ) -> pd.DataFrame:
-    """The partition's substituted file tilde (donor_receive's), typed as the records."""
-    import pyarrow.parquet as pq
-
-    path = Path(donors) / f"part-{part.start:012d}.parquet"
-    t = pq.read_table(path, columns=[*req.need, "__donor"]).to_pandas()
-    return type_input(t, spec, text=False).set_axis(index)
+    """The partition's substituted file tilde (donor_receive's, one row group), typed as the
+    records."""
+    path = str(Path(donors) / f"part-{part.start:012d}.parquet")
+    tilde = Partition((Piece(path, (0,), 0, part.stop - part.start),), part.start, part.stop)
+    return read_partition(tilde, [*req.need, "__donor"], spec).set_axis(index)
 
 
 def _partial_sums(
