@@ -31,6 +31,7 @@ import pandas as pd
 import scipy.sparse as sp
 
 from sdl_design.blas import single_blas_thread
+from sdl_design.engine.cache import cached
 from sdl_design.engine.partitions import (
     Linked,
     PartitionError,
@@ -38,6 +39,7 @@ from sdl_design.engine.partitions import (
     combine_profiles,
     input_rows,
     linked_originals,
+    partition_identity,
     profile_counts,
     profile_rows,
     read_partition,
@@ -1198,11 +1200,10 @@ def pmse_pass(
 ) -> PmsePass:
     """Map over file f's partition (y = f: membership in the released file)."""
 
-    X = pmse_matrix(_pmse_frame(part, spec, req, plan), pplan.layout)
+    X = _pmse_columns(part, spec, req, plan, pplan, keep)
     with single_blas_thread():
         if beta is None:
             return PmsePass(0.0, weighted_gram(X, np.ones(X.shape[0])), np.zeros(0), 0.0)
-        X = X[:, keep]
         y = np.full(X.shape[0], float(f))
         mu = _logistic(X @ beta)
         c = pplan.n[1] / sum(pplan.n)
@@ -1212,6 +1213,36 @@ def pmse_pass(
             X.T @ (y - mu),
             float(((mu - c) ** 2).sum()),
         )
+
+
+def _pmse_columns(
+    part: Any,
+    spec: ReleaseSpec,
+    req: AssessRequest,
+    plan: AssessPlan,
+    pplan: PmsePlan,
+    keep: np.ndarray | None,
+) -> np.ndarray:
+    """The partition's rows of the propensity model's matrix (CSR; its independent columns
+    keep), the same in every Newton step: made once while the partition cache holds it (the
+    steps only multiply it). Its key: the partition, the model's layout and the keys'
+    published categories."""
+    keys = list(req.keys)
+    key = (
+        "assess: pmse columns",
+        partition_identity(part),
+        tuple(keys),
+        tuple(req.study),
+        repr([plan.categories[v] for v in keys]),
+        repr(pplan.layout),
+        None if keep is None else keep.tobytes(),
+    )
+
+    def matrix() -> np.ndarray:
+        X = pmse_matrix(_pmse_frame(part, spec, req, plan), pplan.layout)
+        return X if keep is None else X[:, keep]
+
+    return cached(key, matrix, lambda X: X.data.nbytes + X.indices.nbytes + X.indptr.nbytes)
 
 
 def pmse_by_partition(
