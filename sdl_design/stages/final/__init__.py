@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pandas as pd
 
 from sdl_design.describe import Describes
@@ -36,7 +34,7 @@ class FinalStage(Describes):
     replications = 0
     reads_only = True  # measures the frame: the flow may run it beside its neighbours
 
-    def __init__(self, spec: Any):
+    def __init__(self, spec: ReleaseSpec):
         self.spec = spec
 
     @classmethod

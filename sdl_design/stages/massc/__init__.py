@@ -704,7 +704,7 @@ class MasscStage(Describes):
             out.append(Tunable("stages.massc.substrata", [{"variables": num}], False, substrata))
         return out
 
-    def __init__(self, spec: Any):
+    def __init__(self, spec: ReleaseSpec):
         self.spec = spec
         self.replications = int(spec.stages.massc.replications)
         # the release run's plan and rates, shared by the replication chunks of this process
@@ -723,7 +723,7 @@ class MasscStage(Describes):
     def from_spec(cls, spec: ReleaseSpec) -> MasscStage | None:
         return None if spec.stages.active("massc") is None else cls(spec)
 
-    def _main_of(self, df: pd.DataFrame, ctx: Any) -> tuple:
+    def _main_of(self, df: pd.DataFrame, ctx: StageContext) -> tuple:
         with self._lock:
             if self._main is not None and self._main[0] is df:
                 return self._main[1]
@@ -732,7 +732,7 @@ class MasscStage(Describes):
                 self._main = (df, main, None)
             return main
 
-    def _margins_of(self, df: pd.DataFrame, ctx: Any) -> OriginalMargins | None:
+    def _margins_of(self, df: pd.DataFrame, ctx: StageContext) -> OriginalMargins | None:
         """The original's side of the release run's two calibrations (its result and the
         replication plan), computed once when the run is kept for replications."""
         with self._lock:
@@ -750,7 +750,7 @@ class MasscStage(Describes):
             df, self.spec, ctx.seed, ctx.original, ctx.design, main=main, margins=margins
         )
 
-    def prepare_replications(self, df: pd.DataFrame, ctx: Any) -> SharedInput:
+    def prepare_replications(self, df: pd.DataFrame, ctx: StageContext) -> SharedInput:
         """The release run's seed and ReplicationPlan (rates, donors, cached study values, the
         calibration's columns of df and of the original file), without the treated frames."""
         main = self._main_of(df, ctx)
@@ -767,7 +767,7 @@ class MasscStage(Describes):
             prepared.df, self.spec, seed, prepared.original, indices, prepared=prepared
         )
 
-    def combine(self, result: StageResult, replications: list, ctx: Any) -> StageResult:
+    def combine(self, result: StageResult, replications: list, ctx: StageContext) -> StageResult:
         with self._lock:
             self._main = None
         return massc_epsilon(result, replications, self.spec)

@@ -17,7 +17,7 @@ from sdl_design.describe import (
     share_text,
 )
 from sdl_design.engine.records import Records, passes_result
-from sdl_design.spec import KeySpec, ReleaseSpec
+from sdl_design.spec import KeySpec, PrbSection, ReleaseSpec
 from sdl_design.stage import StageContext, StageResult
 from sdl_design.stages.prb import passes as pprb
 from sdl_design.stages.prb.method import (
@@ -181,7 +181,7 @@ class PrbStage(Describes):
             Tunable("stages.prb.tuned", [not spec.stages.prb.tuned], False, tuned),
         ]
 
-    def __init__(self, section: Any, spec: Any):
+    def __init__(self, section: PrbSection, spec: ReleaseSpec):
         self.section, self.spec = section, spec
 
     @classmethod

@@ -50,7 +50,7 @@ class PseudoDesignStage(Describes):
         out = {c: [label] for c in dict.fromkeys((des["strata"], des["psu"])) if c}
         return {**out, REPLICATES: [" built for this file's pseudo-design"]}
 
-    def __init__(self, spec: Any):
+    def __init__(self, spec: ReleaseSpec):
         self.spec = spec
 
     @classmethod

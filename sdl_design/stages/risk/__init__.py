@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pandas as pd
 
 from sdl_design.describe import SURVEY_UNIQUES, Describes
 from sdl_design.engine.records import Records
 from sdl_design.plots import histogram
 from sdl_design.risk import key_cell_problems, risk_profile
-from sdl_design.spec import ReleaseSpec
+from sdl_design.spec import KeySpec, ReleaseSpec, RiskSection, SensitiveSpec
 from sdl_design.stage import StageContext, StageResult
 
 
@@ -38,7 +36,13 @@ class RiskStage(Describes):
         what = "survey records whose key combination is held by 1, 2, 3, 4+ survey records"
         return {what: a.set_index("stratum")["n_records"]}
 
-    def __init__(self, section: Any, keys: list, sensitive: list, weight: str):
+    def __init__(
+        self,
+        section: RiskSection,
+        keys: list[KeySpec],
+        sensitive: list[SensitiveSpec],
+        weight: str,
+    ):
         self.section, self.keys, self.sensitive, self.weight = section, keys, sensitive, weight
 
     @classmethod

@@ -11,7 +11,7 @@ import pandas as pd
 from sdl_design.describe import REPLICATES, Describes, NumberColumn, Tunable, cite, more_less, pct
 from sdl_design.engine import partitions as part
 from sdl_design.engine.records import Records, passes_result
-from sdl_design.spec import ReleaseSpec
+from sdl_design.spec import ReleaseSpec, SwapSection
 from sdl_design.stage import StageContext, StageResult
 from sdl_design.stages.swap import passes as psw
 from sdl_design.stages.swap.method import (
@@ -115,7 +115,7 @@ class SwapStage(Describes):
             Tunable("stages.swap.cumulative", [not spec.stages.swap.cumulative], False, eq),
         ]
 
-    def __init__(self, section: Any, spec: Any):
+    def __init__(self, section: SwapSection, spec: ReleaseSpec):
         self.section, self.spec = section, spec
 
     @classmethod
