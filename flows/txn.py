@@ -55,7 +55,7 @@ LOCK_NAME = "release.lock"
 # the records after each stage of a partitioned release, in its attempt's folder while it runs
 PARTITIONED = "partitioned"
 # record-level tables (original-to-masked maps) never kept in the record of an unpublished attempt
-CONFIDENTIAL_TABLES = ("swap/pairs.csv", "risk/records.csv", "record_map.parquet")
+CONFIDENTIAL_TABLES = ("swap/pairs.csv", "risk/profiles.csv", "record_map.parquet")
 REDACTED = "redacted: see the registry"
 
 

@@ -85,7 +85,7 @@ class Parsed(HTMLParser):
 # a release writes them to internal/<stage>/<table>.csv. test_report builds its stage outputs
 # with these names; test_release_flow checks them against a real release.
 STAGE_TABLES = {
-    "risk": ["records", "by_stratum", "by_profile_size"],
+    "risk": ["profiles", "by_stratum", "by_profile_size"],
     "swap": [
         "pairs",
         "se_ratios",

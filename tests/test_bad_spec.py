@@ -221,8 +221,8 @@ def test_sensitivity_labels_one_spelling(demo, tmp_path, capsys):
     df = demo[1]
     ref = load_spec(_case_dir(tmp_path / "ref", demo))
     ref.stages.risk.loglinear = False
-    got = run_stage(RiskStage, df, spec).tables["records"]["risk_score"]
-    want = run_stage(RiskStage, df, ref).tables["records"]["risk_score"]
+    got = run_stage(RiskStage, df, spec).tables["profiles"]["risk_score"]
+    want = run_stage(RiskStage, df, ref).tables["profiles"]["risk_score"]
     np.testing.assert_array_equal(got.to_numpy(), want.to_numpy())
 
 

@@ -52,7 +52,7 @@ def outputs(stages=("risk", "swap", "prb", "massc", "final")) -> list[StageResul
             metrics={"unique_share": 0.31},
             tables={
                 "by_stratum": pd.DataFrame({"stratum": list("UDTO"), "records": [31, 20, 15, 34]}),
-                "records": pd.DataFrame({"record": range(500), "risk": 0.5}),
+                "profiles": pd.DataFrame({"profile": range(500), "risk": 0.5}),
             },
             notes=["1,234 key profiles"],
             report_tables=["by_stratum"],
@@ -204,7 +204,7 @@ def test_full_report(tmp_path):
     assert text.index("prb: weighted_counts") < text.index("prb: tvd")
     # undeclared tables stay in their CSVs, whatever their names (risk_table is not shown)
     for csv in (
-        "internal/risk/records.csv",
+        "internal/risk/profiles.csv",
         "internal/swap/pairs.csv",
         "internal/prb/risk_table.csv",
     ):

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 from helpers import paper000_table1
 
+from sdl_design.engine.partitions import profile_rows
 from sdl_design.risk import (
     RiskInputError,
     cell_sizes,
@@ -18,6 +19,7 @@ from sdl_design.risk import (
     loglinear_risk,
     risk_profile,
     risk_strata,
+    risk_summary,
 )
 from sdl_design.spec import KeySpec, SensitiveSpec, parse_spec
 
@@ -532,8 +534,11 @@ def test_risk_task_runs_on_small_frame():
     assert m["n_unique"] == (strata == "U").sum() > 0
     assert m["unique_share"] == pytest.approx((strata == "U").mean())
     assert m["n_double"] == (strata == "D").sum()
-    rec = out.tables["records"]
-    assert len(rec) == len(df) and rec["stratum"].tolist() == strata.astype(str).tolist()
+    # each record's measures: its key profile's row of the profiles table
+    prof = out.tables["profiles"]
+    assert prof["count"].sum() == len(df)
+    rec = prof.iloc[profile_rows(df, keys, prof)].reset_index(drop=True)
+    assert rec["stratum"].tolist() == strata.astype(str).tolist()
     # r_k: the larger of the one-variable scores of diabetes and of income in its bins (eq. 1-2)
     r_each = np.column_stack(
         [genmassc_scores(df, keys, [s]).to_numpy() for s in spec.variables.sensitive]
@@ -547,7 +552,56 @@ def test_risk_task_runs_on_small_frame():
     assert m["tau1"] == pytest.approx(ll.tau1, rel=1e-9)
     assert m["tau2"] == pytest.approx(ll.tau2, rel=1e-9)
     np.testing.assert_allclose(rec["p_unique"], ll.p_unique.to_numpy(), rtol=1e-9)
+    # the tables by stratum and by profile size are risk_summary's on the records
+    want = risk_summary(risk_profile(df, keys, spec.variables.sensitive, weight="wt").records)
+    for name in ("by_stratum", "by_profile_size"):
+        pd.testing.assert_frame_equal(out.tables[name], want[name], rtol=1e-12, check_dtype=False)
     assert m["tau2"] >= m["tau1"] - 1e-12  # E(1/F) >= P(F = 1)
     assert out.tables["by_stratum"]["n_records"].sum() == len(df)
     # the input's risk is a diagnostic: max_unique_share is gated on the published file
     assert out.gates == []
+
+
+def test_risk_stage_is_one_kernel_on_one_partition_or_many():
+    """run (the frame's profile table: one partition) and run_partitions (the scan's table,
+    three partitions' combined) give the same metrics, tables and figure."""
+    from types import SimpleNamespace
+
+    from conftest import run_stage
+
+    from sdl_design.engine.partitions import combine_profiles, profile_counts
+    from sdl_design.stage import StageContext
+    from sdl_design.stages.risk import RiskStage
+
+    df = _small_frame()
+    spec = _small_spec(max_unique_share=0.5)
+    whole = run_stage(RiskStage, df, spec, 1)
+    stage = RiskStage.from_spec(spec)
+    v = spec.variables
+    chunks = np.array_split(np.arange(len(df)), 3)
+    profiles = combine_profiles(
+        [profile_counts(df.iloc[c], v.keys, spec.design.weight, v.sensitive) for c in chunks]
+    )
+    records = SimpleNamespace(run=SimpleNamespace(scan={"profiles": profiles}))
+    parts = stage.run_partitions(records, StageContext(df, spec, "risk"))
+    assert parts.data is None and whole.data is df
+    assert set(parts.metrics) == set(whole.metrics)
+    for k, x in whole.metrics.items():
+        assert parts.metrics[k] == pytest.approx(x, rel=1e-12, abs=1e-15), k
+    assert list(parts.tables) == list(whole.tables) == ["profiles", "by_stratum", "by_profile_size"]
+    for name, t in whole.tables.items():
+        pd.testing.assert_frame_equal(parts.tables[name], t, rtol=1e-12)
+    assert parts.notes == whole.notes and parts.params == whole.params
+    assert set(parts.figures) == set(whole.figures) == {"score_hist"}
+
+
+def test_profile_measures_refuse_a_table_over_the_log_linear_bound(monkeypatch):
+    from sdl_design.engine import partitions as P
+
+    df = _small_frame()
+    spec = _small_spec()
+    profiles = P.profile_counts(df, spec.variables.keys, "wt")
+    monkeypatch.setattr(P, "MAX_CELLS", 5)
+    with pytest.raises(RiskInputError, match="more than max_cells=5; coarsen keys"):
+        P.profile_measures(profiles, spec.variables.keys)
+    assert P.profile_measures(profiles, spec.variables.keys, loglinear=False).method is None

@@ -39,7 +39,9 @@ from sdl_design.engine.cache import CACHE, cached, file_identity
 from sdl_design.io import numeric_columns, parquet_options, type_input, unit_weight
 from sdl_design.keys import key_levels
 from sdl_design.risk import (
+    MAX_CELLS,
     STRATA,
+    RiskInputError,
     _combine,
     _distance_matrix,
     _label,
@@ -362,20 +364,33 @@ def combine_profiles(partials: Sequence[pd.DataFrame]) -> pd.DataFrame:
     return out[keys + ["count", "first"] + [c for c in sums if c != "count"]]
 
 
-def profile_risk(
+@dataclass
+class ProfileRisk:
+    """The risk measures of a profile table (risk_profile's, without the records): the
+    metrics, each profile's risk stratum, GenMASSC score r and, for a sample unique, its
+    P(F=1|f=1) and E(1/F|f=1) (NaN otherwise), the log-linear fit's method and cells."""
+
+    metrics: dict[str, float]
+    by_profile: pd.DataFrame  # stratum, risk_score, p_unique, e_inv_f (the table's rows)
+    method: str | None = None
+    model_cells: float | None = None
+
+
+def profile_measures(
     profiles: pd.DataFrame,
     keys: Sequence[KeySpec | str],
     sensitive: Sequence[SensitiveSpec] = (),
     loglinear: bool = True,
     interactions: bool | Sequence[tuple[str, str]] = False,
-) -> dict[str, float]:
-    """risk_profile's metrics (uniques, doubles, triples; GenMASSC scores, paper 000 eq. 1-2;
-    pseudo-ML log-linear tau1, tau2, paper 001 eq. 4 and 7) from the whole input's profile
-    table (combine_profiles, with wsum when loglinear), without the records."""
+) -> ProfileRisk:
+    """risk_profile's measures (uniques, doubles, triples; GenMASSC scores, paper 000 eq. 1-2;
+    pseudo-ML log-linear tau1, tau2, paper 001 eq. 4 and 7) from the whole file's profile
+    table (profile_counts of one partition, combine_profiles of many; wsum when loglinear)."""
     names = [k.name for k in _specs(keys)]
     m = profiles["count"].to_numpy()
     n = int(m.sum())
     out = cell_metrics(n, len(m), np.bincount(np.minimum(m, 4), weights=m, minlength=5))
+    r = np.full(len(m), np.nan)
     if sensitive:
         r = profile_scores(profiles, sensitive)
         out.update(
@@ -383,6 +398,8 @@ def profile_risk(
             max_score=float(r.max()),
             n_score_1=float(m[r >= 1.0 - 1e-12].sum()),
         )
+    p1 = e_inv = np.full(len(m), np.nan)
+    method = cells = None
     if loglinear:
         # each key's levels in first-appearance order (profiles are), as risk._key_codes has them
         per = [pd.factorize(profiles[k], use_na_sentinel=False) for k in names]
@@ -390,16 +407,36 @@ def profile_risk(
         pairs = interaction_pairs(names, interactions)
         cell = table_cells([c.astype(np.int64) for c, _ in per], sizes)
         k_all = int(np.prod(np.array(sizes, dtype=float)))
+        if k_all > MAX_CELLS:  # (loglinear_risk's bound, its message)
+            raise RiskInputError(
+                f"keys: the full table of key cells has {k_all:,} cells (levels "
+                f"{dict(zip(names, sizes, strict=True))}), more than max_cells={MAX_CELLS:,}; "
+                "coarsen keys (bins or map) or drop a key"
+            )
         f = np.bincount(cell, weights=m, minlength=k_all).astype(np.int64)
         y = np.bincount(cell, weights=profiles["wsum"].to_numpy(), minlength=k_all)
-        _, lam_cell, _ = fit_table(f, y, sizes, pairs, None)
+        fit, lam_cell, method = fit_table(f, y, sizes, pairs, None)
         unique = m == 1
         w = np.where(unique, profiles["wsum"].to_numpy(), 1.0)  # a unique's sum is its weight
         p1, e_inv = unique_risk(lam_cell[cell], w, None, unique)
         out.update(tau1=float(np.nansum(p1)), tau2=float(np.nansum(e_inv)))
         out["tau1_share"] = out["tau1"] / n
         out["tau2_share"] = out["tau2"] / n
-    return out
+        cells = float(fit.n_cells)
+    stratum = np.asarray(STRATA)[np.minimum(m, 4) - 1]
+    table = pd.DataFrame({"stratum": stratum, "risk_score": r, "p_unique": p1, "e_inv_f": e_inv})
+    return ProfileRisk(out, table, method, cells)
+
+
+def profile_risk(
+    profiles: pd.DataFrame,
+    keys: Sequence[KeySpec | str],
+    sensitive: Sequence[SensitiveSpec] = (),
+    loglinear: bool = True,
+    interactions: bool | Sequence[tuple[str, str]] = False,
+) -> dict[str, float]:
+    """profile_measures' metrics."""
+    return profile_measures(profiles, keys, sensitive, loglinear, interactions).metrics
 
 
 def profile_scores(profiles: pd.DataFrame, sensitive: Sequence[SensitiveSpec]) -> np.ndarray:
