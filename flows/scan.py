@@ -135,12 +135,14 @@ def _scan(
     t0 = time.perf_counter()
     if runner == "dask":  # the edit verdicts' Great Expectations, imported while workers map
         preload(("great_expectations", "great_expectations.expectations"))
-    first = run_map(part.scan_pass1, parts, spec, req, what="pass 1")
+    first = run_map(part.scan_pass1, parts, spec, req, se, what="pass 1")
     t1 = time.perf_counter()
     agg = part.combine_scan(first)
-    levels, ratios = agg["means"].levels, part.ratios(agg["means"])
     t2 = time.perf_counter()
-    second = run_map(part.scan_pass2, parts, spec, req, levels, ratios, what="pass 2") if se else []
+    second = []
+    if se:
+        levels, ratios = agg["means"].levels, part.ratios(agg["means"])
+        second = run_map(part.scan_pass2, parts, spec, req, levels, ratios, what="pass 2")
     t3 = time.perf_counter()
     edits = edit_verdicts(spec.edits, agg["edits"], "row")
     strata = part.strata_counts(agg["profiles"]).rename_axis("stratum").reset_index(name="records")

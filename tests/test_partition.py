@@ -90,6 +90,22 @@ def scan(spec, parts, req=None):
     return agg, P.domain_means(req, agg["means"], second)
 
 
+def test_a_scan_without_ses_has_the_same_psus_profiles_and_edits(survey, tmp_path):
+    """A release's scan skips the means' sums (it measures the published file): the PSUs,
+    profiles and edit failures are the full scan's; a weight <= 0 is still refused."""
+    _, spec, whole = survey
+    parts = P.plan_partitions(spec.release.input, 3)
+    req = P.means_request(spec, P.input_columns(spec.release.input))
+    full = P.combine_scan([P.scan_pass1(p, spec, req) for p in parts])
+    lean = P.combine_scan([P.scan_pass1(p, spec, req, means=False) for p in parts])
+    pd.testing.assert_frame_equal(lean["means"].psus, full["means"].psus)
+    pd.testing.assert_frame_equal(lean["profiles"], full["profiles"])
+    assert lean["records"] == full["records"] == N and lean["means"].levels == []
+    bad = whole.assign(**{spec.design.weight: whole[spec.design.weight].where(whole.index != 7, 0)})
+    with pytest.raises(P.PartitionError, match="weights <= 0"):
+        P.psus_of(bad, req)
+
+
 def test_plan_partitions_cover_the_file_in_order(survey):
     _, spec, _ = survey
     groups = -(-N // GROUP)

@@ -859,9 +859,12 @@ class ScanPartial:
     means: MeansPass1
 
 
-def scan_pass1(part: Partition, spec: ReleaseSpec, req: MeansRequest) -> ScanPartial:
+def scan_pass1(
+    part: Partition, spec: ReleaseSpec, req: MeansRequest, means: bool = True
+) -> ScanPartial:
     """Pass 1 of a scan on one partition (read here: a worker reads its own partition). One
-    BLAS thread: the sums are the same whichever process or thread count runs it."""
+    BLAS thread: the sums are the same whichever process or thread count runs it. means
+    False: the PSUs without the means' sums (a scan that measures no SE)."""
     df = read_partition(part, scan_columns(spec, req), spec)
     with single_blas_thread():
         return ScanPartial(
@@ -870,8 +873,19 @@ def scan_pass1(part: Partition, spec: ReleaseSpec, req: MeansRequest) -> ScanPar
                 df, spec.variables.keys, spec.design.weight, spec.variables.sensitive
             ),
             edits=rule_failures(df, spec.edits),
-            means=means_pass1(df, req),
+            means=means_pass1(df, req) if means else psus_of(df, req),
         )
+
+
+def psus_of(df: pd.DataFrame, req: MeansRequest) -> MeansPass1:
+    """The partition's PSUs as a MeansPass1 without sums (means_pass1's checks of the weight
+    and the design labels)."""
+    w = df[req.weight].to_numpy(dtype=float)
+    if not (w > 0).all():
+        raise PartitionError(f"design.weight: column '{req.weight}' has weights <= 0 or missing")
+    _, psus = _psu_keys(df, req)
+    P = len(psus)
+    return MeansPass1(psus, np.zeros(P), np.zeros((P, 0)), [], [], [], [], [], [], [])
 
 
 def scan_pass2(
