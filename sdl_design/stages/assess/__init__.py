@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -172,15 +173,30 @@ class AssessStage(Describes):
         out = pas.assess_combine(plan, second, quantiles, variance)
         del quantiles
         m = out.metrics
-        attacks = _risk_by_partition(m, ctx, req, plan, records, (design, released, original))
-        got = [  # the models (utility.models): each fitted on both files' cells
-            run_map(pas.model_pass, p, spec, req, f, plan, what=f"assess models, {name}")
-            for f, (p, name) in enumerate(files)
-        ]
-        coefs, model_m = pas.model_fits(plan, got, variance)
+        # the risk of the published records (its attacks on the driver) beside the models'
+        # and the pMSE's passes; the metrics in the same order whichever ends first
+        with ThreadPoolExecutor(1, thread_name_prefix="puf-assess-risk") as pool:
+            risk = pool.submit(
+                _risk_by_partition,
+                int(m["n_released"]),
+                ctx,
+                req,
+                plan,
+                records,
+                (design, released, original),
+            )
+            got = [  # the models (utility.models): each fitted on both files' cells
+                run_map(pas.model_pass, p, spec, req, f, plan, what=f"assess models, {name}")
+                for f, (p, name) in enumerate(files)
+            ]
+            coefs, model_m = pas.model_fits(plan, got, variance)
+            # pMSE: the propensity model of membership in the published file, by partition
+            inputs = (records.run.inputs, records.parts)
+            pmse_m = pas.pmse_by_partition(run_map, inputs, spec, req, plan)
+            attacks, risk_m = risk.result()
+        m |= risk_m
         m |= model_m
-        # pMSE: the propensity model of membership in the published file, fitted by partition
-        m |= pas.pmse_by_partition(run_map, (records.run.inputs, records.parts), spec, req, plan)
+        m |= pmse_m
         gates = pas.assess_gates(spec, out.domain_estimates, coefs, m, se_fix(ctx.previous))
         _say_assessment(records, m, gates)
         records.lap("")
@@ -199,17 +215,18 @@ class AssessStage(Describes):
 
 
 def _risk_by_partition(
-    m: dict[str, float],
+    n_released: int,
     ctx: StageContext,
     req: pas.AssessRequest,
     plan: pas.AssessPlan,
     records: Records,
     files: tuple[Any, list[str], list[str]],
-) -> Any:
+) -> tuple[Any, dict[str, float]]:
     """The risk of the published records, each linked to its original record (the retained
     ones in record order): re-identification and sample uniques, the attacks, and MASSC's
-    delta of the published file against the original keys; their metrics added to m.
-    files: the public design, the released and the original columns. The attacks."""
+    delta of the published file against the original keys. files: the public design, the
+    released and the original columns. The attacks and the metrics."""
+    m: dict[str, float] = {}
     spec, run = ctx.spec, records.run
     run_map, inputs, parts = run.run_map, run.inputs, records.parts
     design, released, original = files
@@ -219,7 +236,7 @@ def _risk_by_partition(
     originals = run_map(
         pas.original_profiles, inputs, spec, req, plan, what="assess risk, original"
     )
-    m |= pas.risk_metrics(risk, originals, int(m["n_released"]))
+    m |= pas.risk_metrics(risk, originals, n_released)
     rel_cols, orig_cols = pas.attack_columns(spec, released, original)
     got = run_map(pas.attack_released, linked, spec, rel_cols, run.selected, what="attacks")
     rel = pd.concat([g[0] for g in got], ignore_index=True)
@@ -243,7 +260,7 @@ def _risk_by_partition(
         what="assess delta",
     )  # fmt: skip
     m |= pas.delta_metrics(deltas, profiles)
-    return attacks
+    return attacks, m
 
 
 def _say_assessment(records: Records, m: dict[str, float], gates: list) -> None:
