@@ -471,7 +471,9 @@ def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
     the public data files and every table."""
     import logging
 
-    from distributed import LocalCluster
+    from distributed import Client, LocalCluster
+
+    from sdl_design.engine import cache as C
 
     path, _, _ = _with_donors(clean)
     with LocalCluster(
@@ -485,6 +487,9 @@ def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
         for cmd in ("scan", "partitioned"):
             out = str(tmp_path / f"{cmd}-dask")
             puf([cmd, str(path), "--partitions", "7", "--out", out, *dask])
+        # the workers outlive the runs: their partition caches were emptied at each end
+        with Client(cluster) as client:
+            assert set(client.run(lambda: C.CACHE.nbytes).values()) == {0}
     thread, dask = domains_chain[0], tmp_path / "partitioned-dask"
     for name in ("se", "edits", "risk_strata", "profiles"):  # the thread runner's scan
         a = (thread / "scan" / f"{name}.csv").read_bytes()

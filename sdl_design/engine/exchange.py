@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from sdl_design.engine.cache import CACHE
@@ -135,9 +135,17 @@ def mapper(
 
         yield Exchange(on_dask, dask_exchange)
     finally:
+        if cluster is None:  # a cluster that outlives the run: its workers' caches emptied
+            with suppress(Exception):  # (a lost worker or scheduler: nothing to empty)
+                client.run(_clear_cache)
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+def _clear_cache() -> None:
+    """A worker's partition cache emptied (Client.run)."""
+    CACHE.clear()
 
 
 @contextmanager
