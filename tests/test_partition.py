@@ -254,7 +254,7 @@ def test_risk_metrics_by_partition_are_the_risk_stages(survey, interactions):
     table = P.combine_profiles(
         [P.profile_counts(f, v.keys, spec.design.weight, v.sensitive) for f in frames]
     )
-    got = P.profile_risk(table, v.keys, v.sensitive, interactions=interactions)
+    got = P.profile_measures(table, v.keys, v.sensitive, interactions=interactions).metrics
     want = risk_profile(
         whole, v.keys, v.sensitive, weight=spec.design.weight, interactions=interactions
     ).metrics

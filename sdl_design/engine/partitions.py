@@ -428,17 +428,6 @@ def profile_measures(
     return ProfileRisk(out, table, method, cells)
 
 
-def profile_risk(
-    profiles: pd.DataFrame,
-    keys: Sequence[KeySpec | str],
-    sensitive: Sequence[SensitiveSpec] = (),
-    loglinear: bool = True,
-    interactions: bool | Sequence[tuple[str, str]] = False,
-) -> dict[str, float]:
-    """profile_measures' metrics."""
-    return profile_measures(profiles, keys, sensitive, loglinear, interactions).metrics
-
-
 def profile_scores(profiles: pd.DataFrame, sensitive: Sequence[SensitiveSpec]) -> np.ndarray:
     """The GenMASSC score r (paper 000, eq. 1-2) of each profile of the whole input's profile
     table (combine_profiles with the sensitive counts): the bits genmassc_scores gives its
@@ -903,13 +892,13 @@ def scan_risk(spec: ReleaseSpec, profiles: pd.DataFrame) -> dict[str, float]:
     section: log-linear model and interactions; GenMASSC scores over its sensitive variables)."""
     section = spec.stages.risk
     v = spec.variables
-    return profile_risk(
+    return profile_measures(
         profiles,
         v.keys,
         v.sensitive,
         loglinear=section.loglinear,
         interactions=section.interactions or False,
-    )
+    ).metrics
 
 
 def combine_scan(partials: Sequence[ScanPartial]) -> dict[str, Any]:
