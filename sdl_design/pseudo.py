@@ -439,30 +439,6 @@ def apply_pseudo(df: pd.DataFrame, plan: PseudoPlan, unit: np.ndarray, weight: s
     return pd.concat([data[keep[:at]], reps, data[keep[at:]]], axis=1)
 
 
-def pseudo_frame(
-    df: pd.DataFrame, spec: Any, rng: np.random.Generator
-) -> tuple[pd.DataFrame, PseudoDesign, dict[str, Any]]:
-    """df with pseudo strata and PSUs (in the spec's strata/psu columns, or the pseudo section's
-    new columns when the design has none) and replicate weights of the pseudo design replacing
-    the original ones. Returns the frame, the design and the public design's columns."""
-    d = spec.design
-    scores = None
-    if d.psu and d.pseudo.candidates > 1:
-        units = unit_labels(df, spec).unique().sort_values().to_frame(index=False)
-        scores = pseudo_scores(unit_score_sums(df, spec), units)
-    plan = pseudo_plan(
-        spec,
-        list(df.columns),
-        df[d.strata].to_numpy() if d.strata else None,
-        df[d.psu].to_numpy() if d.psu else None,
-        rng,
-        n=len(df),
-        scores=scores,
-    )
-    data = apply_pseudo(df, plan, np.arange(len(df)), d.weight)
-    return data, plan.design, plan.public
-
-
 def pseudo_summary(
     des: PseudoDesign, public: dict[str, Any], purity: np.ndarray
 ) -> tuple[dict[str, Any], dict[str, float], list[str]]:

@@ -97,6 +97,43 @@ class Partition:
     stop: int
 
 
+@dataclass(frozen=True, eq=False)
+class FramePartition:
+    """The records start..stop-1 held in this process's memory: the one partition of a release
+    run in memory. Its passes read the frame (read_partition, positions start..stop-1 as its
+    index) and what they write to a memory folder (MEMORY) is held, not written."""
+
+    frame: pd.DataFrame
+    start: int
+    stop: int
+
+    @classmethod
+    def of(cls, frame: pd.DataFrame) -> FramePartition:
+        return cls(frame, 0, len(frame))
+
+
+MEMORY = "memory:"  # a folder name's prefix: the frames written there are held in _HELD
+_HELD: dict[str, dict[int, pd.DataFrame]] = {}
+
+
+def memory_folder(name: str) -> str:
+    """A new folder whose partitions are held in this process's memory (release_memory)."""
+    folder = f"{MEMORY}{name}:{len(_HELD)}:{id(object())}"
+    _HELD[folder] = {}
+    return folder
+
+
+def held(folder: str) -> list[pd.DataFrame]:
+    """The frames written to a memory folder, in record order."""
+    got = _HELD.get(folder, {})
+    return [got[k] for k in sorted(got)]
+
+
+def release_memory(folder: str) -> None:
+    """A memory folder's frames let go."""
+    _HELD.pop(folder, None)
+
+
 def _files(path: Path) -> list[Path]:
     if path.is_dir():
         files = sorted(path.glob("*.parquet"))
@@ -199,8 +236,13 @@ def read_partition(
 ) -> pd.DataFrame:
     """The partition's records (index: global row numbers), typed as read_input types a
     Parquet file when a spec is given (its declared missing codes read along). Columns read
-    before come from this process's PartitionCache (sdl_design.engine.cache)."""
+    before come from this process's PartitionCache (sdl_design.engine.cache). A
+    FramePartition's columns are the frame's, typed when it was read."""
     import pyarrow.parquet as pq
+
+    if isinstance(part, FramePartition):
+        frame = part.frame if columns is None else part.frame[list(dict.fromkeys(columns))]
+        return frame.set_axis(pd.RangeIndex(part.start, part.stop))
 
     files = [pq.ParquetFile(piece.path) for piece in part.pieces]
     names = files[0].schema_arrow.names  # every file has the same columns
@@ -272,6 +314,9 @@ def _write_partition(data: pd.DataFrame, part: Partition, folder: str) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if str(folder).startswith(MEMORY):  # held, not written (FramePartition)
+        _HELD[folder][part.start] = data
+        return f"{folder}/{part.start}"
     path = Path(folder) / f"part-{part.start:012d}.parquet"
     tmp = path.with_suffix(".parquet.tmp")
     table = pa.Table.from_pandas(data, preserve_index=False)
@@ -296,6 +341,8 @@ def _selected(part: Partition, folder: str) -> np.ndarray:
     several passes read them from the process's partition cache)."""
     import pyarrow.parquet as pq
 
+    if str(folder).startswith(MEMORY):
+        return _HELD[folder][part.start]["__sel"].to_numpy()
     path = str(Path(folder) / f"part-{part.start:012d}.parquet")
 
     def read() -> np.ndarray:

@@ -5,7 +5,7 @@ records, internal/ for its record-level maps), and the StageResult it returns.""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -14,8 +14,15 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.engine.exchange import Exchange, say
-from sdl_design.engine.partitions import Partition, retained_in
-from sdl_design.stage import Gate, StageResult
+from sdl_design.engine.partitions import (
+    FramePartition,
+    Partition,
+    held,
+    memory_folder,
+    release_memory,
+    retained_in,
+)
+from sdl_design.stage import Gate, StageContext, StageResult
 
 
 @dataclass
@@ -44,7 +51,8 @@ class Run:
 
 @dataclass
 class Records:
-    """The records so far by partition and the folder the stage running on them writes to."""
+    """The records so far by partition and the folder the stage running on them writes to
+    (sink: a memory folder, for records held in this process; see in_memory)."""
 
     run: Run
     parts: list[Partition]
@@ -52,6 +60,7 @@ class Records:
     folder: Path
     laps: dict[str, float] = field(default_factory=dict)
     _t: float = field(default_factory=time.perf_counter)
+    sink: str | None = None
 
     @property
     def run_map(self) -> Exchange:
@@ -65,7 +74,7 @@ class Records:
     @property
     def data(self) -> str:
         """Where the stage writes its records (part-<first record>.parquet)."""
-        return str(self.folder / "data")
+        return self.sink if self.sink is not None else str(self.folder / "data")
 
     def confidential(self, name: str) -> Path:
         """Where a stage's record-level map goes: under internal/ (a stage's folder
@@ -83,8 +92,63 @@ class Records:
         return replace(self, folder=folder, laps={}, _t=time.perf_counter())
 
     def say(self, text: str) -> None:
-        """A progress line of the run."""
-        say(text, "partitioned")
+        """A progress line of the run (none for records held in memory: the run's step lines
+        say what runs)."""
+        if self.sink is None:
+            say(text, "partitioned")
+
+
+def _one_partition(fn: Callable, parts: Sequence, *args: Any, what: str) -> list:
+    """The map over records held in memory: fn on each partition in turn, in this thread."""
+    return [fn(p, *args) for p in parts]
+
+
+def _one_exchange(fns: tuple, parts: Sequence, args: tuple, what: str) -> list:
+    send, serve, receive = fns
+    sent = [send(p, *args) for p in parts]
+    served = [serve(p, [s[j] for s in sent], *args) for j, p in enumerate(parts)]
+    return [receive(p, [r[i] for r in served], *args) for i, p in enumerate(parts)]
+
+
+IN_MEMORY = Exchange(_one_partition, _one_exchange)
+
+
+def in_memory(df: pd.DataFrame, ctx: StageContext) -> Records:
+    """The working frame as the records so far: one partition held in memory (the original
+    file the run's input), what the stage writes held in a memory folder."""
+    original = [FramePartition.of(ctx.original)]
+    parts = original if df is ctx.original else [FramePartition.of(df)]
+    run = Run(IN_MEMORY, original, {}, pd.DataFrame())
+    return Records(run, parts, list(df.columns), Path(), sink=memory_folder(ctx.stage))
+
+
+def run_in_memory(stage: Any, df: pd.DataFrame, ctx: StageContext) -> StageResult:
+    """A stage written once, as its passes (run_partitions), run on the working frame as one
+    partition held in memory: its result with the frame it wrote (df's index), or df when it
+    writes none; without the run's laps and facts (the flow times the stage)."""
+    records = in_memory(df, ctx)
+    try:
+        result = stage.run_partitions(records, ctx)
+        frames = held(records.data)
+    finally:
+        release_memory(records.data)
+    for k in records.laps:
+        result.metrics.pop(k, None)
+    result.facts = {}
+    if frames:
+        (out,) = frames
+        result.data = out.set_axis(df.index)
+    else:
+        result.data = df
+    return result
+
+
+class Passes:
+    """A stage written once, as its passes over partitions (run_partitions): run(df, ctx) is
+    the one-partition case, the working frame held in memory."""
+
+    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
+        return run_in_memory(self, df, ctx)
 
 
 def numbers(fields: dict[str, Any]) -> dict[str, float]:

@@ -5,18 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pandas as pd
-
 from sdl_design.describe import REPLICATES, Describes
-from sdl_design.engine.records import Records, passes_result
-from sdl_design.pseudo import pseudo_frame, pseudo_summary, psu_purity
+from sdl_design.engine.records import Passes, Records, passes_result
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import StageContext, StageResult
 from sdl_design.stages.pseudo import passes as pps
 
 
-class PseudoDesignStage(Describes):
+class PseudoDesignStage(Passes, Describes):
     """Stage: when no earlier stage masked the design (ctx.masked_design) and the spec does not
     publish the original labels, the public file gets pseudo strata, pseudo PSUs and replicate
     weights built from them (design.pseudo); the original labels never leave."""
@@ -62,39 +58,10 @@ class PseudoDesignStage(Describes):
             return None
         return cls(spec)
 
-    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
-
-        if ctx.masked_design:
-            return StageResult(
-                name=self.name,
-                data=df,
-                params={"built": False},
-                notes=["The design was masked by an earlier stage: no pseudo design built."],
-            )
-        spec = self.spec
-        d = spec.design
-        data, pdes, public = pseudo_frame(df, spec, ctx.rng(self.name))
-        m = pdes.psus_per_stratum
-        if d.psu:  # original PSUs nested in strata; else each record its own PSU
-            nest = [df[d.strata], df[d.psu]] if d.strata else [df[d.psu], df[d.psu]]
-            orig_psu = pd.factorize(pd.MultiIndex.from_arrays(nest))[0]
-        else:
-            orig_psu = np.arange(len(df))
-        purity = psu_purity(orig_psu, pdes.stratum.astype(np.int64) * (m + 1) + pdes.psu)
-        params, metrics, notes = pseudo_summary(pdes, public, purity)
-        return StageResult(
-            name=self.name,
-            data=data,
-            params=params,
-            metrics=metrics,
-            notes=notes,
-            masks_design=True,
-        )
-
     def run_partitions(self, records: Records, ctx: StageContext) -> StageResult:
-        """The pseudo design by partition (run()'s records, bit for bit): when an earlier
+        """The pseudo design by partition (in memory: one partition): when an earlier
         stage masked the design it builds nothing and the records stay as they are; else pass
-        1 sends each partition's original PSUs, the driver deals them into pseudo strata and
+        1 sends each partition's original PSUs (without PSUs: its records), the driver deals them into pseudo strata and
         PSUs and builds the replicate factors with the stage's Generator, and every worker
         writes its records with their pseudo labels and replicate weights."""
         if ctx.masked_design:
@@ -102,7 +69,8 @@ class PseudoDesignStage(Describes):
             return passes_result(self.name, {"built": False}, params={"built": False}, notes=[note])
         spec, parts, run_map = ctx.spec, records.parts, records.run_map
         units, scores = pps.combine_units(
-            run_map(pps.pseudo_units, parts, spec, what="pseudo design: PSUs")
+            run_map(pps.pseudo_units, parts, spec, what="pseudo design: PSUs"),
+            records_as_units=not spec.design.psu,
         )
         plan, purity = pps.plan_of_units(spec, records.columns, units, ctx.rng(), scores)
         args = (spec, units, plan, records.data)

@@ -32,22 +32,18 @@ if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec
 
 
-def check_pseudo(spec: ReleaseSpec) -> None:
-    """PartitionError naming the field when the pseudo design cannot be built by partition."""
-    if not spec.design.psu:
-        raise PartitionError(
-            "design.psu: the pseudo design by partition groups the original PSUs; a file whose "
-            "records are each their own PSU is dealt record by record (run it in memory, or "
-            "give a PSU column)"
-        )
-
-
 def pseudo_units(part: Partition, spec: ReleaseSpec) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """Pass 1 on one partition: its units (stratum, psu labels) with their records and the
     global row of their first record, and (when the choice is on: design.pseudo.candidates)
-    its unit_score_sums."""
-    check_pseudo(spec)
+    its unit_score_sums. A design without PSUs: each record its own unit, labelled by its
+    row, in record order."""
     d = spec.design
+    if not d.psu:
+        df = read_partition(part, [d.strata] if d.strata else [], spec)
+        rows = np.arange(part.start, part.stop)
+        stratum = df[d.strata].to_numpy() if d.strata else np.zeros(len(df), dtype=np.int64)
+        units = pd.DataFrame({"stratum": stratum, "psu": rows, "records": 1, "first": rows})
+        return units, None
     choose = d.pseudo.candidates > 1
     cols = [
         d.strata,
@@ -68,11 +64,13 @@ def _domain_vars(spec: ReleaseSpec) -> list[str]:
 
 
 def combine_units(
-    parts: list[tuple[pd.DataFrame, pd.DataFrame | None]],
+    parts: list[tuple[pd.DataFrame, pd.DataFrame | None]], records_as_units: bool = False
 ) -> tuple[pd.DataFrame, np.ndarray | None]:
     """The whole input's units, sorted by (stratum, psu) (a unit may span partitions), and
     their pseudo_scores when the partitions sent score sums."""
     units = pd.concat([u for u, _ in parts], ignore_index=True)
+    if records_as_units:  # a design without PSUs: in record order
+        return units, None
     units = (
         units.groupby(UNIT, sort=True)
         .agg(records=("records", "sum"), first=("first", "min"))
@@ -94,9 +92,8 @@ def plan_of_units(
     each pseudo PSU (the largest share of its records from one unit), in the order of its
     first record, as psu_purity gives it on the records."""
     strata = units["stratum"].to_numpy() if spec.design.strata else None
-    plan = pseudo_plan(
-        spec, columns, strata, units["psu"].to_numpy(), rng, n=len(units), scores=scores
-    )
+    psu = units["psu"].to_numpy() if spec.design.psu else None  # None: records as units
+    plan = pseudo_plan(spec, columns, strata, psu, rng, n=len(units), scores=scores)
     key = plan.unit_psu  # each unit's pseudo PSU
     K = int(key.max()) + 1
     records = units["records"].to_numpy()
@@ -114,6 +111,9 @@ def pseudo_apply(
     """The partition with its pseudo strata, PSUs and replicate weights (apply_pseudo), written
     to folder as part-<first record>.parquet; returns the path."""
     df = read_partition(part, None, spec)
+    if not spec.design.psu:  # records as units, in record order
+        unit = np.arange(part.start, part.stop)
+        return _write_partition(apply_pseudo(df, plan, unit, spec.design.weight), part, folder)
     unit = pd.MultiIndex.from_frame(units[UNIT]).get_indexer(unit_labels(df, spec))
     if (unit < 0).any():
         raise PartitionError("design.psu: a partition has a PSU pass 1 did not see")

@@ -8,20 +8,17 @@ from typing import Any
 import pandas as pd
 
 from sdl_design.describe import Describes, NumberColumn, Tunable, cite, fmt
-from sdl_design.engine.records import Records, passes_result
+from sdl_design.engine.records import Passes, Records, passes_result
 from sdl_design.spec import ReleaseSpec, TopcodeRule
 from sdl_design.stage import StageContext, StageResult
 from sdl_design.stages.topcode import passes as ptc
 from sdl_design.stages.topcode.method import (
     SIDES,
-    _block_total,
-    topcode_frame,
-    topcode_summary,
     topcodes,
 )
 
 
-class TopcodeStage(Describes):
+class TopcodeStage(Passes, Describes):
     """Stage: top- and bottom-coding of the columns of spec.stages.topcode with the design
     weight (deterministic)."""
 
@@ -133,28 +130,6 @@ class TopcodeStage(Describes):
         section = spec.stages.active("topcode")
         return None if section is None else cls(section.columns, spec.design.weight)
 
-    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
-
-        w = df[self.weight].to_numpy(dtype=float)
-        out, table = topcode_frame(df, self.rules, self.weight)
-        totals = {
-            col: (
-                _block_total(w * df[col].to_numpy(float)),
-                _block_total(w * out[col].to_numpy(float)),
-            )
-            for col in self.rules
-        }
-        metrics, params, notes = topcode_summary(self.rules, table, _block_total(w), totals)
-        return StageResult(
-            name=self.name,
-            data=out,
-            params=params,
-            metrics=metrics,
-            tables={"thresholds": table},
-            report_tables=["thresholds"],
-            notes=notes,
-        )
-
     def check_partitions(self, spec: ReleaseSpec, columns: list[str]) -> None:
         """What the partitioned path refuses in the spec (PartitionError naming the field)."""
         ptc.topcode_request(spec, columns)
@@ -170,7 +145,7 @@ class TopcodeStage(Describes):
         return [f"  topcode     : {coded} (topcode/thresholds.csv)"]
 
     def run_partitions(self, records: Records, ctx: StageContext) -> StageResult:
-        """Top-coding by partition (run()'s records and table, bit for bit): pass 1 sends
+        """Top-coding by partition (in memory: one partition): pass 1 sends
         each partition's groups with block sums and the thresholds' candidates (again with
         twice as many while a percentile's crossing lies beyond them); the driver sets the
         thresholds; pass 2 sends the coded records for the replacements; every worker writes
