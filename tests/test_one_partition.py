@@ -77,15 +77,7 @@ def test_pseudo_design_without_psus_by_partition_is_the_record_level_design(tmp_
     mem = PseudoDesignStage.from_spec(spec).run(df, ctx)
     pd.testing.assert_frame_equal(mem.data, want)
 
-    table = pa.Table.from_pandas(df, preserve_index=False)
-    path = tmp_path / "in.parquet"
-    with pq.ParquetWriter(path, table.schema) as w:
-        for a, b in zip(np.cumsum([0, *sizes[:-1]]), np.cumsum(sizes), strict=True):
-            w.write_table(table.slice(a, b - a))
-    parts = P.plan_partitions(path)
-    assert len(parts) == len(sizes)
-    (tmp_path / "out" / "data").mkdir(parents=True)
-    records = Records(Run(IN_MEMORY, parts, {}, pd.DataFrame()), parts, list(df), tmp_path / "out")
+    records = _parquet_records(tmp_path, df, sizes)
     got = PseudoDesignStage.from_spec(spec).run_partitions(records, ctx)
     files = pd.read_parquet(tmp_path / "out" / "data")
     pd.testing.assert_frame_equal(files, want.reset_index(drop=True), check_dtype=False)
@@ -103,3 +95,97 @@ def test_in_memory_records_read_the_original_as_the_runs_input():
     assert other.parts != other.run.inputs and other.n == 10
     P.release_memory(r.data)
     P.release_memory(other.data)
+
+
+def _parquet_records(tmp_path, df, sizes):
+    """df as a Parquet file of row groups of these sizes, as the records so far of a stage
+    writing to tmp_path/out (its partitions: one per row group)."""
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    path = tmp_path / "in.parquet"
+    with pq.ParquetWriter(path, table.schema) as w:
+        for a, b in zip(np.cumsum([0, *sizes[:-1]]), np.cumsum(sizes), strict=True):
+            w.write_table(table.slice(a, b - a))
+    parts = P.plan_partitions(path)
+    assert len(parts) == len(sizes)
+    (tmp_path / "out" / "data").mkdir(parents=True)
+    return Records(Run(IN_MEMORY, parts, {}, pd.DataFrame()), parts, list(df), tmp_path / "out")
+
+
+@pytest.fixture(scope="module")
+def prb_case():
+    """The default spec's PRB on a small survey, and the whole-frame method's results with the
+    stage's Generator: post_randomize, then the other method at its theta (the same stream)."""
+    from helpers import DEFAULT_SPEC
+
+    from sdl_design.spec import load_spec
+    from sdl_design.stages.prb.method import post_randomize, prb_cells
+    from sdl_design.synth import make_survey
+
+    spec = load_spec(DEFAULT_SPEC)
+    df = make_survey(n_persons=3000, seed=11)
+    st = spec.stages.prb
+    ctx = StageContext(df, spec, "prb")
+    rng = ctx.rng()
+    kw = dict(partition=st.partition, seed=rng, cells=prb_cells(spec, st))
+    kw["domains"] = spec.utility.domain_list(spec.variables.key_names)
+    w = spec.design.weight
+    res = post_randomize(df, st.variables, st.xi, w, method=st.method, **kw)
+    other = "nzy" if st.method == "prb" else "prb"
+    base = post_randomize(df, st.variables, st.xi, w, method=other, theta=res.theta, **kw)
+    return spec, df, ctx, res, base, other
+
+
+def test_prb_stage_tables_are_the_whole_frame_methods(prb_case):
+    """PrbStage.run (its passes on one partition held in memory): post_randomize's records,
+    and its tables those of the whole-frame functions of paper 002 on them: Tables 1/4 with
+    replicate SEs (count_changes), Table 6 (tvd_table, against the baseline method's file),
+    Table 3 (empirical_risk), the domains not kept and the blocks' risks."""
+    from sdl_design.stages.prb import PrbStage
+    from sdl_design.stages.prb.method import (
+        block_risk,
+        count_changes,
+        default_combos,
+        domains_not_kept,
+        empirical_risk,
+        risk_by_block,
+        tvd_table,
+    )
+
+    spec, df, ctx, res, base, other = prb_case
+    st, w = spec.stages.prb, spec.design.weight
+    out = PrbStage.from_spec(spec).run(df, ctx)
+    pd.testing.assert_frame_equal(out.data, res.data)
+    counts = count_changes(df, res.data, st.variables, w, spec.design).reset_index()
+    got = out.tables["weighted_counts"]
+    assert {"se", "se_star"} <= set(got.columns) and len(got) == len(counts)
+    pd.testing.assert_frame_equal(got, counts, check_dtype=False, rtol=1e-9)
+    combos = default_combos(st.variables[:5])
+    tv = tvd_table(df, {st.method: res.data, other: base.data}, combos, w)
+    pd.testing.assert_frame_equal(out.tables["tvd"], tv, rtol=1e-9)
+    assert out.metrics[f"tvd_mean_{other}"] == pytest.approx(tv[other].mean(), rel=1e-9)
+    emp = empirical_risk(res).reset_index(names="row")
+    pd.testing.assert_frame_equal(out.tables["identification_risk"], emp)
+    n, not_kept = domains_not_kept(res)
+    assert out.metrics["n_moved_across_domains"] == n
+    pd.testing.assert_frame_equal(out.tables["domains_not_kept"], not_kept, check_dtype=False)
+    risk = block_risk(res.block, res.cell, res.theta)
+    pd.testing.assert_frame_equal(
+        out.tables["risk_by_block"], risk_by_block(risk).reset_index(), check_dtype=False
+    )
+    assert out.gates[0].value == risk["risk"].max() and "risk_hist" in out.figures
+
+
+def test_prb_by_three_partitions_is_the_one_partition_stage(prb_case, tmp_path):
+    """The same stage on the file cut into 3 Parquet partitions: the same records and params,
+    the same tables (sums over partitions to 1e-12)."""
+    from sdl_design.stages.prb import PrbStage
+
+    spec, df, ctx, res, _, _ = prb_case
+    one = PrbStage.from_spec(spec).run(df, ctx)
+    records = _parquet_records(tmp_path, df, [1000, 1100, 900])
+    three = PrbStage.from_spec(spec).run_partitions(records, ctx)
+    files = pd.read_parquet(tmp_path / "out" / "data")
+    pd.testing.assert_frame_equal(files, res.data.reset_index(drop=True), check_dtype=False)
+    assert three.params == one.params and three.notes == one.notes
+    for name, table in one.tables.items():
+        pd.testing.assert_frame_equal(three.tables[name], table, rtol=1e-12, obj=name)

@@ -612,13 +612,13 @@ def test_swap_and_prb_by_partition_give_the_stages_records_to_the_bit(clean, tmp
         for m in ("n_changed", "max_risk", "n_blocks", "theta", "share_changed"):
             assert st["prb"][m] == prb.metrics[m], m
         # the README's: PrbStage's params, transition probabilities (category sums by
-        # partition, the same bits) and changes by variable (not their weighted share)
+        # partition, the same bits) and changes by variable
         assert st["prb"]["params"] == prb.params
         got = st["prb"]["tables"]
         pd.testing.assert_frame_equal(
             got["transitions"], prb.tables["transitions"], check_exact=True
         )
-        want = prb.tables["changed_by_variable"].drop(columns="weighted_share_changed")
+        want = prb.tables["changed_by_variable"]
         pd.testing.assert_frame_equal(got["changed_by_variable"], want, check_exact=True)
     assert prb.metrics["n_changed"] > 0  # the chain moved records
     assert (prb.tables["transitions"]["p"] < 1).any() and len(want) == len(

@@ -16,28 +16,28 @@ from sdl_design.describe import (
     finite,
     share_text,
 )
-from sdl_design.engine.records import Records, passes_result
+from sdl_design.engine.records import Passes, Records, passes_result
 from sdl_design.spec import KeySpec, PrbSection, ReleaseSpec
 from sdl_design.stage import StageContext, StageResult
 from sdl_design.stages.prb import passes as pprb
 from sdl_design.stages.prb.method import (
     _carried_domain_notes,
     _domain_notes,
-    _prb_and_baseline,
     _prb_matrices,
     _prb_notes,
-    _prb_tables,
     _prb_vars,
     _risk_figures,
     cells_ladder,
-    domains_not_kept,
     identification_risk_gate,
     partition_ladder,
     prb_cells,
+    risk_by_block,
+    units_domains_not_kept,
+    units_risk,
 )
 
 
-class PrbStage(Describes):
+class PrbStage(Passes, Describes):
     """Stage: PRB post-randomization of the set C in weight-homogeneous blocks (paper 002
     section 4), the NZY baseline beside it, exact risk (eq. 2.2) gated at xi, Tables 3/4/6.
     Cells on the keys' published coding, partition sets refined by utility.domains; the records
@@ -193,61 +193,6 @@ class PrbStage(Describes):
         """The cell variables in their published coding (sdl_design.stages.prb.method.prb_cells)."""
         return prb_cells(self.spec, self.section)
 
-    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
-        """PRB (stages.prb.method) on df and the other method beside it at the same theta,
-        exact identification risk (eq. 2.2) gated at xi, the weighted counts and TVD tables."""
-        cfg, spec = self.section, self.spec
-        weight = spec.design.weight
-        xi = spec.gates.xi or cfg.xi
-        rng = ctx.rng("prb")
-        cells = self.cells()
-        declared = spec.utility.domain_list(spec.variables.key_names)
-        res, other, risk, counts, tv = _prb_and_baseline(df, cfg, spec, rng, cells, declared)
-        max_risk = float(risk["risk"].max()) if len(risk) else 0.0
-        n_changed = int(res.changed.sum())
-        n_across, not_kept = domains_not_kept(res)
-        cell_names = [k.name for k in cells]
-        carried = [c for c in cfg.variables if c not in cell_names]
-        notes = _prb_notes(cfg, res, cell_names, carried, xi, max_risk, n_changed)
-        notes += _domain_notes(not_kept, res.m0)
-        notes.append(f"{n_across} records moved across a declared domain cell boundary")
-        notes += _carried_domain_notes(carried, declared)
-        figures = _risk_figures(risk, xi)
-        return StageResult(
-            name=self.name,
-            data=res.data,
-            params={
-                "xi": cfg.xi,
-                "theta": res.theta,
-                "m0": res.m0,
-                "method": cfg.method,
-                "cells": cell_names,
-                "domains": [" x ".join(d) for d in res.domains],
-            },
-            metrics={
-                "theta": res.theta,
-                "m0": float(res.m0),
-                "max_risk": max_risk,
-                "n_blocks": float(risk["block"].nunique()) if len(risk) else 0.0,
-                "n_changed": float(n_changed),
-                "share_changed": n_changed / max(len(df), 1),
-                "n_moved_across_domains": float(n_across),
-                f"tvd_mean_{cfg.method}": float(tv[cfg.method].mean()) if len(tv) else 0.0,
-                f"tvd_mean_{other}": float(tv[other].mean()) if len(tv) else 0.0,
-            },
-            tables=_prb_tables(df, res, risk, counts, tv, not_kept, cfg.variables, weight),
-            report_tables=[
-                "identification_risk",
-                "risk_by_block",
-                "weighted_counts",
-                "tvd",
-                *(["domains_not_kept"] if len(not_kept) else []),
-            ],
-            gates=[identification_risk_gate(max_risk, xi)],
-            figures=figures,
-            notes=notes,
-        )
-
     @classmethod
     def summary_lines(cls, result: StageResult) -> list[str]:
         """Records changed, the largest identification risk."""
@@ -258,10 +203,13 @@ class PrbStage(Describes):
         ]
 
     def run_partitions(self, records: Records, ctx: StageContext) -> StageResult:
-        """PRB by partition: pass 1 counts each partition's cells of X_C and lists its
-        partition sets, pass 2 gathers the singleton/doubleton units; the driver forms the
-        blocks and draws IFPR with the stage's Generator; every worker writes its records with
-        the moved ones' values of C replaced (edit rules checked)."""
+        """PRB (stages.prb.method) by partition (in memory: one partition): pass 1 counts
+        each partition's cells of X_C and lists its partition sets, pass 2 gathers the
+        singleton/doubleton units; the driver forms the blocks and draws IFPR with the stage's
+        Generator (then the other method beside it at the same theta); every worker writes its
+        records with the moved ones' values of C replaced (edit rules checked). Then the exact
+        identification risk (eq. 2.2) gated at xi, and the tables: transitions, weighted counts
+        (Tables 1/4), TVD (Table 6), risk by block and tau (Table 3), domains not kept."""
         spec, parts, run_map = ctx.spec, records.parts, records.run_map
         req, st = pprb.prb_stage_request(spec)
         first = run_map(pprb.prb_pass1, parts, spec, req, what="prb pass 1")
@@ -269,7 +217,9 @@ class PrbStage(Describes):
         records.lap("pass1")
         units = run_map(pprb.prb_pass2, parts, spec, req, tables, what="prb pass 2")
         records.lap("pass2")
-        new, plan = pprb.prb_plan(req, st.xi, st.tuned, tables, units, ctx.rng())
+        rng = ctx.rng()
+        new, plan = pprb.prb_plan(req, st.xi, st.tuned, tables, units, rng)
+        base = pprb.prb_baseline(req, st.xi, tables, plan, rng)
         records.lap("plan")
         m = plan["metrics"]
         records.say(
@@ -286,8 +236,56 @@ class PrbStage(Describes):
         )
         docs = pprb.prb_doc_tables(trq, sums, records.n, plan, new, req)
         records.lap("transitions")
-        metrics = pd.DataFrame({"metric": list(m), "value": list(m.values())})
-        params = {  # as run() makes them (what the README reads of them)
+        other = "nzy" if st.method == "prb" else "prb"
+        cq = pprb.prb_counts_request(spec, records.columns, tables, {st.method: new, other: base})
+        got = run_map(pprb.prb_counts_pass, parts, spec, req, cq, what="prb counts")
+        counts, tv = pprb.prb_count_tables(got, cq, spec, st.method)
+        records.lap("counts")
+        return self._result(records, plan, tables, req, docs, counts, tv, other, files)
+
+    def _result(
+        self,
+        records: Records,
+        plan: dict[str, Any],
+        tables: pprb.PrbTables,
+        req: Any,
+        docs: dict[str, pd.DataFrame],
+        counts: pd.DataFrame,
+        tv: pd.DataFrame,
+        other: str,
+        files: list[str],
+    ) -> StageResult:
+        """The stage's result from the plan and the partitions' tables."""
+        st, spec = self.section, self.spec
+        m, u, risk = plan["metrics"], plan["units"], plan["risk"]
+        cell, dest = u["__cell"].to_numpy(), plan["dest"]
+        n_across, not_kept = units_domains_not_kept(
+            plan["part"], cell, dest, tables.cells[req.names], req.domains
+        )
+        carried = [c for c in st.variables if c not in req.names]
+        notes = _prb_notes(st, plan, list(req.names), carried, spec.gates.xi or st.xi)
+        notes += _domain_notes(not_kept, int(m["m0"]))
+        notes.append(f"{n_across} records moved across a declared domain cell boundary")
+        notes += _carried_domain_notes(carried, req.domains)
+        metrics = {
+            **m,
+            "share_changed": m["n_changed"] / max(records.n, 1),
+            "n_moved_across_domains": float(n_across),
+            f"tvd_mean_{st.method}": float(tv[st.method].mean()) if len(tv) else 0.0,
+            f"tvd_mean_{other}": float(tv[other].mean()) if len(tv) else 0.0,
+        }
+        out = {
+            "blocks": pd.DataFrame({"row": u["__row"].to_numpy(), "block": plan["block"]}),
+            "risk_by_block": risk_by_block(risk).reset_index(),
+            "identification_risk": units_risk(
+                tables.cells["__t"].to_numpy(), cell, dest
+            ).reset_index(names="row"),
+            "weighted_counts": counts.reset_index(),
+            "tvd": tv,
+            "domains_not_kept": not_kept,
+            **docs,
+        }
+        params = {
             "xi": st.xi,
             "theta": m["theta"],
             "m0": int(m["m0"]),
@@ -295,15 +293,21 @@ class PrbStage(Describes):
             "cells": list(req.names),
             "domains": [" x ".join(d) for d in req.domains],
         }
-        return passes_result(
+        result = passes_result(
             self.name,
-            {
-                **m,
-                "share_changed": m["n_changed"] / max(records.n, 1),
-                "files": [Path(f).name for f in files],
-            },
+            {**metrics, "files": [Path(f).name for f in files]},
             records,
             params=params,
-            tables={"metrics": metrics, **docs},
+            tables=out,
             gates=[identification_risk_gate(m["max_risk"], spec.gates.xi or st.xi)],
+            notes=notes,
+            report_tables=[
+                "identification_risk",
+                "risk_by_block",
+                "weighted_counts",
+                "tvd",
+                *(["domains_not_kept"] if len(not_kept) else []),
+            ],
         )
+        result.figures = _risk_figures(risk, spec.gates.xi or st.xi)
+        return result

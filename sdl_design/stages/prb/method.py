@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import combinations
 from typing import TYPE_CHECKING, Any
@@ -23,8 +22,7 @@ import scipy.sparse as sp
 from scipy.optimize import brentq
 
 from sdl_design.attack import intruder_key
-from sdl_design.edits import check_edits
-from sdl_design.keys import coarsen, published_key, shared_categories
+from sdl_design.keys import coarsen, published_key
 from sdl_design.plots import histogram
 from sdl_design.spec import KeySpec
 from sdl_design.stage import StageResult, gate
@@ -654,12 +652,20 @@ def risk_by_block(risk: pd.DataFrame) -> pd.DataFrame:
 def empirical_risk(res: PrbResult) -> pd.DataFrame:
     """Table 3: mean correct-match probability by tau (original count) and tau* (after)."""
     t = np.bincount(res.cell)
-    after = np.bincount(res.cell_after, minlength=len(t))
-    tau = t[res.cell]
-    tau_star = after[res.cell]  # perturbed records matching the unit's original values
-    p = np.where(res.changed, 0.0, 1.0 / np.maximum(tau_star, 1))
-    sel = tau <= 2
-    f = pd.DataFrame({"tau": tau[sel], "tau_star": tau_star[sel], "p": p[sel]})
+    units = t[res.cell] <= 2
+    return units_risk(t, res.cell[units], res.cell_after[units])
+
+
+def units_risk(t: np.ndarray, cell: np.ndarray, cell_after: np.ndarray) -> pd.DataFrame:
+    """Table 3 from the singleton/doubleton units alone (only they move): t the whole file's
+    cell counts, cell and cell_after the units' cells before and after."""
+    after = t.copy()
+    np.subtract.at(after, cell, 1)
+    np.add.at(after, cell_after, 1)
+    tau = t[cell]
+    tau_star = after[cell]  # perturbed records matching the unit's original values
+    p = np.where(cell != cell_after, 0.0, 1.0 / np.maximum(tau_star, 1))
+    f = pd.DataFrame({"tau": tau, "tau_star": tau_star, "p": p})
     out = pd.DataFrame(index=["tau*=1", "tau*=2", "all"], columns=["tau=1", "tau=2", "all"])
     for r, rs in (("tau*=1", [1]), ("tau*=2", [2]), ("all", None)):
         for c, cs in (("tau=1", [1]), ("tau=2", [2]), ("all", [1, 2])):
@@ -749,21 +755,36 @@ DOMAIN_COLUMNS = ["domain", "partition_set", "cells_merged", "n_cells", "n_recor
 def domains_not_kept(res: PrbResult) -> tuple[int, pd.DataFrame]:
     """Records moved across a declared domain cell boundary (any domain), and per domain and
     merged partition set the domain cells merged and the records moved across them."""
-    cols = list(dict.fromkeys(c for d in res.domains for c in d))
-    if not cols or res.cell_values is None or res.part is None:
+    if res.cell_values is None or res.part is None:
         return 0, pd.DataFrame(columns=DOMAIN_COLUMNS)
     inb = np.flatnonzero(res.block.notna().to_numpy())  # units of the blocks: only they move
-    part, cell, after = res.part[inb], res.cell[inb], res.cell_after[inb]
-    across = np.zeros(len(inb), dtype=bool)
+    return units_domains_not_kept(
+        res.part[inb], res.cell[inb], res.cell_after[inb], res.cell_values, res.domains
+    )
+
+
+def units_domains_not_kept(
+    part: np.ndarray,
+    cell: np.ndarray,
+    after: np.ndarray,
+    cell_values: pd.DataFrame,
+    domains: Sequence[Sequence[str]],
+) -> tuple[int, pd.DataFrame]:
+    """domains_not_kept from the units of the blocks alone: their merged partition set and
+    cells before and after; cell_values: each cell's published coding (row = cell code)."""
+    cols = list(dict.fromkeys(c for d in domains for c in d))
+    if not cols:
+        return 0, pd.DataFrame(columns=DOMAIN_COLUMNS)
+    across = np.zeros(len(part), dtype=bool)
     tables = []
-    for d in res.domains:
-        g = res.cell_values.groupby(d, sort=True, dropna=False, observed=True)
+    for d in domains:
+        g = cell_values.groupby(d, sort=True, dropna=False, observed=True)
         dcode = g.ngroup().to_numpy()  # domain cell of each cell
         first = pd.Series(np.arange(len(dcode))).groupby(dcode).first().to_numpy()
         lab = np.array(
             [
                 ", ".join(f"{c}={v}" for c, v in zip(d, row, strict=True))
-                for row in res.cell_values.iloc[first][d].itertuples(index=False)
+                for row in cell_values.iloc[first][d].itertuples(index=False)
             ],
             dtype=object,
         )  # one label per domain cell
@@ -928,67 +949,29 @@ def cells_ladder(spec: ReleaseSpec, original: pd.DataFrame | None) -> list[dict]
     return ladder
 
 
-def _prb_and_baseline(
-    df: pd.DataFrame,
-    cfg: Any,
-    spec: Any,
-    rng: Any,
-    cells: list[KeySpec],
-    declared: list[list[str]],
-) -> tuple[PrbResult, str, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """post_randomize of the set C by cfg.method, its exact risk (eq. 2.2) and edit checks, then
-    the other method (the baseline, PRB or NZY) at the same theta; Tables 1/4 (weighted
-    counts) of the input and PRB output and the TVD table of the three files. Returns (PRB's
-    result, the baseline's method, risk, counts, TVD)."""
-    weight = spec.design.weight
-    kw = dict(partition=cfg.partition, seed=rng, cells=cells, domains=declared)
-    res = post_randomize(
-        df, cfg.variables, cfg.xi, weight, method=cfg.method, tuned=cfg.tuned, **kw
-    )
-    risk = block_risk(res.block, res.cell, res.theta)  # eq. 2.2, apart from the draw
-    check_edits(res.data, spec.edits, "PRB output", EDIT_HINT)
-    other = "nzy" if cfg.method == "prb" else "prb"
-    # Tables 1/4 of the input and PRB output need not wait for the baseline: counted in a
-    # thread while it runs, with those two files' categories (they count the categories
-    # records have, so the baseline's would change nothing)
-    c_two = shared_categories([df, res.data], cfg.variables)
-    with ThreadPoolExecutor(1, thread_name_prefix="puf-prb-counts") as pool:
-        early = pool.submit(count_changes, *c_two, cfg.variables, weight, spec.design)
-        base = post_randomize(
-            df, cfg.variables, cfg.xi, weight, method=other, theta=res.theta, **kw
-        )
-        # the set C's text columns factorized once for the TVD tables of the 3 files
-        c_df, c_res, c_base = shared_categories([df, res.data, base.data], cfg.variables)
-        counts = early.result()
-    tv = tvd_table(
-        c_df, {cfg.method: c_res, other: c_base}, default_combos(cfg.variables[:5]), weight
-    )
-    return res, other, risk, counts, tv
-
-
 def _prb_notes(
     cfg: Any,
-    res: PrbResult,
+    draws: dict[str, Any],
     cell_names: list[str],
     carried: list[str],
     xi: float,
-    max_risk: float,
-    n_changed: int,
 ) -> list[str]:
     """Notes: the PRB cells and the variables carried with them, the merges of partition sets
-    (the first 10), post_randomize's notes, the records changed and the largest risk."""
+    (the first 10), the draws' notes, the records changed and the largest risk (draws: the
+    plan's merges, notes and metrics)."""
+    merges, m = draws["merges"], draws["metrics"]
     return [
         f"PRB cells: {', '.join(cell_names)} in their published coding; carried with them "
         f"(copied from one record of the destination cell): {', '.join(carried) or 'none'}",
-        *res.merges[:10],
+        *merges[:10],
         *(
-            [f"... and {len(res.merges) - 10} more merges of partition sets"]
-            if len(res.merges) > 10
+            [f"... and {len(merges) - 10} more merges of partition sets"]
+            if len(merges) > 10
             else []
         ),
-        *res.notes,
-        f"PRB ({cfg.method}) changed {n_changed} of {int(res.block.notna().sum())} singleton/"
-        f"doubleton records; max exact identification risk {max_risk:.4f} <= xi {xi}",
+        *draws["notes"],
+        f"PRB ({cfg.method}) changed {int(m['n_changed'])} of {int(m['n_units'])} singleton/"
+        f"doubleton records; max exact identification risk {m['max_risk']:.4f} <= xi {xi}",
     ]
 
 
@@ -1018,30 +1001,6 @@ def _risk_figures(risk: pd.DataFrame, xi: float) -> dict[str, bytes]:
             vlabel=f"xi = {xi:g}",
         )
     return figures
-
-
-def _prb_tables(
-    df: pd.DataFrame,
-    res: PrbResult,
-    risk: pd.DataFrame,
-    counts: pd.DataFrame,
-    tv: pd.DataFrame,
-    not_kept: pd.DataFrame,
-    variables: list[str],
-    weight: str,
-) -> dict[str, pd.DataFrame]:
-    """The stage's tables: blocks, risk by block, identification risk (Tables 3/6), weighted
-    counts (Tables 1/4), TVD, domains not kept, expected transitions, changes by variable."""
-    return {
-        "blocks": res.block.to_frame(),
-        "risk_by_block": risk_by_block(risk).reset_index(),
-        "identification_risk": empirical_risk(res).reset_index(names="row"),
-        "weighted_counts": counts.reset_index(),
-        "tvd": tv,
-        "domains_not_kept": not_kept,
-        "transitions": expected_transitions(res, df[weight].to_numpy(dtype=float)),
-        "changed_by_variable": changed_by_variable(df, res.data, variables, weight),
-    }
 
 
 def _prb_vars(res: StageResult) -> list[str]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
+import scipy.sparse as sp
 
 from sdl_design.blas import single_blas_thread
 from sdl_design.edits import check_edits
@@ -26,6 +27,7 @@ from sdl_design.stages.prb.method import (
     _partition_codes,
     block_flows,
     block_risk,
+    default_combos,
     m0,
     prb_cells,
     prb_draws,
@@ -37,6 +39,7 @@ from sdl_design.stages.prb.method import (
 )
 from sdl_design.survey import blocksum
 from sdl_design.survey.blocksum import BlockPartial
+from sdl_design.survey.design import SurveyDesign, replicate_options, resolve_replicates
 
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec
@@ -64,11 +67,12 @@ def _prb_columns(req: PrbRequest) -> list[str]:
 
 @dataclass
 class PrbPass1:
-    """A partition's distinct cells of X_C (published coding) with their counts, and its
-    distinct partition-set values."""
+    """A partition's distinct cells of X_C (published coding) with their counts, its
+    distinct partition-set values and each variable of C's distinct values."""
 
     cells: pd.DataFrame
     sets: pd.DataFrame
+    values: dict[str, pd.Series]
 
 
 def prb_pass1(part: Partition, spec: ReleaseSpec, req: PrbRequest) -> PrbPass1:
@@ -76,7 +80,8 @@ def prb_pass1(part: Partition, spec: ReleaseSpec, req: PrbRequest) -> PrbPass1:
     df = read_partition(part, _prb_columns(req), spec)
     coded, pf = prb_frames(df, req)
     g = coded.groupby(req.names, sort=True, dropna=False, observed=True)
-    return PrbPass1(g.size().reset_index(name="__t"), pf.drop_duplicates())
+    values = {v: df[v].dropna().drop_duplicates() for v in req.variables}
+    return PrbPass1(g.size().reset_index(name="__t"), pf.drop_duplicates(), values)
 
 
 @dataclass
@@ -87,6 +92,7 @@ class PrbTables:
     cells: pd.DataFrame
     sets: pd.DataFrame
     labels: list[str]
+    levels: dict[str, pd.Index]  # each variable of C's values, sorted (its categories)
 
 
 def combine_prb_pass1(partials: Sequence[PrbPass1], req: PrbRequest) -> PrbTables:
@@ -97,7 +103,11 @@ def combine_prb_pass1(partials: Sequence[PrbPass1], req: PrbRequest) -> PrbTable
     )
     sets = pd.concat([p.sets for p in partials], ignore_index=True).drop_duplicates()
     _, values, labels = _partition_codes(sets.reset_index(drop=True))
-    return PrbTables(cells, values, labels)
+    levels = {}
+    for v in req.variables:
+        got = pd.concat([p.values[v] for p in partials], ignore_index=True).drop_duplicates()
+        levels[v] = pd.Index(got).sort_values()  # (a categorical's: in its categories' order)
+    return PrbTables(cells, values, labels, levels)
 
 
 def prb_pass2(
@@ -149,8 +159,25 @@ def prb_plan(
         "n_changed": float((draws.dest != u["__cell"].to_numpy()).sum()),
         "n_moved": float(len(new)),
     }
-    out = {"metrics": metrics, "merges": draws.merges, "notes": draws.notes}
-    return new, out | {"units": u, "block": draws.block}
+    out = {"metrics": metrics, "merges": draws.merges, "notes": draws.notes, "risk": risk}
+    part = draws.group[u["__part"].to_numpy()]  # merged partition sets
+    return new, out | {"units": u, "block": draws.block, "dest": draws.dest, "part": part}
+
+
+@single_blas_thread()
+def prb_baseline(
+    req: PrbRequest, xi: float, tables: PrbTables, plan: dict[str, Any], rng: np.random.Generator
+) -> pd.DataFrame:
+    """The other method (NZY beside PRB, PRB beside NZY) at PRB's theta on the same units,
+    the stage's Generator drawn on: the moved records' new values of C (as prb_plan's)."""
+    u = plan["units"]
+    other = "nzy" if req.method == "prb" else "prb"
+    draws = prb_draws(
+        u["__part"].to_numpy(), u["__cell"].to_numpy(), u["__w"].to_numpy(),
+        tables.sets, tables.labels, xi, plan["metrics"]["theta"], other, False, rng,
+    )  # fmt: skip
+    new = u[req.variables].iloc[draws.src].set_axis(u["__row"].to_numpy()[draws.moved])
+    return new.sort_index()
 
 
 def prb_apply(
@@ -266,3 +293,184 @@ def prb_doc_tables(
             }
         )
     return {"transitions": transitions, "changed_by_variable": pd.DataFrame(changed)}
+
+
+# ---------------------------------------------------------------- Tables 1/4 and 6 (paper 002)
+
+
+@dataclass
+class PrbCountsRequest:
+    """What the partitions need for the weighted counts of C's categories (Tables 1/4: the
+    input and PRB's output, with replicate totals) and the TVD of the joint distributions of
+    combos of C (Table 6: the input, PRB's output and the baseline's): each variable's
+    categories, the moved records' new values of each method (by global row), the input
+    design's replicate weights and the labels of its PSUs."""
+
+    levels: dict[str, pd.Index]
+    combos: list[tuple[str, ...]]
+    moved: dict[str, pd.DataFrame]  # method -> new values of C, by global row
+    replicates: list[str]
+    labels: list[str]
+
+
+@dataclass
+class PrbCounts:
+    """A partition's part: the input's records, weight and replicate weights (R x categories)
+    by category of each variable, and its distinct joint cells of each combo with their
+    weights; per method, the same of its moved records' changes (their new category less
+    their old); the maxima of the replicate weights by PSU."""
+
+    counts: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    joint: list[tuple[np.ndarray, np.ndarray]]
+    changes: dict[str, tuple[dict[str, tuple], list[tuple[np.ndarray, np.ndarray]]]]
+    psus: pd.DataFrame
+
+
+def prb_counts_request(
+    spec: ReleaseSpec, columns: Sequence[str], tables: PrbTables, moved: dict[str, pd.DataFrame]
+) -> PrbCountsRequest:
+    """On the driver: the request of prb_counts_pass (the TVD of pairs and triples of the
+    first five variables of C, as the in-memory Table 6)."""
+    d = spec.design
+    reps = resolve_replicates(columns, d.replicate_weights.columns) if d.replicate_weights else []
+    variables = list(tables.levels)
+    radix = [np.prod([len(tables.levels[c]) + 1 for c in combo], dtype=float) for combo in
+             default_combos(variables[:5])]  # fmt: skip
+    if radix and max(radix) > 2.0**62:
+        raise PartitionError("stages.prb.variables: too many categories to cross for the TVD")
+    labels = [c for c in (d.strata, d.psu) if c] if reps else []
+    return PrbCountsRequest(tables.levels, default_combos(variables[:5]), moved, reps, labels)
+
+
+def prb_counts_pass(
+    part: Partition, spec: ReleaseSpec, req: PrbRequest, cq: PrbCountsRequest
+) -> PrbCounts:
+    """Map: the partition's weighted counts by category and joint cells of the input, and the
+    changes each method's moved records make to them (PrbCounts)."""
+    cols = list(dict.fromkeys([*cq.levels, req.weight, *cq.replicates, *cq.labels]))
+    df = read_partition(part, cols, spec)
+    w = df[req.weight].to_numpy(dtype=float)
+    W = df[cq.replicates].to_numpy(dtype=float) if cq.replicates else np.zeros((len(df), 0))
+    codes = {v: cq.levels[v].get_indexer(df[v]) for v in cq.levels}
+    counts = _by_category(codes, cq, w, W)
+    joint = [_joint(codes, combo, cq, w) for combo in cq.combos]
+    changes = {}
+    for name, moved in cq.moved.items():
+        mine = moved.loc[(moved.index >= part.start) & (moved.index < part.stop)]
+        at = mine.index.to_numpy() - part.start
+        # each moved record twice: its old category with weight -w, its new one with +w
+        both = {v: np.r_[codes[v][at], cq.levels[v].get_indexer(mine[v])] for v in cq.levels}
+        sw = np.r_[-w[at], w[at]]
+        by_cat = _by_category(
+            both, cq, sw, np.r_[-W[at], W[at]], np.r_[-np.ones(len(at)), np.ones(len(at))]
+        )
+        changes[name] = (by_cat, [_joint(both, combo, cq, sw) for combo in cq.combos])
+    psus = df[cq.labels + cq.replicates].groupby(cq.labels, sort=False).max().reset_index()
+    return PrbCounts(counts, joint, changes, psus if cq.replicates else pd.DataFrame())
+
+
+def _by_category(
+    codes: dict[str, np.ndarray],
+    cq: PrbCountsRequest,
+    w: np.ndarray,
+    W: np.ndarray,
+    ones: np.ndarray | None = None,
+) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per variable: the records (sum of ones), weight and replicate weights (R x L) by
+    category (missing left out); one sparse product for every variable's categories."""
+    ones = np.ones(len(w)) if ones is None else ones
+    sizes = [len(cq.levels[v]) for v in cq.levels]
+    offsets = np.cumsum([0, *sizes])
+    rows, cols = [], []
+    for v, off in zip(cq.levels, offsets[:-1], strict=False):
+        ok = np.flatnonzero(codes[v] >= 0)
+        rows.append(ok)
+        cols.append(codes[v][ok] + off)
+    r, c = np.concatenate(rows), np.concatenate(cols)
+    Z = sp.csr_matrix((np.ones(len(r)), (r, c)), shape=(len(w), int(offsets[-1])))
+    n, f, rep = Z.T @ ones, Z.T @ w, (Z.T @ W).T
+    return {
+        v: (n[a:b], f[a:b], rep[:, a:b])
+        for v, a, b in zip(cq.levels, offsets[:-1], offsets[1:], strict=True)
+    }
+
+
+def _joint(
+    codes: dict, combo: tuple[str, ...], cq: PrbCountsRequest, w: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct joint cells of combo (missing left out) with their weights."""
+    cell = np.zeros(len(w), dtype=np.int64)
+    ok = np.ones(len(w), dtype=bool)
+    for c in combo:
+        cell = cell * len(cq.levels[c]) + codes[c]
+        ok &= codes[c] >= 0
+    cell, w = cell[ok], w[ok]
+    size = int(np.prod([len(cq.levels[c]) for c in combo]))
+    if size <= 4 * len(cell) + 65_536:  # by counting, no sort
+        sums, n = np.bincount(cell, w, size), np.bincount(cell, minlength=size)
+        cells = np.flatnonzero(n)
+        return cells, sums[cells]
+    cells, inv = np.unique(cell, return_inverse=True)
+    return cells, np.bincount(inv, w, len(cells))
+
+
+def prb_count_tables(
+    parts: Sequence[PrbCounts], cq: PrbCountsRequest, spec: ReleaseSpec, method: str
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """On the driver: count_changes' weighted counts (with replicate SEs when the input has
+    replicate weights) and tvd_table's TVD, from the partitions' parts."""
+    rscales = _rscales(parts, cq, spec) if cq.replicates else None
+    rows = []
+    for v, levels in cq.levels.items():
+        before = [np.sum([p.counts[v][k] for p in parts], axis=0) for k in range(3)]
+        moved = [np.sum([p.changes[method][0][v][k] for p in parts], axis=0) for k in range(3)]
+        after = [a + d for a, d in zip(before, moved, strict=True)]
+        tab = {}
+        for (n, f, rep), suffix in ((before, ""), (after, "_star")):
+            tab["t" + suffix], tab["f" + suffix] = np.rint(n).astype(np.int64), f
+            if rscales is not None:
+                dev = rep - f[None, :]
+                tab["se" + suffix] = np.sqrt(rscales @ (dev * dev))
+        order = ["t", "t_star", "f", "f_star", "se", "se_star"]
+        frame = pd.DataFrame({k: tab[k] for k in order if k in tab})
+        frame.index = pd.MultiIndex.from_product([[v], levels.astype(str)])
+        rows.append(frame[(frame["t"] > 0) | (frame["t_star"] > 0)])
+    out = pd.concat(rows)
+    out.index.names = ["variable", "category"]
+    out["delta_t"] = (out["t_star"] - out["t"]).abs() / out["t"].where(out["t"] > 0)
+    out["delta_f"] = (out["f_star"] - out["f"]).abs() / out["f"].where(out["f"] > 0)
+    return out, _tvd_rows(parts, cq)
+
+
+def _summed(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> pd.Series:
+    """(cells, weights) of several partitions as one series of weights by cell."""
+    cells = np.concatenate([c for c, _ in pairs])
+    u, inv = np.unique(cells, return_inverse=True)
+    return pd.Series(np.bincount(inv, np.concatenate([s for _, s in pairs]), len(u)), index=u)
+
+
+def _tvd_rows(parts: Sequence[PrbCounts], cq: PrbCountsRequest) -> pd.DataFrame:
+    """Table 6: per combo, the input's cells and the TVD of each method's joint distribution
+    (the input's with its moved records' changes) from the input's."""
+    rows = []
+    for j, combo in enumerate(cq.combos):
+        dist = _summed([p.joint[j] for p in parts])
+        row = {"variables": ", ".join(combo), "cells": len(dist)}
+        p0 = dist / dist.sum()
+        for name in cq.moved:
+            after = dist.add(_summed([p.changes[name][1][j] for p in parts]), fill_value=0.0)
+            row[name] = 0.5 * float(p0.sub(after / after.sum(), fill_value=0.0).abs().sum())
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _rscales(parts: Sequence[PrbCounts], cq: PrbCountsRequest, spec: ReleaseSpec) -> np.ndarray:
+    """The input design's replicate scales, from one row per PSU (jkn's from the PSUs each
+    replicate leaves without weight), as SurveyDesign sets them on the records."""
+    psus = pd.concat([p.psus for p in parts], ignore_index=True)
+    psus = psus.groupby(cq.labels, sort=False).max().reset_index().assign(__w=1.0)
+    d = spec.design
+    return SurveyDesign(
+        psus, "__w", strata=d.strata, psu=d.psu, replicate_weights=cq.replicates,
+        **replicate_options(d.replicate_weights),
+    ).rscales  # fmt: skip
