@@ -410,7 +410,7 @@ class _PartitionedRun:
         if any(data.glob("*.parquet")):  # the stage wrote the records after it
             self.partitions = part.plan_partitions(data)
             self.cols = part.input_columns(data)
-            if self.damage:
+            if self.damage and "se_ratios" not in result.tables:  # (a stage's own first)
                 result.tables["se_ratios"] = self._damage(run, stage.name, result)
         else:  # the records stay as the previous stage left them
             data.rmdir()

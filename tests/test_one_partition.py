@@ -18,6 +18,7 @@ from sdl_design.stage import StageContext
 from sdl_design.stages.pseudo import PseudoDesignStage
 from sdl_design.stages.topcode import TopcodeStage
 from sdl_design.stages.topcode.method import topcode_frame
+from sdl_design.survey.design import design_columns
 
 
 def test_a_frame_partition_reads_by_position_and_holds_what_is_written():
@@ -189,3 +190,67 @@ def test_prb_by_three_partitions_is_the_one_partition_stage(prb_case, tmp_path):
     assert three.params == one.params and three.notes == one.notes
     for name, table in one.tables.items():
         pd.testing.assert_frame_equal(three.tables[name], table, rtol=1e-12, obj=name)
+
+
+@pytest.fixture(scope="module")
+def swap_case():
+    from helpers import DEFAULT_SPEC
+
+    from sdl_design.spec import load_spec
+    from sdl_design.synth import make_survey
+
+    spec = load_spec(DEFAULT_SPEC)
+    return spec, make_survey(n_persons=3000, seed=5)
+
+
+def test_swap_stage_is_the_whole_frame_method_and_its_baseline(swap_case):
+    """SwapStage.run (its passes on one partition held in memory): swap_segments' records,
+    pairs and SE table (the method on the whole frame, se_ratio_table's SEs), and the baseline
+    method's SE table, each with its Generator."""
+    from sdl_design.stages.swap import SwapStage
+    from sdl_design.stages.swap.method import swap_segments
+    from sdl_design.utility import broad_characteristics, se_exclude
+
+    spec, df = swap_case
+    st = spec.stages.swap
+    ctx = StageContext(df, spec, "swap")
+    out = SwapStage.from_spec(spec).run(df, ctx)
+    chars = broad_characteristics(
+        df,
+        design=design_columns(ctx.design),
+        exclude=se_exclude(spec),
+        domains=spec.variables.keys[:2],
+    )
+    kw = dict(max_share=st.max_share, cumulative=st.cumulative, scope=st.scope)
+    kw |= dict(replicate_method=st.replicate_method, rho=st.rho, characteristics=chars)
+    other = "2a" if st.method == "2b" else "2b"
+    main = swap_segments(
+        df, ctx.design, st.matching, st.rate, method=st.method, seed=ctx.rng("swap"), **kw
+    )
+    pd.testing.assert_frame_equal(out.data, main.data)
+    pd.testing.assert_frame_equal(out.tables["pairs"], main.pairs)
+    pd.testing.assert_frame_equal(out.tables["se_ratios"], main.se_ratios, rtol=1e-12)
+    base = swap_segments(
+        df, ctx.design, st.matching, st.rate, method=other, seed=ctx.rng("swap-baseline"), **kw
+    )
+    key = f"se_ratio_baseline_{other}_median"
+    assert out.metrics[key] == pytest.approx(base.se_ratios["ratio"].median(), rel=1e-12)
+    assert out.params["baseline"] == other and out.masks_design
+
+
+def test_swap_by_three_partitions_is_the_one_partition_stage(swap_case, tmp_path):
+    """The same stage on the file cut into 3 Parquet partitions: the same records and pairs;
+    its SE tables (domain means by partition, the replicate scales derived from the rebuilt
+    weights) those of the frame to 1e-10."""
+    from sdl_design.stages.swap import SwapStage
+
+    spec, df = swap_case
+    ctx = StageContext(df, spec, "swap")
+    one = SwapStage.from_spec(spec).run(df, ctx)
+    records = _parquet_records(tmp_path, df, [1000, 1100, 900])
+    three = SwapStage.from_spec(spec).run_partitions(records, StageContext(df, spec, "swap"))
+    files = pd.read_parquet(tmp_path / "out" / "data")
+    pd.testing.assert_frame_equal(files, one.data.reset_index(drop=True), check_dtype=False)
+    assert three.params == one.params and three.notes == one.notes
+    for name in ("pairs", "se_ratios", "se_ratio_summary", "se_ratio_summary_baseline"):
+        pd.testing.assert_frame_equal(three.tables[name], one.tables[name], rtol=1e-10, obj=name)

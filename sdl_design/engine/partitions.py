@@ -112,6 +112,36 @@ class FramePartition:
         return cls(frame, 0, len(frame))
 
 
+@dataclass(frozen=True, eq=False)
+class Derived:
+    """A partition's records as a stage would write them, derived when read
+    (derive(records, *args)): records never written, e.g. a method's baseline measured beside
+    the method."""
+
+    base: Any  # a Partition, FramePartition or Derived
+    derive: Callable[..., pd.DataFrame]
+    args: tuple
+
+    @property
+    def start(self) -> int:
+        return self.base.start
+
+    @property
+    def stop(self) -> int:
+        return self.base.stop
+
+
+def held_frame(parts: Sequence[Any], spec: ReleaseSpec | None) -> pd.DataFrame | None:
+    """The records of partitions that are one frame held in memory (a FramePartition, or
+    derived from one), read whole; None for records in files."""
+    if len(parts) != 1:
+        return None
+    base = parts[0]
+    while isinstance(base, Derived):
+        base = base.base
+    return read_partition(parts[0], None, spec) if isinstance(base, FramePartition) else None
+
+
 MEMORY = "memory:"  # a folder name's prefix: the frames written there are held in _HELD
 _HELD: dict[str, dict[int, pd.DataFrame]] = {}
 
@@ -243,6 +273,9 @@ def read_partition(
     if isinstance(part, FramePartition):
         frame = part.frame if columns is None else part.frame[list(dict.fromkeys(columns))]
         return frame.set_axis(pd.RangeIndex(part.start, part.stop))
+    if isinstance(part, Derived):
+        frame = part.derive(read_partition(part.base, None, spec), *part.args)
+        return frame if columns is None else frame[list(dict.fromkeys(columns))]
 
     files = [pq.ParquetFile(piece.path) for piece in part.pieces]
     names = files[0].schema_arrow.names  # every file has the same columns

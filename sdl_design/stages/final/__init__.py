@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from sdl_design.describe import Describes
+from sdl_design.engine import characteristics as ch
 from sdl_design.engine import partitions as part
 from sdl_design.engine.partitions import combine_profiles
 from sdl_design.engine.records import Records, passes_result
@@ -99,20 +100,13 @@ class FinalStage(Describes):
         spec, run = ctx.spec, records.run
         run_map, inputs = run.run_map, run.inputs
         original = part.input_columns(spec.release.input)
-        req = pf.final_request(spec, original, records.columns, ctx.public_design())
-        tables = []
-        for f, (p, name) in enumerate(((inputs, "original"), (records.parts, "released"))):
-            plan = pf.final_plan(
-                run_map(pf.final_pass1, p, spec, req, f, what=f"final, {name}"), req, f
-            )
-            first = run_map(pf.final_means1, p, spec, plan, what=f"final SEs, {name}, pass 1")
-            agg = part.combine_pass1(first)
-            levels, ratios = agg.levels, part.ratios(agg)
-            second = run_map(
-                pf.final_means2, p, spec, plan, levels, ratios, what=f"final SEs, {name}, pass 2"
-            )
-            tables.append(pf.se_table(plan, first, second))
-        out = se_ratio_merge(*tables)
+        req = ch.final_request(spec, original, records.columns, ctx.public_design())
+        # the original side as the swap computed it (kept for the release in ctx.shared)
+        key = ("original_se_parts", tuple(sorted(set(req.files[0].exclude))))
+        if key not in ctx.shared:
+            ctx.shared[key] = ch.file_se(run_map, inputs, spec, req, 0, "final, original")
+        released = ch.file_se(run_map, records.parts, spec, req, 1, "final, released")
+        out = se_ratio_merge(ctx.shared[key], released)
         after = combine_profiles(
             run_map(pf.key_profiles, records.parts, spec, what="final: key profiles")
         )

@@ -9,28 +9,28 @@ from typing import Any
 import pandas as pd
 
 from sdl_design.describe import REPLICATES, Describes, NumberColumn, Tunable, cite, more_less, pct
+from sdl_design.engine import characteristics as ch
 from sdl_design.engine import partitions as part
-from sdl_design.engine.records import Records, passes_result
-from sdl_design.spec import ReleaseSpec, SwapSection
+from sdl_design.engine.partitions import held_frame
+from sdl_design.engine.records import Passes, Records, passes_result
+from sdl_design.spec import KeySpec, ReleaseSpec, SwapSection
 from sdl_design.stage import StageContext, StageResult
 from sdl_design.stages.swap import passes as psw
 from sdl_design.stages.swap.method import (
     _class_summary,
+    rebuild_note,
     se_ratio_boxplot,
     swap_design_problems,
-    swap_segments,
 )
-from sdl_design.survey.design import SurveyDesign, design_columns
 from sdl_design.utility import (
-    broad_characteristics,
-    original_domain_se,
     original_se_table,
     se_exclude,
+    se_ratio_merge,
     se_ratio_metrics,
 )
 
 
-class SwapStage(Describes):
+class SwapStage(Passes, Describes):
     """Stage: segment/PSU masking by the sequential variance-preserving swap (Method 2b or 2a),
     with the other method run as the baseline; pseudo labels, rebuilt replicate weights, SE
     ratios by design-effect class (paper 003 Table 1)."""
@@ -123,94 +123,6 @@ class SwapStage(Describes):
         section = spec.stages.active("swap")
         return None if section is None else cls(section, spec)
 
-    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
-
-        st, spec = self.section, self.spec
-        design = ctx.design if df is ctx.original else SurveyDesign.from_spec(df, spec.design)
-        chars = broad_characteristics(
-            df,
-            design=design_columns(design),
-            exclude=se_exclude(spec),
-            domains=spec.variables.keys[:2],
-        )
-        if df is ctx.original:  # the original's SE table, kept for later stages
-            original_se = original_se_table(ctx, se_exclude(spec), chars)
-        else:
-            original_se = original_domain_se(df, design_columns(design), chars)
-        kw = dict(
-            max_share=st.max_share,
-            cumulative=st.cumulative,
-            scope=st.scope,
-            replicate_method=st.replicate_method,
-            rho=st.rho,
-            characteristics=chars,
-            original_se=original_se,  # once for both methods
-        )
-        other = "2a" if st.method == "2b" else "2b"
-        # the swap and its baseline at once: independent streams, both mostly numpy (which
-        # leaves the interpreter); their peak stays under MASSC's at 1M records
-        with ThreadPoolExecutor(2, thread_name_prefix="puf-swap") as pool:
-            runs = [
-                pool.submit(
-                    swap_segments, df, design, st.matching, st.rate, method=m, seed=rng, **kw
-                )
-                for m, rng in ((st.method, ctx.rng("swap")), (other, ctx.rng("swap-baseline")))
-            ]
-            res, base = (r.result() for r in runs)
-        se = res.se_ratios
-        metrics = {
-            "n_swapped": float(res.params["n_swapped"]),
-            "share_swapped": float(res.params["share_swapped"]),
-            "n_characteristics": float(len(se)),
-            **se_ratio_metrics(se, "se_ratio"),
-            **se_ratio_metrics(se[se["matching"]], "se_ratio_matching"),
-            **se_ratio_metrics(base.se_ratios, f"se_ratio_baseline_{other}"),
-        }
-        tables = {
-            "pairs": res.pairs,
-            "se_ratios": se,
-            "se_ratio_summary": _class_summary(se, "ratio", st.method, "taylor"),
-            "se_ratio_summary_baseline": _class_summary(base.se_ratios, "ratio", other, "taylor"),
-            "matching_variance": res.variance.reset_index(),
-        }
-        if "ratio_rep" in se.columns:
-            metrics.update(se_ratio_metrics(se, "se_ratio_rep", column="ratio_rep"))
-            tables["se_ratio_summary_replicate"] = _class_summary(
-                se, "ratio_rep", st.method, "replicate"
-            )
-        by_method = {st.method: res.se_ratios, other: base.se_ratios}
-        figures = {"se_ratio_boxplot": se_ratio_boxplot({m: by_method[m] for m in ("2a", "2b")})}
-        notes = [
-            f"Method {st.method}: {res.params['n_pairs']} segment pairs swapped "
-            f"({res.params['share_swapped']:.1%} of {res.params['n_segments']} segments); "
-            f"median SE ratio {metrics['se_ratio_median']:.3f} over {len(se)} characteristics "
-            f"(baseline {other}: {metrics[f'se_ratio_baseline_{other}_median']:.3f}).",
-            *res.notes,
-        ]
-        return StageResult(
-            name=self.name,
-            data=res.data,
-            params={**res.params, "baseline": other},
-            metrics=metrics,
-            tables=tables,
-            report_tables=[
-                t
-                for t in (
-                    "se_ratio_summary",
-                    "se_ratio_summary_baseline",
-                    "se_ratio_summary_replicate",
-                    "matching_variance",
-                    "se_ratios",
-                )
-                if t in tables
-            ],
-            se_ratio_table="se_ratios",
-            figures=figures,
-            drop_public=[c for c in (spec.design.segment,) if c],
-            notes=notes,
-            masks_design=True,
-        )
-
     @classmethod
     def summary_lines(cls, result: StageResult) -> list[str]:
         """Segment pairs swapped."""
@@ -222,10 +134,12 @@ class SwapStage(Describes):
         ]
 
     def run_partitions(self, records: Records, ctx: StageContext) -> StageResult:
-        """The swap by partition: pass 1 reads each partition's segments and bounds, pass 2
-        its exact segment sums; the driver chooses the swaps, pseudo labels and replicate
-        factors from those sums with the stage's Generator; every worker masks and writes its
-        partitions."""
+        """The swap by partition (in memory: one partition): pass 1 reads each partition's
+        segments and bounds, pass 2 its exact segment sums; the driver chooses the swaps,
+        pseudo labels and replicate factors from those sums with the stage's Generator (and
+        the other method's, the baseline, with its own); every worker masks and writes its
+        partitions. Then the SE of every broad characteristic on the masked records of each
+        method (the baseline's derived when read, never written) over its SE on the input."""
         spec, parts, run_map = ctx.spec, records.parts, records.run_map
         req = psw.swap_request(spec, records.columns)
         missing = [c for c in req.columns if c not in records.columns]
@@ -241,14 +155,27 @@ class SwapStage(Describes):
         records.lap("pass1")
         sums = run_map(psw.swap_pass2, parts, spec, req, design, what="swap pass 2")
         records.lap("pass2")
-        masking, counts, tables = psw.swap_masking(req, design, sums, ctx.rng())
+        st = req.section
+        other = "2a" if st.method == "2b" else "2b"
+        # the method's plan, the baseline's (each its own Generator) and the input's SEs at
+        # once, in threads
+        with ThreadPoolExecutor(3, thread_name_prefix="puf-swap") as pool:
+            before = pool.submit(self._input_se, records, ctx)
+            plans = [
+                pool.submit(psw.swap_masking, req, design, sums, ctx.rng(label), m)
+                for label, m in (("swap", st.method), ("swap-baseline", other))
+            ]
+            (masking, counts, tables), (baseline, _, _) = (f.result() for f in plans)
+            before = before.result()
         records.lap("plan")
         n = f"{counts['n_pairs']} segment pairs swapped"
         records.say(f"{n} ({counts['n_swapped']} of {counts['n_segments']} segments)")
         args = (spec, req, design.segment_labels, masking, records.data)
         files = run_map(psw.swap_apply, parts, *args, what="swap masking")
         records.lap("masking")
-        st = req.section
+        se = self._se_ratios(records, ctx, req, design.segment_labels, before, (masking, baseline))
+        se = dict(zip((st.method, other), se, strict=True))
+        records.lap("se")
         settings = {
             "method": st.method,
             "rate": st.rate,
@@ -256,13 +183,13 @@ class SwapStage(Describes):
             "cumulative": st.cumulative,
             "scope": st.scope,
         }
-        params = {  # as run() makes them (its swap_segments' and the baseline's name)
+        params = {
             **settings,
             **counts,
             "replicate_method": st.replicate_method or req.dc["method"],
-            "baseline": "2a" if st.method == "2b" else "2b",
+            "baseline": other,
         }
-        return passes_result(
+        result = passes_result(
             self.name,
             {**counts, "files": [Path(f).name for f in files]},
             records,
@@ -270,4 +197,126 @@ class SwapStage(Describes):
             tables=tables,
             masks_design=True,  # pseudo strata and PSUs, rebuilt replicate weights
             drop_public=[c for c in (spec.design.segment,) if c],
+            se_ratio_table="se_ratios",
         )
+        return _with_se_ratios(result, se, st.method, other, req.dc, masking)
+
+    def _se_ratios(
+        self,
+        records: Records,
+        ctx: StageContext,
+        req: psw.SwapRequest,
+        segment_labels: Any,
+        before: pd.DataFrame,
+        maskings: tuple[Any, ...],
+    ) -> list[pd.DataFrame]:
+        """The SE table of the records masked by each masking (derived when read) against the
+        swap's input: se_ratio_table's, with the matching characteristics marked. The
+        maskings' sides at once, in threads (mostly numpy, which leaves the interpreter)."""
+        spec = ctx.spec
+        ex = tuple(se_exclude(spec))
+        columns = list(records.columns)
+        keys = _domain_keys(spec)
+        given = _input_chars(spec, columns)
+        old = set(req.dc["replicate_weights"])
+
+        def side(masking: Any) -> pd.DataFrame:
+            mdesign = psw.masked_design(req, masking)
+            cols = (*(c for c in columns if c not in old), *mdesign["replicate_weights"])
+            fr = ch.FinalRequest((given, ch.FileChars(mdesign, ex, cols)), keys)
+            view = [
+                part.Derived(p, psw.masked_records, (req, segment_labels, masking))
+                for p in records.parts
+            ]
+            masked = ch.file_se(records.run_map, view, spec, fr, 1, "SEs of the swap")
+            se = se_ratio_merge(before, masked)
+            se["matching"] = se["variable"].isin(list(req.matching)) & (se["domain"] == "all")
+            return se
+
+        with ThreadPoolExecutor(len(maskings), thread_name_prefix="puf-swap") as pool:
+            return list(pool.map(side, maskings))
+
+    @staticmethod
+    def _input_se(records: Records, ctx: StageContext) -> pd.DataFrame:
+        """The SE table of the swap's input: the original file's (computed once a release and
+        kept in ctx.shared: original_se_table in memory), else its records'."""
+        spec = ctx.spec
+        given = _input_chars(spec, list(records.columns))
+        ex = given.exclude
+        fr = ch.FinalRequest((given, given), _domain_keys(spec))
+        if records.parts is records.run.inputs:
+            if held_frame(records.parts, spec) is not None:
+                return original_se_table(ctx, ex)
+            key = ("original_se_parts", tuple(sorted(set(ex))))
+            if key not in ctx.shared:
+                ctx.shared[key] = ch.file_se(
+                    records.run_map, records.parts, spec, fr, 0, "SEs of the input"
+                )
+            return ctx.shared[key]
+        return ch.file_se(records.run_map, records.parts, spec, fr, 0, "SEs of the input")
+
+
+def _domain_keys(spec: ReleaseSpec) -> tuple[KeySpec, ...]:
+    """The keys whose levels are the SE tables' domains (the first two)."""
+    return tuple(KeySpec(name=k) if isinstance(k, str) else k for k in spec.variables.keys[:2])
+
+
+def _input_chars(spec: ReleaseSpec, columns: list[str]) -> Any:
+    """The swap's input as one side of an SE table: the spec's design, se_exclude."""
+    return ch.FileChars(
+        ch._design_dict(spec.design, columns), tuple(se_exclude(spec)), tuple(columns)
+    )
+
+
+def _with_se_ratios(
+    result: StageResult,
+    se: dict[str, pd.DataFrame],
+    method: str,
+    other: str,
+    dc: dict[str, Any],
+    masking: Any,
+) -> StageResult:
+    """The swap's result with its SE ratios (by design-effect class, against the baseline's),
+    their metrics, the box plot and the notes."""
+    ratios, base = se[method], se[other]
+    p = result.params
+    m = {
+        "n_characteristics": float(len(ratios)),
+        **se_ratio_metrics(ratios, "se_ratio"),
+        **se_ratio_metrics(ratios[ratios["matching"]], "se_ratio_matching"),
+        **se_ratio_metrics(base, f"se_ratio_baseline_{other}"),
+    }
+    tables = {
+        "se_ratios": ratios,
+        "se_ratio_summary": _class_summary(ratios, "ratio", method, "taylor"),
+        "se_ratio_summary_baseline": _class_summary(base, "ratio", other, "taylor"),
+    }
+    if "ratio_rep" in ratios.columns:
+        m.update(se_ratio_metrics(ratios, "se_ratio_rep", column="ratio_rep"))
+        tables["se_ratio_summary_replicate"] = _class_summary(
+            ratios, "ratio_rep", method, "replicate"
+        )
+    result.metrics.update(m)
+    result.tables.update(tables)
+    order = ("se_ratio_summary", "se_ratio_summary_baseline", "se_ratio_summary_replicate",
+             "matching_variance", "se_ratios")  # fmt: skip
+    result.report_tables = [t for t in order if t in result.tables]
+    result.figures["se_ratio_boxplot"] = se_ratio_boxplot(
+        {k: se[k] for k in ("2a", "2b") if k in se}
+    )
+    notes = [
+        f"Method {method}: {p['n_pairs']} segment pairs swapped "
+        f"({p['share_swapped']:.1%} of {p['n_segments']} segments); "
+        f"median SE ratio {m['se_ratio_median']:.3f} over {len(ratios)} characteristics "
+        f"(baseline {other}: {m[f'se_ratio_baseline_{other}_median']:.3f}).",
+    ]
+    if p["n_pairs"] < p["target_pairs"]:
+        notes.append(
+            f"only {p['n_pairs']} of {p['target_pairs']} target pairs found under the "
+            f"constraints (max_share={p['max_share']}, scope={p['scope']})"
+        )
+    if masking.factors is not None:
+        R, old = masking.factors.shape[1], list(dc["replicate_weights"])
+        notes.insert(1, rebuild_note(old, R, masking.method))
+    result.notes = notes
+    return result

@@ -904,23 +904,29 @@ def _rebuild_replicates(
     wt *= w
     reps = pd.DataFrame(wt.T, index=data.index, columns=f.columns, copy=False)
     old = list(dc["replicate_weights"])
+    note = rebuild_note(old, reps.shape[1], method)
     if len(old) == reps.shape[1]:
         reps = reps.set_axis(old, axis=1)
-        note = f"replicate weights {old[0]}..{old[-1]} rebuilt in place ({method}, {len(old)})"
     else:
         clash = [c for c in reps.columns if c in data.columns and c not in old]
         if clash:
             raise ValueError(f"rebuilt replicate columns {clash[:3]} clash with data columns")
-        note = (
-            f"{len(old)} original replicate weights dropped; {reps.shape[1]} {method} replicate "
-            "weights added for the pseudo design"
-        )
     cols = list(data.columns)
     at = cols.index(old[0]) if old else len(cols)  # new columns where the old ones began
     keep = [c for c in cols if c not in set(old)]
     at = len([c for c in cols[:at] if c not in set(old)])
     data = pd.concat([data[keep[:at]], reps, data[keep[at:]]], axis=1)
     return data, list(reps.columns), note
+
+
+def rebuild_note(old: Sequence[str], R: int, method: str) -> str:
+    """What the rebuild of R replicate weights did to the old ones (in place when as many)."""
+    if len(old) == R:
+        return f"replicate weights {old[0]}..{old[-1]} rebuilt in place ({method}, {len(old)})"
+    return (
+        f"{len(old)} original replicate weights dropped; {R} {method} replicate "
+        "weights added for the pseudo design"
+    )
 
 
 # ---------------------------------------------------------------- report figure (Figure 2)

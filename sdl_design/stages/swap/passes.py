@@ -116,6 +116,7 @@ def swap_masking(
     design: SegmentDesign,
     partials: Sequence[tuple[np.ndarray, np.ndarray]],
     rng: np.random.Generator,
+    method: str | None = None,
 ) -> tuple[Masking, dict[str, Any], dict[str, pd.DataFrame]]:
     """On the driver, from pass 2's segment sums alone: the swaps, the pseudo labels and the
     replicate factors (swap.plan_masking; rng: the swap stage's Generator), with the plan's
@@ -132,13 +133,13 @@ def swap_masking(
         st.replicate_method or d["method"],
         st.rho if st.rho is not None else d["rho"],
         rate=st.rate,
-        method=st.method,
+        method=method or st.method,
         max_share=st.max_share,
         cumulative=st.cumulative,
         scope=st.scope,
     )
     tables = {
-        "pairs": swap_pairs(agg, plan, st.method, st.cumulative),
+        "pairs": swap_pairs(agg, plan, method or st.method, st.cumulative),
         "matching_variance": matching_variance(plan, req.matching).reset_index(),
     }
     return masking, plan_counts(agg, plan), tables
@@ -154,10 +155,31 @@ def swap_apply(
 ) -> str:
     """The masked partition (every column; pseudo strata and PSUs, rebuilt replicate weights)
     written to folder as part-<first record>.parquet (whole or not at all); returns the path."""
+    data = masked_records(read_partition(part, None, spec), req, segment_labels, masking)
+    return _write_partition(data, part, folder)
+
+
+def masked_records(
+    df: pd.DataFrame, req: SwapRequest, segment_labels: np.ndarray, masking: Masking
+) -> pd.DataFrame:
+    """Records with pseudo strata and PSUs and the rebuilt replicate weights (apply_masking):
+    what swap_apply writes, or a baseline's records, derived when read (partitions.Derived)."""
     d = req.dc
-    df = read_partition(part, None, spec)
     codes = pd.Index(segment_labels).get_indexer(df[d["segment"]])
     if (codes < 0).any():
         raise PartitionError(f"design.segment: a '{d['segment']}' label is not in pass 1's table")
-    data, _, _ = apply_masking(df, d, codes, masking)
-    return _write_partition(data, part, folder)
+    return apply_masking(df, d, codes, masking)[0]
+
+
+def masked_design(req: SwapRequest, masking: Masking) -> dict[str, Any]:
+    """The design the masked records are read with: pseudo labels in the strata and PSU
+    columns, the rebuilt replicate weights (in place, or new columns when their number
+    differs) with their method and scales."""
+    d, st = req.dc, req.section
+    if masking.factors is None:
+        return dict(d)
+    old = list(d["replicate_weights"])
+    reps = old if len(old) == masking.factors.shape[1] else list(masking.factors.columns)
+    rho = st.rho if st.rho is not None else d["rho"]
+    return {**d, "replicate_weights": reps, "method": masking.method, "rho": rho,
+            "rscales": masking.rscales}  # fmt: skip
