@@ -35,7 +35,12 @@ from sdl_design.engine.partitions import (
 from sdl_design.keys import key_levels
 from sdl_design.spec import KeySpec
 from sdl_design.survey.design import resolve_replicates
-from sdl_design.utility import broad_characteristics, domain_mean_se, se_exclude
+from sdl_design.utility import (
+    broad_characteristics,
+    domain_mean_se,
+    original_se_table,
+    se_exclude,
+)
 
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec
@@ -95,8 +100,6 @@ def final_request(
     design, se_exclude), the released side as FinalStage makes it (the public design,
     se_exclude and variables.other.drop)."""
 
-    if not spec.design.psu or not design_released.psu:
-        raise PartitionError("design.psu: the partitioned SEs sum by PSU; give the PSU column")
     ex = tuple(se_exclude(spec))
     keys = tuple(KeySpec(name=k) if isinstance(k, str) else k for k in spec.variables.keys[:2])
     return FinalRequest(
@@ -294,6 +297,8 @@ def file_se(
     frame = held_frame(parts, spec)
     if frame is not None:
         return frame_se(frame, req.files[f], req.keys)
+    if not req.files[f].design["psu"]:
+        raise PartitionError("design.psu: the partitioned SEs sum by PSU; give the PSU column")
     plan = final_plan(run_map(final_pass1, parts, spec, req, f, what=name), req, f)
     first = run_map(final_means1, parts, spec, plan, what=f"{name}: SEs, pass 1")
     agg = combine_pass1(first)
@@ -319,3 +324,16 @@ def frame_se(frame: pd.DataFrame, file: FileChars, keys: Sequence[KeySpec]) -> p
         rscales=d.get("rscales"),
         fpc={"lonely_psu": d.get("lonely_psu")},
     )
+
+
+def original_se(run_map: Any, inputs: Sequence[Any], ctx: Any, req: FinalRequest) -> pd.DataFrame:
+    """The original file's side of every stage's SE table (req's file 0: the spec's design,
+    se_exclude), computed once a release and kept in ctx.shared: original_se_table for the
+    file held in memory, file_se over its partitions."""
+    ex = req.files[0].exclude
+    if held_frame(inputs, ctx.spec) is not None:
+        return original_se_table(ctx, ex)
+    key = ("original_se_parts", tuple(sorted(set(ex))))
+    if key not in ctx.shared:
+        ctx.shared[key] = file_se(run_map, inputs, ctx.spec, req, 0, "SEs of the input")
+    return ctx.shared[key]

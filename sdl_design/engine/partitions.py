@@ -131,6 +131,15 @@ class Derived:
         return self.base.stop
 
 
+def partition_columns(part: Any) -> list[str]:
+    """The columns of a partition's records (a FramePartition's frame, a Parquet file's)."""
+    while isinstance(part, Derived):
+        return list(read_partition(part, None, None).columns)
+    if isinstance(part, FramePartition):
+        return list(part.frame.columns)
+    return input_columns(part.pieces[0].path)
+
+
 def held_frame(parts: Sequence[Any], spec: ReleaseSpec | None) -> pd.DataFrame | None:
     """The records of partitions that are one frame held in memory (a FramePartition, or
     derived from one), read whole; None for records in files."""

@@ -17,6 +17,7 @@ from sdl_design.engine.exchange import Exchange, say
 from sdl_design.engine.partitions import (
     FramePartition,
     Partition,
+    _write_partition,
     held,
     memory_folder,
     release_memory,
@@ -115,10 +116,23 @@ IN_MEMORY = Exchange(_one_partition, _one_exchange)
 
 def in_memory(df: pd.DataFrame, ctx: StageContext) -> Records:
     """The working frame as the records so far: one partition held in memory (the original
-    file the run's input), what the stage writes held in a memory folder."""
+    file the run's input), what the stage writes held in a memory folder. Records fewer than
+    the original's (MASSC's retained ones, labelled as in the original and in its order) are
+    its selection (Run.selected, a memory folder of __sel)."""
     original = [FramePartition.of(ctx.original)]
     parts = original if df is ctx.original else [FramePartition.of(df)]
     run = Run(IN_MEMORY, original, {}, pd.DataFrame())
+    if df is not ctx.original and not df.index.equals(ctx.original.index):
+        at = ctx.original.index.get_indexer(df.index)
+        if (at < 0).any() or (np.diff(at) <= 0).any():
+            raise ValueError(
+                "the records after the stages are not the original's, labelled as in it and in "
+                "its order: a stage reordered or relabelled them"
+            )
+        run.selected = memory_folder(f"{ctx.stage}-selected")
+        sel = np.zeros(len(ctx.original), dtype=bool)
+        sel[at] = True
+        _write_partition(pd.DataFrame({"__sel": sel}), original[0], run.selected)
     return Records(run, parts, list(df.columns), Path(), sink=memory_folder(ctx.stage))
 
 
@@ -132,6 +146,8 @@ def run_in_memory(stage: Any, df: pd.DataFrame, ctx: StageContext) -> StageResul
         frames = held(records.data)
     finally:
         release_memory(records.data)
+        if records.run.selected:
+            release_memory(records.run.selected)
     for k in records.laps:
         result.metrics.pop(k, None)
     result.facts = {}

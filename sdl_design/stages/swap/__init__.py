@@ -11,7 +11,6 @@ import pandas as pd
 from sdl_design.describe import REPLICATES, Describes, NumberColumn, Tunable, cite, more_less, pct
 from sdl_design.engine import characteristics as ch
 from sdl_design.engine import partitions as part
-from sdl_design.engine.partitions import held_frame
 from sdl_design.engine.records import Passes, Records, passes_result
 from sdl_design.spec import KeySpec, ReleaseSpec, SwapSection
 from sdl_design.stage import StageContext, StageResult
@@ -23,7 +22,6 @@ from sdl_design.stages.swap.method import (
     swap_design_problems,
 )
 from sdl_design.utility import (
-    original_se_table,
     se_exclude,
     se_ratio_merge,
     se_ratio_metrics,
@@ -238,22 +236,13 @@ class SwapStage(Passes, Describes):
 
     @staticmethod
     def _input_se(records: Records, ctx: StageContext) -> pd.DataFrame:
-        """The SE table of the swap's input: the original file's (computed once a release and
-        kept in ctx.shared: original_se_table in memory), else its records'."""
-        spec = ctx.spec
-        given = _input_chars(spec, list(records.columns))
-        ex = given.exclude
-        fr = ch.FinalRequest((given, given), _domain_keys(spec))
+        """The SE table of the swap's input: the original file's (once a release), else its
+        records'."""
+        given = _input_chars(ctx.spec, list(records.columns))
+        fr = ch.FinalRequest((given, given), _domain_keys(ctx.spec))
         if records.parts is records.run.inputs:
-            if held_frame(records.parts, spec) is not None:
-                return original_se_table(ctx, ex)
-            key = ("original_se_parts", tuple(sorted(set(ex))))
-            if key not in ctx.shared:
-                ctx.shared[key] = ch.file_se(
-                    records.run_map, records.parts, spec, fr, 0, "SEs of the input"
-                )
-            return ctx.shared[key]
-        return ch.file_se(records.run_map, records.parts, spec, fr, 0, "SEs of the input")
+            return ch.original_se(records.run_map, records.parts, ctx, fr)
+        return ch.file_se(records.run_map, records.parts, ctx.spec, fr, 0, "SEs of the input")
 
 
 def _domain_keys(spec: ReleaseSpec) -> tuple[KeySpec, ...]:
