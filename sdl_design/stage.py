@@ -230,7 +230,8 @@ def built_design(spec: ReleaseSpec, pub: dict[str, Any]) -> Any:
 class Stage(Protocol):
     """A release stage: `Stage.from_spec(spec)` (None when off), then `run(df, ctx)` in memory
     or `run_partitions(records, ctx)` a partition at a time: the same StageResult, the same
-    records bit for bit."""
+    records bit for bit. A stage written once derives run from its passes
+    (sdl_design.engine.records.Passes: the frame as one partition held in memory)."""
 
     name: ClassVar[str]
     replications: int

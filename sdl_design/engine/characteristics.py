@@ -37,7 +37,7 @@ from sdl_design.spec import KeySpec
 from sdl_design.survey.design import resolve_replicates
 from sdl_design.utility import (
     broad_characteristics,
-    domain_mean_se,
+    original_domain_se,
     original_se_table,
     se_exclude,
 )
@@ -309,21 +309,10 @@ def file_se(
 
 
 def frame_se(frame: pd.DataFrame, file: FileChars, keys: Sequence[KeySpec]) -> pd.DataFrame:
-    """file_se of records held in memory: broad_characteristics and domain_mean_se."""
-    d = file.design
-    chars = broad_characteristics(frame, design=d, exclude=file.exclude, domains=keys)
-    return domain_mean_se(
-        frame,
-        chars,
-        weight=d["weight"],
-        strata=d["strata"],
-        psu=d["psu"],
-        replicate_weights=d.get("replicate_weights") or (),
-        method=d.get("method"),
-        rho=d.get("rho"),
-        rscales=d.get("rscales"),
-        fpc={"lonely_psu": d.get("lonely_psu")},
-    )
+    """file_se of records held in memory: broad_characteristics and domain_mean_se in the
+    file's design (original_domain_se's call, whichever file it is)."""
+    chars = broad_characteristics(frame, design=file.design, exclude=file.exclude, domains=keys)
+    return original_domain_se(frame, file.design, chars)
 
 
 def original_se(run_map: Any, inputs: Sequence[Any], ctx: Any, req: FinalRequest) -> pd.DataFrame:
