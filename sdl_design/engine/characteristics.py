@@ -14,7 +14,7 @@ domain_mean_se lays it out, then merged as se_ratio_table merges."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -289,23 +289,47 @@ def se_table(plan: FinalPlan, first: Sequence[Any], second: Sequence[Any]) -> pd
 
 
 def file_se(
-    run_map: Any, parts: Sequence[Any], spec: ReleaseSpec, req: FinalRequest, f: int, name: str
+    run_map: Any,
+    parts: Sequence[Any],
+    spec: ReleaseSpec,
+    req: FinalRequest,
+    f: int,
+    name: str,
+    plan: FinalPlan | None = None,
 ) -> pd.DataFrame:
     """File f's side of an SE table (domain_mean_se's table of its broad characteristics in
-    its design): over its partitions (pass 1 decides the characteristics, two passes of domain
-    means), or, for records held in memory, domain_mean_se on the frame (the same table)."""
+    its design): over its partitions (pass 1 decides the characteristics unless a plan is
+    given, two passes of domain means), or, for records held in memory, domain_mean_se on the
+    frame (the same table)."""
     frame = held_frame(parts, spec)
     if frame is not None:
         return frame_se(frame, req.files[f], req.keys)
     if not req.files[f].design["psu"]:
         raise PartitionError("design.psu: the partitioned SEs sum by PSU; give the PSU column")
-    plan = final_plan(run_map(final_pass1, parts, spec, req, f, what=name), req, f)
+    if plan is None:
+        plan = final_plan(run_map(final_pass1, parts, spec, req, f, what=name), req, f)
     first = run_map(final_means1, parts, spec, plan, what=f"{name}: SEs, pass 1")
     agg = combine_pass1(first)
     second = run_map(
         final_means2, parts, spec, plan, agg.levels, ratios(agg), what=f"{name}: SEs, pass 2"
     )
     return se_table(plan, first, second)
+
+
+def with_design(plan: FinalPlan, design: dict[str, Any]) -> FinalPlan:
+    """The same characteristics read with another design (records whose design labels and
+    replicate weights alone changed: the swap's)."""
+    reps = tuple(design["replicate_weights"]) if design.get("method") else ()
+    request = replace(
+        plan.request,
+        weight=design["weight"],
+        strata=design["strata"],
+        psu=design["psu"],
+        replicate_weights=reps,
+        method=design["method"] if reps else None,
+        rho=design.get("rho") if reps else None,
+    )
+    return replace(plan, request=request)
 
 
 def frame_se(frame: pd.DataFrame, file: FileChars, keys: Sequence[KeySpec]) -> pd.DataFrame:

@@ -115,8 +115,8 @@ class FramePartition:
 @dataclass(frozen=True, eq=False)
 class Derived:
     """A partition's records as a stage would write them, derived when read
-    (derive(records, *args)): records never written, e.g. a method's baseline measured beside
-    the method."""
+    (derive(records, *args, columns=the columns read or None)): records never written, e.g. a
+    method's baseline measured beside the method."""
 
     base: Any  # a Partition, FramePartition or Derived
     derive: Callable[..., pd.DataFrame]
@@ -282,9 +282,10 @@ def read_partition(
     if isinstance(part, FramePartition):
         frame = part.frame if columns is None else part.frame[list(dict.fromkeys(columns))]
         return frame.set_axis(pd.RangeIndex(part.start, part.stop))
-    if isinstance(part, Derived):
-        frame = part.derive(read_partition(part.base, None, spec), *part.args)
-        return frame if columns is None else frame[list(dict.fromkeys(columns))]
+    if isinstance(part, Derived):  # (derive is told the columns read: it may skip others)
+        want = None if columns is None else list(dict.fromkeys(columns))
+        frame = part.derive(read_partition(part.base, None, spec), *part.args, columns=want)
+        return frame if want is None else frame[want]
 
     files = [pq.ParquetFile(piece.path) for piece in part.pieces]
     names = files[0].schema_arrow.names  # every file has the same columns

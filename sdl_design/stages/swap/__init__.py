@@ -217,6 +217,11 @@ class SwapStage(Passes, Describes):
         keys = _domain_keys(spec)
         given = _input_chars(spec, columns)
         old = set(req.dc["replicate_weights"])
+        plan = None  # by partition: the input's characteristics (the swap changes no other)
+        if part.held_frame(records.parts, spec) is None:
+            fr0 = ch.FinalRequest((given, given), keys)
+            first = records.run_map(ch.final_pass1, records.parts, spec, fr0, 0, what="swap")
+            plan = ch.final_plan(first, fr0, 0)
 
         def side(masking: Any) -> pd.DataFrame:
             mdesign = psw.masked_design(req, masking)
@@ -226,7 +231,8 @@ class SwapStage(Passes, Describes):
                 part.Derived(p, psw.masked_records, (req, segment_labels, masking))
                 for p in records.parts
             ]
-            masked = ch.file_se(records.run_map, view, spec, fr, 1, "SEs of the swap")
+            mplan = None if plan is None else ch.with_design(plan, mdesign)
+            masked = ch.file_se(records.run_map, view, spec, fr, 1, "SEs of the swap", mplan)
             se = se_ratio_merge(before, masked)
             se["matching"] = se["variable"].isin(list(req.matching)) & (se["domain"] == "all")
             return se

@@ -4,7 +4,7 @@ application, a partition at a time (sdl_design.engine.partitions reads the parti
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -160,14 +160,23 @@ def swap_apply(
 
 
 def masked_records(
-    df: pd.DataFrame, req: SwapRequest, segment_labels: np.ndarray, masking: Masking
+    df: pd.DataFrame,
+    req: SwapRequest,
+    segment_labels: np.ndarray,
+    masking: Masking,
+    columns: Sequence[str] | None = None,
 ) -> pd.DataFrame:
     """Records with pseudo strata and PSUs and the rebuilt replicate weights (apply_masking):
-    what swap_apply writes, or a baseline's records, derived when read (partitions.Derived)."""
+    what swap_apply writes, or a baseline's records, derived when read (partitions.Derived;
+    columns: those read, the replicate weights rebuilt only when among them)."""
     d = req.dc
     codes = pd.Index(segment_labels).get_indexer(df[d["segment"]])
     if (codes < 0).any():
         raise PartitionError(f"design.segment: a '{d['segment']}' label is not in pass 1's table")
+    if columns is not None and masking.factors is not None:
+        reps = set(masked_design(req, masking)["replicate_weights"])
+        if not reps & set(columns):  # the pseudo labels only
+            masking = replace(masking, factors=None)
     return apply_masking(df, d, codes, masking)[0]
 
 
