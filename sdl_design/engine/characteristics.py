@@ -73,7 +73,7 @@ class FinalRequest:
     keys: tuple[KeySpec, ...]
 
 
-def _design_dict(design: Any, columns: Sequence[str]) -> dict[str, Any]:
+def design_dict(design: Any, columns: Sequence[str]) -> dict[str, Any]:
     """SurveyDesign.from_spec's design columns of a DesignSection on a file's columns."""
 
     rs = design.replicate_weights
@@ -104,9 +104,9 @@ def final_request(
     keys = tuple(KeySpec(name=k) if isinstance(k, str) else k for k in spec.variables.keys[:2])
     return FinalRequest(
         (
-            FileChars(_design_dict(spec.design, original_columns), ex, tuple(original_columns)),
+            FileChars(design_dict(spec.design, original_columns), ex, tuple(original_columns)),
             FileChars(
-                _design_dict(design_released, released_columns),
+                design_dict(design_released, released_columns),
                 (*ex, *spec.variables.other.drop),
                 tuple(released_columns),
             ),

@@ -26,7 +26,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby
+from itertools import count, groupby
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -133,7 +133,7 @@ class Derived:
 
 def partition_columns(part: Any) -> list[str]:
     """The columns of a partition's records (a FramePartition's frame, a Parquet file's)."""
-    while isinstance(part, Derived):
+    if isinstance(part, Derived):
         return list(read_partition(part, None, None).columns)
     if isinstance(part, FramePartition):
         return list(part.frame.columns)
@@ -153,11 +153,12 @@ def held_frame(parts: Sequence[Any], spec: ReleaseSpec | None) -> pd.DataFrame |
 
 MEMORY = "memory:"  # a folder name's prefix: the frames written there are held in _HELD
 _HELD: dict[str, dict[int, pd.DataFrame]] = {}
+_FOLDERS = count()  # each memory folder's number (never reused in the process)
 
 
 def memory_folder(name: str) -> str:
     """A new folder whose partitions are held in this process's memory (release_memory)."""
-    folder = f"{MEMORY}{name}:{len(_HELD)}:{id(object())}"
+    folder = f"{MEMORY}{name}:{next(_FOLDERS)}"
     _HELD[folder] = {}
     return folder
 

@@ -259,7 +259,7 @@ def _domain_keys(spec: ReleaseSpec) -> tuple[KeySpec, ...]:
 def _input_chars(spec: ReleaseSpec, columns: list[str]) -> Any:
     """The swap's input as one side of an SE table: the spec's design, se_exclude."""
     return ch.FileChars(
-        ch._design_dict(spec.design, columns), tuple(se_exclude(spec)), tuple(columns)
+        ch.design_dict(spec.design, columns), tuple(se_exclude(spec)), tuple(columns)
     )
 
 
