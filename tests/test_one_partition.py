@@ -254,3 +254,26 @@ def test_swap_by_three_partitions_is_the_one_partition_stage(swap_case, tmp_path
     assert three.params == one.params and three.notes == one.notes
     for name in ("pairs", "se_ratios", "se_ratio_summary", "se_ratio_summary_baseline"):
         pd.testing.assert_frame_equal(three.tables[name], one.tables[name], rtol=1e-10, obj=name)
+
+
+def test_prb_stage_without_replicate_weights_counts_without_ses(prb_case, tmp_path):
+    """A design without replicate weights: Tables 1/4 without SE columns, count_changes'
+    counts, in memory and on 3 Parquet partitions."""
+    from sdl_design.stages.prb import PrbStage
+    from sdl_design.stages.prb.method import count_changes
+
+    spec, df, _, res, _, _ = prb_case
+    spec = spec.model_copy(deep=True)
+    spec.design.replicate_weights = None
+    reps = [c for c in df.columns if c.startswith("rw_")]
+    df = df.drop(columns=reps)
+    ctx = StageContext(df, spec, "prb")
+    one = PrbStage.from_spec(spec).run(df, ctx)
+    pd.testing.assert_frame_equal(one.data, res.data.drop(columns=reps))
+    want = count_changes(df, one.data, spec.stages.prb.variables, spec.design.weight, spec.design)
+    got = one.tables["weighted_counts"]
+    assert "se" not in got.columns
+    pd.testing.assert_frame_equal(got, want.reset_index(), check_dtype=False, rtol=1e-9)
+    records = _parquet_records(tmp_path, df, [1000, 1100, 900])
+    three = PrbStage.from_spec(spec).run_partitions(records, StageContext(df, spec, "prb"))
+    pd.testing.assert_frame_equal(three.tables["weighted_counts"], got, rtol=1e-12)

@@ -361,12 +361,18 @@ def prb_counts_pass(
         # each moved record twice: its old category with weight -w, its new one with +w
         both = {v: np.r_[codes[v][at], cq.levels[v].get_indexer(mine[v])] for v in cq.levels}
         sw = np.r_[-w[at], w[at]]
-        by_cat = _by_category(
-            both, cq, sw, np.r_[-W[at], W[at]], np.r_[-np.ones(len(at)), np.ones(len(at))]
+        by_cat = (  # Tables 1/4: PRB's output only
+            _by_category(
+                both, cq, sw, np.r_[-W[at], W[at]], np.r_[-np.ones(len(at)), np.ones(len(at))]
+            )
+            if name == req.method
+            else {}
         )
         changes[name] = (by_cat, [_joint(both, combo, cq, sw) for combo in cq.combos])
-    psus = df[cq.labels + cq.replicates].groupby(cq.labels, sort=False).max().reset_index()
-    return PrbCounts(counts, joint, changes, psus if cq.replicates else pd.DataFrame())
+    psus = pd.DataFrame()
+    if cq.replicates:
+        psus = df[cq.labels + cq.replicates].groupby(cq.labels, sort=False).max().reset_index()
+    return PrbCounts(counts, joint, changes, psus)
 
 
 def _by_category(
