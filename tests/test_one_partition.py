@@ -17,7 +17,7 @@ from sdl_design.spec import parse_spec
 from sdl_design.stage import StageContext
 from sdl_design.stages.pseudo import PseudoDesignStage
 from sdl_design.stages.topcode import TopcodeStage
-from sdl_design.stages.topcode.method import topcode_frame
+from sdl_design.stages.topcode.method import _block_total, topcode_frame, topcode_summary
 from sdl_design.survey.design import design_columns
 
 
@@ -56,6 +56,15 @@ def test_topcode_in_memory_is_the_whole_frame_method_with_the_frames_labels():
     assert res.data.index.equals(kept.index)
     assert int(res.tables["thresholds"]["n_coded"].sum()) == int(table["n_coded"].sum()) > 0
     assert not [k for k in res.metrics if k.endswith("seconds")] and res.facts == {}
+    # the report's: the thresholds table and topcode_summary's sentences of the whole frame's
+    w = kept["w"].to_numpy(dtype=float)
+    totals = {
+        c: (_block_total(w * kept[c].to_numpy(float)), _block_total(w * want[c].to_numpy(float)))
+        for c in spec.stages.topcode.columns
+    }
+    rules = spec.stages.topcode.columns
+    _, _, notes = topcode_summary(rules, table, _block_total(w), totals)
+    assert res.notes == notes and res.notes and res.report_tables == ["thresholds"]
 
 
 def _record_level(df, spec, rng):

@@ -169,4 +169,6 @@ class TopcodeStage(Passes, Describes):
             records,
             params=out["params"],
             tables={"thresholds": table},
+            notes=out["notes"],
+            report_tables=["thresholds"],
         )

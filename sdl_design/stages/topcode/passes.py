@@ -502,8 +502,8 @@ def topcode_result(
     coding: Coding,
     applied: Sequence[dict[str, Any]],
     n_rows: int,
-) -> tuple[pd.DataFrame, dict[str, float], dict[str, dict]]:
-    """The stage's thresholds table, metrics and parameters (TopcodeStage.run's)."""
+) -> tuple[pd.DataFrame, dict[str, float], dict[str, dict], list[str]]:
+    """The stage's thresholds table, metrics, parameters and notes (topcode_summary's)."""
 
     tables, totals = [], {}
     for col, rule in treq.rules:
@@ -523,8 +523,8 @@ def topcode_result(
     one = [np.zeros(1, np.int64)] * len(applied)
     w_total = float(combine_local([a["__w"] for a in applied], one, 1, n_rows)[0])
     table = frame_table(tables)
-    metrics, params, _ = topcode_summary(dict(treq.rules), table, w_total, totals)
-    return table, metrics, params
+    metrics, params, notes = topcode_summary(dict(treq.rules), table, w_total, totals)
+    return table, metrics, params, notes
 
 
 def partition_numbers(parts: Sequence[Partition]) -> dict[int, int]:
@@ -542,7 +542,7 @@ def run_topcode(
     """Top-coding of the partitions into folder with a runner's map (run_map(fn, parts,
     *args, what=...) -> results in partition order): the thresholds (rounds of candidates,
     then the values of groups too close to call), the coded records, the writing; the
-    table, metrics and parameters, the rounds and the groups gathered."""
+    table, metrics, parameters and notes, the rounds and the groups gathered."""
     n_rows, starts = parts[-1].stop, partition_numbers(parts)
     mult: dict[tuple[str, str], int] = {}
     rounds = 0
@@ -568,11 +568,12 @@ def run_topcode(
     coded = run_map(topcode_coded, parts, ti, what="topcode pass 2")
     coding = topcode_coding(coded, treq, plans)
     applied = run_map(topcode_apply, parts, ti, coding, folder, what="topcode")
-    table, metrics, params = topcode_result(treq, plans, coding, applied, n_rows)
+    table, metrics, params, notes = topcode_result(treq, plans, coding, applied, n_rows)
     return {
         "table": table,
         "metrics": metrics,
         "params": params,
+        "notes": notes,
         "rounds": rounds,
         "groups_gathered": len(gathered),
     }
