@@ -721,10 +721,10 @@ def means_pass1(df: pd.DataFrame, req: MeansRequest) -> MeansPass1:
     if R:  # one sort by cell, then one product per cell: W_c' [y0 nn]
         order = np.argsort(cell, kind="stable")
         bounds = np.searchsorted(cell[order], np.arange(C + 1))
-        Ws, Ys = take_rows(W, order), np.hstack([y0, nn])[order]
-        for c in range(C):
-            a, b = bounds[c], bounds[c + 1]
-            t = Ws[a:b].T @ Ys[a:b]  # R x 2k
+        Y = np.hstack([y0, nn])
+        for c in range(C):  # a cell's rows gathered alone (small arrays the heap reuses)
+            rows = order[bounds[c] : bounds[c + 1]]
+            t = take_rows(W, rows).T @ Y[rows]  # R x 2k
             YR_c[c], XR_c[c] = t[:, :k], t[:, k:]
     out = MeansPass1(psus, psu_w, psu_W, [], [], [], [], [], [], [])
     every = [(np.array(["all"], dtype=object), None)] + [
