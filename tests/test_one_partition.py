@@ -286,3 +286,24 @@ def test_prb_stage_without_replicate_weights_counts_without_ses(prb_case, tmp_pa
     records = _parquet_records(tmp_path, df, [1000, 1100, 900])
     three = PrbStage.from_spec(spec).run_partitions(records, StageContext(df, spec, "prb"))
     pd.testing.assert_frame_equal(three.tables["weighted_counts"], got, rtol=1e-12)
+
+
+def test_prb_stage_without_psus_reads_the_replicate_scales_of_records(prb_case, tmp_path):
+    """Replicate weights and no strata or PSUs (each record its own PSU, JK1): Tables 1/4's
+    replicate SEs are count_changes' (SurveyDesign on the records), in memory and on 3
+    Parquet partitions."""
+    from sdl_design.stages.prb import PrbStage
+    from sdl_design.stages.prb.method import count_changes
+
+    spec, df, _, _, _, _ = prb_case
+    spec = spec.model_copy(deep=True)
+    spec.design.strata = spec.design.psu = spec.design.segment = None
+    spec.design.replicate_weights.method = "jk1"
+    one = PrbStage.from_spec(spec).run(df, StageContext(df, spec, "prb"))
+    want = count_changes(df, one.data, spec.stages.prb.variables, spec.design.weight, spec.design)
+    got = one.tables["weighted_counts"]
+    assert "se" in got.columns
+    pd.testing.assert_frame_equal(got, want.reset_index(), check_dtype=False, rtol=1e-9)
+    records = _parquet_records(tmp_path, df, [1000, 1100, 900])
+    three = PrbStage.from_spec(spec).run_partitions(records, StageContext(df, spec, "prb"))
+    pd.testing.assert_frame_equal(three.tables["weighted_counts"], got, rtol=1e-12)

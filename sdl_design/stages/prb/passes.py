@@ -298,6 +298,9 @@ def prb_doc_tables(
 # ---------------------------------------------------------------- Tables 1/4 and 6 (paper 002)
 
 
+ROW = "__row"  # the label of a record as its own PSU (a design without PSUs)
+
+
 @dataclass
 class PrbCountsRequest:
     """What the partitions need for the weighted counts of C's categories (Tables 1/4: the
@@ -333,13 +336,13 @@ def prb_counts_request(
     first five variables of C, as the in-memory Table 6)."""
     d = spec.design
     reps = resolve_replicates(columns, d.replicate_weights.columns) if d.replicate_weights else []
-    variables = list(tables.levels)
-    radix = [np.prod([len(tables.levels[c]) + 1 for c in combo], dtype=float) for combo in
-             default_combos(variables[:5])]  # fmt: skip
+    combos = default_combos(list(tables.levels)[:5])
+    radix = [np.prod([len(tables.levels[c]) + 1 for c in combo], dtype=float) for combo in combos]
     if radix and max(radix) > 2.0**62:
         raise PartitionError("stages.prb.variables: too many categories to cross for the TVD")
-    labels = [c for c in (d.strata, d.psu) if c] if reps else []
-    return PrbCountsRequest(tables.levels, default_combos(variables[:5]), moved, reps, labels)
+    # the units the replicate scales are read from: PSUs, else records (ROW: the global row)
+    labels = [c for c in (d.strata, d.psu or ROW) if c] if reps else []
+    return PrbCountsRequest(tables.levels, combos, moved, reps, labels)
 
 
 def prb_counts_pass(
@@ -348,7 +351,9 @@ def prb_counts_pass(
     """Map: the partition's weighted counts by category and joint cells of the input, and the
     changes each method's moved records make to them (PrbCounts)."""
     cols = list(dict.fromkeys([*cq.levels, req.weight, *cq.replicates, *cq.labels]))
-    df = read_partition(part, cols, spec)
+    df = read_partition(part, [c for c in cols if c != ROW], spec)
+    if ROW in cq.labels:  # a design without PSUs: each record its own
+        df = df.assign(**{ROW: df.index.to_numpy()})
     w = df[req.weight].to_numpy(dtype=float)
     W = df[cq.replicates].to_numpy(dtype=float) if cq.replicates else np.zeros((len(df), 0))
     codes = {v: cq.levels[v].get_indexer(df[v]) for v in cq.levels}
@@ -477,6 +482,6 @@ def _rscales(parts: Sequence[PrbCounts], cq: PrbCountsRequest, spec: ReleaseSpec
     psus = psus.groupby(cq.labels, sort=False).max().reset_index().assign(__w=1.0)
     d = spec.design
     return SurveyDesign(
-        psus, "__w", strata=d.strata, psu=d.psu, replicate_weights=cq.replicates,
+        psus, "__w", strata=d.strata, psu=d.psu or ROW, replicate_weights=cq.replicates,
         **replicate_options(d.replicate_weights),
     ).rscales  # fmt: skip
