@@ -348,7 +348,7 @@ def _print_partitioned_summary(
     args: argparse.Namespace, out: dict[str, Any], manifest: Manifest | None
 ) -> None:
     """The run's lines: records and time, the input's scan, each stage's, the SE ratios and
-    the public files (or where the run stopped)."""
+    the public files."""
     print(
         f"{args.spec}: {out['records']} records in {out['partitions']} partition(s), "
         f"{out['seconds']:.1f} s" + ("" if manifest else f"; written to {out['folder']}")
@@ -365,9 +365,7 @@ def _print_partitioned_summary(
         for line in cls.summary_lines(result):
             print(line)
     _print_se_ratios(results)
-    if out["stopped_before"]:
-        print(f"  stopped before {out['stopped_before']}: it has no partitioned path yet")
-    else:
+    if out["public_files"] is not None:
         _print_public_files(out, manifest)
 
 
@@ -403,7 +401,7 @@ def _partitioned_outcome(
 ) -> int:
     """The last line (the release published, the gates that refused it, or the command that
     publishes it) and the exit code: 1 when a gate failed, else 0."""
-    stopped = out["stopped_before"]
+    public = out["public_files"]
     if manifest is not None:
         spec = load_spec(args.spec)
         print(
@@ -411,14 +409,14 @@ def _partitioned_outcome(
             f"{manifest.approval.approver or 'nobody: not required'}) to "
             f"{release_dir(spec)}/public"
         )
-    elif not stopped and out["public_files"]["gates_failed"]:
+    elif public is not None and public["gates_failed"]:
         print(
             f"puf: release gates failed; nothing may be published (the files are in "
             f"{out['folder']}/{REFUSED}): {'; '.join(out['public_files']['gates_failed'])}",
             file=sys.stderr,
         )
         return 1
-    elif not stopped:
+    elif public is not None:
         publish = _command(args, add=["--publish", "--approve", "NAME"], drop=["--out"])
         print(f"  not published: `{publish}` publishes it")
     return 0

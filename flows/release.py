@@ -9,6 +9,7 @@ import sdl_design  # noqa: F401
 
 # isort: split
 
+import contextlib
 import hashlib
 import shutil
 import time
@@ -25,20 +26,16 @@ from pydantic import Field, field_validator
 
 from expectations.suites import GateFailed
 from flows import publish as pub
+from flows.driver import MemoryStore, PartitionStore, StageRun, Store
 from flows.env import preload, return_freed_memory, task_runner
 from flows.manifest import Manifest
 from flows.progress import PROGRESS, flow_run_url, prints_to_run_log
-from flows.public_docs import variance_notes
 from flows.public_files import (
-    detail_frame,
     public_names,
-    public_records,
-    record_map,
-    write_public_files,
 )
 from flows.registry import se_ratio_tables
 from flows.report import post_artifacts, render_report
-from flows.scan import run_partitioned
+from flows.scan import partitioned_input, scan_tables, spec_errors
 from flows.server_guard import install as _guard_prefect_server
 from flows.tune import tune_dir
 from flows.txn import (
@@ -50,19 +47,18 @@ from flows.txn import (
     Transaction,
     fault,
 )
+from sdl_design.engine.exchange import Exchange, mapper
+from sdl_design.engine.records import Records, Run
 from sdl_design.io import file_digest
 from sdl_design.spec import ReleaseSpec, SpecError, load_spec, seed_warnings, with_year
 from sdl_design.stage import (
     SharedInput,
     StageContext,
     StageResult,
-    changed_release,
-    design_columns,
-    public_design,
 )
 from sdl_design.stages import RELEASE_STAGES, build_stages, reads_only_batches
-from tasks.core import edits_task, gates_task, load_task
-from tasks.stage import prepare_replications, replicate_stage, run_stage
+from tasks.core import edits_task, load_task
+from tasks.stage import replicate_stage, run_stage
 
 _guard_prefect_server()  # Prefect's temporary server dies with this process (kill -9 too)
 
@@ -102,15 +98,12 @@ def _progress(step: int, total: int, name: str, t0: float | None = None) -> floa
     return t0
 
 
-def _spec_hash(spec_path: str) -> str:
-    return pub.sha256_file(Path(spec_path))
-
-
-def _new_manifest(spec: ReleaseSpec, spec_hash: str, input_hash: str) -> Manifest:
-    return Manifest.new(spec, spec_hash, input_hash)
-
-
-def _absorb(manifest: Manifest, out: StageResult) -> None:
+def _absorb(manifest: Manifest, out: StageResult, seconds: float) -> None:
+    """A stage's result into the manifest: its wall time and its passes' laps (the metrics
+    named *seconds) to the timings, the rest to the metrics."""
+    manifest.timings_s[out.name] = round(seconds, 3)
+    for k in [k for k in out.metrics if k.endswith("seconds")]:
+        manifest.timings_s[f"{out.name}.{k}"] = round(out.metrics.pop(k), 3)
     manifest.absorb(out)
 
 
@@ -224,24 +217,21 @@ def release_flow(
     """Run one release of the spec; returns the manifest. Raises on a failed edit, gate or approval
     (the published release stays as it was), ReleaseLocked when another run holds the name and
     year, RegistryError or PublishError when the release cannot be recorded or moved.
-    partitions: run the stages a partition at a time (about that many; the same public files)."""
+    partitions: the records read a partition at a time (about that many; the same public files)."""
     spec = load_spec(spec_path)
     if year is None:
         year = _scheduled_year()
     if year is not None:
         spec.release.year = int(year)
-    if partitions is not None:
 
-        def decide(staged: Path, keys: list[str]) -> dict:
-            return _approval(spec, approve, approval_poll_s, staged, keys)
+    def decide(staged: Path, keys: list[str]) -> dict:
+        return _approval(spec, approve, approval_poll_s, staged, keys)
 
-        with prints_to_run_log():  # the partitions' progress lines to the run's log too
-            return publish_partitioned(
-                spec_path, approve, runner, dask_address, partitions, decide=decide,
-                post=_post, year=year,
-            )[0]  # fmt: skip
-    with Transaction.begin(spec) as txn:
-        return _release(spec, spec_path, txn, approve, runner, dask_address, approval_poll_s)
+    run = ReleaseRun(spec, spec_path, runner, dask_address, partitions, decide, _post)
+    if partitions is None:
+        return run.publish()
+    with prints_to_run_log():  # the partitions' progress lines to the run's log too
+        return run.publish()
 
 
 class _Steps:
@@ -257,66 +247,6 @@ class _Steps:
 
     def done(self, name: str, t0: float) -> None:
         _progress(self.n, self.total, name, t0)
-
-
-def _release(
-    spec: ReleaseSpec,
-    spec_path: str,
-    txn: Transaction,
-    approve: str | None,
-    runner: str,
-    dask_address: str | None,
-    approval_poll_s: int,
-) -> Manifest:
-    stages = build_stages(spec)
-    weak = seed_warnings(spec.release.seed)
-    if weak:
-        PROGRESS.say("warning: " + "; ".join(weak))
-    import pyarrow.parquet  # noqa: F401 - the reader's modules, before the preload thread starts
-
-    preload()  # Great Expectations and matplotlib, while the input is read
-    batches = reads_only_batches(stages)
-    # load, edits, each batch of stages, gates, files, approval, publish
-    steps = _Steps(len(batches) + 6)
-    t0 = steps.start("load")
-    original, input_hash = load_task(quote(spec))
-    steps.done("load", t0)
-    manifest = _new_manifest(spec, _spec_hash(spec_path), input_hash)
-    _lap(manifest, "load", t0)
-    manifest.counts.n_input = len(original)
-    txn.open(manifest)
-    outputs: list[StageResult] = []
-    # the frames live in this dict only: the gates step empties it (memory at 1M records)
-    frames = {"original": original}
-    del original
-    try:
-        _treat(frames, spec, batches, outputs, manifest, txn, steps, runner, dask_address)
-        gates, records = _gate(frames, spec, outputs, manifest, txn, steps)
-
-        folder = publish_gated(
-            txn,
-            spec,
-            manifest,
-            outputs,
-            gates,
-            lambda: records,
-            steps,
-            lambda staged, keys: _approval(spec, approve, approval_poll_s, staged, keys),
-            _post,
-        )
-        PROGRESS.say(f"published {manifest.release.release_id} to {folder}")
-        return manifest
-    except (GateFailed, ReleaseRejected, RegistryError, PublishError, ReleaseLocked):
-        raise
-    except BaseException as e:
-        if txn.state in ("running", "awaiting_approval"):
-            try:
-                close_attempt(
-                    txn, spec, manifest, outputs, None, "failed", f"{type(e).__name__}: {e}", _post
-                )
-            except Exception:  # noqa: BLE001 - keep the original error visible
-                pass
-        raise
 
 
 def publish_gated(
@@ -373,153 +303,176 @@ def publish_gated(
     return folder
 
 
-def _treat(
-    frames: dict,
-    spec: ReleaseSpec,
-    batches: list[list],
-    outputs: list[StageResult],
-    manifest: Manifest,
-    txn: Transaction,
-    steps: _Steps,
-    runner: str,
-    dask_address: str | None,
-) -> None:
-    """Edit validation, then the stages in release order (their results appended to outputs);
-    frames["df"] becomes the treated frame. Raises GateFailed when an edit rule fails."""
-    t0 = steps.start("edit validation")
-    edits = edits_task(quote(frames["original"]), quote(spec))
-    _lap(manifest, "edits", t0)
-    steps.done("edit validation", t0)
-    if not edits["passed"].all():
-        err = GateFailed("edit validation failed on the input file", edits)
-        close_attempt(txn, spec, manifest, outputs, edits, "rejected", str(err), _post)
-        err.report = staged_report(txn)
-        raise err
+class ReleaseRun:
+    """One release of a spec, in memory or by partition (the same driver, StageRun, on a
+    MemoryStore or a PartitionStore): the input and its edit rules, the stages, the public
+    files and the gates, the board's decision, the publication. decide(staged, artifact keys):
+    the board's decision; post(manifest, ...): the run's artifacts (in a flow run)."""
 
-    df = frames["original"]
-    base_ctx = StageContext(frames["original"], spec)
-    for batch in batches:
-        if len(batch) > 1:  # stages that only measure the frame: at once, in threads
-            steps.n += 1
-            for out in _measure_at_once(
-                batch, df, base_ctx, outputs, steps.n, steps.total, manifest
-            ):
-                outputs.append(out)
-                _absorb(manifest, out)
-            continue
-        stage = batch[0]
-        t0 = steps.start(stage.name)
-        ctx = base_ctx.for_stage(stage.name, outputs)
-        out = run_stage(quote(stage), quote(df), quote(ctx))
-        if stage.replications > 0:
-            shared = prepare_replications(stage, df, ctx)
-            reps = _replications(stage, shared, runner, dask_address)
-            del shared
-            out = stage.combine(out, reps, ctx)
-        outputs.append(out)
-        _absorb(manifest, out)
-        df = out.data
-        out.data = None  # keep one frame alive, not one per stage (memory at 1M records)
-        _lap(manifest, stage.name, t0)
-        steps.done(stage.name, t0)
-    frames["df"] = df
+    def __init__(
+        self,
+        spec: ReleaseSpec,
+        spec_path: str | Path,
+        runner: str,
+        dask_address: str | None,
+        partitions: int | None,
+        decide: Callable[[Path, list[str]], dict],
+        post: Callable[..., list[str]] | None,
+        workers: int = 2,
+    ):
+        self.spec, self.spec_path, self.partitions = spec, str(spec_path), partitions
+        self.runner, self.dask_address, self.workers = runner, dask_address, workers
+        self.decide, self.post = decide, post
+        self.stages = build_stages(spec)
+        # load, edit validation, each batch of stages, gates, files, approval, publish
+        self.steps = _Steps(len(reads_only_batches(self.stages)) + 6)
+        self.laps: dict[str, float] = {}
+        self.summary: dict[str, Any] = {}  # what `puf partitioned --publish` prints
 
-
-def _gate(
-    frames: dict,
-    spec: ReleaseSpec,
-    outputs: list[StageResult],
-    manifest: Manifest,
-    txn: Transaction,
-    steps: _Steps,
-) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The public records and their files (prepared while the gates run), then the gates:
-    (gates, record map). The frames are emptied first. Raises GateFailed when a gate fails."""
-    t0 = steps.start("gates")
-    df, original = frames["df"], frames["original"]
-    masked = any(o.masks_design for o in outputs)
-    drop = [c for o in outputs for c in o.drop_public]
-    pdesign = public_design(spec, outputs)  # the spec's, or a stage's pseudo design
-    labels = [c for c in (pdesign.strata, pdesign.psu) if c]
-    puf, rows = public_records(
-        df, spec, masked, drop, design_columns(pdesign, list(df.columns)), labels
-    )
-    records = record_map(original.index, rows)
-    detail = detail_frame(puf, df, rows, spec)
-    # the working and original frames are not read past here: freed before the public
-    # files are written (at 1M records, 1.5 GB of the files step's peak)
-    frames.clear()
-    df = original = rows = None
-    replicate_cols = (
-        pdesign.replicate_weights.resolve(list(puf.columns)) if pdesign.replicate_weights else []
-    )
-    manifest.counts.n_output = len(puf)
-    # the public files are written (into the attempt's folder, not the release's) while
-    # the gates run; they are staged when every gate passes and deleted when one fails
-    notes = variance_notes(spec, outputs, puf)
-    txn.prepare_public(lambda folder: write_public_files(puf, folder, notes))
-    gate_rows = [g.as_dict() for o in outputs for g in o.gates]
-    gates = gates_task(quote(puf), quote(spec), gate_rows, replicate_cols, masked, detail)
-    detail = None
-    fault("gates")  # recovery tests: the public files may be half written here
-    _lap(manifest, "gates", t0)
-    steps.done("gates", t0)
-    manifest.set_gates(gates)
-    if not gates["passed"].all():
-        err = GateFailed("release gates failed; nothing was published", gates)
-        close_attempt(txn, spec, manifest, outputs, gates, "rejected", str(err), _post)
-        err.report = staged_report(txn)
-        raise err
-    manifest.status = "gated"
-    return gates, records
-
-
-def _measure_at_once(
-    batch: list,
-    df: pd.DataFrame,
-    base_ctx: StageContext,
-    outputs: list[StageResult],
-    step: int,
-    total: int,
-    manifest: Manifest,
-) -> list[StageResult]:
-    """Stages that only measure the frame, run at once in threads (each sees the results of
-    the stages before the batch, as it would in order: none of the batch changes them); the
-    results in stage order. A stage that changed the release anyway is an error, not a guess."""
-    import contextvars
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(stage, ctx) -> tuple[StageResult, float]:
+    def publish(self) -> Manifest:
+        """The release published; its manifest. Raises GateFailed (an edit rule or a gate
+        failed: nothing published), ReleaseRejected, and what the transaction raises."""
+        weak = seed_warnings(self.spec.release.seed)
+        if weak:
+            PROGRESS.say("warning: " + "; ".join(weak))
         t0 = time.perf_counter()
-        out = run_stage(quote(stage), quote(df), quote(ctx))
-        return out, time.perf_counter() - t0
+        with Transaction.begin(self.spec) as txn:
+            work = txn.folder / PARTITIONED
+            try:
+                with self._mapper() as run_map:
+                    return self._publish(txn, work, run_map)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)  # the records after each stage
+                self.summary["seconds"] = time.perf_counter() - t0
 
-    names = " + ".join(s.name for s in batch)
-    t0 = _progress(step, total, names)
-    with ThreadPoolExecutor(len(batch), thread_name_prefix="puf-stage") as pool:
-        futures = [
-            pool.submit(contextvars.copy_context().run, one, s, base_ctx.for_stage(s.name, outputs))
-            for s in batch
-        ]
-        done = [f.result() for f in futures]
-    for stage, (out, _) in zip(batch, done, strict=True):
-        changed = changed_release(out, df)
-        if changed:
-            raise RuntimeError(
-                f"stage {stage.name} says it only measures the frame (reads_only) but changed "
-                f"{', '.join(changed)}; set reads_only = False on it"
-            )
-        out.data = None
-    _lap_many(manifest, {s.name: sec for s, (_, sec) in zip(batch, done, strict=True)})
-    _progress(step, total, names, t0)
-    return [out for out, _ in done]
+    def _mapper(self) -> Any:
+        if self.partitions is None:  # the records held here; replications on the runner
+            return contextlib.nullcontext(None)
+        return mapper(self.runner, self.dask_address, self.workers, "partitioned")
+
+    def _publish(self, txn: Transaction, work: Path, run_map: Exchange | None) -> Manifest:
+        store, edits, digest = self._input(run_map, work)
+        manifest = Manifest.new(self.spec, pub.sha256_file(Path(self.spec_path)), digest)
+        manifest.timings_s.update(self.laps)
+        manifest.counts.n_input = store.n_input
+        txn.open(manifest)
+        work.mkdir(exist_ok=True)
+        driver = StageRun(self.spec, self.stages, store, _call_stage, self.steps)
+        results, gates = driver.results, None
+        try:
+            if not edits["passed"].all():
+                self._refuse(
+                    txn, manifest, results, edits, "edit validation failed on the input file"
+                )
+            driver.run_stages()
+            for r in results:
+                _absorb(manifest, r, driver.timings[r.name])
+            gates = self._gates(driver, txn, manifest, work)
+            folder = publish_gated(
+                txn, self.spec, manifest, results, gates,
+                lambda: _record_map(work), self.steps, self.decide, self.post,
+            )  # fmt: skip
+            PROGRESS.say(f"published {manifest.release.release_id} to {folder}")
+            return manifest
+        except (GateFailed, ReleaseRejected, RegistryError, PublishError, ReleaseLocked):
+            raise
+        except BaseException as e:
+            if txn.state in ("running", "awaiting_approval"):
+                try:
+                    why = f"{type(e).__name__}: {e}"
+                    close_attempt(
+                        txn, self.spec, manifest, results, gates, "failed", why, self.post
+                    )
+                except Exception:  # noqa: BLE001 - keep the original error visible
+                    pass
+            raise
+
+    def _refuse(
+        self,
+        txn: Transaction,
+        manifest: Manifest,
+        results: list[StageResult],
+        verdicts: pd.DataFrame,
+        why: str,
+    ) -> None:
+        """The attempt closed as rejected (its record and report written): raises GateFailed."""
+        err = GateFailed(why, verdicts)
+        close_attempt(txn, self.spec, manifest, results, verdicts, "rejected", str(err), self.post)
+        err.report = staged_report(txn)
+        raise err
+
+    def _input(self, run_map: Exchange | None, work: Path) -> tuple[Store, pd.DataFrame, str]:
+        """The input as the store of the records so far, its edit rules' verdicts and its
+        digest: read whole (load and edit validation as tasks), or planned in partitions and
+        scanned (the edit rules, the risk measures and the PSUs, a partition at a time)."""
+        spec, steps = self.spec, self.steps
+        t0 = steps.start("load")
+        if run_map is None:
+            import pyarrow.parquet  # noqa: F401 - the reader's modules, before the preload thread
+
+            preload()  # Great Expectations and matplotlib, while the input is read
+            original, digest = load_task(quote(spec))
+            self._lap("load", t0)
+            t0 = steps.start("edit validation")
+            edits = edits_task(quote(original), quote(spec))
+            self._lap("edits", t0, "edit validation")
+            return MemoryStore(original, self._replicate), edits, digest
+        _, columns, parts = partitioned_input(
+            self.spec_path, self.runner, self.partitions, "partitioned", spec.release.year
+        )
+        for stage in self.stages:  # a spec the chain would refuse later is refused now, in full
+            check = getattr(stage, "check_partitions", None)
+            if check is not None:
+                spec_errors(check, spec, columns)
+        digest = input_digest(spec.release.input)
+        self._lap("load", t0)
+        t0 = steps.start("edit validation")
+        scan, info = scan_tables(spec, columns, parts, run_map, self.runner, se=False)
+        self._lap("scan", t0, "edit validation")
+        self.summary.update(scan=scan, records=parts[-1].stop, partitions=len(parts))
+        run = Run(run_map, parts, scan, info["psus"])
+        return PartitionStore(run, parts, columns, work, tables=False), scan["edits"], digest
+
+    def _lap(self, name: str, t0: float, step: str | None = None) -> None:
+        self.laps[name] = round(time.perf_counter() - t0, 3)
+        self.steps.done(step or name, t0)
+        return_freed_memory()
+
+    def _replicate(self, stage: Any, shared: SharedInput) -> list:
+        return _replications(stage, shared, self.runner, self.dask_address)
+
+    def _gates(
+        self, driver: StageRun, txn: Transaction, manifest: Manifest, work: Path
+    ) -> pd.DataFrame:
+        """The public files of the records after the stages (into the attempt's folder, staged
+        when every gate passes), then the gates on them: raises GateFailed when one fails."""
+        t0 = self.steps.start("gates")
+        public, gates = driver.public_files(work / "puf")
+        public["seconds"] = time.perf_counter() - t0
+        public["gates"], public["gates_passed"] = len(gates), int(gates["passed"].sum())
+        public["gates_failed"] = gates.loc[~gates["passed"].astype(bool), "name"].tolist()
+        self.summary.update(public_files=public, stages={r.name: r for r in driver.results})
+        manifest.counts.n_output = int(public["records"])
+        txn.prepare_public(lambda folder: _move_public(work / "puf", folder))
+        fault("gates")  # recovery tests: the public files may be half moved here
+        _lap(manifest, "gates", t0)
+        self.steps.done("gates", t0)
+        manifest.set_gates(gates)
+        if not gates["passed"].all():
+            why = "release gates failed; nothing was published"
+            self._refuse(txn, manifest, driver.results, gates, why)
+        manifest.status = "gated"
+        return gates
 
 
-def _lap_many(manifest: Manifest, seconds: dict[str, float]) -> None:
-    """_lap of steps that ran at once: each one's own wall time."""
-    for name, sec in seconds.items():
-        manifest.timings_s[name] = round(sec, 3)
-    return_freed_memory()
+def _record_map(work: Path) -> pd.DataFrame:
+    """The record map the public files were written with (read when the release is staged)."""
+    return pd.read_parquet(work / "internal" / "record_map.parquet")
+
+
+def _call_stage(stage: Any, records: Records, ctx: StageContext) -> StageResult:
+    """A stage's call as the flow's task (quoted: Prefect does not walk the records)."""
+    return run_stage(quote(stage), quote(records), quote(ctx))
 
 
 def _replications(stage, shared: SharedInput, runner: str, address: str | None):
@@ -681,14 +634,11 @@ def publish_partitioned(
     post: Callable[..., list[str]] | None = None,
     year: int | None = None,
 ) -> tuple[Manifest, dict[str, Any]]:
-    """Run the spec's release by partition and publish it: (the manifest, run_partitioned's
-    result). decide(staged, artifact keys): the board's decision (default: approve's name on
-    the command line); post(manifest, ...): the run's artifacts (in a flow run). Raises
-    GateFailed when a gate fails (nothing published), ReleaseRejected when the board rejects,
-    SpecError when the spec needs an approval and neither decide nor approve is given or a
-    stage has no partitioned path, and what the transaction raises (ReleaseLocked,
-    RegistryError, PublishError). Each step prints its line (1..5, _Steps)."""
-
+    """The spec's release by partition outside a flow run (ReleaseRun): (the manifest, the
+    run's summary: records, partitions, seconds, the scan, the stages' results, the public
+    files). decide(staged, artifact keys): the board's decision (default: approve's name on
+    the command line). Raises SpecError when the spec needs an approval and neither decide
+    nor approve is given, and what ReleaseRun.publish raises."""
     spec = with_year(load_spec(spec_path), year)
     if decide is None and spec.approval.required and not approve:
         raise SpecError(
@@ -697,112 +647,12 @@ def publish_partitioned(
                 "release_flow with partitions, which pauses for the board's decision"
             ]
         )
-    steps = _Steps(len(PARTITIONED_STEPS))
-    with Transaction.begin(spec) as txn:
-        manifest = Manifest.new(
-            spec, pub.sha256_file(Path(spec_path)), input_digest(spec.release.input)
-        )
-        txn.open(manifest)
-        work = txn.folder / PARTITIONED
-        results: list[StageResult] = []
-        gates = None
-        try:
-            t0 = steps.start("partitioned stages")
-            out = run_partitioned(
-                spec_path,
-                runner,
-                dask_address,
-                partitions,
-                out=work,
-                workers=workers,
-                damage=False,  # the release measures the published file (final, assess)
-            )
-            steps.done("partitioned stages", t0)
-            if out["public_files"] is None:
-                raise SpecError(
-                    [
-                        f"stages: {out['stopped_before']} has no partitioned path; "
-                        "publish this spec with the release flow (`puf run`)"
-                    ]
-                )
-            t0 = steps.start("gates")
-            results = list(out["stages"].values())
-            _absorb_partitioned(manifest, results, out)
-            gates = pd.read_csv(work / "gates.csv", keep_default_na=False, na_values=[""])
-            manifest.set_gates(gates)
-            steps.done("gates", t0)
-            if not gates["passed"].all():
-                err = GateFailed("release gates failed; nothing was published", gates)
-                close_attempt(txn, spec, manifest, results, gates, "rejected", str(err))
-                err.report = staged_report(txn)
-                raise err
-            manifest.status = "gated"
-            _publish_partitioned(
-                txn, spec, manifest, results, gates, work, steps, decide, approve, post
-            )
-            return manifest, out
-        except ReleaseRejected:
-            raise
-        except GateFailed as e:  # the input's edit rules (the gates closed the attempt)
-            if txn.state == "running":
-                close_attempt(txn, spec, manifest, results, e.results, "rejected", str(e))
-            e.report = e.report or staged_report(txn)
-            raise
-        except BaseException as e:
-            if txn.state in ("running", "awaiting_approval"):
-                try:
-                    close_attempt(
-                        txn, spec, manifest, results, gates, "failed", f"{type(e).__name__}: {e}"
-                    )
-                except Exception:  # noqa: BLE001 - keep the original error visible
-                    pass
-            raise
-        finally:
-            shutil.rmtree(work, ignore_errors=True)  # the records after each stage
-
-
-def _publish_partitioned(
-    txn: Transaction,
-    spec: ReleaseSpec,
-    manifest: Manifest,
-    results: list[StageResult],
-    gates: pd.DataFrame,
-    work: Path,
-    steps: Any,
-    decide: Callable[[Path, list[str]], dict] | None,
-    approve: str | None,
-    post: Callable[..., list[str]] | None,
-) -> None:
-    """The gated release staged (its artifacts posted), decided and published; raises
-    ReleaseRejected when the board rejects it (the attempt recorded as rejected)."""
-
-    txn.prepare_public(lambda folder: _move_public(work / "puf", folder))
-    publish_gated(
-        txn,
-        spec,
-        manifest,
-        results,
-        gates,
-        lambda: pd.read_parquet(work / "internal" / "record_map.parquet"),
-        steps,
-        lambda staged, keys: _decision(decide, staged, keys, approve),
-        post,
-    )
-
-
-def _absorb_partitioned(
-    manifest: Manifest, results: list[StageResult], out: dict[str, Any]
-) -> None:
-    """The partitioned run's results, timings and counts into the manifest."""
-    for r in results:
-        # the run's timings go to the manifest's timings, not into its metrics
-        for k in [k for k in r.metrics if k.endswith("seconds")]:
-            manifest.timings_s[f"{r.name}.{k}"] = round(r.metrics.pop(k), 3)
-        manifest.absorb(r)
-    manifest.timings_s["scan"] = round(float(out["scan_seconds"]), 3)
-    manifest.timings_s["partitioned"] = round(float(out["seconds"]), 3)
-    manifest.counts.n_input = int(out["records"])
-    manifest.counts.n_output = int(out["public_files"]["records"])
+    run = ReleaseRun(
+        spec, spec_path, runner, dask_address, partitions,
+        lambda staged, keys: _decision(decide, staged, keys, approve), post, workers,
+    )  # fmt: skip
+    manifest = run.publish()
+    return manifest, run.summary
 
 
 def _decision(

@@ -14,24 +14,20 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
-from expectations.suites import GateFailed, edit_verdicts, validate_metric_gates
+from expectations.suites import GateFailed, edit_verdicts
+from flows.driver import PartitionStore, StageRun
 from flows.env import peak_gib, peak_reset, preload, return_freed_memory
-from flows.public_files import write_public_by_partition
-from flows.txn import CONFIDENTIAL_TABLES
-from sdl_design.blas import single_blas_thread
 from sdl_design.engine import partitions as part
 from sdl_design.engine.exchange import Exchange, mapper, say
 from sdl_design.engine.records import Records, Run, run_record
 from sdl_design.spec import ReleaseSpec, SpecError, load_spec, with_year
-from sdl_design.stage import StageContext, StageResult, design_columns, public_design, reads_only
-from sdl_design.stages import build_stages, reads_only_batches
+from sdl_design.stage import StageResult, public_design, reads_only
+from sdl_design.stages import build_stages
 from sdl_design.survey import blocksum
 
 Mapper = Callable[..., list]
@@ -44,7 +40,7 @@ def scan_folder(spec: ReleaseSpec) -> Path:
     return Path(r.output_dir) / r.name / f"scan-{r.year}"
 
 
-def _partitioned_input(
+def partitioned_input(
     spec_path: str | Path,
     runner: str,
     partitions: int | None,
@@ -99,10 +95,10 @@ def run_scan(
 ) -> dict[str, Any]:
     """Scan the spec's Parquet input by partition; writes se.csv, edits.csv, risk_strata.csv,
     key_risk.csv and profiles.csv to out (whole or not at all) and returns them with the timings."""
-    spec, columns, parts = _partitioned_input(spec_path, runner, partitions)
+    spec, columns, parts = partitioned_input(spec_path, runner, partitions)
     t0 = time.perf_counter()
     with mapper(runner, dask_address, workers) as run_map:
-        tables, info = _scan(spec, columns, parts, run_map, runner)
+        tables, info = scan_tables(spec, columns, parts, run_map, runner)
     folder = Path(out) if out else scan_folder(spec)
     _replace(folder, lambda tmp: _write_tables(tmp, tables))
     return {
@@ -114,7 +110,7 @@ def run_scan(
     }
 
 
-def _scan(
+def scan_tables(
     spec: ReleaseSpec,
     columns: list[str],
     parts: list,
@@ -177,23 +173,6 @@ def _domain_means(
     return part.domain_means(req, agg, second)
 
 
-def _confidential(folder: Path, name: str) -> Path:
-    """Where a stage's record-level map goes in a run's folder: under internal/ (a stage's
-    folder <run>/<stage>/name -> <run>/internal/<stage>/name), never beside the public files."""
-    return folder.parent / "internal" / folder.name / name
-
-
-def _stage_table(folder: Path, name: str, table: pd.DataFrame) -> None:
-    """A stage's table as CSV in its folder; a record-level map (txn.CONFIDENTIAL_TABLES)
-    under internal/."""
-
-    path = folder / f"{name}.csv"
-    if f"{folder.name}/{name}.csv" in CONFIDENTIAL_TABLES:
-        path = _confidential(folder, f"{name}.csv")
-        path.parent.mkdir(parents=True, exist_ok=True)
-    table.to_csv(path, index=False)
-
-
 def _write_tables(folder: Path, tables: dict[str, pd.DataFrame]) -> None:
     for name, t in tables.items():
         t.to_csv(folder / f"{name}.csv", index=False)
@@ -223,40 +202,15 @@ def _replace(folder: Path, fill: Callable[[Path], Any]) -> Any:
         raise
 
 
+# the public files of a partitioned run whose gates failed (puf/ is never left looking ready)
+REFUSED = "puf-gates-failed"
+
+
 def partitioned_folder(spec: ReleaseSpec) -> Path:
     """Where `puf partitioned` writes by default: <output_dir>/<name>/partitioned-<year>
     (internal: it holds the original-to-masked pairs; never the release's public folder)."""
     r = spec.release
     return Path(r.output_dir) / r.name / f"partitioned-{r.year}"
-
-
-def _public_files(
-    spec: ReleaseSpec,
-    records: Records,
-    ctx: StageContext,
-    results: list[StageResult],
-) -> dict[str, Any]:
-    """puf.parquet and puf.csv from the last stage's partitions, as the release writes them
-    (its public columns and order): the design the public file is read with is the spec's or
-    the one a stage built, the columns the stages drop left out; with the stages' results,
-    README.md and codebook.csv as the release writes them."""
-
-    design = ctx.public_design()
-    columns, run = records.columns, records.run
-    built = design_columns(design, columns)
-    drop = [c for r in results for c in r.drop_public]
-    linked = part.link(run.inputs, records.parts, run.retained(records.parts))
-    rows = run.run_map(part.input_rows, linked, run.selected, what="public files: record map")
-    return write_public_by_partition(
-        run.run_map, records.parts, spec, columns, ctx.masked_design, drop, built,
-        records.folder, results=results, design=design,
-        labels=[c for c in (design.strata, design.psu) if c],
-        input_rows=(np.concatenate(rows), run.n_input),
-    )  # fmt: skip
-
-
-# the public files of a partitioned run whose gates failed (puf/ is never left looking ready)
-REFUSED = "puf-gates-failed"
 
 
 def run_partitioned(
@@ -270,9 +224,9 @@ def run_partitioned(
     damage: bool = True,
     year: int | None = None,
 ) -> dict[str, Any]:
-    """The spec's release stages by partition (year: the release's year, default the spec's), in release order, each on the previous one's
-    records (Stage.run_partitions); stops before a stage that has no partitioned path, and
-    says which. When every stage ran (and release), the measuring stages, the public files
+    """The spec's release stages by partition (year: the release's year, default the spec's),
+    in release order, each on the previous one's records (StageRun on the Parquet partitions).
+    When release, the measuring stages too, then the public files
     (puf/: the data files, README.md and codebook.csv) and the release's gates (gates.csv);
     release False: the records and tables of the stages that change them. First it scans the
     input as `puf scan` does (scan/: its edit rules, which stop the run when one fails, the
@@ -281,23 +235,22 @@ def run_partitioned(
     and its tables (record-level maps under internal/), among them se_ratios.csv: the SE of
     every study variable's mean overall and in every utility domain on the records after
     the stage, against the input's (damage False: not measured; a published run measures
-    what the release measures); run.json says what ran, its counts and metrics and where
-    it stopped. Workers on other machines need out on a disk they share. Returns the run's
+    what the release measures); run.json says what ran, its counts and metrics. Workers on other machines need out on a disk they share. Returns the run's
     summary with each stage's StageResult under "stages"."""
 
-    spec, columns, parts = _partitioned_input(spec_path, runner, partitions, "partitioned", year)
+    spec, columns, parts = partitioned_input(spec_path, runner, partitions, "partitioned", year)
     folder = Path(out) if out else partitioned_folder(spec)
     stages = build_stages(spec)
     for stage in stages:  # a spec the chain would refuse later is refused now, in full
         check = getattr(stage, "check_partitions", None)
         if check is not None:
-            _spec_errors(check, spec, columns)
+            spec_errors(check, spec, columns)
     t0 = time.perf_counter()
     fill = _PartitionedRun(
         spec, columns, parts, stages, folder, release, runner, dask_address, workers
     )
     fill.damage = damage
-    results, scan, scan_seconds, public, peaks, stopped = _replace(folder, fill)
+    results, scan, scan_seconds, public, peaks = spec_errors(_replace, folder, fill)
     return {
         "records": parts[-1].stop,
         "partitions": len(parts),
@@ -306,13 +259,12 @@ def run_partitioned(
         "scan": scan,
         "scan_seconds": scan_seconds,
         "stages": {r.name: r for r in results},
-        "stopped_before": stopped,
         "public_files": public,
         "driver_peak_gib": peaks,
     }
 
 
-def _spec_errors(fn: Callable, *args: Any) -> Any:
+def spec_errors(fn: Callable, *args: Any) -> Any:
     """fn(*args), a PartitionError raised as the SpecError naming the field to fix."""
     try:
         return fn(*args)
@@ -322,10 +274,9 @@ def _spec_errors(fn: Callable, *args: Any) -> Any:
 
 class _PartitionedRun:
     """run_partitioned's fill of the temporary folder _replace renames: the scan of the
-    input, then the release stages by partition, each on the previous one's records (the
-    measuring ones on the records so far), then the public files and the release's gates;
-    the progress lines and run.json. The results, the records so far and the driver's peak
-    resident set by step are kept as it goes."""
+    input, then the release's stages by partition (StageRun on the Parquet partitions), then
+    the public files and the release's gates; the progress lines and run.json. The results
+    and the driver's peak resident set by step are kept as it goes."""
 
     def __init__(
         self,
@@ -340,36 +291,33 @@ class _PartitionedRun:
         workers: int,
     ):
         self.spec, self.parts, self.stages = spec, parts, stages
-        self.folder, self.release = folder, release
+        self.cols, self.folder, self.release = columns, folder, release
         # mapper's: in this process, or on Dask (at dask_address, else a local cluster)
         self.runner, self.dask_address, self.workers = runner, dask_address, workers
         self.results: list[StageResult] = []
-        self.stopped: str | None = None
-        self.cols, self.partitions = columns, parts  # the records so far
         # the driver's peak resident set by step (only small aggregates should reach it)
         self.peaks: dict[str, float | None] = {}
         self.resets = False
         self.scan: dict[str, pd.DataFrame] = {}
-        self.ctx = StageContext(pd.DataFrame(columns=columns), spec)
         self.damage = True  # the SEs of the records after each stage against the input's
 
     def __call__(self, tmp: Path) -> tuple:
         """Fill tmp: (the stages' results, the scan's tables, its seconds, the public files'
-        summary or None, the driver's peaks, the stage it stopped before)."""
+        summary or None, the driver's peaks)."""
         self.resets = peak_reset()
         with mapper(self.runner, self.dask_address, self.workers, "partitioned") as run_map:
             scan_seconds, run = self._scan_input(run_map, tmp)
-            for batch in reads_only_batches(self.stages):
-                if len(batch) > 1 and self.release:  # measures of the same records: at once
-                    self._measure_at_once(batch, run, tmp)
-                elif not all(self._stage(stage, run, tmp) for stage in batch):
-                    break
-            public = None
-            if self.stopped is None and self.release:
-                public = self._release(run, tmp)
+            after = self._damage if self.damage else None
+            store = PartitionStore(run, self.parts, self.cols, tmp, after=after)
+            driver = StageRun(self.spec, self.stages, store, after=self.peak)
+            self.results = driver.results
+            driver.run_stages(skip=lambda s: reads_only(s) and not self.release)
+            for r in self.results:
+                r.metrics.setdefault("seconds", driver.timings[r.name])
+            public = self._release(driver, tmp) if self.release else None
         self._say_outcome(public)
         self._write_summary(tmp, scan_seconds, public)
-        return self.results, self.scan, scan_seconds, public, self.peaks, self.stopped
+        return self.results, self.scan, scan_seconds, public, self.peaks
 
     def peak(self, step: str) -> None:
         """The driver's peak resident set during step."""
@@ -385,7 +333,7 @@ class _PartitionedRun:
         run), the risk measures, and the SEs every stage's damage is measured by, written to
         scan/. Its seconds and the run every stage reads."""
         t_scan = time.perf_counter()
-        scan, scan_info = _scan(
+        scan, scan_info = scan_tables(
             self.spec, self.cols, self.parts, run_map, self.runner, se=self.damage
         )
         scan_seconds = time.perf_counter() - t_scan
@@ -397,85 +345,29 @@ class _PartitionedRun:
             raise GateFailed("edit validation failed on the input file", scan["edits"])
         return scan_seconds, Run(run_map, self.parts, scan, scan_info["psus"])
 
-    def _stage(self, stage: Any, run: Run, tmp: Path) -> bool:
-        """One release stage on the records so far (one that only measures them: when the
-        run releases). False where it has no partitioned path: the run stops."""
-        if reads_only(stage) and not self.release:
-            return True
-        if not hasattr(stage, "run_partitions"):
-            self._stop_before(stage.name)
-            return False
-        result = self._run_stage(stage, run, tmp)
-        data = tmp / stage.name / "data"
-        if any(data.glob("*.parquet")):  # the stage wrote the records after it
-            self.partitions = part.plan_partitions(data)
-            self.cols = part.input_columns(data)
-            if self.damage and "se_ratios" not in result.tables:  # (a stage's own first)
-                result.tables["se_ratios"] = self._damage(run, stage.name, result)
-        else:  # the records stay as the previous stage left them
-            data.rmdir()
-        for table_name, table in result.tables.items():
-            _stage_table(tmp / stage.name, table_name, table)
-        if not any((tmp / stage.name).iterdir()):
-            (tmp / stage.name).rmdir()
-        self.results.append(result)
-        self.peak(stage.name)
-        return True
-
-    def _run_stage(self, stage: Any, run: Run, tmp: Path) -> StageResult:
-        """stage.run_partitions on the records so far, on one BLAS thread (the same bits on
-        any CPU count, as the release runs a stage)."""
-        (tmp / stage.name / "data").mkdir(parents=True)
-        records = Records(run, self.partitions, self.cols, tmp / stage.name)
-        ctx = self.ctx.for_stage(stage.name, self.results)
-        with single_blas_thread():
-            return _spec_errors(stage.run_partitions, records, ctx)
-
-    def _measure_at_once(self, batch: list, run: Run, tmp: Path) -> None:
-        """Stages that only measure the records so far, at once in threads (each sees the
-        results before the batch, as in order); their results in stage order."""
-        with ThreadPoolExecutor(len(batch), thread_name_prefix="puf-stage") as pool:
-            done = list(pool.map(lambda s: self._run_stage(s, run, tmp), batch))
-        for stage, result in zip(batch, done, strict=True):
-            (tmp / stage.name / "data").rmdir()  # they write no records
-            for table_name, table in result.tables.items():
-                _stage_table(tmp / stage.name, table_name, table)
-            self.results.append(result)
-        self.peak(" + ".join(s.name for s in batch))
-
-    def _damage(self, run: Run, name: str, result: StageResult) -> pd.DataFrame:
-        """The SEs of the records after a stage against the input's (se_ratios), read with the
-        public design after it."""
+    def _damage(self, stage: Any, records: Records, result: StageResult) -> None:
+        """The SEs of the records after a stage against the input's (se_ratios, unless the
+        stage measured its own), read with the public design after it."""
+        if "se_ratios" in result.tables:
+            return
         t = time.perf_counter()
         pdesign = public_design(self.spec, [*self.results, result])
-        after = part.means_request(self.spec, self.cols, pdesign)
+        data = records.folder / "data"
+        parts, cols = part.plan_partitions(data), part.input_columns(data)
+        after = part.means_request(self.spec, cols, pdesign)
         table = part.se_ratio_rows(
-            self.scan["se"], _domain_means(run.run_map, self.partitions, self.spec, after, name)
+            self.scan["se"], _domain_means(records.run_map, parts, self.spec, after, stage.name)
         )
         result.metrics["se_seconds"] = time.perf_counter() - t
-        return table
+        result.tables["se_ratios"] = table
 
-    def _stop_before(self, name: str) -> None:
-        """The run stops before a stage that has no partitioned path."""
-        self.stopped = name
-        done = ", ".join(r.name for r in self.results) or "none"
-        say(
-            f"stopped before {name}: it has no partitioned path yet (the records after "
-            f"{done} are in {self.folder})",
-            "partitioned",
-        )
-
-    def _release(self, run: Run, tmp: Path) -> dict[str, Any]:
+    def _release(self, driver: StageRun, tmp: Path) -> dict[str, Any]:
         """The public files (puf/) of the records so far, then the release's gates as the
         flow checks them: the stages' metric gates, then the public file's (gates.csv); puf/
         becomes REFUSED when one fails. Their summary."""
         t = time.perf_counter()
-        records = Records(run, self.partitions, self.cols, tmp / "puf")
-        ctx = self.ctx.for_stage("", self.results)
-        public = _public_files(self.spec, records, ctx, self.results)
+        public, gates = driver.public_files(tmp / "puf")
         public["seconds"] = time.perf_counter() - t
-        rows = [g.as_dict() for r in self.results for g in r.gates]
-        gates = pd.concat([validate_metric_gates(rows), public.pop("gates")], ignore_index=True)
         gates.to_csv(tmp / "gates.csv", index=False)
         public["gates_passed"] = int(gates["passed"].sum())
         public["gates"] = len(gates)
@@ -507,7 +399,7 @@ class _PartitionedRun:
             )
 
     def _write_summary(self, tmp: Path, scan_seconds: float, public: dict | None) -> None:
-        """run.json: what ran, its counts and metrics (not its tables) and where it stopped."""
+        """run.json: what ran, its counts and metrics (not its tables)."""
         summary = {
             "records": self.parts[-1].stop,
             "partitions": len(self.parts),
@@ -516,7 +408,6 @@ class _PartitionedRun:
             "scan_seconds": scan_seconds,
             "driver_peak_gib": self.peaks,
             "public_files": public,
-            "stopped_before": self.stopped,
             "stages": {r.name: run_record(r) for r in self.results},
         }
         (tmp / "run.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")

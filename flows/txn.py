@@ -561,6 +561,7 @@ class Transaction:
         info = _read_json(folder / "attempt.json") or {"state": "running"}
         state = info.get("state")
         staged = folder / "staged"
+        _rmtree(folder / PARTITIONED)  # the records after each stage: never kept past a run
         if state == "published":
             _rmtree(staged)  # killed after its commit: the previous release's tree
             return None

@@ -6,7 +6,7 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from expectations.suites import validate_edits, validate_metric_gates, validate_output
+from expectations.suites import validate_edits
 from sdl_design.preflight import checked_input
 from sdl_design.spec import ReleaseSpec
 
@@ -24,23 +24,3 @@ def edits_task(df: pd.DataFrame, spec: ReleaseSpec) -> pd.DataFrame:
     # examples are row positions, never a direct identifier: the results reach Prefect's logs
     # (GateFailed) and artifacts (issue 15 item 8)
     return validate_edits(df, spec.edits)
-
-
-@task(name="gates", cache_policy=NO_CACHE)
-def gates_task(
-    puf: pd.DataFrame,
-    spec: ReleaseSpec,
-    gates: list[dict],
-    replicate_columns: list[str],
-    masked: bool,
-    detail: pd.DataFrame | None = None,
-) -> pd.DataFrame:
-    """Output-file gates and metric threshold gates, one results table (detail: the public
-    records before the keys' published coding, for the edit rules)."""
-    return pd.concat(
-        [
-            validate_metric_gates(gates),
-            validate_output(puf, spec, replicate_columns, masked, detail),
-        ],
-        ignore_index=True,
-    )

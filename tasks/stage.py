@@ -4,26 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
-import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from sdl_design.blas import single_blas_thread
+from sdl_design.engine.records import Records
 from sdl_design.stage import SharedInput, Stage, StageContext, StageResult
 
 
 @task(name="stage", cache_policy=NO_CACHE, task_run_name="{stage.name}")
-def run_stage(stage: Stage, df: pd.DataFrame, ctx: StageContext) -> StageResult:
-    """stage.run(df, ctx) as a Prefect task, on one BLAS thread (byte-identical on any CPU count)."""
+def run_stage(stage: Stage, records: Records, ctx: StageContext) -> StageResult:
+    """stage.run_partitions(records, ctx) as a Prefect task, on one BLAS thread (byte-identical
+    on any CPU count)."""
     with single_blas_thread():
-        return stage.run(df, ctx)
-
-
-def prepare_replications(stage: Any, df: pd.DataFrame, ctx: StageContext) -> SharedInput:
-    """stage.prepare_replications(df, ctx) on one BLAS thread, as run_stage runs the stage (the
-    plan's rates must be the run's bits); in the flow process, not a task: its result stays here."""
-    with single_blas_thread():
-        return stage.prepare_replications(df, ctx)
+        return stage.run_partitions(records, ctx)
 
 
 @task(name="replications", cache_policy=NO_CACHE, task_run_name="{stage.name}-replications")

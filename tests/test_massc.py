@@ -398,7 +398,6 @@ def test_replications_same_in_chunks_as_direct(survey, request):
     from sdl_design.stage import StageContext
     from sdl_design.stages.massc import MasscStage
     from sdl_design.stages.massc.stage import massc_replications
-    from tasks.stage import prepare_replications
 
     spec, df = survey
     spec = spec.model_copy(deep=True)
@@ -408,7 +407,8 @@ def test_replications_same_in_chunks_as_direct(survey, request):
 
     @flow
     def reps() -> list:
-        shared = prepare_replications(stage, df, StageContext(df, spec, "massc"))
+        with single_blas_thread():  # as the driver prepares them
+            shared = stage.prepare_replications(df, StageContext(df, spec, "massc"))
         return _replications(stage, shared, "thread", None)
 
     chunks = reps()

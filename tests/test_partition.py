@@ -1090,7 +1090,7 @@ def _same_final(folder, spec, whole, final, previous=None, rtol=1e-11):
 
 
 def _same_gates(folder, spec, metric_gates, public, design=None, n=27, model_rtol=1e-10):
-    """The partitioned release's gates.csv is the flow's gate table (gates_task: the metric
+    """The partitioned release's gates.csv is the Great Expectations suites' gate table (the metric
     gates of PRB, MASSC and the assessment, then the public file's, read with its design:
     default the spec's) on the in-memory records: the same n gates in order, verdicts, and
     values (to 1e-10; a model coefficient's to model_rtol: the replicate refits)."""

@@ -343,7 +343,7 @@ def test_failed_and_crashed_reruns_keep_the_published_release(tmp_path, monkeypa
     def crash(*a, **k):
         raise RuntimeError("simulated crash during the gates")
 
-    monkeypatch.setattr(rel_mod, "gates_task", crash)
+    monkeypatch.setattr("flows.driver.validate_metric_gates", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         rel_mod.release_flow(spec_path=str(path), approve="board")
 

@@ -957,6 +957,15 @@ def scan_pass1(
         )
 
 
+def profile_pass(part: Any, spec: ReleaseSpec) -> pd.DataFrame:
+    """Map: the profile table of one partition's keys (profile_counts; combine_profiles)."""
+    v = spec.variables
+    w = spec.design.weight
+    cols = [k.name for k in v.keys] + [s.name for s in v.sensitive] + ([w] if w else [])
+    df = read_partition(part, list(dict.fromkeys(cols)), spec)
+    return profile_counts(df, v.keys, w, v.sensitive)
+
+
 def psus_of(df: pd.DataFrame, req: MeansRequest) -> MeansPass1:
     """The partition's PSUs as a MeansPass1 without sums (means_pass1's checks of the weight
     and the design labels)."""

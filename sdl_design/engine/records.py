@@ -62,6 +62,7 @@ class Records:
     laps: dict[str, float] = field(default_factory=dict)
     _t: float = field(default_factory=time.perf_counter)
     sink: str | None = None
+    frame: pd.DataFrame | None = None  # held in memory: the working frame, the original's labels
 
     @property
     def run_map(self) -> Exchange:
@@ -133,24 +134,41 @@ def in_memory(df: pd.DataFrame, ctx: StageContext) -> Records:
         sel = np.zeros(len(ctx.original), dtype=bool)
         sel[at] = True
         _write_partition(pd.DataFrame({"__sel": sel}), original[0], run.selected)
-    return Records(run, parts, list(df.columns), Path(), sink=memory_folder(ctx.stage))
+    return Records(run, parts, list(df.columns), Path(), sink=memory_folder(ctx.stage), frame=df)
 
 
 def run_in_memory(stage: Any, df: pd.DataFrame, ctx: StageContext) -> StageResult:
-    """A stage written once, as its passes (run_partitions), run on the working frame as one
-    partition held in memory: its result with the frame it wrote (df's index), or df when it
-    writes none; without the run's laps and facts (the flow times the stage)."""
+    """A stage's passes (run_partitions) on the working frame as one partition held in memory:
+    held_result's result."""
     records = in_memory(df, ctx)
     try:
         result = stage.run_partitions(records, ctx)
-        frames = held(records.data)
-    finally:
-        release_memory(records.data)
-        if records.run.selected:
-            release_memory(records.run.selected)
+    except BaseException:
+        release_held(records)
+        raise
+    return held_result(records, result)
+
+
+def release_held(records: Records) -> None:
+    """The memory folders of records held in memory, released."""
+    release_memory(records.data)
+    if records.run.selected:
+        release_memory(records.run.selected)
+
+
+def held_result(records: Records, result: StageResult) -> StageResult:
+    """The result of a stage run on records held in memory (in_memory), with the frame it wrote
+    (the working frame's index; a stage whose kernel reads the whole frame, Records.frame,
+    returns it as result.data), or the working frame when it writes none; without the run's
+    laps and facts (the flow times the stage). The records' memory folders are released."""
+    frames = held(records.data)
+    release_held(records)
+    if result.data is not None:  # the whole frame's kernel: its own result
+        return result
     for k in records.laps:
         result.metrics.pop(k, None)
     result.facts = {}
+    df = records.frame
     if frames:
         (out,) = frames
         result.data = out.set_axis(df.index)

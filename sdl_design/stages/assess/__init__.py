@@ -132,7 +132,9 @@ class AssessStage(Describes):
         variables, a third pass for their replicate SEs), the models (their cells), the
         re-identification, sample uniques, delta and PSU leak of the published records (each
         linked to its original record by MASSC's d(2)), the pMSE (its propensity model fitted
-        by partition) and the gates on them."""
+        by partition) and the gates on them. Records held in memory: run() on the working frame."""
+        if records.frame is not None:
+            return self.run(records.frame, ctx)
         spec, run_map = ctx.spec, records.run_map
         design = ctx.public_design()
         built = any((r.params or {}).get("public_design") for r in ctx.previous)

@@ -808,5 +808,9 @@ class MasscStage(Describes):
         return out
 
     def run_partitions(self, records: Records, ctx: StageContext) -> StageResult:
-        """MASSC by partition, Steps I-IV (run()'s treatment, bit for bit): massc_by_partition."""
+        """MASSC by partition, Steps I-IV (run()'s treatment, bit for bit): massc_by_partition;
+        records held in memory: run() on the working frame (the run's replications are tasks of
+        the flow: prepare_replications, replicate, combine)."""
+        if records.frame is not None:
+            return self.run(records.frame, ctx)
         return massc_by_partition(records, ctx)

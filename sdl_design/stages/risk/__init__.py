@@ -6,15 +6,20 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.describe import SURVEY_UNIQUES, Describes
-from sdl_design.engine.partitions import ProfileRisk, profile_counts, profile_measures
-from sdl_design.engine.records import Records
+from sdl_design.engine.partitions import (
+    ProfileRisk,
+    combine_profiles,
+    profile_measures,
+    profile_pass,
+)
+from sdl_design.engine.records import Passes, Records
 from sdl_design.plots import histogram
 from sdl_design.risk import STRATA, key_cell_problems
 from sdl_design.spec import KeySpec, ReleaseSpec, RiskSection, SensitiveSpec
 from sdl_design.stage import StageContext, StageResult
 
 
-class RiskStage(Describes):
+class RiskStage(Passes, Describes):
     """Stage: risk of the input file on the keys (risk strata, GenMASSC scores, log-linear
     tau1/tau2); the data pass through unchanged."""
 
@@ -54,12 +59,6 @@ class RiskStage(Describes):
             return None
         v = spec.variables
         return cls(section, list(v.keys), list(v.sensitive), spec.design.weight)
-
-    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
-        """The risk of the frame's keys: its profile table (the scan's map on one partition),
-        measured as run_partitions measures the scan's."""
-        profiles = profile_counts(df, self.keys, self.weight, self.sensitive)
-        return self._measured(profiles, df)
 
     def _measured(self, profiles: pd.DataFrame, data: pd.DataFrame | None) -> StageResult:
         """The stage's result from the whole file's profile table: the metrics, the tables by
@@ -116,9 +115,15 @@ class RiskStage(Describes):
         return notes
 
     def run_partitions(self, records: Records, ctx: StageContext) -> StageResult:
-        """The risk of the input's keys by partition: the scan's profile table (its map's
-        profile_counts combined), measured as run measures one partition's."""
-        return self._measured(records.run.scan["profiles"], None)
+        """The risk of the input's keys by partition: the scan's profile table when the input
+        was scanned, else the records' (profile_counts by partition, combined)."""
+        profiles = records.run.scan.get("profiles")
+        if profiles is None:
+            tables = records.run_map(
+                profile_pass, records.parts, ctx.spec, what="risk: key profiles"
+            )
+            profiles = combine_profiles(tables)
+        return self._measured(profiles, None)
 
 
 def risk_tables(table: pd.DataFrame, loglinear: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
