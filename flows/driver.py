@@ -21,6 +21,7 @@ from flows.public_files import write_public_by_partition
 from flows.txn import CONFIDENTIAL_TABLES
 from sdl_design.blas import single_blas_thread
 from sdl_design.engine import partitions as part
+from sdl_design.engine.partitions import FramePartition
 from sdl_design.engine.records import Records, Run, held_result, in_memory, release_held
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import (
@@ -69,13 +70,11 @@ class MemoryStore:
     original: pd.DataFrame
     replicate: Replicate | None = None
     df: pd.DataFrame = field(init=False)
+    n_input: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.df = self.original
-
-    @property
-    def n_input(self) -> int:
-        return len(self.original)
+        self.n_input = len(self.original)
 
     def records(self, ctx: StageContext, name: str) -> Records:
         return in_memory(self.df, ctx)
@@ -93,18 +92,18 @@ class MemoryStore:
             with single_blas_thread():  # the plan's rates: the run's bits
                 shared = stage.prepare_replications(self.df, ctx)
             result = stage.combine(result, self.replicate(stage, shared), ctx)
-        if reads_only(stage):
-            changed = changed_release(result, self.df)
-            if changed:
-                raise RuntimeError(
-                    f"stage {stage.name} says it only measures the records (reads_only) but "
-                    f"changed {', '.join(changed)}; set reads_only = False on it"
-                )
+        only_measured(stage, result, result.data is not self.df)
         self.df, result.data = result.data, None
         return result
 
     def public_records(self, ctx: StageContext, folder: Path) -> Records:
-        return in_memory(self.df, ctx).at(folder)
+        """The records after the stages, for the public files; the original's records are
+        not read past here (the record map needs its length and MASSC's selection): freed
+        before the files are written (at 1M records, a GiB of the step's peak)."""
+        records = in_memory(self.df, ctx).at(folder)
+        self.original = self.original.iloc[:0]
+        records.run.inputs = [FramePartition(self.original, 0, self.n_input)]
+        return records
 
     def release(self, records: Records) -> None:
         release_held(records)
@@ -139,7 +138,9 @@ class PartitionStore:
         records = self.records(ctx, stage.name)
         result = call(stage, records, ctx)
         data = records.folder / "data"
-        if any(data.glob("*.parquet")):  # the stage wrote the records after it
+        wrote = any(data.glob("*.parquet"))
+        only_measured(stage, result, wrote)
+        if wrote:  # the stage wrote the records after it
             self.parts = part.plan_partitions(data)
             self.columns = part.input_columns(data)
             if self.after is not None:
@@ -158,6 +159,17 @@ class PartitionStore:
 
     def release(self, records: Records) -> None:
         return None
+
+
+def only_measured(stage: Any, result: StageResult, wrote: bool) -> None:
+    """A stage that says it only measures the records (reads_only: it may run beside its
+    neighbours) and changed the release anyway is an error, not a guess."""
+    changed = changed_release(result, wrote) if reads_only(stage) else []
+    if changed:
+        raise RuntimeError(
+            f"stage {stage.name} says it only measures the records (reads_only) but changed "
+            f"{', '.join(changed)}; set reads_only = False on it"
+        )
 
 
 def stage_table(folder: Path, name: str, table: pd.DataFrame) -> None:
@@ -242,8 +254,10 @@ class StageRun:
         the release publishes them (its public columns, order and design; the columns the
         stages drop left out); with the gates: the stages' metric gates, then the public
         file's. (Their summary, the gates.)"""
+        records = self.store.public_records(self.ctx, folder)
+        # the stages' context (the original file, its design and what they cached) freed
+        self.ctx = StageContext(self.store.original, self.spec)
         ctx = self.ctx.for_stage("", self.results)
-        records = self.store.public_records(ctx, folder)
         try:
             public = _public_files(self.spec, records, ctx, self.results)
         finally:

@@ -282,12 +282,12 @@ def reads_only(stage: Any) -> bool:
     return bool(getattr(stage, "reads_only", False)) and not stage.replications
 
 
-def changed_release(result: StageResult, df: pd.DataFrame) -> list[str]:
-    """What a result of a stage run on df changes of the release (empty for a stage that only
-    measured it): its frame, columns to drop, a masked or public design."""
+def changed_release(result: StageResult, wrote: bool) -> list[str]:
+    """What a stage's result changes of the release (empty for a stage that only measured the
+    records): the records (wrote), columns to drop, a masked or public design."""
     out = []
-    if result.data is not df:
-        out.append("the working frame")
+    if wrote:
+        out.append("the records")
     if result.drop_public:
         out.append(f"columns to drop {result.drop_public}")
     if result.masks_design or (result.params or {}).get("public_design"):
