@@ -228,15 +228,15 @@ def built_design(spec: ReleaseSpec, pub: dict[str, Any]) -> Any:
 
 @runtime_checkable
 class Stage(Protocol):
-    """A release stage: `Stage.from_spec(spec)` (None when off), then `run(df, ctx)` in memory
-    or `run_partitions(records, ctx)` a partition at a time: the same StageResult, the same
-    records bit for bit. A stage written once derives run from its passes
-    (sdl_design.engine.records.Passes: the frame as one partition held in memory)."""
+    """A release stage: `Stage.from_spec(spec)` (None when off), then `run_partitions(records,
+    ctx)` on the records so far, held in memory as one partition or in Parquet partitions (the
+    driver's store): the same StageResult, the same records bit for bit. `run(df, ctx)` is the
+    same call on a frame (sdl_design.engine.records.Passes: the frame as one partition)."""
 
     name: ClassVar[str]
     replications: int
-    # optional: True when run() returns df as it is and no drop_public, masks_design or
-    # public design (an assessment): the flow may run it at once with its neighbours
+    # optional reads_only: True when the stage writes no records and no drop_public,
+    # masks_design or public design (an assessment): the driver may run it beside its neighbours
 
     @classmethod
     def from_spec(cls, spec: ReleaseSpec) -> Stage | None: ...
