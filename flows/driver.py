@@ -106,7 +106,10 @@ class MemoryStore:
         return records
 
     def release(self, records: Records) -> None:
+        """After the public files: the records held are not read again (freed before the
+        report and the publication)."""
         release_held(records)
+        self.df = self.df.iloc[:0]
 
 
 @dataclass

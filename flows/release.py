@@ -357,7 +357,7 @@ class ReleaseRun:
         manifest.counts.n_input = store.n_input
         txn.open(manifest)
         work.mkdir(exist_ok=True)
-        driver = StageRun(self.spec, self.stages, store, _call_stage, self.steps)
+        driver = StageRun(self.spec, self.stages, store, _call_stage, self.steps, _freed)
         results, gates = driver.results, None
         try:
             if not edits["passed"].all():
@@ -463,6 +463,12 @@ class ReleaseRun:
             self._refuse(txn, manifest, driver.results, gates, why)
         manifest.status = "gated"
         return gates
+
+
+def _freed(step: str) -> None:
+    """After a step: what it freed goes back to the system before the next (at 300,000
+    records, without it the in-memory peak from MASSC on was 0.2-0.4 GiB higher)."""
+    return_freed_memory()
 
 
 def _record_map(work: Path) -> pd.DataFrame:
