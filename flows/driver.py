@@ -22,7 +22,7 @@ from flows.txn import CONFIDENTIAL_TABLES
 from sdl_design.blas import single_blas_thread
 from sdl_design.engine import partitions as part
 from sdl_design.engine.partitions import FramePartition
-from sdl_design.engine.records import Records, Run, held_result, in_memory, release_held
+from sdl_design.engine.records import Records, Run, in_memory, release_held, run_in_memory
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import (
     SharedInput,
@@ -76,18 +76,9 @@ class MemoryStore:
         self.df = self.original
         self.n_input = len(self.original)
 
-    def records(self, ctx: StageContext, name: str) -> Records:
-        return in_memory(self.df, ctx)
-
     def step(self, stage: Any, ctx: StageContext, call: Call) -> StageResult:
         """The stage on the working frame, which becomes the frame it wrote."""
-        records = self.records(ctx, stage.name)
-        try:
-            result = call(stage, records, ctx)
-        except BaseException:
-            release_held(records)
-            raise
-        result = held_result(records, result)
+        result = run_in_memory(stage, self.df, ctx, call)
         if stage.replications > 0 and self.replicate is not None:
             with single_blas_thread():  # the plan's rates: the run's bits
                 shared = stage.prepare_replications(self.df, ctx)
@@ -99,7 +90,7 @@ class MemoryStore:
     def public_records(self, ctx: StageContext, folder: Path) -> Records:
         """The records after the stages, for the public files; the original's records are
         not read past here (the record map needs its length and MASSC's selection): freed
-        before the files are written (at 1M records, a GiB of the step's peak)."""
+        before the files are written, as the release always freed them."""
         records = in_memory(self.df, ctx).at(folder)
         self.original = self.original.iloc[:0]
         records.run.inputs = [FramePartition(self.original, 0, self.n_input)]

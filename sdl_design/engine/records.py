@@ -137,16 +137,25 @@ def in_memory(df: pd.DataFrame, ctx: StageContext) -> Records:
     return Records(run, parts, list(df.columns), Path(), sink=memory_folder(ctx.stage), frame=df)
 
 
-def run_in_memory(stage: Any, df: pd.DataFrame, ctx: StageContext) -> StageResult:
-    """A stage's passes (run_partitions) on the working frame as one partition held in memory:
-    held_result's result."""
+def run_in_memory(
+    stage: Any,
+    df: pd.DataFrame,
+    ctx: StageContext,
+    call: Callable[[Any, Records, StageContext], StageResult] | None = None,
+) -> StageResult:
+    """A stage's passes (run_partitions, or call(stage, records, ctx): the flow's task) on the
+    working frame as one partition held in memory: held_result's result."""
     records = in_memory(df, ctx)
     try:
-        result = stage.run_partitions(records, ctx)
+        result = (call or _run_partitions)(stage, records, ctx)
     except BaseException:
         release_held(records)
         raise
     return held_result(records, result)
+
+
+def _run_partitions(stage: Any, records: Records, ctx: StageContext) -> StageResult:
+    return stage.run_partitions(records, ctx)
 
 
 def release_held(records: Records) -> None:
