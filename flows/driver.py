@@ -123,13 +123,13 @@ class PartitionStore:
     def n_input(self) -> int:
         return self.run.n_input
 
-    def records(self, ctx: StageContext, name: str) -> Records:
+    def records(self, name: str) -> Records:
         (self.folder / name / "data").mkdir(parents=True)
         return Records(self.run, self.parts, self.columns, self.folder / name)
 
     def step(self, stage: Any, ctx: StageContext, call: Call) -> StageResult:
         """The stage on the partitions so far, which become the ones it wrote (when it did)."""
-        records = self.records(ctx, stage.name)
+        records = self.records(stage.name)
         result = call(stage, records, ctx)
         data = records.folder / "data"
         wrote = any(data.glob("*.parquet"))
@@ -143,7 +143,7 @@ class PartitionStore:
             data.rmdir()
         if self.tables:
             for name, table in result.tables.items():
-                stage_table(records.folder, name, table)
+                stage_table(records, name, table)
         if records.folder.exists() and not any(records.folder.iterdir()):
             records.folder.rmdir()
         return result
@@ -166,12 +166,12 @@ def only_measured(stage: Any, result: StageResult, wrote: bool) -> None:
         )
 
 
-def stage_table(folder: Path, name: str, table: pd.DataFrame) -> None:
+def stage_table(records: Records, name: str, table: pd.DataFrame) -> None:
     """A stage's table as CSV in its folder; a record-level map (txn.CONFIDENTIAL_TABLES)
-    under internal/ (<run>/<stage>/name -> <run>/internal/<stage>/name)."""
-    path = folder / f"{name}.csv"
-    if f"{folder.name}/{name}.csv" in CONFIDENTIAL_TABLES:
-        path = folder.parent / "internal" / folder.name / f"{name}.csv"
+    where its record-level maps go (Records.confidential)."""
+    path = records.folder / f"{name}.csv"
+    if f"{records.folder.name}/{name}.csv" in CONFIDENTIAL_TABLES:
+        path = records.confidential(f"{name}.csv")
         path.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(path, index=False)
 

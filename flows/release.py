@@ -35,7 +35,7 @@ from flows.public_files import (
 )
 from flows.registry import se_ratio_tables
 from flows.report import post_artifacts, render_report
-from flows.scan import partitioned_input, scan_tables, spec_errors
+from flows.scan import check_partitions, partitioned_input, scan_tables
 from flows.server_guard import install as _guard_prefect_server
 from flows.tune import tune_dir
 from flows.txn import (
@@ -420,10 +420,7 @@ class ReleaseRun:
         _, columns, parts = partitioned_input(
             self.spec_path, self.runner, self.partitions, "partitioned", spec.release.year
         )
-        for stage in self.stages:  # a spec the chain would refuse later is refused now, in full
-            check = getattr(stage, "check_partitions", None)
-            if check is not None:
-                spec_errors(check, spec, columns)
+        check_partitions(self.stages, spec, columns)
         digest = input_digest(spec.release.input)
         self._lap("load", t0)
         t0 = steps.start("edit validation")

@@ -235,16 +235,14 @@ def run_partitioned(
     and its tables (record-level maps under internal/), among them se_ratios.csv: the SE of
     every study variable's mean overall and in every utility domain on the records after
     the stage, against the input's (damage False: not measured; a published run measures
-    what the release measures); run.json says what ran, its counts and metrics. Workers on other machines need out on a disk they share. Returns the run's
-    summary with each stage's StageResult under "stages"."""
+    what the release measures); run.json says what ran, its counts and metrics. Workers on
+    other machines need out on a disk they share. Returns the run's summary with each
+    stage's StageResult under "stages"."""
 
     spec, columns, parts = partitioned_input(spec_path, runner, partitions, "partitioned", year)
     folder = Path(out) if out else partitioned_folder(spec)
     stages = build_stages(spec)
-    for stage in stages:  # a spec the chain would refuse later is refused now, in full
-        check = getattr(stage, "check_partitions", None)
-        if check is not None:
-            spec_errors(check, spec, columns)
+    check_partitions(stages, spec, columns)
     t0 = time.perf_counter()
     fill = _PartitionedRun(
         spec, columns, parts, stages, folder, release, runner, dask_address, workers
@@ -262,6 +260,15 @@ def run_partitioned(
         "public_files": public,
         "driver_peak_gib": peaks,
     }
+
+
+def check_partitions(stages: list, spec: ReleaseSpec, columns: list[str]) -> None:
+    """What a stage refuses by partition (its check_partitions), refused before any work, in
+    full: SpecError naming the field."""
+    for stage in stages:
+        check = getattr(stage, "check_partitions", None)
+        if check is not None:
+            spec_errors(check, spec, columns)
 
 
 def spec_errors(fn: Callable, *args: Any) -> Any:
