@@ -78,11 +78,64 @@ def test_the_gates_compare_the_producers_bootstrap_ses():
 
 def test_the_baseline_takes_the_declared_fpc_and_lonely_psu_rule():
     """design.fpc and design.lonely_psu reach the original's design in the assessment (the
-    published file carries no fpc: its SEs are with replacement); by partition they are
-    refused, naming the fields."""
+    published file carries no fpc: its SEs are with replacement); by partition a second stage
+    is refused, naming the fields."""
     from sdl_design.engine.partitions import PartitionError
     from sdl_design.stages.assess import AssessStage
 
+    df, spec = _fpc_file("adjust")
+    a = {r.name: r for r in run_stages(spec, df)}["assess"]
+    est = a.tables["domain_estimates"]
+    row = est[(est.variable == "y") & (est.statistic == "mean") & (est.domain == "all")].iloc[0]
+    with_fpc = SurveyDesign(df, "w", "h", "p", fpc="N", lonely_psu="adjust").mean("y")
+    without = SurveyDesign(df, "w", "h", "p", lonely_psu="adjust").mean("y")
+    assert row.se_original == pytest.approx(with_fpc["se"].iloc[0], rel=1e-12)
+    assert row.se_released == pytest.approx(without["se"].iloc[0], rel=1e-12)
+    assert row.se_original < 0.95 * row.se_released  # the fpc the public file cannot carry
+    AssessStage.from_spec(spec).check_partitions(spec, list(df.columns))  # taken by partition
+    two = spec.model_copy(
+        update={"design": spec.design.model_copy(update={"ssu": "id", "fpc2": "N"})}
+    )
+    with pytest.raises(PartitionError, match="design.ssu, design.fpc2"):
+        AssessStage.from_spec(two).check_partitions(two, list(df.columns))
+
+
+@pytest.mark.parametrize("rule", ["adjust", "remove", "average", "certainty"])
+def test_fpc_and_lonely_psu_by_partition_give_the_in_memory_assessment(rule):
+    """The assessment by partition (3 partitions that cut strata; the released file without
+    the fpc column, in 2; PSUs of 2 records, one of them cut) gives the in-memory
+    assessment's domain estimates and SEs: the fpc and the lonely stratum's rule act on the
+    PSU totals, which the partitions sum."""
+    from sdl_design.engine.partitions import FramePartition
+    from sdl_design.stages.assess import passes as pas
+    from sdl_design.stages.assess.method import assess
+
+    df, spec = _fpc_file(rule, size=2)
+    rel = df.drop(columns="N")
+    want = assess(df, rel, spec, pmse=False, reid=False, models=[]).domain_estimates
+    files = [(df, (0, 31, 75, len(df))), (rel, (0, 65, len(rel)))]
+    parts = [
+        [FramePartition(f.iloc[a:b], a, b) for a, b in zip(cut[:-1], cut[1:], strict=True)]
+        for f, cut in files
+    ]
+    req = pas.assess_request(spec, list(df.columns), list(rel.columns))
+    assert req.files[0].fpc == "N" and req.files[1].fpc is None
+    first = [[pas.assess_pass1(p, spec, req, f) for p in ps] for f, ps in enumerate(parts)]
+    plan = pas.assess_plan(first, req)
+    second = [[pas.assess_pass2(p, spec, req, f, plan) for p in ps] for f, ps in enumerate(parts)]
+    got = pas.assess_combine(plan, second).domain_estimates
+    assert len(got) == len(want) and list(got.columns) == list(want.columns)
+    for c in ("estimate_original", "se_original", "se_released", "n_original"):
+        np.testing.assert_allclose(got[c], want[c], rtol=1e-12, atol=1e-15, err_msg=c)
+    row = got[(got.variable == "y") & (got.statistic == "mean") & (got.domain == "all")]
+    ref = SurveyDesign(df, "w", "h", "p", fpc="N", lonely_psu=rule).mean("y")
+    np.testing.assert_allclose(row["se_original"], ref["se"], rtol=1e-12)
+
+
+def _fpc_file(rule: str, size: int = 1) -> tuple[pd.DataFrame, object]:
+    """101 records in 3 strata of 40, 60 and 1 records, in PSUs of size records (the third
+    stratum one PSU of one record), with their populations of PSUs (fpc N), and its spec with
+    lonely_psu: rule."""
     rng = np.random.default_rng(5)
     n_h = np.array([40, 60, 1])  # the third stratum has one PSU of one record
     h = np.repeat(np.arange(3), n_h)
@@ -90,7 +143,7 @@ def test_the_baseline_takes_the_declared_fpc_and_lonely_psu_rule():
         {
             "id": np.arange(len(h)),
             "h": h,
-            "p": np.arange(len(h)),
+            "p": np.arange(len(h)) // size,
             "N": np.array([200, 120, 50])[h],  # PSUs in the stratum's population
             "w": np.array([5.0, 2.0, 50.0])[h],
             "sex": rng.choice(["f", "m"], len(h)),
@@ -105,20 +158,11 @@ def test_the_baseline_takes_the_declared_fpc_and_lonely_psu_rule():
                 "strata": "h",
                 "psu": "p",
                 "fpc": "N",
-                "lonely_psu": "adjust",
+                "lonely_psu": rule,
                 "publish_design_labels": True,
             },
             "variables": {"direct_identifiers": ["id"], "keys": ["sex"], "study": ["y"]},
             "stages": {"massc": {"enabled": False}, "topcode": {"enabled": False}},
         }
     )
-    a = {r.name: r for r in run_stages(spec, df)}["assess"]
-    est = a.tables["domain_estimates"]
-    row = est[(est.variable == "y") & (est.statistic == "mean") & (est.domain == "all")].iloc[0]
-    with_fpc = SurveyDesign(df, "w", "h", "p", fpc="N", lonely_psu="adjust").mean("y")
-    without = SurveyDesign(df, "w", "h", "p", lonely_psu="adjust").mean("y")
-    assert row.se_original == pytest.approx(with_fpc["se"].iloc[0], rel=1e-12)
-    assert row.se_released == pytest.approx(without["se"].iloc[0], rel=1e-12)
-    assert row.se_original < 0.95 * row.se_released  # the fpc the public file cannot carry
-    with pytest.raises(PartitionError, match="design.fpc, design.lonely_psu"):
-        AssessStage.from_spec(spec).check_partitions(spec, list(df.columns))
+    return df, spec

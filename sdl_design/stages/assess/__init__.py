@@ -92,17 +92,16 @@ class AssessStage(Describes):
         )
 
     def check_partitions(self, spec: ReleaseSpec, columns: list[str]) -> None:
-        """What the partitioned path refuses in the spec (PartitionError naming the field): the
-        finite population corrections and lonely-PSU rules, which its sums by PSU do not
-        take (the in-memory assessment does)."""
+        """What the partitioned path refuses in the spec (PartitionError naming the field): a
+        second stage (ssu, fpc2), whose variance needs the SSU totals its sums by PSU do not
+        keep (the fpc and lonely-PSU rule it takes: they act on the PSU totals)."""
         d = spec.design
-        given = [f"design.{f}" for f in ("fpc", "ssu", "fpc2") if getattr(d, f)]
-        given += ["design.lonely_psu"] if d.lonely_psu != "fail" else []
+        given = [f"design.{f}" for f in ("ssu", "fpc2") if getattr(d, f)]
         if given:
             raise part.PartitionError(
-                f"{', '.join(given)}: the assessment by partition sums by PSU with replacement "
-                "and no finite population correction; run the release in memory (puf run "
-                "without --partitions), or drop them (the SEs are then with replacement)"
+                f"{', '.join(given)}: the assessment by partition sums by PSU (the PSUs are "
+                "ultimate clusters); run the release in memory (puf run without --partitions), "
+                "or drop them"
             )
 
     @classmethod

@@ -118,9 +118,15 @@ class FileDesign:
     replicates: tuple[str, ...]
     method: str | None
     rho: float | None
+    fpc: str | None = None  # the stratum's population (or sampling fraction), when on the file
+    lonely_psu: str = "fail"
 
     def labels(self) -> list[str]:
         return [c for c in (self.strata, self.psu) if c]
+
+    def psu_columns(self) -> list[str]:
+        """The columns read by PSU: its labels, then the fpc (constant within a stratum)."""
+        return [*self.labels(), *([self.fpc] if self.fpc else [])]
 
 
 @dataclass(frozen=True)
@@ -174,7 +180,7 @@ class AssessRequest:
             dict.fromkeys(
                 [
                     d.weight,
-                    *d.labels(),
+                    *d.psu_columns(),
                     *d.replicates,
                     *self.coded_all,
                     *self.study,
@@ -200,6 +206,10 @@ def _file_design(spec: ReleaseSpec, columns: Sequence[str], design: Any) -> File
         replicates=tuple(reps),
         method=rs.method if reps else None,
         rho=rs.rho if reps else None,
+        # as assess.file_design: the fpc where the file has its column (the input; a public
+        # file never carries it), the lonely-PSU rule the spec declares
+        fpc=d.fpc if d.fpc and d.fpc in columns else None,
+        lonely_psu=d.lonely_psu,
     )
 
 
@@ -279,7 +289,7 @@ def assess_pass1(part: Any, spec: ReleaseSpec, req: AssessRequest, f: int) -> As
     d = req.files[f]
     kinds = {v: study_kind(df[v]) for v in req.study}
     cats = {v: df[v].dropna().drop_duplicates() for v, k in kinds.items() if k is None}
-    labels = df[d.labels()]
+    labels = df[d.psu_columns()]
     if d.replicates:
         pos = pd.DataFrame(
             (df[list(d.replicates)].to_numpy(dtype=float) > 0).astype(float),
@@ -331,17 +341,18 @@ class AssessPlan:
 
 def _psu_design(first: Sequence[AssessPass1], d: FileDesign) -> tuple[SurveyDesign, pd.DataFrame]:
     """The file's design on one row per PSU (its strata, PSU codes as SurveyDesign numbers
-    them, replicate scales: jkn's from the PSUs each replicate leaves without weight), and
-    each PSU's code. Without usable replicates (a DesignError), the design without them, as
-    assess.file_design."""
+    them, the stratum's fpc and the lonely-PSU rule: the stratum constants of R's onestrat
+    count PSUs, not records; replicate scales: jkn's from the PSUs each replicate leaves
+    without weight), and each PSU's code. Without usable replicates (a DesignError), the
+    design without them, as assess.file_design."""
     labels = d.labels()
     psus = pd.concat([p.psus for p in first], ignore_index=True)
     if d.replicates:
-        psus = psus.groupby(labels, sort=False).max().reset_index()
+        psus = psus.groupby(d.psu_columns(), sort=False).max().reset_index()
     else:
         psus = psus.drop_duplicates(ignore_index=True)
-    frame = psus.assign(__w=1.0)
-    kw = {"strata": d.strata, "psu": d.psu}
+    frame = psus.assign(__w=1.0)  # (an fpc that varies in a PSU varies in its stratum: refused)
+    kw = {"strata": d.strata, "psu": d.psu, "fpc": d.fpc, "lonely_psu": d.lonely_psu}
     try:
         design = SurveyDesign(
             frame, "__w", **kw, replicate_weights=list(d.replicates) or None,
