@@ -259,6 +259,19 @@ class _Columns:
         return self._checked(self.data.T, self.names).T
 
 
+def _estimate_frame(parts: list[tuple], index: list, by: str | None, levels: list) -> pd.DataFrame:
+    """One frame of the estimates (estimate, se and deff when given) of every level, indexed by
+    variable (and by's level: its values typed as a column of them would be), built once: a
+    frame and a MultiIndex per level cost most of an estimate on a small file."""
+    names = ["estimate", "se"] + (["deff"] if parts[0][2] is not None else [])
+    cols = {c: np.concatenate([p[i] for p in parts]) for i, c in enumerate(names)}
+    out = pd.DataFrame(cols, index=pd.Index(list(index) * len(parts), name="variable"))
+    if by is None:
+        return out
+    out[by] = [level for level in levels for _ in index]
+    return out.set_index(by, append=True)
+
+
 def _as_list(cols: str | Sequence[str]) -> list[str]:
     return [cols] if isinstance(cols, str) else list(cols)
 
@@ -1250,14 +1263,14 @@ class SurveyDesign(Quantiles):
         """
         vkind = self._variance_kind(variance)
         levels, codes = self._domains(by)
-        frames = []
+        parts = []  # (estimate, se, deff) of each level, in level order
         by_level = None
         if vkind == "replicate":  # without domains, missing values are found from the sums
             ym = y.data if codes is None else y.full()
             xm = (x.data if codes is None else x.full()) if isinstance(x, _Columns) else x
             if codes is not None and self._factors is not None:  # every domain in one pass
                 by_level = self._replicate_by(ym, xm, codes, len(levels))
-        for j, level in enumerate(levels):  # loop over domains only, never over variables
+        for j in range(len(levels)):  # loop over domains only, never over variables
             if vkind == "taylor":
                 est, se, deff = self._taylor(y, x, None if codes is None else codes == j)
             elif by_level is not None:
@@ -1270,13 +1283,8 @@ class SurveyDesign(Quantiles):
                     y.full()  # raises naming the columns
                     if isinstance(x, _Columns):
                         x.full()
-            cols = {"estimate": est, "se": se} | ({} if deff is None else {"deff": deff})
-            out = pd.DataFrame(cols, index=pd.Index(index, name="variable"))
-            if by is not None:
-                out[by] = level
-                out = out.set_index(by, append=True)
-            frames.append(out)
-        return pd.concat(frames) if len(frames) > 1 else frames[0]
+            parts.append((est, se, deff))
+        return _estimate_frame(parts, index, by, levels)
 
     def total(
         self, cols: str | Sequence[str], by: str | None = None, variance: str | None = None
