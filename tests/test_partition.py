@@ -28,6 +28,7 @@ from sdl_design.survey.design import SurveyDesign
 
 N = 3000
 GROUP = 450  # records per row group: 7 row groups, PSUs cut at their edges
+CHAIN = 4  # partitions of the MASSC chain the thread and Dask runs compare
 
 
 def _cut_at_row_groups(monkeypatch):
@@ -445,16 +446,16 @@ def _with_donors(clean, restrictions=(), delta_max=None):
 @pytest.fixture(scope="module")
 def domains_chain(clean, tmp_path_factory):
     """The MASSC chain with donors in the declared domains (sex, region), every stage by
-    partition in this process (7 partitions, the replications one batch at a time): its
+    partition in this process (CHAIN partitions, the replications one batch at a time): its
     folder and run_partitioned's result. Shared by the chain's test against the in-memory
     stages and the Dask test against this run."""
     from flows.scan import run_partitioned
 
     path, _, _ = _with_donors(clean)
-    folder = tmp_path_factory.mktemp("domains_chain") / "p7"
+    folder = tmp_path_factory.mktemp("domains_chain") / f"p{CHAIN}"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pcal, "REPLICATIONS_AT_ONCE", 1)  # the 2 replications in 2 batches
-        out = run_partitioned(path, "thread", partitions=7, out=folder)
+        out = run_partitioned(path, "thread", partitions=CHAIN, out=folder)
     return folder, out
 
 
@@ -462,7 +463,7 @@ def domains_chain(clean, tmp_path_factory):
 def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
     clean, domains_chain, tmp_path
 ):
-    """One local cluster of 2 worker processes: `puf partitioned` (7 partitions; the
+    """One local cluster of 2 worker processes: `puf partitioned` (CHAIN partitions; the
     replications at once) writes the same files as the thread runner's chain (domains_chain,
     the replications one at a time), byte for byte: its scan of the input (scan/, `puf scan`'s
     tables), the records after the swap and PRB, MASSC's substituted file of its donor search,
@@ -484,7 +485,7 @@ def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
     ) as cluster:
         dask = ["--runner", "dask", "--dask-address", cluster.scheduler_address]
         out = str(tmp_path / "partitioned-dask")
-        puf(["partitioned", str(path), "--partitions", "7", "--out", out, *dask])  # (gates fail)
+        puf(["partitioned", str(path), "--partitions", str(CHAIN), "--out", out, *dask])  # (fails)
         # the workers outlive the runs: their partition caches were emptied at each end
         with Client(cluster) as client:
             assert set(client.run(lambda: C.CACHE.nbytes).values()) == {0}
@@ -493,13 +494,13 @@ def test_scan_and_partitioned_stages_on_a_local_dask_cluster_are_byte_identical(
     assert files == sorted(p.relative_to(dask) for p in dask.rglob("*.*") if p.name != "run.json")
     parquet = [f for f in files if f.suffix == ".parquet"]
     # the swap's, PRB's, MASSC's donors, its two selections', its calibrated records, the
-    # top-coded ones (7 each), the public file (puf/puf.parquet; puf.csv is compared too) and
+    # top-coded ones (CHAIN each), the public file (puf/puf.parquet; puf.csv is compared too) and
     # the confidential record map (internal/record_map.parquet)
-    assert len(parquet) == 7 * 7 + 2 and (_puf(thread) / "puf.csv").exists()
+    assert len(parquet) == 7 * CHAIN + 2 and (_puf(thread) / "puf.csv").exists()
     assert Path("internal/record_map.parquet") in parquet
     scan = {Path("scan") / f"{t}.csv" for t in ("se", "edits", "risk_strata", "profiles")}
     assert scan <= set(files)
-    assert len([f for f in parquet if f.parts[:2] == ("massc", "data")]) == 7
+    assert len([f for f in parquet if f.parts[:2] == ("massc", "data")]) == CHAIN
     assert json.loads((dask / "run.json").read_text())["stages"]["massc"]["n_with_donor"] > 0
     for f in files:
         assert (thread / f).read_bytes() == (dask / f).read_bytes(), f
@@ -848,8 +849,9 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
         assert (prb.data[c].to_numpy()[has] == prb.data[c].to_numpy()[donor[has]]).all(), c
     moved = prb.data[keys].to_numpy()[has] != prb.data[keys].to_numpy()[donor[has]]
     assert moved.any(axis=1).all()
-    n = 7  # partitions (2 partitions: the swap's and PRB's tests)
-    if not restrictions and delta_max is None:  # the chain the Dask test compares with
+    chain = not restrictions and delta_max is None  # the chain the Dask test compares with
+    n = CHAIN if chain else 7  # partitions (2 partitions: the swap's and PRB's tests)
+    if chain:
         folder, out = request.getfixturevalue("domains_chain")
     else:
         folder = tmp_path / f"p{n}"

@@ -691,8 +691,12 @@ def _domain_cells_both(
     perm = np.full(m, -1, dtype=np.int32 if n_c < 2**31 else np.int64)  # narrow cell codes
     perm[cells] = np.arange(n_c)
     in_b = key < n2
-    at_first = pd.concat(
-        [b2[cols].iloc[key[in_b]], original[cols].iloc[key[~in_b] - n2]], ignore_index=True
+    at_first = pd.concat(  # (rows and columns taken at once: not every record's columns)
+        [
+            b2.iloc[key[in_b], b2.columns.get_indexer(cols)],
+            original.iloc[key[~in_b] - n2, original.columns.get_indexer(cols)],
+        ],
+        ignore_index=True,
     )
 
     def t_rep(reps: Sequence[str]) -> np.ndarray:
