@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 import pandas as pd
@@ -389,11 +389,11 @@ def irls(
     return beta, mu, False, max_iter
 
 
-# above this many terms X' diag(v) X is one matrix product per weight column (_grams)
+# above this many terms X' diag(v) X is one matrix product per weight column (weighted_grams)
 GRAM_KHATRI_RAO_MAX_TERMS = 24
 
 
-def _grams(X: np.ndarray, V: np.ndarray) -> np.ndarray:
+def weighted_grams(X: np.ndarray, V: np.ndarray) -> np.ndarray:
     """X' diag(V[:, r]) X for every column r of V (R x p x p). Few terms: Khatri-Rao rows of X
     times V, a block of rows at a time (one matrix product per block instead of R); many
     terms (the Khatri-Rao rows would be p^2 long): one product per column."""
@@ -428,6 +428,78 @@ STATUS = ("converged", "boundary", "separated", "not converged", "failed")
 STEP_TOL = 1e-3
 
 
+class NewtonData(Protocol):
+    """Where the sums of a fit of several weight columns live (irls_columns' data): the rows
+    of (X, y) in memory (_Rows) or spread over partitions. The coefficients it is told of
+    (start, accept) are the current ones of each column."""
+
+    n_columns: int
+
+    def weight_of_terms(self) -> np.ndarray:
+        """W' (X * X): R x p (a term without weight in a column is out of it)."""
+
+    def drop(self, dead: np.ndarray) -> None:
+        """The columns dead get no weight from here on."""
+
+    def least_squares(self) -> tuple[np.ndarray, np.ndarray]:
+        """X' diag(W_r) X and X' diag(W_r) y: R x p x p and R x p."""
+
+    def start(self, B: np.ndarray) -> np.ndarray:
+        """The deviance of every column at B (R x p), its current coefficients."""
+
+    def terms(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Newton's X' diag(W_r v) X and X' (W_r r) of the columns a at their current fit."""
+
+    def candidate(self, a: np.ndarray, b_new: np.ndarray) -> tuple[np.ndarray, ...]:
+        """At b_new (len(a) x p): each column's deviance, the most a weighted row's linear
+        predictor moved from the current fit, and whether a fitted value is at its bound."""
+
+    def accept(self, a: np.ndarray) -> None:
+        """The last candidate becomes the current fit of the columns a."""
+
+    def boundary(self, at: np.ndarray) -> np.ndarray:
+        """at_boundary of the columns at at their current fit."""
+
+
+class _Rows:
+    """NewtonData of rows held in memory: X (m x p), y, W (m x R)."""
+
+    def __init__(self, X: np.ndarray, y: np.ndarray, W: np.ndarray, family: str):
+        self.X, self.y, self.W, self.family = X, y, W, family
+        self.n_columns = W.shape[1]
+
+    def weight_of_terms(self) -> np.ndarray:
+        return self.W.T @ (self.X * self.X)
+
+    def drop(self, dead: np.ndarray) -> None:
+        self.W = np.where(dead[None, :], 0.0, self.W)
+
+    def least_squares(self) -> tuple[np.ndarray, np.ndarray]:
+        return weighted_grams(self.X, self.W), (self.X.T @ (self.W * self.y[:, None])).T
+
+    def start(self, B: np.ndarray) -> np.ndarray:
+        self.eta = self.X @ B.T
+        return deviance(self.eta, self.y, self.W, self.family)
+
+    def terms(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        Wa = self.W[:, a]
+        v, r = irls_terms(self.eta[:, a], self.y, self.family)
+        return weighted_grams(self.X, Wa * v), (self.X.T @ (Wa * r)).T
+
+    def candidate(self, a: np.ndarray, b_new: np.ndarray) -> tuple[np.ndarray, ...]:
+        Wa = self.W[:, a]
+        self.eta_new = self.X @ b_new.T
+        dev_new = deviance(self.eta_new, self.y, Wa, self.family)
+        moved = np.where(Wa > 0, np.abs(self.eta_new - self.eta[:, a]), 0.0).max(axis=0)
+        return dev_new, moved, at_boundary(self.eta_new, self.family)
+
+    def accept(self, a: np.ndarray) -> None:
+        self.eta[:, a] = self.eta_new
+
+    def boundary(self, at: np.ndarray) -> np.ndarray:
+        return at_boundary(self.eta[:, at], self.family)
+
+
 def irls_columns(
     X: np.ndarray,
     y: np.ndarray,
@@ -439,70 +511,77 @@ def irls_columns(
 ) -> tuple[np.ndarray, np.ndarray]:
     """irls for every weight column of W (m x R) at once, from start (p, or R x p): R x p
     coefficients (NaN where a column of X has no weight, R's NA, or the system is singular)
-    and each column's STATUS code. A column stops when the deviance criterion has held on two
-    steps (the second, Newton's quadratic step, takes the coefficients to the last bits) and
-    the last moved no linear predictor of a weighted row by STEP_TOL: converged, or boundary
-    when a fitted value is numerically at its bound (at_boundary, R's warning). Steps that go
-    on moving once the deviance has settled are coefficients diverging (separation: the
-    maximum likelihood estimate does not exist): the column stops as separated when a fitted
-    value reaches its bound. Not converged after max_iter steps; failed on NaN (singular)."""
-    R = W.shape[1]
-    B = np.broadcast_to(np.asarray(start, dtype=float), (R, X.shape[1])).copy()
-    dead = ((W.T @ (X * X)) <= 0).any(axis=1)  # a term with no weight in that column
-    W = np.where(dead[None, :], 0.0, W)
+    and each column's STATUS code (newton_columns)."""
+    return newton_columns(_Rows(X, y, W, family), family, start, X.shape[1], tol, max_iter)
+
+
+def newton_columns(
+    data: NewtonData,
+    family: Family,
+    start: np.ndarray,
+    p: int,
+    tol: float = 1e-12,
+    max_iter: int = 100,
+) -> tuple[np.ndarray, np.ndarray]:
+    """irls_columns on data (NewtonData: in memory or by partition). A column stops when the
+    deviance criterion has held on two steps (the second, Newton's quadratic step, takes the
+    coefficients to the last bits) and the last moved no linear predictor of a weighted row
+    by STEP_TOL: converged, or boundary when a fitted value is numerically at its bound
+    (at_boundary, R's warning). Steps that go on moving once the deviance has settled are
+    coefficients diverging (separation: the maximum likelihood estimate does not exist): the
+    column stops as separated when a fitted value reaches its bound. Not converged after
+    max_iter steps; failed on NaN (singular)."""
+    R = data.n_columns
+    B = np.broadcast_to(np.asarray(start, dtype=float), (R, p)).copy()
+    dead = (data.weight_of_terms() <= 0).any(axis=1)  # a term with no weight in that column
+    data.drop(dead)
     state = np.full(R, STATUS.index("not converged"))
     if family == "gaussian":
-        H = _grams(X, W)
-        H[dead] = np.eye(X.shape[1])
-        B = _solve_many(H, (X.T @ (W * y[:, None])).T)
+        H, g = data.least_squares()
+        H[dead] = np.eye(p)
+        B = _solve_many(H, g)
         state[:] = STATUS.index("converged")
     else:
         _check_family(family)
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            _newton_columns(X, y, W, family, B, dead, state, tol, max_iter)
+            _newton_columns(data, B, dead, state, tol, max_iter)
     state[~np.isfinite(B).all(axis=1) & ~dead] = STATUS.index("failed")
     B[dead] = np.nan
     return B, state
 
 
 def _newton_columns(
-    X: np.ndarray,
-    y: np.ndarray,
-    W: np.ndarray,
-    family: str,
+    data: NewtonData,
     B: np.ndarray,
     dead: np.ndarray,
     state: np.ndarray,
     tol: float,
     max_iter: int,
 ) -> None:
-    """irls_columns' Newton steps, halved while a column's deviance rises (B, state in place)."""
-    eta = X @ B.T
-    dev = deviance(eta, y, W, family)
+    """newton_columns' Newton steps, halved while a column's deviance rises (B, state in
+    place)."""
+    dev = data.start(B)
     live = np.ones(len(B), dtype=bool)
     met = np.zeros(len(B), dtype=bool)
     for _ in range(max_iter):
         a = np.flatnonzero(live)
-        Wa = W[:, a]
-        v, r = irls_terms(eta[:, a], y, family)
-        H = _grams(X, Wa * v)
-        H[dead[a]] = np.eye(X.shape[1])
-        step = _solve_many(H, (X.T @ (Wa * r)).T)
+        H, g = data.terms(a)
+        H[dead[a]] = np.eye(B.shape[1])
+        step = _solve_many(H, g)
         t = np.ones(len(a))
         for _ in range(30):
             b_new = B[a] + t[:, None] * step
-            eta_new = X @ b_new.T
-            dev_new = deviance(eta_new, y, Wa, family)
+            dev_new, moved, bound = data.candidate(a, b_new)
             worse = ~(dev_new <= dev[a] * (1 + 1e-12) + 1e-12)  # (NaN: worse)
             if not worse.any():
                 break
             t[worse] /= 2.0
-        moved = np.where(Wa > 0, np.abs(eta_new - eta[:, a]), 0.0).max(axis=0)
         done = np.abs(dev[a] - dev_new) / (np.abs(dev_new) + 0.1) < tol
-        B[a], eta[:, a], dev[a] = b_new, eta_new, dev_new
+        data.accept(a)
+        B[a], dev[a] = b_new, dev_new
         settled = done & met[a]
         converged = settled & (moved < STEP_TOL)
-        separated = settled & ~converged & at_boundary(eta_new, family)
+        separated = settled & ~converged & bound
         state[a[converged]] = STATUS.index("converged")
         state[a[separated]] = STATUS.index("separated")
         # a NaN refit (singular) stays NaN: no more steps for it
@@ -511,7 +590,7 @@ def _newton_columns(
         if not live.any():
             break
     at = np.flatnonzero(state == STATUS.index("converged"))
-    state[at[at_boundary(eta[:, at], family)]] = STATUS.index("boundary")
+    state[at[data.boundary(at)]] = STATUS.index("boundary")
 
 
 @dataclass
@@ -613,7 +692,7 @@ def combine_cells(parts: Sequence[GLMCells]) -> GLMCells:
     )
 
 
-def _check_response(y: np.ndarray, family: str) -> None:
+def check_response(y: np.ndarray, family: str) -> None:
     _check_family(family)
     if family in LOGIT and ((y < 0) | (y > 1)).any():
         raise ValueError(f"{family} family: the response must lie in [0, 1] (a 0/1 variable)")
@@ -690,6 +769,24 @@ def fit_warnings(
     return out
 
 
+@dataclass
+class ModelSums:
+    """What a survey GLM's fit reads, wherever its records are (a model's cells in memory, or
+    its partitions): p terms, n_used complete cases, the independent columns keep, the
+    weights' scale (svyglm's mean-1 rescaling) and, on the kept columns, the full sample's
+    weight column (NewtonData), a gaussian fit, the start of a Newton fit, the Taylor
+    covariance at a fit and the replicate weights' columns (None without them)."""
+
+    p: int
+    n_used: int
+    keep: np.ndarray
+    full: Callable[[], NewtonData]
+    gaussian: Callable[[], np.ndarray]
+    start: Callable[[], np.ndarray]
+    taylor: Callable[[np.ndarray], np.ndarray]
+    replicates: Callable[[], NewtonData | None]
+
+
 def fit_cells(
     cells: GLMCells,
     names: list[str],
@@ -703,22 +800,48 @@ def fit_cells(
     only. label (e.g. the formula) heads the fit's warnings."""
     U = cells.rows
     p = U.shape[1] - 1
-    _check_response(U[:, p], family)
+    check_response(U[:, p], family)
     # svyglm rescales the weights to mean 1 over the complete cases; fit and variance are
     # invariant
     scale = float(cells.w.sum()) / cells.n_used if cells.n_used else 1.0
     wg = cells.w / scale
     keep = independent_columns(weighted_gram(U[:, :p], wg))
     Xg, yg = U[:, keep], U[:, p]
+    W = None if cells.W is None else cells.W / scale
+    sums = ModelSums(
+        p,
+        cells.n_used,
+        keep,
+        full=lambda: _Rows(Xg, yg, wg[:, None], family),
+        gaussian=lambda: irls(Xg, yg, wg, family)[0],
+        start=lambda: _start(Xg, yg, wg, family),
+        taylor=lambda beta: _taylor_vcov(cells, Xg, yg, wg, beta, design, family, scale),
+        replicates=lambda: None if W is None else _Rows(Xg, yg, W, family),
+    )
+    return fit_sums(sums, names, design, family, replicates, label, max_iter)
+
+
+def fit_sums(
+    sums: ModelSums,
+    names: list[str],
+    design: SurveyDesign,
+    family: Family,
+    replicates: bool = True,
+    label: str = "",
+    max_iter: int = 100,
+) -> GLMFit:
+    """svyglm's fit from a model's sums (ModelSums): the full sample's (irls, or Newton's
+    from its start), the sandwich's Taylor SEs and, with replicates, the refits of every
+    replicate column warm-started at the fit; fit_warnings of the fits that did not converge."""
+    p, keep = sums.p, sums.keep
     if family == "gaussian":
-        beta, state = irls(Xg, yg, wg, family)[0], STATUS.index("converged")
+        beta, state = sums.gaussian(), STATUS.index("converged")
     else:
-        b0 = _start(Xg, yg, wg, family)
-        B, st = irls_columns(Xg, yg, wg[:, None], family, b0, max_iter=max_iter)
+        B, st = newton_columns(sums.full(), family, sums.start(), len(keep), max_iter=max_iter)
         beta, state = B[0], int(st[0])
     status = STATUS[state]
     try:
-        V = _taylor_vcov(cells, Xg, yg, wg, beta, design, family, scale)
+        V = sums.taylor(beta)
     except np.linalg.LinAlgError:
         if status in ("converged", "boundary"):
             raise
@@ -731,16 +854,15 @@ def fit_cells(
     vcov[np.ix_(keep, keep)] = V
     se_r = np.full(p, np.nan)
     rep = rstatus = None
-    if replicates and design.replicate_weights and cells.W is not None:
-        rep = np.full((cells.W.shape[1], p), np.nan)
-        rep[:, keep], rst = irls_columns(Xg, yg, cells.W / scale, family, beta, max_iter=max_iter)
+    data = sums.replicates() if replicates and design.replicate_weights else None
+    if data is not None:
+        rep = np.full((data.n_columns, p), np.nan)
+        rep[:, keep], rst = newton_columns(data, family, beta, len(keep), max_iter=max_iter)
         rstatus = np.asarray(STATUS)[rst]
         se_r = design.replicate_se(coef, rep)
     said = fit_warnings(names, family, status, coef, rstatus, rep, label, max_iter)
     converged = status in ("converged", "boundary")
-    return GLMFit(
-        names, coef, se_t, se_r, vcov, converged, cells.n_used, rep, status, rstatus, said
-    )
+    return GLMFit(names, coef, se_t, se_r, vcov, converged, sums.n_used, rep, status, rstatus, said)
 
 
 def svyglm(

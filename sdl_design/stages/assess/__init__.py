@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -190,7 +191,9 @@ class AssessStage(Describes):
                 run_map(pas.model_pass, p, spec, req, f, plan, what=f"assess models, {name}")
                 for f, (p, name) in enumerate(files)
             ]
-            coefs, model_m = pas.model_fits(plan, got, variance)
+            coefs, model_m = pas.model_fits(
+                plan, got, variance, _model_sums(run_map, files, spec, req, plan)
+            )
             # pMSE: the propensity model of membership in the published file, by partition
             inputs = (records.run.inputs, records.parts)
             pmse_m = pas.pmse_by_partition(run_map, inputs, spec, req, plan)
@@ -213,6 +216,21 @@ class AssessStage(Describes):
             },
             gates=gates,
         )
+
+
+def _model_sums(
+    run_map: Any, files: tuple, spec: ReleaseSpec, req: pas.AssessRequest, plan: pas.AssessPlan
+) -> Callable[[int], Callable[..., list]]:
+    """sums_of(f) for model_fits: model_sums_pass mapped over file f's partitions."""
+
+    def sums_of(f: int) -> Callable[..., list]:
+        parts, name = files[f]
+        return lambda job, op, *args: run_map(
+            pas.model_sums_pass, parts, spec, req, plan, job, op, *args,
+            what=f"assess model fit, {name}",
+        )  # fmt: skip
+
+    return sums_of
 
 
 def _risk_by_partition(

@@ -22,7 +22,7 @@ the replicate weights (the degrees of freedom) by cell.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ from sdl_design.engine.partitions import (
 )
 from sdl_design.leaks import recoverable_share, zero_words
 from sdl_design.spec import ReleaseSpec
+from sdl_design.stages.assess import model_passes as mp
 from sdl_design.stages.assess.method import (
     MODEL_COLUMNS,
     PMSE_MAX_ITER,
@@ -883,7 +884,7 @@ def risk_metrics(
 
 # ---------------------------------------------------------------- models
 
-MODEL_CELLS_MAX = 100_000  # distinct (x, y) rows of a model by partition (categorical terms)
+MODEL_CELLS_MAX = 100_000  # distinct (x, y) rows of a model a partition sends as cells
 
 
 def _model_levels(plan: AssessPlan, text: str) -> dict[str, list]:
@@ -897,57 +898,92 @@ def _model_levels(plan: AssessPlan, text: str) -> dict[str, list]:
     }
 
 
+def _model_matrix(df: pd.DataFrame, req: AssessRequest, plan: AssessPlan, text: str) -> tuple:
+    """A model's X, y, complete-case mask and term names on the records of df (its coded
+    terms in their published coding on both files)."""
+    form = parse_formula(text)
+    data = pd.DataFrame(index=df.index)
+    for v in form.variables:
+        if v != form.response and v in plan.categories:
+            coded = Coding([_codes(df, v, req, plan)], plan.categories[v])
+            data[v] = coded.series(0, df.index, missing=False)
+        else:
+            data[v] = df[v]
+    return design_matrix(data, form, _model_levels(plan, text))
+
+
 def model_pass(
     part: Any, spec: ReleaseSpec, req: AssessRequest, f: int, plan: AssessPlan
-) -> list[tuple[list[str], GLMCells]]:
-    """Map (file f): each model's design matrix on the partition's records (its coded terms
-    in their published coding on both files), summed by distinct (x, y) row (GLMCells)."""
+) -> list[tuple[list[str], GLMCells | None]]:
+    """Map (file f): each model's design matrix on the partition's records, summed by
+    distinct (x, y) row (GLMCells); None for a model with more than MODEL_CELLS_MAX of them (a
+    continuous term or response: fitted from its sums, fit_by_partition)."""
     df = read_partition(part, req.columns(f), spec)
     d = req.files[f]
     g = _psu_codes(df, plan, f)
     w = df[d.weight].to_numpy(dtype=float)
     W = df[list(d.replicates)].to_numpy(dtype=float) if plan.designs[f].replicate_weights else None
     out = []
-    for i, (text, _) in enumerate(req.models):
-        form = parse_formula(text)
-        data = pd.DataFrame(index=df.index)
-        for v in form.variables:
-            if v != form.response and v in plan.categories:
-                coded = Coding([_codes(df, v, req, plan)], plan.categories[v])
-                data[v] = coded.series(0, df.index, missing=False)
-            else:
-                data[v] = df[v]
-        X, y, ok, names = design_matrix(data, form, _model_levels(plan, text))
+    for text, _ in req.models:
+        X, y, ok, names = _model_matrix(df, req, plan, text)
         with single_blas_thread():
             cells = glm_cells(X, y, ok, w, g, W=W)
-        if len(cells.rows) > MODEL_CELLS_MAX:
-            raise PartitionError(
-                f"utility.models[{i}]: {text!r} has {len(cells.rows):,} distinct (x, y) rows in "
-                f"one partition (more than {MODEL_CELLS_MAX:,}: a continuous term or response); "
-                "by partition a model's terms must be categorical (C(...)) and its response "
-                "take few values; assess it in memory (puf run)"
-            )
-        out.append((names, cells))
+        out.append((names, cells if len(cells.rows) <= MODEL_CELLS_MAX else None))
     return out
+
+
+def model_sums_pass(
+    part: Any, spec: ReleaseSpec, req: AssessRequest, plan: AssessPlan, job: mp.ModelJob,
+    op: str, *args: Any,
+) -> tuple:  # fmt: skip
+    """Map over file job.f's partition: one of the sums of model job.i's fit (mp.model_op) on
+    its complete cases, kept in the partition cache while the fit's passes read them."""
+
+    def rows() -> mp.ModelRows:
+        df = read_partition(part, req.columns(job.f), spec)
+        d = req.files[job.f]
+        X, y, ok, _ = _model_matrix(df, req, plan, req.models[job.i][0])
+        reps = plan.designs[job.f].replicate_weights
+        W = df[list(d.replicates)].to_numpy(dtype=float)[ok] if reps else None
+        w = df[d.weight].to_numpy(dtype=float)[ok]
+        return mp.ModelRows(X[ok], y[ok], w, W, _psu_codes(df, plan, job.f)[ok])
+
+    key = ("assess: model rows", partition_identity(part), job.f, req.models[job.i])
+    return mp.model_op(cached(key, rows, lambda r: r.nbytes), job, op, *args)
 
 
 def model_fits(
     plan: AssessPlan,
-    got: Sequence[Sequence[list[tuple[list[str], GLMCells]]]],
+    got: Sequence[Sequence[list[tuple[list[str], GLMCells | None]]]],
     variance: Variance = "taylor",
+    sums_of: Callable[[int], Callable[..., list]] | None = None,
 ) -> tuple[pd.DataFrame, dict[str, float]]:
-    """Reduce: each model fitted on each file's cells (svyglm's fit), compared as assess
-    compares them (variance: the SEs compared): model_coefficients and its metrics. got[f]:
-    file f's model_pass, in partition order."""
+    """Reduce: each model fitted on each file's cells (svyglm's fit), or, when a partition of
+    either file has too many of them, from each file's sums (sums_of(f)(job, op, *args): maps
+    model_sums_pass over file f's partitions), compared as assess compares them (variance:
+    the SEs compared): model_coefficients and its metrics. got[f]: file f's model_pass, in
+    partition order."""
     has_rep = all(d.replicate_weights for d in plan.designs)
     rows = []
     for i, (text, family) in enumerate(plan.request.models):
+        names = got[0][0][i][0]
+        parts = [[p[i][1] for p in got[f]] for f in (0, 1)]
+        many = any(c is None for f in (0, 1) for c in parts[f])
+        if many and sums_of is None:
+            raise PartitionError(f"utility.models[{i}]: {text!r} has too many cells to gather")
         fits = []
         for f in (0, 1):
-            names = got[f][0][i][0]
-            cells = combine_cells([p[i][1] for p in got[f]])
+            design = plan.designs[f]
             with single_blas_thread():
-                fits.append(fit_cells(cells, names, plan.designs[f], family, has_rep))
+                if many:
+                    n_reps = len(plan.request.files[f].replicates) if has_rep else 0
+                    fits.append(
+                        mp.fit_by_partition(
+                            sums_of(f), f, i, names, design, family, has_rep, n_reps
+                        )
+                    )
+                else:
+                    fits.append(fit_cells(combine_cells(parts[f]), names, design, family, has_rep))
         rows.append(model_rows(text, family, *fits, variance, LEVEL))
     coefs = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=MODEL_COLUMNS)
     return coefs, model_metrics(coefs)
