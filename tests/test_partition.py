@@ -1036,6 +1036,13 @@ def _same_assessment(folder, spec, whole, final, previous=None, rtol=1e-12, mode
         rel = model_rtol if k.startswith("model_") else 1e-9 if k.startswith("pmse") else rtol
         assert run[k] == pytest.approx(m[k], rel=rel, abs=1e-15), k
     assert run["psu_recoverable"] == m["psu_recoverable"]  # (a share of PSUs: exact)
+    # the report's assessment: the same notes and worst estimates (its figures are drawn from
+    # the same two tables)
+    assert run["notes"] == stage.notes and len(stage.notes) >= 3
+    worst = pd.read_csv(folder / "assess" / "worst_estimates.csv")
+    key = ["variable", "statistic", "domain", "level"]
+    want = stage.tables["worst_estimates"][key].astype(str)
+    assert worst[key].astype(str).values.tolist() == want.values.tolist() and len(want) == 20
     assert m["reid_sample_uniques"] > 0 and m["reid_expected_matches"] > 0
     assert m["delta_published"] > 0 and m["unique_share_published"] > 0
     assert run["share_abs_std_bias_gt2"] < 0.5 and run["overlap_median"] > 0.5

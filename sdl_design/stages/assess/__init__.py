@@ -34,6 +34,9 @@ from sdl_design.stages.assess.method import (
     published_delta,
 )
 
+SECTION = "Analytic validity and risk of the published file"  # its section of the report
+REPORT_TABLES = ["attacks", "worst_estimates", "model_coefficients"]  # in the report, in order
+
 
 class AssessStage(Describes):
     """Stage: the file that would be published (the working frame without the columns that are
@@ -79,8 +82,8 @@ class AssessStage(Describes):
             params=a.params,
             metrics=m,
             tables={**a.tables, "worst_estimates": worst, "attacks": attacks.table},
-            report_tables=["attacks", "worst_estimates", "model_coefficients"],
-            section="Analytic validity and risk of the published file",
+            report_tables=REPORT_TABLES,
+            section=SECTION,
             gates=assessment_gates(
                 m,
                 spec,
@@ -204,7 +207,8 @@ class AssessStage(Describes):
         gates = pas.assess_gates(spec, out.domain_estimates, coefs, m, se_fix(ctx.previous))
         _say_assessment(records, m, gates)
         records.lap("")
-        return passes_result(
+        worst = pas.worst_estimates(out.domain_estimates)
+        result = passes_result(
             self.name,
             m,
             records,
@@ -213,9 +217,16 @@ class AssessStage(Describes):
                 "domain_estimates": out.domain_estimates,
                 "model_coefficients": coefs,
                 "attacks": attacks.table,
+                "worst_estimates": worst,
             },
             gates=gates,
+            notes=_notes(m, worst),
+            report_tables=REPORT_TABLES,
         )
+        # the report's section as run() gives it: its title and figures (on the driver's tables)
+        result.section = SECTION
+        result.figures = estimate_plots(out.domain_estimates, coefs)
+        return result
 
 
 def _model_sums(

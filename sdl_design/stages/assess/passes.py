@@ -47,7 +47,6 @@ from sdl_design.engine.partitions import (
 )
 from sdl_design.leaks import recoverable_share, zero_words
 from sdl_design.spec import ReleaseSpec
-from sdl_design.stages.assess import model_passes as mp
 from sdl_design.stages.assess.method import (
     MODEL_COLUMNS,
     PMSE_MAX_ITER,
@@ -82,6 +81,7 @@ from sdl_design.stages.assess.method import (
     study_kind,
     value_orders,
 )
+from sdl_design.stages.assess.model_passes import ModelJob, ModelRows, fit_by_partition, model_op
 from sdl_design.stages.massc.measures import appearance_table
 from sdl_design.survey.design import (
     DesignError,
@@ -933,23 +933,23 @@ def model_pass(
 
 
 def model_sums_pass(
-    part: Any, spec: ReleaseSpec, req: AssessRequest, plan: AssessPlan, job: mp.ModelJob,
+    part: Any, spec: ReleaseSpec, req: AssessRequest, plan: AssessPlan, job: ModelJob,
     op: str, *args: Any,
 ) -> tuple:  # fmt: skip
-    """Map over file job.f's partition: one of the sums of model job.i's fit (mp.model_op) on
+    """Map over file job.f's partition: one of the sums of model job.i's fit (model_op) on
     its complete cases, kept in the partition cache while the fit's passes read them."""
 
-    def rows() -> mp.ModelRows:
+    def rows() -> ModelRows:
         df = read_partition(part, req.columns(job.f), spec)
         d = req.files[job.f]
         X, y, ok, _ = _model_matrix(df, req, plan, req.models[job.i][0])
         reps = plan.designs[job.f].replicate_weights
         W = df[list(d.replicates)].to_numpy(dtype=float)[ok] if reps else None
         w = df[d.weight].to_numpy(dtype=float)[ok]
-        return mp.ModelRows(X[ok], y[ok], w, W, _psu_codes(df, plan, job.f)[ok])
+        return ModelRows(X[ok], y[ok], w, W, _psu_codes(df, plan, job.f)[ok])
 
     key = ("assess: model rows", partition_identity(part), job.f, req.models[job.i])
-    return mp.model_op(cached(key, rows, lambda r: r.nbytes), job, op, *args)
+    return model_op(cached(key, rows, lambda r: r.nbytes), job, op, *args)
 
 
 def model_fits(
@@ -978,9 +978,7 @@ def model_fits(
                 if many:
                     n_reps = len(plan.request.files[f].replicates) if has_rep else 0
                     fits.append(
-                        mp.fit_by_partition(
-                            sums_of(f), f, i, names, design, family, has_rep, n_reps
-                        )
+                        fit_by_partition(sums_of(f), f, i, names, design, family, has_rep, n_reps)
                     )
                 else:
                     fits.append(fit_cells(combine_cells(parts[f]), names, design, family, has_rep))
@@ -1119,6 +1117,11 @@ def delta_metrics(parts: Sequence[DeltaPass], profiles: pd.DataFrame) -> dict[st
     }
 
 
+def worst_estimates(est: pd.DataFrame) -> pd.DataFrame:
+    """Assessment.worst(20) of the domain estimates (the report's and the gates' worst)."""
+    return Assessment(est, pd.DataFrame(), {}, {}).worst(20)
+
+
 def assess_gates(
     spec: ReleaseSpec,
     est: pd.DataFrame,
@@ -1129,7 +1132,7 @@ def assess_gates(
     """AssessStage's gates on the metrics made by partition, with its explanations (the worst
     estimates, model terms and SE ratios, after se_fix: the fix a failing SE gate names)."""
 
-    worst = Assessment(est, coefs, m, {}).worst(20)
+    worst = worst_estimates(est)
     se_text = "; ".join(filter(None, [se_fix, _worst_se_text(est)]))
     return assessment_gates(m, spec, _worst_text(worst), _worst_terms(coefs), se_text)
 
