@@ -153,7 +153,7 @@ def test_partitioned_release_flow_pauses_for_the_board(tmp_path):
     from flows.release import ReleaseRejected, release_flow
 
     path, final, url, name, year = _spec(tmp_path)
-    run = partial(release_flow, partitions=7)
+    run = partial(release_flow, partitions=3)
     for decision in ("rejected", "approved"):
         th, box, fr = run_until_paused(path, wait_s=120, flow=run)
         assert fr is not None, box
