@@ -216,6 +216,8 @@ def passes_result(
     drop_public: Sequence[str] = (),
     report_tables: Sequence[str] = (),
     se_ratio_table: str | None = None,
+    section: str | None = None,
+    figures: dict[str, bytes] | None = None,
 ) -> StageResult:
     """A stage's result by partition: its numeric fields (and the records' laps) as metrics,
     the others (files written, rates by stratum) its facts, for run.json."""
@@ -233,6 +235,8 @@ def passes_result(
         drop_public=list(drop_public),
         report_tables=list(report_tables),
         se_ratio_table=se_ratio_table,
+        section=section,
+        figures=dict(figures or {}),
         facts={k: v for k, v in fields.items() if k not in metrics},
     )
 

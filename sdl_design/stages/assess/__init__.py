@@ -208,7 +208,7 @@ class AssessStage(Describes):
         _say_assessment(records, m, gates)
         records.lap("")
         worst = pas.worst_estimates(out.domain_estimates)
-        result = passes_result(
+        return passes_result(
             self.name,
             m,
             records,
@@ -222,11 +222,9 @@ class AssessStage(Describes):
             gates=gates,
             notes=_notes(m, worst),
             report_tables=REPORT_TABLES,
+            section=SECTION,  # the report's section as run() gives it (figures on two tables)
+            figures=estimate_plots(out.domain_estimates, coefs),
         )
-        # the report's section as run() gives it: its title and figures (on the driver's tables)
-        result.section = SECTION
-        result.figures = estimate_plots(out.domain_estimates, coefs)
-        return result
 
 
 def _model_sums(

@@ -948,7 +948,9 @@ def model_sums_pass(
         w = df[d.weight].to_numpy(dtype=float)[ok]
         return ModelRows(X[ok], y[ok], w, W, _psu_codes(df, plan, job.f)[ok])
 
-    key = ("assess: model rows", partition_identity(part), job.f, req.models[job.i])
+    text = req.models[job.i][0]
+    coded = [plan.categories.get(v) for v in parse_formula(text).variables]
+    key = ("assess: model rows", partition_identity(part), req.files[job.f], text, repr(coded))
     return model_op(cached(key, rows, lambda r: r.nbytes), job, op, *args)
 
 
@@ -974,14 +976,13 @@ def model_fits(
         fits = []
         for f in (0, 1):
             design = plan.designs[f]
-            with single_blas_thread():
-                if many:
-                    n_reps = len(plan.request.files[f].replicates) if has_rep else 0
-                    fits.append(
-                        fit_by_partition(sums_of(f), f, i, names, design, family, has_rep, n_reps)
-                    )
-                else:
-                    fits.append(fit_cells(combine_cells(parts[f]), names, design, family, has_rep))
+            if many:  # (its passes set their BLAS threads on the workers)
+                n_reps = len(plan.request.files[f].replicates) if has_rep else 0
+                fit = fit_by_partition(sums_of(f), f, i, names, design, family, has_rep, n_reps)
+            else:
+                with single_blas_thread():
+                    fit = fit_cells(combine_cells(parts[f]), names, design, family, has_rep)
+            fits.append(fit)
         rows.append(model_rows(text, family, *fits, variance, LEVEL))
     coefs = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=MODEL_COLUMNS)
     return coefs, model_metrics(coefs)
