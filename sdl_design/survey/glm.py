@@ -430,7 +430,7 @@ STEP_TOL = 1e-3
 
 class NewtonData(Protocol):
     """Where the sums of a fit of several weight columns live (irls_columns' data): the rows
-    of (X, y) in memory (_Rows) or spread over partitions. The coefficients it is told of
+    of (X, y) in memory (RowsData) or spread over partitions. The coefficients it is told of
     (start, accept) are the current ones of each column."""
 
     n_columns: int
@@ -461,7 +461,7 @@ class NewtonData(Protocol):
         """at_boundary of the columns at at their current fit."""
 
 
-class _Rows:
+class RowsData:
     """NewtonData of rows held in memory: X (m x p), y, W (m x R)."""
 
     def __init__(self, X: np.ndarray, y: np.ndarray, W: np.ndarray, family: str):
@@ -490,7 +490,7 @@ class _Rows:
         Wa = self.W[:, a]
         self.eta_new = self.X @ b_new.T
         dev_new = deviance(self.eta_new, self.y, Wa, self.family)
-        moved = np.where(Wa > 0, np.abs(self.eta_new - self.eta[:, a]), 0.0).max(axis=0)
+        moved = np.where(Wa > 0, np.abs(self.eta_new - self.eta[:, a]), 0.0).max(axis=0, initial=0)
         return dev_new, moved, at_boundary(self.eta_new, self.family)
 
     def accept(self, a: np.ndarray) -> None:
@@ -512,7 +512,7 @@ def irls_columns(
     """irls for every weight column of W (m x R) at once, from start (p, or R x p): R x p
     coefficients (NaN where a column of X has no weight, R's NA, or the system is singular)
     and each column's STATUS code (newton_columns)."""
-    return newton_columns(_Rows(X, y, W, family), family, start, X.shape[1], tol, max_iter)
+    return newton_columns(RowsData(X, y, W, family), family, start, X.shape[1], tol, max_iter)
 
 
 def newton_columns(
@@ -812,11 +812,11 @@ def fit_cells(
         p,
         cells.n_used,
         keep,
-        full=lambda: _Rows(Xg, yg, wg[:, None], family),
+        full=lambda: RowsData(Xg, yg, wg[:, None], family),
         gaussian=lambda: irls(Xg, yg, wg, family)[0],
         start=lambda: _start(Xg, yg, wg, family),
         taylor=lambda beta: _taylor_vcov(cells, Xg, yg, wg, beta, design, family, scale),
-        replicates=lambda: None if W is None else _Rows(Xg, yg, W, family),
+        replicates=lambda: None if W is None else RowsData(Xg, yg, W, family),
     )
     return fit_sums(sums, names, design, family, replicates, label, max_iter)
 

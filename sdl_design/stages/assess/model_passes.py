@@ -17,14 +17,13 @@ from sdl_design.blas import single_blas_thread
 from sdl_design.survey.glm import (
     GLMFit,
     ModelSums,
+    RowsData,
     at_boundary,
     check_response,
-    deviance,
     fit_sums,
     independent_columns,
     irls_terms,
     weighted_gram,
-    weighted_grams,
 )
 
 
@@ -76,13 +75,19 @@ def _first(r: ModelRows, X: np.ndarray, job: ModelJob) -> tuple:
     return len(y), float(r.w.sum()), weighted_gram(X, r.w), lo, hi
 
 
+def _data(r: ModelRows, X: np.ndarray, job: ModelJob, a: np.ndarray | None = None) -> RowsData:
+    """The partition's rows as glm's NewtonData (the weight columns a, default all): its
+    terms, deviances and steps are the in-memory fit's arithmetic on these rows."""
+    W = _weights(r, job)
+    return RowsData(X, r.y, W if a is None else W[:, a], job.family)
+
+
 def _terms_of_weight(r: ModelRows, X: np.ndarray, job: ModelJob) -> tuple:
-    return (_weights(r, job).T @ (X * X),)
+    return (_data(r, X, job).weight_of_terms(),)
 
 
 def _least_squares(r: ModelRows, X: np.ndarray, job: ModelJob) -> tuple:
-    W = _weights(r, job)
-    return weighted_grams(X, W), (X.T @ (W * r.y[:, None])).T
+    return _data(r, X, job).least_squares()
 
 
 def _gaussian(r: ModelRows, X: np.ndarray, job: ModelJob) -> tuple:
@@ -98,23 +103,24 @@ def _start_terms(r: ModelRows, X: np.ndarray, job: ModelJob) -> tuple:
 
 
 def _deviance(r: ModelRows, X: np.ndarray, job: ModelJob, B: np.ndarray) -> tuple:
-    return (deviance(X @ B.T, r.y, _weights(r, job), job.family),)
+    return (_data(r, X, job).start(B),)
+
+
+def _at(r: ModelRows, X: np.ndarray, job: ModelJob, a: np.ndarray, B: np.ndarray) -> RowsData:
+    """_data of the columns a with B (len(a) x p) their current fit."""
+    data = _data(r, X, job, a)
+    data.eta = X @ B.T
+    return data
 
 
 def _newton(r: ModelRows, X: np.ndarray, job: ModelJob, a: np.ndarray, B: np.ndarray) -> tuple:
-    Wa = _weights(r, job)[:, a]
-    v, res = irls_terms(X @ B.T, r.y, job.family)
-    return weighted_grams(X, Wa * v), (X.T @ (Wa * res)).T
+    return _at(r, X, job, a, B).terms(np.arange(len(a)))
 
 
 def _candidate(
     r: ModelRows, X: np.ndarray, job: ModelJob, a: np.ndarray, B: np.ndarray, b_new: np.ndarray
 ) -> tuple:
-    Wa = _weights(r, job)[:, a]
-    eta, eta_new = X @ B.T, X @ b_new.T
-    moved = np.where(Wa > 0, np.abs(eta_new - eta), 0.0).max(axis=0, initial=0.0)
-    dev = deviance(eta_new, r.y, Wa, job.family)
-    return dev, moved, at_boundary(eta_new, job.family)
+    return _at(r, X, job, a, B).candidate(np.arange(len(a)), b_new)
 
 
 def _boundary(r: ModelRows, X: np.ndarray, job: ModelJob, B: np.ndarray) -> tuple:
