@@ -981,20 +981,19 @@ def _same_topcode(folder, spec, calibrated):
 
 
 def _same_assessment(folder, spec, whole, final, previous=None, rtol=1e-12, model_rtol=1e-10):
-    """The assessment by partition equals AssessStage's on the in-memory original and
-    published records (previous: the stages before it; default the swap, which masked the
+    """The assessment by partition equals the whole frames' (assess_reference) on the in-memory
+    original and published records (previous: the stages before it; default the swap, which masked the
     design): the domain estimates (Taylor and replicate SEs of both files, 1e-12), the model
     coefficients (1e-10), the metrics (the published file's risk: re-identification, sample
     uniques, delta, PSU leak, 1e-12; its pMSE, 1e-9) and the gates, their values and
     verdicts (rtol, model_rtol: the domain estimates' and the models' tolerances)."""
+    from assess_reference import assess_frames
+
     from sdl_design.stage import StageContext, StageResult
-    from sdl_design.stages.assess import AssessStage
 
     if previous is None:
         previous = [StageResult("swap", None, masks_design=True, drop_public=[spec.design.segment])]
-    stage = AssessStage.run(
-        AssessStage.from_spec(spec), final, StageContext(whole, spec, "assess", previous)
-    )
+    stage = assess_frames(final, StageContext(whole, spec, "assess", previous))
     got = pd.read_csv(folder / "assess" / "domain_estimates.csv", float_precision="round_trip")
     want = stage.tables["domain_estimates"]
     assert list(got.columns) == list(want.columns) and len(got) == len(want) > 100

@@ -77,6 +77,12 @@ class PartitionCache:
                 _, (_, dropped) = self._items.popitem(last=False)
                 self._bytes -= dropped
 
+    def forget(self, part: Hashable) -> None:
+        """Drop what was kept of a partition (part: its identity, an item of the keys)."""
+        with self._lock:
+            for key in [k for k in self._items if isinstance(k, tuple) and part in k]:
+                self._bytes -= self._items.pop(key)[1]
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()

@@ -97,6 +97,9 @@ class Partition:
     stop: int
 
 
+_FRAME_TOKENS = count()
+
+
 @dataclass(frozen=True, eq=False)
 class FramePartition:
     """The records start..stop-1 held in this process's memory: the one partition of a release
@@ -106,6 +109,7 @@ class FramePartition:
     frame: pd.DataFrame
     start: int
     stop: int
+    token: int = field(default_factory=lambda: next(_FRAME_TOKENS), compare=False)  # cache key
 
     @classmethod
     def of(cls, frame: pd.DataFrame) -> FramePartition:
@@ -319,7 +323,10 @@ def read_partition(
 
 
 def partition_identity(part: Partition) -> tuple:
-    """The partition's records as a cache key: its files' identities and the records read."""
+    """The partition's records as a cache key: its files' identities and the records read (a
+    FramePartition's: its token, the frame's own for as long as the partition lives)."""
+    if isinstance(part, FramePartition):
+        return (("frame", part.token), part.start, part.stop)
     pieces = tuple((file_identity(p.path), p.row_groups, p.skip, p.rows) for p in part.pieces)
     return (pieces, part.start, part.stop)
 

@@ -4,8 +4,9 @@ records, internal/ for its record-level maps), and the StageResult it returns.""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from sdl_design.engine.cache import CACHE
 from sdl_design.engine.exchange import Exchange, say
 from sdl_design.engine.partitions import (
     FramePartition,
@@ -20,6 +22,8 @@ from sdl_design.engine.partitions import (
     _write_partition,
     held,
     memory_folder,
+    partition_identity,
+    profile_pass,
     release_memory,
     retained_in,
 )
@@ -34,7 +38,7 @@ class Run:
 
     run_map: Exchange
     inputs: list[Partition]
-    scan: dict[str, pd.DataFrame]
+    scan: Mapping[str, pd.DataFrame]
     psus: pd.DataFrame  # the input design's PSUs, (stratum, psu) sorted as SurveyDesign codes them
     selected: str | None = None  # the folder of the selection that kept the released records
 
@@ -115,6 +119,30 @@ def _one_exchange(fns: tuple, parts: Sequence, args: tuple, what: str) -> list:
 IN_MEMORY = Exchange(_one_partition, _one_exchange)
 
 
+class FrameScan(Mapping):
+    """The scan of the original held in memory, each table computed when first read (the key
+    profiles: profile_pass on its one partition, as the partitioned scan counts them)."""
+
+    def __init__(self, spec: Any, original: Partition):
+        self._spec, self._original = spec, original
+        self._tables: dict[str, pd.DataFrame] = {}
+        self._lock = threading.Lock()
+
+    def __getitem__(self, name: str) -> pd.DataFrame:
+        if name != "profiles":
+            raise KeyError(name)
+        with self._lock:
+            if name not in self._tables:
+                self._tables[name] = profile_pass(self._original, self._spec)
+            return self._tables[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(["profiles"])
+
+    def __len__(self) -> int:
+        return 1
+
+
 def in_memory(df: pd.DataFrame, ctx: StageContext) -> Records:
     """The working frame as the records so far: one partition held in memory (the original
     file the run's input), what the stage writes held in a memory folder. Records fewer than
@@ -122,7 +150,7 @@ def in_memory(df: pd.DataFrame, ctx: StageContext) -> Records:
     its selection (Run.selected, a memory folder of __sel)."""
     original = [FramePartition.of(ctx.original)]
     parts = original if df is ctx.original else [FramePartition.of(df)]
-    run = Run(IN_MEMORY, original, {}, pd.DataFrame())
+    run = Run(IN_MEMORY, original, FrameScan(ctx.spec, original[0]), pd.DataFrame())
     if df is not ctx.original and not df.index.equals(ctx.original.index):
         at = ctx.original.index.get_indexer(df.index)
         if (at < 0).any() or (np.diff(at) <= 0).any():
@@ -159,7 +187,11 @@ def _run_partitions(stage: Any, records: Records, ctx: StageContext) -> StageRes
 
 
 def release_held(records: Records) -> None:
-    """The memory folders of records held in memory, released."""
+    """The memory folders of records held in memory, released, and what the partition cache
+    kept of their partitions (known by tokens no later stage's partition has)."""
+    for p in [*records.parts, *records.run.inputs]:
+        if isinstance(p, FramePartition):
+            CACHE.forget(partition_identity(p))
     release_memory(records.data)
     if records.run.selected:
         release_memory(records.run.selected)

@@ -12,36 +12,28 @@ import pandas as pd
 from sdl_design.describe import Describes
 from sdl_design.engine import partitions as part
 from sdl_design.engine.partitions import combine_profiles, profile_scores
-from sdl_design.engine.records import Records, passes_result
-from sdl_design.keys import publish_coding
+from sdl_design.engine.records import Passes, Records, passes_result
 from sdl_design.plots import estimate_plots
 from sdl_design.pseudo import se_fix
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import StageContext, StageResult, design_columns
 from sdl_design.stages.assess import passes as pas
 from sdl_design.stages.assess.method import (
-    _epsilon_published,
     _notes,
-    _psu_leak,
-    _worst_se_text,
-    _worst_terms,
-    _worst_text,
-    assess,
-    assessment_gates,
     column_record,
     gate_variance,
     published_attacks,
-    published_delta,
 )
 
 SECTION = "Analytic validity and risk of the published file"  # its section of the report
 REPORT_TABLES = ["attacks", "worst_estimates", "model_coefficients"]  # in the report, in order
 
 
-class AssessStage(Describes):
+class AssessStage(Passes, Describes):
     """Stage: the file that would be published (the working frame without the columns that are
     never published, read with its published design) against the original; analytic-validity
-    and risk gates on it. Nothing here is a value a treatment set itself."""
+    and risk gates on it. Nothing here is a value a treatment set itself. Written once, as its
+    passes (run: the one partition held in memory)."""
 
     name = "assess"
     replications = 0
@@ -54,59 +46,6 @@ class AssessStage(Describes):
     @classmethod
     def from_spec(cls, spec: ReleaseSpec) -> AssessStage:
         return cls(spec)
-
-    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
-
-        spec = self.spec
-        # the file as published: its columns, every coded key in its published coding
-        released = publish_coding(df[ctx.published(list(df.columns))], spec.variables.keys)
-        pdesign = ctx.public_design()
-        variance = gate_variance(spec, released.columns, pdesign)
-        a = assess(ctx.original, released, spec, variance=variance, design_released=pdesign)
-        a.params.update(column_record(spec, ctx, list(released.columns)))
-        m = dict(a.metrics)
-        # risk of the published file whatever stages ran: the intruder's attacks on it record
-        # by record, and MASSC's delta of the published records against the original keys
-        attacks, key = published_attacks(ctx.original, released, spec, pdesign, ctx.masked_design)
-        m |= attacks
-        a.params["intruder_key"] = key.describe()
-        m |= published_delta(ctx.original, released, spec)
-        m["epsilon_published"] = _epsilon_published(a.domain_estimates)
-        if ctx.masked_design or not spec.design.publish_design_labels:
-            # (original labels published on purpose: the zero patterns tell nothing more)
-            m.update(_psu_leak(released, ctx.original, spec, pdesign))
-        worst = a.worst(20)
-        return StageResult(
-            name=self.name,
-            data=df,
-            params=a.params,
-            metrics=m,
-            tables={**a.tables, "worst_estimates": worst, "attacks": attacks.table},
-            report_tables=REPORT_TABLES,
-            section=SECTION,
-            gates=assessment_gates(
-                m,
-                spec,
-                _worst_text(worst),
-                _worst_terms(a.model_coefficients),
-                "; ".join(filter(None, [se_fix(ctx.previous), _worst_se_text(a.domain_estimates)])),
-            ),
-            figures=estimate_plots(a.domain_estimates, a.model_coefficients),
-            notes=_notes(m, worst),
-        )
-
-    def check_partitions(self, spec: ReleaseSpec, columns: list[str]) -> None:
-        """What the partitioned path refuses in the spec (PartitionError naming the field): a
-        second stage (ssu, fpc2), whose variance needs the SSU totals its sums by PSU do not
-        keep (the fpc and lonely-PSU rule it takes: they act on the PSU totals)."""
-        d = spec.design
-        given = [f"design.{f}" for f in ("ssu", "fpc2") if getattr(d, f)]
-        if given:
-            raise part.PartitionError(
-                f"{', '.join(given)}: the assessment by partition sums by PSU (the PSUs are "
-                "ultimate clusters); run the release in memory (puf run without --partitions), "
-                "or drop them"
-            )
 
     @classmethod
     def summary_lines(cls, result: StageResult) -> list[str]:
@@ -135,9 +74,7 @@ class AssessStage(Describes):
         variables, a third pass for their replicate SEs), the models (their cells), the
         re-identification, sample uniques, delta and PSU leak of the published records (each
         linked to its original record by MASSC's d(2)), the pMSE (its propensity model fitted
-        by partition) and the gates on them. Records held in memory: run() on the working frame."""
-        if records.frame is not None:
-            return self.run(records.frame, ctx)
+        by partition) and the gates on them."""
         spec, run_map = ctx.spec, records.run_map
         design = ctx.public_design()
         built = any((r.params or {}).get("public_design") for r in ctx.previous)
@@ -146,7 +83,7 @@ class AssessStage(Describes):
         released = spec.published_columns(
             columns, ctx.masked_design, drop, design_columns(design, columns)
         )
-        original = part.input_columns(spec.release.input)
+        original = part.partition_columns(records.run.inputs[0])
         req = pas.assess_request(
             spec,
             original,
@@ -200,7 +137,7 @@ class AssessStage(Describes):
             # pMSE: the propensity model of membership in the published file, by partition
             inputs = (records.run.inputs, records.parts)
             pmse_m = pas.pmse_by_partition(run_map, inputs, spec, req, plan)
-            attacks, risk_m = risk.result()
+            attacks, key, risk_m = risk.result()
         m |= risk_m
         m |= model_m
         m |= pmse_m
@@ -212,7 +149,11 @@ class AssessStage(Describes):
             self.name,
             m,
             records,
-            params=column_record(spec, ctx, released),
+            params={
+                **pas.assess_params(plan, variance),
+                **column_record(spec, ctx, released),
+                "intruder_key": key.describe(),
+            },
             tables={
                 "domain_estimates": out.domain_estimates,
                 "model_coefficients": coefs,
@@ -249,11 +190,11 @@ def _risk_by_partition(
     plan: pas.AssessPlan,
     records: Records,
     files: tuple[Any, list[str], list[str]],
-) -> tuple[Any, dict[str, float]]:
+) -> tuple[Any, Any, dict[str, float]]:
     """The risk of the published records, each linked to its original record (the retained
     ones in record order): re-identification and sample uniques, the attacks, and MASSC's
     delta of the published file against the original keys. files: the public design, the
-    released and the original columns. The attacks and the metrics."""
+    released and the original columns. The attacks, the intruder's key and the metrics."""
     m: dict[str, float] = {}
     spec, run = ctx.spec, records.run
     run_map, inputs, parts = run.run_map, run.inputs, records.parts
@@ -273,7 +214,7 @@ def _risk_by_partition(
         run_map(pas.attack_original, inputs, spec, orig_cols, what="attacks, original"),
         ignore_index=True,
     )
-    attacks = published_attacks(orig, rel, spec, design, ctx.masked_design)[0]
+    attacks, key = published_attacks(orig, rel, spec, design, ctx.masked_design)
     m |= attacks
     sensitive = spec.variables.sensitive
     published = combine_profiles([r.profiles for r in risk])
@@ -288,7 +229,7 @@ def _risk_by_partition(
         what="assess delta",
     )  # fmt: skip
     m |= pas.delta_metrics(deltas, profiles)
-    return attacks, m
+    return attacks, key, m
 
 
 def _say_assessment(records: Records, m: dict[str, float], gates: list) -> None:

@@ -19,6 +19,7 @@ replicate weights, with the spec's weight and replicate method. Both are SurveyD
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
@@ -491,11 +492,20 @@ def domain_quantiles_of(
         else:
             T, grams = replicate[j]
             F, seF = cdf_replicate(T, cells, P, design.rscales)
-            dfs = [gram_rank(G) - 1.0 for G in grams]
+            dfs = [_gram_degf(G, cache) for G in grams]
         dfs = np.where(n > 0, dfs, np.nan)
         est, se, _, _ = woodruff(cells, F, seF, dfs, 1.0 - level, QUANTILE_RULE)
         out["n"][:, j], out["estimate"][:, j], out["se"][:, j] = n, est, se
     return out
+
+
+def _gram_degf(G: np.ndarray, cache: dict) -> float:
+    """rank(G) - 1, the replicate df of a cell from its Gram, once per distinct Gram (the
+    study variables without missing values share their cells' Grams)."""
+    key = ("gram", hashlib.blake2b(np.ascontiguousarray(G).tobytes(), digest_size=16).digest())
+    if key not in cache:
+        cache[key] = gram_rank(G) - 1.0
+    return cache[key]
 
 
 def value_orders(X: np.ndarray) -> list[np.ndarray]:

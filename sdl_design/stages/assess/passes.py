@@ -191,19 +191,22 @@ class AssessRequest:
         )
 
 
+RECORD = "__record"  # the PSU of a design without clusters: each record's row number
+
+
 def _file_design(spec: ReleaseSpec, columns: Sequence[str], design: Any) -> FileDesign:
     d = design or spec.design
-    if not d.psu or d.psu not in columns:
+    if d.psu and d.psu not in columns:
         raise PartitionError(
-            f"design.psu: the assessment by partition sums by PSU; the file has no column "
-            f"{d.psu!r} (a file without clusters: a record id column as the PSU)"
+            f"design.psu: the assessment sums by PSU; the file has no column {d.psu!r} (a "
+            "file without clusters: leave design.psu out, each record is its own PSU)"
         )
     rs = d.replicate_weights
     reps = [c for c in resolve_replicates(list(columns), rs.columns) if c in columns] if rs else []
     return FileDesign(
         weight=d.weight,
         strata=d.strata if d.strata in columns else None,
-        psu=d.psu,
+        psu=d.psu or RECORD,
         replicates=tuple(reps),
         method=rs.method if reps else None,
         rho=rs.rho if reps else None,
@@ -284,9 +287,19 @@ class AssessPass1:
     psus: pd.DataFrame  # labels and one 0/1 column per replicate
 
 
+def _file_records(part: Any, spec: ReleaseSpec, req: AssessRequest, f: int) -> pd.DataFrame:
+    """The partition's columns of file f (req.columns), with each record's row number as its
+    PSU in a design without clusters (RECORD)."""
+    cols = req.columns(f)
+    if RECORD not in cols:
+        return read_partition(part, cols, spec)
+    df = read_partition(part, [c for c in cols if c != RECORD], spec)
+    return df.assign(**{RECORD: df.index.to_numpy()})
+
+
 def assess_pass1(part: Any, spec: ReleaseSpec, req: AssessRequest, f: int) -> AssessPass1:
     """Map (file f: 0 original, 1 released)."""
-    df = read_partition(part, req.columns(f), spec)
+    df = _file_records(part, spec, req, f)
     d = req.files[f]
     kinds = {v: study_kind(df[v]) for v in req.study}
     cats = {v: df[v].dropna().drop_duplicates() for v, k in kinds.items() if k is None}
@@ -452,7 +465,7 @@ def assess_pass2(
 ) -> AssessPass2:
     """Map (file f): the partition's records coded by profile and PSU, their sums (and the
     records of the continuous study variables)."""
-    df = read_partition(part, req.columns(f), spec)
+    df = _file_records(part, spec, req, f)
     d = req.files[f]
     prof = _profile_numbers(df, req, plan)
     g = _psu_codes(df, plan, f)
@@ -594,6 +607,28 @@ def assess_combine(
     return PartitionedAssessment(est, metrics)
 
 
+def assess_params(plan: AssessPlan, variance: Variance) -> dict[str, Any]:
+    """How the files were assessed (assess's params): the SE gated on, whether both files have
+    replicate weights, the reliability and level, the domains and models, each file's design."""
+    req = plan.request
+    described = []
+    for f, d in enumerate(plan.designs):  # (d: one row per PSU; plan.n: the file's records)
+        text = f"{plan.n[f]} records, {len(d.n_h)} strata, {d.n_psu} PSUs"
+        if d.replicate_weights:
+            text += f", {len(d.replicate_weights)} {d.method} replicate weights"
+        described.append(text)
+    return {
+        "variance": variance,
+        "replicates": all(d.replicate_weights for d in plan.designs),
+        "min_n": MIN_N,
+        "level": LEVEL,
+        "domains": [list(g) for g in req.groupings[1:]],
+        "models": [{"formula": t, "family": f} for t, f in req.models],
+        "design_original": described[0],
+        "design_released": described[1],
+    }
+
+
 # ---------------------------------------------------------------- quantiles
 
 
@@ -702,7 +737,7 @@ def quantile_pass(
     quantiles.segment_totals) and the Gram W_c'W_c of the replicate weights of each cell's
     records with the variable (L x R x R: the rank of the replicate weights, the cell's
     degrees of freedom)."""
-    df = read_partition(part, req.columns(f), spec)
+    df = _file_records(part, spec, req, f)
     W = np.ascontiguousarray(df[list(req.files[f].replicates)].to_numpy(dtype=float))
     X = plan.study.continuous_values(df)
     at = np.searchsorted(cuts.profiles, _profile_numbers(df, req, plan))
@@ -761,14 +796,16 @@ def _cell_grams(
         S = Ws[bounds[i] : bounds[i + 1]]
         np.matmul(S.T, S, out=G[i])
     has = ~patterns[fine[:, -1]]  # finest group x variable: the variable observed
+    seen: dict[bytes, int] = {}  # variables with the same records observed: one product
+    of_j = [seen.setdefault(has[:, j].tobytes(), len(seen)) for j in range(k)]
+    observed = [has[:, of_j.index(i)] for i in range(len(seen))]
     out = []
     for g, (_, L) in enumerate(cells):
         by = []
-        for j in range(k):
-            sel = np.flatnonzero(has[:, j])
+        for sel in (np.flatnonzero(o) for o in observed):
             ind = sp.csr_matrix((np.ones(len(sel)), (fine[sel, g], sel)), shape=(L, len(fine)))
             by.append(np.asarray(ind @ G.reshape(len(fine), R * R)).reshape(L, R, R))
-        out.append(by)
+        out.append([by[i] for i in of_j])
     return out
 
 
@@ -918,7 +955,7 @@ def model_pass(
     """Map (file f): each model's design matrix on the partition's records, summed by
     distinct (x, y) row (GLMCells); None for a model with more than MODEL_CELLS_MAX of them (a
     continuous term or response: fitted from its sums, fit_by_partition)."""
-    df = read_partition(part, req.columns(f), spec)
+    df = _file_records(part, spec, req, f)
     d = req.files[f]
     g = _psu_codes(df, plan, f)
     w = df[d.weight].to_numpy(dtype=float)
@@ -940,7 +977,7 @@ def model_sums_pass(
     its complete cases, kept in the partition cache while the fit's passes read them."""
 
     def rows() -> ModelRows:
-        df = read_partition(part, req.columns(job.f), spec)
+        df = _file_records(part, spec, req, job.f)
         d = req.files[job.f]
         X, y, ok, _ = _model_matrix(df, req, plan, req.models[job.i][0])
         reps = plan.designs[job.f].replicate_weights
