@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import pandas as pd
-import scipy.linalg
 import scipy.sparse as sp
 from scipy import stats
 
@@ -258,18 +257,21 @@ def qr_rank(A: np.ndarray, tol: float = 1e-5) -> int:
 def gram_rank(G: np.ndarray, tol: float = 1e-5) -> int:
     """Rank of A as R's qr(A, tol)$rank (LINPACK dqrdc2, limited pivoting) from its Gram matrix
     G = A'A: columns in order, one counts when the norm of its part orthogonal to the columns
-    counted before it is >= tol times its norm; r2 = g_jj - |L^-1 g_Kj|^2 (the squared
-    orthogonal norm) from a Cholesky factor L of the counted columns, grown a column at a time."""
-    L = np.zeros(G.shape)
-    kept: list[int] = []
-    for j in range(G.shape[0]):
-        k = len(kept)
-        v = scipy.linalg.solve_triangular(L[:k, :k], G[kept, j], lower=True) if k else L[0, :0]
-        r2 = G[j, j] - float(v @ v)
-        if G[j, j] > 0 and r2 >= tol * tol * G[j, j]:
-            L[k, :k], L[k, k] = v, np.sqrt(r2)
-            kept.append(j)
-    return len(kept)
+    counted before it is >= tol times its norm. That squared orthogonal norm is the diagonal
+    of the Schur complement of the counted columns, S_jj = g_jj - g_Kj' G_KK^-1 g_Kj: each
+    counted column is eliminated from the columns after it (one rank-1 update)."""
+    S = np.array(G, dtype=float)
+    g = np.diag(S).copy()
+    R = len(g)
+    kept = 0
+    for j in range(R):
+        r2 = S[j, j]
+        if g[j] > 0 and r2 >= tol * tol * g[j]:
+            kept += 1
+            if j + 1 < R:
+                c = S[j + 1 :, j] / r2
+                S[j + 1 :, j + 1 :] -= np.outer(c, S[j, j + 1 :])
+    return kept
 
 
 def _replicate_gram(design: SurveyDesign, rows: np.ndarray) -> np.ndarray:
