@@ -75,3 +75,28 @@ def test_the_stage_in_memory_is_the_whole_frames_assessment(case):
     worst = [t.tables["worst_estimates"][key].astype(str).values.tolist() for t in (got, want)]
     assert worst[0] == worst[1]
     assert got.tables["attacks"].equals(want.tables["attacks"])
+
+
+def test_segment_totals_through_replicate_factors_are_the_full_product():
+    """The quantile pass's replicate totals by (cell, segment): F' times the totals of w by
+    (segment, factor group) equal the sparse product with W (1e-12), records with a missing
+    value left out."""
+    from sdl_design.stages.assess.passes import _segment_totals
+    from sdl_design.survey.design import replicate_factor_groups
+
+    rng = np.random.default_rng(5)
+    n, R, P, L = 3000, 20, 25, 6
+    psu = rng.integers(0, P, n)
+    w = rng.uniform(1.0, 4.0, n)
+    W = np.ascontiguousarray(w[:, None] * rng.uniform(0.0, 2.0, (P, R))[psu])
+    X = rng.normal(size=(n, 2))
+    X[rng.random(n) < 0.1, 1] = np.nan
+    cell = rng.integers(0, L, n)
+    qs = [np.sort(rng.normal(size=(L, 3)), axis=1) for _ in range(2)]
+    full = _segment_totals(W, X, cell, L, qs)
+    groups = replicate_factor_groups(W, w)
+    assert groups is not None and groups[1] == P
+    by_factors = _segment_totals(W, X, cell, L, qs, (w, groups))
+    for a, b in zip(full, by_factors, strict=True):
+        assert a.shape == (R, L * 4)
+        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-9)

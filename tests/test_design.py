@@ -629,6 +629,32 @@ def test_factor_groups_survive_factors_with_equal_projections():
     assert got["se"].iloc[0] == pytest.approx(se, rel=1e-12)
 
 
+def test_replicate_factor_groups_by_rows_or_columns_are_the_same():
+    """The factor groups of replicate weights held by rows (a partition's) or by columns (a
+    design's): the same groups and factors; a record off its PSU's factors in one replicate by
+    1e-3 makes its own group; F' times the group totals of w y is W'y."""
+    from sdl_design.survey.design import replicate_factor_groups
+
+    rng = np.random.default_rng(4)
+    n, R, P = 5000, 12, 30
+    psu = rng.integers(0, P, n)
+    f = rng.uniform(0.0, 2.0, (P, R))
+    w = rng.uniform(1.0, 3.0, n)
+    W = np.ascontiguousarray(w[:, None] * f[psu])
+    by_rows, by_cols = (
+        replicate_factor_groups(W, w),
+        replicate_factor_groups(np.asfortranarray(W), w),
+    )
+    assert by_rows[1] == by_cols[1] == P and np.array_equal(by_rows[0], by_cols[0])
+    assert np.array_equal(by_rows[2], by_cols[2])
+    W[17, 5] *= 1.001
+    codes, G, F = replicate_factor_groups(W, w)
+    assert G == P + 1 and (codes == codes[17]).sum() == 1
+    y = rng.normal(size=n)
+    t = np.bincount(codes, w * y, minlength=G)
+    np.testing.assert_allclose(F.T @ t, W.T @ y, rtol=1e-11)
+
+
 def test_take_rows_is_the_row_gather():
     from sdl_design.survey.design import take_rows
 

@@ -92,6 +92,80 @@ def distinct_rows(A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return A[first], g
 
 
+def factors_equal(
+    W: np.ndarray, w: np.ndarray, codes: np.ndarray, F: np.ndarray, tol: float
+) -> bool:
+    """Whether every record's replicate factors W_i / w_i equal its group's row of F (to tol):
+    a replicate at a time (a column of W is contiguous; one gather from a short row of F),
+    stopping at the first replicate that differs; a block of records at a time when W's rows
+    are contiguous."""
+    if W.flags.c_contiguous and not W.flags.f_contiguous:
+        step = max(1, (1 << 20) // max(W.shape[1], 1))
+        for a in range(0, len(w), step):
+            dev = W[a : a + step] / w[a : a + step, None] - F[codes[a : a + step]]
+            if np.abs(dev).max(initial=0.0) > tol:
+                return False
+        return True
+    Ft = np.ascontiguousarray(F.T)
+    dev = np.empty(len(w))
+    for r in range(W.shape[1]):
+        np.divide(W[:, r], w, out=dev)
+        dev -= Ft[r].take(codes)
+        if max(float(dev.max(initial=0.0)), -float(dev.min(initial=0.0))) > tol:
+            return False
+    return True
+
+
+def _factors_off(
+    W: np.ndarray, w: np.ndarray, codes: np.ndarray, F: np.ndarray, tol: float
+) -> np.ndarray:
+    """The records whose replicate factors W_i / w_i differ from their group's row of F by more
+    than tol in some replicate (a replicate at a time, as factors_equal)."""
+    Ft = np.ascontiguousarray(F.T)
+    off = np.zeros(len(w), dtype=bool)
+    dev = np.empty(len(w))
+    for r in range(W.shape[1]):
+        np.divide(W[:, r], w, out=dev)
+        dev -= Ft[r].take(codes)
+        off |= np.abs(dev) > tol
+    return off
+
+
+def replicate_factor_groups(
+    W: np.ndarray, w: np.ndarray
+) -> tuple[np.ndarray, int, np.ndarray] | None:
+    """(codes, G, F): the records (W: n x R replicate weights, w their weights) in G groups
+    whose replicate factors W_i / w_i are equal (to 1e-12 of the largest), F (G x R) each
+    group's factors; None when the groups are not few (more than n/4). Grouped by two fixed
+    projections of the factors, then checked record by record."""
+    n, R = W.shape
+    v = np.random.default_rng(0).uniform(1.0, 2.0, (R, 2))  # two fixed projections
+    h = np.round((W @ v) / w[:, None], 9)  # (W_i / w_i) . v
+    a, ua = pd.factorize(h[:, 0])
+    b, ub = pd.factorize(h[:, 1])
+    codes, uniq = pd.factorize(a.astype(np.int64) * len(ub) + b)  # equal in both
+    G = len(uniq)
+    if G > n // 4:
+        return None
+    codes = codes.astype(np.int64)
+    first = first_of(codes, G)
+    F = W[first] / w[first, None]
+    tol = 1e-12 * max(float(F.max(initial=0.0)), 1.0)
+    if factors_equal(W, w, codes, F, tol):  # every record's factors equal its group's
+        return codes, G, F
+    # equal projections of unequal factors (seen: 40 of 5M records in 3 of 80,806 groups):
+    # those records grouped again by their factors themselves, and everything checked again
+    sub = np.flatnonzero(_factors_off(W, w, codes, F, tol))
+    if len(sub) > n // 100:
+        return None
+    rows, sub_codes = distinct_rows(W[sub] / w[sub, None])
+    codes[sub] = G + sub_codes
+    G, F = G + len(rows), np.vstack([F, rows])
+    if G > n // 4 or not factors_equal(W, w, codes, F, tol):
+        return None
+    return codes, G, F
+
+
 DEFF_CLASSES = (0.1, 1.0, 2.0, 5.0, 25.0)  # (0.1, 1], (1, 2], (2, 5], (5, 25]
 
 
@@ -666,17 +740,7 @@ class SurveyDesign(Quantiles):
         return self._F_cache[0]
 
     def _factors_equal(self, codes: np.ndarray, F: np.ndarray, tol: float) -> bool:
-        """Whether every record's replicate factors W_i / w_i equal its group's row of F (to
-        tol): a replicate at a time (a column of W is contiguous; one gather from a short row
-        of F), stopping at the first replicate that differs."""
-        Ft = np.ascontiguousarray(F.T)
-        dev = np.empty(self.n)
-        for r in range(self.W.shape[1]):
-            np.divide(self.W[:, r], self.w, out=dev)
-            dev -= Ft[r].take(codes)
-            if max(float(dev.max(initial=0.0)), -float(dev.min(initial=0.0))) > tol:
-                return False
-        return True
+        return factors_equal(self.W, self.w, codes, F, tol)
 
     @property
     def factor_groups(self) -> tuple[np.ndarray, int, np.ndarray] | None:
@@ -705,46 +769,7 @@ class SurveyDesign(Quantiles):
         return self._groups_cache[0]
 
     def _find_groups(self) -> tuple[np.ndarray, int, np.ndarray] | None:
-        R = self.W.shape[1]
-        v = np.random.default_rng(0).uniform(1.0, 2.0, (R, 2))  # two fixed projections
-        h = np.round((self.W @ v) / self.w[:, None], 9)  # (W_i / w_i) . v
-        a, ua = pd.factorize(h[:, 0])
-        b, ub = pd.factorize(h[:, 1])
-        codes, uniq = pd.factorize(a.astype(np.int64) * len(ub) + b)  # equal in both
-        G = len(uniq)
-        if G > self.n // 4:
-            return None
-        codes = codes.astype(np.int64)
-        first = first_of(codes, G)
-        F = self.W[first] / self.w[first, None]
-        tol = 1e-12 * max(float(F.max(initial=0.0)), 1.0)
-        if self._factors_equal(codes, F, tol):  # every record's factors equal its group's
-            return codes, G, F
-        # equal projections of unequal factors (seen: 40 of 5M records in 3 of 80,806 groups):
-        # those records grouped again by their factors themselves, and everything checked again
-        off = self._factors_off(codes, F, tol)
-        sub = np.flatnonzero(off)
-        if len(sub) > self.n // 100:
-            return None
-
-        rows, sub_codes = distinct_rows(self.W[sub] / self.w[sub, None])
-        codes[sub] = G + sub_codes
-        G, F = G + len(rows), np.vstack([F, rows])
-        if G > self.n // 4 or not self._factors_equal(codes, F, tol):
-            return None
-        return codes, G, F
-
-    def _factors_off(self, codes: np.ndarray, F: np.ndarray, tol: float) -> np.ndarray:
-        """The records whose replicate factors W_i / w_i differ from their group's row of F by
-        more than tol in some replicate (a replicate at a time, as _factors_equal)."""
-        Ft = np.ascontiguousarray(F.T)
-        off = np.zeros(self.n, dtype=bool)
-        dev = np.empty(self.n)
-        for r in range(self.W.shape[1]):
-            np.divide(self.W[:, r], self.w, out=dev)
-            dev -= Ft[r].take(codes)
-            off |= np.abs(dev) > tol
-        return off
+        return replicate_factor_groups(self.W, self.w)
 
     # ------------------------------------------------------------ replicate scale factors
     def _scales(self, rscales: Sequence[float] | None) -> np.ndarray:

@@ -89,6 +89,7 @@ from sdl_design.survey.design import (
     dense_codes,
     distinct_rows,
     group_indicator,
+    replicate_factor_groups,
     resolve_replicates,
 )
 from sdl_design.survey.glm import (
@@ -739,22 +740,32 @@ def quantile_pass(
     degrees of freedom)."""
     df = _file_records(part, spec, req, f)
     W = np.ascontiguousarray(df[list(req.files[f].replicates)].to_numpy(dtype=float))
+    w = df[req.files[f].weight].to_numpy(dtype=float)
     X = plan.study.continuous_values(df)
     at = np.searchsorted(cuts.profiles, _profile_numbers(df, req, plan))
     cells = [(codes[at], L) for codes, L in cuts.cells]
     with single_blas_thread():
         grams = _cell_grams(W, cells, np.isnan(X))
+        groups = replicate_factor_groups(W, w) if len(w) else None
         totals = [
-            _segment_totals(W, X, cell, L, qs) for (cell, L), qs in zip(cells, cuts.q, strict=True)
+            _segment_totals(W, X, cell, L, qs, (w, groups))
+            for (cell, L), qs in zip(cells, cuts.q, strict=True)
         ]
     return [list(zip(t, g, strict=True)) for t, g in zip(totals, grams, strict=True)]
 
 
 def _segment_totals(
-    W: np.ndarray, X: np.ndarray, cell: np.ndarray, L: int, qs: Sequence[np.ndarray]
+    W: np.ndarray,
+    X: np.ndarray,
+    cell: np.ndarray,
+    L: int,
+    qs: Sequence[np.ndarray],
+    factors: tuple[np.ndarray, Any] = (np.zeros(0), None),
 ) -> list[np.ndarray]:
     """Each variable's replicate totals by cell and segment between its sorted quantiles
-    (R x L (P + 1)), the records where it is missing left out: one sparse product for all."""
+    (R x L (P + 1)), the records where it is missing left out: one sparse product for all.
+    factors: the weights w and their replicate factor groups (codes, G, F) when W_i = w_i F_g
+    (replicate_factor_groups): then F' times the totals of w by (segment, group), not W'."""
     rows, cols, widths = [], [], []
     offset = 0
     for j, q in enumerate(qs):
@@ -767,8 +778,14 @@ def _segment_totals(
         widths.append(L * width)
         offset += L * width
     r, c = np.concatenate(rows), np.concatenate(cols)
-    z = sp.csr_matrix((np.ones(len(r)), (r, c)), shape=(offset, len(W)))
-    T = np.asarray(z @ W).T
+    w, groups = factors
+    if groups is not None:
+        codes, G, F = groups
+        zw = sp.csr_matrix((w[c], (r, codes[c])), shape=(offset, G))
+        T = np.asarray(zw @ F).T
+    else:
+        z = sp.csr_matrix((np.ones(len(r)), (r, c)), shape=(offset, len(W)))
+        T = np.asarray(z @ W).T
     return np.split(T, np.cumsum(widths)[:-1], axis=1)
 
 
