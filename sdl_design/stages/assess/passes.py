@@ -1344,8 +1344,9 @@ def _pmse_columns(
     )
 
     def matrix() -> np.ndarray:
-        X = pmse_matrix(_pmse_frame(part, spec, req, plan), pplan.layout)
-        return X if keep is None else X[:, keep]
+        if keep is None:
+            return pmse_matrix(_pmse_frame(part, spec, req, plan), pplan.layout)
+        return _pmse_columns(part, spec, req, plan, pplan, None)[:, keep]  # (kept: sliced)
 
     return cached(key, matrix, lambda X: X.data.nbytes + X.indices.nbytes + X.indptr.nbytes)
 
