@@ -387,6 +387,23 @@ def _lookup(frame: pd.DataFrame, table: pd.DataFrame, what: str) -> np.ndarray:
     return got.to_numpy(dtype=np.int64)
 
 
+def written_partition(folder: str, part: Any) -> Partition | FramePartition:
+    """The records a pass wrote for part to folder (_write_partition: a Parquet file of one
+    row group, or a frame held in a memory folder), as a partition of the same records."""
+    if str(folder).startswith(MEMORY):
+        return FramePartition(_HELD[folder][part.start], part.start, part.stop)
+    path = str(Path(folder) / f"part-{part.start:012d}.parquet")
+    return Partition((Piece(path, (0,), 0, part.stop - part.start),), part.start, part.stop)
+
+
+def written_identity(folder: str, part: Any) -> tuple:
+    """What a pass wrote for part to folder as a cache key (its file's identity; a memory
+    folder's name, never reused in the process)."""
+    if str(folder).startswith(MEMORY):
+        return (folder, part.start)
+    return file_identity(str(Path(folder) / f"part-{part.start:012d}.parquet"))
+
+
 def _selected(part: Partition, folder: str) -> np.ndarray:
     """The partition's indicators of a selection (its folder's column __sel; read-only:
     several passes read them from the process's partition cache)."""

@@ -4,6 +4,7 @@ records, internal/ for its record-level maps), and the StageResult it returns.""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -17,15 +18,22 @@ import pandas as pd
 from sdl_design.engine.cache import CACHE
 from sdl_design.engine.exchange import Exchange, say
 from sdl_design.engine.partitions import (
+    MEMORY,
     FramePartition,
     Partition,
     _write_partition,
+    combine_pass1,
     held,
+    means_request,
     memory_folder,
+    partition_columns,
     partition_identity,
     profile_pass,
+    psus_of,
+    read_partition,
     release_memory,
     retained_in,
+    scan_columns,
 )
 from sdl_design.stage import Gate, StageContext, StageResult
 
@@ -39,8 +47,14 @@ class Run:
     run_map: Exchange
     inputs: list[Partition]
     scan: Mapping[str, pd.DataFrame]
-    psus: pd.DataFrame  # the input design's PSUs, (stratum, psu) sorted as SurveyDesign codes them
+    # the input design's PSUs, (stratum, psu) sorted as SurveyDesign codes them (None: the
+    # scan's table "psus", computed when read)
+    psus_table: pd.DataFrame | None = None
     selected: str | None = None  # the folder of the selection that kept the released records
+
+    @property
+    def psus(self) -> pd.DataFrame:
+        return self.scan["psus"] if self.psus_table is None else self.psus_table
 
     @property
     def n_input(self) -> int:
@@ -67,6 +81,7 @@ class Records:
     _t: float = field(default_factory=time.perf_counter)
     sink: str | None = None
     frame: pd.DataFrame | None = None  # held in memory: the working frame, the original's labels
+    scratches: dict[str, str] = field(default_factory=dict)  # scratch(): name -> memory folder
 
     @property
     def run_map(self) -> Exchange:
@@ -86,6 +101,26 @@ class Records:
         """Where a stage's record-level map goes: under internal/ (a stage's folder
         <run>/<stage>/name -> <run>/internal/<stage>/name), never beside the public files."""
         return self.folder.parent / "internal" / self.folder.name / name
+
+    def scratch(self, name: str, confidential: bool = False) -> str:
+        """The folder (made) a stage's passes write to and read back within the stage: under
+        the stage's folder, or under internal/ when confidential (an original-to-masked map);
+        for records held in memory a memory folder, the same one for the same name, released
+        with the records (release_held)."""
+        if self.sink is not None and self.sink.startswith(MEMORY):
+            if name not in self.scratches:
+                self.scratches[name] = memory_folder(name)
+            return self.scratches[name]
+        path = self.confidential(name) if confidential else self.folder / name
+        path.mkdir(parents=True, exist_ok=True)
+        return str(path)
+
+    def drop_scratch(self, name: str) -> None:
+        """The scratch folders under name let go (a memory folder's frames, or the folder)."""
+        for key in [k for k in self.scratches if k == name or k.startswith(f"{name}/")]:
+            release_memory(self.scratches.pop(key))
+        if self.sink is None or not self.sink.startswith(MEMORY):
+            shutil.rmtree(self.folder / name, ignore_errors=True)
 
     def lap(self, name: str) -> None:
         """The seconds since the last lap, as <name>_seconds (name "": seconds)."""
@@ -120,8 +155,11 @@ IN_MEMORY = Exchange(_one_partition, _one_exchange)
 
 
 class FrameScan(Mapping):
-    """The scan of the original held in memory, each table computed when first read (the key
-    profiles: profile_pass on its one partition, as the partitioned scan counts them)."""
+    """The scan of the original held in memory, each table computed when first read: the key
+    profiles (profile_pass) and the design's PSUs (psus_of), on its one partition as the
+    partitioned scan makes them."""
+
+    NAMES = ("profiles", "psus")
 
     def __init__(self, spec: Any, original: Partition):
         self._spec, self._original = spec, original
@@ -129,18 +167,25 @@ class FrameScan(Mapping):
         self._lock = threading.Lock()
 
     def __getitem__(self, name: str) -> pd.DataFrame:
-        if name != "profiles":
+        if name not in self.NAMES:
             raise KeyError(name)
         with self._lock:
             if name not in self._tables:
-                self._tables[name] = profile_pass(self._original, self._spec)
+                self._tables[name] = self._compute(name)
             return self._tables[name]
 
+    def _compute(self, name: str) -> pd.DataFrame:
+        if name == "profiles":
+            return profile_pass(self._original, self._spec)
+        req = means_request(self._spec, partition_columns(self._original))
+        df = read_partition(self._original, scan_columns(self._spec, req), self._spec)
+        return combine_pass1([psus_of(df, req)]).psus
+
     def __iter__(self) -> Iterator[str]:
-        return iter(["profiles"])
+        return iter(self.NAMES)
 
     def __len__(self) -> int:
-        return 1
+        return len(self.NAMES)
 
 
 def in_memory(df: pd.DataFrame, ctx: StageContext) -> Records:
@@ -150,7 +195,7 @@ def in_memory(df: pd.DataFrame, ctx: StageContext) -> Records:
     its selection (Run.selected, a memory folder of __sel)."""
     original = [FramePartition.of(ctx.original)]
     parts = original if df is ctx.original else [FramePartition.of(df)]
-    run = Run(IN_MEMORY, original, FrameScan(ctx.spec, original[0]), pd.DataFrame())
+    run = Run(IN_MEMORY, original, FrameScan(ctx.spec, original[0]))
     if df is not ctx.original and not df.index.equals(ctx.original.index):
         at = ctx.original.index.get_indexer(df.index)
         if (at < 0).any() or (np.diff(at) <= 0).any():
@@ -187,8 +232,11 @@ def _run_partitions(stage: Any, records: Records, ctx: StageContext) -> StageRes
 
 
 def release_held(records: Records) -> None:
-    """The memory folders of records held in memory, released, and what the partition cache
-    kept of their partitions (known by tokens no later stage's partition has)."""
+    """The memory folders of records held in memory (its scratch folders too), released, and
+    what the partition cache kept of their partitions (known by tokens no later stage's
+    partition has)."""
+    for name in list(records.scratches):
+        release_memory(records.scratches.pop(name))
     for p in [*records.parts, *records.run.inputs]:
         if isinstance(p, FramePartition):
             CACHE.forget(partition_identity(p))
@@ -201,8 +249,11 @@ def held_result(records: Records, result: StageResult) -> StageResult:
     """The result of a stage run on records held in memory (in_memory), with the frame it wrote
     (the working frame's index; a stage whose kernel reads the whole frame, Records.frame,
     returns it as result.data), or the working frame when it writes none; without the run's
-    laps and facts (the flow times the stage). The records' memory folders are released."""
+    laps and facts (the flow times the stage); a frame of fewer records is labelled with the
+    records its selection kept (Run.selected: MASSC's d(2)). The records' memory folders are
+    released."""
     frames = held(records.data)
+    kept = held(records.run.selected) if records.run.selected else []
     release_held(records)
     if result.data is not None:  # the whole frame's kernel: its own result
         return result
@@ -212,7 +263,10 @@ def held_result(records: Records, result: StageResult) -> StageResult:
     df = records.frame
     if frames:
         (out,) = frames
-        result.data = out.set_axis(df.index)
+        index = df.index
+        if len(out) != len(df) and kept:  # the records the stage's selection kept
+            index = df.index[kept[0]["__sel"].to_numpy(dtype=bool)]
+        result.data = out.set_axis(index)
     else:
         result.data = df
     return result

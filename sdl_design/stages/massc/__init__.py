@@ -28,7 +28,6 @@ stage's: a method module importing it would import the stage)."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -53,6 +52,7 @@ from sdl_design.describe import (
 )
 from sdl_design.engine import partitions as part
 from sdl_design.engine.exchange import Exchange
+from sdl_design.engine.partitions import MEMORY
 from sdl_design.engine.records import Records, passes_result
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import SharedInput, StageContext, StageResult
@@ -92,7 +92,6 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
     empirical epsilon."""
 
     spec, columns, parts, run_map = ctx.spec, records.columns, records.parts, records.run_map
-    folder = records.folder
     req = pms.massc_request(spec, columns)
     search, files, rng = _massc_donors(records, ctx, req)
     m, zvars, scores, sums = _massc_moments(records, ctx, req)
@@ -103,9 +102,9 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
     # while delta is above gates.delta_max, meet_delta's revisions (revise_rates)
     cfg = massc_config(spec, pd.DataFrame(columns=list(columns)))
     groups = pms.select_groups(run_map(pms.select_pass1, parts, m, what="groups"))
-    chosen = (str(folder / "select_psi"), str(folder / "select_phi"))
+    chosen = (records.scratch("select_psi"), records.scratch("select_phi"))
     records.run.selected = chosen[1]
-    donors = str(records.confidential("donors"))
+    donors = records.scratch("donors", confidential=True)
     run = _MasscPasses(spec, req, parts, run_map, m, zvars, scores, donors, chosen, groups, rng)
     done = run.treatment(pms.RatesPlan(sums.moments, psi, cost), cfg, sums)
     il, epsilon = pms.massc_loss(done.tr, done.plan, sums)
@@ -114,11 +113,11 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
     # original's totals (calibrate_treated's, bit for bit), written to data/
     creq = pcal.calibration_request(spec, columns)
     treated = pcal.Treated(donors, chosen, np.asarray(done.tr.phi.rates, dtype=float))
-    cal, cal_tables, cal_metrics = run.calibration(creq, treated, folder)
+    cal, cal_tables, cal_metrics = run.calibration(creq, treated, records.data)
     records.lap("calibration")
     n_reps = int(spec.stages.massc.replications)
     if n_reps:
-        eps_rep, rep_table = _massc_replications(run, creq, treated, done, sums, folder)
+        eps_rep, rep_table = _massc_replications(run, creq, treated, done, sums, records)
         cal_tables["epsilon_replications"] = rep_table
         cal_metrics["epsilon_empirical"] = eps_rep
         cal_metrics["n_replications"] = float(n_reps)
@@ -159,9 +158,7 @@ def _massc_donors(
     records.lap("search")
     n_has = _with_donor(search)
     records.say(f"{n_has} records have a donor ({search.n_profiles} search profiles)")
-    donors = records.confidential("donors")
-    donors.mkdir(parents=True)
-    receive = partial(pms.donor_receive, folder=str(donors))
+    receive = partial(pms.donor_receive, folder=records.scratch("donors", confidential=True))
     files = run_map.exchange(
         pms.donor_send, pms.donor_serve, receive, parts, spec, req, search, what="massc donors"
     )
@@ -182,7 +179,7 @@ def _massc_moments(
     zvars = pms.massc_study_variables(profiles, req)
     scores = part.profile_scores(profiles, req.sensitive) if req.sensitive else np.zeros(0)
     m = pms.MasscInputs(spec, req, run.inputs, profiles, labels)
-    donors = str(records.confidential("donors"))
+    donors = records.scratch("donors", confidential=True)
     partials = run_map(
         pms.moments_pass, parts, m, run.psus, zvars, scores, donors, what="massc moments"
     )
@@ -221,8 +218,6 @@ class _MasscPasses:
 
     def selections(self, plans: list, folders: list[str], what: str) -> list[int]:
         """Several selections in one exchange: the records each keeps."""
-        for where in folders:
-            Path(where).mkdir(parents=True, exist_ok=True)
         sels = pms.Selections(plans, folders)
         got = self.run_map.exchange(
             pms.select_send, pms.select_serve, pms.select_receive, self.parts, self.m, sels,
@@ -233,7 +228,8 @@ class _MasscPasses:
     def select(self, rates: np.ndarray, where: str) -> int:
         """One selection at rates with the stage's Generator: the records it keeps."""
         plan = self.select_plan(rates, self.rng)
-        return self.selections([plan], [where], f"massc selection ({Path(where).name})")[0]
+        name = Path(where.split(":")[1] if where.startswith(MEMORY) else where).name
+        return self.selections([plan], [where], f"massc selection ({name})")[0]
 
     def treat(self, p: pms.RatesPlan, c: MasscConfig) -> pms.PartitionedTreatment:
         """Substitution at psi, phi (eq. 10) from the moments of z*, subsampling at phi."""
@@ -321,14 +317,15 @@ class _MasscPasses:
         return [g[0] for g in got]
 
     def calibration(
-        self, creq: pcal.CalibrationRequest, treated: pcal.Treated, folder: Path
+        self, creq: pcal.CalibrationRequest, treated: pcal.Treated, data: str
     ) -> tuple[pcal.CalibrationFactors | None, dict[str, pd.DataFrame], dict[str, float]]:
         """Step IV of the release's treatment: the retained records' weight and replicate
-        weights calibrated, written to data/; the factors, the tables and the metrics."""
+        weights calibrated, written to data (the records' folder); the factors, the tables and
+        the metrics."""
         ((cplan, cal),) = self.calibrations(creq, [treated], "massc calibration")
         applied = self.run_map(
-            pcal.calibration_apply, self.parts, self.m, creq, treated, cplan, cal,
-            str(folder / "data"), what="massc calibration",
+            pcal.calibration_apply, self.parts, self.m, creq, treated, cplan, cal, data,
+            what="massc calibration",
         )  # fmt: skip
         cal_tables, cal_metrics = pcal.calibration_summary(cplan, creq, cal, applied)
         return cal, cal_tables, cal_metrics
@@ -352,7 +349,7 @@ def _massc_replications(
     treated: pcal.Treated,
     done: _Treatment,
     sums: pms.PlanSums,
-    folder: Path,
+    records: Records,
 ) -> tuple[float, pd.DataFrame]:
     """The replications of the whole treatment (massc_replications), a batch in the same
     passes: each draws its two selections from its own Generator (one exchange for the
@@ -368,8 +365,8 @@ def _massc_replications(
     batch = pcal.replications_at_once(run.n_rows)  # the memory of their exchanges
     for lo in range(0, n_reps, batch):
         reps = range(lo, min(lo + batch, n_reps))
-        estimates += _replication_batch(run, wreq, treated, done, reps, folder)
-    shutil.rmtree(folder / "replications")  # their selections: original-to-masked maps
+        estimates += _replication_batch(run, wreq, treated, done, reps, records)
+    records.drop_scratch("replications")  # their selections: original-to-masked maps
     return pcal.replication_epsilon(estimates, sums.truth, run.zvars)
 
 
@@ -379,7 +376,7 @@ def _replication_batch(
     treated: pcal.Treated,
     done: _Treatment,
     reps: range,
-    folder: Path,
+    records: Records,
 ) -> list[np.ndarray]:
     """A batch of replications in the same passes: their selections at psi and phi (one
     exchange), the weight's calibration and each one's study totals."""
@@ -387,8 +384,8 @@ def _replication_batch(
     plans, folders, rtrs = [], [], []
     for r in reps:
         gen = pcal.replication_generator(run.spec, r)
-        where = folder / "replications" / f"r{r:03d}"
-        rchosen = (str(where / "select_psi"), str(where / "select_phi"))
+        where = f"replications/r{r:03d}"
+        rchosen = (records.scratch(f"{where}/select_psi"), records.scratch(f"{where}/select_phi"))
         plans += [
             run.select_plan(done.plan.psi.rates, gen),
             run.select_plan(done.tr.phi.rates, gen),

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,7 +30,7 @@ import pandas as pd
 
 from sdl_design.blas import single_blas_thread
 from sdl_design.edits import check_edits
-from sdl_design.engine.cache import cached, file_identity
+from sdl_design.engine.cache import cached
 from sdl_design.engine.partitions import (
     Partition,
     PartitionError,
@@ -40,6 +39,7 @@ from sdl_design.engine.partitions import (
     partition_identity,
     plan_partitions,
     read_partition,
+    written_identity,
 )
 from sdl_design.keys import key_frame, key_levels
 from sdl_design.rng import release_seed
@@ -297,11 +297,10 @@ def _both_codes(
     substituted), with `extra` columns of the records, and whether each has a donor. Each
     pass of the calibrations and replications asks for them: computed once while the
     process's partition cache holds them."""
-    donor_file = Path(donors) / f"part-{part.start:012d}.parquet"
     key = (
         "massc: both codes",
         partition_identity(part),
-        file_identity(str(donor_file)),
+        written_identity(donors, part),
         repr(creq),
         repr(m.req),
         tuple(extra),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -15,13 +14,13 @@ import pandas as pd
 from sdl_design.engine.partitions import (
     Partition,
     PartitionError,
-    Piece,
     _lookup,
     _selected,
     _write_partition,
     profile_counts,
     profile_rows,
     read_partition,
+    written_partition,
 )
 from sdl_design.risk import (
     STRATA,
@@ -441,8 +440,7 @@ def _tilde(
 ) -> pd.DataFrame:
     """The partition's substituted file tilde (donor_receive's, one row group), typed as the
     records."""
-    path = str(Path(donors) / f"part-{part.start:012d}.parquet")
-    tilde = Partition((Piece(path, (0,), 0, part.stop - part.start),), part.start, part.stop)
+    tilde = written_partition(donors, part)
     return read_partition(tilde, [*req.need, "__donor"], spec).set_axis(index)
 
 
