@@ -40,7 +40,7 @@ from sdl_design.stages.massc.moments import (
 )
 from sdl_design.stages.massc.rates import optimal_phi, optimal_psi
 from sdl_design.stages.massc.stage import massc_config
-from sdl_design.stages.massc.treatment import cost_from, systematic_hits
+from sdl_design.stages.massc.treatment import cost_from, group_order, systematic_hits
 from sdl_design.survey import blocksum
 from sdl_design.survey.blocksum import BlockAccumulator, BlockPartial
 from sdl_design.survey.design import (
@@ -694,8 +694,9 @@ def select_serve(
     u, pi = (np.concatenate([q[k] for q in requests], axis=1) for k in ("u", "pi"))
     sender = np.repeat(np.arange(len(requests)), [len(q["rows"]) for q in requests])
     hit = np.zeros((len(sels.plans), len(rows)), dtype=bool)
-    for r, plan in enumerate(sels.plans):
-        order = np.lexsort((rows, u[r], g))
+    by_rows = bool(np.all(rows[1:] > rows[:-1]))  # (senders in partition order: rows ascend)
+    for r, plan in enumerate(sels.plans):  # by group, uniform, then row (select's order)
+        order = group_order(g, u[r]) if by_rows else np.lexsort((rows, u[r], g))
         hit[r, order] = systematic_hits(g[order], pi[r, order], plan.start_u)
     return [{"rows": rows[sender == i], "hit": hit[:, sender == i]} for i in range(len(requests))]
 

@@ -50,7 +50,7 @@ def select(groups: np.ndarray, pi: np.ndarray, rng: np.random.Generator) -> np.n
         raise MasscError("rates must lie in [0, 1]")
     n = len(pi)
     g = pd.factorize(groups)[0]
-    order = _group_order(g, rng.random(n))
+    order = group_order(g, rng.random(n))
     gs, ps = g[order], pi[order]
     u = rng.random(int(g.max()) + 1 if n else 0)
     out = np.zeros(n, dtype=bool)
@@ -70,7 +70,7 @@ def systematic_hits(gs: np.ndarray, ps: np.ndarray, u: np.ndarray) -> np.ndarray
     return np.floor(c_in - ug + 1e-12) > np.floor(c_in - ps - ug + 1e-12)
 
 
-def _group_order(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+def group_order(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     """np.lexsort((u, g)) in two stable passes (u, then the group codes in the narrowest
     integer type, which numpy sorts by radix): the same permutation, ties included."""
     by_u = _stable_argsort(u)
