@@ -86,3 +86,27 @@ def test_partitions_numbering_groups_their_own_way_give_the_same_bits():
         parts.append(block_partial(perm[present], x[i:j], len(local), a, b, rows[i:j]))
         ids.append(local[np.argsort(perm)])
     assert combine_local(parts, ids, G, n).tobytes() == whole.tobytes()
+
+
+def test_block_partials_of_several_columns_are_each_columns_bits():
+    """BlockBins.of_columns (one sparse product for every column) gives each column's
+    BlockPartial bit for bit, a partition cut inside a block; combined, each column's sums are
+    group_sum's of the whole file."""
+    from sdl_design.survey.blocksum import block_bins
+
+    n, G = 2 * BLOCK + 777, 13
+    rows, codes, _ = _terms(n, G, 6)
+    X = np.random.default_rng(6).lognormal(3.0, 2.0, size=(len(rows), 5))
+    cut = int(np.searchsorted(rows, BLOCK + 11))
+    parts = []
+    for i, j, a, b in ((0, cut, 0, BLOCK + 11), (cut, len(rows), BLOCK + 11, n)):
+        bins = block_bins(codes[i:j], G, a, b, rows[i:j])
+        many = bins.of_columns(X[i:j])
+        for k in range(X.shape[1]):
+            one = bins.of(X[i:j, k])
+            assert many[k].sums.tobytes() == one.sums.tobytes()
+            assert many[k].cont_x.tobytes() == one.cont_x.tobytes() and many[k].cont == one.cont
+        parts.append(many)
+    for k in range(X.shape[1]):
+        got = combine_partials([p[k] for p in parts], G, n)
+        assert got.tobytes() == group_sum(codes, X[:, k], G, n, rows).tobytes()

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.sparse as sp
 
 BITS = 16
 BLOCK = 1 << BITS  # records per block
@@ -119,6 +120,27 @@ class BlockBins:
             self.cont_codes,
             x[: self.split].copy(),
         )
+
+    def of_columns(self, X: np.ndarray) -> list[BlockPartial]:
+        """The BlockPartial of each column of X (terms x columns, in record order): one
+        sparse product for all (each group's terms added in record order from 0, as
+        np.bincount adds them: the same bits)."""
+        X = np.asarray(X, dtype=float)
+        m = len(X) - self.split
+        ind = sp.csr_matrix(
+            (np.ones(m), (self.coded, np.arange(m))), shape=(self.k * self.n_groups, m)
+        )
+        per = np.asarray(ind @ np.ascontiguousarray(X[self.split :]))
+        return [
+            BlockPartial(
+                self.first,
+                per[:, j].reshape(self.k, self.n_groups),
+                self.cont,
+                self.cont_codes,
+                X[: self.split, j].copy(),
+            )
+            for j in range(X.shape[1])
+        ]
 
 
 def block_bins(

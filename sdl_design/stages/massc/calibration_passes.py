@@ -208,8 +208,7 @@ def _partials(
     """The BlockPartials of each column of X (records start..start+n-1 of their file)."""
     rows = np.arange(start, start + n_rows_part, dtype=np.int64)
     bins = blocksum.block_bins(codes, n_groups, start, start + n_rows_part, rows)
-    X = np.asarray(X, dtype=float).reshape(n_rows_part, -1)
-    return [bins.of(X[:, j]) for j in range(X.shape[1])]
+    return bins.of_columns(np.asarray(X, dtype=float).reshape(n_rows_part, -1))
 
 
 # ---------------------------------------------------------------- the partition's records
