@@ -64,13 +64,16 @@ from sdl_design.stages.massc.stage import (
     _massc_substituted,
     _release_margins,
     delta_gates,
+    loss_metrics,
     massc_config,
     massc_epsilon,
     massc_params,
     massc_replications,
     massc_result,
     numeric_study,
+    rates_metrics,
     replication_plan,
+    study_totals_table,
 )
 from sdl_design.stages.massc.treatment import MasscConfig, OriginalMargins, cost_from, revise_rates
 
@@ -123,7 +126,8 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
         cal_metrics["n_replications"] = float(n_reps)
     records.lap("replications")
     _say_massc_treatment(records, run, done, epsilon, cal, cal_metrics)
-    counts, params, gates = _massc_counts(run, search, sums, done, epsilon, cal_metrics)
+    counts, params, gates = _massc_counts(run, search, sums, done, (epsilon, il), cal_metrics)
+    moments = done.plan.moments
     return passes_result(
         "massc",
         {**counts, "files": [Path(f).name for f in files], **cal_metrics},
@@ -132,8 +136,12 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
         gates=gates,
         tables={
             **pms.massc_tables(search, sums, done.plan, done.tr, done.dm, il),
+            "study_totals": study_totals_table(
+                done.cfg, moments.labels, sums.truth, sums.sampling_var, moments
+            ),
             **cal_tables,
         },
+        report_tables=["rates", "delta", "epsilon_formula", *cal_tables],
     )
 
 
@@ -438,13 +446,15 @@ def _massc_counts(
     search: pms.DonorPlan,
     sums: pms.PlanSums,
     done: _Treatment,
-    epsilon: float,
+    loss: tuple[float, pd.DataFrame],
     cal_metrics: dict[str, float],
 ) -> tuple[dict[str, Any], dict[str, Any], list]:
-    """The MASSC stage's counts, rates by stratum (psi, phi) and delta; its params (those
-    made on the driver); its gates."""
+    """The MASSC stage's counts, rates by stratum (psi, phi), delta and the information loss
+    (loss: epsilon and its table), as MasscStage.run's metrics; its params; its gates."""
     labels, n_rows, n_has = run.m.labels, run.n_rows, _with_donor(search)
     psi, phi, tr = done.plan.psi, done.tr.phi, done.tr
+    epsilon, il = loss
+    by_appearance = done.dm.by_appearance.set_index("appearance")["delta_bar"]
     counts = {
         "n_with_donor": n_has,
         "n_no_donor": float(n_rows - n_has),
@@ -463,8 +473,13 @@ def _massc_counts(
         "epsilon": max(epsilon, cal_metrics.get("epsilon_empirical", epsilon)),
         "n_delta_revisions": len(done.revisions),
         "budget_scale": done.cfg.budget_scale,
+        **{f"delta_{a}": float(by_appearance[a]) for a in "udto"},
+        **loss_metrics(il),
+        "share_retained": tr.n_retained / n_rows,
+        "n_donor_profiles": float(search.n_profiles),
+        **rates_metrics(labels, psi, phi),
     }
-    params = massc_params(run.spec, done.cfg, labels, psi, phi)
+    params = massc_params(run.spec, done.cfg, labels, psi, phi, done.plan.cost)
     return counts, params, delta_gates(run.spec, done.dm.delta)
 
 

@@ -283,35 +283,57 @@ def _massc_metrics(
         **dm.metrics,
         "epsilon_formula": eps,
         "epsilon": eps,
-        "epsilon_treatment": _nanmax(il["rrmse_treatment"]),
-        "loss_in_se": _nanmax(il["rmse_in_se"]),
-        "loss_in_se_treatment": _nanmax(il["rmse_in_se_treatment"]),
+        **loss_metrics(il),
         "n_substituted": float(tr.substituted.sum()),
         "n_subsampled_out": float((~tr.retained).sum()),
         "share_substituted": float(tr.substituted.mean()),
         "share_retained": float(tr.retained.mean()),
         "n_no_donor": float((plan.donors.donor < 0).sum()),
         "n_no_donor_domain": float(plan.n_no_donor_domain),
-        "n_strata_no_risk": float(plan.psi.no_risk.sum()),
         "budget_scale": cfg.budget_scale,
         "n_delta_revisions": float(len(revisions)),
-        "n_study_variables": float(len(il)),
         "n_donor_profiles": float(plan.donors.n_profiles),
-        **{f"psi_{h}": float(p) for h, p in zip(plan.labels, plan.psi.rates, strict=True)},
-        **{f"phi_{h}": float(p) for h, p in zip(plan.labels, tr.phi.rates, strict=True)},
+        **rates_metrics(plan.labels, plan.psi, tr.phi),
         **cal_metrics,
+    }
+
+
+def loss_metrics(il: pd.DataFrame) -> dict[str, float]:
+    """The information loss's largest RRMSE of the treatment alone and the largest losses in
+    SE units (eq. 7), and the study totals counted."""
+    return {
+        "epsilon_treatment": _nanmax(il["rrmse_treatment"]),
+        "loss_in_se": _nanmax(il["rmse_in_se"]),
+        "loss_in_se_treatment": _nanmax(il["rmse_in_se_treatment"]),
+        "n_study_variables": float(len(il)),
+    }
+
+
+def rates_metrics(labels: Sequence[str], psi: Any, phi: Any) -> dict[str, float]:
+    """psi_h and phi_h of every stratum, and the strata of negligible risk (psi_h 0)."""
+    return {
+        "n_strata_no_risk": float(psi.no_risk.sum()),
+        **{f"psi_{h}": float(p) for h, p in zip(labels, psi.rates, strict=True)},
+        **{f"phi_{h}": float(p) for h, p in zip(labels, phi.rates, strict=True)},
     }
 
 
 def _study_totals(cfg: MasscConfig, plan: Any) -> pd.DataFrame:
     """The study totals theta_z: original total and sampling SE, and their loss budgets
     alpha_z (bias, eq. 8a) and beta_z (variance, eq. 8b)."""
-    labels = plan.zvars.labels
+    return study_totals_table(cfg, plan.zvars.labels, plan.truth, plan.sampling_var, plan.moments)
+
+
+def study_totals_table(
+    cfg: MasscConfig, labels: Sequence[Any], truth: Any, sampling_var: Any, moments: Any
+) -> pd.DataFrame:
+    """_study_totals from its parts: the totals' labels, the original's totals and sampling
+    variances, and the plan's moments (D_z: the budgets' scale)."""
     study_totals = pd.DataFrame(labels, columns=["variable", "domain", "category"])
-    study_totals["original_total"] = plan.truth
-    study_totals["original_se"] = np.sqrt(plan.sampling_var)
-    a_z, b_z = plan.budgets(cfg)
-    study_totals["alpha"], study_totals["beta"] = a_z, b_z
+    study_totals["original_total"] = truth
+    study_totals["original_se"] = np.sqrt(sampling_var)
+    study_totals["alpha"] = cfg.alpha * moments.scale2  # eq. 8a's bound
+    study_totals["beta"] = cfg.beta * moments.scale2  # eq. 8b's bound
     return study_totals
 
 
