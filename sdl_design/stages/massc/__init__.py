@@ -60,6 +60,7 @@ from sdl_design.stages.massc import calibration_passes as pcal
 from sdl_design.stages.massc import passes as pms
 from sdl_design.stages.massc.checks import control_problems, subsampling_problems
 from sdl_design.stages.massc.stage import (
+    TreatmentCounts,
     _main,
     _massc_substituted,
     _release_margins,
@@ -67,6 +68,7 @@ from sdl_design.stages.massc.stage import (
     loss_metrics,
     massc_config,
     massc_epsilon,
+    massc_notes,
     massc_params,
     massc_replications,
     massc_result,
@@ -128,21 +130,41 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
     _say_massc_treatment(records, run, done, epsilon, cal, cal_metrics)
     counts, params, gates = _massc_counts(run, search, sums, done, (epsilon, il), cal_metrics)
     moments = done.plan.moments
+    tables = {
+        **pms.massc_tables(search, sums, done.plan, done.tr, done.dm, il),
+        "study_totals": study_totals_table(
+            done.cfg, moments.labels, sums.truth, sums.sampling_var, moments
+        ),
+        **cal_tables,
+    }
     return passes_result(
         "massc",
         {**counts, "files": [Path(f).name for f in files], **cal_metrics},
         records,
         params=params,
         gates=gates,
-        tables={
-            **pms.massc_tables(search, sums, done.plan, done.tr, done.dm, il),
-            "study_totals": study_totals_table(
-                done.cfg, moments.labels, sums.truth, sums.sampling_var, moments
-            ),
-            **cal_tables,
-        },
+        tables=tables,
         report_tables=["rates", "delta", "epsilon_formula", *cal_tables],
+        notes=_massc_notes(run, search, done, il, {**counts, **cal_metrics}, tables),
     )
+
+
+def _massc_notes(
+    run: _MasscPasses,
+    search: pms.DonorPlan,
+    done: _Treatment,
+    il: pd.DataFrame,
+    metrics: dict[str, Any],
+    tables: dict[str, pd.DataFrame],
+) -> list[str]:
+    """MasscStage.run's notes from the treatment made by partition."""
+    rates = tables["rates"].assign(N=tables["rates"]["N"].astype(np.int64))
+    n, tr = run.n_rows, done.tr
+    counts = TreatmentCounts(
+        n, tr.n_substituted, n - tr.n_retained, search.by_level, search.n_no_donor_domain
+    )
+    measured = (done.dm, metrics, done.revisions, il)
+    return massc_notes(run.spec, (done.cfg, done.plan, tr.phi, rates), counts, measured, tables)
 
 
 def _by_stratum(labels: list[str], rates: Any) -> str:

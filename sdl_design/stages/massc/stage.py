@@ -3,9 +3,9 @@ and the replicate weights to the original file's controls; delta and epsilon; re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -217,7 +217,6 @@ def massc_result(
     cfg, plan, tr, dm, revisions = main
     b0 = original_rows(df, original)
     check_edits(tr.b1, spec.edits, "MASSC output", EDIT_HINT)
-    cal = spec.stages.massc.calibration
     data, cal_tables, cal_metrics = _calibrate(
         df, spec, cfg, tr, original, replicates=True, margins=margins
     )
@@ -233,19 +232,16 @@ def massc_result(
     metrics = _massc_metrics(cfg, plan, tr, dm, revisions, il, cal_metrics)
     gates = delta_gates(spec, dm.delta)
     study_totals = _study_totals(cfg, plan)
-    notes = [
-        _rates_note(cfg, plan, tr, rates),
-        _treatment_note(cfg, plan, tr),
-        _delta_note(dm, metrics),
-    ]
-    if revisions:
-        notes.append(_revisions_note(spec, cfg, revisions))
-    if cfg.domain_columns:
-        notes.append(_domain_cells_note(cfg, plan, len(df)))
-    loss = _information_loss_note(il, metrics)
-    if loss is not None:
-        notes.append(loss)
-    notes.append(_calibration_note(cal, cal_tables, cal_metrics))
+    counts = TreatmentCounts(
+        len(df),
+        int(tr.substituted.sum()),
+        int((~tr.retained).sum()),
+        plan.donors.by_level,
+        plan.n_no_donor_domain,
+    )
+    notes = massc_notes(
+        spec, (cfg, plan, tr.phi, rates), counts, (dm, metrics, revisions, il), cal_tables
+    )
     return StageResult(
         name="massc",
         data=data,
@@ -352,7 +348,47 @@ def _loss_budget_phrase(cfg: MasscConfig) -> str:
     )
 
 
-def _rates_note(cfg: MasscConfig, plan: Any, tr: Any, rates: pd.DataFrame) -> str:
+class TreatmentCounts(NamedTuple):
+    """The treatment's counts the notes give: records, substituted, sampled out, partners by
+    keys changed, records without a partner in their declared-domain cell."""
+
+    n: int
+    n_substituted: int
+    n_sampled_out: int
+    by_level: Mapping[int, int]
+    n_no_donor_domain: int
+
+
+def massc_notes(
+    spec: Any,
+    rates_of: tuple[MasscConfig, Any, Any, pd.DataFrame],
+    counts: TreatmentCounts,
+    measured: tuple[Any, dict[str, Any], Sequence[Any], pd.DataFrame],
+    cal_tables: dict[str, pd.DataFrame],
+) -> list[str]:
+    """The stage's notes: the strata and rates (rates_of: the config, the plan with psi and
+    the costs, phi, the rates table), the treatment, delta (measured: its measures, the
+    metrics, the revisions, the information loss), the partners' cells, the loss and the
+    calibration."""
+    cfg, plan, phi, rates = rates_of
+    dm, metrics, revisions, il = measured
+    notes = [
+        _rates_note(cfg, plan, phi, rates),
+        _treatment_note(cfg, counts),
+        _delta_note(dm, metrics),
+    ]
+    if revisions:
+        notes.append(_revisions_note(spec, cfg, revisions))
+    if cfg.domain_columns:
+        notes.append(_domain_cells_note(cfg, counts))
+    loss = _information_loss_note(il, metrics)
+    if loss is not None:
+        notes.append(loss)
+    notes.append(_calibration_note(spec.stages.massc.calibration, cal_tables, metrics))
+    return notes
+
+
+def _rates_note(cfg: MasscConfig, plan: Any, phi: Any, rates: pd.DataFrame) -> str:
     """Note: the risk strata, their disclosure costs a_h and the optimal substitution (psi,
     eq. 9) and retention (phi, eq. 10) rates under the loss budgets."""
     budget = _loss_budget_phrase(cfg)
@@ -367,18 +403,18 @@ def _rates_note(cfg: MasscConfig, plan: Any, tr: Any, rates: pd.DataFrame) -> st
         )
         + f". Substitution rates psi = {_fmt(plan.psi.rates)}, the least disclosure cost the "
         f"bias budget allows (paper 000 eq. 9; {plan.psi.method}); retention rates phi = "
-        f"{_fmt(tr.phi.rates)}, the least cost the variance budget allows (eq. 10; "
-        f"{tr.phi.method}); under {budget}."
+        f"{_fmt(phi.rates)}, the least cost the variance budget allows (eq. 10; "
+        f"{phi.method}); under {budget}."
     )
 
 
-def _treatment_note(cfg: MasscConfig, plan: Any, tr: Any) -> str:
+def _treatment_note(cfg: MasscConfig, c: TreatmentCounts) -> str:
     """Note: the records substituted and sampled out, the selection, the partners' keys."""
     return (
-        f"{int(tr.substituted.sum())} records substituted ({tr.substituted.mean():.1%}), "
-        f"{int((~tr.retained).sum())} sampled out; selection "
+        f"{c.n_substituted} records substituted ({c.n_substituted / c.n:.1%}), "
+        f"{c.n_sampled_out} sampled out; selection "
         f"{'nested within PSUs' if cfg.nest else 'stratified SRSWOR'}; partners differ in "
-        f"{', '.join(f'{k} key(s): {v}' for k, v in plan.donors.by_level.items() if k and v) or 'no'} "
+        f"{', '.join(f'{k} key(s): {v}' for k, v in c.by_level.items() if k and v) or 'no'} "
         "records."
     )
 
@@ -403,13 +439,12 @@ def _revisions_note(spec: Any, cfg: MasscConfig, revisions: Sequence[Any]) -> st
     )
 
 
-def _domain_cells_note(cfg: MasscConfig, plan: Any, n: int) -> str:
-    """Note: partners drawn within the declared-domain cells, and the records with none
-    (n: the number of records)."""
+def _domain_cells_note(cfg: MasscConfig, c: TreatmentCounts) -> str:
+    """Note: partners drawn within the declared-domain cells, and the records with none."""
     return (
         "Partners come from the recipient's cell of the declared domains ("
         + ", ".join(k.name for k in cfg.domain_columns)
-        + f"): {plan.n_no_donor_domain} records ({plan.n_no_donor_domain / n:.1%}) "
+        + f"): {c.n_no_donor_domain} records ({c.n_no_donor_domain / c.n:.1%}) "
         "have no partner in their cell and are not substituted"
         + (
             " (every key is a declared domain: substitution cannot keep the domains)."
