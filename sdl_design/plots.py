@@ -88,10 +88,19 @@ def histogram(
     vline: float | None = None,
     vlabel: str | None = None,
     bins: int = 30,
+    counts: np.ndarray | None = None,
 ) -> bytes:
-    """PNG histogram of values (stacked by group when a mapping), with an optional threshold line."""
+    """PNG histogram of values (stacked by group when a mapping), with an optional threshold
+    line; counts: how many records hold each of the values (distinct values with their counts:
+    the same histogram as the records' values)."""
+    if counts is not None and isinstance(values, Mapping):
+        raise ValueError("histogram: counts go with one array of values, not groups")
     groups = dict(values) if isinstance(values, Mapping) else {"": np.asarray(values)}
     groups = {k: np.asarray(v, dtype=float) for k, v in groups.items()}
+    weights = None if counts is None else np.asarray(counts, dtype=float)
+    if weights is not None:
+        ok = np.isfinite(groups[""])
+        weights = weights[ok]
     groups = {k: v[np.isfinite(v)] for k, v in groups.items() if np.isfinite(v).any()}
     fig, ax = subplots(figsize=(7, 3.8))
     if groups:
@@ -102,6 +111,8 @@ def histogram(
         edges = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
         grouped = any(groups)
         kw = {"label": list(groups)} if grouped else {}
+        if weights is not None:
+            kw["weights"] = [weights]
         ax.hist(list(groups.values()), bins=edges, stacked=True, **kw)
         if grouped:
             ax.legend(loc="best")

@@ -20,12 +20,12 @@ from sdl_design.synth import make_survey
 
 
 @pytest.mark.parametrize("delta_max", [None, 0.05])
-def test_massc_passes_in_memory_are_the_frame_kernels_release(delta_max):
+def test_massc_passes_in_memory_are_the_frame_kernels_release(delta_max, figures_drawn):
     """The default spec's MASSC (without its replications, which the flow runs) on 3,000
     persons, with and without meet_delta's revisions: the retained records with their
     calibrated weight and replicate weights are the frame kernel's bit for bit, and so are
-    its metrics, params, tables and notes (but delta by profile and the rates' realized
-    counts); the
+    its metrics, params, tables, notes and figure (but delta by profile and the rates'
+    realized counts); the
     selections and the substituted file were held in memory and are let go with the records."""
     data = yaml.safe_load(DEFAULT_SPEC.read_text())
     data["stages"]["massc"]["replications"] = 0
@@ -45,8 +45,8 @@ def test_massc_passes_in_memory_are_the_frame_kernels_release(delta_max):
     pd.testing.assert_frame_equal(got.data, want.data, check_exact=True)
     for c in want.data.select_dtypes("number").columns:  # the bits
         assert got.data[c].to_numpy().tobytes() == want.data[c].to_numpy().tobytes(), c
-    # the result: the frame kernel's metrics, params, tables and notes, less what the passes do
-    # not make yet (delta by profile, eq. 4; the rates' realized counts by stratum; the figure)
+    # the result: the frame kernel's metrics, params, tables, notes and figure, less what the
+    # passes do not make yet (delta by profile, eq. 4; the rates' realized counts by stratum)
     assert set(want.metrics) - set(got.metrics) == {"delta_profile_max"}
     assert want.metrics["n_substituted"] > 0 and len(want.metrics) > 30
     for k in sorted(set(want.metrics) & set(got.metrics)):
@@ -56,5 +56,9 @@ def test_massc_passes_in_memory_are_the_frame_kernels_release(delta_max):
         pd.testing.assert_frame_equal(got.tables[name], want.tables[name], check_exact=True)
     assert got.report_tables == [t for t in want.report_tables if t != "delta_profiles"]
     assert got.notes == want.notes and len(want.notes) >= 6  # the report's, word for word
+    # the weight factors' histogram: from the distinct factors and their counts by partition,
+    # the same picture (bytes) as from every record's factor
+    png = want.figures["weight_factors"]
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and got.figures == want.figures
     if delta_max is not None:
         assert want.metrics["n_delta_revisions"] > 0

@@ -76,6 +76,7 @@ from sdl_design.stages.massc.stage import (
     rates_metrics,
     replication_plan,
     study_totals_table,
+    weight_factor_figure,
 )
 from sdl_design.stages.massc.treatment import MasscConfig, OriginalMargins, cost_from, revise_rates
 
@@ -118,7 +119,7 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
     # original's totals (calibrate_treated's, bit for bit), written to data/
     creq = pcal.calibration_request(spec, columns)
     treated = pcal.Treated(donors, chosen, np.asarray(done.tr.phi.rates, dtype=float))
-    cal, cal_tables, cal_metrics = run.calibration(creq, treated, records.data)
+    cal, cal_tables, cal_metrics, factors = run.calibration(creq, treated, records.data)
     records.lap("calibration")
     n_reps = int(spec.stages.massc.replications)
     if n_reps:
@@ -146,6 +147,7 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
         tables=tables,
         report_tables=["rates", "delta", "epsilon_formula", *cal_tables],
         notes=_massc_notes(run, search, done, il, {**counts, **cal_metrics}, tables),
+        figures={"weight_factors": weight_factor_figure(*factors)},
     )
 
 
@@ -348,17 +350,20 @@ class _MasscPasses:
 
     def calibration(
         self, creq: pcal.CalibrationRequest, treated: pcal.Treated, data: str
-    ) -> tuple[pcal.CalibrationFactors | None, dict[str, pd.DataFrame], dict[str, float]]:
+    ) -> tuple[pcal.CalibrationFactors | None, dict[str, pd.DataFrame], dict[str, float], tuple]:
         """Step IV of the release's treatment: the retained records' weight and replicate
-        weights calibrated, written to data (the records' folder); the factors, the tables and
-        the metrics."""
+        weights calibrated, written to data (the records' folder); the factors, the tables, the
+        metrics and the records' adjustment factors w g / (w / phi) (distinct, with counts)."""
         ((cplan, cal),) = self.calibrations(creq, [treated], "massc calibration")
         applied = self.run_map(
             pcal.calibration_apply, self.parts, self.m, creq, treated, cplan, cal, data,
             what="massc calibration",
         )  # fmt: skip
         cal_tables, cal_metrics = pcal.calibration_summary(cplan, creq, cal, applied)
-        return cal, cal_tables, cal_metrics
+        adj, counts = (np.concatenate([a["adj"][i] for a in applied]) for i in (0, 1))
+        values, at = np.unique(adj, return_inverse=True)  # the factors over the partitions
+        factors = (values, np.bincount(at.ravel(), weights=counts, minlength=len(values)))
+        return cal, cal_tables, cal_metrics, factors
 
 
 class _Treatment(NamedTuple):

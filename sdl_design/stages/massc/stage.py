@@ -555,9 +555,18 @@ def calibration_params(cal: Any) -> dict[str, Any]:
 def _weight_factor_figure(data: pd.DataFrame, weight: str, tr) -> bytes:
     """Histogram of the calibration adjustment factors (final weight / weight after 1/phi)."""
     base = tr.b1.loc[tr.retained, weight].to_numpy(dtype=float) * tr.factor[tr.retained]
-    adj = data[weight].to_numpy(dtype=float) / base
+    return weight_factor_figure(data[weight].to_numpy(dtype=float) / base)
+
+
+def weight_factor_figure(adj: np.ndarray, counts: np.ndarray | None = None) -> bytes:
+    """Histogram of the calibration adjustment factors adj (counts: the records holding each,
+    when adj holds distinct values)."""
     return histogram(
-        adj, "calibration adjustment factor", "Weight adjustment factors after MASSC", vline=1.0
+        adj,
+        "calibration adjustment factor",
+        "Weight adjustment factors after MASSC",
+        vline=1.0,
+        counts=counts,
     )
 
 
