@@ -132,7 +132,7 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
     counts, params, gates = _massc_counts(run, search, sums, done, (epsilon, il), cal_metrics)
     moments = done.plan.moments
     tables = {
-        **pms.massc_tables(search, sums, done.plan, done.tr, done.dm, il),
+        **_with_realized(pms.massc_tables(search, sums, done.plan, done.tr, done.dm, il), run),
         "study_totals": study_totals_table(
             done.cfg, moments.labels, sums.truth, sums.sampling_var, moments
         ),
@@ -151,6 +151,15 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
     )
 
 
+def _with_realized(tables: dict[str, pd.DataFrame], run: _MasscPasses) -> dict[str, pd.DataFrame]:
+    """The tables with the rates' realized counts by stratum (one pass: rates_table's)."""
+    got = run.run_map(pms.realized_pass, run.parts, run.m, run.donors, run.chosen, what="massc")
+    counts = np.sum(got, axis=0)
+    names = ("n_no_donor", "n_substituted", "n_retained")
+    tables["rates"] = tables["rates"].assign(**dict(zip(names, counts, strict=True)))
+    return tables
+
+
 def _massc_notes(
     run: _MasscPasses,
     search: pms.DonorPlan,
@@ -160,7 +169,7 @@ def _massc_notes(
     tables: dict[str, pd.DataFrame],
 ) -> list[str]:
     """MasscStage.run's notes from the treatment made by partition."""
-    rates = tables["rates"].assign(N=tables["rates"]["N"].astype(np.int64))
+    rates = tables["rates"]
     n, tr = run.n_rows, done.tr
     counts = TreatmentCounts(
         n, tr.n_substituted, n - tr.n_retained, search.by_level, search.n_no_donor_domain

@@ -783,6 +783,20 @@ def massc_phi(
     return phi, mom, int(sum(int(q.N[0]) for q in partials))
 
 
+def realized_pass(
+    part: Partition, m: MasscInputs, donors: str, selected: tuple[str, str]
+) -> np.ndarray:
+    """The partition's records by MASSC stratum (3 x strata): without a donor, substituted
+    (d(1)) and retained (d(2)): rates_table's realized counts."""
+    _, h, _ = _original_rows(part, m)
+    index = pd.RangeIndex(part.start, part.stop)
+    none = _tilde(part, m.spec, m.req, donors, index)["__donor"].to_numpy() < 0
+    d1 = _selected(part, selected[0]) & ~none
+    d2 = _selected(part, selected[1])
+    H = len(m.labels)
+    return np.stack([np.bincount(h[x], minlength=H) for x in (none, d1, d2)])
+
+
 # ---------------------------------------------------------------- MASSC: delta (eq. 3-6)
 
 
@@ -928,7 +942,7 @@ def massc_tables(
     rates = pd.DataFrame(
         {
             "stratum": mom.strata,
-            "N": mom.N,
+            "N": np.asarray(mom.N).astype(np.int64),
             "cost_a": plan.cost,
             "psi": plan.psi.rates,
             "phi": tr.phi.rates,
