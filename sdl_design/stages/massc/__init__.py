@@ -153,7 +153,9 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
 
 def _with_realized(tables: dict[str, pd.DataFrame], run: _MasscPasses) -> dict[str, pd.DataFrame]:
     """The tables with the rates' realized counts by stratum (one pass: rates_table's)."""
-    got = run.run_map(pms.realized_pass, run.parts, run.m, run.donors, run.chosen, what="massc")
+    got = run.run_map(
+        pms.realized_pass, run.parts, run.m, run.donors, run.chosen, what="massc rates by stratum"
+    )
     counts = np.sum(got, axis=0)
     names = ("n_no_donor", "n_substituted", "n_retained")
     tables["rates"] = tables["rates"].assign(**dict(zip(names, counts, strict=True)))
