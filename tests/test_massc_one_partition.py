@@ -24,7 +24,7 @@ def test_massc_passes_in_memory_are_the_frame_kernels_release(delta_max, figures
     """The default spec's MASSC (without its replications, which the flow runs) on 3,000
     persons, with and without meet_delta's revisions: the retained records with their
     calibrated weight and replicate weights are the frame kernel's bit for bit, and so are
-    its metrics, params, tables, notes and figure (but delta by profile); the
+    its metrics, params, tables (delta by profile too), notes and figure; the
     selections and the substituted file were held in memory and are let go with the records."""
     data = yaml.safe_load(DEFAULT_SPEC.read_text())
     data["stages"]["massc"]["replications"] = 0
@@ -44,16 +44,17 @@ def test_massc_passes_in_memory_are_the_frame_kernels_release(delta_max, figures
     pd.testing.assert_frame_equal(got.data, want.data, check_exact=True)
     for c in want.data.select_dtypes("number").columns:  # the bits
         assert got.data[c].to_numpy().tobytes() == want.data[c].to_numpy().tobytes(), c
-    # the result: the frame kernel's metrics, params, tables, notes and figure, less what the
-    # passes do not make yet: delta by profile (eq. 4)
-    assert set(want.metrics) - set(got.metrics) == {"delta_profile_max"}
+    # the result: the frame kernel's metrics, params, tables, notes and figure
+    assert set(want.metrics) <= set(got.metrics)
     assert want.metrics["n_substituted"] > 0 and len(want.metrics) > 30
     for k in sorted(set(want.metrics) & set(got.metrics)):
         assert got.metrics[k] == want.metrics[k], k
     assert got.params == want.params and "cost_a" in got.params
-    for name in ("rates", "delta", "epsilon_formula", "study_totals", "weight_factors"):
+    names = ("rates", "delta", "delta_profiles", "epsilon_formula", "study_totals")
+    for name in (*names, "weight_factors"):
         pd.testing.assert_frame_equal(got.tables[name], want.tables[name], check_exact=True)
-    assert got.report_tables == [t for t in want.report_tables if t != "delta_profiles"]
+    assert want.tables["delta_profiles"]["delta_p"].iloc[0] == want.metrics["delta_profile_max"]
+    assert got.report_tables == want.report_tables
     assert got.notes == want.notes and len(want.notes) >= 6  # the report's, word for word
     # the weight factors' histogram: from the distinct factors and their counts by partition,
     # the same picture (bytes) as from every record's factor

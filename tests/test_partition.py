@@ -1517,44 +1517,56 @@ def test_advanced_generator_draws_the_stages_doubles_from_the_kth_on():
         assert pms.advanced(state, k).random(1000 - k).tobytes() == whole[k:].tobytes()
 
 
-def test_puf_partitioned_names_the_field_of_massc_substrata(clean, tmp_path, capsys):
-    """k-means substrata need a stratum's records in one process: refused before anything runs
-    (no scan, no swap), with the field and the fix (exit 2), nothing written."""
-    path, _, _ = clean
+def test_numeric_control_and_substrata_by_partition(clean, tmp_path):
+    """A numeric calibration control (a single total, sum w x) and k-means substrata by
+    partition, the same bits on 1 and 3 partitions: the retained records' weights, solved on
+    profile sums (records of one calibration profile, the numeric value included, share g),
+    meet the original's total of income and its sex margin; a variable y of two separated
+    groups splits every merged risk stratum of 200 records or more into exactly those groups,
+    numbered by increasing centroid (the N of each substratum in the rates table)."""
+    from flows.scan import run_partitioned
+    from sdl_design.stages.massc.strata import massc_strata
+
+    path, spec, whole = clean
+    grp = np.random.default_rng(4).integers(0, 2, len(whole))
+    df = pd.read_parquet(spec.release.input)
+    df["y"] = grp * 100.0 + np.random.default_rng(5).normal(0, 1, len(df))
+    new_input = path.parent / "input" / "with_y.parquet"
+    pq.write_table(pa.Table.from_pandas(df, preserve_index=False), new_input, row_group_size=GROUP)
     data = yaml.safe_load(path.read_text())
-    data["stages"]["massc"]["substrata"] = {"variables": ["income"], "k": 2}
-    new = path.parent / "substrata.yaml"
+    data["release"]["input"] = str(new_input)
+    massc = data["stages"]["massc"]
+    massc["calibration"]["controls"] = ["sex", "income"]
+    massc["replications"] = 0
+    massc["strata_merge"] = {"D": "NU", "T": "NU", "O": "NU"}
+    massc["substrata"] = {"variables": ["y"], "k": 2, "min_records": 100}
+    for name in ("swap", "topcode"):
+        data["stages"][name]["enabled"] = False
+    del data["stages"]["prb"]
+    new = path.parent / "numeric-substrata.yaml"
     new.write_text(yaml.safe_dump(data))
-    out = tmp_path / "run"
-    assert puf(["partitioned", str(new), "--partitions", "2", "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert "stages.massc.substrata: k-means substrata" in err
-    assert "pass 1" not in err  # refused before the scan
-    assert not out.exists()
-
-
-def test_puf_partitioned_names_the_field_of_a_numeric_calibration_control(clean, tmp_path, capsys):
-    """A numeric control (a single total, summed by BLAS in memory) has no calibration by
-    partition: refused before the scan with the field and the fix (exit 2), nothing written;
-    the same control with bins runs."""
-    path, _, _ = clean
-    data = yaml.safe_load(path.read_text())
-    data["stages"]["massc"]["calibration"]["controls"] = ["sex", "income"]
-    new = path.parent / "numeric-control.yaml"
-    new.write_text(yaml.safe_dump(data))
-    out = tmp_path / "run"
-    assert puf(["partitioned", str(new), "--partitions", "2", "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert "stages.massc.calibration.controls: 'income' is numeric" in err
-    assert "give it bins" in err and "pass 1" not in err
-    assert not out.exists()
-    binned = {"name": "income", "bins": [0, 20000, 50000, 1e12]}
-    data["stages"]["massc"]["calibration"]["controls"] = ["sex", binned]
-    new.write_text(yaml.safe_dump(data))
-    from sdl_design.stages.massc.calibration_passes import check_massc
-
     spec = load_spec(new)
-    check_massc(spec, P.input_columns(spec.release.input))  # no error
+    got, rates = {}, {}
+    for n in (1, 3):
+        out = run_partitioned(new, "thread", partitions=n, out=tmp_path / str(n), release=False)
+        got[n] = pd.read_parquet(tmp_path / str(n) / "massc" / "data")
+        rates[n] = out["stages"]["massc"].tables["rates"]
+    _same_bits(got[3], got[1])
+    pd.testing.assert_frame_equal(rates[3], rates[1], check_exact=True)
+    w, w0 = spec.design.weight, whole[spec.design.weight]
+    b2 = got[3]
+    assert (b2[w] * b2["income"]).sum() == pytest.approx((w0 * whole["income"]).sum(), rel=1e-9)
+    want_sex = w0.groupby(whole["sex"]).sum()
+    pd.testing.assert_series_equal(b2.groupby("sex")[w].sum(), want_sex, rtol=1e-9)
+    base = massc_strata(whole, spec.variables.keys, massc["strata_merge"]).to_numpy()
+    want = {}
+    for label in np.unique(base):
+        n_h = (base == label).sum()
+        for g in (0, 1):
+            name = f"{label}:{g + 1}" if n_h >= 200 else label
+            want[name] = want.get(name, 0) + int(((base == label) & (grp == g)).sum())
+    assert len(want) >= 3 and any(":" in k for k in want)
+    assert dict(zip(rates[3]["stratum"], rates[3]["N"], strict=True)) == want
 
 
 @pytest.mark.flow  # two assessment chains by partition

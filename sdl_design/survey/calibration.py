@@ -285,13 +285,23 @@ def _profile_matrix(
     return Xc
 
 
-def profile_design(codes: np.ndarray, margins: Mapping[str, list[Any]]) -> _Design:
-    """The design of categorical controls from their distinct profiles alone (codes: profiles x
-    margins, in the order of margins: {column: categories}, codes into them): the design
-    _design builds from records whose profiles these are, for solving on profile sums."""
+def profile_design(
+    codes: np.ndarray,
+    margins: Mapping[str, list[Any]],
+    numeric: Mapping[str, np.ndarray] | None = None,
+) -> _Design:
+    """The design of controls from their distinct profiles alone (codes: profiles x margins, in
+    the order of margins: {column: categories}, codes into them; numeric: {column: each
+    profile's value} of numeric totals, whose distinct values the profiles tell apart): the
+    design _design builds from records whose profiles these are, for solving on profile sums
+    (records of one profile share every column of X, so they share g)."""
     sizes = [len(c) for c in margins.values()]
     labels = [(col, c) for col, cats in margins.items() for c in cats]
-    Xc = _profile_matrix(np.asarray(codes).reshape(len(codes), len(sizes)), sizes, True)
+    codes = np.asarray(codes).reshape(len(codes), len(sizes))
+    Xc = _profile_matrix(codes, sizes, not numeric)
+    if numeric:
+        Xc = np.column_stack([Xc, *(np.asarray(v, dtype=float) for v in numeric.values())])
+        labels += [(col, None) for col in numeric]
     return _Design(Xc, np.zeros(0, dtype=np.intp), np.zeros((0, 0)), labels, dict(margins))
 
 

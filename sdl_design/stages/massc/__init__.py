@@ -78,6 +78,7 @@ from sdl_design.stages.massc.stage import (
     study_totals_table,
     weight_factor_figure,
 )
+from sdl_design.stages.massc.substrata import ITERATIONS, SubstrataModel, SubstrataPlan
 from sdl_design.stages.massc.treatment import MasscConfig, OriginalMargins, cost_from, revise_rates
 
 
@@ -100,7 +101,7 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
     spec, columns, parts, run_map = ctx.spec, records.columns, records.parts, records.run_map
     req = pms.massc_request(spec, columns)
     search, files, rng = _massc_donors(records, ctx, req)
-    m, zvars, scores, sums = _massc_moments(records, ctx, req)
+    m, zvars, scores, sums = _massc_moments(records, ctx, req, rng)
     psi, cost = pms.massc_psi(spec, columns, sums)
     records.lap("psi")
     records.say("substitution rates psi " + _by_stratum(m.labels, psi.rates))
@@ -133,6 +134,7 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
     moments = done.plan.moments
     tables = {
         **_with_realized(pms.massc_tables(search, sums, done.plan, done.tr, done.dm, il), run),
+        "delta_profiles": done.dm.top_profiles(run.m),
         "study_totals": study_totals_table(
             done.cfg, moments.labels, sums.truth, sums.sampling_var, moments
         ),
@@ -145,7 +147,7 @@ def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
         params=params,
         gates=gates,
         tables=tables,
-        report_tables=["rates", "delta", "epsilon_formula", *cal_tables],
+        report_tables=["rates", "delta", "delta_profiles", "epsilon_formula", *cal_tables],
         notes=_massc_notes(run, search, done, il, {**counts, **cal_metrics}, tables),
         figures={"weight_factors": weight_factor_figure(*factors)},
     )
@@ -210,25 +212,53 @@ def _massc_donors(
 
 
 def _massc_moments(
-    records: Records, ctx: StageContext, req: pms.MasscRequest
+    records: Records, ctx: StageContext, req: pms.MasscRequest, rng: np.random.Generator
 ) -> tuple[pms.MasscInputs, Any, np.ndarray, pms.PlanSums]:
-    """The risk strata (the scan's profile counts), the study variables z and the sensitive
-    risk scores; the moments of eq. 8a, the original's totals and Taylor variances and the
-    costs' sums by partition, combined in block sums. The records' inputs, z, the scores
-    and the plan's sums."""
+    """The risk strata (the scan's profile counts; k-means substrata by passes with the
+    stage's Generator), the study variables z and the sensitive risk scores; the moments of
+    eq. 8a, the original's totals and Taylor variances and the costs' sums by partition,
+    combined in block sums. The records' inputs, z, the scores and the plan's sums."""
     spec, parts, run_map, run = ctx.spec, records.parts, records.run_map, records.run
     profiles = run.scan["profiles"]
     labels = pms.massc_strata_labels(profiles, req)
     zvars = pms.massc_study_variables(profiles, req)
     scores = part.profile_scores(profiles, req.sensitive) if req.sensitive else np.zeros(0)
     m = pms.MasscInputs(spec, req, run.inputs, profiles, labels)
+    if req.substrata is not None:
+        model = _massc_substrata(records, m, rng)
+        m = replace(m, labels=list(model.labels), substrata=model)
+        records.say("MASSC strata " + ", ".join(model.labels))
     donors = records.scratch("donors", confidential=True)
     partials = run_map(
         pms.moments_pass, parts, m, run.psus, zvars, scores, donors, what="massc moments"
     )
-    sums = pms.combine_moments(partials, zvars, labels, run.psus, parts[-1].stop)
+    sums = pms.combine_moments(partials, zvars, m.labels, run.psus, parts[-1].stop)
     records.lap("moments")
     return m, zvars, scores, sums
+
+
+def _massc_substrata(
+    records: Records, m: pms.MasscInputs, rng: np.random.Generator
+) -> SubstrataModel:
+    """k-means substrata of the risk strata (sdl_design.stages.massc.substrata): the means and
+    records per stratum, the spread and the drawn start, Lloyd passes until the centroids stop."""
+    run_map, parts = records.run_map, records.parts
+    plan = SubstrataPlan(m.req.substrata, tuple(m.labels), parts[-1].stop)
+    plan.moments(run_map(pms.substrata_moments_pass, parts, m, what="massc substrata means"))
+    ranks = plan.draw(rng)
+    got = run_map(pms.substrata_spread_pass, parts, m, plan.mean, ranks, what="massc substrata")
+    centroids = plan.start(got, rng)
+    for i in range(ITERATIONS):  # (counts: of the records' nearest centroids)
+        got = run_map(pms.substrata_lloyd_pass, parts, m, plan, centroids, what="massc k-means")
+        moved, counts = plan.step(centroids, got)
+        still = all(
+            a is None or np.array_equal(a, b) for a, b in zip(centroids, moved, strict=True)
+        )
+        if still or i == ITERATIONS - 1:
+            break
+        centroids = moved
+    records.lap("substrata")
+    return plan.model(centroids, counts)
 
 
 @dataclass
@@ -297,7 +327,7 @@ class _MasscPasses:
             pms.delta_pass2, parts, self.m, self.scores, b2, s2, risk_basis, donors, chosen,
             what="massc delta",
         )  # fmt: skip
-        return pms.combine_delta(got, self.n_rows)
+        return pms.combine_delta(got, self.n_rows, self.m)
 
     def treatment(self, rplan: pms.RatesPlan, cfg: MasscConfig, sums: pms.PlanSums) -> _Treatment:
         """Steps II-III at psi, then meet_delta's revisions (revise_rates) while delta is
@@ -512,6 +542,7 @@ def _massc_counts(
         "n_delta_revisions": len(done.revisions),
         "budget_scale": done.cfg.budget_scale,
         **{f"delta_{a}": float(by_appearance[a]) for a in "udto"},
+        "delta_profile_max": float(done.dm.profiles["delta_p"].max()),
         **loss_metrics(il),
         "share_retained": tr.n_retained / n_rows,
         "n_donor_profiles": float(search.n_profiles),

@@ -37,7 +37,6 @@ from sdl_design.engine.partitions import (
     _selected,
     _write_partition,
     partition_identity,
-    plan_partitions,
     read_partition,
     written_identity,
 )
@@ -68,7 +67,12 @@ from sdl_design.stages.massc.treatment import (
     weight_factors,
 )
 from sdl_design.survey import blocksum
-from sdl_design.survey.blocksum import BlockAccumulator, BlockPartial, combine_local
+from sdl_design.survey.blocksum import (
+    BlockAccumulator,
+    BlockPartial,
+    combine_local,
+    combine_partials,
+)
 from sdl_design.survey.calibration import (
     CalibrationInfeasible,
     _margin_codes,
@@ -142,17 +146,10 @@ def calibration_request(spec: ReleaseSpec, columns: Sequence[str]) -> Calibratio
 
 def check_massc(spec: ReleaseSpec, columns: Sequence[str]) -> None:
     """What MASSC by partition refuses, before anything runs (PartitionError naming the field):
-    massc_request's, a missing calibration column, and a numeric (single-total) control, whose
-    type is read from the input's first partition as the passes type it."""
+    massc_request's and a missing calibration column."""
 
     massc_request(spec, columns)
-    creq = calibration_request(spec, columns)
-    plain = [k for k in creq.controls if k.bins is None and k.map is None]
-    if plain:
-        first = plan_partitions(spec.release.input)[0]
-        df = read_partition(first, [k.name for k in plain], spec)
-        for k in plain:
-            _numeric_control(df, k)
+    calibration_request(spec, columns)
 
 
 # ---------------------------------------------------------------- values of several partitions
@@ -239,15 +236,17 @@ def _coarsened(df: pd.DataFrame, creq: CalibrationRequest) -> pd.DataFrame:
     return _treatment_coarsened(df, list(creq.controls))[0]
 
 
-def _numeric_control(df: pd.DataFrame, k: KeySpec) -> None:
-    if k.bins is None and k.map is None and pd.api.types.is_numeric_dtype(df[k.name]):
-        if pd.api.types.is_bool_dtype(df[k.name]):
-            return
+def _numeric_control(values: pd.Series, k: KeySpec) -> bool:
+    """Whether a control is a numeric total (control_totals' rule: numeric values, no bins or
+    map; values: its distinct values as key_frame reads them), checked for missing values."""
+    if k.bins is not None or k.map is not None or not pd.api.types.is_numeric_dtype(values):
+        return False
+    if values.isna().any():
         raise PartitionError(
-            f"stages.massc.calibration.controls: '{k.name}' is numeric, a single total; the "
-            "calibration by partition takes categorical controls (give it bins or a map), or "
-            "run the release in memory"
+            f"stages.massc.calibration.controls: '{k.name}' has missing values; a numeric "
+            "total needs every value (give it bins, or impute)"
         )
+    return True
 
 
 @dataclass
@@ -408,9 +407,15 @@ def calibration_pass1(
     R_o = b0[reps].to_numpy(dtype=float) if reps else np.zeros((n0, 0))
     codes_o = _codes_of(b0, creq)
     original = []  # per control: its categories on the original, their totals
-    for code, u0 in codes_o.controls:
+    for k, (code, u0) in zip(creq.controls, codes_o.controls, strict=True):
         # control_totals' categories: key_frame's (a missing value is MISSING)
         u0 = key_frame(pd.DataFrame({"v": u0}), ["v"])["v"]
+        if _numeric_control(u0, k):  # a single total: sum w x (one group)
+            x, one = u0.to_numpy(dtype=float)[code], np.zeros(n0, dtype=np.int64)
+            w = _partials(one, w_o * x, 1, part.start, n0)[0]
+            w_reps = _partials(one, R_o * x[:, None], 1, part.start, n0) if reps else []
+            original.append((None, w, w_reps))
+            continue
         w = _partials(code, w_o, len(u0), part.start, n0)[0]
         original.append((u0, w, _partials(code, R_o, len(u0), part.start, n0) if reps else []))
     rows_o = b0.index.to_numpy()
@@ -421,8 +426,6 @@ def calibration_pass1(
         cells_o.append(o)
     w_total = _partials(np.zeros(n0, dtype=np.int64), w_o, 1, part.start, n0)[0]
     codes, df, has_donor = _both_codes(part, m, creq, trs[0].donors, [])
-    for k in creq.controls:
-        _numeric_control(df, k)
     out = []
     for tr, offs in zip(trs, offsets, strict=True):
         keep, at, _ = _treated_rows(part, tr, has_donor)
@@ -433,8 +436,12 @@ def calibration_pass1(
             for c in reps
         )
         controls = []
-        for (code, u2), (u0, w, w_reps) in zip(c2.controls, original, strict=True):
+        for k, (code, u2), (u0, w, w_reps) in zip(
+            creq.controls, c2.controls, original, strict=True
+        ):
             b2_values = u2.iloc[np.unique(code)].reset_index(drop=True)
+            if u0 is None:
+                _numeric_control(key_frame(pd.DataFrame({"v": b2_values}), ["v"])["v"], k)
             controls.append({"b2": b2_values, "o": u0, "w": w, "reps": w_reps})
         domains = []
         R_2 = df[reps].to_numpy(dtype=float)[keep] if reps and same else None
@@ -474,6 +481,7 @@ class CalibrationPlan:
     control_values: list[pd.Series]  # b2's distinct values of each control (partition order)
     control_codes: list[np.ndarray]  # their codes into control_cats
     control_cats: list[list[Any]]
+    numeric: list[bool]  # whether each control is a numeric total (its categories: values)
     ctrl: dict[str, Any]  # control_totals of the original
     ctrl_reps: list[dict[str, Any]]  # per replicate
     margins: dict[str, DomainCells]
@@ -496,7 +504,7 @@ def calibration_plan(
     reps = list(creq.replicates)
     n2 = sum(q.n2 for q in partials)
     rep_margins = bool(reps) and all(q.same_reps for q in partials)
-    values, codes, cats_b2, ctrl = [], [], [], {}
+    values, codes, cats_b2, ctrl, numeric = [], [], [], {}, []
     ctrl_reps: list[dict[str, Any]] = [{} for _ in reps]
     for j, k in enumerate(creq.controls):
         u2 = [q.controls[j]["b2"] for q in partials]
@@ -504,6 +512,15 @@ def calibration_plan(
         values.append(pd.concat([u.astype(object) for u in u2], ignore_index=True))
         codes.append(np.concatenate(code2))
         cats_b2.append(cats)
+        numeric.append(partials[0].controls[j]["o"] is None)
+        if numeric[-1]:  # a single total: sum w x in block sums
+            ctrl[k.name] = float(
+                combine_partials([q.controls[j]["w"] for q in partials], 1, n_rows)[0]
+            )
+            for r in range(len(reps)):
+                p_r = [q.controls[j]["reps"][r] for q in partials]
+                ctrl_reps[r][k.name] = float(combine_partials(p_r, 1, n_rows)[0])
+            continue
         code_o, cats_o = _sorted_values([q.controls[j]["o"] for q in partials])
         t = combine_local([q.controls[j]["w"] for q in partials], code_o, len(cats_o), n_rows)
         ctrl[k.name] = {c: float(v) for c, v in zip(cats_o, t, strict=True)}
@@ -576,7 +593,7 @@ def calibration_plan(
     for q in partials:
         w_o.add(q.w_o)
     return CalibrationPlan(
-        values, codes, cats_b2, ctrl, ctrl_reps, margins, table, rep_margins, offsets, n2,
+        values, codes, cats_b2, numeric, ctrl, ctrl_reps, margins, table, rep_margins, offsets, n2,
         float(w_o.total()[0]),
     )  # fmt: skip
 
@@ -741,11 +758,19 @@ def _design_of(keys: np.ndarray, plan: CalibrationPlan, creq, cols: ProfileColum
     for j in range(len(cols.sizes) - 1, -1, -1):
         codes[:, j] = rest % cols.sizes[j]
         rest //= cols.sizes[j]
-    margins = {creq.controls[j].name: plan.control_cats[j] for j in cols.controls}
-    for mname in cols.margins:
+    margins, numeric, categorical = {}, {}, []
+    for i, j in enumerate(cols.controls):
+        name, cats = creq.controls[j].name, plan.control_cats[j]
+        if plan.numeric[j]:  # the profile's value of a numeric total
+            numeric[name] = np.asarray(cats, dtype=float)[codes[:, i]]
+        else:
+            margins[name] = cats
+            categorical.append(i)
+    for i, mname in enumerate(cols.margins, len(cols.controls)):
         cells = plan.margins[mname]
         margins[mname] = [cells.cats[c] for c in cells.b2_labels]
-    return profile_design(codes, margins)
+        categorical.append(i)
+    return profile_design(codes[:, categorical], margins, numeric)
 
 
 @single_blas_thread()  # as the in-memory stage runs (sdl_design.blas)

@@ -40,6 +40,15 @@ from sdl_design.stages.massc.moments import (
 )
 from sdl_design.stages.massc.rates import optimal_phi, optimal_psi
 from sdl_design.stages.massc.stage import massc_config
+from sdl_design.stages.massc.substrata import (
+    SubstrataModel,
+    SubstrataPlan,
+    SubstrataRequest,
+    lloyd_part,
+    moments_part,
+    spread_part,
+    substrata_values,
+)
 from sdl_design.stages.massc.treatment import cost_from, group_order, systematic_hits
 from sdl_design.survey import blocksum
 from sdl_design.survey.blocksum import BlockAccumulator, BlockPartial
@@ -76,6 +85,7 @@ class MasscRequest:
     min_records: int
     strata: str | None
     psu: str | None
+    substrata: SubstrataRequest | None = None
 
     def columns(self) -> list[str]:
         names = [k.name for k in (*self.keys, *self.cells)] + [s.name for s in self.sensitive]
@@ -83,8 +93,8 @@ class MasscRequest:
 
 
 def massc_request(spec: ReleaseSpec, columns: Sequence[str]) -> MasscRequest:
-    """The spec's MASSC (stages.massc) on an input with these columns; k-means substrata have
-    no partitioned path (PartitionError naming the field)."""
+    """The spec's MASSC (stages.massc) on an input with these columns (PartitionError naming
+    the field)."""
 
     if spec.stages.massc is None:
         raise PartitionError("stages.massc: the spec has no MASSC stage; enable it")
@@ -94,10 +104,13 @@ def massc_request(spec: ReleaseSpec, columns: Sequence[str]) -> MasscRequest:
             "design.psu: MASSC by partition needs the design's PSUs (its loss budgets are in "
             "Taylor sampling variances); name the PSU column"
         )
+    substrata = None
     if cfg.substrata:
-        raise PartitionError(
-            "stages.massc.substrata: k-means substrata need every record of a stratum in one "
-            "process; remove them to run MASSC by partition, or run the release in memory"
+        missing = [c for c in cfg.substrata if c not in columns]
+        if missing:
+            raise PartitionError(f"stages.massc.substrata.variables: {missing} are not in the data")
+        substrata = SubstrataRequest(
+            tuple(cfg.substrata), cfg.substrata_k, cfg.substrata_min_records
         )
     return MasscRequest(
         keys=tuple(cfg.keys),
@@ -114,6 +127,7 @@ def massc_request(spec: ReleaseSpec, columns: Sequence[str]) -> MasscRequest:
         min_records=cfg.min_records,
         strata=cfg.strata_col,
         psu=cfg.psu_col,
+        substrata=substrata,
     )
 
 
@@ -410,6 +424,7 @@ class MasscInputs:
     inputs: Sequence[Partition]
     profiles: pd.DataFrame
     labels: list[str]
+    substrata: SubstrataModel | None = None  # labels are then its labels
 
 
 def _original_rows(
@@ -421,18 +436,52 @@ def _original_rows(
     """B(0): the input's records of the partition (its keys and `columns`), each record's
     MASSC stratum (0..len(labels)-1: the risk stratum of its original key profile, merged) and
     the row of that profile in the scan's table (strata False: the records only, the other
-    two empty)."""
+    two empty). With substrata, the record's substratum of its stratum (m.substrata)."""
     spec, req, inputs, profiles, labels = m.spec, m.req, m.inputs, m.profiles, m.labels
     (original,) = [p for p in inputs if p.start == part.start]
     keys = [k.name for k in req.keys]
-    b0 = read_partition(original, list(dict.fromkeys([*keys, *columns])), spec)
+    split = req.substrata.variables if m.substrata is not None and strata else ()
+    b0 = read_partition(original, list(dict.fromkeys([*keys, *columns, *split])), spec)
     if not strata:
         return b0, np.zeros(0, np.int64), np.zeros(0, np.int64)
     merge = dict(req.merge)
-    h_of = pd.Index(labels).get_indexer([merge.get(s, s) for s in STRATA]).astype(np.int64)
+    base = labels if m.substrata is None else m.substrata.base
+    h_of = pd.Index(base).get_indexer([merge.get(s, s) for s in STRATA]).astype(np.int64)
     at = profile_rows(b0, req.keys, profiles)
     h = h_of[np.minimum(profiles["count"].to_numpy()[at], 4) - 1]  # U, D, T, O merged
+    if m.substrata is not None:
+        h = m.substrata.codes(h, substrata_values(b0, req.substrata))
     return b0, h, at
+
+
+def _substrata_records(part: Partition, m: MasscInputs) -> tuple[np.ndarray, np.ndarray]:
+    """The partition's records' base strata (m: without substrata) and substrata values."""
+    b0, h0, _ = _original_rows(part, m, m.req.substrata.variables)
+    return h0, substrata_values(b0, m.req.substrata)
+
+
+def substrata_moments_pass(part: Partition, m: MasscInputs) -> tuple:
+    """k-means substrata, pass 1: records per base stratum and the variables' sums."""
+    h0, x = _substrata_records(part, m)
+    return moments_part(h0, x, len(m.labels), part.start)
+
+
+def substrata_spread_pass(
+    part: Partition, m: MasscInputs, mean: np.ndarray, ranks: list[dict[int, np.ndarray]]
+) -> tuple:
+    """Pass 2: the squared deviations' sums and the records drawn for the start."""
+    h0, x = _substrata_records(part, m)
+    (mine,) = [r for p, r in zip(m.inputs, ranks, strict=True) if p.start == part.start]
+    return spread_part(h0, x, mean, mine, part.start)
+
+
+def substrata_lloyd_pass(
+    part: Partition, m: MasscInputs, plan: SubstrataPlan, centroids: list
+) -> tuple:
+    """A Lloyd pass: counts and sums of the standardized values by nearest centroid."""
+    h0, x = _substrata_records(part, m)
+    z = (x - plan.mean) / plan.scale
+    return lloyd_part(h0, z, centroids, plan.req.k, part.start)
 
 
 def _tilde(
@@ -882,24 +931,57 @@ def delta_pass2(
     cls = np.minimum(app, 4)
     data = {"cls": cls, "delta_k": delta_k}
     N = np.bincount(cls, minlength=5)
-    return _partial_sums(part.start, n, [data], [_delta_terms], None, 5, 0, N)
+    out = _partial_sums(part.start, n, [data], [_delta_terms], None, 5, 0, N)
+    # the sums of delta_k by original profile (eq. 4), by the partition's own profiles
+    local, code = np.unique(at0, return_inverse=True)
+    rows = np.arange(part.start, part.start + n, dtype=np.int64)
+    by_profile = blocksum.block_partial(
+        code.ravel(), delta_k, len(local), part.start, part.start + n, rows
+    )
+    return DeltaPartial(out, local, by_profile)
 
 
-def combine_delta(partials: Sequence[MomentsPartial], n_rows: int) -> Any:
+@dataclass
+class DeltaPartial:
+    """One partition's sums of delta_k: by appearance class, and by its original profiles
+    (profiles: their rows in the whole input's profile table)."""
+
+    appearance: MomentsPartial
+    profiles: np.ndarray
+    by_profile: BlockPartial
+
+
+def combine_delta(partials: Sequence[DeltaPartial], n_rows: int, m: MasscInputs) -> Any:
     """delta (eq. 5-6: the largest of delta_u, delta_d, delta_t, delta_o) and its table by
-    appearance, from the partitions' parts: delta_measures' bits."""
+    appearance, from the partitions' parts (delta_measures' bits), and delta_p of each
+    original profile (eq. 4: the sum of delta_k over its N_p records, divided by N_p)."""
 
-    totals = _block_totals(partials, [_delta_terms], None, 5, 0, n_rows)[("", "", "delta")]
-    table = appearance_table(totals, np.sum([q.N for q in partials], axis=0), n_rows)
-    return PartitionedDelta(float(table["delta_bar"].max()), table)
+    apps = [q.appearance for q in partials]
+    totals = _block_totals(apps, [_delta_terms], None, 5, 0, n_rows)[("", "", "delta")]
+    table = appearance_table(totals, np.sum([q.N for q in apps], axis=0), n_rows)
+    n_p = m.profiles["count"].to_numpy()
+    t_p = blocksum.combine_local(
+        [q.by_profile for q in partials], [q.profiles for q in partials], len(n_p), n_rows
+    )
+    profiles = pd.DataFrame({"N_p": n_p, "delta_p": t_p / np.maximum(n_p, 1)})
+    return PartitionedDelta(float(table["delta_bar"].max()), table, profiles)
 
 
 @dataclass
 class PartitionedDelta:
-    """delta_measures' delta and table by appearance, of a treatment by partition."""
+    """delta_measures' delta, table by appearance and delta_p by original profile (rows of
+    the input's profile table), of a treatment by partition."""
 
     delta: float
     by_appearance: pd.DataFrame
+    profiles: pd.DataFrame
+
+    def top_profiles(self, m: MasscInputs, n: int = 50) -> pd.DataFrame:
+        """The n profiles of largest delta_p (then N_p) with their keys' labels."""
+        top = self.profiles.sort_values(["delta_p", "N_p"], ascending=[False, False]).head(n)
+        keys = [k.name for k in m.req.keys]
+        labels = m.profiles[keys].iloc[top.index.to_numpy()].reset_index(drop=True)
+        return pd.concat([top.reset_index(drop=True), labels], axis=1)
 
 
 def massc_loss(
