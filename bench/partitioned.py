@@ -124,19 +124,21 @@ swap = SwapStage.from_spec(spec).run(df, ctx)
 t1 = time.perf_counter()
 prb = PrbStage.from_spec(spec).run(swap.data, ctx.for_stage("prb", [swap]))
 t2 = time.perf_counter()
-from sdl_design.stages.massc.stage import _main
+import sdl_design  # the whole-frame MASSC: the tests' reference (tests/massc_reference.py)
+sys.path.insert(0, sdl_design.__file__.rsplit("/sdl_design/", 1)[0] + "/tests")
+from massc_reference import _main
 from sdl_design.rng import release_seed
 cfg, plan, tr, dm, revisions = _main(
     prb.data, spec, release_seed(spec.release.seed, spec.release.year), df
 )
 t3 = time.perf_counter()
-from sdl_design.stages.massc.stage import _calibrate, _release_margins
+from massc_reference import _calibrate, _release_margins
 calibrated = _calibrate(
     prb.data, spec, cfg, tr, df, True, margins=_release_margins(prb.data, spec, df, cfg)
 )[0]
 t4 = time.perf_counter()
 from sdl_design.stages.massc.measures import epsilon_from_replications
-from sdl_design.stages.massc.stage import massc_replications, replication_plan
+from massc_reference import massc_replications, replication_plan
 margins = _release_margins(prb.data, spec, df, cfg)
 prepared = replication_plan(prb.data, spec, df, (cfg, plan, tr, dm, revisions), margins)
 R = int(spec.stages.massc.replications)

@@ -25,7 +25,6 @@ from sdl_design.engine.partitions import FramePartition
 from sdl_design.engine.records import Records, Run, in_memory, release_held, run_in_memory
 from sdl_design.spec import ReleaseSpec
 from sdl_design.stage import (
-    SharedInput,
     StageContext,
     StageResult,
     changed_release,
@@ -36,8 +35,6 @@ from sdl_design.stages import reads_only_batches
 
 # a stage's call on the records so far: stage.run_partitions (the flow's: a Prefect task)
 Call = Callable[[Any, Records, StageContext], StageResult]
-# a stage's replications of the release run in memory (the flow's: tasks on its runner)
-Replicate = Callable[[Any, SharedInput], list]
 
 
 def call_stage(stage: Any, records: Records, ctx: StageContext) -> StageResult:
@@ -64,11 +61,9 @@ class Quiet:
 @dataclass
 class MemoryStore:
     """The records so far held in this process: the working frame, the original's labels (a
-    stage's passes read it as one partition; a stage with replications has them run by
-    replicate, the flow's task runner)."""
+    stage's passes read it as one partition)."""
 
     original: pd.DataFrame
-    replicate: Replicate | None = None
     df: pd.DataFrame = field(init=False)
     n_input: int = field(init=False)
 
@@ -79,10 +74,6 @@ class MemoryStore:
     def step(self, stage: Any, ctx: StageContext, call: Call) -> StageResult:
         """The stage on the working frame, which becomes the frame it wrote."""
         result = run_in_memory(stage, self.df, ctx, call)
-        if stage.replications > 0 and self.replicate is not None:
-            with single_blas_thread():  # the plan's rates: the run's bits
-                shared = stage.prepare_replications(self.df, ctx)
-            result = stage.combine(result, self.replicate(stage, shared), ctx)
         only_measured(stage, result, result.data is not self.df)
         self.df, result.data = result.data, None
         return result

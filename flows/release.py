@@ -21,13 +21,13 @@ import pandas as pd
 from prefect import flow
 from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
-from prefect.utilities.annotations import quote, unmapped
+from prefect.utilities.annotations import quote
 from pydantic import Field, field_validator
 
 from expectations.suites import GateFailed
 from flows import publish as pub
 from flows.driver import MemoryStore, PartitionStore, StageRun, Store
-from flows.env import preload, return_freed_memory, task_runner
+from flows.env import preload, return_freed_memory
 from flows.manifest import Manifest
 from flows.progress import PROGRESS, flow_run_url, prints_to_run_log
 from flows.public_files import (
@@ -52,13 +52,12 @@ from sdl_design.engine.records import Records, Run
 from sdl_design.io import file_digest
 from sdl_design.spec import ReleaseSpec, SpecError, load_spec, seed_warnings, with_year
 from sdl_design.stage import (
-    SharedInput,
     StageContext,
     StageResult,
 )
 from sdl_design.stages import RELEASE_STAGES, build_stages, reads_only_batches
 from tasks.core import edits_task, load_task
-from tasks.stage import replicate_stage, run_stage
+from tasks.stage import run_stage
 
 _guard_prefect_server()  # Prefect's temporary server dies with this process (kill -9 too)
 
@@ -346,8 +345,9 @@ class ReleaseRun:
                 self.summary["seconds"] = time.perf_counter() - t0
 
     def _mapper(self) -> Any:
-        if self.partitions is None:  # the records held here; replications on the runner
+        if self.partitions is None and self.runner == "thread":  # the records held here
             return contextlib.nullcontext(None)
+        # by partition: --partitions N, or on Dask the input's own row groups
         return mapper(self.runner, self.dask_address, self.workers, "partitioned")
 
     def _publish(self, txn: Transaction, work: Path, run_map: Exchange | None) -> Manifest:
@@ -416,7 +416,7 @@ class ReleaseRun:
             t0 = steps.start("edit validation")
             edits = edits_task(quote(original), quote(spec))
             self._lap("edits", t0, "edit validation")
-            return MemoryStore(original, self._replicate), edits, digest
+            return MemoryStore(original), edits, digest
         _, columns, parts = partitioned_input(
             self.spec_path, self.runner, self.partitions, "partitioned", spec.release.year
         )
@@ -434,9 +434,6 @@ class ReleaseRun:
         self.laps[name] = round(time.perf_counter() - t0, 3)
         self.steps.done(step or name, t0)
         return_freed_memory()
-
-    def _replicate(self, stage: Any, shared: SharedInput) -> list:
-        return _replications(stage, shared, self.runner, self.dask_address)
 
     def _gates(
         self, driver: StageRun, txn: Transaction, manifest: Manifest, work: Path
@@ -476,26 +473,6 @@ def _record_map(work: Path) -> pd.DataFrame:
 def _call_stage(stage: Any, records: Records, ctx: StageContext) -> StageResult:
     """A stage's call as the flow's task (quoted: Prefect does not walk the records)."""
     return run_stage(quote(stage), quote(records), quote(ctx))
-
-
-def _replications(stage, shared: SharedInput, runner: str, address: str | None):
-    """A stage's replications through the run's task runner (threads or Dask), one chunk per
-    worker, each given the stage's shared input (its plan, not the frames); each replication's
-    seed depends only on its index."""
-    import numpy as np
-
-    chunks = [c.tolist() for c in np.array_split(np.arange(stage.replications), 2) if len(c)]
-    with task_runner(runner, address) as tr:
-        # plain unmapped: Dask turns quote (a tuple subclass) into a tuple on the way to a worker
-        futures = tr.map(
-            replicate_stage,
-            parameters={
-                "stage": unmapped(stage),
-                "shared": unmapped(shared),
-                "indices": chunks,
-            },
-        )
-        return [f.result() for f in futures]
 
 
 def _scheduled_year() -> int | None:

@@ -3,11 +3,8 @@
 In the spirit of scikit-learn estimators and R survey's "design in, design out": a stage is a
 small object made by `from_spec(spec)` (None when its section is absent or `enabled: false`),
 and `run(df, ctx)` treats the working frame with the context (the original file, its
-SurveyDesign, the stage's Generator, the spec) and returns a StageResult. A stage that needs
-replications of its treatment (MASSC) also has `prepare_replications(df, ctx)` (what every
-replication shares, computed once: a plan, not the frames), `replicate(shared, indices)` and
-`combine(result, replications, ctx)`; the flow calls them when `replications > 0`. A stage
-that only measures the working frame (it returns it as it is and adds no column to drop, no
+SurveyDesign, the stage's Generator, the spec) and returns a StageResult (a stage's replications of
+its own treatment, MASSC's, are passes of the stage like any other). A stage that only measures the working frame (it returns it as it is and adds no column to drop, no
 design) says so with `reads_only = True`: the flow may run consecutive such stages at once.
 """
 
@@ -234,7 +231,6 @@ class Stage(Protocol):
     same call on a frame (sdl_design.engine.records.Passes: the frame as one partition)."""
 
     name: ClassVar[str]
-    replications: int
     # optional reads_only: True when the stage writes no records and no drop_public,
     # masks_design or public design (an assessment): the driver may run it beside its neighbours
 
@@ -248,38 +244,9 @@ class Stage(Protocol):
     def run_partitions(self, records: Any, ctx: StageContext) -> StageResult: ...
 
 
-class SharedInput:
-    """What every replication chunk of a stage reads, prepared once by the stage: opaque to the
-    orchestrator, which hands it as it is to a thread or pickles it once to a Dask worker (a
-    plan with the few columns the replications read, never the working frame or the context
-    with the original file)."""
-
-    def __init__(self, payload: Any):
-        self.payload = payload
-
-
-class BaseStage:
-    """Defaults of the protocol: no replications."""
-
-    name: ClassVar[str] = ""
-    replications: int = 0
-    reads_only: ClassVar[bool] = False
-
-    def prepare_replications(self, df: pd.DataFrame, ctx: StageContext) -> SharedInput:
-        raise NotImplementedError(f"stage {self.name} has no replications")
-
-    def replicate(self, shared: SharedInput, indices: list[int]) -> list[Any]:
-        raise NotImplementedError(f"stage {self.name} has no replications")
-
-    def combine(
-        self, result: StageResult, replications: list[Any], ctx: StageContext
-    ) -> StageResult:
-        raise NotImplementedError(f"stage {self.name} has no replications")
-
-
 def reads_only(stage: Any) -> bool:
     """Whether a stage only measures the working frame (its `reads_only`, default False)."""
-    return bool(getattr(stage, "reads_only", False)) and not stage.replications
+    return bool(getattr(stage, "reads_only", False))
 
 
 def changed_release(result: StageResult, wrote: bool) -> list[str]:

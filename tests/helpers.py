@@ -105,6 +105,8 @@ STAGE_TABLES = {
         "changed_by_variable",
     ],
     "massc": [
+        "donor_levels",
+        "moments",
         "rates",
         "delta",
         "delta_profiles",

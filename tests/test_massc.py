@@ -19,6 +19,18 @@ from sdl_design.stages.massc.rates import optimal_phi, optimal_psi
 from sdl_design.stages.massc.strata import massc_strata
 from sdl_design.stages.massc.treatment import select
 
+
+def massc_result(df: pd.DataFrame, spec, seed: int, original: pd.DataFrame):
+    """MASSC as the release runs it: the stage's passes on df held in memory (one partition),
+    the original file in the context, release.seed `seed`."""
+    from sdl_design.stage import StageContext
+    from sdl_design.stages.massc import MasscStage
+
+    spec = spec.model_copy(deep=True)
+    spec.release.seed = seed
+    return MasscStage.from_spec(spec).run(df, StageContext(original, spec, "massc"))
+
+
 # ---------------------------------------------------------------- paper 000, Tables 1-3
 
 TABLE = paper000_table1().assign(w=1.0)
@@ -278,7 +290,7 @@ def _digest(df: pd.DataFrame) -> str:
 
 
 def test_massc_task_reproducible_and_consistent(survey):
-    from sdl_design.stages.massc.stage import massc_result as massc_task_fn
+    massc_task_fn = massc_result
 
     spec, df = survey
     a = massc_task_fn(df, spec, 123, df)
@@ -307,17 +319,27 @@ def test_massc_task_reproducible_and_consistent(survey):
     assert {g.name for g in a.gates} == {"massc.delta"}  # epsilon: a diagnostic
 
 
-def test_replications_do_not_depend_on_chunking(survey):
-    from sdl_design.stages.massc.stage import massc_epsilon, massc_replications
-    from sdl_design.stages.massc.stage import massc_result as massc_task_fn
+def test_replications_do_not_depend_on_batching(survey, monkeypatch):
+    """The stage's replications of the whole treatment (passes, a batch at a time): the same
+    bits one replication per batch as four at once, the estimates of the whole-frame reference
+    (massc_reference.massc_replications), and the empirical epsilon their RRMSE by hand."""
+    from massc_reference import massc_replications
+
+    from sdl_design.stage import StageContext
+    from sdl_design.stages.massc import calibration_passes as pcal
 
     spec, df = survey
-    whole = massc_replications(df, spec, 9, df, [0, 1, 2, 3])
-    halves = np.vstack([massc_replications(df, spec, 9, df, c) for c in ([0, 1], [2, 3])])
-    assert whole.tobytes() == halves.tobytes()
+    spec = spec.model_copy(deep=True)
+    spec.stages.massc.replications = 4
+    out = massc_result(df, spec, 9, df)
+    monkeypatch.setattr(pcal, "REPLICATIONS_AT_ONCE", 1)
+    one = massc_result(df, spec, 9, df)
+    for name in ("epsilon_replications", "study_totals"):
+        pd.testing.assert_frame_equal(one.tables[name], out.tables[name], check_exact=True)
+    spec.release.seed = 9
+    seed = StageContext(df, spec, "massc").seed
+    whole = massc_replications(df, spec, seed, df, [0, 1, 2, 3])
     assert not np.allclose(whole[0], whole[1])  # replications differ
-    out = massc_task_fn(df, spec, 9, df)
-    out = massc_epsilon(out, [halves[:2], halves[2:]], spec)
     # truth: the original file's totals (three of them recomputed with pandas)
     st = out.tables["study_totals"].set_index(["variable", "domain", "category"])
     truth = st["original_total"].to_numpy()
@@ -383,40 +405,6 @@ def test_plan_and_treatment_reproducible_and_edits_hold():
     assert not ((b1["sex"] == "male") & (b1["pregnant"] == 1)).any()
     assert ((b1["age"] < 18) == (b1["education"] == "child")).all()
     assert not ((b1["age"] < 15) & (b1["marital"] != "never_married")).any()
-
-
-@pytest.mark.flow
-def test_replications_same_in_chunks_as_direct(survey, request):
-    """The flow's fan-out (replicate_stage mapped over chunks on the thread pool) gives the same
-    estimates as one chunk run directly: each replication's seed depends only on its index.
-    (Dask against the thread pool: tests/test_release_flow.py.)"""
-    request.getfixturevalue("prefect_server")  # only once the data and modules are there
-    from prefect import flow
-
-    from flows.release import _replications
-    from sdl_design.blas import single_blas_thread
-    from sdl_design.stage import StageContext
-    from sdl_design.stages.massc import MasscStage
-    from sdl_design.stages.massc.stage import massc_replications
-
-    spec, df = survey
-    spec = spec.model_copy(deep=True)
-    spec.release.seed = 9
-    spec.stages.massc.replications = 3
-    stage = MasscStage.from_spec(spec)
-
-    @flow
-    def reps() -> list:
-        with single_blas_thread():  # as the driver prepares them
-            shared = stage.prepare_replications(df, StageContext(df, spec, "massc"))
-        return _replications(stage, shared, "thread", None)
-
-    chunks = reps()
-    assert [len(c) for c in chunks] == [2, 1]
-    seed = StageContext(df, spec, "massc").seed  # release.seed 9 with release.year
-    with single_blas_thread():  # as the replication tasks run
-        direct = massc_replications(df, spec, seed, df, [0, 1, 2])
-    assert np.vstack(chunks).tobytes() == direct.tobytes()
 
 
 def test_replicate_targets_are_the_original_replicate_totals(monkeypatch):
@@ -491,7 +479,6 @@ def test_replicate_ses_of_controls_equal_the_original(composed):
     the original's to 1e-8, also when an earlier stage moved the region of 30% of the records
     (then the MASSC input's own replicate SEs of region differ from the original's)."""
     from sdl_design.spec import load_spec
-    from sdl_design.stages.massc.stage import massc_result
     from sdl_design.survey.design import SurveyDesign
     from sdl_design.synth import make_survey
 
@@ -598,7 +585,8 @@ def test_substrata_recover_separated_groups():
 
 def test_spec_substrata_give_rates_per_substratum(survey):
     from sdl_design.spec import Substrata
-    from sdl_design.stages.massc.stage import massc_result as massc_task_fn
+
+    massc_task_fn = massc_result
 
     spec, df = survey
     s = spec.model_copy(deep=True)
@@ -669,7 +657,6 @@ def test_zero_unique_file_is_not_treated():
     phi = 1, nothing substituted, nothing sampled out. Without the rule the optimizer would
     treat it to the edge of its loss budget (the measured 6.6% substituted, 9.2% dropped)."""
     from sdl_design.risk import genmassc_scores
-    from sdl_design.stages.massc.stage import massc_result
 
     df = _zero_unique_file()
     spec = _spec(domains=["agecat", "sex"])
@@ -720,7 +707,6 @@ def test_treatment_follows_risk_across_strata():
 def test_missing_study_values_give_finite_rates_and_totals():
     """NaN in a study variable: totals over the non-missing records (never NaN), finite rates
     that equal those of the same file with the missing values set to 0 (not a silent 0.5)."""
-    from sdl_design.stages.massc.stage import massc_result
 
     df = _small_survey()
     miss = np.random.default_rng(4).random(len(df)) < 0.1
@@ -854,9 +840,10 @@ def test_rates_do_not_depend_on_file_size_on_the_sampling_scale():
 def test_strata_and_costs_come_from_the_original_keys():
     """MASSC after an earlier stage: strata and disclosure costs use the original key profiles
     of the records (matched by index label), not the perturbed ones; delta and epsilon are
-    against the original (epsilon: the earlier stage's deviation is inside the bias)."""
+    against the original (epsilon: the earlier stage's deviation is inside the bias). The
+    stage refuses records relabelled (a stage keeps the original's records, in its order)."""
     from sdl_design.risk import risk_strata
-    from sdl_design.stages.massc.stage import massc_config, massc_result
+    from sdl_design.stages.massc.stage import massc_config
     from sdl_design.stages.massc.treatment import massc_plan
 
     original = _small_survey().set_axis(pd.RangeIndex(100, 1300))
@@ -864,14 +851,15 @@ def test_strata_and_costs_come_from_the_original_keys():
     moved = rng.random(len(original)) < 0.2
     race = original["race"].to_numpy().copy()
     race[moved] = "b"  # an earlier stage moved 20% of the records to race b
-    df = original.assign(race=race).iloc[::-1]  # another order: matched by label
+    df = original.assign(race=race)
     spec = _spec(domains=["agecat", "sex"])
     cfg = massc_config(spec, df)
-    plan = massc_plan(df, cfg, np.random.default_rng(1), original)
-    size = original.groupby(["agecat", "sex", "race"])["w"].transform("size").loc[df.index]
+    plan = massc_plan(df.iloc[::-1], cfg, np.random.default_rng(1), original)  # by label
+    df_rev = df.iloc[::-1]
+    size = original.groupby(["agecat", "sex", "race"])["w"].transform("size").loc[df_rev.index]
     expect = np.array(["U", "D", "T", "O"])[np.minimum(size.to_numpy(), 4) - 1]
     assert (plan.strata == expect).all()
-    assert (plan.strata != risk_strata(df, cfg.keys).to_numpy().astype(str)).sum() > 20
+    assert (plan.strata != risk_strata(df_rev, cfg.keys).to_numpy().astype(str)).sum() > 20
     out = massc_result(df, spec, 1, original)
     il = out.tables["epsilon_formula"].set_index(["variable", "domain", "category"])
     w = original["w"]
@@ -886,7 +874,7 @@ def test_strata_and_costs_come_from_the_original_keys():
         off, b = abs(theta_in - truth[race_c]), np.sqrt(row["bias_msq_8a"])
         assert off > 0.01 * truth[race_c]
         assert (off - b) ** 2 <= row["bias_msq_original"] <= (off + b) ** 2 + b**2
-    with pytest.raises(MasscError, match="not in the original file"):
+    with pytest.raises(ValueError, match="not the original's, labelled as in it"):
         massc_result(df.set_axis(df.index + 5000), spec, 1, original)
 
 
@@ -937,7 +925,6 @@ def test_declared_domains_kept_by_substitution_and_calibration(survey):
     original's (cells with fewer than domain_min_records retained records are pooled and
     reported); the count of records without a partner in their cell is reported."""
     from sdl_design.keys import key_frame
-    from sdl_design.stages.massc.stage import massc_result
 
     spec, df = survey
     out = massc_result(df, spec, 5, df)
@@ -972,7 +959,6 @@ def test_declared_domains_kept_by_substitution_and_calibration(survey):
 def test_no_donor_in_domain_cell_counted_and_reported():
     """Records whose declared-domain cell holds a single key profile cannot be substituted
     without leaving the cell: they get no partner, and the release counts and says so."""
-    from sdl_design.stages.massc.stage import massc_result
 
     df = _zero_unique_file(640)
     # one age group of one sex has a single race: its records have no partner inside the cell
@@ -991,7 +977,6 @@ def test_minimal_treatment_only_when_delta_allows():
     stratum is not allowed: MASSC treats it, then raises the loss budgets, until delta meets the
     target; the revisions are reported. Without a target nothing is revised."""
     from sdl_design.risk import genmassc_scores
-    from sdl_design.stages.massc.stage import massc_result
 
     df = _zero_unique_file()
     spec = _spec(domains=["agecat", "sex"])

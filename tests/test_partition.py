@@ -907,9 +907,10 @@ def _same_replications(m, spec, prb, whole, main):
     """The replications by partition (their selections, calibrations and study totals) give
     the release's estimates: the empirical epsilon and its table equal massc_replications',
     bit for bit, and the stage's epsilon is the larger of the formula's and this one."""
+    from massc_reference import _release_margins, massc_replications, replication_plan
+
     from sdl_design.rng import release_seed
     from sdl_design.stages.massc.measures import epsilon_from_replications
-    from sdl_design.stages.massc.stage import _release_margins, massc_replications, replication_plan
 
     cfg, plan = main[0], main[1]
     R = int(spec.stages.massc.replications)
@@ -932,7 +933,8 @@ def _same_calibration(m, folder, spec, prb, whole, cfg, tr):
     weight and replicate weights, bit for bit, the domains' table, the replicates' report, the
     weight factors and the metrics; and the calibrated weights meet the original's control
     totals."""
-    from sdl_design.stages.massc.stage import _calibrate, _release_margins
+    from massc_reference import _calibrate, _release_margins
+
     from sdl_design.survey.calibration import control_totals
 
     data, tables, metrics = _calibrate(
@@ -1130,11 +1132,12 @@ def _same_docs(folder, spec, whole, out, memory, puf):
     the README reads."""
     import hashlib
 
+    from massc_reference import _release_margins, massc_result
+
     from flows.public_docs import codebook, variance_notes
     from flows.public_files import neutralize_formulas
     from sdl_design.rng import release_seed
     from sdl_design.stage import StageContext
-    from sdl_design.stages.massc.stage import _release_margins, massc_result
     from sdl_design.stages.topcode import TopcodeStage
 
     swap, prb, main, assessed = memory
@@ -1333,8 +1336,9 @@ def test_pseudo_design_by_partition_is_the_stages_and_the_release_reads_it(
 
 def _release_massc(spec, prb, whole):
     """MASSC's treatment as the release runs it (plan, treatment, meet_delta's revisions)."""
+    from massc_reference import _main
+
     from sdl_design.rng import release_seed
-    from sdl_design.stages.massc.stage import _main
 
     seed = release_seed(spec.release.seed, spec.release.year)
     return _main(prb.data, spec, seed, whole)
@@ -1366,8 +1370,8 @@ def _same_moments(m, plan):
     mom = plan.moments
     assert m["strata"] == dict(zip(plan.labels, np.bincount(plan.h).tolist(), strict=True))
     t, k = m["tables"]["moments"], len(mom.theta)
-    totals = m["tables"]["totals"]
-    assert totals["theta"].to_numpy().tobytes() == mom.theta.tobytes()
+    totals = m["tables"]["study_totals"]
+    assert m["tables"]["epsilon_formula"]["theta"].to_numpy().tobytes() == mom.theta.tobytes()
     assert totals["original_total"].to_numpy().tobytes() == plan.truth.tobytes()
     assert totals["original_se"].to_numpy().tobytes() == np.sqrt(plan.sampling_var).tobytes()
     assert (plan.sampling_var > 0).all()
@@ -1428,7 +1432,7 @@ def test_massc_moments_by_partition_span_blocks_to_the_bit(clean, tmp_path, monk
     _same_calibration(
         flat(out["stages"]["massc"]), tmp_path / "p" / "massc", spec, prb, whole, cfg, tr
     )
-    from sdl_design.stages.massc.stage import _calibrate
+    from massc_reference import _calibrate
 
     got = pd.read_parquet(tmp_path / "p" / "massc" / "data")
     monkeypatch.setattr(blocksum, "BITS", 16)  # one block: other sums, other weights' bits

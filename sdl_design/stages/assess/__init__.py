@@ -36,7 +36,6 @@ class AssessStage(Passes, Describes):
     passes (run: the one partition held in memory)."""
 
     name = "assess"
-    replications = 0
     reads_only = True  # measures the frame: the flow may run it beside its neighbours
     assesses = True
 

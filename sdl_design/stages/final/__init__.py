@@ -19,7 +19,6 @@ class FinalStage(Passes, Describes):
 
     keeps_se_ratios = True
     name = "final"
-    replications = 0
     reads_only = True  # measures the frame: the flow may run it beside its neighbours
 
     def __init__(self, spec: ReleaseSpec):

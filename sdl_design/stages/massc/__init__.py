@@ -28,8 +28,6 @@ stage's: a method module importing it would import the stage)."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -53,33 +51,27 @@ from sdl_design.describe import (
 from sdl_design.engine import partitions as part
 from sdl_design.engine.exchange import Exchange
 from sdl_design.engine.partitions import MEMORY
-from sdl_design.engine.records import Records, passes_result
+from sdl_design.engine.records import Passes, Records, passes_result
 from sdl_design.spec import ReleaseSpec
-from sdl_design.stage import SharedInput, StageContext, StageResult
+from sdl_design.stage import StageContext, StageResult
 from sdl_design.stages.massc import calibration_passes as pcal
 from sdl_design.stages.massc import passes as pms
 from sdl_design.stages.massc.checks import control_problems, subsampling_problems
 from sdl_design.stages.massc.stage import (
     TreatmentCounts,
-    _main,
     _massc_substituted,
-    _release_margins,
     delta_gates,
     loss_metrics,
     massc_config,
-    massc_epsilon,
     massc_notes,
     massc_params,
-    massc_replications,
-    massc_result,
     numeric_study,
     rates_metrics,
-    replication_plan,
     study_totals_table,
     weight_factor_figure,
 )
 from sdl_design.stages.massc.substrata import ITERATIONS, SubstrataModel, SubstrataPlan
-from sdl_design.stages.massc.treatment import MasscConfig, OriginalMargins, cost_from, revise_rates
+from sdl_design.stages.massc.treatment import MasscConfig, cost_from, revise_rates
 
 
 def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
@@ -552,9 +544,9 @@ def _massc_counts(
     return counts, params, delta_gates(run.spec, done.dm.delta)
 
 
-class MasscStage(Describes):
-    """Stage: MASSC (spec.stages.massc) with `replications` replications of the whole
-    treatment for the empirical epsilon (run through the flow's task runner)."""
+class MasscStage(Passes, Describes):
+    """Stage: MASSC (spec.stages.massc), written once as its passes (massc_by_partition), with
+    `replications` replications of the whole treatment for the empirical epsilon."""
 
     name = "massc"
     treated_share = "share_substituted"
@@ -787,71 +779,10 @@ class MasscStage(Describes):
 
     def __init__(self, spec: ReleaseSpec):
         self.spec = spec
-        self.replications = int(spec.stages.massc.replications)
-        # the release run's plan and rates, shared by the replication chunks of this process
-        # (the run is deterministic given the seed: computed once, not once per chunk)
-        self._lock = threading.Lock()
-        # (df, _main(...), OriginalMargins or None), kept from run() to the plan
-        self._main: tuple | None = None
-
-    def __getstate__(self) -> dict:  # ship the spec, not the cached plan (Dask runner)
-        return {"spec": self.spec, "replications": self.replications}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["spec"])
 
     @classmethod
     def from_spec(cls, spec: ReleaseSpec) -> MasscStage | None:
         return None if spec.stages.active("massc") is None else cls(spec)
-
-    def _main_of(self, df: pd.DataFrame, ctx: StageContext) -> tuple:
-        with self._lock:
-            if self._main is not None and self._main[0] is df:
-                return self._main[1]
-            main = _main(df, self.spec, ctx.seed, ctx.original, ctx.design)
-            if self.replications > 0:  # kept until combine() for the replications
-                self._main = (df, main, None)
-            return main
-
-    def _margins_of(self, df: pd.DataFrame, ctx: StageContext) -> OriginalMargins | None:
-        """The original's side of the release run's two calibrations (its result and the
-        replication plan), computed once when the run is kept for replications."""
-        with self._lock:
-            if self._main is None or self._main[0] is not df:
-                return None
-            if self._main[2] is None:
-                margins = _release_margins(df, self.spec, ctx.original, self._main[1][0])
-                self._main = (df, self._main[1], margins)
-            return self._main[2]
-
-    def run(self, df: pd.DataFrame, ctx: StageContext) -> StageResult:
-        main = self._main_of(df, ctx)
-        margins = self._margins_of(df, ctx)
-        return massc_result(
-            df, self.spec, ctx.seed, ctx.original, ctx.design, main=main, margins=margins
-        )
-
-    def prepare_replications(self, df: pd.DataFrame, ctx: StageContext) -> SharedInput:
-        """The release run's seed and ReplicationPlan (rates, donors, cached study values, the
-        calibration's columns of df and of the original file), without the treated frames."""
-        main = self._main_of(df, ctx)
-        margins = self._margins_of(df, ctx)
-        with self._lock:  # the release run's frames are not needed any more
-            self._main = None
-        prepared = replication_plan(df, self.spec, ctx.original, main, margins)
-        prepared.plan = replace(prepared.plan, tilde=None)  # not read by a replication
-        return SharedInput((ctx.seed, prepared))
-
-    def replicate(self, shared: SharedInput, indices: Sequence[int]) -> np.ndarray:
-        seed, prepared = shared.payload
-        return massc_replications(
-            prepared.df, self.spec, seed, prepared.original, indices, prepared=prepared
-        )
-
-    def combine(self, result: StageResult, replications: list, ctx: StageContext) -> StageResult:
-        with self._lock:
-            self._main = None
-        return massc_epsilon(result, replications, self.spec)
 
     def check_partitions(self, spec: ReleaseSpec, columns: list[str]) -> None:
         """What the partitioned path refuses in the spec (PartitionError naming the field)."""
@@ -892,6 +823,4 @@ class MasscStage(Describes):
         """MASSC by partition, Steps I-IV (run()'s treatment, bit for bit): massc_by_partition;
         records held in memory: run() on the working frame (the run's replications are tasks of
         the flow: prepare_replications, replicate, combine)."""
-        if records.frame is not None:
-            return self.run(records.frame, ctx)
         return massc_by_partition(records, ctx)

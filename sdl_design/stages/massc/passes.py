@@ -1003,9 +1003,8 @@ def massc_tables(
     dm: PartitionedDelta,
     loss: pd.DataFrame,
 ) -> dict[str, pd.DataFrame]:
-    """The tables of MASSC by partition: donors by keys changed, the moments of eq. 8a by
-    stratum, the study totals (theta_z after the earlier stages, the original's with its
-    Taylor SE), the rates by stratum, delta by appearance, the information loss."""
+    """The tables of MASSC: donors by keys changed, the moments of eq. 8a by stratum, the
+    rates by stratum, delta by appearance, the information loss."""
     mom = sums.moments
     levels = pd.DataFrame(
         {"keys_changed": list(donors.by_level), "records": list(donors.by_level.values())}
@@ -1018,9 +1017,6 @@ def massc_tables(
         ],
         ignore_index=True,
     )
-    z["theta"] = mom.theta
-    z["original_total"] = sums.truth
-    z["original_se"] = np.sqrt(sums.sampling_var)
     rates = pd.DataFrame(
         {
             "stratum": mom.strata,
@@ -1033,7 +1029,6 @@ def massc_tables(
     return {
         "donor_levels": levels,
         "moments": moments,
-        "totals": z,
         "rates": rates,
         "delta": dm.by_appearance,
         "epsilon_formula": loss,

@@ -44,7 +44,6 @@ class PrbStage(Passes, Describes):
     moved across a declared domain cell are counted (n_moved_across_domains, domains_not_kept)."""
 
     name = "prb"
-    replications = 0
     treated_share = "share_changed"
     treated_words = "Post-randomization (PRB) changed the keys of {share} of records."
     tune_measures = {"prb_max_risk": "max_risk"}

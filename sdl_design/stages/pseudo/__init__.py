@@ -18,7 +18,6 @@ class PseudoDesignStage(Passes, Describes):
     weights built from them (design.pseudo); the original labels never leave."""
 
     name = "pseudo_design"
-    replications = 0
 
     @classmethod
     def public_method(cls, result: StageResult, des: dict[str, Any]) -> list[str]:

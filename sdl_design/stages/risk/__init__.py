@@ -24,7 +24,6 @@ class RiskStage(Passes, Describes):
     tau1/tau2); the data pass through unchanged."""
 
     name = "risk"
-    replications = 0
     reads_only = True  # measures the frame (the partitioned path: `puf scan` measures it)
     report_measures = {SURVEY_UNIQUES: "unique_share"}
 

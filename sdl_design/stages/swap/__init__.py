@@ -34,7 +34,6 @@ class SwapStage(Passes, Describes):
     ratios by design-effect class (paper 003 Table 1)."""
 
     name = "swap"
-    replications = 0
     treated_share = "share_swapped"  # of segments moved to another PSU
     keeps_se_ratios = True
 

@@ -23,7 +23,6 @@ class TopcodeStage(Passes, Describes):
     weight (deterministic)."""
 
     name = "topcode"
-    replications = 0
 
     @classmethod
     def preflight_numbers(cls, spec: ReleaseSpec) -> list[NumberColumn]:
