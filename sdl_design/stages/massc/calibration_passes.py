@@ -266,6 +266,18 @@ class _Codes:
         )
 
 
+def _original_codes(part: Partition, m: MasscInputs, creq: CalibrationRequest, b0) -> _Codes:
+    """_codes_of the partition's original records b0 (kept in the partition cache)."""
+    (original,) = [p for p in m.inputs if p.start == part.start]
+    key = ("massc: original codes", partition_identity(original), repr(creq))
+    return cached(key, lambda: _codes_of(b0, creq), _codes_bytes)
+
+
+def _codes_bytes(codes: _Codes) -> int:
+    arrays = [c for c, _ in codes.controls] + [c for c, _, _ in codes.domains]
+    return sum(a.nbytes for a in arrays) + 4096 * len(arrays)
+
+
 def _codes_of(df: pd.DataFrame, creq: CalibrationRequest) -> _Codes:
     """df's calibration columns coded (the recodes run on distinct values only)."""
     coarse = _coarsened(df, creq)
@@ -405,7 +417,7 @@ def calibration_pass1(
     n0 = len(b0)
     w_o = b0[creq.weight].to_numpy(dtype=float)
     R_o = b0[reps].to_numpy(dtype=float) if reps else np.zeros((n0, 0))
-    codes_o = _codes_of(b0, creq)
+    codes_o = _original_codes(part, m, creq, b0)
     original = []  # per control: its categories on the original, their totals
     for k, (code, u0) in zip(creq.controls, codes_o.controls, strict=True):
         # control_totals' categories: key_frame's (a missing value is MISSING)
@@ -691,7 +703,7 @@ def calibration_pass2(
     b0, h, _ = _original_rows(part, m, cols)
     n0 = len(b0)
     w_o = b0[creq.weight].to_numpy(dtype=float)
-    codes_o = _codes_of(b0, creq)
+    codes_o = _original_codes(part, m, creq, b0)
     index = {margin_name_of(d): i for i, d in enumerate(creq.domains)}
     codes, df, has_donor = _both_codes(part, m, creq, trs[0].donors, [])
     w = df[creq.weight].to_numpy(dtype=float)
@@ -871,11 +883,12 @@ def calibration_apply(
 
     reps = list(creq.replicates)
     b2, factor, b1 = _retained(part, m, tr)
-    check_edits(b1, m.spec.edits, "MASSC output", EDIT_HINT)  # B(1), as massc_result checks
+    check_edits(b1, m.spec.edits, "MASSC output", EDIT_HINT)  # B(1), as the frame kernel checks
     w = b2[creq.weight].to_numpy(dtype=float)
     base = w * factor
     out = b2.copy(deep=False)
-    codes = _codes_of(b2, creq)
+    both, _, has_donor = _both_codes(part, m, creq, tr.donors, [])
+    codes = both.rows(_treated_rows(part, tr, has_donor)[1])
     w_cal = _calibrated_weight(base, codes, creq, plan, cal)
     if cal is None:
         for c in reps:

@@ -4,19 +4,22 @@ partition at a time; the calibration (Step IV) is calibration_passes."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
+from sdl_design.engine.cache import cached
 from sdl_design.engine.partitions import (
     Partition,
     PartitionError,
     _lookup,
     _selected,
     _write_partition,
+    partition_identity,
     profile_counts,
     profile_rows,
     read_partition,
@@ -425,6 +428,11 @@ class MasscInputs:
     profiles: pd.DataFrame
     labels: list[str]
     substrata: SubstrataModel | None = None  # labels are then its labels
+    # these inputs' identity in a process's partition cache (a new one for replace()'s copy)
+    token: int = field(default_factory=lambda: next(_TOKENS), init=False, compare=False)
+
+
+_TOKENS = itertools.count()
 
 
 def _original_rows(
@@ -437,21 +445,29 @@ def _original_rows(
     MASSC stratum (0..len(labels)-1: the risk stratum of its original key profile, merged) and
     the row of that profile in the scan's table (strata False: the records only, the other
     two empty). With substrata, the record's substratum of its stratum (m.substrata)."""
-    spec, req, inputs, profiles, labels = m.spec, m.req, m.inputs, m.profiles, m.labels
+    spec, req, inputs = m.spec, m.req, m.inputs
     (original,) = [p for p in inputs if p.start == part.start]
     keys = [k.name for k in req.keys]
     split = req.substrata.variables if m.substrata is not None and strata else ()
     b0 = read_partition(original, list(dict.fromkeys([*keys, *columns, *split])), spec)
     if not strata:
         return b0, np.zeros(0, np.int64), np.zeros(0, np.int64)
+    key = ("massc: strata", partition_identity(original), m.token)
+    h, at = cached(key, lambda: _strata_of(b0, m), lambda got: got[0].nbytes + got[1].nbytes)
+    return b0, h, at
+
+
+def _strata_of(b0: pd.DataFrame, m: MasscInputs) -> tuple[np.ndarray, np.ndarray]:
+    """The records' MASSC strata and the rows of their profiles in the scan's table."""
+    req, profiles = m.req, m.profiles
     merge = dict(req.merge)
-    base = labels if m.substrata is None else m.substrata.base
+    base = m.labels if m.substrata is None else m.substrata.base
     h_of = pd.Index(base).get_indexer([merge.get(s, s) for s in STRATA]).astype(np.int64)
     at = profile_rows(b0, req.keys, profiles)
     h = h_of[np.minimum(profiles["count"].to_numpy()[at], 4) - 1]  # U, D, T, O merged
     if m.substrata is not None:
         h = m.substrata.codes(h, substrata_values(b0, req.substrata))
-    return b0, h, at
+    return h, at
 
 
 def _substrata_records(part: Partition, m: MasscInputs) -> tuple[np.ndarray, np.ndarray]:
