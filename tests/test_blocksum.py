@@ -89,9 +89,10 @@ def test_partitions_numbering_groups_their_own_way_give_the_same_bits():
 
 
 def test_block_partials_of_several_columns_are_each_columns_bits():
-    """BlockBins.of_columns (one sparse product for every column) gives each column's
-    BlockPartial bit for bit, a partition cut inside a block; combined, each column's sums are
-    group_sum's of the whole file."""
+    """BlockBins.of_columns (one sparse product for every column of a row-major X, a bincount
+    per column of a column-major one) gives each column's BlockPartial bit for bit, a
+    partition cut inside a block; combined, each column's sums are group_sum's of the whole
+    file."""
     from sdl_design.survey.blocksum import block_bins
 
     n, G = 2 * BLOCK + 777, 13
@@ -102,7 +103,9 @@ def test_block_partials_of_several_columns_are_each_columns_bits():
     for i, j, a, b in ((0, cut, 0, BLOCK + 11), (cut, len(rows), BLOCK + 11, n)):
         bins = block_bins(codes[i:j], G, a, b, rows[i:j])
         many = bins.of_columns(X[i:j])
+        by_column = bins.of_columns(np.asfortranarray(X[i:j]))
         for k in range(X.shape[1]):
+            assert by_column[k].sums.tobytes() == many[k].sums.tobytes()
             one = bins.of(X[i:j, k])
             assert many[k].sums.tobytes() == one.sums.tobytes()
             assert many[k].cont_x.tobytes() == one.cont_x.tobytes() and many[k].cont == one.cont

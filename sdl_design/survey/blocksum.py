@@ -126,11 +126,14 @@ class BlockBins:
         sparse product for all (each group's terms added in record order from 0, as
         np.bincount adds them: the same bits)."""
         X = np.asarray(X, dtype=float)
-        m = len(X) - self.split
-        ind = sp.csr_matrix(
-            (np.ones(m), (self.coded, np.arange(m))), shape=(self.k * self.n_groups, m)
-        )
-        per = np.asarray(ind @ np.ascontiguousarray(X[self.split :]))
+        m, size = len(X) - self.split, self.k * self.n_groups
+        if X.flags.f_contiguous and not X.flags.c_contiguous:  # columns in place: bincounts
+            per = np.empty((size, X.shape[1]))
+            for j in range(X.shape[1]):
+                per[:, j] = np.bincount(self.coded, weights=X[self.split :, j], minlength=size)
+        else:
+            ind = sp.csr_matrix((np.ones(m), (self.coded, np.arange(m))), shape=(size, m))
+            per = np.asarray(ind @ np.ascontiguousarray(X[self.split :]))
         return [
             BlockPartial(
                 self.first,

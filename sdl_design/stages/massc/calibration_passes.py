@@ -416,7 +416,8 @@ def calibration_pass1(
     b0, _, _ = _original_rows(part, m, cols, strata=False)
     n0 = len(b0)
     w_o = b0[creq.weight].to_numpy(dtype=float)
-    R_o = b0[reps].to_numpy(dtype=float) if reps else np.zeros((n0, 0))
+    # row-major once: every sum by category is a sparse product over its rows (of_columns)
+    R_o = np.ascontiguousarray(b0[reps].to_numpy(dtype=float)) if reps else np.zeros((n0, 0))
     codes_o = _original_codes(part, m, creq, b0)
     original = []  # per control: its categories on the original, their totals
     for k, (code, u0) in zip(creq.controls, codes_o.controls, strict=True):
@@ -707,6 +708,7 @@ def calibration_pass2(
     index = {margin_name_of(d): i for i, d in enumerate(creq.domains)}
     codes, df, has_donor = _both_codes(part, m, creq, trs[0].donors, [])
     w = df[creq.weight].to_numpy(dtype=float)
+    R_o = np.ascontiguousarray(b0[reps].to_numpy(dtype=float)) if reps else None
     out = []
     for tr, plan, kept in zip(trs, plans, kepts, strict=True):
         keep, at, _ = _treated_rows(part, tr, has_donor)
@@ -722,7 +724,7 @@ def calibration_pass2(
             labels[mname] = {
                 "w": _partials(lab, w_o, k, part.start, n0)[0],
                 "count": np.bincount(lab, minlength=k),
-                "reps": _partials(lab, b0[reps].to_numpy(float), k, part.start, n0)
+                "reps": _partials(lab, R_o, k, part.start, n0)
                 if plan.rep_margins
                 else [],
             }
