@@ -724,9 +724,7 @@ def calibration_pass2(
             labels[mname] = {
                 "w": _partials(lab, w_o, k, part.start, n0)[0],
                 "count": np.bincount(lab, minlength=k),
-                "reps": _partials(lab, R_o, k, part.start, n0)
-                if plan.rep_margins
-                else [],
+                "reps": _partials(lab, R_o, k, part.start, n0) if plan.rep_margins else [],
             }
         base = w[keep] * factor
         key = _profile_keys(c2, creq, plan, profile_columns(plan, creq, kept))
