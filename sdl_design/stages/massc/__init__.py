@@ -17,7 +17,8 @@ MASSC (Singh 2009, paper 000): micro-agglomeration, substitution, subsampling, c
 - Post-treatment risk delta (eq. 3-6) and information loss epsilon (eq. 7, 8a, 8b): `measures`.
 - The release's run of them (config, result, replications, gates): `stage`; the preflight's
   checks: `checks`; the errors, key specs and codes: `common`.
-- By partition: `passes` (Steps I-III and delta), `calibration_passes` (Step IV).
+- Its passes, for one partition or many: `passes` (Steps I-III and delta), `substrata`
+  (k-means substrata), `calibration_passes` (Step IV and the replications).
 
 Composed after earlier stages (issue 11): strata, costs, delta and epsilon use the original
 file's keys and values of the same records (matched by index label); partners stay inside the
@@ -77,8 +78,8 @@ from sdl_design.stages.massc.treatment import MasscConfig, cost_from, revise_rat
 
 
 def massc_by_partition(records: Records, ctx: StageContext) -> StageResult:
-    """MASSC by partition as far as it is built, Steps I-IV (the release's `_main`, bit for
-    bit). The donor search: pass 1 lists each partition's search profiles; the driver
+    """MASSC, Steps I-IV, as passes over the records' partitions (one in memory; the
+    whole-frame composition in tests/massc_reference.py gives the same bits on one). The donor search: pass 1 lists each partition's search profiles; the driver
     searches donor profiles with the MASSC stage's Generator; each record draws its donor
     record, which the partition holding it sends back (worker to worker, not through the
     driver); the substituted file tilde (with the donor's row in __donor: confidential) goes
@@ -826,7 +827,6 @@ class MasscStage(Passes, Describes):
         return out
 
     def run_partitions(self, records: Records, ctx: StageContext) -> StageResult:
-        """MASSC by partition, Steps I-IV (run()'s treatment, bit for bit): massc_by_partition;
-        records held in memory: run() on the working frame (the run's replications are tasks of
-        the flow: prepare_replications, replicate, combine)."""
+        """MASSC's passes, Steps I-IV and the replications, on the records held in memory (one
+        partition) or in Parquet partitions: massc_by_partition."""
         return massc_by_partition(records, ctx)
