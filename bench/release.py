@@ -147,7 +147,7 @@ def _same(a, b) -> bool:
 
 
 class _Recorder:
-    """Hooks on the flow's step boundaries (flows.release._progress, _lap, _finish, run_stage)."""
+    """Hooks on the flow's step boundaries (_install)."""
 
     def __init__(self, spec) -> None:
         self.spec = spec
@@ -214,32 +214,33 @@ class _Recorder:
 
 
 def _install(rec: _Recorder) -> None:
+    """The hooks: each step line's start and end (flows.release._Steps) and, for a stage, the
+    working frame before and after it (flows.driver.MemoryStore.step)."""
+    import flows.driver as fd
     import flows.release as fr
 
-    progress, lap, run_stage = fr._progress, fr._lap, fr.run_stage
+    start, done, step = fr._Steps.start, fr._Steps.done, fd.MemoryStore.step
 
-    def _progress(step, total, name, t0=None):
-        if t0 is None and name != "approval":
+    def _start(self, name):
+        if name != "approval":
             rec.start()
-        return progress(step, total, name, t0)
+        return start(self, name)
 
-    def _lap(manifest, name, t0):
-        lap(manifest, name, t0)
-        rec.end(name, time.perf_counter() - t0)
+    def _done(self, name, t0):
+        done(self, name, t0)
+        if name != "approval":
+            rec.end(STEP_NAMES.get(name, name), time.perf_counter() - t0)
 
-    def _run_stage(stage, df, ctx):
-        out = run_stage(stage, df, ctx)
-        s, before = stage.unquote(), df.unquote()
-        rec.touch[s.name] = rec.stage_bytes(s.name, before, out.data)
+    def _step(self, stage, ctx, call):
+        before = self.df
+        out = step(self, stage, ctx, call)
+        rec.touch[stage.name] = rec.stage_bytes(stage.name, before, self.df)
         return out
 
-    lap_many = fr._lap_many
+    fr._Steps.start, fr._Steps.done, fd.MemoryStore.step = _start, _done, _step
 
-    def _lap_many(manifest, seconds):  # stages run at once: one row for them together
-        lap_many(manifest, seconds)
-        rec.end(" + ".join(seconds), time.perf_counter() - rec.t_start)
 
-    fr._progress, fr._lap, fr._lap_many, fr.run_stage = _progress, _lap, _lap_many, _run_stage
+STEP_NAMES = {"edit validation": "edits"}  # the flow's step lines, as the table names them
 
 
 def _table(rec: _Recorder, bw: float) -> None:

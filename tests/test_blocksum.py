@@ -104,6 +104,15 @@ def test_block_partials_of_several_columns_are_each_columns_bits():
         bins = block_bins(codes[i:j], G, a, b, rows[i:j])
         many = bins.of_columns(X[i:j])
         by_column = bins.of_columns(np.asfortranarray(X[i:j]))
+        # the rows of a larger matrix, scaled: X[take] * scale's bits, either layout
+        take = np.arange(i, j)
+        scale = np.random.default_rng(7).lognormal(0.0, 0.5, j - i)
+        want = bins.of_columns(X[take] * scale[:, None])
+        for layout in (np.ascontiguousarray, np.asfortranarray):
+            taken = bins.of_columns(layout(X), take, scale)
+            for k in range(X.shape[1]):
+                assert taken[k].sums.tobytes() == want[k].sums.tobytes()
+                assert taken[k].cont_x.tobytes() == want[k].cont_x.tobytes()
         for k in range(X.shape[1]):
             assert by_column[k].sums.tobytes() == many[k].sums.tobytes()
             one = bins.of(X[i:j, k])

@@ -121,19 +121,22 @@ class BlockBins:
             x[: self.split].copy(),
         )
 
-    def of_columns(self, X: np.ndarray) -> list[BlockPartial]:
-        """The BlockPartial of each column of X (terms x columns, in record order): one
-        sparse product for all (each group's terms added in record order from 0, as
-        np.bincount adds them: the same bits)."""
+    def of_columns(
+        self, X: np.ndarray, take: np.ndarray | None = None, scale: np.ndarray | None = None
+    ) -> list[BlockPartial]:
+        """The BlockPartial of each column of X (terms x columns, in record order; take: the
+        rows of X that are the terms, scale: a factor per term): one sparse product for all
+        (each group's terms added in record order from 0, as np.bincount adds them: the same
+        bits), or for a column-major X a bincount per column (no copy of X)."""
         X = np.asarray(X, dtype=float)
+        if X.flags.f_contiguous and not X.flags.c_contiguous:  # columns in place
+            return [self.of(self._terms(X[:, j], take, scale)) for j in range(X.shape[1])]
+        if take is not None or scale is not None:
+            X = X if take is None else X[take]
+            X = X if scale is None else X * np.asarray(scale, dtype=float)[:, None]
         m, size = len(X) - self.split, self.k * self.n_groups
-        if X.flags.f_contiguous and not X.flags.c_contiguous:  # columns in place: bincounts
-            per = np.empty((size, X.shape[1]))
-            for j in range(X.shape[1]):
-                per[:, j] = np.bincount(self.coded, weights=X[self.split :, j], minlength=size)
-        else:
-            ind = sp.csr_matrix((np.ones(m), (self.coded, np.arange(m))), shape=(size, m))
-            per = np.asarray(ind @ np.ascontiguousarray(X[self.split :]))
+        ind = sp.csr_matrix((np.ones(m), (self.coded, np.arange(m))), shape=(size, m))
+        per = np.asarray(ind @ np.ascontiguousarray(X[self.split :]))
         return [
             BlockPartial(
                 self.first,
@@ -144,6 +147,11 @@ class BlockBins:
             )
             for j in range(X.shape[1])
         ]
+
+    @staticmethod
+    def _terms(x: np.ndarray, take: np.ndarray | None, scale: np.ndarray | None) -> np.ndarray:
+        x = x if take is None else x[take]
+        return x if scale is None else x * scale
 
 
 def block_bins(

@@ -200,12 +200,20 @@ def _local(s: pd.Series) -> tuple[np.ndarray, pd.Series]:
 
 
 def _partials(
-    codes: np.ndarray, X: np.ndarray, n_groups: int, start: int, n_rows_part: int
+    codes: np.ndarray,
+    X: np.ndarray,
+    n_groups: int,
+    start: int,
+    n_rows_part: int,
+    take: np.ndarray | None = None,
+    scale: np.ndarray | None = None,
 ) -> list[BlockPartial]:
-    """The BlockPartials of each column of X (records start..start+n-1 of their file)."""
+    """The BlockPartials of each column of X (records start..start+n-1 of their file; take:
+    the rows of X that are those records, scale: a factor per record)."""
     rows = np.arange(start, start + n_rows_part, dtype=np.int64)
     bins = blocksum.block_bins(codes, n_groups, start, start + n_rows_part, rows)
-    return bins.of_columns(np.asarray(X, dtype=float).reshape(n_rows_part, -1))
+    X = np.asarray(X, dtype=float)
+    return bins.of_columns(X.reshape(len(X), -1), take, scale)
 
 
 # ---------------------------------------------------------------- the partition's records
@@ -304,7 +312,8 @@ def _both_codes(
 ) -> tuple[_Codes, pd.DataFrame, np.ndarray]:
     """The partition's records coded twice, as they are (rows 0..n-1) and with every
     record's key-related columns from its donor (rows n..2n-1: B(1) takes these where
-    substituted), with `extra` columns of the records, and whether each has a donor. Each
+    substituted), with the calibration's and `extra` columns of the records (not the replicate
+    weights: _replicates reads them), and whether each has a donor. Each
     pass of the calibrations and replications asks for them: computed once while the
     process's partition cache holds them."""
     key = (
@@ -316,6 +325,12 @@ def _both_codes(
         tuple(extra),
     )
     return cached(key, lambda: _both_codes_now(part, m, creq, donors, extra), _both_bytes)
+
+
+def _replicates(part: Partition, m: MasscInputs, creq: CalibrationRequest) -> np.ndarray:
+    """The partition's replicate weights (records x replicates, column-major as read)."""
+    reps = list(creq.replicates)
+    return read_partition(part, reps, m.spec).to_numpy(dtype=float)
 
 
 def _both_bytes(got: tuple[_Codes, pd.DataFrame, np.ndarray]) -> int:
@@ -330,7 +345,8 @@ def _both_codes_now(
 ) -> tuple[_Codes, pd.DataFrame, np.ndarray]:
     """_both_codes computed (its arrays read-only: the cache may hand them to other passes)."""
     spec, req = m.spec, m.req
-    df = read_partition(part, [*creq.columns(), *extra], spec)
+    cols = [c for c in creq.columns() if c not in set(creq.replicates)]
+    df = read_partition(part, list(dict.fromkeys([*cols, *extra])), spec)
     tilde = _tilde(part, spec, req, donors, df.index)
     has_donor = tilde["__donor"].to_numpy() >= 0
     names = list(
@@ -416,8 +432,7 @@ def calibration_pass1(
     b0, _, _ = _original_rows(part, m, cols, strata=False)
     n0 = len(b0)
     w_o = b0[creq.weight].to_numpy(dtype=float)
-    # row-major once: every sum by category is a sparse product over its rows (of_columns)
-    R_o = np.ascontiguousarray(b0[reps].to_numpy(dtype=float)) if reps else np.zeros((n0, 0))
+    R_o = b0[reps].to_numpy(dtype=float) if reps else np.zeros((n0, 0))
     codes_o = _original_codes(part, m, creq, b0)
     original = []  # per control: its categories on the original, their totals
     for k, (code, u0) in zip(creq.controls, codes_o.controls, strict=True):
@@ -439,14 +454,14 @@ def calibration_pass1(
         cells_o.append(o)
     w_total = _partials(np.zeros(n0, dtype=np.int64), w_o, 1, part.start, n0)[0]
     codes, df, has_donor = _both_codes(part, m, creq, trs[0].donors, [])
+    R = _replicates(part, m, creq) if reps else None
     out = []
     for tr, offs in zip(trs, offsets, strict=True):
         keep, at, _ = _treated_rows(part, tr, has_donor)
         c2 = codes.rows(at)
         n2, offset2 = len(keep), offs[part.start]
         same = bool(reps) and all(
-            np.array_equal(df[c].to_numpy(dtype=float)[keep], b0[c].to_numpy(float)[keep])
-            for c in reps
+            np.array_equal(R[keep, j], R_o[keep, j]) for j in range(len(reps))
         )
         controls = []
         for k, (code, u2), (u0, w, w_reps) in zip(
@@ -457,13 +472,13 @@ def calibration_pass1(
                 _numeric_control(key_frame(pd.DataFrame({"v": b2_values}), ["v"])["v"], k)
             controls.append({"b2": b2_values, "o": u0, "w": w, "reps": w_reps})
         domains = []
-        R_2 = df[reps].to_numpy(dtype=float)[keep] if reps and same else None
+        rep_margins = bool(reps) and same
         for (code, values, raw), o in zip(c2.domains, cells_o, strict=True):
             t2 = _cells_of(code, values, raw, df.index.to_numpy()[keep])
             o = dict(o)
-            if R_2 is not None:
+            if rep_margins:
                 o["reps"] = _partials(o["code"], R_o, len(o["first"]), part.start, n0)
-                t2["reps"] = _partials(t2["code"], R_2, len(t2["first"]), offset2, n2)
+                t2["reps"] = _partials(t2["code"], R, len(t2["first"]), offset2, n2, keep)
             domains.append({"b2": t2, "o": o})
         out.append(CalibrationPass1(n2, same, w_total, controls, domains))
     for q in out:  # the local codes stay here
@@ -708,7 +723,8 @@ def calibration_pass2(
     index = {margin_name_of(d): i for i, d in enumerate(creq.domains)}
     codes, df, has_donor = _both_codes(part, m, creq, trs[0].donors, [])
     w = df[creq.weight].to_numpy(dtype=float)
-    R_o = np.ascontiguousarray(b0[reps].to_numpy(dtype=float)) if reps else None
+    R_o = b0[reps].to_numpy(dtype=float) if reps else None
+    R = _replicates(part, m, creq) if reps else None
     out = []
     for tr, plan, kept in zip(trs, plans, kepts, strict=True):
         keep, at, _ = _treated_rows(part, tr, has_donor)
@@ -735,8 +751,7 @@ def calibration_pass2(
             r_kept = kept if plan.rep_margins else []
             key_r = _profile_keys(c2, creq, plan, profile_columns(plan, creq, r_kept))
             keys_r, local_r = np.unique(key_r, return_inverse=True)
-            W = df[reps].to_numpy(dtype=float)[keep] * factor[:, None]
-            Wp = _partials(local_r.ravel(), W, len(keys_r), start2, n2)
+            Wp = _partials(local_r.ravel(), R, len(keys_r), start2, n2, keep, factor)
         out.append(CalibrationPass2(labels, keys, wp, keys_r, Wp))
     return out
 
