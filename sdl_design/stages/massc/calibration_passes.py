@@ -320,7 +320,7 @@ def _both_codes(
         "massc: both codes",
         partition_identity(part),
         written_identity(donors, part),
-        repr(creq),
+        repr(replace(creq, replicates=())),  # (the replicate weights: not read)
         repr(m.req),
         tuple(extra),
     )
@@ -961,7 +961,8 @@ def replication_totals(
     spec, req = m.spec, m.req
     keys = [k.name for k in req.keys]
     extra = list(dict.fromkeys([req.weight, *req.study, *keys]))
-    codes, df, has_donor = _both_codes(part, m, creq, trs[0].donors, extra)
+    codes, _, has_donor = _both_codes(part, m, creq, trs[0].donors, [])
+    df = read_partition(part, extra, spec)
     tilde = _tilde(part, spec, req, trs[0].donors, df.index)
     parts = ZParts.of(df, tilde, zvars)
     _, h, _ = _original_rows(part, m)
