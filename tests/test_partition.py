@@ -1653,3 +1653,22 @@ def test_replications_at_once_bounded_by_their_uniforms():
     assert at(5_000_000) == 5 and at(10**9) == 1
     for n in (10**5, 10**6, 3 * 10**6, 10**7):
         assert 16 * n * at(n) <= pcal.REPLICATION_BYTES or at(n) == 1
+
+
+@pytest.mark.parametrize("strata", ["h", None])
+def test_psu_rows_are_the_pairs_lookup(strata):
+    """A record's row in the design's PSU table: the lookup of its (stratum, psu) pair in a
+    MultiIndex of the table (labels of several types, a design without strata too)."""
+    rng = np.random.default_rng(1)
+    b0 = pd.DataFrame({"h": rng.choice(["a", "b", "c"], 1000), "p": rng.integers(1, 5, 1000)})
+    first = b0["h"] if strata else pd.Series(np.zeros(len(b0), np.int64))
+    pairs = pd.MultiIndex.from_arrays([first, b0["p"]])
+    psus = pd.DataFrame({"s": pairs.get_level_values(0), "p": pairs.get_level_values(1)})
+    psus = psus.drop_duplicates().sort_values(["s", "p"]).reset_index(drop=True)
+    want = [psus.index[(psus["s"] == s) & (psus["p"] == p)][0] for s, p in pairs]
+    req = pms.MasscRequest(
+        keys=(), sensitive=(), importance=(), restrictions=(), cells=(), substitute=(),
+        need=(), study=(), weight="w", merge=(), max_levels=0, min_records=0, strata=strata,
+        psu="p",
+    )  # fmt: skip
+    assert pms._psu_rows(b0, req, psus).tolist() == want

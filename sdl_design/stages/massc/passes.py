@@ -145,12 +145,24 @@ def _search_units(df: pd.DataFrame, req: MasscRequest) -> tuple[list[pd.Series],
     return [*r, *k, *s], pid
 
 
+def _search_profiles(part: Partition, spec: ReleaseSpec, req: MasscRequest) -> np.ndarray:
+    """Each record's local search profile (_search_units'), kept from pass 1 when cached."""
+
+    def compute() -> np.ndarray:
+        return _search_units(read_partition(part, req.columns(), spec), req)[1]
+
+    key = ("massc: search profiles", partition_identity(part), repr(req))
+    return cached(key, compute, lambda p: p.nbytes)
+
+
 def donor_pass1(part: Partition, spec: ReleaseSpec, req: MasscRequest) -> pd.DataFrame:
     """Pass 1 of the donor search on one partition: its distinct search profiles (values in
     columns v0, v1, ...), in local first-appearance order, with their records (`count`) and
     first record (`first`, global row)."""
     df = read_partition(part, req.columns(), spec)
     values, pid = _search_units(df, req)
+    key = ("massc: search profiles", partition_identity(part), repr(req))
+    cached(key, lambda: pid, lambda p: p.nbytes)  # donor_send and donor_serve read them
     first = first_of(pid, int(pid.max()) + 1 if len(pid) else 0)
     out = {f"v{j}": v.to_numpy()[first] for j, v in enumerate(values)}
     out["count"] = np.bincount(pid).astype(np.int64)
@@ -276,8 +288,7 @@ def donor_send(
     advanced to the partition's first such record); the requests, per partition holding
     the donors: requester rows (local), donor profiles and their local ranks there."""
 
-    df = read_partition(part, req.columns(), spec)
-    _, pid = _search_units(df, req)
+    pid = _search_profiles(part, spec, req)
     i = plan.index(part)
     dp = plan.donor_p[plan.local[i][pid]]
     rows = np.flatnonzero(dp >= 0)
@@ -302,8 +313,8 @@ def donor_serve(
     """Pass 3 on the partition holding donors: for each requesting partition, the donor
     records (the rank-th record of the profile in record order here) as global rows and
     their values of the substituted columns."""
-    df = read_partition(part, req.columns(), spec)
-    _, pid = _search_units(df, req)
+    df = read_partition(part, list(req.substitute), spec)
+    pid = _search_profiles(part, spec, req)
     glob = plan.local[plan.index(part)]  # global profile of each local profile
     inv = np.argsort(glob)
     by_pid = np.argsort(pid, kind="stable")
@@ -559,11 +570,7 @@ def moments_pass(
     b0, h, at = _original_rows(part, m, [req.weight, *req.study, *design])
     F = profiles["count"].to_numpy()[at]
     r = scores[at] if req.sensitive else 1.0  # GenMASSC scores of the original records
-    pairs = pd.MultiIndex.from_arrays(
-        [b0[req.strata] if req.strata else np.zeros(len(b0), np.int64), b0[req.psu]]
-    )
-    code, uniq = pd.factorize(pairs)
-    g = pd.MultiIndex.from_frame(psus).get_indexer(uniq)[code].astype(np.int64)
+    g = _psu_rows(b0, req, psus)
     if (g < 0).any():
         raise PartitionError("design: a record's (stratum, psu) is not in the scan's PSUs")
     ys, ds = zvars.frame_parts(b0)
@@ -574,6 +581,22 @@ def moments_pass(
     ]
     N = np.bincount(h, minlength=len(labels))
     return _partial_sums(part.start, len(df), bundles, _TERMS, zvars, len(labels), len(psus), N)
+
+
+def _psu_rows(b0: pd.DataFrame, req: MasscRequest, psus: pd.DataFrame) -> np.ndarray:
+    """Each record's row in the design's PSU table (stratum, psu): the labels factorized
+    column by column, their distinct pairs looked up (-1: not in the table)."""
+    if req.strata:
+        cs, us = pd.factorize(b0[req.strata])
+    else:
+        cs, us = np.zeros(len(b0), np.intp), pd.Index(np.zeros(1, np.int64))
+    cp, up = pd.factorize(b0[req.psu])
+    if (cs < 0).any() or (cp < 0).any():
+        raise PartitionError("design: a record's stratum or PSU is missing")
+    k = max(len(up), 1)
+    uniq, code = np.unique(cs.astype(np.int64) * k + cp, return_inverse=True)
+    labels = pd.MultiIndex.from_arrays([us[uniq // k], up[uniq % k]])
+    return pd.MultiIndex.from_frame(psus).get_indexer(labels)[code.ravel()].astype(np.int64)
 
 
 def _block_totals(
