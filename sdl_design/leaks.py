@@ -14,7 +14,6 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.messages import short_list as _short
-from sdl_design.survey.design import dense_codes
 
 if TYPE_CHECKING:
     from sdl_design.spec import ReleaseSpec
@@ -202,35 +201,52 @@ def sortable(s: pd.Series) -> np.ndarray:
     return np.where(c < 0, len(u), c).astype(np.int64)
 
 
-ONE_KEY = 2**62  # (rank, value) pairs coded as one int64 below this many
-
-
 def publish_order(columns: Sequence[str], column: Callable[[str], pd.Series], n: int) -> np.ndarray:
     """The public file's order: its records sorted by their published values, column by column
     in the order given (the design labels first, then the file's columns), so that the order is
     a function of what is published and nothing else. column(c): the whole column c (read only
     while records are still tied). Returns the records' positions, row by row."""
-    rank = np.zeros(n, dtype=np.int64)
+    rank = np.zeros(n, dtype=np.int64)  # the records' dense rank by the columns so far
     groups = 1 if n else 0
     for c in columns:
         if groups == n:
             break
-        v = sortable(column(c))
-        m = int(v.max(initial=-1)) + 1
-        if groups * m < ONE_KEY:  # (rank, value) as one integer: its dense rank, no lexsort
-            levels, rank = dense_codes(rank * m + v)
-            groups = len(levels)
-            continue
-        order = np.lexsort((v, rank))
-        rs, vs = rank[order], v[order]
-        new = np.r_[True, (rs[1:] != rs[:-1]) | (vs[1:] != vs[:-1])]
-        rank[order] = np.cumsum(new) - 1
-        groups = int(new.sum())
+        tied = np.flatnonzero(np.bincount(rank, minlength=groups)[rank] > 1)
+        s = column(c)
+        if isinstance(s.dtype, pd.CategoricalDtype) or pd.api.types.is_numeric_dtype(s):
+            v = sortable(s.iloc[tied])  # the same order among them as among all
+        else:  # text: sorted as the whole column sorts (mixed types as text)
+            v = sortable(s)[tied]
+        rank, groups = refined_rank(rank, groups, v, tied)
     if groups < n:
         return np.argsort(rank, kind="stable")
     order = np.empty(n, dtype=np.int64)  # rank is a permutation: its inverse
     order[rank] = np.arange(n)
     return order
+
+
+def refined_rank(
+    rank: np.ndarray, groups: int, v: np.ndarray, tied: np.ndarray
+) -> tuple[np.ndarray, int]:
+    """The dense rank of the records' (rank, value) pairs, and how many there are, from the
+    values v of the records `tied` (every record whose rank another record shares): those are
+    sorted by value within their group; a group's records take the ranks after the groups
+    before it."""
+    if not len(tied):
+        return rank, groups
+    at = np.lexsort((v, rank[tied]))
+    order, rs, vs = tied[at], rank[tied][at], v[at]
+    new = np.r_[True, (rs[1:] != rs[:-1]) | (vs[1:] != vs[:-1])]  # a distinct (rank, v)
+    run = np.cumsum(new) - 1
+    d = np.bincount(rs[new], minlength=groups)  # distinct values in each tied group
+    d[d == 0] = 1  # a group of one record
+    first = np.zeros(groups, dtype=np.int64)
+    starts = np.r_[True, rs[1:] != rs[:-1]]
+    first[rs[starts]] = run[starts]
+    offset = np.cumsum(d) - d  # the first rank of each group
+    out = offset[rank]
+    out[order] += run - first[rs]
+    return out, int(d.sum())
 
 
 def sorted_rows(df: pd.DataFrame, first: Sequence[str] = ()) -> tuple[pd.DataFrame, np.ndarray]:
