@@ -232,10 +232,13 @@ def nearest_neighbour(
     i = np.repeat(cand, size)  # the pairs, grouped by original record (cand ascending)
     lo = np.cumsum(size) - size  # each group's first pair
     r = rord[np.repeat(start[po[cand]] - lo, size) + np.arange(len(i))]  # rows ascending
-    dist = np.zeros(len(i))
+    dist, d = np.zeros(len(i)), np.empty(len(i))
+    zo_t, zr_t = np.ascontiguousarray(zo.T), np.ascontiguousarray(zr.T)
     for j in range(zo.shape[1]):  # a column at a time: no pairs x columns temporaries
-        d = zo[i, j] - zr[r, j]
-        dist += d * d
+        np.take(zo_t[j], i, out=d)
+        d -= np.take(zr_t[j], r)
+        np.multiply(d, d, out=d)
+        dist += d
     # per original record the nearest published record (ties: the first row): a segmented
     # argmin over the groups, linear in the pairs
     best = np.minimum.reduceat(dist, lo) if len(i) else dist
