@@ -520,18 +520,12 @@ class CalibrationPlan:
     w_o_total: float
 
 
-def calibration_plan(
-    partials: Sequence[CalibrationPass1],
-    creq: CalibrationRequest,
-    n_rows: int,
-    offsets: dict[int, int],
-) -> CalibrationPlan:
-    """On the driver: the controls' categories and original totals, the domains' cells (their
-    weight and replicate totals in block sums) and labels (cell_labels, domain_margins' rule)."""
-
+def _plan_controls(
+    partials: Sequence[CalibrationPass1], creq: CalibrationRequest, n_rows: int
+) -> tuple[list, list, list, list[bool], dict[str, Any], list[dict[str, Any]]]:
+    """The controls' values and codes on b2, their sorted categories, whether each is a
+    numeric total, and the original's totals (weight, each replicate) in block sums."""
     reps = list(creq.replicates)
-    n2 = sum(q.n2 for q in partials)
-    rep_margins = bool(reps) and all(q.same_reps for q in partials)
     values, codes, cats_b2, ctrl, numeric = [], [], [], {}, []
     ctrl_reps: list[dict[str, Any]] = [{} for _ in reps]
     for j, k in enumerate(creq.controls):
@@ -556,6 +550,22 @@ def calibration_plan(
             p_r = [q.controls[j]["reps"][r] for q in partials]
             t = combine_local(p_r, code_o, len(cats_o), n_rows)
             ctrl_reps[r][k.name] = {c: float(v) for c, v in zip(cats_o, t, strict=True)}
+    return values, codes, cats_b2, numeric, ctrl, ctrl_reps
+
+
+def calibration_plan(
+    partials: Sequence[CalibrationPass1],
+    creq: CalibrationRequest,
+    n_rows: int,
+    offsets: dict[int, int],
+) -> CalibrationPlan:
+    """On the driver: the controls' categories and original totals, the domains' cells (their
+    weight and replicate totals in block sums) and labels (cell_labels, domain_margins' rule)."""
+
+    reps = list(creq.replicates)
+    n2 = sum(q.n2 for q in partials)
+    rep_margins = bool(reps) and all(q.same_reps for q in partials)
+    values, codes, cats_b2, numeric, ctrl, ctrl_reps = _plan_controls(partials, creq, n_rows)
     margins, rows = {}, []
     for i, dom in enumerate(creq.domains):
         b2 = [q.domains[i]["b2"] for q in partials]
