@@ -17,7 +17,7 @@ Generator's draws)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -140,10 +140,11 @@ class SubstrataPlan:
     req: SubstrataRequest
     base: tuple[str, ...]
     n_rows: int
-    N: np.ndarray = None  # type: ignore[assignment]  # records per base stratum
-    counts: list[np.ndarray] = None  # type: ignore[assignment]  # per partition
-    mean: np.ndarray = None  # type: ignore[assignment]
-    scale: np.ndarray = None  # type: ignore[assignment]
+    # set by moments() (records per base stratum, per partition too; the means) and start()
+    N: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    counts: list[np.ndarray] = field(default_factory=list)
+    mean: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    scale: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def k_of(self, j: int) -> int:
         """Substrata of base stratum j (at most one per min_records records; < 2: not split)."""
