@@ -436,7 +436,8 @@ def _massc_replications(
     # one partition (records in this process): two batches at a time, each half the size
     # (a replication's numbers depend on its index alone: the same bits in any batch)
     lanes = min(2, os.cpu_count() or 1) if len(run.parts) == 1 else 1
-    batch = max(1, min(batch, -(-n_reps // lanes)) if lanes > 1 else batch)
+    if lanes > 1:
+        batch = max(1, min(batch, -(-n_reps // lanes)))
     batches = [range(lo, min(lo + batch, n_reps)) for lo in range(0, n_reps, batch)]
     with ThreadPoolExecutor(lanes, thread_name_prefix="puf-massc-replications") as pool:
         got = pool.map(lambda b: _replication_batch(run, wreq, treated, done, b, records), batches)

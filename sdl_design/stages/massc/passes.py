@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from sdl_design.engine.cache import cached
+from sdl_design.engine.cache import CACHE, cached
 from sdl_design.engine.partitions import (
     Partition,
     PartitionError,
@@ -145,14 +145,18 @@ def _search_units(df: pd.DataFrame, req: MasscRequest) -> tuple[list[pd.Series],
     return [*r, *k, *s], pid
 
 
+def _search_key(part: Partition, req: MasscRequest) -> tuple:
+    """The partition cache's key of a partition's search profiles."""
+    return ("massc: search profiles", partition_identity(part), repr(req))
+
+
 def _search_profiles(part: Partition, spec: ReleaseSpec, req: MasscRequest) -> np.ndarray:
     """Each record's local search profile (_search_units'), kept from pass 1 when cached."""
 
     def compute() -> np.ndarray:
         return _search_units(read_partition(part, req.columns(), spec), req)[1]
 
-    key = ("massc: search profiles", partition_identity(part), repr(req))
-    return cached(key, compute, lambda p: p.nbytes)
+    return cached(_search_key(part, req), compute, lambda p: p.nbytes)
 
 
 def donor_pass1(part: Partition, spec: ReleaseSpec, req: MasscRequest) -> pd.DataFrame:
@@ -161,8 +165,7 @@ def donor_pass1(part: Partition, spec: ReleaseSpec, req: MasscRequest) -> pd.Dat
     first record (`first`, global row)."""
     df = read_partition(part, req.columns(), spec)
     values, pid = _search_units(df, req)
-    key = ("massc: search profiles", partition_identity(part), repr(req))
-    cached(key, lambda: pid, lambda p: p.nbytes)  # donor_send and donor_serve read them
+    CACHE.put(_search_key(part, req), pid, pid.nbytes)  # donor_send and donor_serve read them
     first = first_of(pid, int(pid.max()) + 1 if len(pid) else 0)
     out = {f"v{j}": v.to_numpy()[first] for j, v in enumerate(values)}
     out["count"] = np.bincount(pid).astype(np.int64)
