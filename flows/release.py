@@ -447,7 +447,8 @@ class ReleaseRun:
         public["gates_failed"] = gates.loc[~gates["passed"].astype(bool), "name"].tolist()
         self.summary.update(public_files=public, stages={r.name: r for r in driver.results})
         manifest.counts.n_output = int(public["records"])
-        txn.prepare_public(lambda folder: _move_public(work / "puf", folder))
+        digests = public["files"]
+        txn.prepare_public(lambda folder: _move_public(work / "puf", folder, digests))
         fault("gates")  # recovery tests: the public files may be half moved here
         _lap(manifest, "gates", t0)
         self.steps.done("gates", t0)
@@ -590,13 +591,15 @@ def input_digest(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _move_public(puf: Path, public: Path) -> dict[str, str]:
-    """The partitioned run's public files moved into public (created here); their digests."""
+def _move_public(puf: Path, public: Path, digests: dict[str, str]) -> dict[str, str]:
+    """The public files written into puf (digests: {name: sha256} as written) moved into public
+    (created here, a rename on the same file system: the bytes are not read again); their
+    digests as {'public/<name>': sha256}."""
     public.mkdir(parents=True)
     out = {}
     for name in public_names(puf):
         shutil.move(str(puf / name), str(public / name))
-        out[f"public/{name}"] = pub.sha256_file(public / name)
+        out[f"public/{name}"] = digests[name]
     return out
 
 
