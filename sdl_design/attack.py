@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from sdl_design.codes import factorize
 from sdl_design.keys import bin_codes, coarsen
 from sdl_design.spec import KeySpec, ReleaseSpec
 
@@ -115,9 +116,9 @@ def _codes(original: pd.Series, released: pd.Series, key: KeySpec | None) -> tup
     if isinstance(both.dtype, pd.CategoricalDtype):
         both = both.astype(object)
     try:
-        c = pd.factorize(both, use_na_sentinel=False)[0]
+        c = factorize(both, use_na_sentinel=False)[0]
     except TypeError:
-        c = pd.factorize(both.astype(str).where(both.notna()), use_na_sentinel=False)[0]
+        c = factorize(both.astype(str).where(both.notna()), use_na_sentinel=False)[0]
     return c[: len(original)], c[len(original) :]
 
 
@@ -293,7 +294,7 @@ def board_measures(
         out[f"records_violating_{k}_anonymity"] = float(below)
         rows.append({"k": k, "records below k": below, "share": below / n if n else 0.0})
     for name, y in sensitive.items():
-        yc = pd.factorize(pd.Series(y), use_na_sentinel=False)[0].astype(np.int64)
+        yc = factorize(pd.Series(y), use_na_sentinel=False)[0].astype(np.int64)
         pairs = np.unique(pr * (int(yc.max(initial=0)) + 1) + yc)
         ell = np.bincount(pairs // (int(yc.max(initial=0)) + 1), minlength=G)
         out[f"l_diversity_1_share_{name}"] = float((ell[pr] <= 1).mean()) if n else 0.0

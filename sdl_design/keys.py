@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
+from sdl_design.codes import factorize
 from sdl_design.spec import KeySpec
 
 # the label of a missing value where a category needs a name (calibration margins, tables)
@@ -24,7 +25,7 @@ def bin_codes(s: pd.Series, bins: Sequence[float]) -> np.ndarray:
     is already a bin label (a published, coded column) is its own bin: the coding is
     idempotent, so a published file and its original read the same through every measure."""
     labels = bin_labels(bins)
-    codes, uniq = pd.factorize(s, use_na_sentinel=True)  # recode the distinct values only
+    codes, uniq = factorize(s, use_na_sentinel=True)  # recode the distinct values only
     u = pd.Series(np.asarray(uniq, dtype=object))
     at = {lab: i for i, lab in enumerate([*labels, "out_of_range"])}
     coded = u.map(lambda v: at.get(v, -1) if isinstance(v, str) else -1).to_numpy(np.int64)
@@ -70,7 +71,7 @@ def published_key(s: pd.Series, key: KeySpec | None = None) -> pd.Series:
             index=s.index,
             name=s.name,
         )
-    codes, uniq = pd.factorize(s, use_na_sentinel=False)  # recode distinct values only
+    codes, uniq = factorize(s, use_na_sentinel=False)  # recode distinct values only
     rec = coarsen(pd.Series(uniq, dtype=object), mapping=key.map).to_numpy(dtype=object)
     cats = sorted({str(v) for v in rec if not pd.isna(v)})  # a map's values are text
     return pd.Series(pd.Categorical(rec[codes], categories=cats), index=s.index, name=s.name)
@@ -116,9 +117,9 @@ def key_levels(s: pd.Series, key: KeySpec | str) -> tuple[np.ndarray, np.ndarray
     MISSING for a missing value); the recode runs on the distinct raw values only, so this is
     key_frame(df, [key]) without a string per record."""
     key = KeySpec(name=key) if isinstance(key, str) else key
-    raw, uniq = pd.factorize(s, use_na_sentinel=False)
+    raw, uniq = factorize(s, use_na_sentinel=False)
     rec = _recoded(pd.Series(uniq, dtype=object, name=key.name), key)
-    rc, levels = pd.factorize(rec, use_na_sentinel=False)
+    rc, levels = factorize(rec, use_na_sentinel=False)
     return rc.astype(np.int64)[raw], np.asarray(levels, dtype=object)
 
 
@@ -155,7 +156,7 @@ def shared_categories(
             or not pd.api.types.is_string_dtype(dt)
         ):
             continue
-        fact = [(f, pd.factorize(f[c])) for f in have]
+        fact = [(f, factorize(f[c])) for f in have]
         vals = pd.unique(np.concatenate([np.asarray(u, dtype=object) for _, (_, u) in fact]))
         try:
             cats = pd.Index(sorted(vals), dtype=object)

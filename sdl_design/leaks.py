@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from sdl_design.codes import factorize
 from sdl_design.messages import short_list as _short
 
 if TYPE_CHECKING:
@@ -30,8 +31,8 @@ def label_purity(column: pd.Series, label: pd.Series) -> tuple[float, float]:
     """(purity, coverage) of `label` given `column`: among the records whose column value occurs
     at least twice, the share whose label is the modal label of their value; and the share of
     records in such repeated values. Purity 1 with full coverage: a relabel of the label."""
-    c = pd.factorize(column, use_na_sentinel=False)[0]
-    return _purity(c, pd.factorize(label, use_na_sentinel=False)[0])
+    c = factorize(column, use_na_sentinel=False)[0]
+    return _purity(c, factorize(label, use_na_sentinel=False)[0])
 
 
 def _purity(c: np.ndarray, lab: np.ndarray) -> tuple[float, float]:
@@ -49,7 +50,7 @@ def _purity(c: np.ndarray, lab: np.ndarray) -> tuple[float, float]:
         pair = np.flatnonzero(counts)
         counts = counts[pair]
     else:
-        codes, pair = pd.factorize(key)
+        codes, pair = factorize(key)
         counts = np.bincount(codes)
     best = np.zeros(int(c.max()) + 1, dtype=np.int64)
     np.maximum.at(best, pair // n_lab, counts)
@@ -65,10 +66,10 @@ def _dropped_labels(spec: ReleaseSpec, df: pd.DataFrame) -> dict[str, pd.Series]
     if d.strata and d.strata in df.columns and (swap or not d.publish_design_labels):
         out[f"design.strata '{d.strata}'"] = df[d.strata]
     if d.psu and d.psu in df.columns and (swap or not d.publish_design_labels):
-        psu = pd.factorize(df[d.psu], use_na_sentinel=False)[0].astype(np.int64)
+        psu = factorize(df[d.psu], use_na_sentinel=False)[0].astype(np.int64)
         if d.strata and d.strata in df.columns:  # PSU within stratum
-            h = pd.factorize(df[d.strata], use_na_sentinel=False)[0]
-            psu = pd.factorize(h * (int(psu.max(initial=0)) + 1) + psu)[0]
+            h = factorize(df[d.strata], use_na_sentinel=False)[0]
+            psu = factorize(h * (int(psu.max(initial=0)) + 1) + psu)[0]
         out[f"design.psu '{d.psu}'"] = pd.Series(psu, index=df.index)
     for f in ("segment", "household"):
         c = getattr(d, f)
@@ -83,7 +84,7 @@ def determining_columns(spec: ReleaseSpec, df: pd.DataFrame) -> list[tuple[str, 
     cls = spec.classification(list(df.columns))
     published = [c for c, k in cls.items() if k in ("key", "study", "sensitive", "keep")]
     out = []
-    codes = {c: pd.factorize(df[c], use_na_sentinel=False)[0] for c in published}
+    codes = {c: factorize(df[c], use_na_sentinel=False)[0] for c in published}
     # per column: records in repeated values and the number of repeated values. Each repeated
     # value's modal label holds at most the largest label's records, so purity <= values x
     # largest label / records: a bound that rules out most (column, household) pairs uncounted
@@ -93,7 +94,7 @@ def determining_columns(spec: ReleaseSpec, df: pd.DataFrame) -> list[tuple[str, 
         rep = n_v >= 2
         repeats[c] = (int(n_v[rep].sum()), int(rep.sum()))
     for label, values in _dropped_labels(spec, df).items():
-        lab = pd.factorize(values, use_na_sentinel=False)[0]
+        lab = factorize(values, use_na_sentinel=False)[0]
         if lab.max(initial=0) < 1:  # one label: nothing to determine
             continue
         largest = int(np.bincount(lab).max())
@@ -195,9 +196,9 @@ def sortable(s: pd.Series) -> np.ndarray:
         x = s.to_numpy(dtype=float, na_value=np.nan)
         return np.unique(x, return_inverse=True)[1].astype(np.int64)  # NaN last
     try:
-        c, u = pd.factorize(s, sort=True)
+        c, u = factorize(s, sort=True)
     except TypeError:  # mixed types: as text
-        c, u = pd.factorize(s.astype(str).where(s.notna()), sort=True)
+        c, u = factorize(s.astype(str).where(s.notna()), sort=True)
     return np.where(c < 0, len(u), c).astype(np.int64)
 
 
@@ -289,8 +290,8 @@ def zero_patterns(df: pd.DataFrame, columns: list[str]) -> tuple[np.ndarray, np.
     words = [words[:, a] for a in range(words.shape[1])]
     code = np.zeros(int(has_zero.sum()), dtype=np.int64)
     for w in words:  # codes of (pattern so far, next word) pairs, renumbered densely
-        w_codes, w_levels = pd.factorize(w[has_zero])
-        code = pd.factorize(code * len(w_levels) + w_codes)[0]
+        w_codes, w_levels = factorize(w[has_zero])
+        code = factorize(code * len(w_levels) + w_codes)[0]
     return code, has_zero
 
 
@@ -309,7 +310,7 @@ def psu_recoverable(
     if not replicate_columns or len(released) == 0:
         return 0.0
     pattern, has_zero = zero_patterns(released, replicate_columns)
-    psu, _ = pd.factorize(original_psu.reindex(released.index), use_na_sentinel=False)
+    psu, _ = factorize(original_psu.reindex(released.index), use_na_sentinel=False)
     n_psu = int(psu.max()) + 1
     if not has_zero.any():
         return 0.0

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
+from sdl_design.codes import factorize
 from sdl_design.keys import key_levels
 from sdl_design.spec import SpecError
 from sdl_design.stage import StageResult
@@ -77,12 +78,12 @@ class _Units:
 
 
 def _units(strata: np.ndarray | None, psu: np.ndarray | None, n: int) -> _Units:
-    h = pd.factorize(strata, sort=True)[0] if strata is not None else np.zeros(n, dtype=np.int64)
+    h = factorize(strata, sort=True)[0] if strata is not None else np.zeros(n, dtype=np.int64)
     H = int(h.max()) + 1
     if psu is None:
         unit = np.arange(n, dtype=np.int64)
     else:  # PSUs nested in strata
-        unit = pd.factorize(pd.MultiIndex.from_arrays([h, np.asarray(psu)]), sort=True)[0]
+        unit = factorize(pd.MultiIndex.from_arrays([h, np.asarray(psu)]), sort=True)[0]
     U = int(unit.max()) + 1
     unit_h = np.zeros(U, dtype=np.int64)
     unit_h[unit] = h
@@ -258,7 +259,7 @@ def unit_score_sums(df: pd.DataFrame, spec: Any) -> pd.DataFrame:
     Y, M = _study_block(df, spec)
     k = Y.shape[1]
     block = np.concatenate([np.ones((len(df), 1)), w[:, None] * M * Y, w[:, None] * M], axis=1)
-    ucode, units = pd.factorize(unit_labels(df, spec))
+    ucode, units = factorize(unit_labels(df, spec))
     groupings = [[]] + spec.utility.domain_list(list(keys))
     out = []
     for g, vars_ in enumerate(groupings):
@@ -322,9 +323,9 @@ def pseudo_scores(sums: pd.DataFrame, units: pd.DataFrame) -> np.ndarray:
 def psu_purity(original_psu: np.ndarray, pseudo_psu: np.ndarray) -> np.ndarray:
     """For each pseudo PSU (any hashable label per record), the largest share of its records
     that come from one original PSU: 1 means the pseudo PSU is (part of) one original PSU."""
-    p = pd.factorize(pseudo_psu)[0]
-    o = pd.factorize(original_psu)[0]
-    pair = pd.factorize(p.astype(np.int64) * (int(o.max()) + 1) + o)[0]
+    p = factorize(pseudo_psu)[0]
+    o = factorize(original_psu)[0]
+    pair = factorize(p.astype(np.int64) * (int(o.max()) + 1) + o)[0]
     cnt = np.bincount(pair)
     pair_p = np.zeros(len(cnt), dtype=np.int64)
     pair_p[pair] = p

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from sdl_design.codes import factorize
 from sdl_design.messages import short_list
 
 if TYPE_CHECKING:
@@ -25,9 +26,9 @@ class Psus:
     starts[p]:starts[p + 1] of that order)."""
 
     def __init__(self, df: pd.DataFrame, strata: str, psu: str):
-        h, self.h_labels = pd.factorize(df[strata], sort=True)
-        p_code, p_labels = pd.factorize(df[psu], sort=True)
-        g, uniq = pd.factorize(h.astype(np.int64) * max(len(p_labels), 1) + p_code, sort=True)
+        h, self.h_labels = factorize(df[strata], sort=True)
+        p_code, p_labels = factorize(df[psu], sort=True)
+        g, uniq = factorize(h.astype(np.int64) * max(len(p_labels), 1) + p_code, sort=True)
         self.g = g.astype(np.int64)
         self.psu_h = (uniq // max(len(p_labels), 1)).astype(np.int64)
         self.G, self.H = len(self.psu_h), len(self.h_labels)

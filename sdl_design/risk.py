@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from sdl_design.codes import factorize
 from sdl_design.keys import coarsen, key_levels
 from sdl_design.spec import KeySpec, ReleaseSpec, SensitiveSpec, category_label
 
@@ -81,11 +82,11 @@ def _combine(codes: list[np.ndarray], sizes: list[int]) -> np.ndarray:
     span = 1
     for c, n_levels in zip(codes, sizes, strict=True):
         if span * n_levels >= 2**62:
-            g, uniq = pd.factorize(g)
+            g, uniq = factorize(g)
             span = len(uniq)
         g = g * n_levels + c
         span *= n_levels
-    return pd.factorize(g)[0].astype(np.int64)
+    return factorize(g)[0].astype(np.int64)
 
 
 def profile_codes(df: pd.DataFrame, keys: Sequence[KeyLike]) -> pd.Series:
@@ -152,9 +153,9 @@ def _sensitive_codes(df: pd.DataFrame, s: SensitiveSpec) -> tuple[np.ndarray, li
     col = df[s.name]
     if s.bins is not None:
         col = coarsen(col, s.bins)
-    raw, uniq = pd.factorize(col, use_na_sentinel=False)
+    raw, uniq = factorize(col, use_na_sentinel=False)
     labels = [_label(v) for v in uniq]
-    lab_codes, cats = pd.factorize(pd.Series(labels, dtype=object))
+    lab_codes, cats = factorize(pd.Series(labels, dtype=object))
     cats = [str(c) for c in cats]
     listed = {_label(k) for k in s.sensitivity}
     unlisted = [c for c in cats if c not in listed]

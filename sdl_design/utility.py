@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from sdl_design.codes import factorize
 from sdl_design.keys import key_levels
 from sdl_design.spec import KeySpec
 from sdl_design.survey.design import DEFF_CLASSES, SurveyDesign, deff_class, design_columns
@@ -98,7 +99,7 @@ def deff_class_summary(
 def _text_codes(codes: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(codes, labels) with labels that print the same merged: the records' text labels
     labels[codes] as codes into distinct labels."""
-    merged, distinct = pd.factorize(labels)
+    merged, distinct = factorize(labels)
     return merged[codes], np.asarray(distinct, dtype=object)
 
 
@@ -159,7 +160,7 @@ def broad_characteristics(
             if not np.isnan(x).all() and np.nanmin(x) < np.nanmax(x):
                 numeric.append(c)
             continue
-        codes, uniq = pd.factorize(s)  # missing: -1
+        codes, uniq = factorize(s)  # missing: -1
         if 2 <= len(uniq) <= max_categories:
             categorical[c] = (codes, uniq)
     extra: dict[str, pd.Series] = {}

@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.blas import single_blas_thread
+from sdl_design.codes import factorize
 from sdl_design.edits import combine_rule_failures, rule_failures
 from sdl_design.engine.cache import CACHE, cached, file_identity
 from sdl_design.io import numeric_columns, parquet_options, type_input, unit_weight
@@ -517,7 +518,7 @@ def profile_measures(
     method = cells = None
     if loglinear:
         # each key's levels in first-appearance order (profiles are), as risk._key_codes has them
-        per = [pd.factorize(profiles[k], use_na_sentinel=False) for k in names]
+        per = [factorize(profiles[k], use_na_sentinel=False) for k in names]
         sizes = [len(u) for _, u in per]
         pairs = interaction_pairs(names, interactions)
         cell = table_cells([c.astype(np.int64) for c, _ in per], sizes)
@@ -594,7 +595,7 @@ def profile_rows(
     room = 1
     for k in _specs(keys):
         c, lv = key_levels(df[k.name], k)
-        tcode, tlabels = pd.factorize(profiles[k.name].astype(object), use_na_sentinel=False)
+        tcode, tlabels = factorize(profiles[k.name].astype(object), use_na_sentinel=False)
         level = pd.Index(tlabels, dtype=object).get_indexer(pd.Index(lv, dtype=object))
         size = len(tlabels) + 1  # 0: a label the table lacks
         if room * size >= PROFILE_ROOM:  # compact the codes so far (no overflow)
@@ -652,7 +653,7 @@ class MeansRequest:
         if key is not None:
             c, lv = key_levels(df[column], key)
         else:
-            c, lv = pd.factorize(df[column], use_na_sentinel=True)
+            c, lv = factorize(df[column], use_na_sentinel=True)
         return c.astype(np.int64), np.array([str(v) for v in lv], dtype=object)
 
     def domain_codes(self, df: pd.DataFrame) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -689,9 +690,9 @@ def _psu_keys(df: pd.DataFrame, req: MeansRequest) -> tuple[np.ndarray, pd.DataF
     h = df[req.strata].to_numpy() if req.strata else np.zeros(len(df), dtype=np.int64)
     if pd.isna(p).any() or pd.isna(h).any():
         raise PartitionError("design: a record has no stratum or PSU; every record needs both")
-    hc, hu = pd.factorize(h)
-    pc, pu = pd.factorize(p)
-    code, pair = pd.factorize(hc.astype(np.int64) * len(pu) + pc)
+    hc, hu = factorize(h)
+    pc, pu = factorize(p)
+    code, pair = factorize(hc.astype(np.int64) * len(pu) + pc)
     keys = pd.DataFrame({"stratum": hu[pair // len(pu)], "psu": pu[pair % len(pu)]})
     return code.astype(np.int64), keys
 

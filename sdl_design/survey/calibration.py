@@ -27,6 +27,7 @@ import scipy.linalg.lapack
 import scipy.sparse
 from scipy.optimize import linprog
 
+from sdl_design.codes import factorize
 from sdl_design.keys import MISSING, key_frame
 from sdl_design.spec import KeySpec
 from sdl_design.survey.blocksum import group_sum, group_sums
@@ -197,7 +198,7 @@ def _is_margin(t: Any) -> bool:
 def _margin_codes(s: pd.Series) -> tuple[np.ndarray, list]:
     """Codes and sorted categories of a margin column; a missing value is a category of its own
     (MISSING, the missing-value policy), in the control totals and in the calibrated file alike."""
-    code, cats = pd.factorize(s, sort=True, use_na_sentinel=False)
+    code, cats = factorize(s, sort=True, use_na_sentinel=False)
     return code, [MISSING if pd.isna(c) else c for c in cats]
 
 

@@ -12,6 +12,7 @@ import pandas as pd
 import scipy.linalg
 import scipy.sparse as sp
 
+from sdl_design.codes import factorize
 from sdl_design.survey.design_base import DesignError, take_rows
 from sdl_design.survey.quantiles import Quantiles
 
@@ -71,14 +72,14 @@ def dense_codes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def sorted_codes(x: pd.Series | np.ndarray) -> np.ndarray:
-    """pd.factorize(x, sort=True)[0] as int64: by counting (dense_codes) for numpy integers,
+    """factorize(x, sort=True)[0] as int64: by counting (dense_codes) for numpy integers,
     their range shifted to start at 0; by pandas for anything else (strings, categoricals)."""
     v = x if isinstance(x, np.ndarray) else x.array
     if isinstance(v, np.ndarray | pd.arrays.NumpyExtensionArray):
         v = np.asarray(v)
         if v.dtype.kind in "iu" and len(v) and int(v.max()) - (lo := int(v.min())) < 2**62:
             return dense_codes(v.astype(np.int64) - lo)[1].astype(np.int64, copy=False)
-    return pd.factorize(x, sort=True)[0].astype(np.int64, copy=False)
+    return factorize(x, sort=True)[0].astype(np.int64, copy=False)
 
 
 def distinct_rows(A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -86,8 +87,8 @@ def distinct_rows(A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     by hashing one column at a time (no sort of rows)."""
     g = np.zeros(len(A), dtype=np.int64)
     for j in range(A.shape[1]):
-        c, u = pd.factorize(A[:, j])
-        g = pd.factorize(g * len(u) + c)[0]
+        c, u = factorize(A[:, j])
+        g = factorize(g * len(u) + c)[0]
     first = first_of(g, int(g.max(initial=-1)) + 1)
     return A[first], g
 
@@ -141,9 +142,9 @@ def replicate_factor_groups(
     n, R = W.shape
     v = np.random.default_rng(0).uniform(1.0, 2.0, (R, 2))  # two fixed projections
     h = np.round((W @ v) / w[:, None], 9)  # (W_i / w_i) . v
-    a, ua = pd.factorize(h[:, 0])
-    b, ub = pd.factorize(h[:, 1])
-    codes, uniq = pd.factorize(a.astype(np.int64) * len(ub) + b)  # equal in both
+    a, ua = factorize(h[:, 0])
+    b, ub = factorize(h[:, 1])
+    codes, uniq = factorize(a.astype(np.int64) * len(ub) + b)  # equal in both
     G = len(uniq)
     if G > n // 4:
         return None
@@ -884,7 +885,7 @@ class SurveyDesign(Quantiles):
         """Original labels of the strata flagged in mask (at most k)."""
         if self.strata is None:
             return ["(all)"] if mask.any() else []
-        levels = pd.factorize(self.df[self.strata], sort=True)[1]
+        levels = factorize(self.df[self.strata], sort=True)[1]
         return list(levels[np.flatnonzero(mask)[:k]])
 
     # ------------------------------------------------------------ data
@@ -902,7 +903,7 @@ class SurveyDesign(Quantiles):
     def _domains(self, by: str | None) -> tuple[list, np.ndarray | None]:
         if by is None:
             return [None], None
-        codes, levels = pd.factorize(self.df[by], sort=True)
+        codes, levels = factorize(self.df[by], sort=True)
         return list(levels), codes
 
     # ------------------------------------------------------------ variance kernels
@@ -1347,7 +1348,7 @@ class SurveyDesign(Quantiles):
         """Proportions of each category of col (index: variable, category)."""
         if col not in self.df.columns:
             raise DesignError(f"column '{col}' is not in the data")
-        codes, cats = pd.factorize(self.df[col], sort=True)
+        codes, cats = factorize(self.df[col], sort=True)
         if (codes < 0).any():
             raise DesignError(
                 f"column '{col}' has missing values; recode them to a category or drop the records"

@@ -16,6 +16,7 @@ from scipy import stats
 
 # attribute access at call time: design.py may import this module while it is being imported
 import sdl_design.survey.design_base as sdd
+from sdl_design.codes import factorize
 
 if TYPE_CHECKING:
     from sdl_design.survey.design import SurveyDesign
@@ -140,7 +141,7 @@ def _cells(
     else:
         if by not in design.df.columns:
             raise sdd.DesignError(f"quantile: domain column '{by}' is not in the data")
-        codes, uniq = pd.factorize(design.df[by], sort=True)  # missing domain: -1, no domain
+        codes, uniq = factorize(design.df[by], sort=True)  # missing domain: -1, no domain
         levels = list(uniq)
     cells = [
         quantile_cells(_column(design, col), design.w, codes, len(levels), probs, qrule)

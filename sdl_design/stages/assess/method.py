@@ -31,6 +31,7 @@ import scipy.sparse as sp
 from scipy.stats import norm
 
 from sdl_design.attack import IntruderKey, attack_battery, intruder_key
+from sdl_design.codes import factorize
 from sdl_design.keys import bin_codes, bin_labels, coarsen
 from sdl_design.leaks import psu_recoverable
 from sdl_design.spec import KeySpec, ReleaseSpec
@@ -194,9 +195,9 @@ def published_coding(
         ]
         allv = pd.concat(vals, ignore_index=True)
         try:
-            c, u = pd.factorize(allv, sort=True)
+            c, u = factorize(allv, sort=True)
         except TypeError:  # mixed types: sort as text
-            c, u = pd.factorize(allv.astype(str).where(allv.notna()), sort=True)
+            c, u = factorize(allv.astype(str).where(allv.notna()), sort=True)
         cats = [*u.tolist(), "missing"]
         c = np.where(c < 0, len(u), c)
         bounds = np.cumsum([0, *(len(v) for v in vals)])
@@ -573,7 +574,7 @@ def pmse_ratio(
     drawn from a model of the original and reads 1 / (1 - c) (2 for halves) at this null."""
     N, nb = len(a) + len(b), len(b)
     both = pd.concat([a, b], ignore_index=True)
-    levels = {v: pd.factorize(both[v], sort=True, use_na_sentinel=False)[1] for v in categorical}
+    levels = {v: factorize(both[v], sort=True, use_na_sentinel=False)[1] for v in categorical}
     stats = {}
     for v in numeric:
         x = _numeric(both[v])
@@ -690,7 +691,7 @@ def reidentification(original_keys: pd.DataFrame, released_keys: pd.DataFrame) -
     both = pd.concat([original_keys[cols], released_keys[cols]], ignore_index=True)
     prof = np.zeros(len(both), dtype=np.int64)
     for c in cols:  # profile ids, one key at a time (missing values are a value)
-        codes = pd.factorize(both[c], use_na_sentinel=False)[0]
+        codes = factorize(both[c], use_na_sentinel=False)[0]
         prof = np.unique(prof * (int(codes.max(initial=0)) + 1) + codes, return_inverse=True)[1]
     po, pr = prof[: len(original_keys)], prof[len(original_keys) :]
     G = int(prof.max()) + 1 if len(prof) else 0
@@ -1410,9 +1411,9 @@ def _psu_leak(
     )
     if not reps or not d.psu or d.psu not in original.columns:
         return {}
-    psu = pd.factorize(original[d.psu], use_na_sentinel=False)[0].astype(np.int64)
+    psu = factorize(original[d.psu], use_na_sentinel=False)[0].astype(np.int64)
     if d.strata and d.strata in original.columns:  # PSU labels are unique within strata
-        h = pd.factorize(original[d.strata], use_na_sentinel=False)[0]
+        h = factorize(original[d.strata], use_na_sentinel=False)[0]
         psu = h * (int(psu.max(initial=0)) + 1) + psu
     psu = pd.Series(psu, index=original.index)
     return {"psu_recoverable": psu_recoverable(released, psu, reps)}

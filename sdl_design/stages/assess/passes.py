@@ -31,6 +31,7 @@ import pandas as pd
 import scipy.sparse as sp
 
 from sdl_design.blas import single_blas_thread
+from sdl_design.codes import factorize
 from sdl_design.engine.cache import cached
 from sdl_design.engine.partitions import (
     Linked,
@@ -1269,7 +1270,7 @@ def pmse_plan(first: Sequence[Sequence[PmsePass1]], plan: AssessPlan) -> PmsePla
     levels = {}
     for v in categorical:
         vals = pd.Series(np.concatenate([np.asarray(p.values[v], dtype=object) for p in parts]))
-        levels[v] = pd.factorize(vals, sort=True, use_na_sentinel=False)[1]
+        levels[v] = factorize(vals, sort=True, use_na_sentinel=False)[1]
     stats = {}
     for v in numeric:
         if any(v not in p.moments for p in parts):

@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.blas import single_blas_thread
+from sdl_design.codes import factorize
 from sdl_design.edits import check_edits
 from sdl_design.engine.cache import cached
 from sdl_design.engine.partitions import (
@@ -163,9 +164,9 @@ def _row_ids(frames: Sequence[pd.DataFrame]) -> list[np.ndarray]:
     ids = np.zeros(0, dtype=np.int64)
     for j, c in enumerate(frames[0].columns):  # the rows' ids over the columns so far
         both = pd.concat([f[c].astype(object) for f in frames], ignore_index=True)
-        code, uniq = pd.factorize(both, use_na_sentinel=False)
+        code, uniq = factorize(both, use_na_sentinel=False)
         code = code.astype(np.int64)  # ids * len(uniq) + code < rows**2: no overflow
-        ids = code if j == 0 else pd.factorize(ids * len(uniq) + code)[0].astype(np.int64)
+        ids = code if j == 0 else factorize(ids * len(uniq) + code)[0].astype(np.int64)
     at = np.cumsum([0, *(len(f) for f in frames)])
     return [ids[at[i] : at[i + 1]] for i in range(len(frames))]
 
@@ -195,7 +196,7 @@ def _sorted_values(uniques: Sequence[pd.Series]) -> tuple[list[np.ndarray], list
 
 def _local(s: pd.Series) -> tuple[np.ndarray, pd.Series]:
     """Each record's local code and the distinct values (first-appearance order)."""
-    code, uniq = pd.factorize(s, use_na_sentinel=False)
+    code, uniq = factorize(s, use_na_sentinel=False)
     return code.astype(np.int64), pd.Series(uniq, dtype=s.dtype if len(uniq) else object)
 
 
@@ -296,7 +297,7 @@ def _codes_of(df: pd.DataFrame, creq: CalibrationRequest) -> _Codes:
         per = []
         for k in dom:  # a compact code after each column: no overflow
             lv, lev = key_levels(df[k.name], k)
-            code = pd.factorize(code * len(lev) + lv)[0].astype(np.int64)
+            code = factorize(code * len(lev) + lv)[0].astype(np.int64)
             per.append((lv, lev))
         first = first_of(code, int(code.max(initial=-1)) + 1)
         values = pd.DataFrame(

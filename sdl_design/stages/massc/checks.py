@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from sdl_design.codes import factorize
 from sdl_design.psus import SINGLE_PSU_RISK_MAX, Psus, single_psu_chance, strata_psu
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ def subsampling_problems(spec: ReleaseSpec, df: pd.DataFrame) -> list[str]:
     n_p = p.n_p.astype(float)
     seg = spec.design.segment
     if spec.stages.active("swap") is not None and seg and seg in df.columns:
-        s_code = pd.factorize(df[seg])[0]
+        s_code = factorize(df[seg])[0]
         seg_size = np.bincount(s_code)
         pairs = np.unique(p.g * (len(seg_size) + 1) + s_code)  # distinct (PSU, segment)
         n_seg = np.bincount(pairs // (len(seg_size) + 1), minlength=p.G).astype(float)

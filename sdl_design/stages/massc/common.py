@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from sdl_design.codes import factorize
 from sdl_design.spec import KeySpec, SensitiveSpec
 
 KeyLike = str | KeySpec
@@ -34,7 +35,7 @@ def _sens_specs(sensitive: Any) -> list[SensitiveSpec]:
 
 
 def _codes(s: pd.Series) -> np.ndarray:
-    return pd.factorize(s, use_na_sentinel=False)[0].astype(np.int64)
+    return factorize(s, use_na_sentinel=False)[0].astype(np.int64)
 
 
 def _combine(cols: Sequence[np.ndarray], n: int) -> np.ndarray:
@@ -44,7 +45,7 @@ def _combine(cols: Sequence[np.ndarray], n: int) -> np.ndarray:
         span = int(c.max()) + 1 if len(c) else 1
         gmax = int(g.max()) + 1 if len(g) else 1
         if gmax * span >= 2**62:
-            g = pd.factorize(g)[0].astype(np.int64)
+            g = factorize(g)[0].astype(np.int64)
             gmax = int(g.max()) + 1
         g = g * span + c
-    return pd.factorize(g)[0].astype(np.int64)
+    return factorize(g)[0].astype(np.int64)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from sdl_design.codes import factorize
 from sdl_design.keys import key_frame, key_levels
 from sdl_design.spec import KeySpec
 from sdl_design.stages.massc.common import KeyLike, MasscError, _key_specs
@@ -287,7 +288,7 @@ def z_moments(
     S2 of z* w (eq. 8b). tilde: B(0) with every record's key-related variables from its partner.
     parts: cached values (then tilde may be None); base: moments of an earlier call whose theta,
     V and S2_nu are reused (only S2 of z* is computed)."""
-    h_codes, h_labels = pd.factorize(pd.Series(np.asarray(strata)), sort=True)
+    h_codes, h_labels = factorize(pd.Series(np.asarray(strata)), sort=True)
     n_h = len(h_labels)
     N = np.bincount(h_codes, minlength=n_h)
     w = b0[weight].to_numpy(dtype=float) if isinstance(weight, str) else np.asarray(weight, float)

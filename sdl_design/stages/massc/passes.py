@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from sdl_design.codes import factorize
 from sdl_design.engine.cache import CACHE, cached
 from sdl_design.engine.partitions import (
     Partition,
@@ -590,10 +591,10 @@ def _psu_rows(b0: pd.DataFrame, req: MasscRequest, psus: pd.DataFrame) -> np.nda
     """Each record's row in the design's PSU table (stratum, psu): the labels factorized
     column by column, their distinct pairs looked up (-1: not in the table)."""
     if req.strata:
-        cs, us = pd.factorize(b0[req.strata])
+        cs, us = factorize(b0[req.strata])
     else:
         cs, us = np.zeros(len(b0), np.intp), pd.Index(np.zeros(1, np.int64))
-    cp, up = pd.factorize(b0[req.psu])
+    cp, up = factorize(b0[req.psu])
     if (cs < 0).any() or (cp < 0).any():
         raise PartitionError("design: a record's stratum or PSU is missing")
     k = max(len(up), 1)

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from sdl_design.codes import factorize
 from sdl_design.risk import STRATA, risk_strata
 from sdl_design.stages.massc.common import KeyLike, MasscError
 
@@ -62,7 +63,7 @@ def _split_substrata(
     x = (x - x.mean(axis=0)) / np.where(sd > 0, sd, 1.0)
     rng = rng if rng is not None else np.random.default_rng(0)
     out = strata.to_numpy(dtype=object).copy()
-    codes, levels = pd.factorize(strata, sort=True)
+    codes, levels = factorize(strata, sort=True)
     for j, label in enumerate(levels):
         rows = np.flatnonzero(codes == j)
         kk = min(k, len(rows) // min_records)

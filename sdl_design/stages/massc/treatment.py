@@ -11,6 +11,7 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
+from sdl_design.codes import factorize
 from sdl_design.keys import key_categorical, key_frame, key_levels
 from sdl_design.risk import _key_codes, cell_sizes, genmassc_scores
 from sdl_design.spec import KeySpec, SensitiveSpec
@@ -49,7 +50,7 @@ def select(groups: np.ndarray, pi: np.ndarray, rng: np.random.Generator) -> np.n
     if np.any((pi < 0) | (pi > 1)):
         raise MasscError("rates must lie in [0, 1]")
     n = len(pi)
-    g = pd.factorize(groups)[0]
+    g = factorize(groups)[0]
     order = group_order(g, rng.random(n))
     gs, ps = g[order], pi[order]
     u = rng.random(int(g.max()) + 1 if n else 0)
@@ -298,7 +299,7 @@ def massc_plan(
         cfg.substrata_min_records,
         rng,
     ).to_numpy()
-    h, labels = pd.factorize(pd.Series(strata), sort=True)
+    h, labels = factorize(pd.Series(strata), sort=True)
     cells = domain_cells(df, cfg.domain_columns) if cfg.domain_columns else None
     donors = find_donors(
         df, cfg.keys, cfg.sensitive, cfg.importance, cfg.restrictions, rng, cells=cells
@@ -355,7 +356,7 @@ def massc_plan(
 
 def _single_profile(group: np.ndarray, profile: np.ndarray) -> np.ndarray:
     """Records whose group holds a single key profile (no partner can differ on a key)."""
-    g = pd.factorize(group)[0]
+    g = factorize(group)[0]
     n_prof = pd.Series(profile).groupby(g).nunique().to_numpy()
     return n_prof[g] == 1
 
@@ -570,7 +571,7 @@ class OriginalMargins:
             values, levels, radix = [], [], []
             code = np.zeros(n, dtype=np.int64)
             for k in specs:
-                raw, uniq = pd.factorize(original[k.name], use_na_sentinel=False)
+                raw, uniq = factorize(original[k.name], use_na_sentinel=False)
                 vals = pd.Series(uniq)
                 lv, lev = key_levels(vals, k)
                 values.append(vals)
@@ -629,9 +630,9 @@ class _DomainCoding:
         for c, vals, lv, r in zip(self.columns, self.values, self.levels, self.radix, strict=True):
             if b2[c].dtype != original[c].dtype:
                 return None
-            raw, uniq = pd.factorize(b2[c], use_na_sentinel=False)
+            raw, uniq = factorize(b2[c], use_na_sentinel=False)
             both = pd.concat([vals, pd.Series(uniq)], ignore_index=True)
-            at = pd.factorize(both, use_na_sentinel=False)[0][len(vals) :]
+            at = factorize(both, use_na_sentinel=False)[0][len(vals) :]
             if (at >= len(vals)).any():
                 return None
             code = code * r + lv[at][raw]
@@ -881,7 +882,7 @@ def cell_labels(
             status = f"{int(pooled.sum())} cells merged into {names[big]}"
     # categorical labels (a string per record would cost more than the calibration):
     # categories in sorted order, as a sorted factorization of the labels gives them
-    nc, uniq = pd.factorize(names, sort=True)
+    nc, uniq = factorize(names, sort=True)
     share = float(t_o[pooled].sum() / t_o.sum()) if t_o.sum() > 0 else 0.0
     row = _margin_row(dom, n_c, int(ok.sum()), share, status)
     return nc[target], pd.Index(uniq, dtype=object), row

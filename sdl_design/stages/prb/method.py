@@ -22,6 +22,7 @@ import scipy.sparse as sp
 from scipy.optimize import brentq
 
 from sdl_design.attack import intruder_key
+from sdl_design.codes import factorize
 from sdl_design.keys import coarsen, published_key
 from sdl_design.plots import histogram
 from sdl_design.spec import KeySpec
@@ -116,7 +117,7 @@ def published(s: pd.Series, key: KeySpec | None = None) -> pd.Series:
         return s
     if key.bins is not None:
         return published_key(s, key)
-    codes, uniq = pd.factorize(s, use_na_sentinel=False)  # recode distinct values only
+    codes, uniq = factorize(s, use_na_sentinel=False)  # recode distinct values only
     rec = coarsen(pd.Series(uniq, dtype=object), mapping=key.map).to_numpy(dtype=object)
     return pd.Series(rec[codes], index=s.index, name=s.name)
 
@@ -519,7 +520,7 @@ TRANSITION_COLUMNS = ["variable", "original", "published", "p", "n_original", "w
 def transition_categories(cell_values: pd.DataFrame, variable: str) -> tuple[np.ndarray, list]:
     """The category code of each cell on one cell variable (its published coding, a missing
     value a category of its own: the missing-value policy), and the categories, sorted."""
-    codes, cats = pd.factorize(cell_values[variable].astype(str), sort=True, use_na_sentinel=False)
+    codes, cats = factorize(cell_values[variable].astype(str), sort=True, use_na_sentinel=False)
     return codes, list(cats)
 
 
@@ -723,7 +724,7 @@ def _category_counts(
     for v in variables:
         g = frame.groupby(v, observed=True)[weight].agg(["size", "sum"])
         # the groups' order: sorted observed values, missing left out (-1)
-        codes[v] = pd.factorize(frame[v], sort=True)[0]
+        codes[v] = factorize(frame[v], sort=True)[0]
         out[v] = (g, None)
     if design is None or design.replicate_weights is None:
         return out
@@ -848,7 +849,7 @@ def default_combos(variables: Sequence[str], extra: Sequence[str] = ()) -> list[
 def _shared_codes(columns: Sequence[pd.Series]) -> tuple[list[np.ndarray], int]:
     """The values of several files' versions of a column as codes into one set of levels
     (-1: missing), and the number of levels."""
-    codes, levels = pd.factorize(pd.concat(list(columns), ignore_index=True))
+    codes, levels = factorize(pd.concat(list(columns), ignore_index=True))
     out, at = [], 0
     for c in columns:
         out.append(codes[at : at + len(c)].astype(np.int64))

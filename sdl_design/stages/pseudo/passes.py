@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from sdl_design.codes import factorize
 from sdl_design.engine.partitions import Partition, PartitionError, _write_partition, read_partition
 from sdl_design.pseudo import (
     UNIT,
@@ -51,7 +52,7 @@ def pseudo_units(part: Partition, spec: ReleaseSpec) -> tuple[pd.DataFrame, pd.D
         *((d.weight, *spec.variables.study, *_domain_vars(spec)) if choose else ()),
     ]
     df = read_partition(part, list(dict.fromkeys(c for c in cols if c)), spec)
-    codes, units = pd.factorize(unit_labels(df, spec))
+    codes, units = factorize(unit_labels(df, spec))
     out = pd.DataFrame({n: units.get_level_values(i) for i, n in enumerate(UNIT)})
     out["records"] = np.bincount(codes, minlength=len(units))
     out["first"] = part.start + first_of(codes, len(units))

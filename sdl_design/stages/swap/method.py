@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 from scipy.spatial import cKDTree
 
+from sdl_design.codes import factorize
 from sdl_design.messages import short_list
 from sdl_design.plots import se_ratio_boxplot as boxplot
 from sdl_design.psus import Psus, strata_psu
@@ -103,7 +104,7 @@ def _segment_codes(
     for f, c in (("weight", weight), ("strata", strata), ("psu", psu), ("segment", segment)):
         if c is None or c not in df.columns:
             raise ValueError(f"design.{f}: column {c!r} is not in the data; the swap needs it")
-    s_code, s_lab = pd.factorize(df[segment])
+    s_code, s_lab = factorize(df[segment])
     if (s_code < 0).any():
         raise ValueError(
             f"design.segment: {int((s_code < 0).sum())} records have no '{segment}' label; "
@@ -112,8 +113,8 @@ def _segment_codes(
     first = first_of(s_code, len(s_lab))
     h = df[strata].to_numpy()
     p = df[psu].to_numpy()
-    h_code = pd.factorize(h)[0]
-    p_code = pd.factorize(p)[0]
+    h_code = factorize(h)[0]
+    p_code = factorize(p)[0]
     if np.any(h_code != h_code[first][s_code]) or np.any(p_code != p_code[first][s_code]):
         raise ValueError(
             f"design.segment: segments of '{segment}' span several PSUs; segment labels must "
@@ -196,11 +197,11 @@ class SegmentDesign:
 def segment_design(pass1: SegmentPass1, matching: Sequence[str]) -> SegmentDesign:
     """Label tables and sum grids from the combined pass 1; checks strata and characteristics."""
     seg = pass1.segments
-    order, s_lab = pd.factorize(seg["segment"], sort=True)
+    order, s_lab = factorize(seg["segment"], sort=True)
     by_label = np.empty(len(order), dtype=np.int64)
     by_label[order] = np.arange(len(order))
     seg = seg.iloc[by_label]
-    h_code, h_lab = pd.factorize(seg["stratum"], sort=True)
+    h_code, h_lab = factorize(seg["stratum"], sort=True)
     seg_psu, psu_stratum, psu_labels = _psu_codes(h_code, seg["psu"].to_numpy())
     n_h = np.bincount(psu_stratum, minlength=len(h_lab))
     if np.any(n_h < 2):
@@ -307,16 +308,16 @@ def segment_aggregates(
 def _psu_codes(h_code: np.ndarray, psu: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """PSU index of every record, numbered in (stratum, PSU label) order, with each PSU's
     stratum index and label: one integer key h * (PSU labels) + label code, factorized."""
-    l_code, l_lab = pd.factorize(psu, sort=True)
+    l_code, l_lab = factorize(psu, sort=True)
     if (l_code < 0).any() or (h_code < 0).any():  # missing labels: the pairs themselves
-        p_code, p_uniq = pd.factorize(pd.MultiIndex.from_arrays([h_code, psu]), sort=True)
+        p_code, p_uniq = factorize(pd.MultiIndex.from_arrays([h_code, psu]), sort=True)
         return (
             p_code,
             np.asarray(p_uniq.get_level_values(0), dtype=np.int64),
             np.asarray(p_uniq.get_level_values(1)),
         )
     m = max(len(l_lab), 1)
-    p_code, key = pd.factorize(h_code.astype(np.int64) * m + l_code, sort=True)
+    p_code, key = factorize(h_code.astype(np.int64) * m + l_code, sort=True)
     return p_code, key // m, np.asarray(l_lab)[key % m]
 
 
