@@ -444,12 +444,15 @@ class AssessPass2:
 
 
 def _codes(df: pd.DataFrame, v: str, req: AssessRequest, plan: AssessPlan) -> np.ndarray:
-    """The records' codes of v in its published coding over both files (plan's categories)."""
-    both = pd.DataFrame({v: pd.concat([df[v], plan.universe[v]], ignore_index=True)})
+    """The records' codes of v in its published coding over both files (plan's categories),
+    coded on the distinct values (the records' factorization is remembered across passes)."""
+    raw, distinct = factorize(df[v], use_na_sentinel=False)
+    values = pd.Series(distinct, name=v)
+    both = pd.DataFrame({v: pd.concat([values, plan.universe[v]], ignore_index=True)})
     c = published_coding([both], v, req.keys)
     if c.categories != plan.categories[v]:
         raise PartitionError(f"assess: {v}'s published categories differ by partition")
-    return c.codes[0][: len(df)]
+    return c.codes[0][: len(values)][raw]
 
 
 def _psu_codes(df: pd.DataFrame, plan: AssessPlan, f: int) -> np.ndarray:
