@@ -77,10 +77,12 @@ def test_the_stage_in_memory_is_the_whole_frames_assessment(case):
     assert got.tables["attacks"].equals(want.tables["attacks"])
 
 
-def test_segment_totals_through_replicate_factors_are_the_full_product():
+def test_segment_totals_through_replicate_factors_are_the_full_product(monkeypatch):
     """The quantile pass's replicate totals by (cell, segment): F' times the totals of w by
-    (segment, factor group) equal the sparse product with W (1e-12), records with a missing
+    (segment, factor group), dense or sparse, equal the sparse product with W (1e-12) and the
+    sums over each cell's records between its quantiles (brute force), records with a missing
     value left out."""
+    from sdl_design.stages.assess import passes
     from sdl_design.stages.assess.passes import _segment_totals
     from sdl_design.survey.design import replicate_factor_groups
 
@@ -97,6 +99,15 @@ def test_segment_totals_through_replicate_factors_are_the_full_product():
     groups = replicate_factor_groups(W, w)
     assert groups is not None and groups[1] == P
     by_factors = _segment_totals(W, X, cell, L, qs, (w, groups))
-    for a, b in zip(full, by_factors, strict=True):
+    monkeypatch.setattr(passes, "DENSE_CELLS", 0)
+    sparse = _segment_totals(W, X, cell, L, qs, (w, groups))
+    for j, (a, b, c) in enumerate(zip(full, by_factors, sparse, strict=True)):
         assert a.shape == (R, L * 4)
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-9)
+        np.testing.assert_allclose(c, a, rtol=1e-12, atol=1e-9)
+        for h in range(L):
+            bounds = [-np.inf, *qs[j][h], np.inf]
+            for s in range(4):
+                x = X[:, j]
+                inside = (cell == h) & (x > bounds[s]) & (x <= bounds[s + 1])
+                np.testing.assert_allclose(a[:, h * 4 + s], W[inside].sum(axis=0), rtol=1e-12)

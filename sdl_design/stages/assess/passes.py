@@ -773,9 +773,12 @@ def _segment_totals(
     rows, cols, widths = [], [], []
     offset = 0
     for j, q in enumerate(qs):
-        ok = np.flatnonzero(~np.isnan(X[:, j]))
-        c = cell[ok]
-        seg = (X[ok, j][:, None] > q[c]).sum(axis=1)  # the quantiles below x
+        x = X[:, j]
+        ok = np.flatnonzero(~np.isnan(x))
+        c, xo = cell[ok], x[ok]
+        seg = np.zeros(len(ok), dtype=np.int64)
+        for p in range(q.shape[1]):  # the quantiles below x, one at a time (q: L x P)
+            seg += xo > q[:, p][c]
         width = q.shape[1] + 1
         rows.append(offset + c * width + seg)
         cols.append(ok)
@@ -785,12 +788,18 @@ def _segment_totals(
     w, groups = factors
     if groups is not None:
         codes, G, F = groups
-        zw = sp.csr_matrix((w[c], (r, codes[c])), shape=(offset, G))
+        if offset * G <= DENSE_CELLS:  # the totals of w by (segment, group): one bincount
+            zw = np.bincount(r * G + codes[c], w[c], offset * G).reshape(offset, G)
+        else:
+            zw = sp.csr_matrix((w[c], (r, codes[c])), shape=(offset, G))
         T = np.asarray(zw @ F).T
     else:
         z = sp.csr_matrix((np.ones(len(r)), (r, c)), shape=(offset, len(W)))
         T = np.asarray(z @ W).T
     return np.split(T, np.cumsum(widths)[:-1], axis=1)
+
+
+DENSE_CELLS = 1 << 22  # (segment, replicate factor group) sums held dense up to 32 MB
 
 
 GRAM_BYTES = 128 * 2**20  # the finest cells' Grams held at once (else a grouping at a time)
