@@ -111,3 +111,28 @@ def test_segment_totals_through_replicate_factors_are_the_full_product(monkeypat
                 x = X[:, j]
                 inside = (cell == h) & (x > bounds[s]) & (x <= bounds[s + 1])
                 np.testing.assert_allclose(a[:, h * 4 + s], W[inside].sum(axis=0), rtol=1e-12)
+
+
+def test_cell_grams_through_replicate_factors_are_the_products():
+    """The quantile pass's Grams by grouping, cell and variable: through the replicate factors
+    (F' diag(s) F) and by the product of the rows equal each cell's W_c'W_c over the records
+    with the variable observed (brute force, 1e-12)."""
+    from sdl_design.stages.assess.passes import _cell_grams
+    from sdl_design.survey.design import replicate_factor_groups
+
+    rng = np.random.default_rng(7)
+    n, R, P = 2000, 12, 30
+    psu = rng.integers(0, P, n)
+    w = rng.uniform(1.0, 4.0, n)
+    W = np.ascontiguousarray(w[:, None] * rng.choice([0.0, 2.0], (P, R))[psu])
+    missing = np.column_stack([np.zeros(n, bool), rng.random(n) < 0.2, rng.random(n) < 0.2])
+    cells = [(np.zeros(n, dtype=np.int64), 1), (rng.integers(0, 4, n), 4)]
+    groups = replicate_factor_groups(W, w)
+    assert groups is not None
+    for got in (_cell_grams(W, cells, missing), _cell_grams(W, cells, missing, (w, groups))):
+        for (cell, L), by_var in zip(cells, got, strict=True):
+            for j, grams in enumerate(by_var):
+                assert grams.shape == (L, R, R)
+                for h in range(L):
+                    S = W[(cell == h) & ~missing[:, j]]
+                    np.testing.assert_allclose(grams[h], S.T @ S, rtol=1e-12, atol=1e-9)

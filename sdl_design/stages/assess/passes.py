@@ -749,8 +749,8 @@ def quantile_pass(
     at = np.searchsorted(cuts.profiles, _profile_numbers(df, req, plan))
     cells = [(codes[at], L) for codes, L in cuts.cells]
     with single_blas_thread():
-        grams = _cell_grams(W, cells, np.isnan(X))
         groups = replicate_factor_groups(W, w) if len(w) else None
+        grams = _cell_grams(W, cells, np.isnan(X), (w, groups))
         totals = [
             _segment_totals(W, X, cell, L, qs, (w, groups))
             for (cell, L), qs in zip(cells, cuts.q, strict=True)
@@ -806,25 +806,23 @@ GRAM_BYTES = 128 * 2**20  # the finest cells' Grams held at once (else a groupin
 
 
 def _cell_grams(
-    W: np.ndarray, cells: Sequence[tuple[np.ndarray, int]], missing: np.ndarray
+    W: np.ndarray,
+    cells: Sequence[tuple[np.ndarray, int]],
+    missing: np.ndarray,
+    factors: tuple[np.ndarray, Any] = (np.zeros(0), None),
 ) -> list[list[np.ndarray]]:
     """For each grouping (cells: each record's cell and the number of cells L) and variable
     (missing: records x variables), the Gram W_c'W_c of the replicate weights of each cell's
     records where the variable is not missing (L x R x R). The Gram is additive: one product
     per finest group (the records' cells in every grouping and their pattern of missing
-    variables), summed into each grouping's cells."""
+    variables), summed into each grouping's cells. factors: as _segment_totals'; then each
+    finest group's Gram is F' diag(s) F, s the sums of w^2 by factor group (no copy of W)."""
     k, R = missing.shape[1], W.shape[1]
     patterns, pattern = distinct_rows(missing)
     fine, of = distinct_rows(np.column_stack([c for c, _ in cells] + [pattern]))
     if len(fine) * R * R * 8 > GRAM_BYTES and len(cells) > 1:  # a grouping at a time
-        return [_cell_grams(W, [c], missing)[0] for c in cells]
-    order = np.argsort(of, kind="stable")
-    bounds = np.searchsorted(of[order], np.arange(len(fine) + 1))
-    Ws = W[order]
-    G = np.empty((len(fine), R, R))
-    for i in range(len(fine)):
-        S = Ws[bounds[i] : bounds[i + 1]]
-        np.matmul(S.T, S, out=G[i])
+        return [_cell_grams(W, [c], missing, factors)[0] for c in cells]
+    G = _fine_grams(W, of, len(fine), factors)
     has = ~patterns[fine[:, -1]]  # finest group x variable: the variable observed
     seen: dict[bytes, int] = {}  # variables with the same records observed: one product
     of_j = [seen.setdefault(has[:, j].tobytes(), len(seen)) for j in range(k)]
@@ -837,6 +835,30 @@ def _cell_grams(
             by.append(np.asarray(ind @ G.reshape(len(fine), R * R)).reshape(L, R, R))
         out.append([by[i] for i in of_j])
     return out
+
+
+def _fine_grams(
+    W: np.ndarray, of: np.ndarray, n_fine: int, factors: tuple[np.ndarray, Any]
+) -> np.ndarray:
+    """The Gram of the replicate weights of each finest group's records (of: each record's
+    group): F' diag(s_i) F with s_i the sums of w^2 of group i's records by factor group when
+    W_i = w_i F_g (few groups), else the product of the group's rows of W."""
+    R = W.shape[1]
+    G = np.empty((n_fine, R, R))
+    w, groups = factors
+    if groups is not None and n_fine * groups[1] <= DENSE_CELLS:
+        codes, n_g, F = groups
+        s = np.bincount(of * n_g + codes, w * w, n_fine * n_g).reshape(n_fine, n_g)
+        for i in range(n_fine):
+            np.matmul(F.T * s[i], F, out=G[i])
+        return G
+    order = np.argsort(of, kind="stable")
+    bounds = np.searchsorted(of[order], np.arange(n_fine + 1))
+    Ws = W[order]
+    for i in range(n_fine):
+        S = Ws[bounds[i] : bounds[i + 1]]
+        np.matmul(S.T, S, out=G[i])
+    return G
 
 
 # ---------------------------------------------------------------- risk of the published file
