@@ -694,3 +694,26 @@ def test_factor_groups_regroup_factors_that_match_both_projections():
     theta_r = (W.T @ y) / W.sum(axis=0)
     se = np.sqrt(np.sum((theta_r - np.average(y, weights=w)) ** 2) / R)
     assert d.mean("y", variance="replicate")["se"].iloc[0] == pytest.approx(se, rel=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["C", "F"])
+def test_factors_equal_is_the_largest_deviation_against_tol(layout):
+    """factors_equal(W, w, codes, F, tol) is max |W_i / w_i - F_g(i)| <= tol (brute force), in
+    both memory layouts, with a deviation in the first, a middle or the last block."""
+    from sdl_design.survey.design import factors_equal
+
+    rng = np.random.default_rng(11)
+    n, R, G = 5000, 9, 40
+    codes = rng.integers(0, G, n)
+    w = rng.uniform(1.0, 5.0, n)
+    F = rng.choice([0.0, 0.5, 2.0], (G, R))
+    W0 = w[:, None] * F[codes]
+    tol = 1e-12
+    for row, size in [(None, 0.0), (0, 1e-9), (n // 2, 1e-9), (n - 1, 1e-9), (n - 1, 1e-15)]:
+        W = W0.copy()
+        if row is not None:
+            W[row, R - 1] += size * w[row]
+        W = np.asarray(W, order=layout)
+        want = bool(np.abs(W / w[:, None] - F[codes]).max() <= tol)
+        assert factors_equal(W, w, codes, F, tol) is want
+        assert want is (row is None or size < tol)

