@@ -125,3 +125,21 @@ def test_psu_rows_of_parts_give_the_whole_files_jkn_scales(psu):
         n_h = df["st"].value_counts()
         assert len(rows) == 3 and sorted(rows["__records"]) == sorted(n_h)
         assert set(want.round(12)) == {round((k - 1) / k, 12) for k in n_h}
+
+
+def test_n_distinct_counts_as_pandas_unique():
+    """n_distinct: the number of pd.unique's values (NaN once, -0.0 equal to 0.0, infinities)
+    for floats, integers, booleans and text."""
+    rng = np.random.default_rng(3)
+    x = np.round(rng.uniform(0, 5, 20_000), 2)
+    x[rng.random(len(x)) < 0.05] = np.nan
+    cases = [
+        np.array([0.0, -0.0, np.nan, np.nan, 1.0, np.inf, -np.inf]),
+        x,
+        rng.integers(-50, 50, 10_000),
+        rng.random(100) < 0.5,
+        np.array(["b", "a", None, "b", np.nan], dtype=object),
+        np.zeros(0),
+    ]
+    for values in cases:
+        assert ps.n_distinct(values) == len(pd.unique(values))

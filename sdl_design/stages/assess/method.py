@@ -204,7 +204,7 @@ def published_coding(
         codes = [c[bounds[j] : bounds[j + 1]] for j in range(len(frames))]
     used = np.zeros(len(cats), dtype=bool)
     for c in codes:
-        used[np.unique(c)] = True
+        used[c] = True
     remap = np.cumsum(used) - 1
     return Coding(
         [remap[c].astype(np.int64) for c in codes],
