@@ -188,7 +188,7 @@ def broad_characteristics(
         extra[f"_dom_{a}:{b}"] = _sorted_categorical(*_text_codes(pair, labels), df.index)
         names.append(f"_dom_{a}:{b}")
     return Characteristics(
-        extra=pd.DataFrame(extra, index=df.index),
+        extra=pd.DataFrame(extra, index=df.index, copy=False),
         overall=numeric + [k for k, v in kinds.items() if v == "proportion"],
         domain_vars=numeric,
         domains=names,
