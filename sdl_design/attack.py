@@ -13,6 +13,7 @@ import pandas as pd
 from sdl_design.codes import factorize
 from sdl_design.keys import bin_codes, coarsen
 from sdl_design.spec import KeySpec, ReleaseSpec
+from sdl_design.survey.design import dense_codes
 
 # pairs (original record, published record in its key cell) the nearest-neighbour attack
 # compares at most; past this it attacks the records of the smallest cells and says how many
@@ -165,7 +166,7 @@ def combine(*pairs: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarr
     pr = np.zeros(len(pairs[0][1]), dtype=np.int64)
     for a, b in pairs:
         m = int(max(a.max(initial=-1), b.max(initial=-1))) + 2  # -1 -> 0
-        both = np.unique(np.concatenate([po * m + a + 1, pr * m + b + 1]), return_inverse=True)[1]
+        both = dense_codes(np.concatenate([po * m + a + 1, pr * m + b + 1]))[1]
         po, pr = both[: len(po)], both[len(po) :]
     return po, pr
 

@@ -717,3 +717,26 @@ def test_factors_equal_is_the_largest_deviation_against_tol(layout):
         want = bool(np.abs(W / w[:, None] - F[codes]).max() <= tol)
         assert factors_equal(W, w, codes, F, tol) is want
         assert want is (row is None or size < tol)
+
+
+def test_dense_codes_is_numpy_unique_with_inverse():
+    """dense_codes(x) == np.unique(x, return_inverse=True): counted (small range), hashed
+    (negative values, a wide range), for floats and empty input."""
+    from sdl_design.survey.design import dense_codes
+
+    rng = np.random.default_rng(13)
+    cases = [
+        rng.integers(0, 50, 5000),
+        rng.integers(-(10**12), 10**12, 300)[rng.integers(0, 300, 5000)],
+        rng.integers(0, 2**40, 200)[rng.integers(0, 200, 5000)],
+        np.array([3, -1, 3, 7, -1], dtype=np.int32),
+        rng.random(100) < 0.3,
+        np.round(rng.normal(size=400), 1),
+        np.zeros(0, dtype=np.int64),
+    ]
+    for x in cases:
+        u, inv = dense_codes(x)
+        want_u, want_inv = np.unique(x, return_inverse=True)
+        np.testing.assert_array_equal(u, want_u)
+        np.testing.assert_array_equal(inv, want_inv.ravel())
+        np.testing.assert_array_equal(u[inv], x)

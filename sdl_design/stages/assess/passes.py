@@ -485,7 +485,7 @@ def assess_pass2(
         if plan.designs[f].replicate_weights:  # W' (y, m) by profile, a profile at a time
             W = df[list(d.replicates)].to_numpy(dtype=float)
             Y2 = np.concatenate([st.Y0, st.M], axis=1)
-            profiles, inv = np.unique(prof, return_inverse=True)
+            profiles, inv = dense_codes(prof)
             order = np.argsort(inv, kind="stable")
             bounds = np.searchsorted(inv[order], np.arange(len(profiles) + 1))
             reps = np.empty((W.shape[1], len(profiles), Y2.shape[1]))

@@ -81,7 +81,7 @@ from sdl_design.survey.calibration import (
     profile_design,
     replicate_factors,
 )
-from sdl_design.survey.design import first_of
+from sdl_design.survey.design import dense_codes, first_of
 
 # replications made in the same passes: their selections' exchange carries a uniform per
 # record and selection, and their study totals the values of the records that continue a
@@ -468,7 +468,7 @@ def calibration_pass1(
         for k, (code, u2), (u0, w, w_reps) in zip(
             creq.controls, c2.controls, original, strict=True
         ):
-            b2_values = u2.iloc[np.unique(code)].reset_index(drop=True)
+            b2_values = u2.iloc[dense_codes(code)[0]].reset_index(drop=True)
             if u0 is None:
                 _numeric_control(key_frame(pd.DataFrame({"v": b2_values}), ["v"])["v"], k)
             controls.append({"b2": b2_values, "o": u0, "w": w, "reps": w_reps})
@@ -755,13 +755,13 @@ def calibration_pass2(
             }
         base = w[keep] * factor
         key = _profile_keys(c2, creq, plan, profile_columns(plan, creq, kept))
-        keys, local = np.unique(key, return_inverse=True)
+        keys, local = dense_codes(key)
         wp = _partials(local.ravel(), base, len(keys), start2, n2)[0]
         keys_r, Wp = np.zeros(0, np.int64), []
         if reps:
             r_kept = kept if plan.rep_margins else []
             key_r = _profile_keys(c2, creq, plan, profile_columns(plan, creq, r_kept))
-            keys_r, local_r = np.unique(key_r, return_inverse=True)
+            keys_r, local_r = dense_codes(key_r)
             Wp = _partials(local_r.ravel(), R, len(keys_r), start2, n2, keep, factor)
         out.append(CalibrationPass2(labels, keys, wp, keys_r, Wp))
     return out

@@ -58,6 +58,7 @@ from sdl_design.survey import blocksum
 from sdl_design.survey.blocksum import BlockAccumulator, BlockPartial
 from sdl_design.survey.design import (
     SurveyDesign,
+    dense_codes,
     first_of,
 )
 
@@ -598,7 +599,7 @@ def _psu_rows(b0: pd.DataFrame, req: MasscRequest, psus: pd.DataFrame) -> np.nda
     if (cs < 0).any() or (cp < 0).any():
         raise PartitionError("design: a record's stratum or PSU is missing")
     k = max(len(up), 1)
-    uniq, code = np.unique(cs.astype(np.int64) * k + cp, return_inverse=True)
+    uniq, code = dense_codes(cs.astype(np.int64) * k + cp)
     labels = pd.MultiIndex.from_arrays([us[uniq // k], up[uniq % k]])
     return pd.MultiIndex.from_frame(psus).get_indexer(labels)[code.ravel()].astype(np.int64)
 
