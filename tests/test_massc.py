@@ -1149,3 +1149,29 @@ def test_percentiles_from_distinct_values_and_counts_are_numpys():
         parts = [np.unique(p, return_counts=True) for p in np.split(x, cuts)]
         got = percentiles_of_counts(parts)
         assert got.tobytes() == np.percentile(x, FACTOR_PERCENTILES).tobytes(), n
+
+
+def test_stable_argsort_is_numpys_stable_argsort():
+    """_stable_argsort(u) == np.argsort(u, kind="stable"): uniform draws (runs of values that
+    agree in all but the index bits sorted by value), exact ties, values a few ulps apart,
+    tiny values, and the fallbacks (many ties, NaN, -0.0, negative values)."""
+    from sdl_design.stages.massc.treatment import _stable_argsort
+
+    rng = np.random.default_rng(17)
+    near = np.r_[rng.random(1000), [0.5, 0.5 + 2**-52, 0.5 + 2**-51, 0.5, 0.5 + 2**-45]]
+    cases = [
+        rng.random(300_000),
+        near,
+        rng.permutation(near),
+        np.round(rng.random(10_000), 3),
+        np.round(rng.random(10_000), 5),
+        rng.random(3000) * 1e-300,
+        np.zeros(50),
+        np.array([0.3]),
+        np.zeros(0),
+        np.r_[rng.random(10), np.nan],
+        np.r_[rng.random(10), -0.0],
+        rng.normal(size=1000),
+    ]
+    for u in cases:
+        np.testing.assert_array_equal(_stable_argsort(u), np.argsort(u, kind="stable"))

@@ -81,22 +81,26 @@ def group_order(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 
 def _stable_argsort(u: np.ndarray) -> np.ndarray:
-    """np.argsort(u, kind="stable") by the faster unstable sort: the indices of each run of
-    equal values (rare for uniform draws) are then put back in ascending order, as a stable
-    sort leaves them; the stable sort itself for NaN or many ties."""
-    order = np.argsort(u)
-    if not len(u):
-        return order
-    su = u[order]
-    if np.isnan(su[-1]):
+    """np.argsort(u, kind="stable"). Non-negative floats (uniform draws) by numpy's sort of
+    their bits with the index in the low bits (a value sort, 4x faster than an index sort at
+    1M records), the few runs whose values agree in all but those bits then sorted by value;
+    else numpy's."""
+    n = len(u)
+    k = max(int(n - 1).bit_length(), 1)
+    if u.dtype != np.float64 or n < 2 or not u.min() >= 0.0 or np.signbit(u).any():
         return np.argsort(u, kind="stable")
-    idx = np.flatnonzero(su[1:] == su[:-1])  # su[i] == su[i + 1]
-    if len(idx) > 1000:
+    low = np.uint64((1 << k) - 1)
+    packed = np.sort((u.view(np.uint64) & ~low) | np.arange(n, dtype=np.uint64))
+    order = (packed & low).astype(np.intp)
+    high = packed & ~low
+    same = np.flatnonzero(high[1:] == high[:-1])  # order[i] and order[i + 1] share high bits
+    if len(same) > n // 16:  # many ties (not uniform draws): numpy's stable sort
         return np.argsort(u, kind="stable")
-    if len(idx):
-        brk = idx[1:] != idx[:-1] + 1
-        for a, b in zip(idx[np.r_[True, brk]], idx[np.r_[brk, True]] + 2, strict=True):
-            order[a:b] = np.sort(order[a:b])
+    if len(same):  # each run of shared high bits (in index order) sorted by value, stably
+        at = np.unique(np.concatenate([same, same + 1]))
+        run = np.cumsum(np.r_[True, (np.diff(at) != 1) | (high[at][1:] != high[at][:-1])])
+        sub = order[at]
+        order[at] = sub[np.lexsort((u[sub], run))]
     return order
 
 
