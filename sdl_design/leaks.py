@@ -205,49 +205,38 @@ def sortable(s: pd.Series) -> np.ndarray:
 def publish_order(columns: Sequence[str], column: Callable[[str], pd.Series], n: int) -> np.ndarray:
     """The public file's order: its records sorted by their published values, column by column
     in the order given (the design labels first, then the file's columns), so that the order is
-    a function of what is published and nothing else. column(c): the whole column c (read only
-    while records are still tied). Returns the records' positions, row by row."""
-    rank = np.zeros(n, dtype=np.int64)  # the records' dense rank by the columns so far
-    groups = 1 if n else 0
+    a function of what is published and nothing else; records equal on every column in input
+    order. column(c): the whole column c (read only while records are still tied). Returns the
+    records' positions, row by row."""
+    order = np.arange(n)  # the records in the order of the columns so far
+    slots = np.arange(n)  # the places in `order` of the records still tied with another
+    group = np.zeros(n, dtype=np.int64)  # their tied group, non-decreasing along slots
     for c in columns:
-        if groups == n:
+        if not len(slots):
             break
-        tied = np.flatnonzero(np.bincount(rank, minlength=groups)[rank] > 1)
-        s = column(c)
+        s, tied = column(c), order[slots]
         if isinstance(s.dtype, pd.CategoricalDtype) or pd.api.types.is_numeric_dtype(s):
             v = sortable(s.iloc[tied])  # the same order among them as among all
         else:  # text: sorted as the whole column sorts (mixed types as text)
             v = sortable(s)[tied]
-        rank, groups = refined_rank(rank, groups, v, tied)
-    if groups < n:
-        return np.argsort(rank, kind="stable")
-    order = np.empty(n, dtype=np.int64)  # rank is a permutation: its inverse
-    order[rank] = np.arange(n)
+        slots, group = refined_slots(order, slots, group, v)
     return order
 
 
-def refined_rank(
-    rank: np.ndarray, groups: int, v: np.ndarray, tied: np.ndarray
-) -> tuple[np.ndarray, int]:
-    """The dense rank of the records' (rank, value) pairs, and how many there are, from the
-    values v of the records `tied` (every record whose rank another record shares): those are
-    sorted by value within their group; a group's records take the ranks after the groups
-    before it."""
-    if not len(tied):
-        return rank, groups
-    at = np.lexsort((v, rank[tied]))
-    order, rs, vs = tied[at], rank[tied][at], v[at]
-    new = np.r_[True, (rs[1:] != rs[:-1]) | (vs[1:] != vs[:-1])]  # a distinct (rank, v)
+def refined_slots(
+    order: np.ndarray, slots: np.ndarray, group: np.ndarray, v: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The tied records (in places `slots` of `order`, in groups `group`) sorted in place by
+    their values v within their group (stably: equal values keep their order), and the places
+    and groups of those still tied with another afterwards."""
+    key = group * (int(v.max(initial=0)) + 1) + v  # < n * (n + 1): the pair (group, v)
+    at = np.argsort(key, kind="stable")
+    order[slots] = order[slots[at]]
+    key = key[at]
+    new = np.r_[True, key[1:] != key[:-1]]  # the first record of a (group, v)
     run = np.cumsum(new) - 1
-    d = np.bincount(rs[new], minlength=groups)  # distinct values in each tied group
-    d[d == 0] = 1  # a group of one record
-    first = np.zeros(groups, dtype=np.int64)
-    starts = np.r_[True, rs[1:] != rs[:-1]]
-    first[rs[starts]] = run[starts]
-    offset = np.cumsum(d) - d  # the first rank of each group
-    out = offset[rank]
-    out[order] += run - first[rs]
-    return out, int(d.sum())
+    keep = np.bincount(run)[run] > 1
+    return slots[keep], run[keep]
 
 
 def sorted_rows(df: pd.DataFrame, first: Sequence[str] = ()) -> tuple[pd.DataFrame, np.ndarray]:

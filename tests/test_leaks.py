@@ -462,13 +462,19 @@ def test_publish_order_is_pandas_stable_sort_with_ties_left(distinct):
     want = df.sort_values(list(df.columns), kind="stable", na_position="last").index
     np.testing.assert_array_equal(got, want.to_numpy())
     assert len(df.drop_duplicates()) < n  # ties remain after every column
-    # refined_rank: the dense rank of (rank, v) pairs, brute force
-    rank = np.r_[rng.integers(0, 50, n - 3), 50, 51, 52]  # three records alone
-    rank = np.unique(rank, return_inverse=True)[1]
-    v = rng.integers(0, 3, n)
-    size = np.bincount(rank)
-    tied = np.flatnonzero(size[rank] > 1)
-    got, groups = leaks.refined_rank(rank, int(rank.max()) + 1, v[tied], tied)
-    pairs = sorted(set(zip(rank.tolist(), v.tolist(), strict=True)))
-    want = [pairs.index(p) for p in zip(rank.tolist(), v.tolist(), strict=True)]
-    assert got.tolist() == want and groups == len(pairs)
+    # refined_slots: the tied records re-sorted by (group, v) in their places, brute force
+    order = rng.permutation(n)
+    slots = np.sort(rng.choice(n, 2000, replace=False))
+    group = np.sort(np.r_[rng.integers(0, 400, 1997), 400, 401, 402])  # three alone
+    v = rng.integers(0, 3, 2000)
+    want = order.copy()
+    want[slots] = [
+        r for _, _, _, r in sorted(zip(group, v, range(2000), order[slots], strict=True))
+    ]
+    got_slots, got_group = leaks.refined_slots(order, slots, group, v)
+    np.testing.assert_array_equal(order, want)
+    pairs = list(zip(group.tolist(), v.tolist(), strict=True))  # in their sorted places
+    pairs = sorted(pairs)
+    still = [i for i, p in enumerate(pairs) if pairs.count(p) > 1]
+    np.testing.assert_array_equal(got_slots, slots[still])
+    assert len(set(got_group.tolist())) == len({pairs[i] for i in still})
