@@ -197,3 +197,26 @@ def test_bad_arguments(designs):
         survey_quantile(clus, "stype", 0.5)
     with pytest.raises(DesignError, match="not in the data"):
         survey_quantile(clus, "nope", 0.5)
+
+
+@pytest.mark.parametrize("qrule", ["math", "hf7", "school"])
+def test_cell_quantiles_are_quantile_cells_q(qrule):
+    """cell_quantiles (the assessment's cuts: records sorted by value once per variable) gives
+    quantile_cells' quantiles bit for bit: missing values, records in no cell, empty cells,
+    zero weights and tied values."""
+    from sdl_design.survey.quantiles import cell_quantiles, quantile_cells
+
+    rng = np.random.default_rng(11)
+    n, L = 20_000, 40
+    x = np.round(rng.lognormal(3, 1, n), 1)  # ties
+    x[rng.random(n) < 0.1] = np.nan
+    w = rng.random(n) * 50
+    w[rng.random(n) < 0.05] = 0.0
+    codes = rng.integers(-1, L - 3, n)  # -1: in no cell; the last 3 cells empty
+    probs = np.array([0.1, 0.25, 0.5, 0.75, 0.9])
+    by_value = np.argsort(x, kind="stable")
+    want = np.stack([c.q for c in quantile_cells(x, w, codes, L, probs, qrule, by_value)])
+    o = by_value[~np.isnan(x[by_value])]
+    got = cell_quantiles(x[o], w[o], codes[o], L, probs, qrule)
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(got[-3:]).all() and np.isfinite(got[:-3]).all()

@@ -131,6 +131,25 @@ def quantile_cells(
     return out
 
 
+def cell_quantiles(
+    xo: np.ndarray, wo: np.ndarray, co: np.ndarray, L: int, probs: np.ndarray, qrule: str
+) -> np.ndarray:
+    """quantile_cells' quantiles alone (L x P), from the non-missing records sorted by value
+    (stable): their values xo, weights wo and cells co (-1: in none). A radix sort of the cells
+    and a gather per call: the value sort and the missing values are the caller's, once per
+    variable for every domain coding."""
+    probs = np.asarray(probs, dtype=float)
+    small = np.int16 if L < 2**15 else np.int64
+    kept = np.flatnonzero(co >= 0)
+    at = kept[np.argsort(co[kept].astype(small), kind="stable")]  # by cell, then value
+    xs, ws = xo[at], wo[at]
+    bounds = np.r_[0, np.cumsum(np.bincount(co[kept], minlength=L))]
+    out = np.empty((L, len(probs)))
+    for c, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)):
+        out[c] = weighted_quantile(xs[a:b], ws[a:b], probs, qrule)
+    return out
+
+
 def _cells(
     design: SurveyDesign, cols: list[str], probs: np.ndarray, by: str | None, qrule: str
 ) -> tuple[list, list[list[_Cell]]]:

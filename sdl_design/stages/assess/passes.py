@@ -105,7 +105,7 @@ from sdl_design.survey.glm import (
     parse_formula,
     weighted_gram,
 )
-from sdl_design.survey.quantiles import quantile_cells
+from sdl_design.survey.quantiles import cell_quantiles
 
 MIN_N = 30  # assess's: an estimate is reliable with >= 30 original records in its cell
 LEVEL = 0.95  # assess's confidence level
@@ -671,16 +671,19 @@ class PartitionQuantiles:
         n_prof = [len(p) for p in self.profiles]
         r = self.records[f]
         probs = np.array(list(QUANTILES.values()))
+        # each variable's non-missing records by value, with their values, weights and
+        # profiles: once for every grouping
+        by_value = []
+        for j, o in enumerate(self._orders(f)):
+            o = o[~np.isnan(r.X[o, j])]
+            by_value.append((r.X[o, j], r.w[o], r.profile[o]))
         cells, q = [], []
         for g in plan.request.quantile_groupings:
             codes, _, L = _cells([at[v] for v in g], n_prof)
-            cell = codes[f][r.profile]
-            qs = []
-            for j in range(r.X.shape[1]):
-                got = quantile_cells(
-                    r.X[:, j], r.w, cell, L, probs, QUANTILE_RULE, self._orders(f)[j]
-                )
-                qs.append(np.sort(np.stack([c.q for c in got]), axis=1))
+            qs = [
+                np.sort(cell_quantiles(x, w, codes[f][p], L, probs, QUANTILE_RULE), axis=1)
+                for x, w, p in by_value
+            ]
             cells.append((codes[f], L))
             q.append(qs)
         return QuantileCuts(self.profiles[f], cells, q)
