@@ -703,7 +703,7 @@ def test_factors_equal_is_the_largest_deviation_against_tol(layout):
     from sdl_design.survey.design import factors_equal
 
     rng = np.random.default_rng(11)
-    n, R, G = 5000, 9, 40
+    n, R, G = 40_000, 9, 40  # F layout: blocks of 16K records
     codes = rng.integers(0, G, n)
     w = rng.uniform(1.0, 5.0, n)
     F = rng.choice([0.0, 0.5, 2.0], (G, R))
@@ -740,3 +740,36 @@ def test_dense_codes_is_numpy_unique_with_inverse():
         np.testing.assert_array_equal(u, want_u)
         np.testing.assert_array_equal(inv, want_inv.ravel())
         np.testing.assert_array_equal(u[inv], x)
+
+
+def test_sparse_times_group_indicator_is_scipys_product_bit_for_bit():
+    """sparse_times of a column-major y: a CSR group indicator (unit or weighted entries, one
+    per column) goes as CSC and gives scipy's CSR product bit for bit; a CSR matrix with a
+    column of two entries, or unsorted indices, keeps scipy's product."""
+    import scipy.sparse as sp
+
+    from sdl_design.survey.design import _one_entry_per_column, sparse_times
+
+    rng = np.random.default_rng(5)
+    n, G, k = 30_000, 17, 6
+    g = rng.integers(0, G, n)
+    y = np.asfortranarray(rng.normal(0, 1e3, (n, k)))
+    for data in (np.ones(n), rng.uniform(0.1, 9.0, n)):
+        A = sp.csr_matrix((data, (g, np.arange(n))), shape=(G, n))
+        assert _one_entry_per_column(A)
+        want = np.column_stack([A @ y[:, j] for j in range(k)])
+        np.testing.assert_array_equal(sparse_times(A, y), want)
+        two = sp.csr_matrix(
+            (np.r_[data, 1.0], (np.r_[g, (g[0] + 1) % G], np.r_[np.arange(n), 0])), shape=(G, n)
+        )
+        assert not _one_entry_per_column(two)
+        np.testing.assert_array_equal(
+            sparse_times(two, y), np.column_stack([two @ y[:, j] for j in range(k)])
+        )
+    shuffled = A.copy()
+    shuffled.indices = shuffled.indices.copy()
+    a, b = shuffled.indptr[0], shuffled.indptr[1]
+    shuffled.indices[a:b] = shuffled.indices[a:b][::-1]
+    shuffled.data[a:b] = shuffled.data[a:b][::-1]
+    shuffled.has_sorted_indices = False
+    assert not _one_entry_per_column(shuffled)

@@ -106,9 +106,7 @@ def factors_equal(
     W: np.ndarray, w: np.ndarray, codes: np.ndarray, F: np.ndarray, tol: float
 ) -> bool:
     """Whether every record's replicate factors W_i / w_i equal its group's row of F (to tol):
-    a replicate at a time (a column of W is contiguous; one gather from a short row of F),
-    stopping at the first replicate that differs; a block of records at a time when W's rows
-    are contiguous."""
+    a block of records at a time, stopping at the first block that differs."""
     if W.flags.c_contiguous and not W.flags.f_contiguous:
         # blocks of 32K values (256 KB) computed in place: they stay in cache (blocks of 1M
         # values and a temporary per operation took 3.4x longer at 1M records x 70 replicates)
@@ -121,13 +119,19 @@ def factors_equal(
             if np.abs(d, out=d).max(initial=0.0) > tol:
                 return False
         return True
+    # columns: 16K records at a time, a replicate at a time, in two 128 KB buffers that stay
+    # in cache with the block's weights and codes (whole columns: 0.51 -> 0.38 s at 1M x 70)
     Ft = np.ascontiguousarray(F.T)
-    dev = np.empty(len(w))
-    for r in range(W.shape[1]):
-        np.divide(W[:, r], w, out=dev)
-        dev -= Ft[r].take(codes)
-        if max(float(dev.max(initial=0.0)), -float(dev.min(initial=0.0))) > tol:
-            return False
+    step = 1 << 14
+    dev, fac = np.empty(min(step, len(w))), np.empty(min(step, len(w)))
+    for a in range(0, len(w), step):
+        wa, ca = w[a : a + step], codes[a : a + step]
+        d, f = dev[: len(wa)], fac[: len(wa)]
+        for r in range(W.shape[1]):
+            np.divide(W[a : a + step, r], wa, out=d)
+            d -= Ft[r].take(ca, out=f)
+            if np.abs(d, out=d).max(initial=0.0) > tol:
+                return False
     return True
 
 
@@ -230,10 +234,23 @@ def group_indicator(of: np.ndarray, P: int) -> sp.csc_matrix:
 
 def sparse_times(A: sp.spmatrix | sp.sparray, y: np.ndarray) -> np.ndarray:
     """A @ y for a sparse A and a dense y; a column-major y (a frame's columns) is read a column
-    at a time, where scipy would first copy the whole of it to row-major."""
+    at a time, where scipy would first copy the whole of it to row-major. A group indicator
+    in CSR (one entry per column: records -> groups, e.g. PSU totals) goes as CSC: each column
+    of y streamed into its groups instead of gathered by group, the same additions in the same
+    order (1M records x 70 columns into 90 PSUs: 0.82 -> 0.43 s)."""
     if y.ndim == 2 and y.shape[1] > 1 and not y.flags.c_contiguous and y.flags.f_contiguous:
+        if _one_entry_per_column(A):
+            A = A.tocsc()
         return np.column_stack([A @ y[:, j] for j in range(y.shape[1])])
     return np.asarray(A @ y)
+
+
+def _one_entry_per_column(A: sp.spmatrix | sp.sparray) -> bool:
+    """A is CSR with sorted indices (scipy sums each row in column order, as CSC's product
+    does) and one entry in each column."""
+    if A.format != "csr" or A.nnz != A.shape[1] or not A.has_sorted_indices:
+        return False
+    return bool((np.bincount(A.indices, minlength=A.shape[1]) == 1).all())
 
 
 def psu_sums(
