@@ -18,6 +18,7 @@ from sdl_design.survey.design import dense_codes
 # pairs (original record, published record in its key cell) the nearest-neighbour attack
 # compares at most; past this it attacks the records of the smallest cells and says how many
 NN_PAIRS_MAX = 20_000_000
+NN_PAIRS_BLOCK = 1 << 21  # the pairs held at once
 
 
 @dataclass
@@ -231,12 +232,51 @@ def nearest_neighbour(
         keep = keep[np.cumsum(size[keep]) <= max_pairs]
         cand = np.sort(cand[keep])
         size = F[po[cand]]
+    # the pairs a block of original records at a time (each record's pairs in one block): at
+    # 20M pairs the whole set's arrays took 1.1 GB at once
+    bounds = _pair_blocks(size, NN_PAIRS_BLOCK)
+    zo_t, zr_t = np.ascontiguousarray(zo.T), np.ascontiguousarray(zr.T)
+    n_linked = n_att = 0
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        linked = _nearest_links(cand[a:b], size[a:b], po, start, rord, link, zo_t, zr_t)
+        n_linked, n_att = n_linked + int(linked.sum()), n_att + len(linked)
+    return {
+        "share": n_linked / n,
+        "precision": n_linked / n_att if n_att else 0.0,
+        "attacked": n_att / n,
+    }
+
+
+def _pair_blocks(size: np.ndarray, most: int) -> np.ndarray:
+    """Bounds of consecutive blocks of original records (size: each one's pairs) holding at
+    most `most` pairs each (a record with more: a block alone)."""
+    bounds, a, n = [0], 0, len(size)
+    ends = np.cumsum(size)
+    while a < n:
+        base = ends[a - 1] if a else 0
+        b = max(a + 1, int(np.searchsorted(ends, base + most, side="right")))
+        bounds.append(min(b, n))
+        a = bounds[-1]
+    return np.array(bounds)
+
+
+def _nearest_links(
+    cand: np.ndarray,
+    size: np.ndarray,
+    po: np.ndarray,
+    start: np.ndarray,
+    rord: np.ndarray,
+    link: np.ndarray,
+    zo_t: np.ndarray,
+    zr_t: np.ndarray,
+) -> np.ndarray:
+    """For original records cand (each with size published records of its profile) whether
+    the nearest of those (ties: the first row) is its own published record."""
     i = np.repeat(cand, size)  # the pairs, grouped by original record (cand ascending)
     lo = np.cumsum(size) - size  # each group's first pair
     r = rord[np.repeat(start[po[cand]] - lo, size) + np.arange(len(i))]  # rows ascending
     dist, d = np.zeros(len(i)), np.empty(len(i))
-    zo_t, zr_t = np.ascontiguousarray(zo.T), np.ascontiguousarray(zr.T)
-    for j in range(zo.shape[1]):  # a column at a time: no pairs x columns temporaries
+    for j in range(len(zo_t)):  # a column at a time: no pairs x columns temporaries
         np.take(zo_t[j], i, out=d)
         d -= np.take(zr_t[j], r)
         np.multiply(d, d, out=d)
@@ -246,13 +286,7 @@ def nearest_neighbour(
     best = np.minimum.reduceat(dist, lo) if len(i) else dist
     hit = np.flatnonzero(dist == np.repeat(best, size))
     first = hit[np.r_[True, i[hit][1:] != i[hit][:-1]]] if len(hit) else hit
-    linked = link[r[first]] == i[first]
-    n_att = len(first)
-    return {
-        "share": float(linked.sum()) / n,
-        "precision": float(linked.mean()) if n_att else 0.0,
-        "attacked": n_att / n,
-    }
+    return link[r[first]] == i[first]
 
 
 # ---------------------------------------------------------------- sdcMicro's measures

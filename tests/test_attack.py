@@ -121,6 +121,31 @@ def test_nearest_neighbour_equals_brute_force():
     assert got["share"] == pytest.approx(right / len(orig)) and got["attacked"] == 1.0
 
 
+def test_nearest_neighbour_in_blocks_of_pairs_is_the_same(monkeypatch):
+    """The pairs taken a block of original records at a time (blocks of at most 7, 50 or
+    1,000,000 pairs; a record with more pairs than a block: a block alone) give the same
+    shares; _pair_blocks' blocks hold whole records and at most that many pairs."""
+    import sdl_design.attack as attack
+
+    orig = _file(400, seed=3)
+    pub = orig.sample(frac=1.0, random_state=5)
+    pub["inc"] = pub["inc"] * np.random.default_rng(2).uniform(0.8, 1.2, len(pub))
+    link = orig.index.get_indexer(pub.index)
+    po, pr = profiles(orig, pub, ["sex", "edu"])
+    xo, xr = orig[["inc"]].to_numpy(float), pub[["inc"]].to_numpy(float)
+    got = {}
+    for block in (7, 50, 1_000_000):
+        monkeypatch.setattr(attack, "NN_PAIRS_BLOCK", block)
+        got[block] = nearest_neighbour(po, pr, link, xo, xr)
+    assert got[7] == got[50] == got[1_000_000]
+    assert 0 < got[7]["share"] < 1 and got[7]["attacked"] == 1.0
+    size = np.array([3, 9, 1, 1, 4, 20, 2, 2, 2])
+    bounds = attack._pair_blocks(size, 8)
+    assert bounds.tolist() == [0, 1, 2, 5, 6, 9]  # 3 | 9 | 1 1 4 | 20 | 2 2 2
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        assert b - a == 1 or size[a:b].sum() <= 8
+
+
 def test_individual_risk_is_the_expectation_of_one_over_F():
     """Benedetti-Franconi's risk for f = 1 and 2 is E(1/F | f) under the negative binomial
     F - f ~ NB(f, p): the series summed term by term."""
