@@ -684,8 +684,10 @@ def write_public_by_partition(
     )
     try:
         # the CSV joined and hashed on the other core while puf.parquet is written, and
-        # puf.parquet hashed while the documentation is made (1M records: 1.9 GB to hash)
-        with ThreadPoolExecutor(1, thread_name_prefix="puf-digest") as pool:
+        # puf.parquet hashed while the documentation is made, beside the CSV's hash if that
+        # is still running (1M records: 1.9 GB to hash at 0.3 GB/s; in turn, the documents
+        # waited 5 s for them)
+        with ThreadPoolExecutor(2, thread_name_prefix="puf-digest") as pool:
             csv = pool.submit(
                 _join,
                 [work / "csv" / f"c{g:06d}.csv" for g in range(len(made))],
