@@ -430,11 +430,13 @@ def _candidate_lists(
         if kq < 2:
             continue
         tree = cKDTree(f[members])
-        rows = members  # segments whose k partners are not found yet
+        rank = np.empty(m, dtype=np.int64)  # each member's place in the tree's leaf order
+        rank[tree.indices] = np.arange(m)
+        local = np.arange(m)  # the members whose k partners are not found yet
+        rows = members
         k1 = min(kq, k + max(16, k // 4))
         for kk in (k1, kq) if k1 < kq else (kq,):
-            _, idx = tree.query(f[rows], k=kk, workers=-1)  # rows split over the cores
-            idx = members[np.asarray(idx).reshape(len(rows), kk)]
+            idx = members[_query_in_tree_order(tree, f[members], local, rank, kk)]
             me = rows[:, None]
             valid = seg_psu[idx] != seg_psu[me]
             if scope == "cross_stratum":
@@ -444,9 +446,22 @@ def _candidate_lists(
             take = np.take_along_axis(idx[done], order, axis=1)
             ok = np.take_along_axis(valid[done], order, axis=1)
             out[rows[done], : take.shape[1]] = np.where(ok, take, -1)
-            rows = rows[~done]
+            rows, local = rows[~done], local[~done]
             if not len(rows):
                 break
+    return out
+
+
+def _query_in_tree_order(
+    tree: cKDTree, points: np.ndarray, local: np.ndarray, rank: np.ndarray, k: int
+) -> np.ndarray:
+    """tree.query of points[local] for their k nearest (indices into points, len(local) x k),
+    asked in the tree's leaf order so that neighbouring queries walk the same nodes (52,357
+    segments, k = 80: 2.6 -> 1.8-2.1 s); each point's answer does not depend on the order."""
+    order = np.argsort(rank[local], kind="stable")
+    _, idx = tree.query(points[local[order]], k=k, workers=-1)  # split over the cores
+    out = np.empty((len(local), k), dtype=np.int64)
+    out[order] = np.asarray(idx).reshape(len(local), k)
     return out
 
 
