@@ -229,7 +229,7 @@ def refined_slots(
     """The tied records (in places `slots` of `order`, in groups `group`) sorted in place by
     their values v within their group (stably: equal values keep their order), and the places
     and groups of those still tied with another afterwards."""
-    key = group * (int(v.max(initial=0)) + 1) + v  # < n * (n + 1): the pair (group, v)
+    key = group * (int(v.max(initial=0)) + 1) + v  # one integer per pair (group, v)
     at = np.argsort(key, kind="stable")
     order[slots] = order[slots[at]]
     key = key[at]
