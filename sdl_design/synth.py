@@ -563,22 +563,28 @@ def _names(rng: np.random.Generator, female: np.ndarray, hh: np.ndarray, m: int)
     return first + " " + last
 
 
+def jkn_replicate_columns(d: SurveyDesign, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+    """with_replicates("jkn")'s replicate weights rw_001..rw_R of the records in rows, a
+    column at a time (the same products w * factor), without its n x R factor matrix: a file
+    of many records is written a slice of them at a time."""
+    h, g, w = d.h[rows], d.g[rows], d.w[rows]
+    scale = d.n_h / (d.n_h - 1.0)
+    rw = {}
+    for r in range(d.n_psu):
+        hh = d.psu_h[r]
+        f = np.where(h == hh, scale[hh], 1.0)
+        f[g == r] = 0.0
+        rw[f"rw_{r + 1:03d}"] = w * f
+    return rw
+
+
 def _with_replicates(df: pd.DataFrame) -> pd.DataFrame:
     """Append JKn replicate weights rw_001..rw_R (one per PSU) after wt."""
 
     d = SurveyDesign(df, weight="wt", strata="stratum", psu="psu")
     if (d.n_h < 2).any():  # the error with_replicates gives
         return d.with_replicates("jkn")
-    # with_replicates("jkn") a column at a time (the same products w * factor), without its
-    # n x R factor matrix and copies: 5,000,000 records fit in memory
-    h_of_psu = d.psu_h
-    scale = d.n_h / (d.n_h - 1.0)
-    rw = {}
-    for r in range(d.n_psu):
-        hh = h_of_psu[r]
-        f = np.where(d.h == hh, scale[hh], 1.0)
-        f[d.g == r] = 0.0
-        rw[f"rw_{r + 1:03d}"] = d.w * f
+    rw = jkn_replicate_columns(d)
     at = df.columns.get_loc("wt") + 1
     cols = {c: df[c] for c in df.columns[:at]} | rw | {c: df[c] for c in df.columns[at:]}
     return pd.DataFrame(cols, index=df.index, copy=False)
