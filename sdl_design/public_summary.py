@@ -141,13 +141,15 @@ def _bucket_of(values: np.ndarray, numeric: bool, bits: int) -> np.ndarray:
 class PartSummary:
     """One part's columns: stats as of the part (the distinct count of the part alone), the
     distinct values of the columns with at most `small` of them, and the columns whose values
-    went to the bucket files."""
+    went to the bucket files; whole: the part is the whole file (its stats are the file's,
+    no value kept)."""
 
     n: int
     stats: dict[str, ColumnStats]
     small: dict[str, np.ndarray] = field(default_factory=dict)
     bucketed: set[str] = field(default_factory=set)
     psus: pd.DataFrame | None = None
+    whole: bool = False
 
 
 def _column_stats(df: pd.DataFrame) -> tuple[dict[str, ColumnStats], dict[str, np.ndarray]]:
@@ -174,15 +176,19 @@ def summarize_part(
     folder: str,
     name: str,
     bits: int = 0,
-    small: int = SMALL,
+    small: int | None = SMALL,
     key: PsuKey | None = None,
 ) -> PartSummary:
     """The PartSummary of df, one part of a file: its columns' missing values, ranges and
     distinct values; the distinct values of a column with more than `small` of them are
-    written to folder/b<bucket>/<name>.pkl (2^bits buckets by hash). key: its PSU rows too
-    (psu_rows: df's records in the public order when they are the PSUs)."""
+    written to folder/b<bucket>/<name>.pkl (2^bits buckets by hash); small None: df is the
+    whole file, its distinct counts are the file's (no value kept or written). key: its PSU
+    rows too (psu_rows: df's records in the public order when they are the PSUs)."""
     stats, text = _column_stats(df)
-    out = PartSummary(len(df), stats)
+    out = PartSummary(len(df), stats, whole=small is None)
+    if small is None:  # the distinct values of one part: its counts, nothing to merge
+        out.psus = psu_rows(df, key) if key is not None else None
+        return out
     sinks: list = []
     try:
         for c in df.columns:  # one column's values at a time
@@ -353,7 +359,12 @@ def merge_parts(
     """The file's summary from its parts' (in the file's order; the distinct counts of the
     bucketed columns left at 0) and the buckets whose distinct_in_bucket counts add up to
     them (none when every column's values were small: add_bucket_counts). Raises when the
-    parts type a column otherwise."""
+    parts type a column otherwise. One part that is the whole file (PartSummary.whole): its
+    stats, as they are."""
+    if len(parts) == 1 and parts[0].whole:
+        (part,) = parts
+        stats = {c: part.stats[c] for c in columns}
+        return PublicSummary(part.n, list(columns), stats, part.psus), []
     stats: dict[str, ColumnStats] = {}
     bucketed = set().union(*(p.bucketed for p in parts))
     extra: list[dict[str, list]] = [{} for _ in range(1 << bits)]

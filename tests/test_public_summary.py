@@ -70,6 +70,20 @@ def test_codebook_from_parts_is_the_whole_frames(tmp_path, bits):
     assert d.loc["nothing", "n_distinct"] == 0 and pd.isna(d.loc["nothing", "min"])
 
 
+def test_one_part_that_is_the_whole_file_keeps_no_values(tmp_path):
+    """A file of one row group (small None): its part's own counts are the file's, the
+    codebook is codebook(frame) row for row, and no value is kept or written."""
+    df = _frame()
+    part = ps.summarize_part(df, str(tmp_path), "p0", 2, None)
+    assert part.whole and not part.small and not part.bucketed
+    assert not any(tmp_path.iterdir())
+    summary, buckets = ps.merge_parts([part], list(df.columns), 2)
+    assert buckets == []
+    pd.testing.assert_frame_equal(codebook(summary), codebook(df), check_exact=True)
+    assert summary.stats["big"].n_distinct == len(df)  # every value distinct
+    assert summary.stats["name"].n_distinct == 310
+
+
 def test_bucketed_counts_need_every_parts_values(tmp_path):
     """A value held by a small part and a bucketed part is counted once (the small set is
     routed to the value's bucket): 3 parts of the same 40 values, the middle one bucketed."""
