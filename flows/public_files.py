@@ -19,7 +19,7 @@ from expectations.suites import output_verdicts, record_failures
 from flows.public_docs import REPLICATE_SCALES, codebook, psu_key, variance_notes
 from sdl_design.edits import combine_rule_failures, rule_failures
 from sdl_design.engine.partitions import read_partition
-from sdl_design.io import file_digest, parquet_options
+from sdl_design.io import GrowingFileDigest, file_digest, parquet_options
 from sdl_design.keys import coded_keys, publish_coding
 from sdl_design.leaks import drop_unused_levels, publish_order
 from sdl_design.public_summary import (
@@ -454,7 +454,7 @@ class SummaryPlan:
 
     key: PsuKey | None
     bits: int
-    small: int = SMALL
+    small: int | None = SMALL  # None: one row group, the whole file
 
 
 def public_group(
@@ -468,8 +468,9 @@ def public_group(
     """Map: one row group of the public file from its pieces: <folder>/rows/c<group>.arrow
     (the records in the public order, as puf.parquet stores them) and
     <folder>/csv/c<group>.csv (as puf.csv has them, the header in the first); the pieces are
-    removed. Returns the Arrow file's path and the failures of the output gates' record checks
-    and edit rules on its records (examples: public row numbers); with a SummaryPlan, its
+    removed. Returns the Arrow file's path, the failures of the output gates' record checks
+    and edit rules on its records (examples: public row numbers) and the CSV's sha256 when the
+    row group is the whole file (else None); with a SummaryPlan, its
     records' PartSummary too (their distinct values beyond summary.small in
     <folder>/distinct)."""
 
@@ -495,10 +496,12 @@ def public_group(
             summed = pool.submit(
                 summarize_part, df, where, f"c{g:06d}", summary.bits, summary.small, summary.key
             )
-        records, edits = _write_group(df, order, detail, rows, plan, folder, g, spec, replicates)
+        records, edits, digest = _write_group(
+            df, order, detail, rows, plan, folder, g, spec, replicates
+        )
         shutil.rmtree(src)
         out = str(Path(folder) / "rows" / f"c{g:06d}.arrow")
-        got = (out, combine_rule_failures(records), combine_rule_failures(edits))
+        got = (out, combine_rule_failures(records), combine_rule_failures(edits), digest)
         return got if summed is None else (*got, summed.result())
 
 
@@ -523,27 +526,39 @@ def _write_group(
     out = Path(folder) / "rows" / f"c{g:06d}.arrow"
     csv = Path(folder) / "csv" / f"c{g:06d}.csv"
     records, edits = [], []
-    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
-        for a in range(0, len(df), PUBLIC_SLICE):
-            part = df.take(order[a : a + PUBLIC_SLICE]).reset_index(drop=True)
-            write_csv(
-                neutralize_formulas(part), csv, plan=plan.csv, header=g == 0 and a == 0,
-                append=a > 0,
-            )  # fmt: skip
-            w.write_table(pa.Table.from_pandas(part, schema=schema, preserve_index=False))
-            ids = np.arange(rows.start + a, rows.start + a + len(part)) + 1  # from 1
-            records.append(record_failures(part, spec, replicates, ids))
-            values = {c: v.take(order[a : a + PUBLIC_SLICE]).to_numpy() for c, v in detail.items()}
-            edits.append(rule_failures(part.assign(**values), spec.edits, ids))
-    return records, edits
+    # the whole file's CSV (one row group): hashed as it is written
+    digest = GrowingFileDigest(csv) if rows.start == 0 and rows.stop == plan.n else None
+    try:
+        with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
+            for a in range(0, len(df), PUBLIC_SLICE):
+                part = df.take(order[a : a + PUBLIC_SLICE]).reset_index(drop=True)
+                write_csv(
+                    neutralize_formulas(part), csv, plan=plan.csv, header=g == 0 and a == 0,
+                    append=a > 0,
+                )  # fmt: skip
+                if digest is not None:
+                    digest.written(csv.stat().st_size)
+                w.write_table(pa.Table.from_pandas(part, schema=schema, preserve_index=False))
+                ids = np.arange(rows.start + a, rows.start + a + len(part)) + 1  # from 1
+                records.append(record_failures(part, spec, replicates, ids))
+                values = {
+                    c: v.take(order[a : a + PUBLIC_SLICE]).to_numpy() for c, v in detail.items()
+                }
+                edits.append(rule_failures(part.assign(**values), spec.edits, ids))
+    except BaseException:
+        if digest is not None:
+            digest.close()
+        raise
+    return records, edits, None if digest is None else digest.hexdigest()
 
 
-def _join(parts: Sequence[Path], dest: Path) -> str:
+def _join(parts: Sequence[Path], dest: Path, digest: str | None = None) -> str:
     """The row groups' CSV chunks joined into dest, in order, hashed as they are copied (one
-    chunk: renamed, not copied; 300,000 records' CSV took 1.2 s to copy); dest's sha256."""
+    chunk: renamed, not copied; 300,000 records' CSV took 1.2 s to copy); dest's sha256
+    (digest: the one chunk's, hashed as it was written)."""
     if len(parts) == 1:
         os.replace(parts[0], dest)
-        return file_digest(dest)
+        return file_digest(dest) if digest is None else digest
     h = hashlib.sha256()
     with open(dest, "wb") as out:
         for p in parts:
@@ -678,7 +693,8 @@ def write_public_by_partition(
     docs = None
     if results is not None:
         bits = bucket_bits(plan.n, len(keep), BUCKET_VALUES)
-        docs = SummaryPlan(psu_key(spec, results, keep), bits, SMALL)
+        # one row group: its distinct counts are the file's (no values sent, no buckets)
+        docs = SummaryPlan(psu_key(spec, results, keep), bits, SMALL if len(groups) > 1 else None)
     made = run_map(
         public_group, groups, plan, str(work), spec, reps, docs, what="public files: row groups"
     )
@@ -692,11 +708,12 @@ def write_public_by_partition(
                 _join,
                 [work / "csv" / f"c{g:06d}.csv" for g in range(len(made))],
                 folder / "puf.csv",
+                made[0][3] if len(made) == 1 else None,
             )
             _write_parquet(made, folder / "puf.parquet")
             parquet = pool.submit(file_digest, folder / "puf.parquet")
             if docs is not None:
-                write_docs(run_map, [m[3] for m in made], keep, docs, spec, results, folder, work)
+                write_docs(run_map, [m[4] for m in made], keep, docs, spec, results, folder, work)
             files = {"puf.csv": csv.result(), "puf.parquet": parquet.result()}
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -146,3 +146,29 @@ def test_readme_and_codebook_by_partition_are_the_release_writers_bytes(
     assert cb.loc["income", "min"] == puf["income"].min()
     assert cb.loc["education", "values"].split("; ") == sorted(puf["education"].dropna().unique())
     assert "70 replicate weights" in (tmp_path / "puf" / "README.md").read_text()
+
+
+def test_growing_file_digest_is_the_files_sha256(tmp_path):
+    """A file hashed while it is appended to, in uneven pieces (some not announced, the last
+    announced by hexdigest alone), has hashlib's sha256 of its bytes; a size past the file's
+    end is an error, not a digest of fewer bytes."""
+    import hashlib
+
+    from sdl_design.io import GrowingFileDigest
+
+    rng = np.random.default_rng(5)
+    path = tmp_path / "growing.csv"
+    digest, whole = GrowingFileDigest(path), b""
+    with open(path, "wb") as f:
+        for i, k in enumerate([1, 0, 5_000_000, 17, 4_194_304, 3, 999]):
+            piece = rng.bytes(k)
+            f.write(piece)
+            f.flush()
+            whole += piece
+            if i % 3 != 2:
+                digest.written(len(whole))
+    assert digest.hexdigest() == hashlib.sha256(whole).hexdigest()
+    short = GrowingFileDigest(path)
+    short.written(len(whole) + 1)
+    with pytest.raises(OSError, match="ends at"):
+        short.hexdigest()
