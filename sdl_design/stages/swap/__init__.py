@@ -207,8 +207,9 @@ class SwapStage(Passes, Describes):
         before: pd.DataFrame,
         maskings: tuple[Any, ...],
     ) -> list[pd.DataFrame]:
-        """The SE table of the records masked by each masking (derived when read) against the
-        swap's input: se_ratio_table's, with the matching characteristics marked. The
+        """The SE table of the records masked by each masking against the swap's input:
+        se_ratio_table's, with the matching characteristics marked. The first masking's
+        records are those the stage wrote (records.data); the others' derived when read. The
         maskings' sides at once, in threads (mostly numpy, which leaves the interpreter)."""
         spec = ctx.spec
         ex = tuple(se_exclude(spec))
@@ -227,7 +228,9 @@ class SwapStage(Passes, Describes):
             cols = (*(c for c in columns if c not in old), *mdesign["replicate_weights"])
             fr = ch.FinalRequest((given, ch.FileChars(mdesign, ex, cols)), keys)
             view = [
-                part.Derived(p, psw.masked_records, (req, segment_labels, masking))
+                part.written_partition(records.data, p)
+                if masking is maskings[0]
+                else part.Derived(p, psw.masked_records, (req, segment_labels, masking))
                 for p in records.parts
             ]
             mplan = None if plan is None else ch.with_design(plan, mdesign)
