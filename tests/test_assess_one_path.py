@@ -136,3 +136,23 @@ def test_cell_grams_through_replicate_factors_are_the_products():
                 for h in range(L):
                     S = W[(cell == h) & ~missing[:, j]]
                     np.testing.assert_allclose(grams[h], S.T @ S, rtol=1e-12, atol=1e-9)
+
+
+def test_attacks_gather_no_replicate_weight():
+    """The attacks' columns (gathered to the driver) leave out the replicate weights of both
+    files, which no intruder's key holds: the same attacks on the files without them."""
+    from sdl_design.stages.assess import passes as pas
+    from sdl_design.stages.assess.method import published_attacks
+
+    spec, df = _default()
+    cols = list(df.columns)
+    reps = [c for c in cols if c.startswith("rw_")]
+    assert len(reps) > 10
+    rel, orig = pas.attack_columns(spec, cols, cols, reps)
+    assert not set(reps) & (set(rel) | set(orig))
+    assert {spec.design.weight, "age", "sex", spec.design.strata} <= set(rel)
+    released = df.sample(frac=0.9, random_state=3)
+    whole, key = published_attacks(df, released, spec, spec.design, True)
+    less, key2 = published_attacks(df[orig], released[rel], spec, spec.design, True)
+    assert key.describe() == key2.describe()
+    assert dict(whole) == dict(less) and whole.table.equals(less.table)

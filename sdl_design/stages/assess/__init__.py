@@ -206,7 +206,8 @@ def _risk_by_partition(
         pas.original_profiles, inputs, spec, req, plan, what="assess risk, original"
     )
     m |= pas.risk_metrics(risk, originals, n_released)
-    rel_cols, orig_cols = pas.attack_columns(spec, released, original)
+    reps = design.replicate_weights.resolve(released) if design.replicate_weights else []
+    rel_cols, orig_cols = pas.attack_columns(spec, released, original, reps)
     got = run_map(pas.attack_released, linked, spec, rel_cols, run.selected, what="attacks")
     rel = pd.concat([g[0] for g in got], ignore_index=True)
     rel.index = pd.Index(np.concatenate([g[1] for g in got]))
