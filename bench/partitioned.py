@@ -1,5 +1,6 @@
 """The partitioned path (`puf scan`, `puf partitioned`) on a large default survey: time and per-worker
-memory on a local Dask cluster of 2 single-threaded workers, against the same scan in one
+memory on a local Dask cluster of 2 single-threaded workers (PUF_BENCH_WORKERS=k: k workers, for
+the scaling from 1 to 2), against the same scan in one
 process (one partition in memory at a time) and, up to 2M records, the same SE table from the
 whole file in memory (read_input and SurveyDesign) and the in-memory swap and PRB stages and
 MASSC's plan, treatment, calibration and replications and top-coding (whose records, donors,
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+WORKERS = int(os.environ.get("PUF_BENCH_WORKERS", "2"))
 
 
 def _maxrss_gib() -> float:
@@ -319,12 +321,12 @@ def _copy_input(spec_path: Path, rows: int) -> tuple[Path, int]:
 
 
 def _cluster_and_client() -> tuple:
-    """A local Dask cluster of 2 single-threaded worker processes and its client (fresh
-    worker processes: their peaks are one run's)."""
+    """A local Dask cluster of single-threaded worker processes (2, or PUF_BENCH_WORKERS) and
+    its client (fresh worker processes: their peaks are one run's)."""
     from distributed import Client, LocalCluster
 
     cluster = LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+        n_workers=WORKERS, threads_per_worker=1, processes=True, dashboard_address=None
     )
     return cluster, Client(cluster)
 
@@ -339,7 +341,7 @@ def _bench_scan_dask(spec: Path, work: Path) -> None:
         out = run_scan(str(spec), "dask", cluster.scheduler_address, out=str(work / "dask"))
         peaks = client.run(_maxrss_gib)
     print(
-        f"Dask, 2 workers x 1 thread: {out['seconds']:.1f} s ({out['partitions']} partitions: "
+        f"Dask, {WORKERS} worker(s) x 1 thread: {out['seconds']:.1f} s ({out['partitions']} partitions: "
         f"pass 1 {out['pass1_seconds']:.1f} s, combine {out['combine_seconds']:.2f} s, "
         f"pass 2 {out['pass2_seconds']:.1f} s); "
         f"per-worker peak RSS "
