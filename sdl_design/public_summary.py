@@ -186,8 +186,8 @@ def summarize_part(
     rows too (psu_rows: df's records in the public order when they are the PSUs)."""
     stats, text = _column_stats(df)
     out = PartSummary(len(df), stats, whole=small is None)
+    out.psus = psu_rows(df, key) if key is not None else None
     if small is None:  # the distinct values of one part: its counts, nothing to merge
-        out.psus = psu_rows(df, key) if key is not None else None
         return out
     sinks: list = []
     try:
@@ -214,8 +214,6 @@ def summarize_part(
     finally:
         for sink in sinks:
             sink.close()
-    if key is not None:
-        out.psus = psu_rows(df, key)
     return out
 
 
