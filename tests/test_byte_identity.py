@@ -11,10 +11,10 @@ from flows.cli import main as puf
 pytestmark = [pytest.mark.flow, pytest.mark.usefixtures("prefect_server")]
 
 RECORDED = {
-    "README.md": "16b04134c41adb33fbecbdefaf40eabfe41b28f753741ebb16843013be88ac1a",
-    "codebook.csv": "f7180596ab16759fab15de11987fc84df154e657d033fae3ed4c916a8029bb22",
-    "puf.csv": "616907d677f7947ac8408c7c10d178d628555eb05147c2e74b2745113129dc2f",
-    "puf.parquet": "92fe97f54b2b26012f9ca5ca06e7828dc20213bb7893525a3da99734b45f2918",
+    "README.md": "b3592e1724ccac0ac7f8862d9225a225bee53aa2babf7749d31d2879ccf6e260",
+    "codebook.csv": "ebdbcfaf046cbba66348121329ae09f0e48860d329e98ffdc71375bbbcc7bbe3",
+    "puf.csv": "fe645eb78f39b41de4bcbce96ca0d738e8d09b116ef2946e86cea3843a811841",
+    "puf.parquet": "7a1c0748a779974f85b266b32bd2bc8903118458afceab25ae758e97cef5f81d",
     "replicate_scales.csv": "f76a524c104ea80ef4675450b6ef4a1b37ce05aa352337d6165a4fa805161c2f",
 }
 

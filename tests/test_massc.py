@@ -550,7 +550,12 @@ def test_formulas_8a_8b_match_replications_of_the_treatment():
     ratio = emp[ok] / il["rrmse"].to_numpy()[ok]
     assert ok.sum() > 50
     assert 0.9 < np.median(ratio) < 1.1, (np.median(ratio), ratio.min(), ratio.max())
-    assert np.all((ratio > 0.5) & (ratio < 1.6))
+    # 80 replications of a normal total: ratio^2 ~ chi2_80 / 80, (0.77, 1.25) at 0.1% each
+    # side; totals of rare categories are heavy-tailed and spread wider (over 16 sets of 80
+    # replications: 1st-99th percentiles of the ratios 0.62-1.31, extremes 0.36-1.91)
+    q01, q99 = np.quantile(ratio, [0.01, 0.99])
+    assert 0.55 < q01 and q99 < 1.45, (q01, q99)
+    assert np.all((ratio > 0.3) & (ratio < 2.0))
 
 
 def test_substrata_recover_separated_groups():

@@ -1645,14 +1645,44 @@ def test_validate_by_partition_is_the_scan(clean, tmp_path, capsys):
     assert {"se.csv", "edits.csv", "key_risk.csv"} <= {p.name for p in folder.iterdir()}
 
 
-def test_replications_at_once_bounded_by_their_uniforms():
-    """A batch of MASSC replications holds two 8-byte uniforms a record each: at most
-    REPLICATION_BYTES of them (5 at 5M records, as measured within memory), never none."""
+def test_replications_at_once_bounded_by_their_indicators():
+    """A batch of MASSC replications exchanges two 1-byte indicators a record each (the
+    uniforms are drawn where the records are selected): at most REPLICATION_BYTES of them
+    (10 at the ACS's 15M records: one batch), never none."""
     at = pcal.replications_at_once
     assert at(300_000) == pcal.REPLICATIONS_AT_ONCE
-    assert at(5_000_000) == 5 and at(10**9) == 1
-    for n in (10**5, 10**6, 3 * 10**6, 10**7):
-        assert 16 * n * at(n) <= pcal.REPLICATION_BYTES or at(n) == 1
+    assert at(15_000_000) == 13 and at(10**9) == 1
+    for n in (10**5, 10**6, 3 * 10**6, 10**7, 10**8):
+        assert 2 * n * at(n) <= pcal.REPLICATION_BYTES or at(n) == 1
+
+
+def test_record_uniforms_are_splitmix64_by_row():
+    """record_uniforms(key, rows): output row + 1 of SplitMix64 from state key, as its
+    reference loop computes it in Python integers (Steele, Lea & Flood 2014), in any order
+    of rows; 53 bits as Generator.random; uniform on [0, 1) (Kolmogorov-Smirnov)."""
+    from scipy import stats
+
+    from sdl_design.stages.massc.treatment import record_uniforms
+
+    mask = 2**64 - 1
+
+    def splitmix(state: int, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            state = (state + 0x9E3779B97F4A7C15) & mask
+            z = state
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+            out.append(((z ^ (z >> 31)) >> 11) * 2.0**-53)
+        return out
+
+    key = 0xFEDCBA9876543210
+    ref = splitmix(key, 300)
+    rows = np.random.default_rng(0).permutation(300)
+    assert record_uniforms(np.uint64(key), rows).tolist() == [ref[r] for r in rows]
+    u = record_uniforms(np.uint64(12345), np.arange(200_000))
+    assert u.min() >= 0.0 and u.max() < 1.0
+    assert stats.kstest(u, "uniform").pvalue > 1e-3
 
 
 @pytest.mark.parametrize("strata", ["h", None])

@@ -83,19 +83,19 @@ from sdl_design.survey.calibration import (
 )
 from sdl_design.survey.design import dense_codes, first_of
 
-# replications made in the same passes: their selections' exchange carries a uniform per
-# record and selection, and their study totals the values of the records that continue a
-# block begun in an earlier partition (up to BLOCK per partition): both grow with this number.
-# At most REPLICATIONS_AT_ONCE, fewer when their exchange's uniforms (two selections of 8
-# bytes a record each) would pass REPLICATION_BYTES (at 5M records 10 at once took the
-# workers to 3.5-3.8 GiB; 5 at once is 400 MB of uniforms)
+# replications made in the same passes: their selections' exchange carries an indicator per
+# record and selection (the uniforms are drawn where the records are selected), and their
+# study totals the values of the records that continue a block begun in an earlier partition
+# (up to BLOCK per partition): both grow with this number. At most REPLICATIONS_AT_ONCE,
+# fewer when their indicators (two selections of 1 byte a record each) would pass
+# REPLICATION_BYTES
 REPLICATIONS_AT_ONCE = 20
 REPLICATION_BYTES = 400 * 2**20
 
 
 def replications_at_once(n_records: int) -> int:
     """How many replications one batch of passes makes for a file of n_records (at least 1)."""
-    fit = REPLICATION_BYTES // max(1, 16 * n_records)
+    fit = REPLICATION_BYTES // max(1, 2 * n_records)
     return int(max(1, min(REPLICATIONS_AT_ONCE, fit)))
 
 

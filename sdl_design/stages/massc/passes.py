@@ -53,7 +53,13 @@ from sdl_design.stages.massc.substrata import (
     spread_part,
     substrata_values,
 )
-from sdl_design.stages.massc.treatment import cost_from, group_order, systematic_hits
+from sdl_design.stages.massc.treatment import (
+    cost_from,
+    group_order,
+    record_uniforms,
+    selection_key,
+    systematic_hits,
+)
 from sdl_design.survey import blocksum
 from sdl_design.survey.blocksum import BlockAccumulator, BlockPartial
 from sdl_design.survey.design import (
@@ -716,12 +722,12 @@ def select_groups(tables: Sequence[pd.DataFrame]) -> pd.DataFrame:
 @dataclass
 class SelectPlan:
     """One selection (select) of the whole input: its groups, the rate of each MASSC stratum,
-    the Generator's state at the records' uniforms (drawn in record order: each partition
-    advances to its first record) and the groups' starts (drawn after them, on the driver)."""
+    the key of its records' uniforms (record_uniforms: any partition draws any record's) and
+    the groups' starts (drawn after the key, on the driver)."""
 
     groups: pd.DataFrame
     rates: np.ndarray
-    state: dict
+    key: np.uint64
     start_u: np.ndarray
     n_parts: int
 
@@ -734,13 +740,10 @@ def select_plan(
     groups: pd.DataFrame, rates: np.ndarray, rng: np.random.Generator, n_rows: int, n_parts: int
 ) -> SelectPlan:
     """The plan of select(groups, rates[h], rng) on n_rows records; rng is left as select
-    leaves it (past the records' uniforms and the groups' starts)."""
-    if not isinstance(rng.bit_generator, np.random.PCG64):
-        raise PartitionError("the selection by partition needs a PCG64 Generator (stage_rng)")
-    state = rng.bit_generator.state
-    rng.bit_generator.advance(int(n_rows))  # the records' uniforms, drawn by the partitions
+    leaves it (past the uniforms' key and the groups' starts)."""
+    key = selection_key(rng)
     start_u = rng.random(len(groups) if n_rows else 0)
-    return SelectPlan(groups, np.asarray(rates, dtype=float), state, start_u, n_parts)
+    return SelectPlan(groups, np.asarray(rates, dtype=float), key, start_u, n_parts)
 
 
 @dataclass
@@ -760,20 +763,19 @@ class Selections:
 
 
 def select_send(part: Partition, m: MasscInputs, sels: Selections) -> list[dict[str, np.ndarray]]:
-    """Each record's group, and per selection its uniform (select's, in record order) and
-    rate, sent to the partition that selects within its group."""
+    """Each record's row, group and MASSC stratum, sent to the partition that selects within
+    its group (the uniforms and rates of every selection are drawn there: the payload does
+    not grow with the selections)."""
     values, h = _selection_records(part, m)
     g = _lookup(values, sels.plans[0].groups, "selection group")
-    u = np.stack([advanced(p.state, part.start).random(len(h)) for p in sels.plans])
-    pi = np.stack([p.rates[h] for p in sels.plans])
-    if np.any((pi < 0) | (pi > 1)):
-        raise PartitionError("stages.massc: rates must lie in [0, 1]")
+    strata = np.flatnonzero(np.bincount(h)) if len(h) else np.zeros(0, dtype=np.intp)
+    for p in sels.plans:
+        if np.any((p.rates[strata] < 0) | (p.rates[strata] > 1)):
+            raise PartitionError("stages.massc: rates must lie in [0, 1]")
     rows = part.start + np.arange(len(h))
+    h = h.astype(np.int16 if len(strata) == 0 or strata[-1] < 2**15 else np.int64)
     to = sels.owner(g)
-    return [
-        {"rows": rows[to == j], "g": g[to == j], "u": u[:, to == j], "pi": pi[:, to == j]}
-        for j in range(sels.n_parts)
-    ]
+    return [{"rows": rows[to == j], "g": g[to == j], "h": h[to == j]} for j in range(sels.n_parts)]
 
 
 def select_serve(
@@ -783,14 +785,14 @@ def select_serve(
     records sorted by group, uniform and record (select's order), the hits sent back to each
     partition."""
 
-    rows, g = (np.concatenate([q[k] for q in requests]) for k in ("rows", "g"))
-    u, pi = (np.concatenate([q[k] for q in requests], axis=1) for k in ("u", "pi"))
+    rows, g, h = (np.concatenate([q[k] for q in requests]) for k in ("rows", "g", "h"))
     sender = np.repeat(np.arange(len(requests)), [len(q["rows"]) for q in requests])
     hit = np.zeros((len(sels.plans), len(rows)), dtype=bool)
     by_rows = bool(np.all(rows[1:] > rows[:-1]))  # (senders in partition order: rows ascend)
     for r, plan in enumerate(sels.plans):  # by group, uniform, then row (select's order)
-        order = group_order(g, u[r]) if by_rows else np.lexsort((rows, u[r], g))
-        hit[r, order] = systematic_hits(g[order], pi[r, order], plan.start_u)
+        u, pi = record_uniforms(plan.key, rows), plan.rates[h]
+        order = group_order(g, u) if by_rows else np.lexsort((rows, u, g))
+        hit[r, order] = systematic_hits(g[order], pi[order], plan.start_u)
     return [{"rows": rows[sender == i], "hit": hit[:, sender == i]} for i in range(len(requests))]
 
 

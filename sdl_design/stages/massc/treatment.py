@@ -51,12 +51,39 @@ def select(groups: np.ndarray, pi: np.ndarray, rng: np.random.Generator) -> np.n
         raise MasscError("rates must lie in [0, 1]")
     n = len(pi)
     g = factorize(groups)[0]
-    order = group_order(g, rng.random(n))
+    key = selection_key(rng)  # the records' uniforms: record_uniforms(key, row)
+    order = group_order(g, record_uniforms(key, np.arange(n)))
     gs, ps = g[order], pi[order]
     u = rng.random(int(g.max()) + 1 if n else 0)
     out = np.zeros(n, dtype=bool)
     out[order] = systematic_hits(gs, ps, u)
     return out
+
+
+# SplitMix64 (Steele, Lea & Flood 2014): its gamma and its output mix's multipliers
+SPLITMIX_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+SPLITMIX_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def selection_key(rng: np.random.Generator) -> np.uint64:
+    """A selection's key: one 64-bit draw of rng (its records' uniforms: record_uniforms)."""
+    return np.uint64(rng.integers(0, 2**64, dtype=np.uint64))
+
+
+def record_uniforms(key: np.uint64, rows: np.ndarray) -> np.ndarray:
+    """The uniforms on [0, 1) of the records at these rows of the whole input: output row + 1
+    of SplitMix64 started at key, a function of (key, row) alone, so a partition draws any
+    record's without the records before it (53 bits, as Generator.random)."""
+    z = np.asarray(rows).astype(np.uint64)  # a copy, mixed in place (uint64 wraps)
+    z += np.uint64(1)
+    z *= SPLITMIX_GAMMA
+    z += np.uint64(key)
+    for shift, mult in zip((30, 27), SPLITMIX_MIX, strict=True):
+        z ^= z >> np.uint64(shift)
+        z *= mult
+    z ^= z >> np.uint64(31)
+    z >>= np.uint64(11)
+    return z.astype(np.float64) * 2.0**-53
 
 
 def systematic_hits(gs: np.ndarray, ps: np.ndarray, u: np.ndarray) -> np.ndarray:
