@@ -58,13 +58,11 @@ from sdl_design.spec import KeySpec, SensitiveSpec
 from sdl_design.survey import blocksum
 from sdl_design.survey.design import (
     SurveyDesign,
-    block_view,
     dense_codes,
     first_of,
     group_indicator,
     resolve_replicates,
     sparse_times,
-    take_rows,
 )
 
 if TYPE_CHECKING:
@@ -719,39 +717,19 @@ def means_pass1(df: pd.DataFrame, req: MeansRequest) -> MeansPass1:
     w = df[req.weight].to_numpy(dtype=float)
     if not (w > 0).all():
         raise PartitionError(f"design.weight: column '{req.weight}' has weights <= 0 or missing")
-    y0, nn = _observed(df, req)
-    k = y0.shape[1]
-    R = len(req.replicate_weights)
-    W = block_view(df, req.replicate_weights) if R else np.zeros((len(df), 0))
-    if W is None:  # records x replicates, column-major, filled a column at a time
-        W = np.empty((len(df), R), order="F")
-        for j, c in enumerate(req.replicate_weights):
-            W[:, j] = df[c].to_numpy(dtype=float)
     g, psus = _psu_keys(df, req)
     P = len(psus)
-    psu_w = np.bincount(g, w, P)
-    psu_W = sparse_times(group_indicator(g, P), W) if R else np.zeros((P, 0))
     per = req.domain_codes(df)
     # cells: the crossing of every domain's level (a domain's level is a union of cells)
     codes = [c + 1 for c, _ in per]  # 0: no level
     cell = _combine(codes, [len(u) + 1 for _, u in per]) if per else np.zeros(len(df), np.int64)
     C = int(cell.max()) + 1 if len(cell) else 0
+    order, sums = _cell_sums(df, req, w, cell, C)
+    n_c, W_c, X_c, Y_c, XR_c, YR_c, Wa = sums
+    R = len(req.replicate_weights)  # the PSUs' replicate sums from the records in cell order
+    psu_W = sparse_times(group_indicator(g[order], P), Wa[:, :R]) if R else np.zeros((P, 0))
+    out = MeansPass1(psus, np.bincount(g, w, P), psu_W, [], [], [], [], [], [], [])
     first = first_of(cell, C)
-    wy, wn = w[:, None] * y0, w[:, None] * nn
-    n_c = np.bincount(cell, minlength=C).astype(float)
-    W_c = np.bincount(cell, w, C)
-    X_c = group_indicator(cell, C) @ wn
-    Y_c = group_indicator(cell, C) @ wy
-    XR_c, YR_c = np.zeros((C, R, k)), np.zeros((C, R, k))
-    if R:  # one sort by cell, then one product per cell: W_c' [y0 nn]
-        order = np.argsort(cell, kind="stable")
-        bounds = np.searchsorted(cell[order], np.arange(C + 1))
-        Y = np.hstack([y0, nn])
-        for c in range(C):  # a cell's rows gathered alone (small arrays the heap reuses)
-            rows = order[bounds[c] : bounds[c + 1]]
-            t = take_rows(W, rows).T @ Y[rows]  # R x 2k
-            YR_c[c], XR_c[c] = t[:, :k], t[:, k:]
-    out = MeansPass1(psus, psu_w, psu_W, [], [], [], [], [], [], [])
     every = [(np.array(["all"], dtype=object), None)] + [
         (u, cd) for (_, u), cd in zip(per, codes, strict=True)
     ]
@@ -768,6 +746,35 @@ def means_pass1(df: pd.DataFrame, req: MeansRequest) -> MeansPass1:
         out.XR.append(_sum_by(lvs, XR_c[on], L).transpose(1, 0, 2))
         out.YR.append(_sum_by(lvs, YR_c[on], L).transpose(1, 0, 2))
     return out
+
+
+def _cell_sums(
+    df: pd.DataFrame, req: MeansRequest, w: np.ndarray, cell: np.ndarray, C: int
+) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """The records' cell order and per cell: records n, sum w, sum w nn (X), sum w y0 (Y)
+    and the replicate sums XR, YR (C x R x k), with [W w] in that order. The records are
+    taken once in cell order (a column at a time), so a cell's records are one slice and
+    [W w]' [y0 nn] of each cell one product on views."""
+    k, R, n = len(req.variables), len(req.replicate_weights), len(df)
+    order = np.argsort(cell, kind="stable")
+    bounds = np.searchsorted(cell[order], np.arange(C + 1))
+    Ys = np.empty((n, 2 * k), order="F")  # y0 (missing as 0), then 1{observed}, in cell order
+    for j, c in enumerate(req.variables):
+        y = df[c].to_numpy(dtype=float, na_value=np.nan).take(order)
+        seen = ~np.isnan(y)
+        Ys[:, j] = np.where(seen, y, 0.0)
+        Ys[:, k + j] = seen
+    Wa = np.empty((n, R + 1), order="F")  # the replicate weights and w, in cell order
+    for j, c in enumerate(req.replicate_weights):
+        np.take(df[c].to_numpy(dtype=float), order, out=Wa[:, j])
+    np.take(w, order, out=Wa[:, R])
+    S = np.empty((C, R + 1, 2 * k))
+    for c in range(C):  # (sums of a cell of no record: 0)
+        a, b = bounds[c], bounds[c + 1]
+        np.matmul(Wa[a:b].T, Ys[a:b], out=S[c])
+    n_c = np.diff(bounds).astype(float)
+    W_c = np.bincount(cell, w, C)
+    return order, (n_c, W_c, S[:, R, k:], S[:, R, :k], S[:, :R, k:], S[:, :R, :k], Wa)
 
 
 def _sum_by(codes: np.ndarray, a: np.ndarray, L: int) -> np.ndarray:
@@ -851,15 +858,18 @@ def means_pass2(
             raise PartitionError("levels: a partition has a domain level pass 1 did not see")
         on = local >= 0
         code = np.where(on, at[local], -1) if len(lab) else local
-        rows = np.flatnonzero(on)
+        whole = bool(on.all())  # every record in a level: no gathers of the records
+        rows = slice(None) if whole else np.flatnonzero(on)
         cd = code[rows]
-        c = y0[rows] - Rd[cd] * nn[rows]  # y - R n (eq. of the ratio's linearization)
+        c = Rd[cd]  # each record's level's R, then in place: y - R n (the linearization)
+        c *= nn[rows]
+        np.subtract(y0[rows], c, out=c)
         wc = w[rows, None] * c
         pair, of = dense_codes(g[rows] * L + cd)
         out.psus.append(psus.iloc[pair // L].reset_index(drop=True))
         out.level.append(pair % L)
         out.zt.append(group_indicator(of, len(pair)) @ wc)
-        out.ss.append(_sum_by(cd, wc * c, L))
+        out.ss.append(_sum_by(cd, np.multiply(wc, c, out=c), L))
     return out
 
 
