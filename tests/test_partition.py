@@ -855,7 +855,10 @@ def test_massc_donors_by_partition_are_the_release_plans_to_the_bit(
         folder, out = request.getfixturevalue("domains_chain")
     else:
         folder = tmp_path / f"p{n}"
-        monkeypatch.setattr(pcal, "REPLICATIONS_AT_ONCE", 1)  # the 2 replications in 2 batches
+        if restrictions:
+            monkeypatch.setattr(pcal, "REPLICATIONS_AT_ONCE", 1)  # the 2 replications in 2 batches
+        else:  # in one batch, their study totals in two maps (one replication's partials each)
+            monkeypatch.setattr(pcal, "TOTALS_BYTES", 1)
         # (the assessment, final stage, public files, docs and gates read only the records:
         # checked on the domains chain, which shares them with the Dask test, and the pseudo
         # chains; the revised chain's own records are checked up to the top-coding)
@@ -1654,6 +1657,26 @@ def test_replications_at_once_bounded_by_their_indicators():
     assert at(15_000_000) == 13 and at(10**9) == 1
     for n in (10**5, 10**6, 3 * 10**6, 10**7, 10**8):
         assert 2 * n * at(n) <= pcal.REPLICATION_BYTES or at(n) == 1
+
+
+def test_totals_at_once_and_the_arrays_they_measure():
+    """The replications' study totals in maps of as many as TOTALS_BYTES holds (measured by
+    array_bytes: every numpy array in dataclasses, dicts, lists, tuples), never none."""
+    from dataclasses import dataclass
+
+    from sdl_design.engine.cache import array_bytes
+
+    @dataclass
+    class Partial:
+        sums: np.ndarray
+        head: list
+        first: int
+
+    got = [Partial(np.zeros((3, 4)), [{"x": np.zeros(10, np.int32)}, None], 7), (np.ones(5),)]
+    assert array_bytes(got) == 3 * 4 * 8 + 10 * 4 + 5 * 8
+    at = pcal.totals_at_once
+    assert at(0) == at(1) == pcal.REPLICATIONS_AT_ONCE
+    assert at(pcal.TOTALS_BYTES // 3) == 3 and at(pcal.TOTALS_BYTES + 1) == 1
 
 
 def test_record_uniforms_are_splitmix64_by_row():

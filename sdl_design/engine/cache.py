@@ -13,7 +13,10 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from dataclasses import fields, is_dataclass
 from typing import Any
+
+import numpy as np
 
 CACHE_ENV = "PUF_PARTITION_CACHE_MB"  # the budget in MiB; 0 turns the cache off
 CACHE_MB = 512  # default budget (a process: the thread runner's driver or a Dask worker)
@@ -107,3 +110,16 @@ def file_identity(path: str) -> tuple:
     """(path, inode, mtime_ns, size): a file replaced (written again, renamed over) differs."""
     st = os.stat(path)  # (a file replaced by a rename has another inode)
     return (path, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def array_bytes(obj: Any) -> int:
+    """The bytes of the numpy arrays obj holds, in dataclasses, dicts, lists and tuples."""
+    if isinstance(obj, np.ndarray):
+        return int(obj.nbytes)
+    if isinstance(obj, dict):
+        return sum(array_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(array_bytes(v) for v in obj)
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return sum(array_bytes(getattr(obj, f.name)) for f in fields(obj))
+    return 0

@@ -52,6 +52,7 @@ from sdl_design.describe import (
     unchanged,
 )
 from sdl_design.engine import partitions as part
+from sdl_design.engine.cache import array_bytes
 from sdl_design.engine.exchange import Exchange
 from sdl_design.engine.partitions import MEMORY
 from sdl_design.engine.records import Passes, Records, passes_result
@@ -471,14 +472,33 @@ def _replication_batch(
     what = f"massc replications {reps[0] + 1}-{reps[-1] + 1} of {n_reps}"
     run.selections(plans, folders, f"{what}: selections")
     cals = run.calibrations(wreq, rtrs, what)
-    got = run.run_map(
-        pcal.replication_totals, run.parts, run.m, wreq, rtrs, [c[0] for c in cals],
-        [c[1] for c in cals], run.zvars, what=f"{what}: totals",
-    )  # fmt: skip
-    return [
-        pcal.combine_replication_totals([g[k] for g in got], run.zvars, cals[k][0].n2)
-        for k in range(len(rtrs))
-    ]
+    return _replication_totals(run, wreq, rtrs, cals, what)
+
+
+def _replication_totals(
+    run: _MasscPasses, wreq: pcal.CalibrationRequest, rtrs: list, cals: list, what: str
+) -> list[np.ndarray]:
+    """Each replication's study totals, in maps of as many replications as their partials
+    fit in pcal.TOTALS_BYTES (measured on the first map, of one replication): the same bits
+    in any grouping."""
+    out: list[np.ndarray] = []
+    k, size = 0, 1
+    while k < len(rtrs):
+        chunk = range(k, min(k + size, len(rtrs)))
+        got = run.run_map(
+            pcal.replication_totals, run.parts, run.m, wreq, [rtrs[i] for i in chunk],
+            [cals[i][0] for i in chunk], [cals[i][1] for i in chunk], run.zvars,
+            what=f"{what}: totals",
+        )  # fmt: skip
+        if k == 0:
+            size = pcal.totals_at_once(array_bytes(got))
+        out += [
+            pcal.combine_replication_totals([g[j] for g in got], run.zvars, cals[i][0].n2)
+            for j, i in enumerate(chunk)
+        ]
+        del got  # (the partials, before the next map's)
+        k = chunk.stop
+    return out
 
 
 def _say_massc_treatment(

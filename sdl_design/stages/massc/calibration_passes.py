@@ -93,6 +93,19 @@ REPLICATIONS_AT_ONCE = 20
 REPLICATION_BYTES = 400 * 2**20
 
 
+# the study totals' partials of the replications in one map: held on the workers until the
+# map ends and again on the driver when gathered (each partition's block sums and the terms
+# continuing a block begun in an earlier one); at the ACS's 15M records in 15 partitions, 10
+# replications at once took the sum over processes from 4.8 to 17.3 GiB
+TOTALS_BYTES = 2 * 2**30
+
+
+def totals_at_once(one: int) -> int:
+    """How many replications one map of study totals makes when one replication's partials
+    over every partition hold `one` bytes (at least 1)."""
+    return int(max(1, min(REPLICATIONS_AT_ONCE, TOTALS_BYTES // max(1, one))))
+
+
 def replications_at_once(n_records: int) -> int:
     """How many replications one batch of passes makes for a file of n_records (at least 1)."""
     fit = REPLICATION_BYTES // max(1, 2 * n_records)
