@@ -6,6 +6,7 @@ statistics are the stages'."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -97,7 +98,9 @@ class MemoryStore:
 @dataclass
 class PartitionStore:
     """The records so far in Parquet partitions: each stage writes the records after it to
-    <folder>/<stage>/data (its tables beside them when tables)."""
+    <folder>/<stage>/data (its tables beside them when tables). keep False: a stage's records
+    are deleted once the next stage has written its own (the disk holds two stages' records,
+    not every stage's; the input is never deleted)."""
 
     run: Run
     parts: list
@@ -105,6 +108,7 @@ class PartitionStore:
     folder: Path
     tables: bool = True
     after: Callable[[Any, Records, StageResult], None] | None = None
+    keep: bool = True
     original: pd.DataFrame = field(init=False)  # the input's columns, no record
 
     def __post_init__(self) -> None:
@@ -126,10 +130,12 @@ class PartitionStore:
         wrote = any(data.glob("*.parquet"))
         only_measured(stage, result, wrote)
         if wrote:  # the stage wrote the records after it
-            self.parts = part.plan_partitions(data)
+            consumed, self.parts = self.parts, part.plan_partitions(data)
             self.columns = part.input_columns(data)
             if self.after is not None:
                 self.after(stage, records, result)
+            if not self.keep:
+                self._drop(consumed)
         else:  # the records stay as the previous stage left them
             data.rmdir()
         if self.tables:
@@ -138,6 +144,13 @@ class PartitionStore:
         if records.folder.exists() and not any(records.folder.iterdir()):
             records.folder.rmdir()
         return result
+
+    def _drop(self, parts: list) -> None:
+        """The data folders of a stage's records under this store's folder, deleted (the
+        records no later step reads)."""
+        for data in {Path(q.path).parent for p in parts for q in p.pieces}:
+            if data.name == "data" and data.parent.parent == self.folder:
+                shutil.rmtree(data)
 
     def public_records(self, ctx: StageContext, folder: Path) -> Records:
         return Records(self.run, self.parts, self.columns, folder)

@@ -428,7 +428,11 @@ class ReleaseRun:
         self._lap("scan", t0, "edit validation")
         self.summary.update(scan=scan, records=parts[-1].stop, partitions=len(parts))
         run = Run(run_map, parts, scan, info["psus"])
-        return PartitionStore(run, parts, columns, work, tables=False), scan["edits"], digest
+        return (
+            PartitionStore(run, parts, columns, work, tables=False, keep=False),
+            scan["edits"],
+            digest,
+        )
 
     def _lap(self, name: str, t0: float, step: str | None = None) -> None:
         self.laps[name] = round(time.perf_counter() - t0, 3)

@@ -88,3 +88,28 @@ def test_the_same_stage_on_either_store_gives_the_same_records_and_result(tmp_pa
     pd.testing.assert_frame_equal(out["memory"][0], out["partitions"][0], check_dtype=False)
     assert out["memory"][1] == out["partitions"][1]
     assert not out["memory"][0]["income"].equals(df["income"])  # the stage coded something
+
+
+class _Doubles(_Rewrites):
+    """Writes the records with doubled weights (and says so)."""
+
+    name, reads_only = "doubles", False
+
+
+def test_a_release_store_deletes_a_stages_records_once_the_next_stage_wrote_its_own(tmp_path):
+    """keep False (the release's store): after top-coding then a stage that rewrites the
+    records, top-coding's records are gone, the last stage's and the input are not, and the
+    records are those a store that keeps every stage's gives."""
+    df, spec, path = _case(tmp_path)
+    out = {}
+    for keep in (True, False):
+        run = Run(IN_MEMORY, P.plan_partitions(path), {}, pd.DataFrame())
+        folder = tmp_path / f"keep-{keep}"
+        store = PartitionStore(run, run.inputs, list(df.columns), folder, keep=keep)
+        StageRun(spec, [TopcodeStage.from_spec(spec), _Doubles()], store).run_stages()
+        assert (folder / "topcode" / "data").exists() == keep
+        assert any((folder / "doubles" / "data").glob("*.parquet"))
+        out[keep] = pd.concat(P.read_partition(p, None, None) for p in store.parts)
+    assert path.exists()
+    pd.testing.assert_frame_equal(out[True], out[False])
+    assert (out[False]["w"] == 2 * df["w"].to_numpy()).all()
