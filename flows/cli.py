@@ -220,9 +220,10 @@ def _run(
     address: str | None,
     args: argparse.Namespace | None = None,
     partitions: int | None = None,
+    workers: int = 2,
 ) -> int:
     """The release run (args: the command's, for the command a refusal suggests; partitions:
-    a partition at a time)."""
+    a partition at a time, on `workers` local Dask workers or threads)."""
     # local (imports Prefect): keeps 'puf --help' at 1.5 s instead of 4.4 s
     from flows.release import run_release
 
@@ -236,7 +237,7 @@ def _run(
             _check_input(spec)  # every problem of spec and data before the flow starts any work
         manifest = run_release(
             spec_path, approve=approve, year=year, runner=runner, dask_address=address,
-            partitions=partitions,
+            partitions=partitions, workers=workers,
         )  # fmt: skip
         _print_release(manifest, Path(spec.release.output_dir))
         return 0
@@ -255,8 +256,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     """The release: in memory, or with --partitions N a partition at a time (the same flow and
     the same public files, byte for byte)."""
     return _run(
-        args.spec, args.approve, args.year, args.runner, args.dask_address, args, args.partitions
-    )
+        args.spec, args.approve, args.year, args.runner, args.dask_address, args, args.partitions,
+        args.workers,
+    )  # fmt: skip
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -318,7 +320,9 @@ def _partitioned_run(args: argparse.Namespace) -> tuple[Manifest | None, dict[st
     summary), or the exit code when the run ends here (no approver: 2; approved in a flow run
     that printed its release: 0)."""
     if not args.publish:
-        out = run_partitioned(args.spec, args.runner, args.dask_address, args.partitions, args.out)
+        out = run_partitioned(
+            args.spec, args.runner, args.dask_address, args.partitions, args.out, args.workers
+        )
         return None, out
     if args.out:
         raise SpecError(["--out: a published run writes into its release's attempt"])
@@ -336,11 +340,12 @@ def _partitioned_run(args: argparse.Namespace) -> tuple[Manifest | None, dict[st
             runner=args.runner,
             dask_address=args.dask_address,
             partitions=args.partitions,
+            workers=args.workers,
         )
         _print_release(manifest, Path(spec.release.output_dir))
         return 0
     return publish_partitioned(
-        args.spec, args.approve, args.runner, args.dask_address, args.partitions
+        args.spec, args.approve, args.runner, args.dask_address, args.partitions, args.workers
     )
 
 
@@ -426,7 +431,9 @@ def cmd_scan(args: argparse.Namespace) -> int:
     """The input by partition: edit rules, risk strata and SEs, nothing treated."""
 
     def go() -> int:
-        out = run_scan(args.spec, args.runner, args.dask_address, args.partitions, args.out)
+        out = run_scan(
+            args.spec, args.runner, args.dask_address, args.partitions, args.out, args.workers
+        )
         strata = ", ".join(f"{r.stratum} {r.records}" for r in out["risk_strata"].itertuples())
         se = out["se"]
         print(
@@ -670,6 +677,30 @@ def _runner_opts(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--dask-address", default=None, help="tcp://host:port of a Dask scheduler")
 
 
+def _workers(text: str) -> int:
+    """--workers: a whole number, 1 or more."""
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(
+            f"give a whole number of workers, 1 or more (not {text!r})"
+        )
+    return k
+
+
+def _workers_opt(sp: argparse.ArgumentParser) -> None:
+    """--workers: how many partitions run at once where the command starts the workers."""
+    sp.add_argument(
+        "--workers",
+        type=_workers,
+        default=2,
+        help="by partition, without --dask-address: local Dask worker processes (--runner dask) "
+        "or threads running partitions at once (default 2)",
+    )
+
+
 def _partition_opts(sp: argparse.ArgumentParser, out_help: str) -> None:
     """The spec, --partitions, --out (out_help) and the runner options of a partitioned
     command."""
@@ -682,6 +713,7 @@ def _partition_opts(sp: argparse.ArgumentParser, out_help: str) -> None:
     )
     sp.add_argument("--out", default=None, help=out_help)
     _runner_opts(sp)
+    _workers_opt(sp)
 
 
 def _registry_opts(sp: argparse.ArgumentParser) -> None:
@@ -719,6 +751,7 @@ def _release_parsers(sub: argparse._SubParsersAction) -> None:
         help="run a partition at a time, about N partitions (the same public files)",
     )
     _runner_opts(r)
+    _workers_opt(r)
     r.set_defaults(func=cmd_run)
 
     v = sub.add_parser(
@@ -733,6 +766,7 @@ def _release_parsers(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--out", default=None, help="with --partitions: folder for the tables")
     v.add_argument("spec")
     _runner_opts(v)
+    _workers_opt(v)
     v.set_defaults(func=cmd_validate)
 
 

@@ -212,11 +212,13 @@ def release_flow(
     dask_address: str | None = None,
     approval_poll_s: int = 10,
     partitions: int | None = None,
+    workers: int = 2,
 ) -> Manifest:
     """Run one release of the spec; returns the manifest. Raises on a failed edit, gate or approval
     (the published release stays as it was), ReleaseLocked when another run holds the name and
     year, RegistryError or PublishError when the release cannot be recorded or moved.
-    partitions: the records read a partition at a time (about that many; the same public files)."""
+    partitions: the records read a partition at a time (about that many; the same public files),
+    `workers` at once where the run starts them (no dask_address)."""
     spec = load_spec(spec_path)
     if year is None:
         year = _scheduled_year()
@@ -226,7 +228,7 @@ def release_flow(
     def decide(staged: Path, keys: list[str]) -> dict:
         return _approval(spec, approve, approval_poll_s, staged, keys)
 
-    run = ReleaseRun(spec, spec_path, runner, dask_address, partitions, decide, _post)
+    run = ReleaseRun(spec, spec_path, runner, dask_address, partitions, decide, _post, workers)
     if partitions is None:
         return run.publish()
     with prints_to_run_log():  # the partitions' progress lines to the run's log too
@@ -554,9 +556,10 @@ def run_release(
     runner: str = "thread",
     dask_address: str | None = None,
     partitions: int | None = None,
+    workers: int = 2,
 ) -> Manifest:
     """Run the release flow; runner and dask_address choose where replications (or, with
-    partitions, the partitions) run."""
+    partitions, the partitions, `workers` at once) run."""
     if runner not in ("thread", "dask"):
         raise ValueError(f"runner must be 'thread' or 'dask', not {runner!r}")
     # lock, registry and output folder checked, leftovers recovered before Prefect starts: a
@@ -565,10 +568,12 @@ def run_release(
     if year is not None:
         spec.release.year = int(year)
     with Transaction.begin(spec):
-        return _call_flow(spec_path, approve, year, runner, dask_address, partitions)
+        return _call_flow(spec_path, approve, year, runner, dask_address, partitions, workers)
 
 
-def _call_flow(spec_path, approve, year, runner, dask_address, partitions=None) -> Manifest:  # noqa: ANN001
+def _call_flow(
+    spec_path, approve, year, runner, dask_address, partitions=None, workers=2
+) -> Manifest:  # noqa: ANN001
     return release_flow(
         spec_path=str(spec_path),
         approve=approve,
@@ -576,6 +581,7 @@ def _call_flow(spec_path, approve, year, runner, dask_address, partitions=None) 
         runner=runner,
         dask_address=dask_address,
         partitions=partitions,
+        workers=workers,
     )
 
 

@@ -345,3 +345,35 @@ def test_command_drops_and_adds_options():
     assert _command(args, add=["--approve", "NAME"]) == (
         "puf run s.yaml --year 2027 --runner dask --dask-address tcp://x:1 --approve NAME"
     )
+
+
+def test_workers_reach_the_run_and_the_scan_and_none_is_refused(tmp_path, capsys, monkeypatch):
+    """--workers K: the release run by partition and the scan get K (their local workers);
+    0 or a word is refused by name before any work."""
+    import flows.cli as cli
+    import flows.release as rel
+    from sdl_design.spec import SpecError
+
+    path = _spec_file(tmp_path)
+    got = {}
+
+    def stop(name):
+        def fake(*args, **kw):
+            got[name] = (args, kw)
+            raise SpecError(["stopped by the test"])
+
+        return fake
+
+    monkeypatch.setattr(rel, "_call_flow", stop("run"))
+    monkeypatch.setattr(cli, "run_scan", stop("scan"))
+    argv = ["--partitions", "4", "--runner", "dask", "--workers", "1", "--approve", "ana"]
+    assert puf(["run", str(path), *argv]) == 2
+    assert got["run"][0][-2:] == (4, 1)  # partitions, workers
+    assert puf(["scan", str(path), "--workers", "3"]) == 2
+    assert got["scan"][0][-1] == 3
+    capsys.readouterr()
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit) as e:
+            puf(["run", str(path), "--partitions", "4", "--workers", bad])
+        assert e.value.code == 2
+        assert "--workers: give a whole number of workers, 1 or more" in capsys.readouterr().err
