@@ -172,3 +172,35 @@ def test_growing_file_digest_is_the_files_sha256(tmp_path):
     short.written(len(whole) + 1)
     with pytest.raises(OSError, match="ends at"):
         short.hexdigest()
+
+
+def test_the_chunks_and_pieces_are_deleted_as_the_public_files_take_them(tmp_path):
+    """_join: puf.csv is the chunks in order and its sha256 theirs, each chunk deleted once
+    copied; _write_parquet: puf.parquet holds the pieces' records in order, a row group each,
+    each piece deleted once written (the disk holds the public records once, not twice)."""
+    import hashlib
+
+    from flows.public_files import _join, _write_parquet
+
+    chunks = []
+    for g, text in enumerate(["a,b\n1,2\n", "3,4\n", "5,6\n"]):
+        chunks.append(tmp_path / f"c{g}.csv")
+        chunks[-1].write_text(text)
+    digest = _join(chunks, tmp_path / "puf.csv")
+    want = b"a,b\n1,2\n3,4\n5,6\n"
+    assert (tmp_path / "puf.csv").read_bytes() == want
+    assert digest == hashlib.sha256(want).hexdigest()
+    assert not any(c.exists() for c in chunks)
+    frames = [pd.DataFrame({"x": np.arange(3.0) + 3 * g, "k": list("abc")}) for g in range(3)]
+    made = []
+    for g, df in enumerate(frames):
+        path = tmp_path / f"r{g}.arrow"
+        table = pa.Table.from_pandas(df, preserve_index=False)
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+            w.write_table(table)
+        made.append((str(path),))
+    _write_parquet(made, tmp_path / "puf.parquet")
+    got = pq.ParquetFile(tmp_path / "puf.parquet")
+    assert got.metadata.num_row_groups == 3
+    pd.testing.assert_frame_equal(got.read().to_pandas(), pd.concat(frames, ignore_index=True))
+    assert not any((tmp_path / f"r{g}.arrow").exists() for g in range(3))
