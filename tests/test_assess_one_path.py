@@ -113,6 +113,82 @@ def test_segment_totals_through_replicate_factors_are_the_full_product(monkeypat
                 np.testing.assert_allclose(a[:, h * 4 + s], W[inside].sum(axis=0), rtol=1e-12)
 
 
+def test_replicate_totals_by_profile_through_factors_and_by_rows_are_the_products():
+    """Pass 2's W'Y of each profile's records: through the replicate factors (W_i = w_i F_g:
+    F' times the sums of w Y by profile and group) and, with factors that differ by record,
+    by each profile's rows of W, equal the product over the profile's records (brute force,
+    1e-12); a profile with no record gives zeros."""
+    from sdl_design.stages.assess.passes import _replicate_totals_by_profile
+    from sdl_design.survey.design import replicate_factor_groups
+
+    rng = np.random.default_rng(11)
+    n, R, P, k, profiles = 4000, 16, 40, 5, 9
+    psu = rng.integers(0, P, n)
+    w = rng.uniform(1.0, 4.0, n)
+    Y = rng.normal(size=(n, k))
+    inv = rng.integers(0, profiles - 1, n)  # the last profile has no record
+    by_psu = np.ascontiguousarray(w[:, None] * rng.uniform(0.0, 2.0, (P, R))[psu])
+    by_record = by_psu * rng.uniform(0.9, 1.1, (n, R))  # calibrated: a factor per record
+    assert replicate_factor_groups(by_psu, w) is not None
+    assert replicate_factor_groups(by_record, w) is None
+    for W in (by_psu, by_record):
+        got = _replicate_totals_by_profile(W, w, Y, inv, profiles, replicate_factor_groups(W, w))
+        assert got.shape == (R, profiles, k) and got.flags.c_contiguous
+        for j in range(profiles):
+            want = W[inv == j].T @ Y[inv == j]
+            np.testing.assert_allclose(got[:, j], want, rtol=1e-12, atol=1e-9)
+
+
+def test_psu_positives_are_pandas_groupby_max():
+    """Pass 1's rows per PSU: labels in first appearance order, the fpc's largest value and
+    whether each replicate weight gives a record of the PSU weight are pandas' groupby max
+    of the indicators (a missing label's records left out)."""
+    from sdl_design.stages.assess.passes import _psu_positives
+
+    rng = np.random.default_rng(3)
+    n, R = 5000, 7
+    labels = pd.DataFrame(
+        {
+            "stratum": rng.integers(0, 9, n).astype(float),
+            "psu": rng.integers(0, 56, n),
+            "fpc": rng.integers(100, 103, n),
+        }
+    )
+    labels.loc[rng.random(n) < 0.01, "stratum"] = np.nan
+    W = pd.DataFrame(rng.choice([-1.0, 0.0, 0.0, 2.5], (n, R)), columns=[f"r{i}" for i in range(R)])
+    pos = pd.DataFrame((W.to_numpy() > 0).astype(float), columns=W.columns)
+    want = pd.concat([labels, pos], axis=1).groupby(["stratum", "psu"], sort=False).max()
+    got = _psu_positives(labels, ["stratum", "psu"], W)
+    pd.testing.assert_frame_equal(got, want.reset_index())
+    assert 0 < got[W.columns].to_numpy().mean() < 1
+
+
+def test_model_cells_replicate_totals_through_factors_are_the_products():
+    """The models' cells: their replicate weights' sums through the replicate factors (F' times
+    the sums of w by factor group) equal G W (brute force, 1e-12)."""
+    from sdl_design.stages.assess.passes import _totals_through_factors
+    from sdl_design.survey.design import replicate_factor_groups
+    from sdl_design.survey.glm import glm_cells
+
+    rng = np.random.default_rng(13)
+    n, R, P = 3000, 10, 25
+    psu = rng.integers(0, P, n)
+    w = rng.uniform(1.0, 4.0, n)
+    W = np.ascontiguousarray(w[:, None] * rng.uniform(0.0, 2.0, (P, R))[psu])
+    X = np.column_stack([np.ones(n), rng.integers(0, 3, n), rng.integers(0, 2, n)]).astype(float)
+    y = rng.integers(0, 2, n).astype(float)
+    ok = rng.random(n) > 0.05
+    want = glm_cells(X, y, ok, w, psu, W=W)
+    got = glm_cells(
+        X, y, ok, w, psu, replicate_totals=_totals_through_factors(w, replicate_factor_groups(W, w))
+    )
+    np.testing.assert_array_equal(got.rows, want.rows)
+    np.testing.assert_allclose(got.W, want.W, rtol=1e-12)
+    for i, row in enumerate(want.rows):  # brute force: the rows with these (x, y)
+        at = ok & (np.column_stack([X, y]) == row).all(axis=1)
+        np.testing.assert_allclose(got.W[i], W[at].sum(axis=0), rtol=1e-12)
+
+
 def test_cell_grams_through_replicate_factors_are_the_products():
     """The quantile pass's Grams by grouping, cell and variable: through the replicate factors
     (F' diag(s) F) and by the product of the rows equal each cell's W_c'W_c over the records

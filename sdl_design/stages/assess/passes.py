@@ -32,7 +32,7 @@ import scipy.sparse as sp
 
 from sdl_design.blas import single_blas_thread
 from sdl_design.codes import factorize
-from sdl_design.engine.cache import cached
+from sdl_design.engine.cache import array_bytes, cached
 from sdl_design.engine.partitions import (
     Linked,
     PartitionError,
@@ -92,6 +92,7 @@ from sdl_design.survey.design import (
     group_indicator,
     replicate_factor_groups,
     resolve_replicates,
+    sparse_times,
 )
 from sdl_design.survey.glm import (
     GLMCells,
@@ -307,13 +308,7 @@ def assess_pass1(part: Any, spec: ReleaseSpec, req: AssessRequest, f: int) -> As
     cats = {v: df[v].dropna().drop_duplicates() for v, k in kinds.items() if k is None}
     labels = df[d.psu_columns()]
     if d.replicates:
-        pos = pd.DataFrame(
-            (df[list(d.replicates)].to_numpy(dtype=float) > 0).astype(float),
-            columns=list(d.replicates),
-            index=df.index,
-        )
-        psus = pd.concat([labels, pos], axis=1).groupby(d.labels(), sort=False).max()
-        psus = psus.reset_index()
+        psus = _psu_positives(labels, d.labels(), df[list(d.replicates)])
     else:
         psus = labels.drop_duplicates()
     return AssessPass1(
@@ -327,6 +322,21 @@ def assess_pass1(part: Any, spec: ReleaseSpec, req: AssessRequest, f: int) -> As
         categories=cats,
         psus=psus,
     )
+
+
+def _psu_positives(labels: pd.DataFrame, keys: list[str], W: pd.DataFrame) -> pd.DataFrame:
+    """One row per PSU (keys: its labels; first appearance order): its labels, the largest of
+    the other columns of labels (the fpc) and, per replicate weight of W, 1.0 when it gives
+    weight to a record of the PSU, else 0.0 (records with a missing label left out)."""
+    by = labels.groupby(keys, sort=False)
+    psus = by.max().reset_index()
+    g = by.ngroup().to_numpy()
+    ok = ~np.isnan(g) if g.dtype.kind == "f" else np.ones(len(g), dtype=bool)
+    g = g[ok].astype(np.int64)
+    pos = np.empty((len(psus), W.shape[1]))
+    for r, c in enumerate(W.columns):  # a column at a time: no copy of W
+        pos[:, r] = np.bincount(g, W[c].to_numpy()[ok] > 0, len(psus)) > 0
+    return pd.concat([psus, pd.DataFrame(pos, columns=list(W.columns))], axis=1)
 
 
 @dataclass
@@ -482,16 +492,12 @@ def assess_pass2(
         wY = w * st.Y0
         S = np.concatenate([A @ wY, A @ (w * st.M), A @ st.M, A @ np.abs(wY)], axis=1)
         reps = None
-        if plan.designs[f].replicate_weights:  # W' (y, m) by profile, a profile at a time
+        if plan.designs[f].replicate_weights:  # W' (y, m) by profile
             W = df[list(d.replicates)].to_numpy(dtype=float)
             Y2 = np.concatenate([st.Y0, st.M], axis=1)
             profiles, inv = dense_codes(prof)
-            order = np.argsort(inv, kind="stable")
-            bounds = np.searchsorted(inv[order], np.arange(len(profiles) + 1))
-            reps = np.empty((W.shape[1], len(profiles), Y2.shape[1]))
-            for j in range(len(profiles)):
-                rows = order[bounds[j] : bounds[j + 1]]
-                reps[:, j] = W[rows].T @ Y2[rows]
+            groups = _factor_groups(part, d, W, w[:, 0])
+            reps = _replicate_totals_by_profile(W, w[:, 0], Y2, inv, len(profiles), groups)
         else:
             profiles = np.unique(prof)
     quantile = None
@@ -503,6 +509,36 @@ def assess_pass2(
             np.searchsorted(profiles, prof).astype(np.int32),
         )
     return AssessPass2(pair, S, profiles, reps, quantile)
+
+
+def _factor_groups(part: Any, d: FileDesign, W: np.ndarray, w: np.ndarray) -> tuple | None:
+    """replicate_factor_groups(W, w) of the partition's records in design d, kept in the
+    partition cache for the passes after the first (pass 2, the models, the quantiles)."""
+    key = ("assess: replicate factor groups", partition_identity(part), d)
+    got = cached(key, lambda: (replicate_factor_groups(W, w) if len(w) else None,), array_bytes)
+    return got[0]
+
+
+def _replicate_totals_by_profile(
+    W: np.ndarray, w: np.ndarray, Y2: np.ndarray, inv: np.ndarray, P: int, groups: tuple | None
+) -> np.ndarray:
+    """W'Y2 of each profile's records (R x P x k; inv: each record's profile among P). With
+    few replicate factor groups (groups: W_i = w_i F_g, replicate_factor_groups), F_g' times
+    the sums of w Y2 by (profile, group), W not gathered; else a profile's rows of W (one
+    sorted copy) times its rows of Y2."""
+    if groups is not None:
+        codes, G, F = groups
+        pairs, of = dense_codes(inv.astype(np.int64) * G + codes)  # (profile, group), sorted
+        Z = sparse_times(group_indicator(of, len(pairs)), w[:, None] * Y2)
+        profile_of, rows = pairs // G, F[pairs % G]
+    else:
+        order = np.argsort(inv, kind="stable")
+        profile_of, rows, Z = inv[order], W[order], Y2[order]
+    bounds = np.searchsorted(profile_of, np.arange(P + 1))
+    out = np.empty((P, W.shape[1], Y2.shape[1]))
+    for j in range(P):
+        np.matmul(rows[bounds[j] : bounds[j + 1]].T, Z[bounds[j] : bounds[j + 1]], out=out[j])
+    return np.ascontiguousarray(out.transpose(1, 0, 2))
 
 
 def _profile_numbers(df: pd.DataFrame, req: AssessRequest, plan: AssessPlan) -> np.ndarray:
@@ -752,7 +788,7 @@ def quantile_pass(
     at = np.searchsorted(cuts.profiles, _profile_numbers(df, req, plan))
     cells = [(codes[at], L) for codes, L in cuts.cells]
     with single_blas_thread():
-        groups = replicate_factor_groups(W, w) if len(w) else None
+        groups = _factor_groups(part, req.files[f], W, w)
         grams = _cell_grams(W, cells, np.isnan(X), (w, groups))
         totals = [
             _segment_totals(W, X, cell, L, qs, (w, groups))
@@ -1015,13 +1051,28 @@ def model_pass(
     g = _psu_codes(df, plan, f)
     w = df[d.weight].to_numpy(dtype=float)
     W = df[list(d.replicates)].to_numpy(dtype=float) if plan.designs[f].replicate_weights else None
+    totals = None  # with few replicate factor groups: F' times the sums of w by group
+    if W is not None and (groups := _factor_groups(part, d, W, w)) is not None:
+        totals = _totals_through_factors(w, groups)
     out = []
     for text, _ in req.models:
         X, y, ok, names = _model_matrix(df, req, plan, text)
         with single_blas_thread():
-            cells = glm_cells(X, y, ok, w, g, W=W)
+            cells = glm_cells(X, y, ok, w, g, W=None if totals else W, replicate_totals=totals)
         out.append((names, cells if len(cells.rows) <= MODEL_CELLS_MAX else None))
     return out
+
+
+def _totals_through_factors(w: np.ndarray, groups: tuple) -> Callable[[sp.spmatrix], np.ndarray]:
+    """replicate_totals for glm_cells when W_i = w_i F_g (groups: replicate_factor_groups):
+    W'Z = F' (the sums of w Z by factor group), W not read."""
+    codes, G, F = groups
+    by_group = group_indicator(codes, G)
+
+    def totals(Z: sp.spmatrix) -> np.ndarray:
+        return np.asarray((by_group @ sp.csr_matrix(Z.multiply(w[:, None]))).T @ F).T
+
+    return totals
 
 
 def model_sums_pass(
