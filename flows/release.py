@@ -203,7 +203,9 @@ def _run_name() -> str:
         return "puf-release"
 
 
-@flow(name="puf-release", log_prints=True, flow_run_name=_run_name)
+# log_prints off: a task's print would become a log record below the quiet level, off the
+# terminal (the partitions' progress lines); prints_to_run_log tees them to the run's log
+@flow(name="puf-release", log_prints=False, flow_run_name=_run_name)
 def release_flow(
     spec_path: str,
     approve: str | None = None,
@@ -229,8 +231,6 @@ def release_flow(
         return _approval(spec, approve, approval_poll_s, staged, keys)
 
     run = ReleaseRun(spec, spec_path, runner, dask_address, partitions, decide, _post, workers)
-    if partitions is None:
-        return run.publish()
     with prints_to_run_log():  # the partitions' progress lines to the run's log too
         return run.publish()
 

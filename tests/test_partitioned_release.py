@@ -142,7 +142,7 @@ def test_recovery_deletes_the_records_of_a_crashed_partitioned_attempt(tmp_path)
 
 @pytest.mark.flow
 @pytest.mark.usefixtures("prefect_server")
-def test_partitioned_release_flow_pauses_for_the_board(tmp_path):
+def test_partitioned_release_flow_pauses_for_the_board(tmp_path, capfd):
     """Without an approver the partitioned release flow stages the release and pauses for the
     board: rejected, nothing is published and the attempt is recorded as the board's
     rejection; run again and approved, it is published by partition (the approver recorded)."""
@@ -170,3 +170,8 @@ def test_partitioned_release_flow_pauses_for_the_board(tmp_path):
     assert manifest.status == "published" and manifest.approval.approver == "board"
     assert reg.current_release(name, year, url)["output_hashes"] == _disk(final)
     assert len(_disk(final)) == 5  # with replicate_scales.csv
+    # every stage's passes say their progress on the terminal, the stages' tasks' too (a task
+    # of a flow with log_prints would turn them into log records below the quiet level)
+    err = capfd.readouterr().err
+    for what in ("topcode pass 1", "final: key profiles", "assess pass 1, released"):
+        assert f"[puf partitioned] {what}: partition 3/3" in err, what
