@@ -109,6 +109,30 @@ def test_candidate_evaluation_vectorized_equals_one_by_one():
         np.testing.assert_allclose(s2.v - s2.v0, many[k], rtol=1e-9, atol=1e-18)
 
 
+def test_frozen_state_evaluates_the_same_bits_after_swaps():
+    """FrozenVariance.delta (per-segment dev and c gathered once, eq. 4's cross-stratum case
+    for every pair, the same-stratum case where they share a stratum) equals
+    VarianceState.delta bit for bit, for blocks of segments against their partners and for
+    one segment, in the first state and after swaps; both cases occur."""
+    df = toy_survey(n_strata=10, segs=8, seed=4)
+    agg = segment_aggregates(df, "w", "st", "psu", "seg", COLS)
+    state = VarianceState(agg)
+    rng = np.random.default_rng(6)
+    n = len(agg.segment_labels)
+    for step in range(3):
+        frozen = state.frozen()
+        a = np.arange(n)
+        b = rng.integers(0, n, (n, 9))
+        b = np.where(agg.seg_psu[b] == state.seg_psu[a][:, None], (b + 1) % n, b)
+        h = agg.psu_stratum[state.seg_psu]
+        same = h[a][:, None] == h[b]
+        assert same.any() and (~same).any()
+        assert frozen.delta(a, b).tobytes() == state.delta(a, b).tobytes(), step
+        assert frozen.delta(3, b[3]).tobytes() == state.delta(3, b[3]).tobytes()
+        x, y = 0, int(np.flatnonzero(state.seg_psu != state.seg_psu[0])[step])
+        state.apply(x, y)  # a swap changes t and tbar: a new frozen state reads them
+
+
 @pytest.mark.parametrize("scope", ["any", "same_stratum", "cross_stratum"])
 @pytest.mark.parametrize("method", ["2a", "2b"])
 def test_constraints_hold(method, scope):

@@ -378,6 +378,10 @@ class VarianceState:
         same = 2.0 * ca * e * (dev_b - dev_a + e)
         return np.where((ha == hb)[..., None], same, cross)
 
+    def frozen(self) -> FrozenVariance:
+        """The state as it is now, for many delta evaluations before the next apply."""
+        return FrozenVariance(self)
+
     def apply(self, a: int, b: int) -> np.ndarray:
         """Swap segments a and b; returns the change of the variances (O(q))."""
         dv = self.delta(np.asarray(a), np.asarray([b]))[0]
@@ -391,6 +395,39 @@ class VarianceState:
         self.seg_psu[a], self.seg_psu[b] = pb, pa
         self.v += dv
         return dv
+
+
+class FrozenVariance:
+    """A VarianceState between two swaps: each segment's score, stratum, dev = t_hi - tbar_h of
+    its PSU and c_h gathered once, so that delta reads one row per partner instead of chaining
+    segment -> PSU -> stratum (the same values, bit for bit, as VarianceState.delta)."""
+
+    def __init__(self, state: VarianceState):
+        self.v, self.v0, self.score = state.v, state.v0, state.score
+        h = state.psu_stratum[state.seg_psu]
+        self.h = h
+        self.dev = state.t[state.seg_psu] - state.tbar[h]  # t_hi - tbar_h, per segment
+        self.c = state.c[h]
+
+    def delta(self, a: np.ndarray | int, b: np.ndarray) -> np.ndarray:
+        """VarianceState.delta (eq. 4): the cross-stratum case for every pair, then the
+        same-stratum one where the partners share a stratum."""
+        a = np.asarray(a)[..., None]
+        e = self.score[b]
+        np.subtract(self.score[a], e, out=e)  # e = s_a - s_b
+        dev_a, dev_b = self.dev[a], self.dev[b]
+        ca = self.c[a][..., None]
+        inner = self.c[b][..., None] * dev_b
+        inner -= ca * dev_a
+        inner += e
+        out = 2.0 * e
+        out *= inner  # eq. 4, second case: 2 e (c_b dev_b - c_a dev_a + e)
+        same = np.broadcast_to(self.h[a] == self.h[b], b.shape)
+        if same.any():  # eq. 4, first case
+            ca_s = np.broadcast_to(ca, (*b.shape, 1))[same]
+            e_s, da_s = e[same], np.broadcast_to(dev_a, out.shape)[same]
+            out[same] = 2.0 * ca_s * e_s * (dev_b[same] - da_s + e_s)
+        return out
 
 
 # ---------------------------------------------------------------- candidate partners
@@ -503,7 +540,7 @@ def plan_swaps(
     cands = _candidate_lists(feat, agg.seg_psu, agg.seg_stratum, scope, k)
     crit = _criterion(state, std, cumulative)
     m_p = np.bincount(agg.seg_psu, minlength=len(agg.psu_stratum))
-    d1 = _initial_criterion(crit, cands)
+    d1 = _initial_criterion(_criterion(state.frozen(), std, cumulative), cands)
     order = _swap_order(agg.seg_psu, m_p, d1, rate, rng)
     target = int(round(rate * n / 2.0))
     pairs, n_eval, n_fallback = _choose_pairs(
@@ -526,7 +563,9 @@ def _features(
     raise ValueError(f"stages.swap.method: {method!r} is not '2a' or '2b'")
 
 
-def _criterion(state: VarianceState, std: np.ndarray | None, cumulative: bool) -> Criterion:
+def _criterion(
+    state: VarianceState | FrozenVariance, std: np.ndarray | None, cumulative: bool
+) -> Criterion:
     """crit(a, b): the criterion of swapping segment a with each segment b, against the current
     state: D*_2a on the standardized means std, else D*_2b (eq. 6a, or 6b when cumulative)."""
 
@@ -536,7 +575,9 @@ def _criterion(state: VarianceState, std: np.ndarray | None, cumulative: bool) -
         dv = state.delta(a, b)
         if cumulative:  # eq. 6b with c_l = 1/v(xbar_l|S)
             return (np.abs(state.v + dv - state.v0) / state.v0).sum(axis=-1)
-        return (np.abs(dv) / state.v0).sum(axis=-1)  # D*_2b,r (eq. 6a, c_l = 1/v(xbar_l|S))
+        np.abs(dv, out=dv)
+        dv /= state.v0
+        return dv.sum(axis=-1)  # D*_2b,r (eq. 6a, c_l = 1/v(xbar_l|S))
 
     return crit
 
