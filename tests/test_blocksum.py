@@ -122,3 +122,27 @@ def test_block_partials_of_several_columns_are_each_columns_bits():
     for k in range(X.shape[1]):
         got = combine_partials([p[k] for p in parts], G, n)
         assert got.tobytes() == group_sum(codes, X[:, k], G, n, rows).tobytes()
+
+
+def test_the_accumulator_holds_one_open_block_and_refuses_parts_out_of_order():
+    """BlockAccumulator adds each block to its total once a later one has begun: after any
+    part it holds at most the block the next part may continue (G numbers), and a part that
+    continues a block already added is refused, not added out of order."""
+    from sdl_design.survey.blocksum import BlockAccumulator
+
+    n, G = 5 * BLOCK + 99, 4
+    rows, codes, x = _terms(n, G, 3)
+    bounds = [0, 70, BLOCK + 5, 3 * BLOCK + 1, 3 * BLOCK + 2, 5 * BLOCK, n]
+    parts = []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        i, j = np.searchsorted(rows, [a, b])
+        parts.append(block_partial(codes[i:j], x[i:j], G, a, b, rows[i:j]))
+    acc = BlockAccumulator(G, n)
+    for p in parts:
+        acc.add(p)
+        assert len(acc.open) <= 1 and all(v.shape == (G,) for v in acc.open.values())
+    assert acc.total().tobytes() == group_sum(codes, x, G, n, rows).tobytes()
+    late = BlockAccumulator(G, n)
+    late.add(parts[2])  # blocks 2 and 3 begun: block 1, which parts[2] continued, is added
+    with pytest.raises(ValueError, match="out of order"):
+        late.add(parts[2])

@@ -1660,8 +1660,9 @@ def test_replications_at_once_bounded_by_their_indicators():
 
 
 def test_totals_at_once_and_the_arrays_they_measure():
-    """The replications' study totals in maps of as many as TOTALS_BYTES holds (measured by
-    array_bytes: every numpy array in dataclasses, dicts, lists, tuples), never none."""
+    """The replications' study totals in maps of as many as TOTALS_BYTES holds when about
+    TOTALS_HELD partitions' partials are held at a time (measured by array_bytes: every numpy
+    array in dataclasses, dicts, lists, tuples), never none."""
     from dataclasses import dataclass
 
     from sdl_design.engine.cache import array_bytes
@@ -1674,9 +1675,12 @@ def test_totals_at_once_and_the_arrays_they_measure():
 
     got = [Partial(np.zeros((3, 4)), [{"x": np.zeros(10, np.int32)}, None], 7), (np.ones(5),)]
     assert array_bytes(got) == 3 * 4 * 8 + 10 * 4 + 5 * 8
-    at = pcal.totals_at_once
-    assert at(0) == at(1) == pcal.REPLICATIONS_AT_ONCE
-    assert at(pcal.TOTALS_BYTES // 3) == 3 and at(pcal.TOTALS_BYTES + 1) == 1
+    at, B, H = pcal.totals_at_once, pcal.TOTALS_BYTES, pcal.TOTALS_HELD
+    assert at(0, 1) == at(1, 15) == pcal.REPLICATIONS_AT_ONCE
+    # partials added as they arrive: about TOTALS_HELD partitions' worth held at a time
+    assert at(B // 3, 1) == 3 and at(B + 1, 1) == 1 and at(B + 1, H) == 1
+    assert at(B // 2, 15) == 15 * 2 // H and at(3 * B, 15) == 1
+    assert at(B // 3, 4) == 3  # fewer partitions than TOTALS_HELD: all of them held
 
 
 def test_record_uniforms_are_splitmix64_by_row():

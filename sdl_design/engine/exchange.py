@@ -14,6 +14,29 @@ from typing import Any
 from sdl_design.engine.cache import CACHE
 
 Mapper = Callable[..., list]
+Fold = Callable[[Any], None]  # a map's results, one at a time, in partition order
+
+
+class InOrder:
+    """Results arriving in any order handed to fold in partition order: each held only until
+    the ones before it have come (with fold None, all kept: results())."""
+
+    def __init__(self, n: int, fold: Fold | None):
+        self.fold, self.next = fold, 0
+        self.held: dict[int, Any] = {}
+        self.out: list[Any] = [None] * n if fold is None else []
+
+    def put(self, i: int, result: Any) -> None:
+        if self.fold is None:
+            self.out[i] = result
+            return
+        self.held[i] = result
+        while self.next in self.held:
+            self.fold(self.held.pop(self.next))
+            self.next += 1
+
+    def results(self) -> list:
+        return self.out
 
 
 class Exchange:
@@ -25,8 +48,13 @@ class Exchange:
     def __init__(self, map_fn: Mapper, exchange_fn: Callable[..., list]):
         self._map, self._exchange = map_fn, exchange_fn
 
-    def __call__(self, fn: Callable, parts: Sequence, *args: Any, what: str) -> list:
-        return self._map(fn, parts, *args, what=what)
+    def __call__(
+        self, fn: Callable, parts: Sequence, *args: Any, what: str, fold: Fold | None = None
+    ) -> list:
+        """fn(part, *args) of every part: the results in partition order; with fold, each
+        result handed to fold in partition order as it arrives (held only until its turn)
+        and an empty list returned."""
+        return self._map(fn, parts, *args, what=what, fold=fold)
 
     def exchange(
         self,
@@ -58,17 +86,20 @@ def mapper(
             _cache_cleared(),
         ):
 
-            def local(fn: Callable, parts: Sequence, *args: Any, what: str) -> list:
-                out = []  # workers partitions at a time; results (and lines) in partition order
+            def local(
+                fn: Callable, parts: Sequence, *args: Any, what: str, fold: Fold | None = None
+            ) -> list:
+                out = InOrder(len(parts), fold)  # workers partitions at a time, in order
                 for i, (p, got) in enumerate(
                     zip(parts, _in_pool(pool, fn, parts, args), strict=True), 1
                 ):
-                    out.append(got)
+                    out.put(i - 1, got)
+                    del got
                     say(
                         f"{what}: partition {i}/{len(parts)} (records {p.start}-{p.stop - 1})",
                         command,
                     )
-                return out
+                return out.results()
 
             def local_exchange(fns: tuple, parts: Sequence, args: tuple, what: str) -> list:
                 send, serve, receive = fns
@@ -102,15 +133,22 @@ def mapper(
         client = Client(cluster)
     try:
 
-        def on_dask(fn: Callable, parts: Sequence, *args: Any, what: str) -> list:
+        def on_dask(
+            fn: Callable, parts: Sequence, *args: Any, what: str, fold: Fold | None = None
+        ) -> list:
             # once, not per task; hash=False: a fresh key each map (a key reused from the
             # previous map may be released under the new tasks: "lost dependencies")
             shared = scattered(client, args)
             futures = [client.submit(fn, p, *shared, pure=False) for p in parts]
+            at = {f.key: i for i, f in enumerate(futures)}
+            out = InOrder(len(parts), fold)
             for done, f in enumerate(as_completed(futures), 1):
-                f.result()  # a worker's error is raised here, whole
+                i = at[f.key]
+                # fetched once (a worker's error raised here, whole), then let go on the worker
+                out.put(i, f.result())
+                futures[i] = f = None
                 say(f"{what}: {done}/{len(parts)} partitions", command)
-            return client.gather(futures)  # in partition order
+            return out.results()  # in partition order
 
         def dask_exchange(fns: tuple, parts: Sequence, args: tuple, what: str) -> list:
             from operator import getitem

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.engine.cache import CACHE
-from sdl_design.engine.exchange import Exchange, say
+from sdl_design.engine.exchange import Exchange, Fold, say
 from sdl_design.engine.partitions import (
     MEMORY,
     FramePartition,
@@ -139,9 +139,15 @@ class Records:
             say(text, "partitioned")
 
 
-def _one_partition(fn: Callable, parts: Sequence, *args: Any, what: str) -> list:
+def _one_partition(
+    fn: Callable, parts: Sequence, *args: Any, what: str, fold: Fold | None = None
+) -> list:
     """The map over records held in memory: fn on each partition in turn, in this thread."""
-    return [fn(p, *args) for p in parts]
+    if fold is None:
+        return [fn(p, *args) for p in parts]
+    for p in parts:
+        fold(fn(p, *args))
+    return []
 
 
 def _one_exchange(fns: tuple, parts: Sequence, args: tuple, what: str) -> list:

@@ -178,28 +178,55 @@ def block_partial(
 
 
 class BlockAccumulator:
-    """The block sums of one group_sum as the partitions' parts arrive, in partition order."""
+    """The block sums of one group_sum as the partitions' parts arrive, in partition order:
+    each block added to the running total (in block order, as _in_order adds them) once a
+    later block has begun, so that only the total and the open blocks are held (G numbers
+    each, not n_blocks x G)."""
 
     def __init__(self, n_groups: int, n_rows: int):
         self.n_groups = n_groups
-        self.per = np.zeros((n_blocks(n_rows), n_groups))
+        self.nb = n_blocks(n_rows)
+        self.folded = 0  # blocks 0..folded-1 are in run
+        self.run: np.ndarray | None = None
+        self.open: dict[int, np.ndarray] = {}  # blocks begun, not yet added to run
+
+    def _fold_below(self, block: int) -> None:
+        """Blocks before `block` added to the running total in order (a block no part
+        reached adds zeros, as in _in_order)."""
+        while self.folded < min(block, self.nb):
+            x = self.open.pop(self.folded, None)
+            x = np.zeros(self.n_groups) if x is None else x
+            self.run = x.copy() if self.run is None else self.run + x
+            self.folded += 1
 
     def extend(self, block: int, codes: np.ndarray, x: np.ndarray) -> None:
         """Continue the block's sum, term by term (in record order), from where it was left."""
+        if block < self.folded:
+            raise ValueError(f"block {block} was added to the total already: parts out of order")
         g = self.n_groups
-        self.per[block] = np.bincount(
+        so_far = self.open.get(block, np.zeros(g))
+        self.open[block] = np.bincount(
             np.r_[np.arange(g), np.asarray(codes, dtype=np.int64)],
-            weights=np.r_[self.per[block], np.asarray(x, dtype=float)],
+            weights=np.r_[so_far, np.asarray(x, dtype=float)],
             minlength=g,
         )
 
     def add(self, p: BlockPartial) -> None:
         if p.cont >= 0:
             self.extend(p.cont, p.cont_codes, p.cont_x)
-        self.per[p.first : p.first + len(p.sums)] = p.sums
+        if not len(p.sums):
+            return
+        self._fold_below(p.first)
+        for j, row in enumerate(p.sums):
+            self.open[p.first + j] = row
+        last = p.first + len(p.sums) - 1
+        self._fold_below(last)  # the last one may be continued: held, apart from p.sums
+        if last in self.open:
+            self.open[last] = self.open[last].copy()
 
     def total(self) -> np.ndarray:
-        return _in_order(self.per)
+        self._fold_below(self.nb)
+        return self.run.copy()
 
 
 def combine_partials(partials: Sequence[BlockPartial], n_groups: int, n_rows: int) -> np.ndarray:

@@ -478,25 +478,29 @@ def _replication_batch(
 def _replication_totals(
     run: _MasscPasses, wreq: pcal.CalibrationRequest, rtrs: list, cals: list, what: str
 ) -> list[np.ndarray]:
-    """Each replication's study totals, in maps of as many replications as their partials
-    fit in pcal.TOTALS_BYTES (measured on the first map, of one replication): the same bits
-    in any grouping."""
+    """Each replication's study totals, each partition's partials added as they arrive, in
+    maps of as many replications as pcal.totals_at_once lets be held (measured on the first
+    map, of one replication): the same bits in any grouping."""
     out: list[np.ndarray] = []
     k, size = 0, 1
     while k < len(rtrs):
         chunk = range(k, min(k + size, len(rtrs)))
-        got = run.run_map(
+        totals = [pcal.replication_totals_of(run.zvars, cals[i][0].n2) for i in chunk]
+        seen = [0]
+
+        def fold(got: list, totals: list = totals, seen: list = seen) -> None:
+            seen[0] += array_bytes(got)
+            for t, q in zip(totals, got, strict=True):
+                t.add(q)
+
+        run.run_map(
             pcal.replication_totals, run.parts, run.m, wreq, [rtrs[i] for i in chunk],
             [cals[i][0] for i in chunk], [cals[i][1] for i in chunk], run.zvars,
-            what=f"{what}: totals",
+            what=f"{what}: totals", fold=fold,
         )  # fmt: skip
         if k == 0:
-            size = pcal.totals_at_once(array_bytes(got))
-        out += [
-            pcal.combine_replication_totals([g[j] for g in got], run.zvars, cals[i][0].n2)
-            for j, i in enumerate(chunk)
-        ]
-        del got  # (the partials, before the next map's)
+            size = pcal.totals_at_once(seen[0], len(run.parts))
+        out += [run.zvars.totals_from(t.totals()) for t in totals]
         k = chunk.stop
     return out
 

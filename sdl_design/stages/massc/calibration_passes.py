@@ -47,8 +47,8 @@ from sdl_design.spec import KeySpec, ReleaseSpec
 from sdl_design.stages.massc.measures import epsilon_from_replications
 from sdl_design.stages.massc.moments import ZParts
 from sdl_design.stages.massc.passes import (
+    BlockTotals,
     MasscInputs,
-    _block_totals,
     _original_rows,
     _partial_sums,
     _tilde,
@@ -93,17 +93,21 @@ REPLICATIONS_AT_ONCE = 20
 REPLICATION_BYTES = 400 * 2**20
 
 
-# the study totals' partials of the replications in one map: held on the workers until the
-# map ends and again on the driver when gathered (each partition's block sums and the terms
-# continuing a block begun in an earlier one); at the ACS's 15M records in 15 partitions, 10
-# replications at once took the sum over processes from 4.8 to 17.3 GiB
+# the study totals' partials of the replications in one map (each partition's block sums
+# and the terms continuing a block begun in an earlier one): added to the totals as they
+# arrive, so that about TOTALS_HELD partitions' partials are held at a time over the
+# processes (a result on each worker, one being computed, those come early on the driver);
+# at most TOTALS_BYTES of them. (Gathered whole, 10 replications at once took the ACS's 15M
+# records in 15 partitions from 4.8 to 17.3 GiB summed over processes.)
 TOTALS_BYTES = 2 * 2**30
+TOTALS_HELD = 6
 
 
-def totals_at_once(one: int) -> int:
+def totals_at_once(one: int, n_parts: int) -> int:
     """How many replications one map of study totals makes when one replication's partials
-    over every partition hold `one` bytes (at least 1)."""
-    return int(max(1, min(REPLICATIONS_AT_ONCE, TOTALS_BYTES // max(1, one))))
+    over the n_parts partitions hold `one` bytes (at least 1)."""
+    held = one * min(TOTALS_HELD, n_parts) / max(1, n_parts)
+    return int(max(1, min(REPLICATIONS_AT_ONCE, TOTALS_BYTES // max(1, int(held)))))
 
 
 def replications_at_once(n_records: int) -> int:
@@ -1007,10 +1011,10 @@ def replication_totals(
     return out
 
 
-def combine_replication_totals(partials: Sequence[Any], zvars: Any, n2: int) -> np.ndarray:
-    """The study totals of one replication (the order of zvars.labels)."""
-
-    return zvars.totals_from(_block_totals(partials, [_replication_terms], zvars, 0, 0, n2))
+def replication_totals_of(zvars: Any, n2: int) -> BlockTotals:
+    """The study totals of one replication as its partitions' partials arrive (totals_from
+    of its totals(): the order of zvars.labels)."""
+    return BlockTotals([_replication_terms], zvars, 0, 0, n2)
 
 
 def weight_only(creq: CalibrationRequest) -> CalibrationRequest:

@@ -610,6 +610,33 @@ def _psu_rows(b0: pd.DataFrame, req: MasscRequest, psus: pd.DataFrame) -> np.nda
     return pd.MultiIndex.from_frame(psus).get_indexer(labels)[code.ravel()].astype(np.int64)
 
 
+class BlockTotals:
+    """The group sums of the whole input as the partitions' parts arrive, in partition order
+    (each key's BlockAccumulator: the total and the open block held, not every block)."""
+
+    def __init__(
+        self, families: Sequence[Callable], zvars: StudyVariables, n_h: int, n_psu: int,
+        n_rows: int,
+    ) -> None:  # fmt: skip
+        self.families, self.zvars, self.n_h, self.n_psu = families, zvars, n_h, n_psu
+        self.n_rows = n_rows
+        self.acc: dict[tuple[str, str, str], BlockAccumulator] = {}
+
+    def add(self, q: MomentsPartial) -> None:
+        """One partition's parts (the next in partition order)."""
+        if q.head is not None:  # the terms of a block begun in an earlier partition
+            for terms, data in zip(self.families, q.head, strict=True):
+                for key, bins, x in terms(data, self.zvars, self.n_h, self.n_psu):
+                    self.acc[key].extend(q.head_block, bins.codes, x)
+        for key, part_sums in q.sums.items():
+            if key not in self.acc:
+                self.acc[key] = BlockAccumulator(part_sums.sums.shape[1], self.n_rows)
+            self.acc[key].add(part_sums)
+
+    def totals(self) -> dict[tuple[str, str, str], np.ndarray]:
+        return {key: a.total() for key, a in self.acc.items()}
+
+
 def _block_totals(
     partials: Sequence[MomentsPartial],
     families: Sequence[Callable],
@@ -619,17 +646,10 @@ def _block_totals(
     n_rows: int,
 ) -> dict[tuple[str, str, str], np.ndarray]:
     """The group sums of the whole input from the partitions' parts, in partition order."""
-    acc: dict[tuple[str, str, str], BlockAccumulator] = {}
+    acc = BlockTotals(families, zvars, n_h, n_psu, n_rows)
     for q in partials:
-        if q.head is not None:  # the terms of a block begun in an earlier partition
-            for terms, data in zip(families, q.head, strict=True):
-                for key, bins, x in terms(data, zvars, n_h, n_psu):
-                    acc[key].extend(q.head_block, bins.codes, x)
-        for key, part_sums in q.sums.items():
-            if key not in acc:
-                acc[key] = BlockAccumulator(part_sums.sums.shape[1], n_rows)
-            acc[key].add(part_sums)
-    return {key: a.total() for key, a in acc.items()}
+        acc.add(q)
+    return acc.totals()
 
 
 @dataclass
