@@ -116,7 +116,7 @@ def mapper(
         return
     if runner != "dask":
         raise ValueError(f"runner must be 'thread' or 'dask', not {runner!r}")
-    from distributed import Client, LocalCluster, as_completed
+    from distributed import Client, LocalCluster
 
     cluster = None
     if dask_address:
@@ -140,15 +140,7 @@ def mapper(
             # previous map may be released under the new tasks: "lost dependencies")
             shared = scattered(client, args)
             futures = [client.submit(fn, p, *shared, pure=False) for p in parts]
-            at = {f.key: i for i, f in enumerate(futures)}
-            out = InOrder(len(parts), fold)
-            for done, f in enumerate(as_completed(futures), 1):
-                i = at[f.key]
-                # fetched once (a worker's error raised here, whole), then let go on the worker
-                out.put(i, f.result())
-                futures[i] = f = None
-                say(f"{what}: {done}/{len(parts)} partitions", command)
-            return out.results()  # in partition order
+            return collected(futures, f"{what}: ", command, fold)
 
         def dask_exchange(fns: tuple, parts: Sequence, args: tuple, what: str) -> list:
             from operator import getitem
@@ -166,10 +158,7 @@ def mapper(
                 for i in range(n)
             ]
             got = [client.submit(receive, parts[i], back[i], *shared, pure=False) for i in range(n)]
-            for done, f in enumerate(as_completed(got), 1):
-                f.result()
-                say(f"{what}: {done}/{n} partitions", command)
-            return client.gather(got)
+            return collected(got, f"{what}: ", command)
 
         yield Exchange(on_dask, dask_exchange)
     finally:
@@ -179,6 +168,21 @@ def mapper(
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+def collected(futures: list, what: str, command: str, fold: Fold | None = None) -> list:
+    """The Dask futures' results in partition order (or handed to fold): each fetched once as
+    it ends (a worker's error raised here, whole) and then let go on the worker."""
+    from distributed import as_completed
+
+    at = {f.key: i for i, f in enumerate(futures)}
+    out = InOrder(len(futures), fold)
+    for done, f in enumerate(as_completed(futures), 1):
+        i = at[f.key]
+        out.put(i, f.result())
+        futures[i] = f = None
+        say(f"{what}{done}/{len(at)} partitions", command)
+    return out.results()
 
 
 def _clear_cache() -> None:
