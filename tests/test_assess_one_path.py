@@ -98,9 +98,9 @@ def test_segment_totals_through_replicate_factors_are_the_full_product(monkeypat
     full = _segment_totals(W, X, cell, L, qs)
     groups = replicate_factor_groups(W, w)
     assert groups is not None and groups[1] == P
-    by_factors = _segment_totals(W, X, cell, L, qs, (w, groups))
+    by_factors = _segment_totals(None, X, cell, L, qs, (w, groups))  # W not read
     monkeypatch.setattr(passes, "DENSE_CELLS", 0)
-    sparse = _segment_totals(W, X, cell, L, qs, (w, groups))
+    sparse = _segment_totals(None, X, cell, L, qs, (w, groups))
     for j, (a, b, c) in enumerate(zip(full, by_factors, sparse, strict=True)):
         assert a.shape == (R, L * 4)
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-9)
@@ -111,6 +111,41 @@ def test_segment_totals_through_replicate_factors_are_the_full_product(monkeypat
                 x = X[:, j]
                 inside = (cell == h) & (x > bounds[s]) & (x <= bounds[s + 1])
                 np.testing.assert_allclose(a[:, h * 4 + s], W[inside].sum(axis=0), rtol=1e-12)
+
+
+def test_cell_grams_through_factors_and_by_rows_are_each_cells_product(monkeypatch):
+    """The quantile pass's Gram W_c'W_c of each cell's records where a variable is observed:
+    through the replicate factors (F' diag(s) F, s the sums of w^2 by factor group) with the
+    finest groups' sums dense or by (finest group, factor group) pair, W not read, and by the
+    rows of W (factors that differ by record) equal the product over the cell's records
+    (brute force, 1e-12); records missing the variable are left out."""
+    from sdl_design.stages.assess import passes
+    from sdl_design.stages.assess.passes import _cell_grams
+    from sdl_design.survey.design import replicate_factor_groups
+
+    rng = np.random.default_rng(17)
+    n, R, P = 2500, 12, 30
+    psu = rng.integers(0, P, n)
+    w = rng.uniform(1.0, 4.0, n)
+    by_psu = np.ascontiguousarray(w[:, None] * rng.uniform(0.0, 2.0, (P, R))[psu])
+    missing = np.column_stack([np.zeros(n, bool), rng.random(n) < 0.2])
+    cells = [(np.zeros(n, dtype=np.int64), 1), (rng.integers(0, 5, n), 5)]
+    groups = replicate_factor_groups(by_psu, w)
+    assert groups is not None and groups[1] == P
+    got = {"dense": _cell_grams(None, cells, missing, (w, groups))}
+    monkeypatch.setattr(passes, "DENSE_CELLS", 0)  # by (finest group, factor group) pair
+    got["pairs"] = _cell_grams(None, cells, missing, (w, groups))
+    by_record = by_psu * rng.uniform(0.9, 1.1, (n, R))
+    got["rows"] = _cell_grams(by_record, cells, missing, (w, None))
+    for how, grams in got.items():
+        W = by_record if how == "rows" else by_psu
+        for (cell, L), by_var in zip(cells, grams, strict=True):
+            for j, G in enumerate(by_var):
+                assert G.shape == (L, R, R)
+                for c in range(L):
+                    rows = (cell == c) & ~missing[:, j]
+                    want = W[rows].T @ W[rows]
+                    np.testing.assert_allclose(G[c], want, rtol=1e-12, atol=1e-9, err_msg=how)
 
 
 def test_replicate_totals_by_profile_through_factors_and_by_rows_are_the_products():
@@ -132,7 +167,8 @@ def test_replicate_totals_by_profile_through_factors_and_by_rows_are_the_product
     assert replicate_factor_groups(by_psu, w) is not None
     assert replicate_factor_groups(by_record, w) is None
     for W in (by_psu, by_record):
-        got = _replicate_totals_by_profile(W, w, Y, inv, profiles, replicate_factor_groups(W, w))
+        groups = replicate_factor_groups(W, w)  # through the factors, W is not read
+        got = _replicate_totals_by_profile(None if groups else W, w, Y, inv, profiles, groups)
         assert got.shape == (R, profiles, k) and got.flags.c_contiguous
         for j in range(profiles):
             want = W[inv == j].T @ Y[inv == j]

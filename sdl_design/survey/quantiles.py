@@ -55,18 +55,22 @@ def _hf7(x: np.ndarray, cw: np.ndarray, p: np.ndarray) -> np.ndarray:
     return np.where(p < pk[0], x[0], np.where(p > pk[-1], x[-1], val))
 
 
-def weighted_quantile(xs: np.ndarray, w: np.ndarray, p: np.ndarray, qrule: str) -> np.ndarray:
-    """Quantiles at p (NaN where p is NaN) of values xs sorted ascending with weights w >= 0 in
-    the same order; zero weights play no part (as R drops them). Cumulative weights and the total
-    are summed in long double, as R's cumsum and sum, so that ties F(x_k) = p resolve as in R."""
+def cumulative(xs: np.ndarray, ws: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The values of the records with a positive weight (sorted ascending) and their cumulative
+    weights, summed in long double as R's cumsum (zero weights play no part, as R drops them)."""
+    keep = ws > 0
+    if keep.all():
+        return xs, np.cumsum(ws, dtype=LD).astype(float)
+    return xs[keep], np.cumsum(ws[keep], dtype=LD).astype(float)
+
+
+def quantile_at(x: np.ndarray, cw: np.ndarray, p: np.ndarray, qrule: str) -> np.ndarray:
+    """Quantiles at p (NaN where p is NaN) from cumulative(xs, ws)'s values x and weights cw."""
     p = np.asarray(p, dtype=float)
     out = np.full(p.shape, np.nan)
-    keep = w > 0
     ok = ~np.isnan(p)
-    if not keep.any() or not ok.any():
+    if not len(x) or not ok.any():
         return out
-    x = xs[keep]
-    cw = np.cumsum(w[keep], dtype=LD).astype(float)
     if qrule == "hf7":
         out[ok] = _hf7(x, cw, p[ok])
     else:
@@ -74,18 +78,31 @@ def weighted_quantile(xs: np.ndarray, w: np.ndarray, p: np.ndarray, qrule: str) 
     return out
 
 
+def weighted_quantile(xs: np.ndarray, w: np.ndarray, p: np.ndarray, qrule: str) -> np.ndarray:
+    """Quantiles at p (NaN where p is NaN) of values xs sorted ascending with weights w >= 0 in
+    the same order; zero weights play no part (as R drops them). Cumulative weights and the total
+    are summed in long double, as R's cumsum and sum, so that ties F(x_k) = p resolve as in R."""
+    return quantile_at(*cumulative(xs, w), p, qrule)
+
+
 # ------------------------------------------------------------------ cells: a variable in a domain
 @dataclass
 class _Cell:
     """One variable in one domain: its non-missing records sorted by value (stable, as R's
-    order), their sampling weights, the quantiles q and cut_p = #records with x <= q_p."""
+    order), their sampling weights, the quantiles q, cut_p = #records with x <= q_p and the
+    cumulative weights of its records with a positive weight (cumulative)."""
 
-    rows: np.ndarray  # record indices, data order
     order: np.ndarray  # record indices, sorted by value
     xs: np.ndarray
     ws: np.ndarray
     q: np.ndarray
     cut: np.ndarray
+    cum: tuple[np.ndarray, np.ndarray]
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The record indices in data order."""
+        return np.sort(self.order)
 
 
 def _column(design: SurveyDesign, col: str) -> np.ndarray:
@@ -95,6 +112,46 @@ def _column(design: SurveyDesign, col: str) -> np.ndarray:
     if not (pd.api.types.is_numeric_dtype(s) or pd.api.types.is_bool_dtype(s)):
         raise sdd.DesignError(f"quantile: column '{col}' is not numeric")
     return s.to_numpy(dtype=float, na_value=np.nan)
+
+
+def _by_cell(co: np.ndarray, L: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """Records sorted by value with cells co (-1: in none) put in cell order, each cell's still
+    by value: the permutation (None: already so, one cell holding them all) and the L + 1
+    bounds of the cells in it. A radix sort (numpy's stable sort of int16)."""
+    small = np.int16 if L < 2**15 else np.int64
+    inside = co >= 0
+    if inside.all():
+        at = None if L == 1 else np.argsort(co.astype(small), kind="stable")
+        counts = np.bincount(co, minlength=L)
+    else:
+        kept = np.flatnonzero(inside)
+        at = kept[np.argsort(co[kept].astype(small), kind="stable")]
+        counts = np.bincount(co[kept], minlength=L)
+    return at, np.r_[0, np.cumsum(counts)]
+
+
+def sorted_cells(
+    xo: np.ndarray,
+    wo: np.ndarray,
+    co: np.ndarray,
+    L: int,
+    probs: np.ndarray,
+    qrule: str,
+    index: np.ndarray,
+) -> list[_Cell]:
+    """quantile_cells from one variable's non-missing records sorted by value (stable): their
+    values xo, weights wo, cells co (-1: in none) and record indices (index). One radix sort
+    of the cells; each cell's arrays are views of one gather."""
+    probs = np.asarray(probs, dtype=float)
+    at, bounds = _by_cell(co, L)
+    xs, ws, order = (xo, wo, index) if at is None else (xo[at], wo[at], index[at])
+    out = []
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        cum = cumulative(xs[a:b], ws[a:b])
+        q = quantile_at(*cum, probs, qrule)
+        cut = np.searchsorted(xs[a:b], q, side="right") if b > a else np.zeros(len(probs), int)
+        out.append(_Cell(order[a:b], xs[a:b], ws[a:b], q, cut, cum))
+    return out
 
 
 def quantile_cells(
@@ -108,27 +165,11 @@ def quantile_cells(
 ) -> list[_Cell]:
     """One variable (x, NaN: missing) in domains 0..L-1 (codes; -1: in none): each domain's
     non-missing records sorted by value (stable), their weights w, the quantiles at probs and
-    the cuts (R's na.rm = TRUE). One sort for all domains; by_value: the records sorted by x
-    (np.argsort(x, kind="stable")) when known, then a radix sort of their domains (one sort of
-    the values for many domain codings)."""
-    probs = np.asarray(probs, dtype=float)
-    small = np.int16 if L < 2**15 else np.int64  # numpy's stable sort of int16: radix
-    valid = np.flatnonzero(~np.isnan(x) & (codes >= 0))
-    rows_all = valid[np.argsort(codes[valid].astype(small), kind="stable")]  # data order
-    if by_value is None:  # by domain, then value (stable)
-        order_all = valid[np.lexsort((x[valid], codes[valid]))]
-    else:
-        o = by_value[~np.isnan(x[by_value]) & (codes[by_value] >= 0)]
-        order_all = o[np.argsort(codes[o].astype(small), kind="stable")]
-    bounds = np.searchsorted(codes[rows_all], np.arange(L + 1))
-    out = []
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        rows, order = rows_all[a:b], order_all[a:b]
-        xs, ws = x[order], w[order]
-        q = weighted_quantile(xs, ws, probs, qrule)
-        cut = np.searchsorted(xs, q, side="right") if len(xs) else np.zeros(len(probs), int)
-        out.append(_Cell(rows, order, xs, ws, q, cut))
-    return out
+    the cuts (R's na.rm = TRUE). One sort of the values (by_value: np.argsort(x,
+    kind="stable") when known), then a radix sort of their domains (sorted_cells)."""
+    o = np.argsort(x, kind="stable") if by_value is None else by_value
+    o = o[~np.isnan(x[o]) & (codes[o] >= 0)]
+    return sorted_cells(x[o], w[o], codes[o], L, probs, qrule, o)
 
 
 def cell_quantiles(
@@ -139,11 +180,8 @@ def cell_quantiles(
     and a gather per call: the value sort and the missing values are the caller's, once per
     variable for every domain coding."""
     probs = np.asarray(probs, dtype=float)
-    small = np.int16 if L < 2**15 else np.int64
-    kept = np.flatnonzero(co >= 0)
-    at = kept[np.argsort(co[kept].astype(small), kind="stable")]  # by cell, then value
-    xs, ws = xo[at], wo[at]
-    bounds = np.r_[0, np.cumsum(np.bincount(co[kept], minlength=L))]
+    at, bounds = _by_cell(co, L)
+    xs, ws = (xo, wo) if at is None else (xo[at], wo[at])
     out = np.empty((L, len(probs)))
     for c, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)):
         out[c] = weighted_quantile(xs[a:b], ws[a:b], probs, qrule)
@@ -181,7 +219,10 @@ def _cdf(cell: _Cell, divide_first: bool) -> np.ndarray:
     """F(q_p) = sum_{x_i <= q_p} w_i / W as R's svymean of x <= q: Taylor designs sum w_i / W,
     replicate designs divide sum w_i by W (long double sums, as R's colSums)."""
     W = float(np.sum(cell.ws, dtype=LD))
-    c = np.cumsum(cell.ws / W if divide_first else cell.ws, dtype=LD).astype(float)
+    if not divide_first and len(cell.cum[1]) == len(cell.ws):  # no zero weight: the same sums
+        c = cell.cum[1]
+    else:
+        c = np.cumsum(cell.ws / W if divide_first else cell.ws, dtype=LD).astype(float)
     F = np.where(cell.cut > 0, c[np.maximum(cell.cut - 1, 0)], 0.0)
     return F if divide_first else F / W
 
@@ -345,7 +386,7 @@ def _woodruff(cell: _Cell, p_lo: np.ndarray, p_hi: np.ndarray, qrule: str) -> np
     """Woodruff bounds: the qrule at the CDF's bounds p_lo = F + t_{a/2} SE(F) and
     p_hi = F + t_{1-a/2} SE(F); NaN when p_lo < 0 or p_hi > 1 (as R's woodruffCI)."""
     p = np.r_[np.where(p_lo < 0, np.nan, p_lo), np.where(p_hi > 1, np.nan, p_hi)]
-    return weighted_quantile(cell.xs, cell.ws, p, qrule).reshape(2, -1)
+    return quantile_at(*cell.cum, p, qrule).reshape(2, -1)
 
 
 def woodruff(
@@ -438,7 +479,7 @@ def survey_quantile(
     dfs = np.array(
         [
             np.nan
-            if not len(c.rows)
+            if not len(c.order)
             else float(df)
             if df is not None
             else _degf(design, c.rows, kind, cache)

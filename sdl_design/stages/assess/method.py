@@ -64,8 +64,8 @@ from sdl_design.survey.quantiles import (
     cdf_taylor,
     gram_rank,
     psu_degf,
-    quantile_cells,
     segment_totals,
+    sorted_cells,
     woodruff,
 )
 
@@ -455,38 +455,34 @@ MEAN_STATISTICS = ("mean", "proportion")  # the statistics whose SE ratios are g
 
 def domain_quantiles_of(
     design: SurveyDesign,
-    X: np.ndarray,
-    w: np.ndarray,
+    variables: Sequence[SortedVariable],
     g: np.ndarray,
-    cell: np.ndarray,
+    codes: np.ndarray,
     L: int,
     variance: Variance,
     level: float = 0.95,
     replicate: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
-    orders: Sequence[np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
-    """The QUANTILES of every continuous study variable (X: records x k, NaN missing) in every
-    cell (cell: each record's, -1 none), as survey_quantile gives them (R's svyquantile with
-    na.rm=TRUE: over the cell's non-missing records; qrule "math"; Woodruff interval at level
-    with the cell's degrees of freedom, SE its width / 2 t): n (L x k), estimate and se
-    (L x k x P). w, g: the records' weights and PSU codes in the design. variance "replicate":
-    the SE of the CDF at the quantile from the replicate weights (centred on the full-sample
-    CDF) and the cell's df from their rank: the replicate totals by segment and the Gram of the
-    replicate weights by cell are `replicate`'s (one (T, grams) per variable, summed by
-    partition) or else the design's. orders: each variable's records sorted by value (stable),
-    when known (value_orders: one sort for every grouping)."""
+    """The QUANTILES of every continuous study variable (variables: each one's records sorted
+    by value, sorted_variables) in every cell (codes: each profile's, -1 none), as
+    survey_quantile gives them (R's svyquantile with na.rm=TRUE: over the cell's non-missing
+    records; qrule "math"; Woodruff interval at level with the cell's degrees of freedom, SE
+    its width / 2 t): n (L x k), estimate and se (L x k x P). g: the records' PSU codes in the
+    design. variance "replicate": the SE of the CDF at the quantile from the replicate weights
+    (centred on the full-sample CDF) and the cell's df from their rank: the replicate totals
+    by segment and the Gram of the replicate weights by cell are `replicate`'s (one (T, grams)
+    per variable, summed by partition) or else the design's."""
     probs = np.array(list(QUANTILES.values()))
-    P, k = len(probs), X.shape[1]
+    P, k = len(probs), len(variables)
     out = {"n": np.zeros((L, k)), "estimate": np.full((L, k, P), np.nan)}
     out["se"] = out["estimate"].copy()
     cache: dict = {}
-    for j in range(k):
-        o = None if orders is None else orders[j]
-        cells = quantile_cells(X[:, j], w, cell, L, probs, QUANTILE_RULE, o)
-        n = np.array([len(c.rows) for c in cells], dtype=float)
+    for j, v in enumerate(variables):
+        cells = sorted_cells(v.x, v.w, codes[v.profile], L, probs, QUANTILE_RULE, v.index)
+        n = np.array([len(c.order) for c in cells], dtype=float)
         if variance == "taylor":
             F, seF = cdf_taylor(design, cells, P, g)
-            dfs = [psu_degf(design, g[c.rows]) for c in cells]
+            dfs = [psu_degf(design, g[c.order]) for c in cells]
         elif replicate is None:
             F, seF = cdf_replicate(segment_totals(design, cells, P), cells, P, design.rscales)
             dfs = [_degf(design, c.rows, "replicate", cache) for c in cells]
@@ -509,9 +505,27 @@ def _gram_degf(G: np.ndarray, cache: dict) -> float:
     return cache[key]
 
 
-def value_orders(X: np.ndarray) -> list[np.ndarray]:
-    """Each column's records sorted by value (stable; missing values last)."""
-    return [np.argsort(X[:, j], kind="stable") for j in range(X.shape[1])]
+@dataclass
+class SortedVariable:
+    """One continuous variable's records with a value, sorted by it (stable): their values,
+    weights, profiles and record indices (quantile cells in any grouping of the profiles)."""
+
+    x: np.ndarray
+    w: np.ndarray
+    profile: np.ndarray
+    index: np.ndarray
+
+
+def sorted_variables(X: np.ndarray, w: np.ndarray, profile: np.ndarray) -> list[SortedVariable]:
+    """Each column of X (records x k, NaN missing) as a SortedVariable: one sort per variable
+    for every grouping of the records' profiles."""
+    small = np.int32 if len(w) < 2**31 else np.int64
+    out = []
+    for j in range(X.shape[1]):
+        o = np.argsort(X[:, j], kind="stable")
+        o = o[~np.isnan(X[o, j])]
+        out.append(SortedVariable(X[o, j], w[o], profile[o], o.astype(small)))
+    return out
 
 
 def _profiles(
@@ -1164,7 +1178,9 @@ def _domain_estimates(
         _file_pairs(d, st, p, m) for d, st, p, m in zip(des, studies, prof_rec, n_prof, strict=True)
     ]
     values = [plan.continuous_values(f) for f in frames] if plan.continuous else []
-    orders = [value_orders(X) for X in values]
+    variables = [
+        sorted_variables(X, d.w, p) for X, d, p in zip(values, des, prof_rec, strict=False)
+    ]
     cells, quantiles = [], []
     for g in groupings:
         codes, labels, L = _cells([at[v] for v in g], n_prof)
@@ -1175,8 +1191,8 @@ def _domain_estimates(
         cells.append((g, labels, L, res))
         if values and g in quantile_groupings:
             q = [
-                domain_quantiles_of(d, X, d.w, d.g, c[p], L, variance, level, orders=o)
-                for d, X, c, p, o in zip(des, values, codes, prof_rec, orders, strict=True)
+                domain_quantiles_of(d, v, d.g, c, L, variance, level)
+                for d, v, c in zip(des, variables, codes, strict=True)
             ]
             quantiles.append((g, labels, L, q))
     return domain_table(

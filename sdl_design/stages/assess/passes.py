@@ -23,7 +23,7 @@ the replicate weights (the degrees of freedom) by cell.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,7 @@ from sdl_design.stages.assess.method import (
     QUANTILES,
     Assessment,
     Coding,
+    SortedVariable,
     StudyPlan,
     Variance,
     _cells,
@@ -79,8 +80,8 @@ from sdl_design.stages.assess.method import (
     pmse_matrix,
     pmse_metrics,
     published_coding,
+    sorted_variables,
     study_kind,
-    value_orders,
 )
 from sdl_design.stages.assess.model_passes import ModelJob, ModelRows, fit_by_partition, model_op
 from sdl_design.stages.massc.measures import appearance_table
@@ -493,10 +494,10 @@ def assess_pass2(
         S = np.concatenate([A @ wY, A @ (w * st.M), A @ st.M, A @ np.abs(wY)], axis=1)
         reps = None
         if plan.designs[f].replicate_weights:  # W' (y, m) by profile
-            W = df[list(d.replicates)].to_numpy(dtype=float)
             Y2 = np.concatenate([st.Y0, st.M], axis=1)
             profiles, inv = dense_codes(prof)
-            groups = _factor_groups(part, d, W, w[:, 0])
+            groups = _factor_groups(part, d, df, w[:, 0])
+            W = None if groups else df[list(d.replicates)].to_numpy(dtype=float)
             reps = _replicate_totals_by_profile(W, w[:, 0], Y2, inv, len(profiles), groups)
         else:
             profiles = np.unique(prof)
@@ -511,16 +512,29 @@ def assess_pass2(
     return AssessPass2(pair, S, profiles, reps, quantile)
 
 
-def _factor_groups(part: Any, d: FileDesign, W: np.ndarray, w: np.ndarray) -> tuple | None:
-    """replicate_factor_groups(W, w) of the partition's records in design d, kept in the
-    partition cache for the passes after the first (pass 2, the models, the quantiles)."""
-    key = ("assess: replicate factor groups", partition_identity(part), d)
-    got = cached(key, lambda: (replicate_factor_groups(W, w) if len(w) else None,), array_bytes)
-    return got[0]
+def _factor_groups(part: Any, d: FileDesign, df: pd.DataFrame, w: np.ndarray) -> tuple | None:
+    """replicate_factor_groups(W, w) of the partition's records df in design d, kept in the
+    partition cache for the passes after the first (pass 2, the models, the quantiles): they
+    read W = df's replicate weights only where the factors vary by record (None)."""
+
+    def groups() -> tuple:
+        if not len(w):
+            return (None,)
+        W = np.ascontiguousarray(df[list(d.replicates)].to_numpy(dtype=float))
+        return (replicate_factor_groups(W, w),)
+
+    return cached(
+        ("assess: replicate factor groups", partition_identity(part), d), groups, array_bytes
+    )[0]
 
 
 def _replicate_totals_by_profile(
-    W: np.ndarray, w: np.ndarray, Y2: np.ndarray, inv: np.ndarray, P: int, groups: tuple | None
+    W: np.ndarray | None,
+    w: np.ndarray,
+    Y2: np.ndarray,
+    inv: np.ndarray,
+    P: int,
+    groups: tuple | None,
 ) -> np.ndarray:
     """W'Y2 of each profile's records (R x P x k; inv: each record's profile among P). With
     few replicate factor groups (groups: W_i = w_i F_g, replicate_factor_groups), F_g' times
@@ -532,10 +546,11 @@ def _replicate_totals_by_profile(
         Z = sparse_times(group_indicator(of, len(pairs)), w[:, None] * Y2)
         profile_of, rows = pairs // G, F[pairs % G]
     else:
+        assert W is not None  # read where the factors vary by record
         order = np.argsort(inv, kind="stable")
         profile_of, rows, Z = inv[order], W[order], Y2[order]
     bounds = np.searchsorted(profile_of, np.arange(P + 1))
-    out = np.empty((P, W.shape[1], Y2.shape[1]))
+    out = np.empty((P, rows.shape[1], Y2.shape[1]))
     for j in range(P):
         np.matmul(rows[bounds[j] : bounds[j + 1]].T, Z[bounds[j] : bounds[j + 1]], out=out[j])
     return np.ascontiguousarray(out.transpose(1, 0, 2))
@@ -675,50 +690,40 @@ def assess_params(plan: AssessPlan, variance: Variance) -> dict[str, Any]:
 
 @dataclass
 class PartitionQuantiles:
-    """The quantiles' inputs on the driver: each file's records of the continuous study
-    variables in record order (QuantileRecords, each record's profile its index among the
-    file's profile numbers, sorted) and, with replicate variance, quantile_pass' sums of each
-    file: [grouping][variable] (replicate totals by segment, Gram by cell)."""
+    """The quantiles' inputs on the driver: each file's records of each continuous study
+    variable sorted by value (sorted_variables; each record's profile its index among the
+    file's profile numbers, sorted) and their PSU codes in record order, and, with replicate
+    variance, quantile_pass' sums of each file: [grouping][variable] (replicate totals by
+    segment, Gram by cell)."""
 
-    records: list[QuantileRecords]
+    variables: list[list[SortedVariable]]
+    g: list[np.ndarray]
     profiles: list[np.ndarray]
     replicates: list[list[list[tuple[np.ndarray, np.ndarray]]]] | None = None
-    orders: dict[int, list[np.ndarray]] = field(default_factory=dict)  # value_orders by file
-
-    def _orders(self, f: int) -> list[np.ndarray]:
-        if f not in self.orders:
-            self.orders[f] = value_orders(self.records[f].X)
-        return self.orders[f]
 
     def estimates(
         self, plan: AssessPlan, f: int, i: int, codes: np.ndarray, L: int, variance: Variance
     ) -> dict[str, np.ndarray]:
         """domain_quantiles_of on file f's records in the L cells of the i-th quantile
         grouping (codes: each profile's cell)."""
-        r, d = self.records[f], plan.designs[f]
         rep = self.replicates[f][i] if variance == "replicate" and self.replicates else None
-        cell, orders = codes[r.profile], self._orders(f)
-        return domain_quantiles_of(d, r.X, r.w, r.g, cell, L, variance, LEVEL, rep, orders)
+        d = plan.designs[f]
+        return domain_quantiles_of(d, self.variables[f], self.g[f], codes, L, variance, LEVEL, rep)
 
     def cuts(self, plan: AssessPlan, f: int) -> QuantileCuts:
         """What quantile_pass needs of file f: its profiles' cells in each quantile grouping
         and every cell's quantiles of each variable."""
         at = _profile_coding(plan, self.profiles)
         n_prof = [len(p) for p in self.profiles]
-        r = self.records[f]
         probs = np.array(list(QUANTILES.values()))
-        # each variable's non-missing records by value, with their values, weights and
-        # profiles: once for every grouping
-        by_value = []
-        for j, o in enumerate(self._orders(f)):
-            o = o[~np.isnan(r.X[o, j])]
-            by_value.append((r.X[o, j], r.w[o], r.profile[o]))
         cells, q = [], []
         for g in plan.request.quantile_groupings:
             codes, _, L = _cells([at[v] for v in g], n_prof)
             qs = [
-                np.sort(cell_quantiles(x, w, codes[f][p], L, probs, QUANTILE_RULE), axis=1)
-                for x, w, p in by_value
+                np.sort(
+                    cell_quantiles(v.x, v.w, codes[f][v.profile], L, probs, QUANTILE_RULE), axis=1
+                )
+                for v in self.variables[f]
             ]
             cells.append((codes[f], L))
             q.append(qs)
@@ -743,22 +748,18 @@ def partition_quantiles(
     quantile emptied), so the driver holds them once."""
     if not plan.study.continuous:
         return None
-    records, profiles = [], []
+    variables, psus, profiles = [], [], []
     for parts in second:
         prof = np.unique(np.concatenate([p.profiles for p in parts]))
         got = [(np.searchsorted(prof, p.profiles), p.quantile) for p in parts]
         for p in parts:
             p.quantile = None
-        records.append(
-            QuantileRecords(
-                np.concatenate([q.X for _, q in got]),
-                np.concatenate([q.w for _, q in got]),
-                np.concatenate([q.g for _, q in got]).astype(np.int64),
-                np.concatenate([index[q.profile] for index, q in got]),  # the file's profiles
-            )
-        )
+        w = np.concatenate([q.w for _, q in got])
+        at = np.concatenate([index[q.profile] for index, q in got])  # the file's profiles
+        variables.append(sorted_variables(np.concatenate([q.X for _, q in got]), w, at))
+        psus.append(np.concatenate([q.g for _, q in got]).astype(np.int64))
         profiles.append(prof)
-    return PartitionQuantiles(records, profiles)
+    return PartitionQuantiles(variables, psus, profiles)
 
 
 @dataclass
@@ -782,13 +783,14 @@ def quantile_pass(
     records with the variable (L x R x R: the rank of the replicate weights, the cell's
     degrees of freedom)."""
     df = _file_records(part, spec, req, f)
-    W = np.ascontiguousarray(df[list(req.files[f].replicates)].to_numpy(dtype=float))
-    w = df[req.files[f].weight].to_numpy(dtype=float)
+    d = req.files[f]
+    w = df[d.weight].to_numpy(dtype=float)
     X = plan.study.continuous_values(df)
     at = np.searchsorted(cuts.profiles, _profile_numbers(df, req, plan))
     cells = [(codes[at], L) for codes, L in cuts.cells]
     with single_blas_thread():
-        groups = _factor_groups(part, req.files[f], W, w)
+        groups = _factor_groups(part, d, df, w)
+        W = None if groups else np.ascontiguousarray(df[list(d.replicates)].to_numpy(dtype=float))
         grams = _cell_grams(W, cells, np.isnan(X), (w, groups))
         totals = [
             _segment_totals(W, X, cell, L, qs, (w, groups))
@@ -798,7 +800,7 @@ def quantile_pass(
 
 
 def _segment_totals(
-    W: np.ndarray,
+    W: np.ndarray | None,
     X: np.ndarray,
     cell: np.ndarray,
     L: int,
@@ -806,36 +808,40 @@ def _segment_totals(
     factors: tuple[np.ndarray, Any] = (np.zeros(0), None),
 ) -> list[np.ndarray]:
     """Each variable's replicate totals by cell and segment between its sorted quantiles
-    (R x L (P + 1)), the records where it is missing left out: one sparse product for all.
-    factors: the weights w and their replicate factor groups (codes, G, F) when W_i = w_i F_g
-    (replicate_factor_groups): then F' times the totals of w by (segment, group), not W'."""
-    rows, cols, widths = [], [], []
-    offset = 0
+    (R x L (P + 1)), the records where it is missing left out. factors: the weights w and
+    their replicate factor groups (codes, G, F) when W_i = w_i F_g (replicate_factor_groups):
+    then F' times the totals of w by (segment, group), not W'."""
+    w, groups = factors
+    out = []
     for j, q in enumerate(qs):
         x = X[:, j]
-        ok = np.flatnonzero(~np.isnan(x))
-        c, xo = cell[ok], x[ok]
-        seg = np.zeros(len(ok), dtype=np.int64)
+        missing = np.isnan(x)
+        ok = np.flatnonzero(~missing) if missing.any() else None
+        c, xo = (cell, x) if ok is None else (cell[ok], x[ok])
+        seg = np.zeros(len(xo), dtype=np.int64)
         for p in range(q.shape[1]):  # the quantiles below x, one at a time (q: L x P)
             seg += xo > q[:, p][c]
-        width = q.shape[1] + 1
-        rows.append(offset + c * width + seg)
-        cols.append(ok)
-        widths.append(L * width)
-        offset += L * width
-    r, c = np.concatenate(rows), np.concatenate(cols)
-    w, groups = factors
-    if groups is not None:
-        codes, G, F = groups
-        if offset * G <= DENSE_CELLS:  # the totals of w by (segment, group): one bincount
-            zw = np.bincount(r * G + codes[c], w[c], offset * G).reshape(offset, G)
+        width = L * (q.shape[1] + 1)
+        r = c * (q.shape[1] + 1) + seg
+        if groups is not None:
+            codes, G, F = groups
+            gc, wc = (codes, w) if ok is None else (codes[ok], w[ok])
+            if width * G <= DENSE_CELLS:  # the totals of w by (segment, group): one bincount
+                zw = np.bincount(r * G + gc, wc, width * G).reshape(width, G)
+            else:
+                zw = sp.csr_matrix((wc, (r, gc)), shape=(width, G))
+            out.append(np.asarray(zw @ F).T)
         else:
-            zw = sp.csr_matrix((w[c], (r, codes[c])), shape=(offset, G))
-        T = np.asarray(zw @ F).T
-    else:
-        z = sp.csr_matrix((np.ones(len(r)), (r, c)), shape=(offset, len(W)))
-        T = np.asarray(z @ W).T
-    return np.split(T, np.cumsum(widths)[:-1], axis=1)
+            assert W is not None  # read where the factors vary by record
+            rows = np.arange(len(x)) if ok is None else ok
+            z = sp.csr_matrix((np.ones(len(r)), (r, rows)), shape=(width, len(W)))
+            out.append(np.asarray(z @ W).T)
+    return out
+
+
+def _replicates_count(W: np.ndarray | None, factors: tuple[np.ndarray, Any]) -> int:
+    """R: the columns of W, or of the factor groups' F when W is not read."""
+    return W.shape[1] if W is not None else factors[1][2].shape[1]
 
 
 DENSE_CELLS = 1 << 22  # (segment, replicate factor group) sums held dense up to 32 MB
@@ -845,7 +851,7 @@ GRAM_BYTES = 128 * 2**20  # the finest cells' Grams held at once (else a groupin
 
 
 def _cell_grams(
-    W: np.ndarray,
+    W: np.ndarray | None,
     cells: Sequence[tuple[np.ndarray, int]],
     missing: np.ndarray,
     factors: tuple[np.ndarray, Any] = (np.zeros(0), None),
@@ -855,8 +861,8 @@ def _cell_grams(
     records where the variable is not missing (L x R x R). The Gram is additive: one product
     per finest group (the records' cells in every grouping and their pattern of missing
     variables), summed into each grouping's cells. factors: as _segment_totals'; then each
-    finest group's Gram is F' diag(s) F, s the sums of w^2 by factor group (no copy of W)."""
-    k, R = missing.shape[1], W.shape[1]
+    finest group's Gram is F' diag(s) F, s the sums of w^2 by factor group (W not read: None)."""
+    k, R = missing.shape[1], _replicates_count(W, factors)
     patterns, pattern = distinct_rows(missing)
     fine, of = distinct_rows(np.column_stack([c for c, _ in cells] + [pattern]))
     if len(fine) * R * R * 8 > GRAM_BYTES and len(cells) > 1:  # a grouping at a time
@@ -877,12 +883,13 @@ def _cell_grams(
 
 
 def _fine_grams(
-    W: np.ndarray, of: np.ndarray, n_fine: int, factors: tuple[np.ndarray, Any]
+    W: np.ndarray | None, of: np.ndarray, n_fine: int, factors: tuple[np.ndarray, Any]
 ) -> np.ndarray:
     """The Gram of the replicate weights of each finest group's records (of: each record's
     group): F' diag(s_i) F with s_i the sums of w^2 of group i's records by factor group when
-    W_i = w_i F_g (few groups), else the product of the group's rows of W."""
-    R = W.shape[1]
+    W_i = w_i F_g (over the factor groups the group holds when they are many), else the
+    product of the group's rows of W."""
+    R = _replicates_count(W, factors)
     G = np.empty((n_fine, R, R))
     w, groups = factors
     if groups is not None and n_fine * groups[1] <= DENSE_CELLS:
@@ -891,6 +898,16 @@ def _fine_grams(
         for i in range(n_fine):
             np.matmul(F.T * s[i], F, out=G[i])
         return G
+    if groups is not None:  # each finest group's factor groups alone (few of n_fine x G)
+        codes, n_g, F = groups
+        pairs, at = np.unique(of * n_g + codes, return_inverse=True)
+        s = np.bincount(at, w * w, len(pairs))
+        bounds = np.searchsorted(pairs // n_g, np.arange(n_fine + 1))
+        for i in range(n_fine):
+            Fi = F[pairs[bounds[i] : bounds[i + 1]] % n_g]
+            np.matmul(Fi.T * s[bounds[i] : bounds[i + 1]], Fi, out=G[i])
+        return G
+    assert W is not None  # read where the factors vary by record
     order = np.argsort(of, kind="stable")
     bounds = np.searchsorted(of[order], np.arange(n_fine + 1))
     Ws = W[order]
@@ -1050,10 +1067,12 @@ def model_pass(
     d = req.files[f]
     g = _psu_codes(df, plan, f)
     w = df[d.weight].to_numpy(dtype=float)
-    W = df[list(d.replicates)].to_numpy(dtype=float) if plan.designs[f].replicate_weights else None
-    totals = None  # with few replicate factor groups: F' times the sums of w by group
-    if W is not None and (groups := _factor_groups(part, d, W, w)) is not None:
-        totals = _totals_through_factors(w, groups)
+    W, totals = None, None  # with few replicate factor groups: F' times the sums of w by group
+    if plan.designs[f].replicate_weights:
+        if (groups := _factor_groups(part, d, df, w)) is not None:
+            totals = _totals_through_factors(w, groups)
+        else:
+            W = df[list(d.replicates)].to_numpy(dtype=float)
     out = []
     for text, _ in req.models:
         X, y, ok, names = _model_matrix(df, req, plan, text)
