@@ -518,13 +518,14 @@ class SortedVariable:
 
 def sorted_variables(X: np.ndarray, w: np.ndarray, profile: np.ndarray) -> list[SortedVariable]:
     """Each column of X (records x k, NaN missing) as a SortedVariable: one sort per variable
-    for every grouping of the records' profiles."""
+    for every grouping of the records' profiles (indices and profiles < records: int32 while
+    they fit)."""
     small = np.int32 if len(w) < 2**31 else np.int64
     out = []
     for j in range(X.shape[1]):
         o = np.argsort(X[:, j], kind="stable")
         o = o[~np.isnan(X[o, j])]
-        out.append(SortedVariable(X[o, j], w[o], profile[o], o.astype(small)))
+        out.append(SortedVariable(X[o, j], w[o], profile[o].astype(small), o.astype(small)))
     return out
 
 
