@@ -14,8 +14,8 @@ sums of w y, w m, m and |w y| by (PSU, key profile) and the replicate totals of 
 profile; the driver adds them over partitions and runs domain_estimates_of on them. An exact
 weighted quantile needs the values: pass 2 also sends the records of the continuous study
 variables (value, weight, PSU, profile: 8 bytes a variable and 16 a record), which the driver
-gathers in record order and runs domain_quantiles_of on (Taylor SEs: the PSUs' sums of w 1{y
-<= q} come from the same records). Replicate SEs of the quantiles need one more pass
+gathers, sorts by value once per variable (sorted_variables) and runs domain_quantiles_of on
+(Taylor SEs: the PSUs' sums of w 1{y <= q} come from the same records). Replicate SEs of the quantiles need one more pass
 (quantile_pass): the replicate totals of 1{y <= q} at the driver's quantiles and the Gram of
 the replicate weights (the degrees of freedom) by cell.
 """
@@ -520,8 +520,8 @@ def _factor_groups(part: Any, d: FileDesign, df: pd.DataFrame, w: np.ndarray) ->
     def groups() -> tuple:
         if not len(w):
             return (None,)
-        W = np.ascontiguousarray(df[list(d.replicates)].to_numpy(dtype=float))
-        return (replicate_factor_groups(W, w),)
+        # (as pandas gives it: factors_equal reads either layout; no C-ordered copy)
+        return (replicate_factor_groups(df[list(d.replicates)].to_numpy(dtype=float), w),)
 
     return cached(
         ("assess: replicate factor groups", partition_identity(part), d), groups, array_bytes
