@@ -220,3 +220,39 @@ def test_cell_quantiles_are_quantile_cells_q(qrule):
     got = cell_quantiles(x[o], w[o], codes[o], L, probs, qrule)
     np.testing.assert_array_equal(got, want)
     assert np.isnan(got[-3:]).all() and np.isfinite(got[:-3]).all()
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+def test_quantile_cells_hold_each_cells_records_quantiles_and_cdf(zeros):
+    """quantile_cells (one sort of the values, a radix sort of the cells): each cell holds its
+    non-missing records sorted by value, its rows in data order, the qrule's quantiles of them
+    alone (weighted_quantile on the cell's records, brute force) and, at each quantile, the
+    CDF F(q) = sum of w over x <= q / W (both ways _cdf sums it); with and without zero
+    weights (their records play no part in the quantiles and add nothing to F)."""
+    from sdl_design.survey.quantiles import _cdf, quantile_cells
+
+    rng = np.random.default_rng(23)
+    n, L = 5_000, 7
+    x = np.round(rng.normal(50, 10, n), 0)  # ties
+    x[rng.random(n) < 0.1] = np.nan
+    w = rng.uniform(0.5, 3.0, n)
+    if zeros:
+        w[rng.random(n) < 0.1] = 0.0
+    codes = rng.integers(-1, L - 1, n)  # -1: in no cell; the last cell empty
+    probs = np.array([0.25, 0.5, 0.75])
+    cells = quantile_cells(x, w, codes, L, probs, "math")
+    for c, cell in enumerate(cells):
+        rows = np.flatnonzero((codes == c) & ~np.isnan(x))
+        np.testing.assert_array_equal(cell.rows, rows)
+        np.testing.assert_array_equal(cell.xs, np.sort(x[rows], kind="stable"))
+        np.testing.assert_array_equal(cell.order, rows[np.argsort(x[rows], kind="stable")])
+        want_q = weighted_quantile(
+            np.sort(x[rows]), w[rows][np.argsort(x[rows], kind="stable")], probs, "math"
+        )
+        np.testing.assert_array_equal(cell.q, want_q)
+        if not len(rows):
+            assert np.isnan(cell.q).all()
+            continue
+        F = np.array([w[rows][x[rows] <= q].sum() for q in cell.q]) / w[rows].sum()
+        for divide_first in (False, True):
+            np.testing.assert_allclose(_cdf(cell, divide_first), F, rtol=1e-13)
