@@ -375,7 +375,7 @@ def validate_output(
     frame = pd.DataFrame({w: puf[w]} if w in puf.columns else {}, index=puf.index)
     frame[_ROW] = np.arange(1, len(puf) + 1)  # rows counted from 1
     if reps:
-        frame["__replicate_min"] = puf[reps].min(axis=1).to_numpy()
+        frame["__replicate_min"] = _row_min(puf, reps)
     checks = []
     for label, kind in output_record_checks(spec, list(puf.columns), reps):
         if kind == "positive":
@@ -438,13 +438,22 @@ def record_failures(
     out = []
     for _, kind in output_record_checks(spec, list(df.columns), reps):
         if kind == "replicate_min":
-            x = df[reps].min(axis=1).to_numpy(dtype=float)
+            x = _row_min(df, reps)
             bad = ~np.isnan(x) & (x < 0)
         else:
             x = pd.to_numeric(df[spec.design.weight], errors="coerce").to_numpy(dtype=float)
             bad = np.isnan(x) if kind == "not_null" else ~np.isnan(x) & ~(x > 0)
         out.append((int(bad.sum()), np.asarray(ids)[bad][:examples].tolist()))
     return out
+
+
+def _row_min(df: pd.DataFrame, columns: Sequence[str]) -> np.ndarray:
+    """Each record's smallest value of columns, missing values skipped (NaN: all missing), as
+    df[columns].min(axis=1): a column at a time, no copy of the columns as one frame."""
+    x = df[columns[0]].to_numpy(dtype=float, na_value=np.nan, copy=True)
+    for c in columns[1:]:
+        np.fmin(x, df[c].to_numpy(dtype=float, na_value=np.nan), out=x)
+    return x
 
 
 def output_verdicts(

@@ -140,3 +140,39 @@ def test_output_gates(data):
     res = validate_output(puf, spec, [], masked_design=True).set_index("name")
     req = res.loc[res.index.str.contains("columns present")].iloc[0]
     assert not req.passed and req.value == 2 and "['h', 'p']" in req.detail  # strata, PSU
+
+
+def test_replicate_min_check_counts_records_with_a_negative_replicate_weight(data):
+    """The output's replicate-weight check: a record fails when its smallest replicate weight,
+    missing ones skipped, is below 0 (pandas' min(axis=1), brute force); a record whose
+    replicate weights are all missing or -0.0 passes. Whole file (GX) and by halves
+    (record_failures) count the same records."""
+    from expectations.suites import _row_min, output_verdicts, record_failures
+    from sdl_design.edits import combine_rule_failures, rule_failures
+
+    spec = parse_spec(SPEC)
+    clean = data[data.age.between(0, 90) & data.sex.notna()].copy()
+    clean.loc[clean.age < 15, "marital"] = "never"
+    clean.loc[(clean.sex == "m") & (clean.age >= 12), "preg"] = 0
+    puf = clean.drop(columns=["id", "seg", "h", "p"]).reset_index(drop=True)
+    rng = np.random.default_rng(3)
+    reps = [f"rw{i}" for i in range(6)]
+    R = rng.uniform(0.0, 3.0, (len(puf), len(reps)))
+    R[rng.random(R.shape) < 0.1] = np.nan
+    R[3] = np.nan  # every replicate missing: no smallest value
+    R[4, 0] = -0.0
+    R[[5, 9, 11], rng.integers(0, len(reps), 3)] = [-1.0, -0.5, -2.0]
+    puf = pd.concat([puf, pd.DataFrame(R, columns=reps)], axis=1)
+    want_min = puf[reps].min(axis=1).to_numpy()
+    np.testing.assert_array_equal(_row_min(puf, reps), want_min)
+    want = validate_output(puf, spec, reps, masked_design=False)
+    label = [n for n in want["name"] if n.startswith("output: replicate weights")][0]
+    assert want.set_index("name").loc[label, "value"] == 3 == (want_min < 0).sum()
+    halves = [(puf.iloc[:50], np.arange(50)), (puf.iloc[50:], np.arange(50, len(puf)))]
+    got = output_verdicts(
+        list(puf.columns), spec, reps, False,
+        combine_rule_failures([record_failures(h, spec, reps, i) for h, i in halves]),
+        combine_rule_failures([rule_failures(h, spec.edits, i) for h, i in halves]),
+    )  # fmt: skip
+    assert got.set_index("name").loc[label, "value"] == 3
+    assert got["passed"].tolist() == want["passed"].tolist()
