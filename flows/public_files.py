@@ -364,19 +364,54 @@ def public_column(part: object, spec: ReleaseSpec, keep: list[str], column: str)
     return publish_coding(df, spec.variables.keys)[column]
 
 
+def public_values_at(
+    part: Any, spec: ReleaseSpec, columns: list[str], rows: str
+) -> dict[str, tuple[pd.Series, bool]]:
+    """Map: published columns of the partition at the records of the file in rows (the .npy
+    file of their ascending positions): a numeric or categorical column's values at those
+    records alone, a text column whole (the public order ranks text on the whole column)."""
+    at = np.load(rows, mmap_mode="r")
+    a, b = np.searchsorted(at, [part.start, part.stop])
+    local = np.asarray(at[a:b]) - part.start
+    df = publish_coding(read_partition(part, columns, spec)[columns], spec.variables.keys)
+    out = {}
+    for c in columns:
+        s = df[c].reset_index(drop=True)
+        alone = isinstance(s.dtype, pd.CategoricalDtype) or pd.api.types.is_numeric_dtype(s)
+        out[c] = (s.iloc[local].reset_index(drop=True), True) if alone else (s, False)
+    return out
+
+
 def public_order(
     run_map: Callable[..., list], parts: Sequence, spec: ReleaseSpec, keep: list[str],
-    labels: Sequence[str], n: int,
+    labels: Sequence[str], n: int, work: Path,
 ) -> np.ndarray:  # fmt: skip
     """The public file's order over the partitions (public_records'): each column read from
-    every partition only while records are still tied on the columns before it."""
+    every partition only while records are still tied on the columns before it; once few
+    are, several columns' values at the tied records alone in one map (their positions in
+    work/tied.npy)."""
     cols = [*[c for c in labels if c in keep], *[c for c in keep if c not in labels]]
 
     def column(c: str) -> pd.Series:
         got = run_map(public_column, parts, spec, keep, c, what=f"public files: order by {c}")
         return pd.concat(got, ignore_index=True)
 
-    return publish_order(cols, column, n)
+    def values_at(batch: Sequence[str], rows: np.ndarray) -> dict[str, tuple[pd.Series, bool]]:
+        np.save(work / "tied.npy", rows)
+        what = f"public files: order by {batch[0]}" + (f"..{batch[-1]}" if len(batch) > 1 else "")
+        got = run_map(public_values_at, parts, spec, list(batch), str(work / "tied.npy"), what=what)
+        out = {}
+        for c in batch:
+            pieces = [g[c] for g in got]
+            if all(alone for _, alone in pieces):
+                out[c] = (pd.concat([s for s, _ in pieces], ignore_index=True), True)
+            elif not any(alone for _, alone in pieces):
+                out[c] = (pd.concat([s for s, _ in pieces], ignore_index=True), False)
+            else:  # numeric in some partitions, text in others: the whole column
+                out[c] = (column(c), False)
+        return out
+
+    return publish_order(cols, column, n, values_at)
 
 
 def public_pass1(part: object, spec: ReleaseSpec, keep: list[str]) -> PublicPass1:
@@ -638,7 +673,7 @@ def _order_file(
     confidential record map in work/../internal/record_map.parquet."""
     work.mkdir()
     order = str(work / "order.npy")
-    perm = public_order(run_map, parts, spec, keep, labels, n)
+    perm = public_order(run_map, parts, spec, keep, labels, n, work)
     np.save(order, perm)
     if input_rows is not None:
         rows, n_input = input_rows

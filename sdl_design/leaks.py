@@ -202,24 +202,51 @@ def sortable(s: pd.Series) -> np.ndarray:
     return np.where(c < 0, len(u), c).astype(np.int64)
 
 
-def publish_order(columns: Sequence[str], column: Callable[[str], pd.Series], n: int) -> np.ndarray:
+ORDER_BYTES = 256 * 2**20  # the tied records' values of several columns, fetched at once
+
+# values_at(columns, rows): each column's values at the records rows (ascending positions),
+# or the whole column: {column: (values, at_rows)}
+ValuesAt = Callable[[Sequence[str], np.ndarray], dict[str, tuple[pd.Series, bool]]]
+
+
+def publish_order(
+    columns: Sequence[str],
+    column: Callable[[str], pd.Series],
+    n: int,
+    values_at: ValuesAt | None = None,
+) -> np.ndarray:
     """The public file's order: its records sorted by their published values, column by column
     in the order given (the design labels first, then the file's columns), so that the order is
     a function of what is published and nothing else; records equal on every column in input
-    order. column(c): the whole column c (read only while records are still tied). Returns the
-    records' positions, row by row."""
+    order. column(c): the whole column c (read only while records are still tied). values_at:
+    once at most a quarter of the records are still tied, the next columns' values at those
+    records alone (ORDER_BYTES of them at a time; a text column whole: its ranks are the whole
+    column's). Returns the records' positions, row by row."""
     order = np.arange(n)  # the records in the order of the columns so far
     slots = np.arange(n)  # the places in `order` of the records still tied with another
     group = np.zeros(n, dtype=np.int64)  # their tied group, non-decreasing along slots
-    for c in columns:
-        if not len(slots):
-            break
-        s, tied = column(c), order[slots]
-        if isinstance(s.dtype, pd.CategoricalDtype) or pd.api.types.is_numeric_dtype(s):
-            v = sortable(s.iloc[tied])  # the same order among them as among all
-        else:  # text: sorted as the whole column sorts (mixed types as text)
-            v = sortable(s)[tied]
-        slots, group = refined_slots(order, slots, group, v)
+    i = 0
+    while i < len(columns) and len(slots):
+        if values_at is None or 4 * len(slots) > n:
+            batch, rows = list(columns[i : i + 1]), None
+            got = {columns[i]: (column(columns[i]), False)}
+        else:
+            batch = list(columns[i : i + max(1, ORDER_BYTES // (8 * len(slots)))])
+            rows = np.sort(order[slots])
+            got = values_at(batch, rows)
+        for c in batch:
+            if not len(slots):
+                break
+            s, at_rows = got.pop(c)
+            tied = order[slots]
+            if at_rows:  # numeric or categorical: the tied records' values alone
+                v = sortable(s.iloc[np.searchsorted(rows, tied)])
+            elif isinstance(s.dtype, pd.CategoricalDtype) or pd.api.types.is_numeric_dtype(s):
+                v = sortable(s.iloc[tied])  # the same order among them as among all
+            else:  # text: sorted as the whole column sorts (mixed types as text)
+                v = sortable(s)[tied]
+            slots, group = refined_slots(order, slots, group, v)
+        i += len(batch)
     return order
 
 

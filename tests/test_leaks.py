@@ -462,6 +462,24 @@ def test_publish_order_is_pandas_stable_sort_with_ties_left(distinct):
     want = df.sort_values(list(df.columns), kind="stable", na_position="last").index
     np.testing.assert_array_equal(got, want.to_numpy())
     assert len(df.drop_duplicates()) < n  # ties remain after every column
+    # the same order when, once few records are tied, the columns come as the tied records'
+    # values (text whole), one or several columns at a time
+    asked = []
+
+    def values_at(cols, rows):
+        asked.append((list(cols), len(rows)))
+        assert (np.diff(rows) > 0).all() and 4 * len(rows) <= n
+        return {
+            c: (df[c].iloc[rows], True) if df[c].dtype != object else (df[c], False) for c in cols
+        }
+
+    for most in (1, 1 << 30):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(leaks, "ORDER_BYTES", most)
+            got = leaks.publish_order(list(df.columns), lambda c: df[c], n, values_at)
+        np.testing.assert_array_equal(got, want.to_numpy())
+    if distinct == 5000:  # "w" leaves few tied: the rest by values_at, then all in one call
+        assert [len(c) for c, _ in asked] == [1, 1, 1, 3]
     # refined_slots: the tied records re-sorted by (group, v) in their places, brute force
     order = rng.permutation(n)
     slots = np.sort(rng.choice(n, 2000, replace=False))
