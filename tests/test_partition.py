@@ -1729,3 +1729,44 @@ def test_psu_rows_are_the_pairs_lookup(strata):
         psu="p",
     )  # fmt: skip
     assert pms._psu_rows(b0, req, psus).tolist() == want
+
+
+def test_retained_counts_are_mapped_once_for_a_selection_as_written(tmp_path):
+    """Run.retained: each input partition's selected records (the __sel column of the
+    selection's part files), counted by one map however often the stages ask (the final stage
+    and the assessment's risk), again once the selection is written anew; without a
+    selection every record."""
+    import os
+
+    from sdl_design.engine.records import Run
+
+    inputs = [P.Partition((), a, b) for a, b in ((0, 40), (40, 100))]
+    folder = tmp_path / "selected"
+    folder.mkdir()
+    rng = np.random.default_rng(2)
+
+    def write() -> list[int]:
+        counts = []
+        for p in inputs:
+            sel = rng.random(p.stop - p.start) < 0.6
+            pd.DataFrame({"__sel": sel}).to_parquet(folder / f"part-{p.start:012d}.parquet")
+            counts.append(int(sel.sum()))
+        return counts
+
+    calls = []
+
+    def run_map(fn, parts, *args, what=""):
+        calls.append(what)
+        return [fn(p, *args) for p in parts]
+
+    run = Run(run_map, inputs, {})
+    assert run.retained([]) == [40, 60] and not calls  # no selection: every record
+    want = write()
+    run.selected = str(folder)
+    assert run.retained([]) == want and run.retained([]) == want
+    assert calls == ["retained records"]
+    want = write()  # written anew (another file identity): counted again
+    for p in inputs:
+        path = folder / f"part-{p.start:012d}.parquet"
+        os.utime(path, ns=(path.stat().st_mtime_ns + 10**9,) * 2)
+    assert run.retained([]) == want and len(calls) == 2
