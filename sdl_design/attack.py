@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+from pandas.api.types import union_categoricals
 
 from sdl_design.codes import factorize
 from sdl_design.keys import bin_codes, coarsen
@@ -107,11 +108,65 @@ def intruder_key(
 # ---------------------------------------------------------------- profiles
 
 
+def compact_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """The columns the attacks read, held small with the same values: text as categories (1-2
+    byte codes), integers in the smallest integer type holding them. At 15M records the two
+    files' 17 columns took 4.9 GB as read (text 13-16 bytes a record, integers 8)."""
+    out = {}
+    for c in df.columns:
+        s = df[c]
+        if s.dtype == object or isinstance(s.dtype, pd.StringDtype):
+            cat = pd.Categorical(s)  # categories as objects: every partition's of one type
+            cats = pd.Index(np.asarray(cat.categories, dtype=object), dtype=object)
+            s = pd.Series(pd.Categorical.from_codes(cat.codes, cats), index=s.index, name=c)
+        elif isinstance(s.dtype, np.dtype) and s.dtype.kind in "iu" and len(s):
+            bound = max(-int(s.min()), int(s.max()) + 1)
+            s = s.astype(np.min_scalar_type(-bound))  # a signed type holding -bound..bound-1
+        out[c] = s
+    return pd.DataFrame(out, index=df.index)
+
+
+def concat_columns(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
+    """Partitions' compact_columns end to end (index 0..n-1): a text column's categories
+    united (pd.concat would turn categories that differ into one object per record)."""
+    out = {}
+    for c in frames[0].columns:
+        pieces = [f[c] for f in frames]
+        if all(isinstance(p.dtype, pd.CategoricalDtype) for p in pieces):
+            try:
+                out[c] = pd.Series(union_categoricals([p.array for p in pieces], ignore_order=True))
+                continue
+            except TypeError:  # categories of different types: one object column
+                pieces = [p.astype(object) for p in pieces]
+        out[c] = pd.concat(pieces, ignore_index=True)
+    return pd.DataFrame(out, columns=frames[0].columns)
+
+
+def _category_codes(original: pd.Series, released: pd.Series, key: KeySpec | None) -> tuple:
+    """_codes of two categorical columns from their categories alone (a key's map applied to
+    them): None when their categories are of different types."""
+    try:
+        both = union_categoricals([original.array, released.array], ignore_order=True)
+    except TypeError:
+        return None
+    values = pd.Series([*both.categories.astype(object), np.nan], dtype=object)
+    if key is not None and key.map:
+        values = coarsen(values, None, key.map)
+    table = factorize(values, use_na_sentinel=False)[0]  # the last: a missing value's code
+    c = table[both.codes]  # code -1 (missing) reads the last
+    return c[: len(original)], c[len(original) :]
+
+
 def _codes(original: pd.Series, released: pd.Series, key: KeySpec | None) -> tuple:
     """Both files' values of one column as codes into one category list (a key in its
     published coding; a missing value a category of its own)."""
     if key is not None and key.bins is not None:
         return bin_codes(original, key.bins), bin_codes(released, key.bins)
+    categorical = [isinstance(s.dtype, pd.CategoricalDtype) for s in (original, released)]
+    if all(categorical):
+        got = _category_codes(original, released, key)
+        if got is not None:
+            return got
     both = pd.concat([original, released], ignore_index=True)
     if key is not None and key.map:
         both = coarsen(both.astype(object), None, key.map)
@@ -145,9 +200,10 @@ def design_profiles(
     reads them: each original design cell (its strata and PSU labels) takes the published
     labels most of its published records carry (the map a few known respondents give away);
     a cell with no published record matches nothing. Returns (original, released) codes."""
-    oc = original_labels.groupby(list(original_labels.columns), sort=True, dropna=False).ngroup()
+    by = {"sort": True, "dropna": False, "observed": True}
+    oc = original_labels.groupby(list(original_labels.columns), **by).ngroup()
     oc = oc.to_numpy(dtype=np.int64)
-    rc = released_labels.groupby(list(released_labels.columns), sort=True, dropna=False).ngroup()
+    rc = released_labels.groupby(list(released_labels.columns), **by).ngroup()
     rc = rc.to_numpy(dtype=np.int64)
     n_rc = int(rc.max(initial=-1)) + 1
     pair = oc[link] * n_rc + rc  # (original cell, published cell) of each published record
@@ -213,14 +269,41 @@ def nearest_neighbour(
     values (standardized by the original's SD; a missing value is far). Returns the share of
     the original records linked correctly, the precision of the links and the share of the
     original records attacked (all, unless the pairs exceed max_pairs: the smallest cells)."""
-    n = len(po)
-    if xo.shape[1] == 0 or n == 0:
+    if xo.shape[1] == 0 or len(po) == 0:
         return {"share": 0.0, "precision": 0.0, "attacked": 0.0}
+    mu, sd = standardizing(xo)
+    zo_t, zr_t = standardized_t(xo, mu, sd, 1e6), standardized_t(xr, mu, sd, -1e6)
+    return nearest_links(po, pr, link, zo_t, zr_t, max_pairs)
+
+
+def standardizing(xo: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The original's column means and SDs (an SD of 0 or NaN read as 1)."""
     sd = np.nanstd(xo, axis=0)
     sd[~(sd > 0)] = 1.0
-    mu = np.nanmean(xo, axis=0)
-    zo = np.nan_to_num((xo - mu) / sd, nan=1e6)
-    zr = np.nan_to_num((xr - mu) / sd, nan=-1e6)
+    return np.nanmean(xo, axis=0), sd
+
+
+def standardized_t(x: np.ndarray, mu: np.ndarray, sd: np.ndarray, far: float) -> np.ndarray:
+    """(x - mu) / sd a column at a time into rows (columns x records; a missing value far)."""
+    z = np.empty((x.shape[1], x.shape[0]))
+    for j in range(x.shape[1]):
+        np.subtract(x[:, j], mu[j], out=z[j])
+        z[j] /= sd[j]
+    return np.nan_to_num(z, nan=far, copy=False)
+
+
+def nearest_links(
+    po: np.ndarray,
+    pr: np.ndarray,
+    link: np.ndarray,
+    zo_t: np.ndarray,
+    zr_t: np.ndarray,
+    max_pairs: int = NN_PAIRS_MAX,
+) -> dict[str, float]:
+    """nearest_neighbour on standardized values held as rows (standardized_t)."""
+    n = len(po)
+    if n == 0:
+        return {"share": 0.0, "precision": 0.0, "attacked": 0.0}
     G = int(max(po.max(initial=-1), pr.max(initial=-1))) + 1
     F = np.bincount(pr, minlength=G)
     rord = np.argsort(pr, kind="stable")
@@ -235,7 +318,6 @@ def nearest_neighbour(
     # the pairs a block of original records at a time (each record's pairs in one block): at
     # 20M pairs the whole set's arrays took 1.1 GB at once
     bounds = _pair_blocks(size, NN_PAIRS_BLOCK)
-    zo_t, zr_t = np.ascontiguousarray(zo.T), np.ascontiguousarray(zr.T)
     n_linked = n_att = 0
     for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
         linked = _nearest_links(cand[a:b], size[a:b], po, start, rord, link, zo_t, zr_t)
@@ -307,7 +389,7 @@ def individual_risk(f: np.ndarray, F_hat: np.ndarray) -> np.ndarray:
 
 
 def board_measures(
-    pr: np.ndarray, w: np.ndarray, sensitive: Mapping[str, np.ndarray]
+    pr: np.ndarray, w: np.ndarray, sensitive: Mapping[str, np.ndarray | pd.Series]
 ) -> tuple[dict[str, float], pd.DataFrame]:
     """k-anonymity counts, l-diversity of each sensitive variable and Benedetti-Franconi
     individual and global risk of the published file on the intruder's key (pr: each
@@ -329,14 +411,35 @@ def board_measures(
         out[f"records_violating_{k}_anonymity"] = float(below)
         rows.append({"k": k, "records below k": below, "share": below / n if n else 0.0})
     for name, y in sensitive.items():
-        yc = factorize(pd.Series(y), use_na_sentinel=False)[0].astype(np.int64)
-        pairs = np.unique(pr * (int(yc.max(initial=0)) + 1) + yc)
-        ell = np.bincount(pairs // (int(yc.max(initial=0)) + 1), minlength=G)
+        y = y if isinstance(y, pd.Series) else pd.Series(y)
+        yc = factorize(y, use_na_sentinel=False)[0].astype(np.int64)
+        K = int(yc.max(initial=0)) + 1
+        pairs = pd.unique(pr * K + yc)  # the distinct (profile, value) pairs, by hashing
+        ell = np.bincount(pairs // K, minlength=G)
         out[f"l_diversity_1_share_{name}"] = float((ell[pr] <= 1).mean()) if n else 0.0
     return out, pd.DataFrame(rows)
 
 
 # ---------------------------------------------------------------- the battery
+
+
+def _nearest_of(
+    original: pd.DataFrame,
+    released: pd.DataFrame,
+    cols: list[str],
+    p: tuple[np.ndarray, np.ndarray],
+    link: np.ndarray,
+) -> dict[str, float]:
+    """nearest_neighbour on columns cols of both files, each file's values held once as
+    read and once standardized (at 15M records 3 columns are 360 MB an array)."""
+    xo = original[cols].apply(pd.to_numeric, errors="coerce").to_numpy(dtype=float)
+    mu, sd = standardizing(xo)
+    zo_t = standardized_t(xo, mu, sd, 1e6)
+    del xo
+    xr = released[cols].apply(pd.to_numeric, errors="coerce").to_numpy(dtype=float)
+    zr_t = standardized_t(xr, mu, sd, -1e6)
+    del xr
+    return nearest_links(*p, link, zo_t, zr_t)
 
 
 def attack_battery(
@@ -386,16 +489,14 @@ def attack_battery(
         cols = [c for c in cols if c in original.columns]
         if not cols:
             continue
-        xo = original[cols].apply(pd.to_numeric, errors="coerce").to_numpy(dtype=float)
-        xr = released[cols].apply(pd.to_numeric, errors="coerce").to_numpy(dtype=float)
-        nn = nearest_neighbour(*p_full, link, xo, xr)
+        nn = _nearest_of(original, released, cols, p_full, link)
         rows[f"{name} ({', '.join(cols)})"] = nn
         m |= {f"{suffix}_share": nn["share"], f"{suffix}_precision": nn["precision"]}
         if suffix == "nn":
             gated.append(nn["share"])
     m["reid_share_worst"] = max(gated)
     if weight is not None and weight in released.columns:
-        sens = {c: released[c].to_numpy() for c in sensitive if c in released.columns}
+        sens = {c: released[c] for c in sensitive if c in released.columns}
         board, _ = board_measures(p_full[1], released[weight].to_numpy(dtype=float), sens)
         m |= board
     table = pd.DataFrame([{"attack": a, **{k: v for k, v in r.items()}} for a, r in rows.items()])

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from sdl_design.attack import concat_columns
 from sdl_design.describe import Describes
 from sdl_design.engine import partitions as part
 from sdl_design.engine.partitions import combine_profiles, profile_scores
@@ -209,11 +210,11 @@ def _risk_by_partition(
     reps = design.replicate_weights.resolve(released) if design.replicate_weights else []
     rel_cols, orig_cols = pas.attack_columns(spec, released, original, reps)
     got = run_map(pas.attack_released, linked, spec, rel_cols, run.selected, what="attacks")
-    rel = pd.concat([g[0] for g in got], ignore_index=True)
+    rel = concat_columns([g[0] for g in got])
     rel.index = pd.Index(np.concatenate([g[1] for g in got]))
-    orig = pd.concat(
-        run_map(pas.attack_original, inputs, spec, orig_cols, what="attacks, original"),
-        ignore_index=True,
+    del got
+    orig = concat_columns(
+        run_map(pas.attack_original, inputs, spec, orig_cols, what="attacks, original")
     )
     attacks, key = published_attacks(orig, rel, spec, design, ctx.masked_design)
     m |= attacks

@@ -30,6 +30,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
+from sdl_design.attack import compact_columns
 from sdl_design.blas import single_blas_thread
 from sdl_design.codes import factorize
 from sdl_design.engine.cache import array_bytes, cached
@@ -1515,12 +1516,12 @@ def attack_released(
     """Map: a published partition's columns the attacks read, and each record's row in the
     input (input_rows)."""
     rel = read_partition(linked.released, columns, spec)[columns].reset_index(drop=True)
-    return rel, input_rows(linked, selected)
+    return compact_columns(rel), input_rows(linked, selected)
 
 
 def attack_original(part: Any, spec: ReleaseSpec, columns: list[str]) -> pd.DataFrame:
     """Map: an original partition's columns the attacks read."""
-    return read_partition(part, columns, spec)[columns].reset_index(drop=True)
+    return compact_columns(read_partition(part, columns, spec)[columns].reset_index(drop=True))
 
 
 def attack_columns(
