@@ -227,8 +227,10 @@ def search_values(
 
 
 def _labels(s: pd.Series, key: KeySpec) -> pd.Series:
+    """The key's labels of s as a categorical (levels[codes]: no text made per record)."""
     codes, levels = key_levels(s, key)
-    return pd.Series(levels[codes], index=s.index, name=s.name)
+    cat = pd.Categorical.from_codes(codes, pd.Index(levels, dtype=object))
+    return pd.Series(cat, index=s.index, name=s.name)
 
 
 def _profiles(

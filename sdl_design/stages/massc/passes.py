@@ -175,7 +175,7 @@ def donor_pass1(part: Partition, spec: ReleaseSpec, req: MasscRequest) -> pd.Dat
     values, pid = _search_units(df, req)
     CACHE.put(_search_key(part, req), pid, pid.nbytes)  # donor_send and donor_serve read them
     first = first_of(pid, int(pid.max()) + 1 if len(pid) else 0)
-    out = {f"v{j}": v.to_numpy()[first] for j, v in enumerate(values)}
+    out = {f"v{j}": v.iloc[first].to_numpy() for j, v in enumerate(values)}
     out["count"] = np.bincount(pid).astype(np.int64)
     out["first"] = part.start + first.astype(np.int64)
     return pd.DataFrame(out)
