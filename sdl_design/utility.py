@@ -126,6 +126,9 @@ class Characteristics:
     kinds: dict[str, str]  # variable -> "mean" | "proportion"
 
 
+PREFIX = 20_000  # broad_characteristics: a text column's first records, counted first
+
+
 def broad_characteristics(
     df: pd.DataFrame,
     design: dict | None = None,
@@ -160,6 +163,8 @@ def broad_characteristics(
             if not np.isnan(x).all() and np.nanmin(x) < np.nanmax(x):
                 numeric.append(c)
             continue
+        if len(s) > PREFIX and s.iloc[:PREFIX].nunique() > max_categories:
+            continue  # more categories in its first records already (an identifier, a name)
         codes, uniq = factorize(s)  # missing: -1
         if 2 <= len(uniq) <= max_categories:
             categorical[c] = (codes, uniq)

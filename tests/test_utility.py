@@ -187,3 +187,23 @@ def test_original_se_reads_the_declared_replicate_scale():
     assert np.isclose(row["se_rep"], want, rtol=1e-12)
     undeclared = SurveyDesign(df, "w", replicate_weights=reps, method="bootstrap")
     assert not np.isclose(want, undeclared.mean("y", variance="replicate")["se"].iloc[0])
+
+
+def test_text_columns_with_many_values_are_left_out_from_their_first_records(monkeypatch):
+    """A text column is a categorical characteristic exactly when it has 2..max_categories
+    values, whether its first records already show more (counted first) or not."""
+    import sdl_design.utility as ut
+
+    rng = np.random.default_rng(4)
+    n = 600
+    df = frame(n).assign(
+        pid=[f"id{i}" for i in range(n)],  # an identifier: every prefix shows too many
+        late=np.where(np.arange(n) < 60, "a", rng.choice([f"c{i}" for i in range(40)], n)),
+        few=rng.choice(["x", "y", "z"], n),
+    )
+    want = {c for c in ("gender", "parish", "pid", "late", "few") if 2 <= df[c].nunique() <= 30}
+    for prefix in (50, 10**9):
+        monkeypatch.setattr(ut, "PREFIX", prefix)
+        chars = broad_characteristics(df, exclude=["w", "st", "psu"])
+        got = {k.split("=")[0] for k, v in chars.kinds.items() if v == "proportion"}
+        assert got == want == {"gender", "few"}
