@@ -773,3 +773,28 @@ def test_sparse_times_group_indicator_is_scipys_product_bit_for_bit():
     shuffled.data[a:b] = shuffled.data[a:b][::-1]
     shuffled.has_sorted_indices = False
     assert not _one_entry_per_column(shuffled)
+
+
+def test_distinct_rows_number_rows_by_first_appearance():
+    """distinct_rows against a dictionary of row tuples: 60 dummies (0/1, -0.0 equal to 0.0:
+    two groups of bits), integers, values with inf and NaN, and enough columns of many values
+    that the codes are compressed on the way (a product of value counts past 2^62); a matrix
+    with no dummy, one of dummies only, and one whose last column has NaN."""
+    from sdl_design.survey.design import distinct_rows
+
+    rng = np.random.default_rng(11)
+    n = 3000
+    cols = [rng.integers(0, 2, n) * 1.0 for _ in range(59)]
+    cols += [np.where(rng.random(n) < 0.5, -0.0, 1.0)]
+    cols += [rng.integers(-3, 3, n) * 1.0, rng.choice([0.5, np.inf, np.nan], n)]
+    cols += [rng.integers(0, 700, n) * 1.0 for _ in range(8)]  # 700^8 > 2^62
+    A = np.column_stack(cols)
+    A[::3, 55:] = 0.0  # many repeated rows
+    A[::3, :50] = 1.0
+    nan_last = np.column_stack([rng.integers(0, 5, n) * 1.0, rng.choice([0.5, np.nan], n)])
+    for M in (A, A[:, 60:], A[:, :60], nan_last):  # nan_last: NaN a value of its own
+        U, g = distinct_rows(M)
+        seen: dict = {}
+        want = [seen.setdefault(tuple(str(v + 0.0) for v in r), len(seen)) for r in M.tolist()]
+        assert np.array_equal(g, want) and len(U) == len(seen) < n
+        assert np.array_equal(U, M[[want.index(k) for k in range(len(seen))]], equal_nan=True)

@@ -94,12 +94,52 @@ def sorted_codes(x: pd.Series | np.ndarray) -> np.ndarray:
 def distinct_rows(A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct rows of A (in order of first appearance) and each row's index among them,
     by hashing one column at a time (no sort of rows)."""
-    g = np.zeros(len(A), dtype=np.int64)
-    for j in range(A.shape[1]):
-        c, u = factorize(A[:, j])
-        g = factorize(g * len(u) + c)[0]
+    # g: an injective code of each row's columns so far (any one: the last factorize numbers
+    # the distinct rows in order of first appearance). The 0/1 columns (a model matrix's
+    # dummies) are bits of one code, 52 at a time, summed exactly as powers of 2 a block of
+    # rows at a time; the others are factorized; g is compressed only before it could overflow
+    binary = _binary_columns(A)
+    codes = [(binary[a : a + 52], -1) for a in range(0, len(binary), 52)]
+    codes += [(None, j) for j in np.flatnonzero(~np.isin(np.arange(A.shape[1]), binary))]
+    g, span = np.zeros(len(A), dtype=np.int64), 1
+    for cols, j in codes:
+        if cols is not None:
+            c, k = _bits(A, cols), 1 << len(cols)
+        else:
+            c, u = factorize(np.ascontiguousarray(A[:, j]), use_na_sentinel=False)
+            k = len(u)  # (NaN: a value of its own)
+        if span * k >= 2**62:
+            g = factorize(g)[0]
+            span = int(g.max(initial=-1)) + 1
+        g, span = g * k + c, span * k
+    g = factorize(g)[0]
     first = first_of(g, int(g.max(initial=-1)) + 1)
     return A[first], g
+
+
+def _binary_columns(A: np.ndarray, step: int = 1 << 16) -> np.ndarray:
+    """The columns of A whose values are all 0 or 1 (-0.0 too), read a block of rows at a time."""
+    ok = np.ones(A.shape[1], dtype=bool)
+    for a in range(0, len(A), step):
+        B = A[a : a + step]
+        ok &= ((B == 0) | (B == 1)).all(axis=0)
+    return np.flatnonzero(ok)
+
+
+def _bits(A: np.ndarray, cols: np.ndarray, step: int = 1 << 16) -> np.ndarray:
+    """sum_j A[:, cols[j]] 2^j of 0/1 columns (at most 52: every partial sum exact), as A @ w
+    with w 0 off cols (a product with A's columns as they are: picking them copies A); the
+    columns picked when another column's inf or NaN would make the product NaN."""
+    w = np.zeros(A.shape[1])
+    w[cols] = 2.0 ** np.arange(len(cols))
+    out = np.empty(len(A), dtype=np.int64)
+    for a in range(0, len(A), step):
+        with np.errstate(invalid="ignore"):
+            r = A[a : a + step] @ w
+        if not np.isfinite(r).all():
+            r = A[a : a + step][:, cols] @ w[cols]
+        out[a : a + step] = r
+    return out
 
 
 def factors_equal(
