@@ -898,7 +898,9 @@ class ReleaseSpec(_Strict):
                     "give the weights as numbers"
                 )
                 continue
-            x = s.to_numpy(dtype=float, na_value=np.nan)
+            x = _floats(s)
+            if _within(x, positive=c == d.weight):
+                continue  # no value to name
             out += _finite(field, c, x, "weight", missing_ok=False)
             ok = np.isfinite(x) & (np.abs(x) <= MAX_VALUE)
             if c == d.weight and (ok & (x == 0)).any():
@@ -917,8 +919,9 @@ class ReleaseSpec(_Strict):
                 continue
             s = df[c]
             if pd.api.types.is_numeric_dtype(s) and not pd.api.types.is_bool_dtype(s):
-                x = s.to_numpy(dtype=float, na_value=np.nan)
-                out += _finite(fields.get(c, c), c, x, "value", missing_ok=True)
+                x = _floats(s)
+                if not _within(x, missing_ok=True):
+                    out += _finite(fields.get(c, c), c, x, "value", missing_ok=True)
         if d.weight in df.columns and not d.weights_normalised and len(df) > 1:
             w = pd.to_numeric(df[d.weight], errors="coerce").to_numpy(dtype=float)
             total = float(np.nansum(np.where(np.isfinite(w), w, np.nan)))
@@ -970,6 +973,23 @@ MAX_VALUE = 1e15  # a weight or study value beyond this is a code or an overflow
 def _rows(mask: np.ndarray, values: pd.Series | None = None) -> str:
 
     return rows_text(mask, values)
+
+
+def _floats(s: pd.Series) -> np.ndarray:
+    """s as floats, missing as NaN (a float64 column's values as they are, not copied)."""
+    return s.to_numpy() if s.dtype == np.float64 else s.to_numpy(dtype=float, na_value=np.nan)
+
+
+def _within(x: np.ndarray, positive: bool | None = None, missing_ok: bool = False) -> bool:
+    """Whether no value of x needs a message: finite (missing allowed when missing_ok), within
+    MAX_VALUE, and > 0 (positive True) or >= 0 (False). Two reductions and no temporary (71
+    weight columns of 1M records: 5.5 s of the checks' ten passes each before)."""
+    if not len(x):
+        return False
+    lo, hi = (np.fmin.reduce(x), np.fmax.reduce(x)) if missing_ok else (x.min(), x.max())
+    if not (-MAX_VALUE <= lo and hi <= MAX_VALUE):  # (NaN: False)
+        return False
+    return True if positive is None else bool(lo > 0 if positive else lo >= 0)
 
 
 def _finite(field: str, col: str, x: np.ndarray, what: str, missing_ok: bool) -> list[str]:

@@ -366,3 +366,46 @@ def test_typing_leaves_a_typed_frame_alone_and_changes_only_what_it_must(survey)
     assert typed is not df and typed["bmi"].isna().sum() == df["bmi"].isna().sum() + 2
     assert np.isnan(typed["bmi"].to_numpy()[[3, 7]]).all()
     pd.testing.assert_frame_equal(typed.drop(columns="bmi"), df.drop(columns="bmi"))
+
+
+def test_value_checks_name_the_same_values_with_the_two_reduction_shortcut(survey, monkeypatch):
+    """check_data's messages on weights, replicate weights and numeric keys and study variables
+    are the same whether columns whose smallest and largest values need no message skip the
+    record-by-record checks (the shortcut) or not, for each kind of bad value and for none."""
+    import sdl_design.spec as S
+    from sdl_design.spec import SpecError
+
+    spec = parse_spec(yaml.safe_load(DEFAULT_SPEC.read_text()))
+    rep = spec.replicate_columns(survey)[3]
+    cases = {
+        "clean": {},
+        "missing weight": {"wt": np.nan},
+        "zero weight": {"wt": 0.0},
+        "negative weight": {"wt": -2.0},
+        "huge weight": {"wt": 1e16},
+        "infinite replicate": {rep: np.inf},
+        "negative replicate": {rep: -1.0},
+        "zero and -0 replicate": {rep: -0.0},
+        "missing study value": {"bmi": np.nan},
+        "huge study value": {"bmi": -1e16},
+        "infinite key": {"age": np.inf},
+    }
+
+    def messages(df: pd.DataFrame) -> str:
+        try:
+            spec.check_data(df)
+        except SpecError as e:
+            return str(e)
+        return ""
+
+    for name, bad in cases.items():
+        df = survey.copy()
+        for c, v in bad.items():
+            df[c] = df[c].astype(float)
+            df.loc[df.index[[3, 40]], c] = v
+        with monkeypatch.context() as m:
+            m.setattr(S, "_within", lambda *a, **k: False)
+            want = messages(df)
+        got = messages(df)
+        assert got == want, name
+        assert bool(got) == (name not in ("clean", "zero and -0 replicate", "missing study value"))
