@@ -61,6 +61,7 @@ from sdl_design.survey.design import (
     dense_codes,
     first_of,
     group_indicator,
+    replicate_factor_groups,
     resolve_replicates,
     sparse_times,
 )
@@ -724,10 +725,7 @@ def means_pass1(df: pd.DataFrame, req: MeansRequest) -> MeansPass1:
     codes = [c + 1 for c, _ in per]  # 0: no level
     cell = _combine(codes, [len(u) + 1 for _, u in per]) if per else np.zeros(len(df), np.int64)
     C = int(cell.max()) + 1 if len(cell) else 0
-    order, sums = _cell_sums(df, req, w, cell, C)
-    n_c, W_c, X_c, Y_c, XR_c, YR_c, Wa = sums
-    R = len(req.replicate_weights)  # the PSUs' replicate sums from the records in cell order
-    psu_W = sparse_times(group_indicator(g[order], P), Wa[:, :R]) if R else np.zeros((P, 0))
+    n_c, W_c, X_c, Y_c, XR_c, YR_c, psu_W = _cell_sums(df, req, w, cell, C, g, P)
     out = MeansPass1(psus, np.bincount(g, w, P), psu_W, [], [], [], [], [], [], [])
     first = first_of(cell, C)
     every = [(np.array(["all"], dtype=object), None)] + [
@@ -749,32 +747,64 @@ def means_pass1(df: pd.DataFrame, req: MeansRequest) -> MeansPass1:
 
 
 def _cell_sums(
-    df: pd.DataFrame, req: MeansRequest, w: np.ndarray, cell: np.ndarray, C: int
-) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-    """The records' cell order and per cell: records n, sum w, sum w nn (X), sum w y0 (Y)
-    and the replicate sums XR, YR (C x R x k), with [W w] in that order. The records are
-    taken once in cell order (a column at a time), so a cell's records are one slice and
-    [W w]' [y0 nn] of each cell one product on views."""
+    df: pd.DataFrame, req: MeansRequest, w: np.ndarray, cell: np.ndarray, C: int, g: np.ndarray,
+    P: int,
+) -> tuple[np.ndarray, ...]:  # fmt: skip
+    """Per cell: records n, sum w, sum w nn (X), sum w y0 (Y) and the replicate sums XR, YR
+    (C x R x k); and the replicate weights' sums by PSU (g: each record's of P). A cell's sums
+    are [F 1]' Z of its rows: with few replicate factor groups (W_i = w_i F_g, as a
+    jackknife's within PSUs), Z the sums of w [y0 nn] by (cell, group) and F its groups'
+    factors (W read once, no record gathered: 3 partitions of 1M records, 70 replicates, 50
+    variables: 22.0-25.6 -> 17.9 CPU s); else Z the records' [y0 nn] and F their [W w], taken
+    once in cell order (a column at a time)."""
     k, R, n = len(req.variables), len(req.replicate_weights), len(df)
-    order = np.argsort(cell, kind="stable")
-    bounds = np.searchsorted(cell[order], np.arange(C + 1))
-    Ys = np.empty((n, 2 * k), order="F")  # y0 (missing as 0), then 1{observed}, in cell order
+    W = df[list(req.replicate_weights)].to_numpy(dtype=float) if R else None
+    groups = replicate_factor_groups(W, w) if R and n else None
+    if groups is not None:
+        codes, G, F = groups
+        pairs, of = dense_codes(cell * G + codes)  # (cell, group), sorted by cell
+        Z = sparse_times(group_indicator(of, len(pairs)), _observed_block(df, req, w))
+        rows = np.column_stack([F[pairs % G], np.ones(len(pairs))])
+        cell_of = pairs // G
+        pg, pof = dense_codes(g * G + codes)  # (PSU, group): sum w F_g
+        psu_W = sparse_times(group_indicator(pg // G, P), F[pg % G] * np.bincount(pof, w)[:, None])
+    else:
+        order = np.argsort(cell, kind="stable")
+        Z = _observed_block(df, req, None, order)
+        rows = np.empty((n, R + 1), order="F")  # the replicate weights and w, in cell order
+        for j in range(R):
+            np.take(W[:, j], order, out=rows[:, j])
+        np.take(w, order, out=rows[:, R])
+        cell_of = cell[order]
+        psu_W = sparse_times(group_indicator(g[order], P), rows[:, :R]) if R else np.zeros((P, 0))
+    bounds = np.searchsorted(cell_of, np.arange(C + 1))
+    S = np.empty((C, R + 1, 2 * k))
+    for c in range(C):  # (sums of a cell of no row: 0)
+        a, b = bounds[c], bounds[c + 1]
+        np.matmul(rows[a:b].T, Z[a:b], out=S[c])
+    n_c = np.bincount(cell, minlength=C).astype(float)
+    W_c = np.bincount(cell, w, C)
+    return n_c, W_c, S[:, R, k:], S[:, R, :k], S[:, :R, k:], S[:, :R, :k], psu_W
+
+
+def _observed_block(
+    df: pd.DataFrame, req: MeansRequest, w: np.ndarray | None, order: np.ndarray | None = None
+) -> np.ndarray:
+    """[y0 nn] (n x 2k: the variables, missing as 0, then 1{observed}), times w when given,
+    taken in order when given; column-major, a column at a time."""
+    k = len(req.variables)
+    Ys = np.empty((len(df), 2 * k), order="F")
     for j, c in enumerate(req.variables):
-        y = df[c].to_numpy(dtype=float, na_value=np.nan).take(order)
+        y = df[c].to_numpy(dtype=float, na_value=np.nan)
+        if order is not None:
+            y = y.take(order)
         seen = ~np.isnan(y)
         Ys[:, j] = np.where(seen, y, 0.0)
         Ys[:, k + j] = seen
-    Wa = np.empty((n, R + 1), order="F")  # the replicate weights and w, in cell order
-    for j, c in enumerate(req.replicate_weights):
-        np.take(df[c].to_numpy(dtype=float), order, out=Wa[:, j])
-    np.take(w, order, out=Wa[:, R])
-    S = np.empty((C, R + 1, 2 * k))
-    for c in range(C):  # (sums of a cell of no record: 0)
-        a, b = bounds[c], bounds[c + 1]
-        np.matmul(Wa[a:b].T, Ys[a:b], out=S[c])
-    n_c = np.diff(bounds).astype(float)
-    W_c = np.bincount(cell, w, C)
-    return order, (n_c, W_c, S[:, R, k:], S[:, R, :k], S[:, :R, k:], S[:, :R, :k], Wa)
+        if w is not None:
+            Ys[:, j] *= w
+            Ys[:, k + j] *= w
+    return Ys
 
 
 def _sum_by(codes: np.ndarray, a: np.ndarray, L: int) -> np.ndarray:
