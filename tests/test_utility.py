@@ -207,3 +207,28 @@ def test_text_columns_with_many_values_are_left_out_from_their_first_records(mon
         chars = broad_characteristics(df, exclude=["w", "st", "psu"])
         got = {k.split("=")[0] for k, v in chars.kinds.items() if v == "proportion"}
         assert got == want == {"gender", "few"}
+
+
+def test_partition_indicators_are_the_columns_compared_with_each_category():
+    """The partitioned SEs' 0/1 indicators (each column factorized once) equal df[c] == v for
+    text with missing values, mixed objects, integers, floats with -0.0 and NaN, booleans,
+    and categories of another type or absent."""
+    from sdl_design.engine.characteristics import _indicators
+
+    rng = np.random.default_rng(1)
+    n = 5000
+    df = pd.DataFrame(
+        {
+            "s": pd.Series(rng.choice(["a", "b", None, "c"], n), dtype="str"),
+            "o": pd.Series(rng.choice(["a", 1, 2.0, None], n), dtype=object),
+            "i": rng.integers(0, 3, n),
+            "f": rng.choice([0.0, -0.0, 1.5, np.nan], n),
+            "b": rng.random(n) < 0.3,
+        }
+    )
+    values = {"s": ["a", "c", "zz"], "o": ["a", 1, 2, "2"], "i": [0, 2.0, "1"], "f": [0.0, 1.5]}
+    ind = [(f"{c}={v!r}", c, v) for c, vs in {**values, "b": [True, False]}.items() for v in vs]
+    got = _indicators(df, ind)
+    for name, c, v in ind:
+        assert np.array_equal(got[name], (df[c] == v).to_numpy(dtype=float)), name
+    assert got["o=2"].sum() > 0 and got["s='zz'"].sum() == 0

@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from sdl_design.blas import single_blas_thread
+from sdl_design.codes import factorize
 from sdl_design.engine.partitions import (
     MeansRequest,
     PartitionError,
@@ -236,8 +237,22 @@ def _frame(part: Any, spec: ReleaseSpec, plan: FinalPlan, replicates: bool) -> p
     reps = list(req.replicate_weights) if replicates else []
     cols = list(dict.fromkeys([*design, *plan.numeric, *sources, *dom, *reps]))
     df = read_partition(part, cols, spec)
-    add = {name: (df[c] == v).to_numpy(dtype=float) for name, c, v in plan.indicators}
+    add = _indicators(df, plan.indicators)
     return pd.concat([df, pd.DataFrame(add, index=df.index)], axis=1) if add else df
+
+
+def _indicators(df: pd.DataFrame, indicators: Sequence[tuple[str, str, Any]]) -> dict:
+    """name -> (df[c] == v) as 0/1 floats: each column factorized once, its distinct values
+    compared with v (not every record's text once per category)."""
+    coded: dict[str, tuple[np.ndarray, Any]] = {}
+    out = {}
+    for name, c, v in indicators:
+        if c not in coded:
+            coded[c] = factorize(df[c])  # (missing: -1, equal to no v)
+        codes, uniq = coded[c]
+        hit = np.append(pd.Series(uniq, dtype=object).eq(v).to_numpy(dtype=bool), False)
+        out[name] = hit[codes].astype(float)
+    return out
 
 
 def final_means1(part: Any, spec: ReleaseSpec, plan: FinalPlan) -> Any:
