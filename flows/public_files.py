@@ -110,12 +110,23 @@ def detail_frame(
 FORMULA_PREFIXES = ("=", "+", "-", "@", "\t", "\r")
 
 
-def _neutralize(values: pd.Series) -> pd.Series:
-    text = values.astype("string")
+def _formula_values(values: pd.Series) -> np.ndarray:
+    """Whether each value is a text leading with a formula prefix, tested once per distinct
+    value (a number in a mixed column stays a number, a missing value is no formula)."""
+    try:
+        codes, distinct = pd.factorize(values)  # missing values: code -1
+    except TypeError:  # unhashable objects: each record's value
+        codes, distinct = np.arange(len(values)), values.to_numpy(dtype=object)
+    text = pd.Series(np.asarray(distinct, dtype=object)).astype("string")
     hit = text.str.startswith(FORMULA_PREFIXES).fillna(False).to_numpy(bool)
-    if values.dtype == object and hit.any():  # a number in a mixed column stays a number
-        hit &= values.map(lambda x: isinstance(x, str)).to_numpy(bool)
-    return values.mask(hit, "'" + text) if hit.any() else values
+    if values.dtype == object and hit.any():
+        hit &= np.array([isinstance(x, str) for x in distinct], dtype=bool)
+    return np.append(hit, False)[codes]
+
+
+def _neutralize(values: pd.Series) -> pd.Series:
+    hit = _formula_values(values)
+    return values.mask(hit, "'" + values.astype("string")) if hit.any() else values
 
 
 def neutralize_formulas(df: pd.DataFrame) -> pd.DataFrame:

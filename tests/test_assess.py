@@ -324,6 +324,34 @@ def test_pmse_ratio_large_for_a_perturbed_file(survey):
     assert r["pmse_k"] > 100 and r["pmse_ratio"] > 5.0
 
 
+def test_weighted_gram_of_fixed_rows_equals_the_dense_product():
+    """weighted_gram's path for a CSR storing c entries per row (pmse_matrix's) gives the
+    dense X' diag(v) X bit for bit as the CSR slices did; a CSR with a duplicate entry or
+    rows of other lengths takes the slices and still sums it."""
+    from sdl_design.survey.glm import _fixed_rows, weighted_gram
+
+    rng = np.random.default_rng(3)
+    m, p, c = 300_000, 9, 3  # two blocks of rows
+    cols = np.column_stack([np.zeros(m, int), 1 + rng.integers(0, 4, m), 5 + rng.integers(0, 4, m)])
+    vals = np.column_stack([np.ones(m), rng.integers(0, 2, m), rng.normal(size=m)])
+    X = sp.csr_matrix((vals.ravel(), cols.ravel(), np.arange(0, m * c + 1, c)), shape=(m, p))
+    v = rng.random(m)
+    assert _fixed_rows(X) is not None
+    dense = X.toarray()
+    step = (1 << 21) // p
+    sliced = sum(
+        d.T @ (d * w[:, None])
+        for d, w in ((dense[a : a + step], v[a : a + step]) for a in range(0, m, step))
+    )
+    assert np.array_equal(weighted_gram(X, v), sliced)
+    dup = sp.csr_matrix(
+        (np.array([1.0, 2.0, 3.0, 4.0]), np.array([0, 0, 1, 0]), np.array([0, 2, 4])), shape=(2, 2)
+    )  # rows [3, 0] and [4, 3]
+    assert _fixed_rows(dup) is None
+    assert np.allclose(weighted_gram(dup, np.array([1.0, 1.0])), [[25.0, 12.0], [12.0, 9.0]])
+    assert _fixed_rows(sp.csr_matrix((3, 4))) is None
+
+
 # ------------------------------------------------------------------ re-identification
 
 

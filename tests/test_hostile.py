@@ -57,6 +57,35 @@ def test_formula_header_names_quoted_in_the_csv(tmp_path):
     assert header.startswith("\"'=HYPERLINK") and first.startswith("'=1+1,-3.0")
 
 
+def test_formula_cells_found_per_distinct_value_as_per_record():
+    """_neutralize tests each distinct value once; it quotes exactly the cells a test of every
+    record would: text leading with a prefix, never numbers (-1 in a mixed column), missing
+    values or unhashable objects' texts other than by their own value."""
+    from flows.public_files import FORMULA_PREFIXES, _neutralize
+
+    rng = np.random.default_rng(7)
+    pool = ["=1+1", "a", "-x", "@b", "\tt", "", "+", "ok", "\rz", "é="]
+    text = [pool[i] for i in rng.integers(0, len(pool), 500)]
+    mixed = [*text[:400], -1, 2.5, True, None, np.nan, "-1", -1.0, "x", 0, "=0"] * 1
+    cases = [
+        pd.Series(text, dtype=object),
+        pd.Series(text, dtype="string"),
+        pd.Series(text, dtype="string[pyarrow]"),
+        pd.Series(mixed, dtype=object),
+        pd.Series([["=a"], "=b", "c"], dtype=object),
+    ]
+    for s in cases:
+        want = [isinstance(x, str) and x.startswith(FORMULA_PREFIXES) for x in s]
+        got = _neutralize(s)
+        for x, y, quoted in zip(s, got, want, strict=True):
+            if quoted:
+                assert y == "'" + x
+            else:
+                assert y is x or y == x or (pd.isna(x) and pd.isna(y)), (x, y)
+    same = pd.Series(["a", "b"], dtype=object)
+    assert _neutralize(same) is same
+
+
 def test_ctrl_c_exits_130_in_one_line(monkeypatch, capsys):
     import flows.cli as cli
 

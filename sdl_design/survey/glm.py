@@ -333,6 +333,18 @@ def _start(X: np.ndarray | sp.spmatrix, y: np.ndarray, w: np.ndarray, family: st
     return np.linalg.solve(weighted_gram(X, w * mu), X.T @ (w * mu * z))
 
 
+def _fixed_rows(X: sp.csr_matrix) -> tuple[np.ndarray, np.ndarray] | None:
+    """(values, columns) as m x c arrays when every row of X stores c entries, no column twice
+    (pmse_matrix's layout), else None."""
+    m = X.shape[0]
+    c = X.nnz // m if m else 0
+    if c == 0 or c * m != X.nnz or not np.array_equal(X.indptr, np.arange(0, X.nnz + 1, c)):
+        return None
+    if not X.has_canonical_format:
+        return None
+    return X.data.reshape(m, c), X.indices.reshape(m, c)
+
+
 def weighted_gram(X: np.ndarray | sp.spmatrix, v: np.ndarray) -> np.ndarray:
     """X' diag(v) X; a sparse X with few columns goes densely a block of rows at a time (a
     p x p result: no scaled copy of X, no sparse product's temporaries)."""
@@ -343,8 +355,13 @@ def weighted_gram(X: np.ndarray | sp.spmatrix, v: np.ndarray) -> np.ndarray:
         X = sp.csr_matrix(X)
         G = np.zeros((p, p))
         step = max(1, (1 << 21) // max(p, 1))  # ~16 MB of dense rows at a time
+        fixed = _fixed_rows(X)
         for a in range(0, m, step):
-            Xa = X[a : a + step].toarray()
+            if fixed is None:
+                Xa = X[a : a + step].toarray()
+            else:  # the same dense rows, without slicing the CSR
+                Xa = np.zeros((min(step, m - a), p))
+                np.put_along_axis(Xa, fixed[1][a : a + step], fixed[0][a : a + step], axis=1)
             G += Xa.T @ (Xa * v[a : a + step, None])
         return G
     return X.T @ (X * v[:, None])
