@@ -32,6 +32,19 @@ def figures_off() -> Iterator[None]:
         _local.off = before
 
 
+def with_figure_mode(fn: Callable) -> Callable:
+    """fn for another thread: inside figures_off there when this thread is inside it."""
+    off = getattr(_local, "off", False)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not off:
+            return fn(*args, **kwargs)
+        with figures_off():
+            return fn(*args, **kwargs)
+
+    return run
+
+
 def _drawn(empty: Callable[[], object]):
     """The figure function, or empty() inside figures_off."""
 

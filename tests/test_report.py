@@ -719,3 +719,32 @@ def test_every_risk_gate_says_what_it_protects_against_and_why_its_limit(tmp_pat
     for g in gates:
         where, other = (risk_text, validity) if is_risk_gate(g.name) else (validity, risk_text)
         assert g.why in where and g.why not in other, g.name
+
+
+def test_figures_drawn_in_another_thread_as_in_the_callers():
+    """carried: a figure function run in a worker thread draws when its caller would and
+    gives its empty value inside the caller's figures_off (tuning keeps numbers only)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sdl_design.plots import estimate_plots, figures_off, with_figure_mode
+
+    est = pd.DataFrame(
+        {
+            "statistic": ["mean"] * 2,
+            "domain": ["(all)", "sex"],
+            "level": ["", "1"],
+            "variable": ["bmi"] * 2,
+            "estimate_original": [26.0, 25.5],
+            "estimate_released": [26.1, 25.4],
+            "se_original": [0.1, 0.2],
+            "se_released": [0.1, 0.2],
+            "std_bias": [0.5, -0.3],
+        }
+    )
+    coefs = pd.DataFrame(columns=["model", "term", "coef_original", "coef_released"])
+    with ThreadPoolExecutor(1) as pool:
+        drawn = pool.submit(with_figure_mode(estimate_plots), est, coefs).result()
+        with figures_off():
+            off = pool.submit(with_figure_mode(estimate_plots), est, coefs).result()
+    assert list(drawn) == ["estimates_bmi"] and drawn["estimates_bmi"].startswith(PNG)
+    assert off == {}

@@ -1394,7 +1394,8 @@ def pmse_plan(first: Sequence[Sequence[PmsePass1]], plan: AssessPlan) -> PmsePla
 @dataclass
 class PmsePass:
     """One partition's terms of the propensity model at beta: deviance, X' W X and X'(y - mu)
-    (W = mu (1 - mu)), sum (mu - c)^2; with beta None, X'X of every column."""
+    (W = mu (1 - mu)), sum (mu - c)^2; with beta None, those at beta = 0 (mu = 1/2) of every
+    column, H as X'X (X' W X = X'X / 4 there)."""
 
     dev: float
     H: np.ndarray
@@ -1416,11 +1417,14 @@ def pmse_pass(
 
     X = _pmse_columns(part, spec, req, plan, pplan, keep)
     with single_blas_thread():
-        if beta is None:
-            return PmsePass(0.0, weighted_gram(X, np.ones(X.shape[0])), np.zeros(0), 0.0)
-        y = np.full(X.shape[0], float(f))
-        mu = _logistic(X @ beta)
         c = pplan.n[1] / sum(pplan.n)
+        n = X.shape[0]
+        if beta is None:  # a record's deviance at mu = 1/2: 2 log 2, whichever file
+            xt1 = np.asarray(X.sum(axis=0)).ravel()
+            H = weighted_gram(X, np.ones(n))
+            return PmsePass(2.0 * np.log(2.0) * n, H, (f - 0.5) * xt1, n * (0.5 - c) ** 2)
+        y = np.full(n, float(f))
+        mu = _logistic(X @ beta)
         return PmsePass(
             float(_binomial_deviance(y, mu, np.ones(len(y)))),
             weighted_gram(X, mu * (1.0 - mu)),
@@ -1486,9 +1490,11 @@ def pmse_by_partition(
             sum(x.ss for x in got),
         )  # fmt: skip
 
-    keep = independent_columns(at(None, None).H)
+    zero = at(None, None)  # X'X of every column and the terms at beta = 0
+    keep = independent_columns(zero.H)
     beta = np.zeros(len(keep))
-    now, converged = at(beta, keep), False
+    H = 0.25 * zero.H[np.ix_(keep, keep)]
+    now, converged = PmsePass(zero.dev, H, zero.g[keep], zero.ss), False
     for _ in range(PMSE_MAX_ITER):
         step = np.linalg.solve(now.H, now.g)
         t = 1.0
