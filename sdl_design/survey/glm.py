@@ -356,12 +356,14 @@ def weighted_gram(X: np.ndarray | sp.spmatrix, v: np.ndarray) -> np.ndarray:
         G = np.zeros((p, p))
         step = max(1, (1 << 21) // max(p, 1))  # ~16 MB of dense rows at a time
         fixed = _fixed_rows(X)
+        at = np.arange(min(step, m))[:, None] * p  # a block's rows in its flat dense array
         for a in range(0, m, step):
             if fixed is None:
                 Xa = X[a : a + step].toarray()
             else:  # the same dense rows, without slicing the CSR
-                Xa = np.zeros((min(step, m - a), p))
-                np.put_along_axis(Xa, fixed[1][a : a + step], fixed[0][a : a + step], axis=1)
+                n = min(step, m - a)
+                Xa = np.zeros((n, p))
+                Xa.ravel()[at[:n] + fixed[1][a : a + n]] = fixed[0][a : a + n]
             G += Xa.T @ (Xa * v[a : a + step, None])
         return G
     return X.T @ (X * v[:, None])

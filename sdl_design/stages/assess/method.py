@@ -650,7 +650,8 @@ def pmse_matrix(df: pd.DataFrame, layout: PmseLayout) -> sp.csr_matrix:
     blocks: list[tuple[Any, Any]] = [(1.0, 0)]  # the intercept
     p = 1
     for v, lv in layout.categorical:
-        codes = lv.get_indexer(df[v])
+        each, distinct = factorize(df[v], use_na_sentinel=False)  # each distinct value once
+        codes = lv.get_indexer(distinct)[each]
         if (codes < 0).any():
             raise ValueError(f"pMSE: a value of {v} is not among the files' levels")
         blocks.append((codes > 0, p + np.maximum(codes - 1, 0)))
