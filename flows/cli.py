@@ -872,17 +872,16 @@ def _dispatch(args: argparse.Namespace) -> int:
     except BaseException as e:
         if not _from_interrupt(e):
             raise
-        _quiet_prefect()  # its services' notices at exit would follow the one line
+        _quiet_loggers()  # its services' notices at exit would follow the one line
         print("puf: interrupted; nothing was published", file=sys.stderr)
         return 130
 
 
-def _quiet_prefect() -> None:
-    """Prefect's loggers say nothing more in this process (an interrupted run: its events
-    worker warns at exit of the items it could not send)."""
-    names = [n for n in logging.root.manager.loggerDict if n.split(".")[0] == "prefect"]
-    for name in ["prefect", *names]:
-        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+def _quiet_loggers() -> None:
+    """No logger says anything more in this process (an interrupted run: Prefect's events
+    worker, whose logger is 'EventsWorker' outside the 'prefect' tree, warns at exit of the
+    items it could not send)."""
+    logging.disable(logging.CRITICAL)
 
 
 def _said_errors(args: argparse.Namespace) -> int:
