@@ -26,6 +26,8 @@ into place with the registry row):
   part of it the kernel spent (page faults on fresh memory, mostly);
 - peak: the process's peak resident set during the step (VmHWM of /proc/self/status, reset at
   the start of every step by writing 5 to /proc/self/clear_refs), and RSS at its end;
+- faults: minor page faults in the step (thousands; fresh memory the kernel zeroes, a huge
+  page one fault); write: bytes the process wrote in the step (files, pipes: /proc/self/io);
 - floor: bytes the step must touch / the machine's measured memory bandwidth (a numpy copy of
   a 512 MB array, bytes read + written per second). Bytes a stage must touch: every column it
   changes or adds, read and written once (2 x), plus once each unchanged column it must read
@@ -80,6 +82,34 @@ def _cpu() -> float:
 def _sys() -> float:
     """CPU seconds the kernel spent for the process so far (page faults, mostly)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+
+
+def _faults() -> int:
+    """Minor page faults of the process so far (fresh memory touched: a 2 MiB huge page is one)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _written() -> int:
+    """Bytes the process has written so far (write calls: files, pipes), from /proc/self/io."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def _memory_state() -> str:
+    """The machine's free memory and page cache (/proc/meminfo), printed beside the times: with
+    the cache full of earlier runs' files a fresh page is reclaimed first (the public files of
+    1M records, 19.7 GiB cached: 10.0-11.5 s; after `echo 1 > /proc/sys/vm/drop_caches`:
+    8.5-10.0 s; the whole release 47.2 s either way)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kb = {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.split()[1].isdigit()}
+    except (OSError, IndexError, ValueError):
+        return "memory: /proc/meminfo not readable"
+    free, cache = kb.get("MemFree", 0) / 2**20, kb.get("Cached", 0) / 2**20
+    return f"memory: {free:.1f} GiB free, {cache:.1f} GiB page cache"
 
 
 class _RssSampler:
@@ -168,6 +198,7 @@ class _Recorder:
         self.start_rss = _status_kb("VmRSS")
         self.start_cpu = _cpu()
         self.start_sys = _sys()
+        self.start_faults, self.start_written = _faults(), _written()
 
     def peak_kb(self) -> int:
         return _status_kb("VmHWM") if self.use_hwm else self.sampler.peak
@@ -177,6 +208,8 @@ class _Recorder:
             "time": max(seconds - self.overhead, 0.0),
             "cpu": max(_cpu() - self.start_cpu - self.overhead, 0.0),
             "sys": _sys() - self.start_sys,
+            "faults": _faults() - self.start_faults,
+            "written": _written() - self.start_written,
             "peak": self.peak_kb() / 2**20,
             "start": self.start_rss / 2**20,
             "end": _status_kb("VmRSS") / 2**20,
@@ -264,14 +297,15 @@ def _table(rec: _Recorder, bw: float, n: int) -> None:
     print(f"peak memory: {peak:.2f} GiB = {gb:.2f} GB {against(gb, target, 'GB')}")
     print(
         f"  {'step':<10} {'time s':>8} {'cpu s':>7} {'sys s':>6} {'floor s':>8} {'x floor':>8} "
-        f"{'peak GiB':>8} {'start GiB':>9} {'end GiB':>7}"
+        f"{'peak GiB':>8} {'start GiB':>9} {'end GiB':>7} {'faults k':>8} {'write GB':>8}"
     )
     for name, r in rec.rows.items():
         floor = r["bytes"] / (bw * 1e9)
         ratio = f"{r['time'] / floor:8.1f}" if floor > 0 else f"{'-':>8}"
         print(
             f"  {name:<10} {r['time']:8.2f} {r['cpu']:7.2f} {r['sys']:6.2f} {floor:8.3f} {ratio} "
-            f"{r['peak']:8.2f} {r['start']:9.2f} {r['end']:7.2f}",
+            f"{r['peak']:8.2f} {r['start']:9.2f} {r['end']:7.2f} {r['faults'] / 1e3:8.1f} "
+            f"{r['written'] / 1e9:8.2f}",
             flush=True,
         )
 
@@ -376,6 +410,7 @@ def main() -> None:
     if overrides:
         print(f"spec overrides: {' '.join(overrides)}", flush=True)
     print(f"machine: memory bandwidth {bw:.1f} GB/s (numpy copy), GEMM {gf:.1f} GFLOP/s")
+    print(_memory_state(), flush=True)
     t_api = _start_prefect_api()
     if t_api is not None:
         print(

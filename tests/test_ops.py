@@ -242,3 +242,35 @@ def test_preload_freezes_what_its_imports_made_once_per_process(tmp_path, monkey
     finally:
         gc.unfreeze()
         sys.modules.pop("puf_preload_made", None)
+
+
+def test_first_preload_imports_without_cyclic_collection_and_restores_it(tmp_path, monkeypatch):
+    """The first preload imports with the cyclic collector off (a module records
+    gc.isenabled() as it runs), also past a module that fails; it is on again afterwards, and a
+    later preload (its objects frozen) leaves it on throughout."""
+    import gc
+    import importlib
+    import sys
+    import threading
+
+    import flows.env as env
+
+    (tmp_path / "puf_preload_bad2.py").write_text("raise RuntimeError('broken module')\n")
+    (tmp_path / "puf_preload_gc.py").write_text("import gc\nON = gc.isenabled()\n")
+    (tmp_path / "puf_preload_gc2.py").write_text("import gc\nON = gc.isenabled()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("puf_preload_bad2", "puf_preload_gc", "puf_preload_gc2"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(env, "_FROZEN", threading.Event())  # as in a fresh process
+    assert gc.isenabled()
+    try:
+        env.preload(("puf_preload_bad2", "puf_preload_gc")).join(30)
+        assert importlib.import_module("puf_preload_gc").ON is False
+        assert gc.isenabled()
+        env.preload(("puf_preload_gc2",)).join(30)
+        assert importlib.import_module("puf_preload_gc2").ON is True
+    finally:
+        gc.enable()
+        gc.unfreeze()
+        for name in ("puf_preload_bad2", "puf_preload_gc", "puf_preload_gc2"):
+            sys.modules.pop(name, None)
