@@ -1180,3 +1180,33 @@ def test_stable_argsort_is_numpys_stable_argsort():
     ]
     for u in cases:
         np.testing.assert_array_equal(_stable_argsort(u), np.argsort(u, kind="stable"))
+
+
+def test_treated_parts_made_when_asked_are_b1s_values_and_pickle_only_their_records():
+    """B(1)'s study values and domain codes of the records `rows`, made a variable at a time,
+    are the substituted records' partner values and the others' own (brute force per record);
+    a slice of them pickled carries its records alone and the same values."""
+    import pickle
+
+    from sdl_design.stages.massc.moments import ZParts
+
+    rng = np.random.default_rng(7)
+    n = 500
+    y0 = {"a": rng.normal(size=n), "_count": np.ones(n)}
+    y1 = {"a": rng.normal(size=n), "_count": np.ones(n)}
+    d0 = {"sex": rng.integers(-1, 2, n)}
+    d1 = {"sex": rng.integers(-1, 2, n)}
+    sel = rng.random(n) < 0.3
+    rows = np.sort(rng.choice(n, 300, replace=False))
+    t = ZParts(y0, d0, y1, d1).treated(sel, rows)
+    for name, (own, partner), got in [
+        ("a", (y0["a"], y1["a"]), t.y("a")),
+        ("sex", (d0["sex"], d1["sex"]), t.d("sex")),
+    ]:
+        want = [partner[k] if sel[k] else own[k] for k in rows]
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    head = t.take(slice(0, 40))
+    back = pickle.loads(pickle.dumps(head))
+    assert len(back.parts.y0["a"]) == len(back.sel) == 40 and len(t.parts.y0["a"]) == n
+    np.testing.assert_array_equal(back.y("a"), t.y("a")[:40])
+    np.testing.assert_array_equal(back.d("sex"), t.d("sex")[:40])

@@ -969,8 +969,8 @@ def _calibrated_weight(
 
 def _replication_terms(data: dict[str, Any], zvars: Any, n_h: int, n_psu: int):
     """The sums of the study totals of B(2) at the calibrated weight (treated_totals)."""
-    ys, ds = data["ys"], data["ds"]
-    yield from zvars.total_terms(ys.__getitem__, ds.__getitem__, data["w"])
+    t = data["t"]  # TreatedParts: one study variable's values at a time
+    yield from zvars.total_terms(t.y, t.d, data["w"])
 
 
 def replication_totals(
@@ -998,10 +998,9 @@ def replication_totals(
     out = []
     for tr, plan, cal in zip(trs, plans, cals, strict=True):
         rows, at, d1 = _treated_rows(part, tr, has_donor)
-        ys, ds = parts.treated(d1, rows)
         base = w[rows] * (1.0 / tr.phi[h])[rows]
         w_cal = _calibrated_weight(base, codes.rows(at), creq, plan, cal)
-        bundle = {"ys": ys, "ds": ds, "w": w_cal}
+        bundle = {"t": parts.treated(d1, rows), "w": w_cal}
         start2 = plan.offsets[part.start]
         out.append(
             _partial_sums(

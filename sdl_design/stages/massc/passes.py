@@ -36,6 +36,7 @@ from sdl_design.stages.massc.donors import donor_ranks, donor_search, search_pro
 from sdl_design.stages.massc.measures import appearance_table, information_loss
 from sdl_design.stages.massc.moments import (
     StudyVariables,
+    TreatedParts,
     ZMoments,
     ZParts,
     _Bins,
@@ -414,7 +415,7 @@ class MomentsPartial:
 def _take(obj: Any, rows: slice) -> Any:
     if isinstance(obj, dict):
         return {k: _take(v, rows) for k, v in obj.items()}
-    return obj.take(rows) if isinstance(obj, ZParts) else obj[rows]
+    return obj.take(rows) if isinstance(obj, ZParts | TreatedParts) else obj[rows]
 
 
 def _plan_terms(data: dict[str, Any], zvars: StudyVariables, n_h: int, n_psu: int):
