@@ -449,6 +449,11 @@ def main() -> None:
     other = t_run - sum(r["time"] for r in rec.rows.values())
     print(f"  {'(other)':<10} {other:8.2f}   flow set-up, approval, bench bookkeeping")
     print(f"output records: {manifest.counts.n_output:,}")
+    if public is not None:  # this run's files (compare runs of two commits by these)
+        from sdl_design.io import file_digest
+
+        for name in ("puf.parquet", "puf.csv"):
+            print(f"  {name} sha256 {file_digest(public / name)[:16]}  ({public / name})")
 
 
 if __name__ == "__main__":
