@@ -454,6 +454,8 @@ def main() -> None:
 
         for name in ("puf.parquet", "puf.csv"):
             print(f"  {name} sha256 {file_digest(public / name)[:16]}  ({public / name})")
+    kept = sum(f.stat().st_size for f in Path(work).rglob("*") if f.is_file())
+    print(f"this run's folder {work} holds {kept / 1e9:.1f} GB (each run makes its own: rm -rf it)")
 
 
 if __name__ == "__main__":
