@@ -16,6 +16,16 @@ from flows.env import quiet_env  # noqa: E402
 quiet_env()
 
 
+@pytest.fixture(autouse=True)
+def _logging_on_after_an_interrupt():
+    """The CLI silences every logger after Ctrl-C's one line (logging.disable: its process then
+    exits); a test that runs it in this process gets logging back for the tests after it."""
+    yield
+    import logging
+
+    logging.disable(logging.NOTSET)
+
+
 @pytest.fixture(scope="module")
 def figures():
     """The stages draw their figures in this module's tests (and its module fixtures that
