@@ -352,6 +352,18 @@ def _start_prefect_api() -> float | None:
     return time.perf_counter() - t0
 
 
+def _outputs(public: Path | None, work: Path) -> None:
+    """This run's public files by sha256 (compare two commits' runs by these: a run on an
+    earlier run's input writes into a folder of its own) and what its folder holds."""
+    if public is not None:
+        from sdl_design.io import file_digest
+
+        for name in ("puf.parquet", "puf.csv"):
+            print(f"  {name} sha256 {file_digest(public / name)[:16]}  ({public / name})")
+    kept = sum(f.stat().st_size for f in Path(work).rglob("*") if f.is_file())
+    print(f"this run's folder {work} holds {kept / 1e9:.1f} GB (each run makes its own: rm -rf it)")
+
+
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
     reuse = Path(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] != "-" else None
@@ -449,13 +461,7 @@ def main() -> None:
     other = t_run - sum(r["time"] for r in rec.rows.values())
     print(f"  {'(other)':<10} {other:8.2f}   flow set-up, approval, bench bookkeeping")
     print(f"output records: {manifest.counts.n_output:,}")
-    if public is not None:  # this run's files (compare runs of two commits by these)
-        from sdl_design.io import file_digest
-
-        for name in ("puf.parquet", "puf.csv"):
-            print(f"  {name} sha256 {file_digest(public / name)[:16]}  ({public / name})")
-    kept = sum(f.stat().st_size for f in Path(work).rglob("*") if f.is_file())
-    print(f"this run's folder {work} holds {kept / 1e9:.1f} GB (each run makes its own: rm -rf it)")
+    _outputs(public, work)
 
 
 if __name__ == "__main__":
