@@ -308,8 +308,7 @@ def test_interrupt_line_is_the_last_even_when_a_service_logs_after_it(capfd):
         assert cli._dispatch(argparse.Namespace(func=interrupted)) == 130
         worker.warning("Still processing items: 1 items remaining...")
         err = capfd.readouterr().err
-    finally:
-        logging.disable(logging.NOTSET)
+    finally:  # (logging is turned on again after every test: conftest)
         worker.removeHandler(handler)
     assert err.strip().splitlines() == ["puf: interrupted; nothing was published"]
 
